@@ -1,0 +1,321 @@
+"""The communication module: every collective in tensorpar passes through a `Group`.
+
+A `Group` is a named torch.distributed process group (``tp``, ``pp``, ``dp``, ...) that
+counts each call (and, when asked, times it) in a shared `CommStats`, and turns a failed or
+timed-out collective into a `CollectiveError` naming the rank, the operation and the group.
+A group of one rank communicates nothing: its collectives return at once and count nothing.
+
+Byte accounting follows the NCCL-tests convention of the *logical buffer size*:
+
+=================  =========================================================
+all_reduce         the tensor reduced (input = output size)
+all_gather         the gathered output (group size x input)
+reduce_scatter     the input being reduced (group size x output)
+broadcast / reduce the tensor broadcast or reduced
+scatter / gather   the full (unscattered / gathered) tensor
+send / recv        the tensor sent or received
+=================  =========================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.errors import CollectiveError
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+@dataclasses.dataclass
+class OpCount:
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class CommStats:
+    """Counts collectives per (operation, group name): calls, elements, bytes and optionally time.
+
+    ``timing=True`` synchronises the device around each call so that the seconds recorded are
+    the collective's own; leave it off on the hot path.
+    """
+
+    def __init__(self, timing: bool = False):
+        self.timing = timing
+        self._counts: dict[tuple[str, str], OpCount] = defaultdict(OpCount)
+
+    def record(self, op: str, group: str, elements: int, nbytes: int, seconds: float = 0.0) -> None:
+        c = self._counts[(op, group)]
+        c.calls += 1
+        c.elements += elements
+        c.bytes += nbytes
+        c.seconds += seconds
+
+    def reset(self) -> None:
+        self._counts.clear()
+
+    def _total(self, field: str, op: str | None, group: str | None):
+        return sum(
+            getattr(c, field)
+            for (o, g), c in self._counts.items()
+            if (op is None or o == op) and (group is None or g == group)
+        )
+
+    def calls(self, op: str | None = None, group: str | None = None) -> int:
+        return self._total("calls", op, group)
+
+    def elements(self, op: str | None = None, group: str | None = None) -> int:
+        return self._total("elements", op, group)
+
+    def bytes(self, op: str | None = None, group: str | None = None) -> int:
+        return self._total("bytes", op, group)
+
+    def seconds(self, op: str | None = None, group: str | None = None) -> float:
+        return self._total("seconds", op, group)
+
+    def snapshot(self) -> dict[tuple[str, str], OpCount]:
+        """A copy of the counts, keyed by (operation, group name)."""
+        return {k: dataclasses.replace(v) for k, v in self._counts.items()}
+
+    def summary(self) -> str:
+        """A small table, one line per (operation, group)."""
+        if not self._counts:
+            return "no collectives"
+        lines = [f"{'op':<16}{'group':<8}{'calls':>7}{'elements':>12}{'bytes':>14}"]
+        for (op, group), c in sorted(self._counts.items()):
+            lines.append(f"{op:<16}{group:<8}{c.calls:>7}{c.elements:>12}{c.bytes:>14}")
+        return "\n".join(lines)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# torch >= 2.12 names the tensor-to-tensor collectives *_single; older releases *_into_tensor / *_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Group:
+    """A named process group whose collectives are counted, timed on request, and explained on failure.
+
+    ``rank`` and ``size`` are this process's rank within the group and the group's size;
+    ``ranks`` are the global ranks of the members in group order. ``src``/``dst`` arguments are
+    group ranks. ``pg`` is the torch ProcessGroup (None for a group of one rank).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        ranks: list[int],
+        pg: dist.ProcessGroup | None,
+        stats: CommStats | None = None,
+        global_rank: int | None = None,
+        timeout: timedelta | None = None,
+    ):
+        self.name = name
+        self.ranks = list(ranks)
+        self.pg = pg
+        self.stats = stats if stats is not None else CommStats()
+        self.global_rank = global_rank if global_rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        if self.global_rank not in self.ranks:
+            raise ValueError(f"rank {self.global_rank} is not a member of group {name} {self.ranks}")
+        self.rank = self.ranks.index(self.global_rank)
+        self.size = len(self.ranks)
+        self.timeout = timeout
+        if self.size > 1 and pg is None:
+            raise ValueError(f"group {name} has {self.size} ranks but no process group")
+
+    @classmethod
+    def single(cls, name: str = "tp", stats: CommStats | None = None) -> "Group":
+        """A group holding only this process: every collective is a no-op."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return cls(name, [rank], None, stats, rank)
+
+    @classmethod
+    def from_process_group(cls, pg: dist.ProcessGroup, name: str = "tp", stats: CommStats | None = None) -> "Group":
+        """Wrap a torch ProcessGroup someone else created."""
+        ranks = dist.get_process_group_ranks(pg)
+        return cls(name, ranks, pg if len(ranks) > 1 else None, stats)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, ranks={self.ranks}, rank={self.rank})"
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _run(self, op: str, count_tensor: torch.Tensor, fn, elements: int | None = None):
+        timing = self.stats.timing
+        if timing and count_tensor.is_cuda:
+            torch.cuda.synchronize(count_tensor.device)
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError; both mean the same here
+            elapsed = time.perf_counter() - t0
+            limit = f" (timeout {self.timeout.total_seconds():.0f}s)" if self.timeout else ""
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CollectiveError(
+                f"rank {self.global_rank}: {op} on group '{self.name}' (ranks {self.ranks}) failed after "
+                f"{elapsed:.1f}s{limit}: a peer never arrived or broke off. Cause: {first_line}"
+            ) from e
+        seconds = 0.0
+        if timing:
+            if count_tensor.is_cuda:
+                torch.cuda.synchronize(count_tensor.device)
+            seconds = time.perf_counter() - t0
+        n = count_tensor.numel() if elements is None else elements
+        self.stats.record(op, self.name, n, n * count_tensor.element_size(), seconds)
+        return result
+
+    def _global(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` across the group, in place; returns it."""
+        if self.size == 1:
+            return tensor
+        self._run("all_reduce", tensor, lambda: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.pg))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along `dim` (all equal shapes), in group-rank order."""
+        if self.size == 1:
+            return tensor
+        dim = dim % tensor.dim()
+        tensor = tensor.contiguous()
+        out = torch.empty((self.size * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        self._run("all_gather", out, lambda: _all_gather_single(out, tensor, group=self.pg))
+        if dim == 0:
+            return out
+        # [size*d0, ...] -> [size, d0, ..., d, ...] -> [d0, ..., size, d, ...] -> [d0, ..., size*d, ...]
+        shape = list(tensor.shape)
+        shape[dim] *= self.size
+        return out.view((self.size,) + tuple(tensor.shape)).movedim(0, dim).reshape(shape)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` across the group and keep this rank's slice of `dim` (which must divide)."""
+        if self.size == 1:
+            return tensor
+        dim = dim % tensor.dim()
+        if tensor.shape[dim] % self.size:
+            raise ValueError(
+                f"reduce_scatter on group '{self.name}': dimension {dim} of size {tensor.shape[dim]} "
+                f"does not divide by the group size {self.size}"
+            )
+        out_shape = list(tensor.shape)
+        out_shape[dim] //= self.size
+        if dim != 0:
+            # [..., size*d, ...] -> [size, ..., d, ...] so that each rank's slice is one contiguous block
+            split = list(tensor.shape)
+            split[dim : dim + 1] = [self.size, out_shape[dim]]
+            tensor = tensor.reshape(split).movedim(dim, 0).reshape([self.size * out_shape[0]] + out_shape[1:])
+        tensor = tensor.contiguous()
+        out = torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
+        self._run(
+            "reduce_scatter", tensor, lambda: _reduce_scatter_single(out, tensor, op=_REDUCE_OPS[op], group=self.pg)
+        )
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy group rank `src`'s `tensor` into every rank's `tensor`, in place."""
+        if self.size == 1:
+            return tensor
+        self._run("broadcast", tensor, lambda: dist.broadcast(tensor, self._global(src), group=self.pg))
+        return tensor
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` onto group rank `dst` (in place there; other ranks' buffers are undefined after)."""
+        if self.size == 1:
+            return tensor
+        self._run("reduce", tensor, lambda: dist.reduce(tensor, self._global(dst), op=_REDUCE_OPS[op], group=self.pg))
+        return tensor
+
+    def scatter(self, tensor: torch.Tensor | None, src: int = 0, dim: int = 0, shape=None, dtype=None, device=None):
+        """Split `tensor` (given on `src`) along `dim` and give each rank its chunk.
+
+        Ranks other than `src` pass ``tensor=None`` together with the chunk's `shape`, `dtype`, `device`.
+        """
+        if self.size == 1:
+            return tensor
+        if self.rank == src:
+            chunks = [c.contiguous() for c in tensor.chunk(self.size, dim)]
+            out = torch.empty_like(chunks[0])
+            full = tensor
+        else:
+            chunks = None
+            out = torch.empty(shape, dtype=dtype, device=device)
+            full = out
+        self._run(
+            "scatter",
+            full,
+            lambda: dist.scatter(out, chunks, src=self._global(src), group=self.pg),
+            elements=out.numel() * self.size,
+        )
+        return out
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0, dim: int = 0) -> torch.Tensor | None:
+        """Concatenate every rank's `tensor` along `dim` on group rank `dst`; other ranks get None."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        bufs = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == dst else None
+        self._run(
+            "gather",
+            tensor,
+            lambda: dist.gather(tensor, bufs, dst=self._global(dst), group=self.pg),
+            elements=tensor.numel() * self.size,
+        )
+        return torch.cat(bufs, dim) if bufs is not None else None
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send `tensor` to group rank `dst` (blocking)."""
+        tensor = tensor.contiguous()
+        self._run("send", tensor, lambda: dist.send(tensor, self._global(dst), group=self.pg))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into `tensor` from group rank `src` (blocking); returns it."""
+        self._run("recv", tensor, lambda: dist.recv(tensor, self._global(src), group=self.pg))
+        return tensor
+
+    def barrier(self) -> None:
+        if self.size == 1:
+            return
+        marker = torch.zeros(1)
+        self._run("barrier", marker, lambda: dist.barrier(group=self.pg), elements=0)
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable `obj`, in group-rank order (for logs and small metadata, not tensors)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        marker = torch.zeros(0)
+        self._run("all_gather_object", marker, lambda: dist.all_gather_object(out, obj, group=self.pg))
+        return out
+
+
+def as_group(x, name: str = "tp") -> Group:
+    """Accept a Mesh (its `<name>_group`), a Group, a torch ProcessGroup, or None (a one-rank group)."""
+    if x is None:
+        return Group.single(name)
+    if isinstance(x, Group):
+        return x
+    mesh_group = getattr(x, f"{name}_group", None)
+    if isinstance(mesh_group, Group):
+        return mesh_group
+    if isinstance(x, dist.ProcessGroup):
+        return Group.from_process_group(x, name)
+    raise TypeError(f"expected a Mesh, a tensorpar Group, a torch ProcessGroup or None, got {type(x).__name__}")

@@ -1,0 +1,167 @@
+"""The process mesh: which rank does what in a tp x pp x dp layout.
+
+Ranks are laid out as Megatron-LM orders them: TP varies fastest, then DP, then PP::
+
+    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so the ranks of one TP group are contiguous (on one node, sharing the fast links), and a
+pipeline stage is a block of dp * tp consecutive ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.distributed.comm import CommStats, Group
+from tensorpar.errors import LayoutError
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("TENSORPAR_TIMEOUT", "300"))
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(world_size, rank, local_rank) of this process: from torch.distributed, a launcher's environment, or 1/0/0."""
+    if dist.is_available() and dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        return dist.get_world_size(), dist.get_rank(), local
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    return world, rank, local
+
+
+def resolve_layout(world_size: int, tp: int, pp: int = 1, dp: int | None = None) -> tuple[int, int, int]:
+    """Check that tp x pp x dp fits `world_size` (dp defaults to what is left) and return (tp, pp, dp)."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    if dp is None:
+        if world_size % (tp * pp):
+            raise LayoutError(
+                f"layout tp={tp} x pp={pp} does not fit world size {world_size}: "
+                f"{world_size} is not divisible by tp*pp={tp * pp}"
+            )
+        dp = world_size // (tp * pp)
+    if tp * pp * dp != world_size:
+        raise LayoutError(
+            f"layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} processes, but the world has {world_size}; "
+            f"the product must equal the world size"
+        )
+    return tp, pp, dp
+
+
+def rank_grid(tp: int, pp: int, dp: int) -> torch.Tensor:
+    """Global ranks arranged as [pp, dp, tp]: grid[p, d, t] is the rank with those coordinates."""
+    return torch.arange(tp * pp * dp).reshape(pp, dp, tp)
+
+
+def group_ranks(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
+    """Every group of each dimension, as lists of global ranks."""
+    grid = rank_grid(tp, pp, dp)
+    return {
+        "tp": [grid[p, d, :].tolist() for p in range(pp) for d in range(dp)],
+        "dp": [grid[p, :, t].tolist() for p in range(pp) for t in range(tp)],
+        "pp": [grid[:, d, t].tolist() for d in range(dp) for t in range(tp)],
+    }
+
+
+@dataclasses.dataclass
+class Mesh:
+    """A tp x pp x dp layout of the running processes, with one counted `Group` per dimension."""
+
+    tp_group: Group
+    pp_group: Group
+    dp_group: Group
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None
+    stats: CommStats
+    owns_process_group: bool = False
+
+    tp_size = property(lambda self: self.tp_group.size)
+    tp_rank = property(lambda self: self.tp_group.rank)
+    pp_size = property(lambda self: self.pp_group.size)
+    pp_rank = property(lambda self: self.pp_group.rank)
+    dp_size = property(lambda self: self.dp_group.size)
+    dp_rank = property(lambda self: self.dp_group.rank)
+
+    def __repr__(self) -> str:
+        return (
+            f"Mesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+            f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, device={self.device})"
+        )
+
+    def destroy(self) -> None:
+        """Tear down the default process group if this mesh created it."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_process_group = False
+
+
+def _pick_device(local_rank: int, device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_mesh(
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    *,
+    device: str | torch.device | None = None,
+    backend: str | None = None,
+    timeout: float | timedelta | None = None,
+    stats: CommStats | None = None,
+) -> Mesh:
+    """Lay tp x pp x dp over the running world and create one process group per dimension.
+
+    The world comes from an initialised torch.distributed, from a launcher's environment
+    (torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), or is a single process.
+    The layout is checked before any process group is created, so a layout that cannot work
+    fails at once on every rank. The backend is NCCL for CUDA devices and gloo otherwise.
+    """
+    world, rank, local_rank = world_from_env()
+    tp, pp, dp = resolve_layout(world, tp, pp, dp)
+    device = _pick_device(local_rank, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT_S
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    stats = stats if stats is not None else CommStats()
+
+    owns = False
+    if world > 1 and not dist.is_initialized():
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+        owns = True
+    elif dist.is_initialized():
+        backend = backend or dist.get_backend()
+
+    groups = {}
+    for name, all_ranks in group_ranks(tp, pp, dp).items():
+        for ranks in all_ranks:
+            # new_group is collective over the whole world: every rank creates every group, in the same order.
+            pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
+            if rank in ranks:
+                groups[name] = Group(name, ranks, pg, stats, rank, timeout)
+    return Mesh(
+        tp_group=groups["tp"],
+        pp_group=groups["pp"],
+        dp_group=groups["dp"],
+        rank=rank,
+        world_size=world,
+        device=device,
+        backend=backend,
+        stats=stats,
+        owns_process_group=owns,
+    )

@@ -1,0 +1,123 @@
+"""Cross-entropy over vocabulary-sharded logits, without ever gathering the full logits.
+
+Rank r holds logits for vocabulary columns [r*V_local, (r+1)*V_local) of the padded vocabulary.
+Three quantities are reduced across the TP group, all per token, never per column:
+
+1. the max logit (all-reduce MAX) for a stable softmax;
+2. the target's logit, the sum of exp(logit - max) and, with label smoothing, the sum of the
+   logits (one all-reduce SUM of the three stacked).
+
+Then loss = log(sum_exp) - target_logit, and with label smoothing eps over C classes
+(torch's definition: target distribution (1 - eps) * one_hot + eps / C):
+
+    loss = (1 - eps) * (log Z - x_y) + eps * (log Z - sum_c x_c / C)
+
+The gradient, softmax - target distribution, is computed locally on each rank's shard.
+Padding columns (vocabulary padded to a multiple of TP) are excluded everywhere: they never win
+the max, never enter Z or the smoothing sum, and get zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorpar.distributed.comm import Group, as_group
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward: all-reduce (max), then all-reduce (sum) of [target logit, sum exp, sum logits].
+    Backward: none (the gradient is local to each vocabulary shard)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group: Group, vocab_size: int, ignore_index: int, label_smoothing: float):
+        local_vocab = logits.shape[-1]
+        start = group.rank * local_vocab
+        n_valid = max(0, min(local_vocab, vocab_size - start))  # real (unpadded) columns on this rank
+
+        x = logits.float()
+        if n_valid < local_vocab:
+            x = x.clone()
+            x[..., n_valid:] = float("-inf")
+        global_max = x.max(dim=-1).values
+        group.all_reduce(global_max, op="max")
+        x = x - global_max.unsqueeze(-1)
+
+        ignored = targets == ignore_index
+        on_rank = (targets >= start) & (targets < start + n_valid) & ~ignored
+        local_target = torch.where(on_rank, targets - start, torch.zeros_like(targets))
+        target_logit = torch.where(on_rank, x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
+
+        exp_x = x.exp()
+        sums = [target_logit, exp_x.sum(dim=-1)]
+        if label_smoothing > 0:
+            sums.append(x[..., :n_valid].sum(dim=-1))
+        reduced = group.all_reduce(torch.stack(sums))
+        target_logit, sum_exp = reduced[0], reduced[1]
+
+        log_z = sum_exp.log()
+        loss = log_z - target_logit
+        if label_smoothing > 0:
+            smooth = log_z - reduced[2] / vocab_size
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+        loss = loss.masked_fill(ignored, 0.0)
+
+        softmax = exp_x.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, on_rank, local_target, ignored)
+        ctx.n_valid, ctx.vocab_size, ctx.label_smoothing = n_valid, vocab_size, label_smoothing
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("vocab_parallel_cross_entropy: backward ran twice; its softmax buffer is reused in place")
+        ctx.consumed = True
+        softmax, on_rank, local_target, ignored = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        grad = softmax  # d loss / d x = softmax - target distribution; the buffer is ours to reuse
+        flat_grad = grad.view(-1, grad.shape[-1])
+        rows = torch.nonzero(on_rank.view(-1), as_tuple=True)[0]
+        flat_grad[rows, local_target.view(-1)[rows]] -= 1.0 - eps
+        if eps > 0:
+            grad[..., : ctx.n_valid] -= eps / ctx.vocab_size
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    tp_group=None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of vocabulary-sharded `logits` [..., V_local] against full `targets` [...].
+
+    Matches ``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=...,
+    label_smoothing=..., reduction=...)``, computed in fp32. `vocab_size` is the real vocabulary
+    size when the shards were padded (default: V_local x TP, i.e. no padding). ``reduction='mean'``
+    averages over the targets that are not `ignore_index`, as torch does.
+    """
+    group = as_group(tp_group)
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    padded_vocab = logits.shape[-1] * group.size
+    vocab_size = padded_vocab if vocab_size is None else vocab_size
+    if not padded_vocab - logits.shape[-1] < vocab_size <= padded_vocab:
+        raise ValueError(
+            f"vocab_size={vocab_size} does not match logits sharded as {logits.shape[-1]} x {group.size} ranks"
+        )
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits.shape[:-1])}")
+    losses = _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_size, ignore_index, label_smoothing)
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (targets != ignore_index).sum()

@@ -1,0 +1,118 @@
+"""Vocabulary-parallel embedding (Megatron-LM), or a replicated one (the book chapter's whole table per rank)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar.distributed.comm import Group, as_group
+from tensorpar.distributed.ops import reduce_from_tp, reduce_scatter_to_sp, scatter_to_sp
+from tensorpar.layers.sharding import ShardSpec, make_generator, padded, tag, take_shard
+
+
+def default_embedding_init(weight: torch.Tensor, generator: torch.Generator) -> None:
+    """nn.Embedding's own initialisation: N(0, 1)."""
+    nn.init.normal_(weight, generator=generator)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table whose rows (the vocabulary) are split across the TP group.
+
+    The vocabulary is padded to a multiple of the TP size; rank r holds rows
+    [r*V_pad/tp, (r+1)*V_pad/tp). Padding rows are zero and never looked up.
+
+    Forward: ids outside this rank's rows are masked and their vectors zeroed, then the partial
+    embeddings are summed by `reduce_from_tp` (all-reduce / identity in backward) or, with
+    sequence parallelism, by `reduce_scatter_to_sp` (reduce-scatter / all-gather in backward),
+    which leaves each rank its sequence shard.
+
+    With ``replicated=True`` every rank holds the whole table and looks up locally (no
+    communication); under sequence parallelism the output is then split by `scatter_to_sp`
+    (split / all-gather in backward, so each rank's weight gradient covers the whole sequence).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_group=None,
+        *,
+        replicated: bool = False,
+        sequence_parallel: bool = False,
+        init_method: Callable[[torch.Tensor, torch.Generator], None] | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+        _init: bool = True,
+    ):
+        super().__init__()
+        self.tp_group: Group = as_group(tp_group)
+        tp, rank = self.tp_group.size, self.tp_group.rank
+        self.num_embeddings = self.vocab_size = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.replicated = replicated
+        self.sequence_parallel = sequence_parallel
+        if replicated:
+            self.padded_vocab_size = num_embeddings
+            self.vocab_start, self.rows_per_rank = 0, num_embeddings
+        else:
+            self.padded_vocab_size = padded(num_embeddings, tp)
+            self.rows_per_rank = self.padded_vocab_size // tp
+            self.vocab_start = rank * self.rows_per_rank
+        # Real (unpadded) rows on this rank: [vocab_start, vocab_end).
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
+        spec = (
+            ShardSpec(dim=None)
+            if replicated
+            else ShardSpec(dim=0, full_size=num_embeddings, padded_size=self.padded_vocab_size)
+        )
+        self.weight = tag(nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim, device=device, dtype=dtype)), spec)
+        if _init:
+            full = torch.empty(num_embeddings, embedding_dim)
+            (init_method or default_embedding_init)(full, make_generator(seed))
+            self._load_full(full)
+
+    def _load_full(self, weight: torch.Tensor) -> None:
+        """Set this rank's rows from the full [vocab, dim] table (padding rows become zero)."""
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"VocabParallelEmbedding: full weight has shape {tuple(weight.shape)}, "
+                f"expected {(self.num_embeddings, self.embedding_dim)}"
+            )
+        with torch.no_grad():
+            if self.replicated:
+                self.weight.copy_(weight)
+            else:
+                self.weight.copy_(
+                    take_shard(weight, 0, self.tp_group.rank, self.tp_group.size, pad_to=self.padded_vocab_size)
+                )
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, tp_group=None, **kwargs):
+        """This rank's rows of an unsharded nn.Embedding (copied, not shared)."""
+        kwargs.setdefault("device", module.weight.device)
+        kwargs.setdefault("dtype", module.weight.dtype)
+        layer = cls(module.num_embeddings, module.embedding_dim, tp_group, _init=False, **kwargs)
+        layer._load_full(module.weight.detach())
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.replicated or self.tp_group.size == 1:
+            out = F.embedding(ids, self.weight)
+            return scatter_to_sp(out, self.tp_group) if self.sequence_parallel else out
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp(out, self.tp_group)
+        return reduce_from_tp(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_group.size}, "
+            f"rows=[{self.vocab_start}, {self.vocab_end}) of padded {self.padded_vocab_size}, "
+            f"replicated={self.replicated}, sequence_parallel={self.sequence_parallel}"
+        )

@@ -1,0 +1,136 @@
+"""A pool of local gloo processes, started once and reused by many checks.
+
+Process start-up (importing torch, the gloo rendezvous) costs seconds, so each world size gets
+one pool per test session. A check is a module-level function ``check(*args)``; `WorkerPool.run`
+executes it on every rank and returns the per-rank results, or raises with the failing rank's
+traceback. Checks build their meshes through `mesh(...)`, which caches them per layout so that
+process groups are created once per pool as well.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+TASK_TIMEOUT_S = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "180"))
+
+_meshes: dict = {}  # per worker process: (tp, pp, dp) -> Mesh
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mesh(tp: int, pp: int = 1, dp: int | None = None):
+    """The (cached) mesh for this layout, inside a worker."""
+    import tensorpar
+
+    key = (tp, pp, dp)
+    if key not in _meshes:
+        _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, timeout=60)
+    m = _meshes[key]
+    m.stats.reset()
+    return m
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn, *args, timeout: float = TASK_TIMEOUT_S, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; the list of results in rank order."""
+        if self.broken:
+            raise RuntimeError("worker pool is broken by an earlier failure")
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        out, errors = [None] * self.world_size, {}
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.broken = True
+                self.close()
+                raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s")
+            if ok:
+                out[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            first = min(errors)
+            raise AssertionError(f"{fn.__name__} failed on ranks {sorted(errors)}; rank {first}:\n{errors[first]}")
+        return out
+
+    def close(self) -> None:
+        for q, p in zip(self.tasks, self.procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+class Pools:
+    """One lazily started pool per world size, shared by the whole test session."""
+
+    def __init__(self):
+        self._pools: dict[int, WorkerPool] = {}
+
+    def __call__(self, world_size: int) -> WorkerPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = self._pools[world_size] = WorkerPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
