@@ -1,0 +1,49 @@
+"""The `tensorpar` command line: one entry point, one module per command.
+
+From a plain shell a command that needs several processes starts them itself; under torchrun
+it uses the launcher's. Errors a user can cause print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tensorpar.errors import TensorparError
+
+
+def _rank_prefix() -> str:
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"[rank {os.environ['RANK']}] "
+    return ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tensorpar.commands import demo
+
+    parser = argparse.ArgumentParser(
+        prog="tensorpar", description="Tensor-parallel training, evaluation and serving of transformers."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (demo,):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args, argv) or 0)
+    except TensorparError as e:
+        # One write per line: ranks share the terminal, and a single short write to a pipe is atomic.
+        sys.stderr.write(f"tensorpar: error: {_rank_prefix()}{e}\n")
+        sys.stderr.flush()
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `tensorpar` command; each has add_parser(subparsers) and a run(args, argv)."""

@@ -1,0 +1,70 @@
+"""The command line from a plain shell and under torchrun: it works, and bad layouts fail fast and clearly."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def tensorpar(*args, launcher=None, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = (launcher or [sys.executable, "-m"]) + ["tensorpar", *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]], ids=["tp", "tp+sp"])
+def test_demo_runs_across_local_processes(extra):
+    proc, _ = tensorpar("demo", "--tp", "2", *extra)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "rank 0 (tp rank 0/2) holds" in out and "rank 1 (tp rank 1/2) holds" in out
+    assert "OK: the 2-way model computes what the single-device model computes" in out
+    assert ("reduce_scatter" in out) == bool(extra)
+
+
+def _assert_one_line_error(proc, elapsed, needle):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines and all(ln.startswith("tensorpar: error:") for ln in lines), proc.stderr
+    assert needle in proc.stderr
+    assert elapsed < 30, f"took {elapsed:.0f}s to fail"
+
+
+def test_layout_that_does_not_fit_the_world_fails_at_once():
+    proc, elapsed = tensorpar("demo", "--tp", "3", "--nproc", "4")
+    _assert_one_line_error(proc, elapsed, "tp=3 x pp=1 does not fit world size 4")
+
+
+def test_linear_that_does_not_divide_fails_on_every_rank_without_hanging():
+    proc, elapsed = tensorpar("demo", "--tp", "2", "--ffn", "9")
+    _assert_one_line_error(proc, elapsed, "out_features = 9 is not divisible by the tensor-parallel size 2")
+    assert "[rank 0]" in proc.stderr or "[rank 1]" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
+def test_under_torchrun_every_rank_reports_the_bad_layout():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    torchrun = torchrun if os.path.exists(torchrun) else shutil.which("torchrun")
+    proc, elapsed = tensorpar(
+        "demo", "--tp", "3", launcher=[torchrun, "--nproc-per-node", "4", "--standalone", "-m"]
+    )
+    assert proc.returncode != 0
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("tensorpar: error:")]
+    assert sorted(ln.split("]")[0] for ln in ours) == [f"tensorpar: error: [rank {r}" for r in range(4)], proc.stderr
+    assert all("tp=3 x pp=1 does not fit world size 4" in ln for ln in ours)
+    assert elapsed < 60
+
+
+def test_under_torchrun_the_demo_uses_the_launchers_processes():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun not installed")
+    proc, _ = tensorpar("demo", "--tp", "2", launcher=[torchrun, "--nproc-per-node", "2", "--standalone", "-m"])
+    assert proc.returncode == 0, proc.stderr
+    assert "TP=2 over 2 process(es)" in proc.stdout and "OK:" in proc.stdout

@@ -1,0 +1,218 @@
+"""Each TP layer against the dense torch layer: outputs, input and weight gradients, weights after a step."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from checks import rel_err
+from harness import mesh
+from tensorpar.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+TP_SIZES = [1, 2, 3, 4]
+B, S, H = 2, 12, 12  # S and H divide by 1, 2, 3 and 4
+
+
+def _errors(pairs):
+    return {name: rel_err(a, b) for name, (a, b) in pairs.items()}
+
+
+def check_mlp(tp, sequence_parallel):
+    """Column -> gelu -> Row against nn.Linear -> gelu -> nn.Linear, and what was communicated."""
+    m = mesh(tp=tp)
+    g = m.tp_group
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+    x = torch.randn(B, S, H, requires_grad=True)
+    probe = torch.randn(B, S, H)  # a random cotangent, so every gradient entry matters
+    y = fc2(F.gelu(fc1(x)))
+    (y * probe).sum().backward()
+
+    col = ColumnParallelLinear.from_dense(fc1, m, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear.from_dense(fc2, m, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        x_local = x.detach().chunk(tp, 1)[g.rank].clone().requires_grad_()
+        probe_local, y_expected, dx_expected = probe.chunk(tp, 1)[g.rank], y.chunk(tp, 1)[g.rank], x.grad.chunk(tp, 1)[g.rank]
+    else:
+        x_local = x.detach().clone().requires_grad_()
+        probe_local, y_expected, dx_expected = probe, y, x.grad
+    y_local = row(F.gelu(col(x_local)))
+    forward_counts = m.stats.snapshot()
+    (y_local * probe_local).sum().backward()
+    all_counts = m.stats.snapshot()
+
+    errs = _errors({
+        "output": (y_local, y_expected),
+        "input grad": (x_local.grad, dx_expected),
+        "fc1 weight grad": (col.weight.grad, fc1.weight.grad.chunk(tp, 0)[g.rank]),
+        "fc1 bias grad": (col.bias.grad, fc1.bias.grad.chunk(tp, 0)[g.rank]),
+        "fc2 weight grad": (row.weight.grad, fc2.weight.grad.chunk(tp, 1)[g.rank]),
+        "fc2 bias grad": (row.bias.grad, fc2.bias.grad),
+    })
+    dense_opt = torch.optim.AdamW(list(fc1.parameters()) + list(fc2.parameters()), lr=1e-2, weight_decay=0.1)
+    par_opt = torch.optim.AdamW(list(col.parameters()) + list(row.parameters()), lr=1e-2, weight_decay=0.1)
+    dense_opt.step()
+    par_opt.step()
+    errs.update(_errors({
+        "fc1 weight after AdamW": (col.weight, fc1.weight.chunk(tp, 0)[g.rank]),
+        "fc2 weight after AdamW": (row.weight, fc2.weight.chunk(tp, 1)[g.rank]),
+        "fc2 bias after AdamW": (row.bias, fc2.bias),
+    }))
+    counts = lambda snap: {k: (v.calls, v.elements) for k, v in snap.items()}  # noqa: E731
+    return errs, counts(forward_counts), counts(all_counts)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_column_row_mlp_matches_dense(pools, tp, sequence_parallel):
+    for rank, (errs, fwd, total) in enumerate(pools(tp).run(check_mlp, tp, sequence_parallel)):
+        bad = {k: v for k, v in errs.items() if v > 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+        if tp == 1:
+            assert total == {}, "a one-rank group must communicate nothing"
+        elif not sequence_parallel:
+            # one all-reduce of B*S*H forward (g) and one backward (f); nothing else
+            assert fwd == {("all_reduce", "tp"): (1, B * S * H)}
+            assert total == {("all_reduce", "tp"): (2, 2 * B * S * H)}
+        else:
+            # forward: all-gather into the column layer, reduce-scatter out of the row layer;
+            # backward: their conjugates, plus the all-reduce of the replicated fc2 bias gradient (H elements)
+            assert fwd == {("all_gather", "tp"): (1, B * S * H), ("reduce_scatter", "tp"): (1, B * S * H)}
+            assert total == {
+                ("all_gather", "tp"): (2, 2 * B * S * H),
+                ("reduce_scatter", "tp"): (2, 2 * B * S * H),
+                ("all_reduce", "tp"): (1, H),
+            }
+
+
+def check_unparallel_ends(tp):
+    """ColumnParallelLinear(gather_output=True) and RowParallelLinear(input_is_parallel=False) on their own."""
+    m = mesh(tp=tp)
+    torch.manual_seed(1)
+    dense = nn.Linear(H, 2 * H)
+    x = torch.randn(B, S, H, requires_grad=True)
+    probe = torch.randn(B, S, 2 * H)
+    (dense(x) * probe).sum().backward()
+    errs = {}
+    for name, layer, split in (
+        ("column gather_output", ColumnParallelLinear.from_dense(dense, m, gather_output=True), 0),
+        ("row input_is_parallel=False", RowParallelLinear.from_dense(dense, m, input_is_parallel=False), 1),
+    ):
+        x_local = x.detach().clone().requires_grad_()
+        y = layer(x_local)
+        (y * probe).sum().backward()
+        errs.update(_errors({
+            f"{name} output": (y, dense(x)),
+            f"{name} input grad": (x_local.grad, x.grad),
+            f"{name} weight grad": (layer.weight.grad, dense.weight.grad.chunk(tp, split)[m.tp_rank]),
+        }))
+    return errs
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_gathered_and_scattered_ends_match_dense(pools, tp):
+    for errs in pools(tp).run(check_unparallel_ends, tp):
+        assert max(errs.values()) <= 1e-5, errs
+
+
+def check_embedding(tp, vocab, replicated, sequence_parallel):
+    m = mesh(tp=tp)
+    g = m.tp_group
+    torch.manual_seed(2)
+    dense = nn.Embedding(vocab, H)
+    ids = torch.randint(0, vocab, (B, S))
+    ids[0, :4] = torch.tensor([0, vocab - 1, vocab - 2, vocab // 2])  # the edges of every shard's range
+    probe = torch.randn(B, S, H)
+    out = dense(ids)
+    (out * probe).sum().backward()
+
+    layer = VocabParallelEmbedding.from_dense(dense, m, replicated=replicated, sequence_parallel=sequence_parallel)
+    local_out = layer(ids)
+    if sequence_parallel:
+        expected_out, local_probe = out.chunk(tp, 1)[g.rank], probe.chunk(tp, 1)[g.rank]
+    else:
+        expected_out, local_probe = out, probe
+    (local_out * local_probe).sum().backward()
+
+    if replicated:
+        expected_grad = dense.weight.grad
+    else:
+        padded_grad = torch.cat([dense.weight.grad, torch.zeros(layer.padded_vocab_size - vocab, H)])
+        expected_grad = padded_grad.chunk(tp, 0)[g.rank]
+    errs = _errors({"output": (local_out, expected_out), "weight grad": (layer.weight.grad, expected_grad)})
+    torch.optim.SGD(dense.parameters(), lr=0.5).step()
+    torch.optim.SGD(layer.parameters(), lr=0.5).step()
+    full_after = g.all_gather(layer.weight.detach(), dim=0)[:vocab] if not replicated else layer.weight
+    errs.update(_errors({"weight after SGD": (full_after, dense.weight)}))
+    padding_rows = layer.weight[layer.vocab_end - layer.vocab_start :]
+    return errs, float(padding_rows.abs().sum()), layer.weight.shape[0]
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize(
+    "mode", [(False, False), (False, True), (True, False), (True, True)], ids=["vocab", "vocab+sp", "repl", "repl+sp"]
+)
+def test_vocab_parallel_embedding_1001_rows_matches_nn_embedding(pools, tp, mode):
+    replicated, sequence_parallel = mode
+    for errs, padding_sum, rows in pools(tp).run(check_embedding, tp, 1001, replicated, sequence_parallel):
+        assert max(errs.values()) <= 1e-5, errs
+        assert padding_sum == 0.0, "padding rows must stay zero"
+        assert rows == (1001 if replicated else -(-1001 // tp))
+
+
+def check_same_init_any_tp(tp):
+    """Seeded full weight, then split: every TP size starts from the same full weights."""
+    from tensorpar.distributed.comm import Group
+
+    m = mesh(tp=tp)
+    g = m.tp_group
+    results = {}
+    for seed in (123, None):
+        torch.manual_seed(7)  # seed=None draws the layer's seed from torch's global RNG
+        col = ColumnParallelLinear(H, 2 * H, m, seed=seed)
+        row = RowParallelLinear(2 * H, H, m, seed=seed)
+        emb = VocabParallelEmbedding(1001, H, m, seed=seed)
+        torch.manual_seed(7)
+        one = Group.single("tp")
+        col1, row1, emb1 = (
+            ColumnParallelLinear(H, 2 * H, one, seed=seed),
+            RowParallelLinear(2 * H, H, one, seed=seed),
+            VocabParallelEmbedding(1001, H, one, seed=seed),
+        )
+        results[f"seed={seed}"] = (
+            torch.equal(g.all_gather(col.weight.detach(), 0), col1.weight)
+            and torch.equal(g.all_gather(col.bias.detach(), 0), col1.bias)
+            and torch.equal(g.all_gather(row.weight.detach(), 1), row1.weight)
+            and torch.equal(row.bias, row1.bias)
+            and torch.equal(g.all_gather(emb.weight.detach(), 0)[:1001], emb1.weight)
+        )
+    # and the default init is nn.Linear's: same distribution bounds
+    results["linear bound"] = bool(col1.weight.abs().max() <= 1 / H**0.5)
+    return results
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_initialisation_is_identical_across_tp_sizes(pools, tp):
+    for results in pools(tp).run(check_same_init_any_tp, tp):
+        assert all(results.values()), results
+
+
+def check_bad_sizes(tp):
+    from tensorpar.errors import LayoutError
+
+    m = mesh(tp=tp)
+    messages = []
+    for build in (lambda: ColumnParallelLinear(8, 10, m), lambda: RowParallelLinear(10, 8, m)):
+        try:
+            build()
+            messages.append(None)
+        except LayoutError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.mark.parametrize("tp", [3, 4])
+def test_linear_size_that_does_not_divide_is_refused_on_every_rank(pools, tp):
+    for col_msg, row_msg in pools(tp).run(check_bad_sizes, tp):
+        assert col_msg and "out_features = 10" in col_msg and f"tensor-parallel size {tp}" in col_msg
+        assert row_msg and "in_features = 10" in row_msg and f"tensor-parallel size {tp}" in row_msg

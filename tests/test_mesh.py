@@ -1,0 +1,66 @@
+"""The tp x pp x dp rank layout: coordinates, group membership, and layouts that cannot work."""
+
+import pytest
+import torch
+
+import tensorpar
+from harness import mesh
+from tensorpar.distributed.mesh import group_ranks, resolve_layout
+from tensorpar.errors import LayoutError
+
+
+def test_megatron_rank_order_tp_fastest_then_dp_then_pp():
+    groups = group_ranks(tp=2, pp=2, dp=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize(
+    "world,tp,pp,dp,expected",
+    [(4, 2, 1, None, (2, 1, 2)), (4, 4, 1, None, (4, 1, 1)), (8, 2, 2, None, (2, 2, 2)), (4, 1, 4, 1, (1, 4, 1))],
+)
+def test_resolve_layout(world, tp, pp, dp, expected):
+    assert resolve_layout(world, tp, pp, dp) == expected
+
+
+@pytest.mark.parametrize(
+    "world,tp,pp,dp,needle",
+    [
+        (4, 3, 1, None, "tp=3 x pp=1 does not fit world size 4"),
+        (4, 2, 1, 3, "tp=2 x pp=1 x dp=3 = 6 processes, but the world has 4"),
+        (4, 0, 1, None, "tp must be a positive integer"),
+    ],
+)
+def test_impossible_layouts_name_the_numbers(world, tp, pp, dp, needle):
+    with pytest.raises(LayoutError, match=needle.replace("*", r"\*")):
+        resolve_layout(world, tp, pp, dp)
+
+
+def test_world_of_one_without_a_launcher():
+    m = tensorpar.init_mesh(tp=1)
+    assert (m.world_size, m.tp_size, m.pp_size, m.dp_size, m.tp_rank) == (1, 1, 1, 1, 0)
+    assert m.device == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(LayoutError):
+        tensorpar.init_mesh(tp=2)
+
+
+def check_membership(tp, pp, dp):
+    m = mesh(tp=tp, pp=pp, dp=dp)
+    seen = {}
+    for name in ("tp", "pp", "dp"):
+        g = getattr(m, f"{name}_group")
+        seen[name] = (g.all_gather_object(m.rank), g.ranks, getattr(m, f"{name}_rank"), getattr(m, f"{name}_size"))
+    return m.rank, seen
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 2), (2, 2, 1), (1, 2, 2), (4, 1, 1), (1, 1, 4)])
+def test_groups_hold_the_ranks_the_layout_says(pools, tp, pp, dp):
+    expected = group_ranks(tp, pp, dp)
+    for rank, seen in pools(4).run(check_membership, tp, pp, dp):
+        for name, (gathered, ranks, group_rank, size) in seen.items():
+            mine = next(g for g in expected[name] if rank in g)
+            assert gathered == mine == ranks, (name, gathered, mine)
+            assert group_rank == mine.index(rank) and size == len(mine)
+        # coordinates agree with rank = pp*(dp*tp) + dp*tp + tp
+        assert rank == seen["pp"][2] * dp * tp + seen["dp"][2] * tp + seen["tp"][2]
