@@ -104,6 +104,10 @@ class ColumnParallelLinear(_ParallelLinear):
     enters through `copy_to_tp` (f: identity / all-reduce in backward), or `gather_from_sp`
     (all-gather / reduce-scatter in backward); each rank computes its slice of the output features.
     With ``gather_output=True`` the slices are all-gathered (backward: split) into the full output.
+
+    ``skip_input_comm=True`` leaves out the entering op: for layers that share one input (q/k/v,
+    gate/up), the caller applies `copy_to_tp` / `gather_from_sp` once, so that the backward
+    all-reduce (or reduce-scatter) happens once for all of them instead of once per layer.
     """
 
     split_dim = 0
@@ -117,6 +121,7 @@ class ColumnParallelLinear(_ParallelLinear):
         *,
         gather_output: bool = False,
         sequence_parallel: bool = False,
+        skip_input_comm: bool = False,
         init_method: InitMethod | None = None,
         seed: int | None = None,
         device=None,
@@ -128,6 +133,7 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True")
         tp = self.tp_group.size
         self.gather_output = gather_output
+        self.skip_input_comm = skip_input_comm
         self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features")
         self.weight = tag(
             nn.Parameter(torch.empty(self.out_per_rank, in_features, **self._factory)),
@@ -143,7 +149,9 @@ class ColumnParallelLinear(_ParallelLinear):
             self._load_full(*_full_linear_params(in_features, out_features, bias, init_method, seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.skip_input_comm:
+            pass
+        elif self.sequence_parallel:
             x = gather_from_sp(x, self.tp_group)
         else:
             x = copy_to_tp(x, self.tp_group)

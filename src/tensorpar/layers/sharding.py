@@ -17,17 +17,30 @@ from tensorpar.errors import LayoutError
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """`dim` is the split dimension (None: replicated on every TP rank); `full_size` the unpadded size of that
-    dimension; `padded_size` the size after padding to a multiple of the TP size.
+    """How one parameter is laid out across the TP group.
 
-    `reduce_grad_across_tp` marks a replicated parameter whose gradient is computed from a sequence
-    shard and so must be summed across TP ranks (the layer does this itself in autograd).
+    - `dim`: the split dimension, or None when every TP rank holds the whole tensor.
+    - `full_size`: the real (unpadded) size of `dim` in the dense model.
+    - `padded_size`: `full_size` rounded up so that it splits evenly (the vocabulary); padding is zero.
+    - `replicas`: how many consecutive TP ranks hold the *same* shard. 1 for a plain split; for
+      KV heads fewer than TP ranks, tp / num_kv_heads. The padded tensor is cut into
+      tp / replicas chunks along `dim` and rank r holds chunk r // replicas.
+    - `reduce_grad_across_tp`: a replicated parameter whose gradient is computed from a sequence
+      shard and so is summed across TP ranks (the layer does this itself in autograd).
+
+    A norm over the dense parameter is the sum over TP ranks of each local squared norm divided by
+    `effective_replicas(tp)`.
     """
 
     dim: int | None
     full_size: int | None = None
     padded_size: int | None = None
+    replicas: int = 1
     reduce_grad_across_tp: bool = False
+
+    def effective_replicas(self, tp_size: int) -> int:
+        """How many TP ranks hold an identical copy of this rank's tensor."""
+        return tp_size if self.dim is None else self.replicas
 
 
 def tag(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
@@ -84,3 +97,24 @@ def take_shard(full: torch.Tensor, dim: int, rank: int, tp_size: int, pad_to: in
         pad_shape[dim] = pad_to - full.shape[dim]
         full = torch.cat([full, full.new_zeros(pad_shape)], dim)
     return full.chunk(tp_size, dim)[rank].clone().contiguous()
+
+
+def shard_tensor(full: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's part of the dense tensor `full`, as `spec` lays it out."""
+    if spec.dim is None:
+        return full.clone()
+    chunks = tp_size // spec.replicas
+    return take_shard(full, spec.dim, tp_rank // spec.replicas, chunks, pad_to=spec.padded_size)
+
+
+def unshard_tensor(local: torch.Tensor, spec: ShardSpec, tp_group) -> torch.Tensor:
+    """The dense tensor, reassembled from every rank's part (a collective over `tp_group`)."""
+    if spec.dim is None or tp_group.size == 1:
+        full = local
+    else:
+        gathered = tp_group.all_gather(local.detach(), dim=spec.dim)
+        parts = gathered.chunk(tp_group.size, spec.dim)[:: spec.replicas]
+        full = torch.cat(parts, spec.dim)
+    if spec.dim is not None and spec.full_size is not None:
+        full = full.narrow(spec.dim, 0, spec.full_size)
+    return full

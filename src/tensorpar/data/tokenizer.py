@@ -1,0 +1,108 @@
+"""Tokenizers: a byte-level one that always works, and a wrapper for a local `tokenizer.json`.
+
+Both expose the same small interface: `vocab_size`, `eos_id`, `name`, `encode(text)`, `decode(ids)`.
+Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+from tensorpar.errors import TensorparError
+
+# Tried in order when no tokenizer_config.json names the end-of-sequence token.
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, plus `eos_id = 256`; `vocab_size = 257`."""
+
+    name = "byte"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of `text`; no EOS is added."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        """Bytes back to text; ids outside 0..255 (EOS) are skipped, invalid UTF-8 becomes U+FFFD."""
+        data = bytes(i for i in (int(x) for x in ids) if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=257)"
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` read from a local `tokenizer.json` (a file or the directory holding it)."""
+
+    def __init__(self, path: str):
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise TensorparError(f"tokenizer file '{file}' does not exist")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise TensorparError(
+                f"cannot load '{file}': the 'tokenizers' package is not installed (pip install tokenizers)"
+            ) from e
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise TensorparError(f"cannot read tokenizer file '{file}': {e}") from e
+        self.path = file
+        self.name = f"hf:{os.path.basename(os.path.dirname(os.path.abspath(file)))}"
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._find_eos(os.path.dirname(os.path.abspath(file)))
+
+    def _find_eos(self, directory: str) -> int | None:
+        """The EOS id named by tokenizer_config.json next to the file, else a well-known EOS token, else None."""
+        names = list(_EOS_CANDIDATES)
+        config = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(config):
+            try:
+                with open(config, encoding="utf-8") as f:
+                    eos = json.load(f).get("eos_token")
+            except (OSError, ValueError, AttributeError):
+                eos = None
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                names.insert(0, eos)
+        for token in names:
+            i = self._tok.token_to_id(token)
+            if i is not None:
+                return int(i)
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens (no BOS/EOS added)."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids) -> str:
+        """Text of `ids`, skipping special tokens."""
+        return self._tok.decode([int(x) for x in ids], skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer('{self.path}', vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(checkpoint_dir: str | None):
+    """HFTokenizer if `checkpoint_dir` holds tokenizer.json and `tokenizers` imports, else ByteTokenizer()."""
+    if checkpoint_dir is None:
+        return ByteTokenizer()
+    file = os.path.join(checkpoint_dir, "tokenizer.json")
+    if not os.path.isfile(file):
+        return ByteTokenizer()
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        warnings.warn(
+            f"'{file}' found but the 'tokenizers' package is not installed; using the byte tokenizer",
+            stacklevel=2,
+        )
+        return ByteTokenizer()
+    return HFTokenizer(file)

@@ -1,0 +1,131 @@
+"""Tensor-parallel self-attention with grouped-query attention, whole heads per rank.
+
+Q is column-parallel (each rank holds num_heads / tp query heads); K and V likewise when there
+are at least as many KV heads as ranks. With fewer KV heads than ranks (Llama-70B's 8 KV heads
+at TP 16, say) each KV head is replicated on the tp / num_kv_heads consecutive ranks whose
+query heads use it, and its gradient is summed across them. The output projection is
+row-parallel: one all-reduce (or reduce-scatter under sequence parallelism) per attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar.distributed.comm import Group, as_group
+from tensorpar.distributed.ops import copy_to_tp, gather_from_sp
+from tensorpar.errors import LayoutError
+from tensorpar.layers.dropout import fork_rng_seeded, mix_seed
+from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.layers.rope import apply_rope
+from tensorpar.layers.sharding import ShardSpec, divide, tag
+
+
+def kv_layout(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(KV heads per rank, ranks sharing each KV head) for this TP size."""
+    if num_kv_heads >= tp_size:
+        return divide(num_kv_heads, tp_size, "num_kv_heads"), 1
+    if tp_size % num_kv_heads:
+        raise LayoutError(
+            f"num_kv_heads = {num_kv_heads} and the tensor-parallel size {tp_size} do not fit: with fewer KV heads "
+            f"than ranks, TP must be a multiple of num_kv_heads"
+        )
+    return 1, tp_size // num_kv_heads
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce over the TP group of a buffer holding one slot per distinct
+    shard, so each rank receives the sum of the gradients of the ranks that hold its (replicated) shard."""
+
+    @staticmethod
+    def forward(ctx, weight, group: Group, replicas: int):
+        ctx.group, ctx.replicas = group, replicas
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, replicas = ctx.group, ctx.replicas
+        slot = group.rank // replicas
+        buffer = grad.new_zeros((group.size // replicas,) + tuple(grad.shape))
+        buffer[slot] = grad
+        group.all_reduce(buffer)
+        return buffer[slot], None, None
+
+
+class KVParallelLinear(nn.Module):
+    """The K or V projection: `num_kv_heads` heads of `head_dim` split across TP ranks, or replicated on
+    groups of consecutive ranks when there are fewer heads than ranks (gradients summed over the copies).
+
+    The input must already be in the TP region (the attention applies copy_to_tp / gather_from_sp once).
+    """
+
+    def __init__(self, in_features: int, num_kv_heads: int, head_dim: int, tp_group=None, bias: bool = True,
+                 device=None):
+        super().__init__()
+        self.tp_group = as_group(tp_group)
+        self.local_heads, self.replicas = kv_layout(num_kv_heads, self.tp_group.size)
+        self.in_features, self.out_features = in_features, num_kv_heads * head_dim
+        spec = ShardSpec(dim=0, full_size=self.out_features, padded_size=self.out_features, replicas=self.replicas)
+        rows = self.local_heads * head_dim
+        self.weight = tag(nn.Parameter(torch.empty(rows, in_features, device=device)), spec)
+        self.bias = tag(nn.Parameter(torch.empty(rows, device=device)), spec) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.replicas > 1:
+            weight = _SumOverReplicas.apply(weight, self.tp_group, self.replicas)
+            bias = None if bias is None else _SumOverReplicas.apply(bias, self.tp_group, self.replicas)
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, local_heads={self.local_heads}, replicas={self.replicas}"
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention: [B, S, H] (or [B, S/tp, H] under sequence parallelism) in and out."""
+
+    def __init__(self, cfg, tp_group=None, sequence_parallel: bool = False, layer_index: int = 0, device=None):
+        super().__init__()
+        self.tp_group = as_group(tp_group)
+        tp = self.tp_group.size
+        self.sequence_parallel, self.layer_index = sequence_parallel, layer_index
+        self.head_dim = cfg.head_dim
+        self.local_heads = divide(cfg.num_heads, tp, "num_heads")
+        self.local_kv_heads, self.kv_replicas = kv_layout(cfg.kv_heads, tp)
+        self.dropout = cfg.dropout
+        h, hd = cfg.hidden_size, cfg.head_dim
+        column = dict(sequence_parallel=sequence_parallel, skip_input_comm=True, device=device, _init=False)
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, self.tp_group, cfg.bias, **column)
+        self.k_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, cfg.bias, device=device)
+        self.v_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, cfg.bias, device=device)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, self.tp_group, cfg.bias,
+                                        sequence_parallel=sequence_parallel, device=device, _init=False)
+
+    def core(self, q, k, v, dropout_seed: int | None):
+        """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes)."""
+        if self.local_kv_heads != self.local_heads:
+            repeat = self.local_heads // self.local_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if self.training and self.dropout > 0:
+            # Inside the TP region: each rank's heads get their own masks.
+            seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank)
+            with fork_rng_seeded(seed, q.device):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x: torch.Tensor, rope=None, dropout_seed: int | None = None, recompute_core: bool = False):
+        x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if recompute_core:
+            out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, dropout_seed, use_reentrant=False)
+        else:
+            out = self.core(q, k, v, dropout_seed)
+        out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+        return self.o_proj(out)

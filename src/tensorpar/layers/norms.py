@@ -1,0 +1,46 @@
+"""LayerNorm and RMSNorm that stay correct under sequence parallelism.
+
+The norm weights are replicated on every TP rank. Without sequence parallelism every rank sees
+the whole sequence and computes the whole gradient. With it, each rank normalises only its
+sequence shard, so its weight gradient is partial: the weights enter through `copy_to_tp`
+(forward identity, backward all-reduce), which sums the gradient across TP ranks (a known
+peer bug is to forget this).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar.distributed.comm import as_group
+from tensorpar.distributed.ops import copy_to_tp
+from tensorpar.layers.sharding import ShardSpec, tag
+
+
+class Norm(nn.Module):
+    """``kind="layernorm"`` (weight and bias) or ``"rmsnorm"`` (weight only, computed in fp32 like Llama's)."""
+
+    def __init__(self, hidden_size: int, kind: str, eps: float, tp_group=None, sequence_parallel: bool = False,
+                 device=None):
+        super().__init__()
+        self.kind, self.eps, self.sequence_parallel = kind, eps, sequence_parallel
+        self.tp_group = as_group(tp_group)
+        spec = ShardSpec(dim=None, reduce_grad_across_tp=sequence_parallel)
+        self.weight = tag(nn.Parameter(torch.ones(hidden_size, device=device)), spec)
+        self.bias = tag(nn.Parameter(torch.zeros(hidden_size, device=device)), spec) if kind == "layernorm" else None
+
+    def _param(self, p):
+        return copy_to_tp(p, self.tp_group) if self.sequence_parallel and p is not None else p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._param(self.weight)
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), weight, self._param(self.bias), self.eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

@@ -1,0 +1,44 @@
+"""Dense (unsharded) state dicts of a TP model: gather them, or load one into any TP size."""
+
+from __future__ import annotations
+
+import torch
+
+from tensorpar.errors import TensorparError
+from tensorpar.layers.sharding import ShardSpec, shard_spec, shard_tensor, unshard_tensor
+
+
+def dense_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
+    """The parameter's shape in the dense model."""
+    shape = list(param.shape)
+    if spec.dim is not None:
+        shape[spec.dim] = spec.full_size
+    return tuple(shape)
+
+
+@torch.no_grad()
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Every parameter as the dense tensor (a collective over the TP group: call on every TP rank)."""
+    return {name: unshard_tensor(p, shard_spec(p), model.tp_group).cpu() for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_full_state_dict(model, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
+    """Copy this rank's shard of every dense tensor in `state` into `model`; names and shapes must match."""
+    tp = model.tp_group
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    unexpected = sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise TensorparError(
+            f"{source} does not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, param in params.items():
+        spec = shard_spec(param)
+        full = state[name]
+        if tuple(full.shape) != dense_shape(param, spec):
+            raise TensorparError(
+                f"{source}: '{name}' has shape {tuple(full.shape)}, the model expects {dense_shape(param, spec)}"
+            )
+        param.copy_(shard_tensor(full.to(param.dtype), spec, tp.rank, tp.size))

@@ -1,0 +1,176 @@
+"""The tensor-parallel transformer (GPT-2 and Llama families), readable top to bottom.
+
+    ids -> VocabParallelEmbedding (+ learned positions) -> dropout
+        -> N x [ x + dropout(attention(norm(x))) ; x + dropout(mlp(norm(x))) ]
+        -> norm -> vocabulary-parallel logits -> vocab_parallel_cross_entropy
+
+Without sequence parallelism every TP rank holds the whole [B, S, H] activation between the
+TP regions; with it, each rank holds a [B, S/tp, H] sequence shard there (norms, dropout and
+residuals on shards) and the regions are entered by all-gather and left by reduce-scatter.
+The sequence length must then divide by TP: it is refused with a clear error otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tensorpar.distributed.comm import as_group
+from tensorpar.distributed.ops import copy_to_tp, gather_from_sp
+from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.layers.attention import ParallelAttention
+from tensorpar.layers.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.layers.dropout import mix_seed, seeded_dropout
+from tensorpar.layers.embedding import VocabParallelEmbedding
+from tensorpar.layers.linear import ColumnParallelLinear
+from tensorpar.layers.mlp import ParallelMLP
+from tensorpar.layers.norms import Norm
+from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
+from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.models.config import ModelConfig
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, layer_index: int, device=None):
+        super().__init__()
+        self.layer_index, self.dropout = layer_index, cfg.dropout
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        norm = dict(kind=cfg.norm, eps=cfg.norm_eps, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device)
+        self.attn_norm = Norm(cfg.hidden_size, **norm)
+        self.attn = ParallelAttention(cfg, tp_group, sequence_parallel, layer_index, device=device)
+        self.mlp_norm = Norm(cfg.hidden_size, **norm)
+        self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device)
+
+    def _drop(self, x, site: int, dropout_seed):
+        """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
+        if not self.training or self.dropout == 0:
+            return x
+        shard = self.tp_group.rank if self.sequence_parallel else 0
+        return seeded_dropout(x, self.dropout, mix_seed(dropout_seed, self.layer_index, site, shard), True)
+
+    def forward(self, x, rope=None, dropout_seed: int | None = None, recompute_core: bool = False):
+        x = x + self._drop(self.attn(self.attn_norm(x), rope, dropout_seed, recompute_core), 0, dropout_seed)
+        return x + self._drop(self.mlp(self.mlp_norm(x)), 1, dropout_seed)
+
+
+class Transformer(nn.Module):
+    """A GPT-2 or Llama-style decoder whose layers are split across `mesh`'s TP group.
+
+    `forward(ids)` returns this rank's vocabulary shard of the logits, [B, S, padded_vocab / tp];
+    `forward(ids, targets)` the mean next-token cross-entropy over targets that are not -100.
+    Weights are initialised from `seed` as full tensors and then sharded, so any TP size starts
+    from the same dense model (``init=False`` leaves them uninitialised, for loading).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mesh=None,
+        *,
+        sequence_parallel: bool = False,
+        recompute: str = "none",
+        seed: int = 0,
+        init: bool = True,
+        device=None,
+    ):
+        super().__init__()
+        if recompute not in RECOMPUTE_MODES:
+            raise TensorparError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        self.cfg = cfg
+        self.tp_group = as_group(mesh, "tp")
+        self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
+        self.recompute = recompute
+        device = device if device is not None else getattr(mesh, "device", None)
+        tp, sp = self.tp_group, self.sequence_parallel
+
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, sequence_parallel=sp,
+                                            device=device, _init=False)
+        self.pos_embed = None
+        if cfg.position == "learned":
+            self.pos_embed = tag(nn.Parameter(torch.empty(cfg.max_seq_len, cfg.hidden_size, device=device)),
+                                 ShardSpec(dim=None, reduce_grad_across_tp=sp))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, tp, sp, i, device) for i in range(cfg.num_layers))
+        self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device)
+        self.head = None
+        if not cfg.tie_embeddings:
+            self.head = ColumnParallelLinear(cfg.hidden_size, self.embed.padded_vocab_size, tp, bias=False,
+                                             skip_input_comm=True, device=device, _init=False)
+            tag(self.head.weight, ShardSpec(dim=0, full_size=cfg.vocab_size, padded_size=self.embed.padded_vocab_size))
+        if cfg.position == "rope":
+            self.register_buffer("inv_freq", inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+                                 .to(device), persistent=False)
+        if init:
+            from tensorpar.models.init import init_weights
+
+            init_weights(self, seed)
+
+    # -- pieces -------------------------------------------------------------------------------
+
+    def check_sequence(self, seq_len: int) -> None:
+        tp = self.tp_group.size
+        if self.sequence_parallel and seq_len % tp:
+            raise LayoutError(
+                f"sequence length {seq_len} is not divisible by the tensor-parallel size {tp}; sequence parallelism "
+                f"splits the sequence evenly across TP ranks: use a multiple of {tp} or drop --sequence-parallel"
+            )
+        if self.cfg.position == "learned" and seq_len > self.cfg.max_seq_len:
+            raise TensorparError(f"sequence length {seq_len} exceeds the model's {self.cfg.max_seq_len} positions")
+
+    def embed_tokens(self, ids: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
+        seq_len = ids.shape[1]
+        self.check_sequence(seq_len)
+        h = self.embed(ids)
+        if self.pos_embed is not None:
+            pos = self.pos_embed[:seq_len]
+            if self.sequence_parallel:
+                # Each rank adds the positions of its shard; the gradient of the [S, H] slice is summed across TP.
+                pos = copy_to_tp(pos, self.tp_group).chunk(self.tp_group.size, 0)[self.tp_group.rank]
+            h = h + pos
+        if self.training and self.cfg.dropout > 0:
+            shard = self.tp_group.rank if self.sequence_parallel else 0
+            h = seeded_dropout(h, self.cfg.dropout, mix_seed(dropout_seed, 2**20, shard), True)
+        return h
+
+    def rope(self, seq_len: int, dtype: torch.dtype):
+        if self.cfg.position != "rope":
+            return None
+        positions = torch.arange(seq_len, device=self.inv_freq.device)
+        return rope_cos_sin(positions, self.inv_freq, dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp]."""
+        h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
+        weight = self.embed.weight if self.head is None else self.head.weight
+        return F.linear(h, weight)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, dropout_seed: int | None = None):
+        if self.training and self.cfg.dropout > 0 and dropout_seed is None:
+            raise TensorparError("dropout is on: pass dropout_seed to the forward pass (the trainer does)")
+        h = self.embed_tokens(ids, dropout_seed)
+        rope = self.rope(ids.shape[1], torch.float32)
+        for layer in self.layers:
+            if self.recompute == "full" and self.training:
+                h = checkpoint(layer, h, rope, dropout_seed, use_reentrant=False)
+            else:
+                h = layer(h, rope, dropout_seed, recompute_core=self.recompute == "selective" and self.training)
+        logits = self.logits(self.final_norm(h))
+        return logits if targets is None else self.loss(logits, targets)
+
+    def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Set this rank's padding columns to -inf, so that they never win an argmax or a sample."""
+        start = self.tp_group.rank * logits.shape[-1]
+        valid = max(0, min(logits.shape[-1], self.cfg.vocab_size - start))
+        if valid < logits.shape[-1]:
+            logits = logits.clone()
+            logits[..., valid:] = float("-inf")
+        return logits

@@ -1,0 +1,73 @@
+"""The gradient norm of the dense model, computed from TP/PP-sharded gradients, and clipping by it.
+
+Each parameter's `ShardSpec` says how many TP ranks hold an identical copy of its tensor
+(`effective_replicas`): a column/row shard is held once, a replicated bias or norm weight by
+every TP rank, a KV head shared by ``replicas`` ranks by that many. Dividing each local squared
+norm by that count and summing over the TP group counts every dense element exactly once.
+
+Collectives (one per call of `global_grad_norm` or `clip_grad_norm_`, each on a 1-element fp32
+tensor, none on a group of one rank):
+
+- one all-reduce (sum) on ``mesh.tp_group``: the TP ranks of a stage hold different shards;
+- one all-reduce (sum) on ``mesh.pp_group``: the pipeline stages hold different layers.
+
+Nothing is reduced over ``mesh.dp_group``: after the data-parallel gradient all-reduce every DP
+replica holds the same (averaged) gradients, so summing over DP would count them dp times.
+A parameter held by more than one pipeline stage (tied embeddings on the first and last stage)
+would be counted once per stage; such a parameter needs its own accounting.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from tensorpar.layers.sharding import shard_spec
+
+_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+
+def _as_list(params: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _global_norm(params: list[torch.Tensor], mesh) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    tp_size = mesh.tp_size
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32).square()
+        total += sq.to(total.device) / shard_spec(p).effective_replicas(tp_size)
+    mesh.tp_group.all_reduce(total)  # the shards of this stage
+    mesh.pp_group.all_reduce(total)  # the layers of the other stages
+    return total.sqrt()
+
+
+def global_grad_norm(params: Iterable[torch.Tensor] | torch.Tensor, mesh) -> torch.Tensor:
+    """The L2 norm of the dense model's gradient: an fp32 scalar, the same on every rank.
+
+    `params` are this rank's (sharded) parameters; those whose ``.grad`` is None count as zero.
+    Squared norms are taken in fp32 whatever the gradient dtype. Collectives: one all-reduce of
+    one element on the TP group, then one on the PP group; none on the DP group.
+    """
+    return _global_norm(_as_list(params), mesh)
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, mesh) -> torch.Tensor:
+    """Scale every gradient in place so that the dense model's gradient norm is at most `max_norm`.
+
+    The factor is ``min(1, max_norm / (norm + 1e-6))``, as in torch.nn.utils.clip_grad_norm_,
+    the same on every rank. ``max_norm <= 0`` leaves the gradients alone. Returns the norm
+    before clipping (fp32 scalar). Collectives: those of `global_grad_norm`, nothing more.
+    """
+    params = _as_list(params)
+    norm = _global_norm(params, mesh)
+    if max_norm <= 0:
+        return norm
+    coef = torch.clamp(max_norm / (norm + _CLIP_EPS), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    return norm

@@ -1,0 +1,38 @@
+"""AdamW with the usual two parameter groups: weight decay on matrices, none on biases and norms."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tensorpar.errors import TensorparError
+
+
+def build_optimizer(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """AdamW over `model`'s trainable parameters, in two groups (in this order):
+
+    0. ``weight_decay=weight_decay``: parameters with ndim >= 2 (linear weights, embeddings);
+    1. ``weight_decay=0.0``: parameters with ndim < 2 (biases, norm weights and biases).
+
+    Within a group parameters keep `model.named_parameters()` order, so every rank (and every
+    TP size) builds the same groups; frozen parameters (``requires_grad=False``) are left out.
+    Uses the foreach implementation (``foreach=True``; on CPU torch runs it as a per-tensor loop),
+    never the fused one. No communication: AdamW is elementwise, so each rank steps its own shards.
+    """
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    if not decay and not no_decay:
+        raise TensorparError(f"build_optimizer: {type(model).__name__} has no trainable parameters")
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True, fused=False)

@@ -1,0 +1,79 @@
+"""The whole TP transformer against the same model on one device: loss, every dense gradient, and a step."""
+
+import pytest
+import torch
+
+from checks import rel_err
+from harness import mesh
+from tensorpar.distributed.comm import Group
+from tensorpar.layers.sharding import shard_spec, unshard_tensor
+from tensorpar.models import Transformer, get_config
+
+# tiny: Llama-style, 4 query heads, 2 KV heads (TP=4 replicates each KV head on 2 ranks), vocab 257.
+# tiny-gpt2: LayerNorm, learned positions, biases, tied embeddings, vocab 257.
+# mqa-relu: one KV head shared by all ranks, the course slides' ReLU MLP, 6 heads for TP=3.
+CONFIGS = {
+    "tiny": get_config("tiny").replace(num_layers=2),
+    "tiny-gpt2": get_config("tiny-gpt2").replace(num_layers=2),
+    "mqa-relu": get_config("tiny").replace(num_layers=2, hidden_size=96, num_heads=6, num_kv_heads=1,
+                                           ffn_hidden_size=192, activation="relu", gated_mlp=False),
+}
+
+
+def _dense_grads(model):
+    return {n: unshard_tensor(p.grad, shard_spec(p), model.tp_group) for n, p in model.named_parameters()}
+
+
+def check_model(tp, config, sequence_parallel, recompute):
+    m = mesh(tp=tp)
+    cfg = CONFIGS[config]
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    targets = torch.randint(0, cfg.vocab_size, (2, 12))
+    targets[0, :2] = -100
+
+    reference = Transformer(cfg, Group.single("tp"), seed=5)
+    ref_loss = reference(ids, targets)
+    ref_loss.backward()
+    model = Transformer(cfg, m, seed=5, sequence_parallel=sequence_parallel, recompute=recompute)
+    model.train()
+    loss = model(ids, targets)
+    loss.backward()
+
+    errs = {"loss": rel_err(loss, ref_loss)}
+    grads = _dense_grads(model)
+    # The key bias has an identically zero gradient (softmax ignores a shift shared by all keys), so its
+    # "relative" error would compare noise with noise: errors are relative to max(|grad|, 1e-3 |all grads|).
+    floor = 1e-3 * torch.sqrt(sum(p.grad.double().pow(2).sum() for p in reference.parameters())).item()
+    for name, p in reference.named_parameters():
+        diff = (grads[name].double() - p.grad.double()).norm().item()
+        errs[f"grad {name}"] = diff / max(p.grad.double().norm().item(), floor)
+    # SGD: AdamW's first step is about lr * sign(grad), which turns float noise in near-zero gradient
+    # entries into O(lr) differences; the layer tests check AdamW steps on better-conditioned gradients.
+    for opt_model in (reference, model):
+        torch.optim.SGD(opt_model.parameters(), lr=0.5, weight_decay=0.1).step()
+    floor = 1e-3 * torch.sqrt(sum(p.detach().double().pow(2).sum() for p in reference.parameters())).item()
+    for name, p in reference.named_parameters():
+        q = dict(model.named_parameters())[name]
+        diff = (unshard_tensor(q.detach(), shard_spec(q), model.tp_group).double() - p.detach().double()).norm()
+        errs[f"after step {name}"] = diff.item() / max(p.detach().double().norm().item(), floor)
+    return errs
+
+
+@pytest.mark.parametrize(
+    "tp,config,sp,recompute",
+    [
+        (2, "tiny", False, "none"),
+        (4, "tiny", False, "none"),
+        (4, "tiny", True, "none"),
+        (2, "tiny-gpt2", False, "none"),
+        (2, "tiny-gpt2", True, "selective"),
+        (4, "tiny-gpt2", True, "full"),
+        (3, "mqa-relu", False, "none"),
+        (3, "mqa-relu", True, "full"),
+    ],
+)
+def test_tp_transformer_matches_single_device(pools, tp, config, sp, recompute):
+    for rank, errs in enumerate(pools(tp).run(check_model, tp, config, sp, recompute)):
+        bad = {k: f"{v:.1e}" for k, v in errs.items() if v > 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
