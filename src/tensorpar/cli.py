@@ -20,13 +20,13 @@ def _rank_prefix() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tensorpar.commands import demo
+    from tensorpar.commands import demo, eval as eval_cmd, train
 
     parser = argparse.ArgumentParser(
         prog="tensorpar", description="Tensor-parallel training, evaluation and serving of transformers."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo,):
+    for module in (train, eval_cmd, demo):
         module.add_parser(sub)
     return parser
 

@@ -1,0 +1,53 @@
+"""Metrics output: one JSON object per optimizer step, and the loss-curve picture."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class MetricsWriter:
+    """Appends JSON lines to `path` (or does nothing when path is None)."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self._file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "w")
+
+    def write(self, record: dict) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+
+
+def plot_loss_curve(records: list[dict], path: str, title: str) -> str | None:
+    """Training loss per step and validation loss where measured; returns the path, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss", lw=1)
+    val = [r for r in records if r.get("val_loss") is not None]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,247 @@
+"""The training loop, run on every rank.
+
+One optimizer step: the step's global batch (fixed by seed and global batch size alone), this
+DP rank's rows cut into micro-batches, forward/backward on each (gradients accumulate locally),
+gradients averaged over DP (one all-reduce per parameter, fp32), clipped by the dense global
+norm, AdamW with a cosine schedule. Rank 0 shows a progress bar and writes the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+
+import torch
+
+from tensorpar.data import TokenDataset, check_vocab, load_tokenizer, load_tokens, micro_batches
+from tensorpar.distributed.mesh import init_mesh
+from tensorpar.errors import TensorparError
+from tensorpar.layers.dropout import mix_seed
+from tensorpar.models import Transformer, get_config, load_full_state_dict
+from tensorpar.models.layout import check_model_layout
+from tensorpar.training.flops import peak_flops, train_flops_per_token
+from tensorpar.training.grad_norm import clip_grad_norm_
+from tensorpar.training.metrics import MetricsWriter, plot_loss_curve
+from tensorpar.training.optimizer import build_optimizer
+from tensorpar.training.schedule import lr_at, set_lr
+
+
+@dataclasses.dataclass
+class TrainArgs:
+    model: str = "tiny"
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    steps: int = 300
+    seed: int = 0
+    global_batch_size: int = 16
+    micro_batch_size: int | None = None  # default: the global batch divided by DP (no accumulation)
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float | None = None  # default lr / 10
+    warmup_steps: int | None = None  # default min(100, steps // 10)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dropout: float = 0.0
+    dtype: str = "fp32"
+    data: str | None = None
+    bin_dtype: str = "uint16"
+    val_fraction: float = 0.05
+    val_every: int = 50
+    val_windows: int = 32
+    metrics: str | None = None
+    out_dir: str | None = None
+    init_from: str | None = None
+    sample_prompt: str = "The "
+    sample_tokens: int = 0
+    progress: bool = True
+    device: str | None = None
+
+
+def model_config(args: TrainArgs):
+    """The model's config alone (cheap): a preset, a config file, or the `--init-from` folder's config."""
+    if args.init_from:
+        from tensorpar.models.checkpoint_io import load_config
+
+        return load_config(args.init_from).replace(dropout=args.dropout)
+    return get_config(args.model).replace(dropout=args.dropout)
+
+
+def resolve_model(args: TrainArgs):
+    """(config, dense initial weights or None, tokenizer) from a preset or `--init-from` folder."""
+    if args.init_from:
+        from tensorpar.models.checkpoint_io import load_model_source
+
+        cfg, state = load_model_source(args.init_from)
+        tokenizer = load_tokenizer(args.init_from)
+    else:
+        cfg, state, tokenizer = get_config(args.model), None, load_tokenizer(None)
+    return cfg.replace(dropout=args.dropout), state, tokenizer
+
+
+def validate(args: TrainArgs, cfg) -> None:
+    """Everything that can be checked before starting processes."""
+    if args.pp != 1:
+        raise TensorparError("pipeline parallelism (--pp > 1) is not available yet; use --pp 1")
+    if args.dtype not in ("fp32", "bf16"):
+        raise TensorparError(f"--dtype must be fp32 or bf16, got {args.dtype!r}")
+    if args.steps < 1:
+        raise TensorparError(f"--steps must be at least 1, got {args.steps}")
+    if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
+        raise TensorparError(f"--warmup-steps must be between 0 and --steps ({args.steps}), got {args.warmup_steps}")
+    if args.data and not os.path.exists(args.data):
+        raise TensorparError(f"data file '{args.data}' does not exist")
+    check_model_layout(cfg, args.tp, args.sequence_parallel, args.seq_len)
+
+
+def _autocast(device: torch.device, dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _average_gradients_over_dp(model, mesh) -> None:
+    """All-reduce (sum) every gradient over the DP group, in fp32, and divide by DP."""
+    if mesh.dp_size == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            mesh.dp_group.all_reduce(p.grad)
+            p.grad.div_(mesh.dp_size)
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, batch_size: int, device, dtype: str) -> float:
+    """Mean next-token loss over `windows` [N, L+1] (every rank gets the same value)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start : start + batch_size].to(device)
+        with _autocast(device, dtype):
+            loss = model(batch[:, :-1], batch[:, 1:])
+        total += loss.item() * batch[:, 1:].numel()
+        count += batch[:, 1:].numel()
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def train(args: TrainArgs) -> dict:
+    """Train on every rank of the running world; returns the summary (rank 0 also prints and plots)."""
+    cfg, init_state, tokenizer = resolve_model(args)
+    validate(args, cfg)
+    mesh = init_mesh(tp=args.tp, pp=args.pp, dp=args.dp, device=args.device)
+    is_main = mesh.rank == 0
+    device = mesh.device
+
+    tokens = load_tokens(args.data, tokenizer, args.bin_dtype)
+    check_vocab(tokens, cfg.vocab_size, args.data or "the default corpus")
+    dataset = TokenDataset(tokens, args.seq_len, args.val_fraction)
+    micro = args.micro_batch_size or args.global_batch_size // mesh.dp_size
+    micro_batches(dataset.global_batch(0, args.seed, args.global_batch_size), 0, mesh.dp_size, micro)  # validates
+
+    torch.manual_seed(args.seed)
+    model = Transformer(cfg, mesh, sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                        seed=args.seed, init=init_state is None)
+    if init_state is not None:
+        load_full_state_dict(model, init_state, source=args.init_from)
+    model.train()
+    optimizer = build_optimizer(model, args.lr, args.weight_decay)
+    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    warmup = min(100, args.steps // 10) if args.warmup_steps is None else args.warmup_steps
+
+    tokens_per_step = args.global_batch_size * args.seq_len
+    flops_per_step = train_flops_per_token(cfg, args.seq_len) * tokens_per_step
+    peak, peak_source = peak_flops(device, args.dtype)
+    metrics = MetricsWriter(args.metrics if is_main else None)
+    records: list[dict] = []
+    val_windows = dataset.val_windows(args.val_windows) if dataset.num_val_windows else None
+
+    progress = None
+    if is_main and args.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.steps, desc=f"train {args.model} tp={mesh.tp_size} dp={mesh.dp_size}",
+                        unit="step", dynamic_ncols=True)
+    started = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, max_lr=args.lr, min_lr=min_lr, warmup_steps=warmup, total_steps=args.steps)
+        set_lr(optimizer, lr)
+        batches = micro_batches(dataset.global_batch(step, args.seed, args.global_batch_size),
+                                mesh.dp_rank, mesh.dp_size, micro)
+        step_loss = torch.zeros((), device=device)
+        for i, batch in enumerate(batches):
+            batch = batch.to(device)
+            seed = mix_seed(args.seed, step, mesh.dp_rank * len(batches) + i)
+            with _autocast(device, args.dtype):
+                loss = model(batch[:, :-1], batch[:, 1:], dropout_seed=seed)
+            (loss / len(batches)).backward()
+            step_loss += loss.detach().float() / len(batches)
+        _average_gradients_over_dp(model, mesh)
+        grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, mesh)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mesh.dp_group.all_reduce(step_loss)
+        step_loss = step_loss.item() / mesh.dp_size
+        if not math.isfinite(step_loss):
+            raise TensorparError(f"loss became {step_loss} at step {step + 1}; try a lower --lr or --grad-clip")
+        elapsed = time.perf_counter() - t0
+        record = {
+            "step": step + 1,
+            "loss": step_loss,
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / elapsed,
+            "mfu": flops_per_step / elapsed / (peak * mesh.world_size),
+            "step_time_s": elapsed,
+        }
+        last = step == args.steps - 1
+        if val_windows is not None and (last or (args.val_every and (step + 1) % args.val_every == 0)):
+            record["val_loss"] = evaluate(model, val_windows, micro, device, args.dtype)
+        records.append(record)
+        metrics.write(record)
+        if progress is not None:
+            progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 mfu=f"{100 * record['mfu']:.1f}%")
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+    total_time = time.perf_counter() - started
+    metrics.close()
+
+    summary = {
+        "model": args.model if not args.init_from else args.init_from,
+        "parameters": cfg.num_parameters(),
+        "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
+                   "sequence_parallel": model.sequence_parallel, "recompute": args.recompute, "dtype": args.dtype},
+        "steps": args.steps,
+        "tokens": tokens_per_step * args.steps,
+        "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
+        "final_val_loss": records[-1].get("val_loss"),
+        "time_s": total_time,
+        "tokens_per_s": tokens_per_step * args.steps / total_time,
+        "mfu": sum(r["mfu"] for r in records) / len(records),
+        "peak_flops_source": peak_source,
+        "history": records,
+    }
+    if args.sample_tokens:
+        from tensorpar.inference import greedy_generate
+
+        prompt = tokenizer.encode(args.sample_prompt)
+        new = greedy_generate(model, prompt, args.sample_tokens, eos_id=getattr(tokenizer, "eos_id", None))
+        summary["sample"] = args.sample_prompt + tokenizer.decode(new)
+    if is_main and args.out_dir:
+        summary["loss_plot"] = plot_loss_curve(
+            records, os.path.join(args.out_dir, "loss.png"),
+            f"{args.model}: tp={mesh.tp_size} dp={mesh.dp_size}{' +SP' if model.sequence_parallel else ''}, "
+            f"{args.dtype}, {args.steps} steps",
+        )
+    mesh.destroy()
+    return summary

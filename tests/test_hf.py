@@ -1,0 +1,356 @@
+"""Hugging Face import and export against transformers itself, on small random GPT-2 and Llama models.
+
+Each model is built with transformers in this process (every parameter perturbed, so that zero
+biases and unit norms cannot hide a wrong mapping), saved with `save_pretrained`, and its logits
+and loss are the reference: tensorpar must reproduce them from the saved folder at TP 1, 2 and 4.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from checks import rel_err  # noqa: E402
+from harness import mesh  # noqa: E402
+from tensorpar.errors import TensorparError  # noqa: E402
+from tensorpar.models import Transformer, full_state_dict, get_config, load_full_state_dict  # noqa: E402
+from tensorpar.models.hf import (  # noqa: E402
+    config_from_hf,
+    config_to_hf,
+    hf_to_tensorpar,
+    is_hf_folder,
+    load_hf_folder,
+    save_hf_folder,
+    tensorpar_to_hf,
+)
+
+TOL = 1e-5
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               # With head_dim 16 and theta 5e5 the wavelengths (6.3, 32, 167, ...) hit all three llama3 bands.
+               "original_max_position_embeddings": 64}
+
+
+def _gpt2(**kw):
+    return transformers.GPT2Config(vocab_size=1001, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                   bos_token_id=0, eos_token_id=0, **kw)
+
+
+def _llama(**kw):
+    args = dict(vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, max_position_embeddings=64)
+    return transformers.LlamaConfig(**{**args, **kw})
+
+
+HF_CONFIGS = {
+    "gpt2": lambda: _gpt2(),  # tied, gelu_new; vocab 1001 does not divide by TP
+    "gpt2-untied": lambda: _gpt2(tie_word_embeddings=False, activation_function="gelu", n_inner=96),
+    "llama": lambda: _llama(),  # one KV head: replicated at TP 2 and 4; untied
+    "llama-bias": lambda: _llama(num_key_value_heads=2, attention_bias=True, mlp_bias=True, rms_norm_eps=1e-5),
+    "llama3": lambda: _llama(num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
+                             rope_scaling=dict(LLAMA3_ROPE)),
+}
+
+
+def _hf_model(config):
+    cls = transformers.GPT2LMHeadModel if config.model_type == "gpt2" else transformers.LlamaForCausalLM
+    config._attn_implementation = "eager"
+    model = cls(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():  # random biases and norm weights, not HF's zeros and ones
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _batch(seed=1, seq=16):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1001, (2, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[1, 7] = -100
+    # HF shifts the labels inside the model; tensorpar takes targets already aligned with the inputs.
+    targets = torch.full_like(labels, -100)
+    targets[:, :-1] = labels[:, 1:]
+    return ids, labels, targets
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """name -> (folder, HF logits, HF loss) of a saved random model."""
+    ids, labels, _ = _batch()
+    out = {}
+    for i, (name, make) in enumerate(HF_CONFIGS.items()):
+        torch.manual_seed(100 + i)
+        model = _hf_model(make())
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder, safe_serialization=True)
+        with torch.no_grad():
+            logits = model(ids).logits
+            loss = model(ids, labels=labels).loss
+        out[name] = (folder, logits, loss)
+    return out
+
+
+def _tensorpar_logits_loss(cfg, state, ids, targets, m=None):
+    model = Transformer(cfg, m, init=False)
+    load_full_state_dict(model, state, "test")
+    model.eval()
+    with torch.no_grad():
+        return model(ids), model(ids, targets)
+
+
+# -- configs --------------------------------------------------------------------------------------
+
+
+def test_config_mapping(hf_models):
+    cfg = load_hf_folder(hf_models["gpt2"][0])[0]
+    assert (cfg.family, cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.kv_heads) == \
+        ("gpt2", 1001, 64, 2, 4, 4)
+    assert (cfg.ffn_hidden_size, cfg.max_seq_len, cfg.norm, cfg.activation, cfg.position, cfg.tie_embeddings,
+            cfg.bias, cfg.gated_mlp, cfg.dropout) == (256, 64, "layernorm", "gelu_new", "learned", True, True, False, 0)
+    cfg = load_hf_folder(hf_models["gpt2-untied"][0])[0]
+    assert (cfg.ffn_hidden_size, cfg.activation, cfg.tie_embeddings) == (96, "gelu", False)
+
+    cfg = load_hf_folder(hf_models["llama"][0])[0]
+    assert (cfg.family, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.kv_heads, cfg.ffn_hidden_size) == \
+        ("llama", 64, 2, 4, 1, 128)
+    assert (cfg.norm, cfg.norm_eps, cfg.activation, cfg.gated_mlp, cfg.position, cfg.rope_theta, cfg.rope_scaling,
+            cfg.tie_embeddings, cfg.bias, cfg.dropout) == \
+        ("rmsnorm", 1e-6, "silu", True, "rope", 10000.0, None, False, False, 0)
+    assert load_hf_folder(hf_models["llama-bias"][0])[0].bias is True
+
+    cfg = load_hf_folder(hf_models["llama3"][0])[0]
+    assert cfg.rope_theta == 500000.0 and cfg.tie_embeddings and cfg.rope_scaling == LLAMA3_ROPE
+    # transformers 4 layout: top-level rope_theta, rope_scaling with "type"; and a config without the original
+    # length (transformers then uses max_position_embeddings).
+    legacy = {k: v for k, v in _llama().to_dict().items() if k != "rope_parameters"}
+    legacy.update(rope_theta=500000.0, rope_scaling={**LLAMA3_ROPE, "type": "llama3"}, tie_word_embeddings=True)
+    del legacy["rope_scaling"]["rope_type"]
+    assert config_from_hf(legacy) == cfg.replace(num_kv_heads=1)
+    del legacy["rope_scaling"]["original_max_position_embeddings"]
+    assert config_from_hf(legacy).rope_scaling["original_max_position_embeddings"] == 64
+    # Defaults: GPT2Config's when a field is left out.
+    assert config_from_hf({"model_type": "gpt2"}) == get_config("gpt2-124m")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-untied", "llama", "llama-bias", "llama3"])
+def test_config_to_hf_round_trip(name):
+    cfg = config_from_hf(HF_CONFIGS[name]().to_dict())
+    hf = config_to_hf(cfg)
+    cls = transformers.GPT2Config if cfg.family == "gpt2" else transformers.LlamaConfig
+    assert config_from_hf(cls.from_dict(hf).to_dict()) == cfg  # what transformers makes of it maps back
+    assert config_from_hf(json.loads(json.dumps(hf))) == cfg
+
+
+@pytest.mark.parametrize("model_type,field,value", [
+    ("bert", "model_type", "bert"),
+    ("llama", "hidden_act", "gelu"),
+    ("llama", "head_dim", 32),
+    ("llama", "mlp_bias", False),  # with attention_bias=True
+    ("llama", "rope_type", "yarn"),
+    ("llama", "num_key_value_heads", 3),
+    ("gpt2", "activation_function", "quick_gelu"),
+    ("gpt2", "scale_attn_by_inverse_layer_idx", True),
+    ("gpt2", "n_embd", "64"),
+])
+def test_config_refusals(model_type, field, value):
+    hf = (_gpt2() if model_type == "gpt2" else _llama()).to_dict()
+    if field == "model_type":
+        hf["model_type"] = value
+    elif field == "mlp_bias":
+        hf.update(attention_bias=True, mlp_bias=value)
+    elif field == "rope_type":
+        hf["rope_parameters"] = {"rope_type": value, "factor": 2.0, "rope_theta": 10000.0}
+    else:
+        hf[field] = value
+    with pytest.raises(TensorparError) as e:
+        config_from_hf(hf)
+    msg = str(e.value)
+    assert "\n" not in msg and field in msg and repr(value) in msg, msg
+
+
+def test_export_refuses_configs_without_hf_equivalent():
+    relu = get_config("tiny").replace(activation="relu", gated_mlp=False)
+    with pytest.raises(TensorparError, match="activation='relu'"):
+        config_to_hf(relu)
+    with pytest.raises(TensorparError, match="num_kv_heads"):
+        config_to_hf(get_config("tiny-gpt2").replace(num_kv_heads=2))
+
+
+# -- names ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_name_mapping_round_trip_is_bit_exact(hf_models, name):
+    folder = hf_models[name][0]
+    cfg = config_from_hf(json.loads((folder / "config.json").read_text()))
+    saved = load_file(str(folder / "model.safetensors"))
+    state = hf_to_tensorpar(saved, cfg)
+    assert set(state) == set(dict(Transformer(cfg, init=False, device="meta").named_parameters()))
+    back = tensorpar_to_hf(state, cfg)
+    assert set(back) == set(saved)
+    for key, tensor in saved.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+
+    # Base-model names without the prefix, GPT-2's mask buffers and a stored tied lm_head change nothing.
+    prefix = "transformer." if cfg.family == "gpt2" else "model."
+    bare = {k.removeprefix(prefix): v for k, v in saved.items()}
+    if cfg.family == "gpt2":
+        bare["h.0.attn.bias"] = torch.ones(1, 1, 64, 64, dtype=torch.bool)
+        bare["h.1.attn.masked_bias"] = torch.tensor(-1e4)
+    if cfg.tie_embeddings:
+        bare["lm_head.weight"] = torch.zeros(1001, 64)
+    other = hf_to_tensorpar(bare, cfg)
+    assert set(other) == set(state) and all(torch.equal(other[k], state[k]) for k in state)
+
+
+def test_name_mapping_refusals(hf_models):
+    folder = hf_models["llama"][0]
+    cfg = config_from_hf(json.loads((folder / "config.json").read_text()))
+    saved = load_file(str(folder / "model.safetensors"))
+    missing = {k: v for k, v in saved.items() if k != "lm_head.weight"}
+    with pytest.raises(TensorparError, match="missing.*lm_head.weight"):
+        hf_to_tensorpar(missing, cfg)
+    with pytest.raises(TensorparError, match="model.layers.2.mlp.up_proj.weight"):
+        hf_to_tensorpar({**saved, "model.layers.2.mlp.up_proj.weight": torch.zeros(128, 64)}, cfg)
+    with pytest.raises(TensorparError, match=r"k_proj.weight' has shape \(32, 64\).*\(16, 64\)"):
+        hf_to_tensorpar({**saved, "model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 64)}, cfg)
+
+
+# -- numerics -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_tp1_logits_and_loss_match_transformers(hf_models, name):
+    folder, hf_logits, hf_loss = hf_models[name]
+    cfg, state = load_hf_folder(folder)
+    ids, _, targets = _batch()
+    logits, loss = _tensorpar_logits_loss(cfg, state, ids, targets)
+    assert logits.shape == hf_logits.shape
+    assert rel_err(logits, hf_logits) <= TOL, f"logits: {rel_err(logits, hf_logits):.2e}"
+    assert rel_err(loss, hf_loss) <= TOL, f"loss {loss.item()} vs transformers {hf_loss.item()}"
+
+
+def check_hf_tp(tp, folder, ids, targets):
+    """On every rank: load the folder at this TP size; (loss, this rank's logits shard, vocab start)."""
+    m = mesh(tp=tp)
+    cfg, state = load_hf_folder(folder)
+    logits, loss = _tensorpar_logits_loss(cfg, state, ids, targets, m)
+    return loss.item(), logits, m.tp_group.rank * logits.shape[-1]
+
+
+@pytest.mark.parametrize("tp,name", [(2, "gpt2"), (4, "gpt2"), (2, "llama"), (4, "llama")])
+def test_tp_loss_matches_transformers(pools, hf_models, tp, name):
+    folder, hf_logits, hf_loss = hf_models[name]
+    ids, _, targets = _batch()
+    for rank, (loss, shard, start) in enumerate(pools(tp).run(check_hf_tp, tp, str(folder), ids, targets)):
+        assert abs(loss - hf_loss.item()) <= TOL * abs(hf_loss.item()), f"rank {rank}: {loss} vs {hf_loss.item()}"
+        valid = min(shard.shape[-1], 1001 - start)  # the last rank's shard ends in vocabulary padding
+        expected = hf_logits[..., start:start + valid]
+        assert rel_err(shard[..., :valid], expected) <= TOL, f"rank {rank} logits"
+
+
+# -- folders --------------------------------------------------------------------------------------
+
+
+def test_is_hf_folder(hf_models, tmp_path):
+    assert is_hf_folder(hf_models["gpt2"][0]) and is_hf_folder(str(hf_models["llama"][0]))
+    assert not is_hf_folder(tmp_path / "nope") and not is_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert not is_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    assert not is_hf_folder(tmp_path)
+    shutil.copy(hf_models["gpt2"][0] / "config.json", tmp_path / "config.json")
+    assert is_hf_folder(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    assert not is_hf_folder(tmp_path)
+
+
+def test_sharded_folder_loads_like_single_file(hf_models, tmp_path):
+    torch.manual_seed(7)
+    model = _hf_model(HF_CONFIGS["llama"]())
+    model.save_pretrained(tmp_path / "one", safe_serialization=True)
+    model.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    cfg, state = load_hf_folder(tmp_path / "one")
+    cfg2, state2 = load_hf_folder(tmp_path / "sharded")
+    assert cfg == cfg2 and set(state) == set(state2) and all(torch.equal(state[k], state2[k]) for k in state)
+    # A shard the index names but that is gone.
+    next((tmp_path / "sharded").glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(TensorparError, match="model-00002-.*does not exist"):
+        load_hf_folder(tmp_path / "sharded")
+
+
+def _copy(folder, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def test_load_errors(hf_models, tmp_path):
+    with pytest.raises(TensorparError, match="nope.*does not exist"):
+        load_hf_folder(tmp_path / "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TensorparError, match="config.json.*does not exist"):
+        load_hf_folder(empty)
+    shutil.copy(hf_models["gpt2"][0] / "config.json", empty / "config.json")
+    with pytest.raises(TensorparError, match="no \\*.safetensors files"):
+        load_hf_folder(empty)
+    (empty / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "relu"}))
+    with pytest.raises(TensorparError, match="config.json.*hidden_act='relu'"):
+        load_hf_folder(empty)
+
+    folder = _copy(hf_models["gpt2"][0], tmp_path)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TensorparError, match="cannot read safetensors file .*model.safetensors"):
+        load_hf_folder(folder)
+
+
+def test_wrong_or_missing_tensor_errors(hf_models, tmp_path):
+    folder = _copy(hf_models["gpt2"][0], tmp_path)
+    weights = folder / "model.safetensors"
+    saved = load_file(str(weights))
+    save_file({**saved, "transformer.h.1.mlp.c_fc.weight": torch.zeros(64, 200)}, str(weights),
+              metadata={"format": "pt"})
+    with pytest.raises(TensorparError, match=r"model.safetensors.*'transformer.h.1.mlp.c_fc.weight' has shape "
+                                             r"\(64, 200\), the config expects \(64, 256\)"):
+        load_hf_folder(folder)
+    save_file({k: v for k, v in saved.items() if k != "transformer.ln_f.bias"}, str(weights),
+              metadata={"format": "pt"})
+    with pytest.raises(TensorparError, match="missing.*transformer.ln_f.bias"):
+        load_hf_folder(folder)
+
+
+@pytest.mark.parametrize("name", ["gpt2-untied", "llama3", "llama-bias"])
+def test_save_hf_folder_loads_in_transformers(tmp_path, name):
+    """A tensorpar model saved as a HF folder: transformers computes tensorpar's logits, and loading it back
+    gives the same tensors bit for bit."""
+    cfg = config_from_hf(HF_CONFIGS[name]().to_dict())
+    model = Transformer(cfg, seed=3).eval()
+    state = full_state_dict(model)
+    save_hf_folder(tmp_path / "out", cfg, state)
+    assert is_hf_folder(tmp_path / "out")
+    hf_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hf_cfg["architectures"] == ["GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM"]
+    cfg2, state2 = load_hf_folder(tmp_path / "out")
+    assert cfg2 == cfg and all(torch.equal(state2[k], state[k]) for k in state)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert hf.dtype == torch.float32
+    ids, labels, targets = _batch(seed=2)
+    with torch.no_grad():
+        assert rel_err(hf(ids).logits, model(ids)) <= TOL
+        assert rel_err(hf(ids, labels=labels).loss, model(ids, targets)) <= TOL
+    # Saving again into the same folder overwrites it; a folder holding a sharded checkpoint is refused.
+    save_hf_folder(tmp_path / "out", cfg, state)
+    (tmp_path / "out" / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(TensorparError, match="already holds another checkpoint"):
+        save_hf_folder(tmp_path / "out", cfg, state)
