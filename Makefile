@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tensorpar-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo demo-layers test bench clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -11,8 +11,17 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 
 setup: $(STAMP)
 
+# The main job: train the tiny Llama-style preset at TP=2 on the embedded corpus (about 2-3 minutes on
+# 2 CPU cores), then print a greedy sample; metrics and the loss curve go to runs/tiny-tp2/.
 demo: $(STAMP)
+	$(PY) -m tensorpar train --tp 2 --steps 600 --sample-tokens 200
+
+# The four TP building blocks on a toy model, rank by rank, with every collective counted.
+demo-layers: $(STAMP)
 	$(PY) -m tensorpar demo --tp 2
+
+bench: $(STAMP)
+	$(PY) bench/tp_step.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

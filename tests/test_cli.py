@@ -68,3 +68,31 @@ def test_under_torchrun_the_demo_uses_the_launchers_processes():
     proc, _ = tensorpar("demo", "--tp", "2", launcher=[torchrun, "--nproc-per-node", "2", "--standalone", "-m"])
     assert proc.returncode == 0, proc.stderr
     assert "TP=2 over 2 process(es)" in proc.stdout and "OK:" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["train", "--tp", "7"], "num_heads = 4 is not divisible by the tensor-parallel size 7"),
+        (["train", "--model", "gpt5"], "unknown model preset 'gpt5'; known presets: tiny"),
+        (["train", "--data", "/no/such/file.txt"], "data file '/no/such/file.txt' does not exist"),
+        (["train", "--tp", "2", "--sequence-parallel", "--seq-len", "33"], "sequence length 33 is not divisible"),
+        (["train", "--pp", "2", "--tp", "1"], "pipeline parallelism (--pp > 1) is not available yet"),
+        (["eval", "--checkpoint", "/no/such/dir", "--seq-len", "8"], "checkpoint '/no/such/dir' does not exist"),
+    ],
+    ids=["heads", "preset", "data", "sp-seq", "pp", "checkpoint"],
+)
+def test_bad_input_fails_in_seconds_with_one_line(args, needle):
+    proc, elapsed = tensorpar(*args)
+    _assert_one_line_error(proc, elapsed, needle)
+    assert elapsed < 15
+
+
+def test_bad_input_under_torchrun_is_reported_by_every_rank():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun not installed")
+    proc, _ = tensorpar("train", "--tp", "2", "--model", "gpt5",
+                        launcher=[torchrun, "--standalone", "--nproc-per-node", "2", "-m"])
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("tensorpar: error:")]
+    assert sorted(ln.split("]")[0] for ln in ours) == [f"tensorpar: error: [rank {r}" for r in range(2)], proc.stderr

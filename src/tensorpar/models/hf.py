@@ -177,7 +177,8 @@ def _llama_config(hf: dict) -> ModelConfig:
         raise _unsupported("hidden_size", hidden, f"not divisible by num_attention_heads {heads}")
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim != hidden // heads:
-        raise _unsupported("head_dim", head_dim, f"tensorpar needs hidden_size / num_attention_heads = {hidden // heads}")
+        raise _unsupported("head_dim", head_dim,
+                           f"tensorpar needs hidden_size / num_attention_heads = {hidden // heads}")
     if heads % kv_heads:
         raise _unsupported("num_key_value_heads", kv_heads, f"does not divide num_attention_heads {heads}")
     attention_bias = _bool(hf, "attention_bias", False)
@@ -328,7 +329,8 @@ def _gpt2_layer_names(i: int) -> list[tuple[str, str]]:
 
 
 def _llama_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
-    pairs = [(f"{_LLAMA_PREFIX}embed_tokens.weight", "embed.weight"), (f"{_LLAMA_PREFIX}norm.weight", "final_norm.weight")]
+    pairs = [(f"{_LLAMA_PREFIX}embed_tokens.weight", "embed.weight"),
+             (f"{_LLAMA_PREFIX}norm.weight", "final_norm.weight")]
     suffixes = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.num_layers):
         h, t = f"{_LLAMA_PREFIX}layers.{i}.", f"layers.{i}."
@@ -358,8 +360,9 @@ def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     out = {f"{_GPT2_PREFIX}wte.weight": state["embed.weight"], f"{_GPT2_PREFIX}wpe.weight": state["pos_embed"]}
     for i in range(cfg.num_layers):
         t, h = f"layers.{i}.attn.", f"{_GPT2_PREFIX}h.{i}.attn.c_attn."
-        out[h + "weight"] = torch.cat([state[t + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")]).t().contiguous()
-        out[h + "bias"] = torch.cat([state[t + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")])
+        qkv = ("q_proj", "k_proj", "v_proj")
+        out[h + "weight"] = torch.cat([state[t + p + ".weight"] for p in qkv]).t().contiguous()
+        out[h + "bias"] = torch.cat([state[t + p + ".bias"] for p in qkv])
         for hf, tp in _gpt2_layer_names(i):
             out[hf] = state[tp].t().contiguous() if hf.endswith(("c_proj.weight", "c_fc.weight")) else state[tp]
     out[f"{_GPT2_PREFIX}ln_f.weight"] = state["final_norm.weight"]

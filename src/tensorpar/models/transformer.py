@@ -157,7 +157,7 @@ class Transformer(nn.Module):
         if self.training and self.cfg.dropout > 0 and dropout_seed is None:
             raise TensorparError("dropout is on: pass dropout_seed to the forward pass (the trainer does)")
         h = self.embed_tokens(ids, dropout_seed)
-        rope = self.rope(ids.shape[1], torch.float32)
+        rope = self.rope(ids.shape[1], h.dtype)  # like transformers: cos/sin in the hidden states' dtype
         for layer in self.layers:
             if self.recompute == "full" and self.training:
                 h = checkpoint(layer, h, rope, dropout_seed, use_reentrant=False)
