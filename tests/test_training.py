@@ -41,8 +41,10 @@ def reference(pools):
         (4, dict(tp=4, sequence_parallel=True, model="tiny-gpt2")),  # vocab 257 padded, tied, learned positions
         (4, dict(tp=2, dp=2)),
         (4, dict(tp=2, dp=2, micro_batch_size=2)),  # 2 micro-batches per DP rank
+        (4, dict(tp=2, dp=2, zero=1, sequence_parallel=True)),
+        (4, dict(tp=1, dp=4, zero=2, micro_batch_size=1)),
     ],
-    ids=["tp2", "tp4", "tp2-sp", "tp4-sp-gpt2", "tp2-dp2", "tp2-dp2-accum"],
+    ids=["tp2", "tp4", "tp2-sp", "tp4-sp-gpt2", "tp2-dp2", "tp2-dp2-accum", "tp2-sp-dp2-zero1", "dp4-zero2-accum"],
 )
 def test_layouts_follow_the_single_device_trajectory(pools, reference, world, layout):
     model = layout.get("model", "tiny")

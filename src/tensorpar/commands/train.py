@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny", help="preset name or config .json (default %(default)s)")
     add_layout_args(p)
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout/residuals along the sequence")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0,
+                   help="ZeRO stage over the DP group: 1 shards optimizer states, 2 also gradients")
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
@@ -44,7 +46,7 @@ def _train_args(args) -> TrainArgs:
     out_dir = args.out_dir or os.path.join("runs", f"{os.path.basename(args.init_from or args.model)}-tp{args.tp}")
     return TrainArgs(
         model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
-        recompute=args.recompute, steps=args.steps, seed=args.seed, global_batch_size=args.global_batch_size,
+        zero=args.zero, recompute=args.recompute, steps=args.steps, seed=args.seed, global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=args.lr, min_lr=args.min_lr,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         dropout=args.dropout, dtype=args.dtype, data=args.data, bin_dtype=args.bin_dtype, val_every=args.val_every,

@@ -179,6 +179,16 @@ class Group:
         self.stats.record(op, self.name, n, n * count_tensor.element_size(), seconds)
         return result
 
+    def _launch(self, op: str, count_tensor: torch.Tensor, fn) -> "Pending":
+        """Start an asynchronous collective; count it now, explain its failure at `wait()`."""
+        try:
+            work = fn()
+        except Exception as e:
+            raise CollectiveError(f"rank {self.global_rank}: {op} on group '{self.name}' (ranks {self.ranks}) "
+                                  f"could not start: {str(e).strip().splitlines()[0] if str(e).strip() else e}") from e
+        self.stats.record(op, self.name, count_tensor.numel(), _nbytes(count_tensor))
+        return Pending(work, self, op)
+
     def _global(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
@@ -190,6 +200,37 @@ class Group:
             return tensor
         self._run("all_reduce", tensor, lambda: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.pg))
         return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> "Pending":
+        """Start an in-place all-reduce of `tensor`; returns a handle whose wait() completes it."""
+        if self.size == 1:
+            return Pending(None, self, "all_reduce")
+        return self._launch("all_reduce", tensor,
+                            lambda: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.pg, async_op=True))
+
+    def reduce_scatter_async(self, output: torch.Tensor, tensor: torch.Tensor, op: str = "sum") -> "Pending":
+        """Start reducing the flat `tensor` (size x output.numel() elements) into this rank's `output`."""
+        if self.size == 1:
+            output.copy_(tensor.view_as(output))
+            return Pending(None, self, "reduce_scatter")
+        return self._launch("reduce_scatter", tensor, lambda: _reduce_scatter_single(
+            output, tensor, op=_REDUCE_OPS[op], group=self.pg, async_op=True))
+
+    def all_gather_async(self, output: torch.Tensor, tensor: torch.Tensor) -> "Pending":
+        """Start gathering every rank's flat `tensor` into `output` (size x tensor.numel() elements, rank order)."""
+        if self.size == 1:
+            output.copy_(tensor.view_as(output))
+            return Pending(None, self, "all_gather")
+        return self._launch("all_gather", output, lambda: _all_gather_single(output, tensor, group=self.pg,
+                                                                              async_op=True))
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> "Pending":
+        """Start sending `tensor` to group rank `dst`; keep `tensor` alive until wait()."""
+        return self._launch("send", tensor, lambda: dist.isend(tensor, self._global(dst), group=self.pg))
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> "Pending":
+        """Start receiving into `tensor` from group rank `src`; the data is there after wait()."""
+        return self._launch("recv", tensor, lambda: dist.irecv(tensor, self._global(src), group=self.pg))
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim` (all equal shapes), in group-rank order."""
@@ -305,6 +346,28 @@ class Group:
         marker = torch.zeros(0)
         self._run("all_gather_object", marker, lambda: dist.all_gather_object(out, obj, group=self.pg))
         return out
+
+
+class Pending:
+    """A started collective: `wait()` blocks until it completes, turning failures into CollectiveError."""
+
+    def __init__(self, work, group: Group, op: str):
+        self.work, self.group, self.op = work, group, op
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.work.wait()
+        except Exception as e:
+            g = self.group
+            raise CollectiveError(
+                f"rank {g.global_rank}: {self.op} on group '{g.name}' (ranks {g.ranks}) failed after waiting "
+                f"{time.perf_counter() - t0:.1f}s: a peer never arrived or broke off. "
+                f"Cause: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+            ) from e
+        self.work = None
 
 
 def as_group(x, name: str = "tp") -> Group:

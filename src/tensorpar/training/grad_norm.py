@@ -32,30 +32,36 @@ def _as_list(params: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor
     return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
-def _global_norm(params: list[torch.Tensor], mesh) -> torch.Tensor:
+def _global_norm(params: list[torch.Tensor], mesh, sharded_over_dp: bool = False) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=mesh.device)
     tp_size = mesh.tp_size
     for p in params:
-        if p.grad is None:
+        if p.grad is None or getattr(p, "pipeline_duplicate", False):
             continue
         sq = torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32).square()
         total += sq.to(total.device) / shard_spec(p).effective_replicas(tp_size)
+    if sharded_over_dp:
+        mesh.dp_group.all_reduce(total)  # ZeRO: each DP rank holds a different slice of the gradients
     mesh.tp_group.all_reduce(total)  # the shards of this stage
     mesh.pp_group.all_reduce(total)  # the layers of the other stages
     return total.sqrt()
 
 
-def global_grad_norm(params: Iterable[torch.Tensor] | torch.Tensor, mesh) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor] | torch.Tensor, mesh, sharded_over_dp: bool = False) -> torch.Tensor:
     """The L2 norm of the dense model's gradient: an fp32 scalar, the same on every rank.
 
     `params` are this rank's (sharded) parameters; those whose ``.grad`` is None count as zero.
     Squared norms are taken in fp32 whatever the gradient dtype. Collectives: one all-reduce of
-    one element on the TP group, then one on the PP group; none on the DP group.
+    one element on the TP group, then one on the PP group; none on the DP group unless the
+    gradients are sharded over it (``sharded_over_dp=True``, ZeRO), then one there first.
+    Parameters marked ``pipeline_duplicate`` (the last stage's copy of a tied embedding) are skipped.
     """
-    return _global_norm(_as_list(params), mesh)
+    return _global_norm(_as_list(params), mesh, sharded_over_dp)
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, mesh) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, mesh, sharded_over_dp: bool = False
+) -> torch.Tensor:
     """Scale every gradient in place so that the dense model's gradient norm is at most `max_norm`.
 
     The factor is ``min(1, max_norm / (norm + 1e-6))``, as in torch.nn.utils.clip_grad_norm_,
@@ -63,7 +69,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor] | torch.Tensor, max_norm: flo
     before clipping (fp32 scalar). Collectives: those of `global_grad_norm`, nothing more.
     """
     params = _as_list(params)
-    norm = _global_norm(params, mesh)
+    norm = _global_norm(params, mesh, sharded_over_dp)
     if max_norm <= 0:
         return norm
     coef = torch.clamp(max_norm / (norm + _CLIP_EPS), max=1.0)

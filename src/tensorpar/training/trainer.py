@@ -23,9 +23,8 @@ from tensorpar.layers.dropout import mix_seed
 from tensorpar.models import Transformer, get_config, load_full_state_dict
 from tensorpar.models.layout import check_model_layout
 from tensorpar.training.flops import peak_flops, train_flops_per_token
-from tensorpar.training.grad_norm import clip_grad_norm_
+from tensorpar.parallel.data_parallel import DistributedOptimizer
 from tensorpar.training.metrics import MetricsWriter, plot_loss_curve
-from tensorpar.training.optimizer import build_optimizer
 from tensorpar.training.schedule import lr_at, set_lr
 
 
@@ -36,6 +35,7 @@ class TrainArgs:
     pp: int = 1
     dp: int | None = None
     sequence_parallel: bool = False
+    zero: int = 0
     recompute: str = "none"
     steps: int = 300
     seed: int = 0
@@ -105,16 +105,6 @@ def _autocast(device: torch.device, dtype: str):
     return contextlib.nullcontext()
 
 
-def _average_gradients_over_dp(model, mesh) -> None:
-    """All-reduce (sum) every gradient over the DP group, in fp32, and divide by DP."""
-    if mesh.dp_size == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            mesh.dp_group.all_reduce(p.grad)
-            p.grad.div_(mesh.dp_size)
-
-
 @torch.no_grad()
 def evaluate(model, windows: torch.Tensor, batch_size: int, device, dtype: str) -> float:
     """Mean next-token loss over `windows` [N, L+1] (every rank gets the same value)."""
@@ -151,7 +141,7 @@ def train(args: TrainArgs) -> dict:
     if init_state is not None:
         load_full_state_dict(model, init_state, source=args.init_from)
     model.train()
-    optimizer = build_optimizer(model, args.lr, args.weight_decay)
+    optimizer = DistributedOptimizer(model, mesh, lr=args.lr, weight_decay=args.weight_decay, zero=args.zero)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     warmup = min(100, args.steps // 10) if args.warmup_steps is None else args.warmup_steps
 
@@ -172,10 +162,11 @@ def train(args: TrainArgs) -> dict:
     for step in range(args.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, max_lr=args.lr, min_lr=min_lr, warmup_steps=warmup, total_steps=args.steps)
-        set_lr(optimizer, lr)
+        set_lr(optimizer.optimizer, lr)
         batches = micro_batches(dataset.global_batch(step, args.seed, args.global_batch_size),
                                 mesh.dp_rank, mesh.dp_size, micro)
         step_loss = torch.zeros((), device=device)
+        optimizer.begin_step(len(batches))
         for i, batch in enumerate(batches):
             batch = batch.to(device)
             seed = mix_seed(args.seed, step, mesh.dp_rank * len(batches) + i)
@@ -183,10 +174,8 @@ def train(args: TrainArgs) -> dict:
                 loss = model(batch[:, :-1], batch[:, 1:], dropout_seed=seed)
             (loss / len(batches)).backward()
             step_loss += loss.detach().float() / len(batches)
-        _average_gradients_over_dp(model, mesh)
-        grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip, mesh)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.finish_backward()
+        grad_norm = optimizer.clip_and_step(args.grad_clip)
         mesh.dp_group.all_reduce(step_loss)
         step_loss = step_loss.item() / mesh.dp_size
         if not math.isfinite(step_loss):
@@ -218,7 +207,7 @@ def train(args: TrainArgs) -> dict:
     summary = {
         "model": args.model if not args.init_from else args.init_from,
         "parameters": cfg.num_parameters(),
-        "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
+        "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": args.zero,
                    "sequence_parallel": model.sequence_parallel, "recompute": args.recompute, "dtype": args.dtype},
         "steps": args.steps,
         "tokens": tokens_per_step * args.steps,

@@ -1,0 +1,201 @@
+"""Data parallelism around the TP (and PP) model: bucketed gradient averaging overlapped with the
+backward pass, and ZeRO-1 / ZeRO-2 (the Playbook's DP chapter).
+
+Parameters and gradients live in flat per-bucket buffers (each `param.data` and `param.grad` is a
+view), buckets filled in reverse order so that the last layers' bucket, whose gradients are ready
+first, is sent first. A bucket's collective starts, asynchronously, the moment the backward of
+the step's *last* micro-batch has accumulated every gradient in it; earlier micro-batches only
+accumulate locally. Per step:
+
+=========  =====================================================================================
+zero=0     all-reduce each bucket's gradients (every gradient byte once per step), average,
+           clip, AdamW on the full parameters on every rank
+zero=1     reduce-scatter each bucket's gradients; each rank clips and steps only its 1/dp slice
+           (fp32 master slice and AdamW states: 1/dp of the memory), then all-gathers the
+           updated parameters into the buckets
+zero=2     as zero=1, and the full gradient buckets are freed after the reduce-scatter, so
+           between backward passes each rank holds only its 1/dp slice of the gradients
+=========  =====================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tensorpar.errors import TensorparError
+from tensorpar.layers.sharding import shard_spec, tag
+from tensorpar.training.grad_norm import clip_grad_norm_
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], pad_to: int, device):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.padded = math.ceil(self.numel / pad_to) * pad_to
+        dtype = params[0].dtype
+        self.param_buffer = torch.zeros(self.padded, dtype=dtype, device=device)
+        self.offsets = []
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                self.param_buffer[offset : offset + p.numel()].copy_(p.detach().flatten())
+                p.data = self.param_buffer[offset : offset + p.numel()].view_as(p)
+                self.offsets.append(offset)
+                offset += p.numel()
+        self.grad_buffer: torch.Tensor | None = None
+        self.pending = None
+        self.ready = 0
+
+    def attach_grads(self) -> None:
+        """Give every parameter a zeroed `.grad` that is a view of this bucket's gradient buffer."""
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros_like(self.param_buffer)
+        else:
+            self.grad_buffer.zero_()
+        for p, offset in zip(self.params, self.offsets):
+            p.grad = self.grad_buffer[offset : offset + p.numel()].view_as(p)
+
+    def free_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.grad_buffer = None
+
+
+class DistributedOptimizer:
+    """AdamW whose gradients are averaged (zero=0) or sharded (zero=1, 2) across the mesh's DP group.
+
+    Use per optimizer step::
+
+        opt.begin_step(num_microbatches)   # before the first forward of the step
+        ... forward / backward of every micro-batch ...
+        opt.finish_backward()              # waits for the bucket collectives
+        norm = opt.clip_and_step(max_norm)
+    """
+
+    def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
+                 eps: float = 1e-8, zero: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        if zero not in (0, 1, 2):
+            raise TensorparError(f"--zero must be 0, 1 or 2, got {zero}")
+        self.mesh, self.zero, self.dp = mesh, zero, mesh.dp_group
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise TensorparError("DistributedOptimizer: the model has no trainable parameters")
+        device = params[0].device
+        pad_to = self.dp.size if zero else 1
+        self.buckets: list[_Bucket] = []
+        current, size = [], 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(_Bucket(current, pad_to, device))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current, pad_to, device))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._expected = 1
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        for b in self.buckets:
+            b.attach_grads()
+
+        groups = [{"params": [], "weight_decay": weight_decay}, {"params": [], "weight_decay": 0.0}]
+        if zero:
+            self._build_master_slices(groups)
+        else:
+            for p in params:
+                groups[0 if p.ndim >= 2 else 1]["params"].append(p)
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True, fused=False)
+
+    # -- ZeRO bookkeeping ---------------------------------------------------------------------
+
+    def _build_master_slices(self, groups) -> None:
+        """For each bucket, this rank's 1/dp slice: an fp32 master copy, its gradient slice, and one
+        optimizer parameter per piece of an original parameter it covers (so weight decay and the
+        gradient-norm weighting follow the original parameter)."""
+        rank, size = self.dp.rank, self.dp.size
+        self.slices: list[nn.Parameter] = []
+        for b in self.buckets:
+            per_rank = b.padded // size
+            lo_b, hi_b = rank * per_rank, (rank + 1) * per_rank
+            b.master = b.param_buffer[lo_b:hi_b].detach().clone().float()
+            b.grad_shard = torch.zeros_like(b.master)
+            for p, offset in zip(b.params, b.offsets):
+                lo, hi = max(offset, lo_b), min(offset + p.numel(), hi_b)
+                if lo >= hi:
+                    continue
+                piece = nn.Parameter(b.master[lo - lo_b : hi - lo_b])
+                piece.grad = b.grad_shard[lo - lo_b : hi - lo_b]
+                tag(piece, shard_spec(p))
+                if getattr(p, "pipeline_duplicate", False):
+                    piece.pipeline_duplicate = True
+                groups[0 if p.ndim >= 2 else 1]["params"].append(piece)
+                self.slices.append(piece)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def begin_step(self, num_microbatches: int) -> None:
+        """Gradients are communicated after this many backward passes through each parameter."""
+        self._expected = num_microbatches
+        for b in self.buckets:
+            b.ready = 0
+            b.pending = None
+            if self.zero == 2 and b.grad_buffer is None:
+                b.attach_grads()
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params) * self._expected:
+            self._launch(bucket)
+
+    def _launch(self, b: _Bucket) -> None:
+        if self.zero:
+            b.pending = self.dp.reduce_scatter_async(b.grad_shard, b.grad_buffer)
+        else:
+            b.pending = self.dp.all_reduce_async(b.grad_buffer)
+
+    def finish_backward(self) -> None:
+        """Start any bucket not yet started (in bucket order, the same on every rank), wait for all, average."""
+        for b in self.buckets:
+            if b.pending is None:
+                self._launch(b)
+        for b in self.buckets:
+            b.pending.wait()
+            b.pending = None
+            if self.zero:
+                b.grad_shard.div_(self.dp.size)
+                if self.zero == 2:
+                    b.free_grads()
+            else:
+                b.grad_buffer.div_(self.dp.size)
+
+    def clip_and_step(self, max_norm: float) -> torch.Tensor:
+        """Clip by the dense model's gradient norm, take the AdamW step, and (ZeRO) all-gather the parameters.
+        Returns the norm before clipping."""
+        if self.zero:
+            norm = clip_grad_norm_(self.slices, max_norm, self.mesh, sharded_over_dp=True)
+            self.optimizer.step()
+            pending = []
+            for b in self.buckets:
+                shard = b.master.to(b.param_buffer.dtype)
+                pending.append((self.dp.all_gather_async(b.param_buffer, shard), shard))
+            for work, _ in pending:
+                work.wait()
+        else:
+            params = [p for b in self.buckets for p in b.params]
+            norm = clip_grad_norm_(params, max_norm, self.mesh)
+            self.optimizer.step()
+        for b in self.buckets:
+            if b.grad_buffer is not None:
+                b.grad_buffer.zero_()
+        return norm
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (AdamW moments) held by this rank."""
+        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                   for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
