@@ -91,10 +91,15 @@ class WorkerPool:
         out, errors = [None] * self.world_size, {}
         for _ in range(self.world_size):
             try:
-                rank, ok, value = self.results.get(timeout=timeout)
+                # Once a rank has failed, its peers are likely stuck in a collective: don't wait long for them.
+                rank, ok, value = self.results.get(timeout=15 if errors else timeout)
             except queue.Empty:
                 self.broken = True
                 self.close()
+                if errors:
+                    first = min(errors)
+                    raise AssertionError(f"{fn.__name__} failed on ranks {sorted(errors)} (the others hung); "
+                                         f"rank {first}:\n{errors[first]}")
                 raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s")
             if ok:
                 out[rank] = value

@@ -20,6 +20,13 @@ def add_layout_args(parser, tp_default: int = 1) -> None:
     )
 
 
+def world_size(args) -> int:
+    """The number of processes this command will run on: the launcher's, or the ones it will start."""
+    if under_launcher():
+        return int(os.environ["WORLD_SIZE"])
+    return args.nproc or args.tp * args.pp * (args.dp or 1)
+
+
 def launch(args, argv: list[str], run_rank) -> int:
     """Run `run_rank(args)` on every rank: here when under a launcher or alone, else in spawned local processes.
 
@@ -31,7 +38,7 @@ def launch(args, argv: list[str], run_rank) -> int:
         resolve_layout(world, args.tp, args.pp, args.dp)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         return run_rank(args)
-    world = args.nproc or args.tp * args.pp * (args.dp or 1)
+    world = world_size(args)
     resolve_layout(world, args.tp, args.pp, args.dp)
     if world == 1:
         return run_rank(args)

@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout/residuals along the sequence")
     p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0,
                    help="ZeRO stage over the DP group: 1 shards optimizer states, 2 also gradients")
+    p.add_argument("--schedule", choices=["afab", "1f1b", "interleaved"], default="1f1b",
+                   help="pipeline schedule when --pp > 1 (default %(default)s)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
@@ -46,7 +49,8 @@ def _train_args(args) -> TrainArgs:
     out_dir = args.out_dir or os.path.join("runs", f"{os.path.basename(args.init_from or args.model)}-tp{args.tp}")
     return TrainArgs(
         model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, sequence_parallel=args.sequence_parallel,
-        zero=args.zero, recompute=args.recompute, steps=args.steps, seed=args.seed, global_batch_size=args.global_batch_size,
+        zero=args.zero, schedule=args.schedule, virtual_stages=args.virtual_stages,
+        recompute=args.recompute, steps=args.steps, seed=args.seed, global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=args.lr, min_lr=args.min_lr,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         dropout=args.dropout, dtype=args.dtype, data=args.data, bin_dtype=args.bin_dtype, val_every=args.val_every,
@@ -59,7 +63,9 @@ def _train_args(args) -> TrainArgs:
 def _print_summary(s: dict) -> None:
     lay = s["layout"]
     print(f"\ntrained {s['model']} ({s['parameters'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
-          f"{s['tokens']:,} tokens: tp={lay['tp']} dp={lay['dp']}"
+          f"{s['tokens']:,} tokens: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}"
+          f"{' zero-' + str(lay['zero']) if lay['zero'] else ''}"
+          f"{' ' + lay['schedule'] + (' v=' + str(lay['virtual_stages']) if lay['virtual_stages'] > 1 else '') if lay['schedule'] else ''}"
           f"{' +sequence-parallel' if lay['sequence_parallel'] else ''}, recompute={lay['recompute']}, {lay['dtype']}")
     val = f", validation {s['final_val_loss']:.4f}" if s.get("final_val_loss") is not None else ""
     print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{val}")
@@ -67,6 +73,8 @@ def _print_summary(s: dict) -> None:
           f"(of the {s['peak_flops_source']})")
     if s.get("loss_plot"):
         print(f"loss curve: {s['loss_plot']}")
+    if s.get("sample_note"):
+        print(s["sample_note"])
     if s.get("sample") is not None:
         print(f"sample (greedy): {json.dumps(s['sample'])}")
 
@@ -83,6 +91,10 @@ def run_rank(args) -> int:
 def run(args, argv) -> int:
     from tensorpar.training.trainer import model_config, validate
 
+    from tensorpar.commands.common import world_size
+    from tensorpar.distributed.mesh import resolve_layout
+
     train_args = _train_args(args)
+    _, _, train_args.dp = resolve_layout(world_size(args), args.tp, args.pp, args.dp)
     validate(train_args, model_config(train_args))  # fail in this process, before starting any rank
     return launch(args, argv, run_rank)

@@ -224,13 +224,15 @@ class Group:
         return self._launch("all_gather", output, lambda: _all_gather_single(output, tensor, group=self.pg,
                                                                               async_op=True))
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> "Pending":
-        """Start sending `tensor` to group rank `dst`; keep `tensor` alive until wait()."""
-        return self._launch("send", tensor, lambda: dist.isend(tensor, self._global(dst), group=self.pg))
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> "Pending":
+        """Start sending `tensor` to group rank `dst`; keep `tensor` alive until wait().
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> "Pending":
+        gloo matches messages by (peer, tag); NCCL ignores tags and matches in issue order."""
+        return self._launch("send", tensor, lambda: dist.isend(tensor, self._global(dst), group=self.pg, tag=tag))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> "Pending":
         """Start receiving into `tensor` from group rank `src`; the data is there after wait()."""
-        return self._launch("recv", tensor, lambda: dist.irecv(tensor, self._global(src), group=self.pg))
+        return self._launch("recv", tensor, lambda: dist.irecv(tensor, self._global(src), group=self.pg, tag=tag))
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim` (all equal shapes), in group-rank order."""

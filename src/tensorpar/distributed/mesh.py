@@ -66,6 +66,8 @@ def group_ranks(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
         "tp": [grid[p, d, :].tolist() for p in range(pp) for d in range(dp)],
         "dp": [grid[p, :, t].tolist() for p in range(pp) for t in range(tp)],
         "pp": [grid[:, d, t].tolist() for d in range(dp) for t in range(tp)],
+        # The first and last pipeline stage, which both hold a tied embedding.
+        "embed": [sorted({int(grid[0, d, t]), int(grid[pp - 1, d, t])}) for d in range(dp) for t in range(tp)],
     }
 
 
@@ -76,6 +78,7 @@ class Mesh:
     tp_group: Group
     pp_group: Group
     dp_group: Group
+    embed_group: Group
     rank: int
     world_size: int
     device: torch.device
@@ -154,10 +157,13 @@ def init_mesh(
             pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
             if rank in ranks:
                 groups[name] = Group(name, ranks, pg, stats, rank, timeout)
+    # Middle pipeline stages hold no embedding: their embed group is themselves alone.
+    groups.setdefault("embed", Group("embed", [rank], None, stats, rank, timeout))
     return Mesh(
         tp_group=groups["tp"],
         pp_group=groups["pp"],
         dp_group=groups["dp"],
+        embed_group=groups["embed"],
         rank=rank,
         world_size=world,
         device=device,

@@ -28,7 +28,7 @@ from tensorpar.layers.linear import ColumnParallelLinear
 from tensorpar.layers.mlp import ParallelMLP
 from tensorpar.layers.norms import Norm
 from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
-from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.layers.sharding import ShardSpec, padded, tag
 from tensorpar.models.config import ModelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -65,6 +65,12 @@ class Transformer(nn.Module):
     `forward(ids, targets)` the mean next-token cross-entropy over targets that are not -100.
     Weights are initialised from `seed` as full tensors and then sharded, so any TP size starts
     from the same dense model (``init=False`` leaves them uninitialised, for loading).
+
+    A pipeline stage is the same class holding `layers` (global indices; parameter names keep
+    them, so checkpoints and initialisation agree across layouts), the embedding when
+    `first_stage`, and the final norm and head when `last_stage`; its forward then takes and/or
+    returns hidden states. With tied embeddings the last stage holds a copy of the embedding
+    (`pipeline_duplicate`), kept equal to the first stage's by summing their gradients.
     """
 
     def __init__(
@@ -77,6 +83,9 @@ class Transformer(nn.Module):
         seed: int = 0,
         init: bool = True,
         device=None,
+        layers=None,
+        first_stage: bool = True,
+        last_stage: bool = True,
     ):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
@@ -88,19 +97,28 @@ class Transformer(nn.Module):
         device = device if device is not None else getattr(mesh, "device", None)
         tp, sp = self.tp_group, self.sequence_parallel
 
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, sequence_parallel=sp,
-                                            device=device, _init=False)
-        self.pos_embed = None
-        if cfg.position == "learned":
+        self.first_stage, self.last_stage = first_stage, last_stage
+        layers = range(cfg.num_layers) if layers is None else layers
+        self.embed = self.pos_embed = self.final_norm = self.head = None
+        if first_stage or (last_stage and cfg.tie_embeddings):
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, sequence_parallel=sp,
+                                                device=device, _init=False)
+            if not first_stage:
+                self.embed.weight.pipeline_duplicate = True  # the head's copy of the first stage's embedding
+            if not (first_stage and last_stage) and cfg.tie_embeddings:
+                self.embed.weight.pipeline_tied = True
+        if first_stage and cfg.position == "learned":
             self.pos_embed = tag(nn.Parameter(torch.empty(cfg.max_seq_len, cfg.hidden_size, device=device)),
                                  ShardSpec(dim=None, reduce_grad_across_tp=sp))
-        self.layers = nn.ModuleList(TransformerBlock(cfg, tp, sp, i, device) for i in range(cfg.num_layers))
-        self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device)
-        self.head = None
-        if not cfg.tie_embeddings:
-            self.head = ColumnParallelLinear(cfg.hidden_size, self.embed.padded_vocab_size, tp, bias=False,
+        # Keyed by global layer index, so that a stage's parameter names are the dense model's.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, tp, sp, i, device) for i in layers})
+        if last_stage:
+            self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device)
+        if last_stage and not cfg.tie_embeddings:
+            vocab = padded(cfg.vocab_size, tp.size)
+            self.head = ColumnParallelLinear(cfg.hidden_size, vocab, tp, bias=False,
                                              skip_input_comm=True, device=device, _init=False)
-            tag(self.head.weight, ShardSpec(dim=0, full_size=cfg.vocab_size, padded_size=self.embed.padded_vocab_size))
+            tag(self.head.weight, ShardSpec(dim=0, full_size=cfg.vocab_size, padded_size=vocab))
         if cfg.position == "rope":
             self.register_buffer("inv_freq", inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
                                  .to(device), persistent=False)
@@ -136,6 +154,9 @@ class Transformer(nn.Module):
             h = seeded_dropout(h, self.cfg.dropout, mix_seed(dropout_seed, 2**20, shard), True)
         return h
 
+    def padded_vocab_size(self) -> int:
+        return padded(self.cfg.vocab_size, self.tp_group.size)
+
     def rope(self, seq_len: int, dtype: torch.dtype):
         if self.cfg.position != "rope":
             return None
@@ -154,15 +175,31 @@ class Transformer(nn.Module):
     # -- forward ------------------------------------------------------------------------------
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, dropout_seed: int | None = None):
+        """`ids` [B, S] on the first stage, hidden states [B, S(/tp), H] on the others; returns the loss
+        (targets given) or the logits on the last stage, hidden states on the others."""
+        return self.forward_layers(ids, list(self.layers), targets, dropout_seed,
+                                   embed=self.first_stage, head=self.last_stage)
+
+    def forward_layers(self, x, layer_keys, targets=None, dropout_seed=None, *, embed: bool, head: bool):
+        """Run the layers `layer_keys` (one pipeline chunk), starting from token ids if `embed`, ending in
+        the loss (or logits) if `head`; hidden states in and out otherwise."""
         if self.training and self.cfg.dropout > 0 and dropout_seed is None:
             raise TensorparError("dropout is on: pass dropout_seed to the forward pass (the trainer does)")
-        h = self.embed_tokens(ids, dropout_seed)
-        rope = self.rope(ids.shape[1], h.dtype)  # like transformers: cos/sin in the hidden states' dtype
-        for layer in self.layers:
+        if embed:
+            h = self.embed_tokens(x, dropout_seed)
+            seq_len = x.shape[1]
+        else:
+            h = x
+            seq_len = h.shape[1] * (self.tp_group.size if self.sequence_parallel else 1)
+        rope = self.rope(seq_len, h.dtype)  # like transformers: cos/sin in the hidden states' dtype
+        for key in layer_keys:
+            layer = self.layers[str(key)]
             if self.recompute == "full" and self.training:
                 h = checkpoint(layer, h, rope, dropout_seed, use_reentrant=False)
             else:
                 h = layer(h, rope, dropout_seed, recompute_core=self.recompute == "selective" and self.training)
+        if not head:
+            return h
         logits = self.logits(self.final_norm(h))
         return logits if targets is None else self.loss(logits, targets)
 

@@ -50,6 +50,7 @@ class _Bucket:
         self.grad_buffer: torch.Tensor | None = None
         self.pending = None
         self.ready = 0
+        self.deferred = False
 
     def attach_grads(self) -> None:
         """Give every parameter a zeroed `.grad` that is a view of this bucket's gradient buffer."""
@@ -98,6 +99,11 @@ class DistributedOptimizer:
         if current:
             self.buckets.append(_Bucket(current, pad_to, device))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        # A tied embedding split across the first and last pipeline stage: its two copies' gradients are
+        # summed (embed group) before DP sees them, so their buckets start only in finish_backward.
+        self.tied = [p for p in params if getattr(p, "pipeline_tied", False)]
+        for p in self.tied:
+            self._bucket_of[id(p)].deferred = True
         self._expected = 1
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         for b in self.buckets:
@@ -150,7 +156,7 @@ class DistributedOptimizer:
     def _grad_ready(self, param: torch.Tensor) -> None:
         bucket = self._bucket_of[id(param)]
         bucket.ready += 1
-        if bucket.ready == len(bucket.params) * self._expected:
+        if bucket.ready == len(bucket.params) * self._expected and not bucket.deferred:
             self._launch(bucket)
 
     def _launch(self, b: _Bucket) -> None:
@@ -161,6 +167,8 @@ class DistributedOptimizer:
 
     def finish_backward(self) -> None:
         """Start any bucket not yet started (in bucket order, the same on every rank), wait for all, average."""
+        for p in self.tied:
+            self.mesh.embed_group.all_reduce(p.grad)
         for b in self.buckets:
             if b.pending is None:
                 self._launch(b)

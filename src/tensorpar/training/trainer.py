@@ -36,6 +36,8 @@ class TrainArgs:
     dp: int | None = None
     sequence_parallel: bool = False
     zero: int = 0
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
     recompute: str = "none"
     steps: int = 300
     seed: int = 0
@@ -61,6 +63,7 @@ class TrainArgs:
     sample_tokens: int = 0
     progress: bool = True
     device: str | None = None
+    return_state: bool = False  # put the final dense weights in the summary (tests, small models)
 
 
 def model_config(args: TrainArgs):
@@ -86,8 +89,6 @@ def resolve_model(args: TrainArgs):
 
 def validate(args: TrainArgs, cfg) -> None:
     """Everything that can be checked before starting processes."""
-    if args.pp != 1:
-        raise TensorparError("pipeline parallelism (--pp > 1) is not available yet; use --pp 1")
     if args.dtype not in ("fp32", "bf16"):
         raise TensorparError(f"--dtype must be fp32 or bf16, got {args.dtype!r}")
     if args.steps < 1:
@@ -97,6 +98,16 @@ def validate(args: TrainArgs, cfg) -> None:
     if args.data and not os.path.exists(args.data):
         raise TensorparError(f"data file '{args.data}' does not exist")
     check_model_layout(cfg, args.tp, args.sequence_parallel, args.seq_len)
+    if args.pp > 1 or args.virtual_stages > 1:
+        from tensorpar.parallel.pipeline import stage_layers
+        from tensorpar.parallel.schedules import build_schedule
+
+        stage_layers(cfg.num_layers, args.pp, args.virtual_stages)
+        if args.dp is not None:
+            micro = args.micro_batch_size or args.global_batch_size // args.dp
+            if micro and args.global_batch_size % (args.dp * micro) == 0:
+                build_schedule(args.schedule, args.pp, args.global_batch_size // (args.dp * micro),
+                               args.virtual_stages)
 
 
 def _autocast(device: torch.device, dtype: str):
@@ -121,6 +132,18 @@ def evaluate(model, windows: torch.Tensor, batch_size: int, device, dtype: str) 
     return total / max(count, 1)
 
 
+def dense_weights(model, mesh) -> dict:
+    """The whole dense model's weights on every rank: gathered over TP, then merged over pipeline stages."""
+    from tensorpar.models import full_state_dict
+
+    params = dict(model.named_parameters())
+    state = {k: v for k, v in full_state_dict(model).items() if not getattr(params[k], "pipeline_duplicate", False)}
+    merged = {}
+    for part in mesh.pp_group.all_gather_object(state):
+        merged.update(part)
+    return merged
+
+
 def train(args: TrainArgs) -> dict:
     """Train on every rank of the running world; returns the summary (rank 0 also prints and plots)."""
     cfg, init_state, tokenizer = resolve_model(args)
@@ -136,10 +159,19 @@ def train(args: TrainArgs) -> dict:
     micro_batches(dataset.global_batch(0, args.seed, args.global_batch_size), 0, mesh.dp_size, micro)  # validates
 
     torch.manual_seed(args.seed)
+    pipeline = mesh.pp_size > 1
+    stage = {}
+    if pipeline:
+        from tensorpar.parallel.pipeline import rank_layers
+
+        chunks = rank_layers(cfg.num_layers, mesh.pp_size, mesh.pp_rank, args.virtual_stages)
+        stage = dict(layers=[i for chunk in chunks for i in chunk], first_stage=mesh.pp_rank == 0,
+                     last_stage=mesh.pp_rank == mesh.pp_size - 1)
     model = Transformer(cfg, mesh, sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                        seed=args.seed, init=init_state is None)
+                        seed=args.seed, init=init_state is None, **stage)
     if init_state is not None:
-        load_full_state_dict(model, init_state, source=args.init_from)
+        names = dict(model.named_parameters())
+        load_full_state_dict(model, {k: v for k, v in init_state.items() if k in names}, source=args.init_from)
     model.train()
     optimizer = DistributedOptimizer(model, mesh, lr=args.lr, weight_decay=args.weight_decay, zero=args.zero)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
@@ -151,6 +183,17 @@ def train(args: TrainArgs) -> dict:
     metrics = MetricsWriter(args.metrics if is_main else None)
     records: list[dict] = []
     val_windows = dataset.val_windows(args.val_windows) if dataset.num_val_windows else None
+    runner = None
+    if pipeline:
+        from tensorpar.parallel.pipeline import PipelineRunner
+
+        num_micro = args.global_batch_size // (mesh.dp_size * micro)
+        seq_shard = args.seq_len // (mesh.tp_size if model.sequence_parallel else 1)
+        runner = PipelineRunner(model, mesh, args.schedule, args.virtual_stages, num_micro,
+                                (micro, seq_shard, cfg.hidden_size),
+                                autocast=(lambda: _autocast(device, args.dtype)) if args.dtype == "bf16" else None)
+        if val_windows is not None:
+            val_windows = val_windows[: (len(val_windows) // micro) * micro]
 
     progress = None
     if is_main and args.progress:
@@ -158,6 +201,7 @@ def train(args: TrainArgs) -> dict:
 
         progress = tqdm(total=args.steps, desc=f"train {args.model} tp={mesh.tp_size} dp={mesh.dp_size}",
                         unit="step", dynamic_ncols=True)
+    mesh.stats.reset()
     started = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()
@@ -167,13 +211,18 @@ def train(args: TrainArgs) -> dict:
                                 mesh.dp_rank, mesh.dp_size, micro)
         step_loss = torch.zeros((), device=device)
         optimizer.begin_step(len(batches))
-        for i, batch in enumerate(batches):
-            batch = batch.to(device)
-            seed = mix_seed(args.seed, step, mesh.dp_rank * len(batches) + i)
-            with _autocast(device, args.dtype):
-                loss = model(batch[:, :-1], batch[:, 1:], dropout_seed=seed)
-            (loss / len(batches)).backward()
-            step_loss += loss.detach().float() / len(batches)
+        if runner is not None:
+            batches = [b.to(device) for b in batches]
+            step_loss += runner.train_step(
+                batches, lambda i, step=step: mix_seed(args.seed, step, mesh.dp_rank * len(batches) + i))
+        else:
+            for i, batch in enumerate(batches):
+                batch = batch.to(device)
+                seed = mix_seed(args.seed, step, mesh.dp_rank * len(batches) + i)
+                with _autocast(device, args.dtype):
+                    loss = model(batch[:, :-1], batch[:, 1:], dropout_seed=seed)
+                (loss / len(batches)).backward()
+                step_loss += loss.detach().float() / len(batches)
         optimizer.finish_backward()
         grad_norm = optimizer.clip_and_step(args.grad_clip)
         mesh.dp_group.all_reduce(step_loss)
@@ -192,7 +241,12 @@ def train(args: TrainArgs) -> dict:
         }
         last = step == args.steps - 1
         if val_windows is not None and (last or (args.val_every and (step + 1) % args.val_every == 0)):
-            record["val_loss"] = evaluate(model, val_windows, micro, device, args.dtype)
+            if runner is not None:
+                model.eval()
+                record["val_loss"] = runner.forward_only([w.to(device) for w in val_windows.split(micro)])
+                model.train()
+            else:
+                record["val_loss"] = evaluate(model, val_windows, micro, device, args.dtype)
         records.append(record)
         metrics.write(record)
         if progress is not None:
@@ -203,11 +257,13 @@ def train(args: TrainArgs) -> dict:
         progress.close()
     total_time = time.perf_counter() - started
     metrics.close()
+    comm = {f"{op}/{group}": (c.calls, c.bytes) for (op, group), c in mesh.stats.snapshot().items()}
 
     summary = {
         "model": args.model if not args.init_from else args.init_from,
         "parameters": cfg.num_parameters(),
         "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": args.zero,
+                   "schedule": args.schedule if pipeline else None, "virtual_stages": args.virtual_stages,
                    "sequence_parallel": model.sequence_parallel, "recompute": args.recompute, "dtype": args.dtype},
         "steps": args.steps,
         "tokens": tokens_per_step * args.steps,
@@ -219,8 +275,17 @@ def train(args: TrainArgs) -> dict:
         "mfu": sum(r["mfu"] for r in records) / len(records),
         "peak_flops_source": peak_source,
         "history": records,
+        "comm": comm,
+        "optimizer_state_bytes": optimizer.state_bytes(),
+        "pipeline_timeline": runner.timeline if runner is not None else None,
+        "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
     }
-    if args.sample_tokens:
+    if args.return_state:
+        summary["state"] = dense_weights(model, mesh)
+    if args.sample_tokens and pipeline:
+        summary["sample"] = None
+        summary["sample_note"] = "no sample: generation runs with tensor parallelism only (use --pp 1)"
+    elif args.sample_tokens:
         from tensorpar.inference import greedy_generate
 
         prompt = tokenizer.encode(args.sample_prompt)

@@ -1,0 +1,308 @@
+"""`tensorpar plan`: which layout should I use on my cluster? (the Playbook's closing question)
+
+Layout mode (the default)::
+
+    tensorpar plan --model llama-8b --gpus 16 --gpu h100-80gb --seq-len 4096 --global-batch-size 256
+                   [--top K] [--json] [--png PATH] [--precision tensorpar-bf16|tensorpar-fp32|mixed-bf16|
+                   megatron-bf16] [--gpus-per-node 8] [--intra-bandwidth GB/s] [--inter-bandwidth GB/s]
+                   [--intra-latency us] [--inter-latency us] [--memory-gib G] [--peak-tflops T]
+                   [--mfu-ceiling F] [--overlap F] [--tp T] [--pp P] [--virtual-stages V]
+                   [--zero 0 1 ..] [--recompute none ..] [--sequence-parallel both|on|off]
+
+searches every tp x pp x dp x micro-batch x SP x recomputation x ZeRO layout
+(`tensorpar.planning.search`), prints the feasible ones ranked by predicted tokens/s with the
+per-GPU memory breakdown, step time and MFU, and why the others fail. ``--png PATH`` writes the
+memory breakdown of the top layouts (stacked bars) to PATH and the Playbook-style heatmap (tp x
+pp, coloured by the best tokens/s) next to it (``PATH-heatmap.png``). No processes are started.
+
+Schedule mode (``--schedule afab|1f1b|interleaved --pp P --microbatches M [--virtual-stages V]``)
+draws a pipeline schedule instead: `tensorpar.parallel.schedule_view.run_schedule_command`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+
+from tensorpar.errors import TensorparError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="rank parallel layouts for a model on a cluster (or draw a pipeline schedule)")
+    g = p.add_argument_group("layout mode")
+    g.add_argument("--model", help="preset name or config .json")
+    g.add_argument("--gpus", type=int, help="number of GPUs")
+    g.add_argument("--gpu", help="GPU kind, e.g. h100-80gb, a100-80gb, a100-40gb, h200, b200")
+    g.add_argument("--seq-len", type=int, help="sequence length")
+    g.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
+    g.add_argument("--precision", default="tensorpar-bf16",
+                   choices=["tensorpar-bf16", "tensorpar-fp32", "mixed-bf16", "megatron-bf16"],
+                   help="memory/compute recipe (default %(default)s: what tensorpar does with --dtype bf16)")
+    g.add_argument("--top", type=int, default=None, help="show the K best layouts (default 10; --json: all)")
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--intra-bandwidth", type=float, default=None, help="NVLink GB/s per GPU per direction")
+    g.add_argument("--inter-bandwidth", type=float, default=None, help="inter-node GB/s per GPU per direction")
+    g.add_argument("--intra-latency", type=float, default=None, help="NVLink latency, microseconds")
+    g.add_argument("--inter-latency", type=float, default=None, help="inter-node latency, microseconds")
+    g.add_argument("--memory-gib", type=float, default=None, help="GPU memory in GiB (default: the catalog's)")
+    g.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak TFLOP/s (default: the catalog's)")
+    g.add_argument("--mfu-ceiling", type=float, default=None,
+                   help="fraction of peak the arithmetic reaches without communication (default 0.55)")
+    g.add_argument("--overlap", type=float, default=None,
+                   help="fraction of data-parallel communication hidden behind backward (default 0.5)")
+    g.add_argument("--tp", type=int, default=None, help="consider only this tensor-parallel size")
+    g.add_argument("--zero", type=int, nargs="+", choices=[0, 1, 2, 3], default=[0, 1, 2, 3],
+                   help="ZeRO stages to consider (default: all)")
+    g.add_argument("--recompute", nargs="+", choices=["none", "selective", "full"],
+                   default=["none", "selective", "full"], help="recomputation modes to consider (default: all)")
+    g.add_argument("--sequence-parallel", choices=["both", "on", "off"], default="both",
+                   help="consider sequence parallelism on, off or both (default)")
+    g.add_argument("--no-flash-attention", action="store_true",
+                   help="Playbook precisions: attention stores its s x s scores (no flash attention)")
+    g.add_argument("--max-micro-batch", type=int, default=64, help="largest micro-batch size tried")
+    s = p.add_argument_group("schedule mode")
+    s.add_argument("--schedule", choices=["afab", "1f1b", "interleaved"], default=None,
+                   help="draw this pipeline schedule instead of planning layouts")
+    s.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages (schedule mode; in layout mode: consider only this pp)")
+    s.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (schedule mode)")
+    s.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pipeline rank (schedule mode; in layout mode: try interleaving up to this)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--png", default=None, help="write a picture (layout mode: memory bars + PATH-heatmap.png)")
+    p.set_defaults(run=run)
+
+
+def run(args, argv=None) -> int:
+    if args.schedule:
+        try:
+            from tensorpar.parallel.schedule_view import run_schedule_command
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("tensorpar"):
+                raise TensorparError("pipeline-schedule mode is not available: tensorpar.parallel.schedule_view "
+                                     "is missing from this installation") from None
+            raise
+        return run_schedule_command(args)
+    return run_layouts(args)
+
+
+# --------------------------------------------------------------------------- layout mode
+
+
+def _cluster(args):
+    from tensorpar.planning.hardware import make_cluster
+
+    gb, us = 1e9, 1e-6
+    return make_cluster(
+        args.gpu, args.gpus, gpus_per_node=args.gpus_per_node, memory_gib=args.memory_gib,
+        intra_bandwidth=None if args.intra_bandwidth is None else args.intra_bandwidth * gb,
+        inter_bandwidth=None if args.inter_bandwidth is None else args.inter_bandwidth * gb,
+        intra_latency=None if args.intra_latency is None else args.intra_latency * us,
+        inter_latency=None if args.inter_latency is None else args.inter_latency * us,
+        peak_bf16=None if args.peak_tflops is None else args.peak_tflops * 1e12,
+        mfu_ceiling=args.mfu_ceiling, overlap=args.overlap,
+    )
+
+
+def _check_args(args) -> None:
+    missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--gpu", args.gpu),
+                                        ("--seq-len", args.seq_len), ("--global-batch-size", args.global_batch_size))
+               if value is None]
+    if missing:
+        raise TensorparError(f"plan needs {', '.join(missing)} (or --schedule NAME --pp P --microbatches M "
+                             f"to draw a pipeline schedule)")
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len),
+                        ("--global-batch-size", args.global_batch_size), ("--gpus-per-node", args.gpus_per_node),
+                        ("--virtual-stages", args.virtual_stages), ("--max-micro-batch", args.max_micro_batch)):
+        if value < 1:
+            raise TensorparError(f"{flag} must be a positive integer, got {value}")
+    if args.top is not None and args.top < 1:
+        raise TensorparError(f"--top must be a positive integer, got {args.top}")
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+        if value is not None and (value < 1 or args.gpus % value):
+            raise TensorparError(f"{flag} {value} does not divide the {args.gpus} GPUs")
+
+
+def plan_layouts(args):
+    """(config, cluster, ranked plans) for parsed layout-mode arguments."""
+    from tensorpar.models import get_config
+    from tensorpar.planning.search import search
+
+    _check_args(args)
+    cfg = get_config(args.model)
+    cluster = _cluster(args)
+    space = {"virtual_stages": tuple(range(1, args.virtual_stages + 1)), "max_micro_batch": args.max_micro_batch,
+             "zero": tuple(args.zero), "recompute": tuple(args.recompute),
+             "sequence_parallel": {"both": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]}
+    if args.tp is not None:
+        space["tp"] = (args.tp,)
+    if args.pp is not None:
+        space["pp"] = (args.pp,)
+    plans = search(cfg, cluster, args.seq_len, args.global_batch_size, args.precision,
+                   flash_attention=not args.no_flash_attention, **space)
+    return cfg, cluster, plans
+
+
+def run_layouts(args) -> int:
+    cfg, cluster, plans = plan_layouts(args)
+    feasible = [p for p in plans if p.feasible]
+    infeasible = [p for p in plans if not p.feasible]
+    top = args.top if args.top is not None else (None if args.json else 10)
+    shown = feasible if top is None else feasible[:top]
+    shown_bad = infeasible if top is None else infeasible[:top]
+    pngs = []
+    if args.png:
+        pngs = write_pngs(plans, cluster, args.png, f"{args.model} on {args.gpus} x {cluster.gpu.name}, "
+                          f"seq {args.seq_len}, batch {args.global_batch_size}", top or 10)
+    if args.json:
+        print(json.dumps([p.to_dict() for p in shown + shown_bad], indent=None))
+        return 0
+    print(render_text(cfg, cluster, plans, args, shown))
+    for path in pngs:
+        print(f"wrote {path}")
+    return 0
+
+
+def _reason_kind(reason: str) -> str:
+    if reason.startswith("exceeds memory"):
+        return "exceed the GPU memory"
+    return re.sub(r"\d+", "N", reason.split(":")[0].split(" (")[0])
+
+
+def render_text(cfg, cluster, plans, args, shown) -> str:
+    from tensorpar.planning.hardware import GiB
+    from tensorpar.planning.memory import get_precision
+
+    feasible = [p for p in plans if p.feasible]
+    infeasible = [p for p in plans if not p.feasible]
+    prec = get_precision(args.precision)
+    tokens = args.global_batch_size * args.seq_len
+    lines = [
+        f"plan: {args.model} ({cfg.num_parameters() / 1e9:.2f}B parameters) on {cluster.describe()}",
+        f"      seq {args.seq_len}, global batch {args.global_batch_size} ({tokens:,} tokens/step), "
+        f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.0f} TFLOP/s "
+        f"({prec.compute_dtype}) x MFU ceiling {cluster.mfu_ceiling:.2f}, DP overlap {cluster.overlap:.2f}",
+        f"searched {len(plans)} layouts: {len(feasible)} feasible, {len(infeasible)} infeasible",
+        "",
+    ]
+    if shown:
+        head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'v':>2} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
+                f" {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'copies':>6} {'other':>6} {'total':>6} GiB |"
+                f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp':>5} {'pp+bub':>6} {'dp':>5} exposed")
+        lines.append(head)
+        for i, p in enumerate(shown, 1):
+            lay, mem, t = p.layout, p.memory.gib(), p.time
+            other = mem["transient"] + mem["overhead"]
+            pct = lambda x: f"{100 * x / t.step_time_s:4.1f}%"  # noqa: E731
+            lines.append(
+                f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} {lay.micro_batch_size:>4} "
+                f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {lay.zero:>4} |"
+                f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
+                f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
+                f" {t.step_time_s:7.2f} {t.tokens_per_s:10,.0f} {100 * t.mfu:5.1f}% |"
+                f" {pct(t.tp_comm_s)} {pct(t.pp_comm_s + t.bubble_s):>6} {pct(t.dp_comm_s)}"
+            )
+        lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast; "
+                     "'other': recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
+    else:
+        lines.append("no layout fits: see the reasons below")
+    if infeasible:
+        lines.append("")
+        lines.append(f"infeasible ({len(infeasible)}):")
+        kinds = Counter(_reason_kind(p.reason) for p in infeasible)
+        examples = {}
+        for p in infeasible:
+            examples.setdefault(_reason_kind(p.reason), p)
+        for kind, n in kinds.most_common():
+            ex = examples[kind]
+            lines.append(f"  {n:>5} {kind}; e.g. {ex.layout.label()}: {ex.reason}")
+        close = [p for p in infeasible if p.memory is not None][:3]
+        if close and not feasible:
+            lines.append(f"  closest to fitting: " + "; ".join(f"{p.layout.label()} needs {p.memory.total / GiB:.1f} GiB"
+                                                               for p in close))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- pictures
+
+
+_RC = {"none": "no recompute", "selective": "selective", "full": "full recompute"}
+
+
+def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str]:
+    """The memory breakdown of the `top` best layouts (PATH) and the tp x pp heatmap (PATH-heatmap.png)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TensorparError("--png needs matplotlib (pip install matplotlib)") from None
+    from tensorpar.planning.hardware import GiB
+    from tensorpar.planning.memory import MemoryBreakdown
+    from tensorpar.planning.search import best_by_mesh
+
+    written = []
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    feasible = [p for p in plans if p.feasible][: max(1, min(top, 20))]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(feasible) + 3), 5))
+    if feasible:
+        labels = [f"#{i}\ntp{p.layout.tp} pp{p.layout.pp}\ndp{p.layout.dp} z{p.layout.zero}\n"
+                  f"{_RC[p.layout.recompute]}{' sp' if p.layout.sp else ''} mb{p.layout.micro_batch_size}"
+                  for i, p in enumerate(feasible, 1)]
+        bottom = [0.0] * len(feasible)
+        for comp in MemoryBreakdown.COMPONENTS:
+            vals = [getattr(p.memory, comp) / GiB for p in feasible]
+            if any(vals):
+                ax.bar(range(len(feasible)), vals, bottom=bottom, label=comp.replace("_", " "))
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.axhline(cluster.memory_bytes / GiB, color="k", ls="--", lw=1, label=f"{cluster.gpu.name} memory")
+        ax.set_xticks(range(len(feasible)), labels, fontsize=7)
+        ax.legend(fontsize=7, loc="upper right")
+    else:
+        ax.text(0.5, 0.5, "no feasible layout", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"memory of the best layouts (ranked by tokens/s)\n{title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+    best = best_by_mesh(plans)
+    tps = sorted({p.layout.tp for p in plans})
+    pps = sorted({p.layout.pp for p in plans})
+    tried = {(p.layout.tp, p.layout.pp): p for p in plans}
+    grid = [[best[(t, q)].time.tokens_per_s if (t, q) in best else float("nan") for q in pps] for t in tps]
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(pps) + 2), max(3.5, 0.9 * len(tps) + 1.5)))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto", origin="lower")
+    rates = [p.time.tokens_per_s for p in best.values()] or [0.0]
+    lo, hi = min(rates), max(rates)
+    for i, t in enumerate(tps):
+        for j, q in enumerate(pps):
+            p = best.get((t, q))
+            if p is None:
+                failed = tried.get((t, q))
+                text = "-" if failed is None else ("no fit" if failed.memory is not None else "cannot\nsplit")
+            else:
+                text = (f"{p.time.tokens_per_s:,.0f}\nMFU {100 * p.time.mfu:.0f}%\ndp{p.layout.dp} "
+                        f"mb{p.layout.micro_batch_size} z{p.layout.zero}\n{_RC[p.layout.recompute]}"
+                        f"{' sp' if p.layout.sp else ''}")
+            bright = p is not None and p.time.tokens_per_s > lo + 0.6 * (hi - lo)
+            ax.text(j, i, text, ha="center", va="center", fontsize=6, color="w" if p is not None and not bright else "k")
+    ax.set_xticks(range(len(pps)), [str(q) for q in pps])
+    ax.set_yticks(range(len(tps)), [str(t) for t in tps])
+    ax.set_xlabel("pipeline parallel (pp)")
+    ax.set_ylabel("tensor parallel (tp)")
+    ax.set_title(f"best predicted tokens/s per (tp, pp)\n{title}", fontsize=9)
+    fig.colorbar(im, ax=ax, label="tokens/s")
+    fig.tight_layout()
+    root, ext = os.path.splitext(path)
+    heat = f"{root}-heatmap{ext or '.png'}"
+    fig.savefig(heat, dpi=120)
+    plt.close(fig)
+    written.append(heat)
+    return written

@@ -1,0 +1,138 @@
+"""Pipeline parallelism: run a schedule's actions (parallel/schedules.py) with real point-to-point transfers.
+
+The model's layers are split into pp x v virtual stages of equal size; rank r holds stages
+r, r + pp, ... (its chunks 0..v-1) in one `Transformer` whose parameter names keep the global
+layer indices. Stage 0 also embeds, the last stage also computes the head and the loss.
+
+A forward action receives the previous stage's activations (unless it is stage 0), runs the
+chunk and sends its output on (unless it is the last stage, which keeps the loss). A backward
+action receives the gradient of its output (unless it is the last stage, which starts from the
+loss), back-propagates and sends the input's gradient to the previous stage. Sends are
+asynchronous and receives block, so a schedule whose order respects its dependencies cannot
+deadlock; messages carry tags naming (micro-batch, stage, direction) — gloo matches on them,
+NCCL matches in issue order, which these schedules keep consistent per pair of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from tensorpar.errors import LayoutError
+from tensorpar.parallel.schedules import build_schedule
+
+
+def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1) -> list[list[int]]:
+    """Layer indices of each virtual stage (pp x v stages of equal size)."""
+    stages = pp * virtual_stages
+    if num_layers % stages:
+        raise LayoutError(
+            f"{num_layers} layers cannot be split evenly into pp={pp} x virtual stages={virtual_stages} = {stages} "
+            f"pipeline stages; use a layout whose pp x virtual stages divides {num_layers}"
+        )
+    per = num_layers // stages
+    return [list(range(s * per, (s + 1) * per)) for s in range(stages)]
+
+
+def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[list[int]]:
+    """The layers of each of this rank's chunks (chunk c is virtual stage c * pp + pp_rank)."""
+    stages = stage_layers(num_layers, pp, virtual_stages)
+    return [stages[c * pp + pp_rank] for c in range(virtual_stages)]
+
+
+class PipelineRunner:
+    """Executes one optimizer step's micro-batches through the pipeline with a named schedule."""
+
+    def __init__(self, model, mesh, schedule: str, virtual_stages: int, num_microbatches: int,
+                 activation_shape: tuple[int, ...], autocast=None):
+        self.model, self.mesh = model, mesh
+        self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, virtual_stages
+        self.stages = self.pp * self.v
+        self.chunks = rank_layers(model.cfg.num_layers, self.pp, self.rank, virtual_stages)
+        self.actions = build_schedule(schedule, self.pp, num_microbatches, virtual_stages)[self.rank]
+        self.num_microbatches = num_microbatches
+        self.activation_shape = activation_shape
+        self.autocast = autocast
+        self.timeline: list[tuple[str, int, int, float, float]] = []
+        self.peak_in_flight = 0
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.rank
+
+    def _tag(self, microbatch: int, stage: int, backward: bool) -> int:
+        return 2 * (microbatch * self.stages + stage) + int(backward)
+
+    def _forward_chunk(self, x, chunk, targets, dropout_seed):
+        stage = self._stage(chunk)
+        with self.autocast() if self.autocast else contextlib.nullcontext():
+            return self.model.forward_layers(x, self.chunks[chunk], targets, dropout_seed,
+                                             embed=stage == 0, head=stage == self.stages - 1)
+
+    def _recv(self, tag: int, src: int) -> torch.Tensor:
+        buf = torch.empty(self.activation_shape, device=self.mesh.device, dtype=torch.float32)
+        self.mesh.pp_group.irecv(buf, src, tag=tag).wait()
+        return buf
+
+    def train_step(self, microbatches: list[torch.Tensor], dropout_seed) -> float:
+        """Forward and backward of every micro-batch ([mb, L+1] token windows, inputs and targets);
+        returns the mean loss over them (on every rank). `dropout_seed(i)` gives micro-batch i's seed."""
+        pp_group, prev, nxt = self.mesh.pp_group, (self.rank - 1) % self.pp, (self.rank + 1) % self.pp
+        last = self.stages - 1
+        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
+        self.timeline, self.peak_in_flight = [], 0
+        for action in self.actions:
+            mb, chunk = action.microbatch, action.chunk
+            stage = self._stage(chunk)
+            batch = microbatches[mb]
+            if action.kind == "F":
+                if stage == 0:
+                    x = batch[:, :-1]
+                else:
+                    x = self._recv(self._tag(mb, stage, False), prev).requires_grad_()
+                t0 = time.perf_counter()
+                out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == last else None, dropout_seed(mb))
+                if stage == last:
+                    loss_sum += out.detach().float()
+                    out = out / self.num_microbatches
+                else:
+                    out = out.float()
+                    sends.append((pp_group.isend(out.detach(), nxt, tag=self._tag(mb, stage + 1, False)), out))
+                saved[(mb, chunk)] = (x if stage > 0 else None, out)
+                self.peak_in_flight = max(self.peak_in_flight, len(saved))
+            else:
+                x, out = saved.pop((mb, chunk))
+                grad = None if stage == last else self._recv(self._tag(mb, stage, True), nxt)
+                t0 = time.perf_counter()
+                torch.autograd.backward(out, grad)
+                if stage > 0:
+                    sends.append((pp_group.isend(x.grad, prev, tag=self._tag(mb, stage - 1, True)), x.grad))
+            self.timeline.append((action.kind, mb, chunk, t0, time.perf_counter()))
+        for work, _ in sends:
+            work.wait()
+        # Only the last stage has the loss: share it with the other stages.
+        pp_group.all_reduce(loss_sum)
+        return loss_sum.item() / self.num_microbatches
+
+    @torch.no_grad()
+    def forward_only(self, microbatches: list[torch.Tensor]) -> float:
+        """Mean loss over `microbatches` without backward (validation), every micro-batch through every stage."""
+        pp_group, prev, nxt = self.mesh.pp_group, (self.rank - 1) % self.pp, (self.rank + 1) % self.pp
+        last = self.stages - 1
+        sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
+        for mb, batch in enumerate(microbatches):
+            for chunk in range(self.v):
+                stage = self._stage(chunk)
+                x = batch[:, :-1] if stage == 0 else self._recv(self._tag(mb, stage, False), prev)
+                out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == last else None, None)
+                if stage == last:
+                    loss_sum += out.float()
+                else:
+                    out = out.float()
+                    sends.append((pp_group.isend(out, nxt, tag=self._tag(mb, stage + 1, False)), out))
+        for work, _ in sends:
+            work.wait()
+        pp_group.all_reduce(loss_sum)
+        return loss_sum.item() / len(microbatches)

@@ -1,0 +1,447 @@
+"""Memory per GPU: parameters, gradients, optimizer states, activations, and a stated margin.
+
+Precisions (how many bytes each kind of state takes, and which activation model applies):
+
+================  =====  =====  ======  =====  ==================================================
+name              param  grad   master  AdamW  what it is
+================  =====  =====  ======  =====  ==================================================
+tensorpar-fp32      4      4      -       8    tensorpar with --dtype fp32
+tensorpar-bf16      4      4      -       8    tensorpar with --dtype bf16: autocast over fp32
+                                               parameters; every matmul weight is cast to bf16 in
+                                               the forward and that copy is kept for backward
+mixed-bf16          2      2      4       8    the Playbook's mixed precision (Megatron-style bf16
+                                               parameters and gradients + fp32 master weights and
+                                               AdamW states): 16 bytes per parameter
+megatron-bf16       2      4      4       8    Megatron-LM's bf16 default: gradients accumulated
+                                               and reduced in fp32 ("main_grad"): 18 bytes
+================  =====  =====  ======  =====  ==================================================
+
+AdamW keeps two fp32 states per parameter (exp_avg, exp_avg_sq) plus a one-element fp32
+``step`` tensor per parameter tensor (torch's implementation; counted exactly).
+
+ZeRO (Playbook, after Rajbhandari et al.) divides by dp: stage 1 the optimizer states (and
+master weights), stage 2 also the gradients, stage 3 also the parameters. tensorpar's own
+ZeRO-1/2 (`tensorpar.parallel.data_parallel`) keeps an fp32 master slice (4/dp bytes) even though
+its parameters are fp32, and allocates the full gradient buckets at the start of every step, so
+its ZeRO-2 has the same *peak* as ZeRO-1 (the buckets are freed after the reduce-scatter, i.e.
+only between steps); the tensorpar precisions model exactly that. ZeRO-3 is not in tensorpar:
+it is modelled as FSDP does it (1/dp of everything plus two layers' gathered parameters).
+
+Activations, two models:
+
+- ``tensorpar``: exactly what tensorpar's model saves for backward (checked against
+  saved-tensor measurements in tests/test_planner.py). Per layer and micro-batch of b
+  sequences of s tokens, TP size t, s_n = s/t under sequence parallelism (else s), A = 4 bytes
+  (the fp32 residual stream) and M = matmul dtype bytes (2 under bf16 autocast, else 4):
+  each norm saves its input (A b s_n h), RMSNorm also its fp32 normalised output (4 b s_n h)
+  and the inverse RMS (4 b s_n), LayerNorm its mean and rstd (8 b s_n); the linears after a
+  norm save their input: one fp32 tensor [b, s, h] shared by q/k/v (gate/up) in fp32 - the
+  *gathered* full sequence under SP - and one bf16 copy per consuming linear under autocast
+  (3 for q/k/v, 2 for gate/up); attention saves q, k, v (KV heads repeated to the local query
+  heads) and its output, 4 M b s h/t, and the fp32 log-sum-exp (4 b s a/t; flash attention,
+  no s^2 term); the MLP saves 4 M b s f/t (SwiGLU: gate, silu(gate), up, product), 2 (GeLU)
+  or 1 (ReLU). Selective recomputation keeps the attention core's inputs (q, k before the KV
+  repeat; fp32 after RoPE under autocast) instead of its saved tensors. Full recomputation
+  keeps each layer's input (A b s_n h). Outside the layers: the token ids, RoPE's cos/sin, the
+  final norm, the head's input and the loss's fp32 softmax over the local vocabulary
+  (4 b s V_pad/t). Under bf16 autocast the weights' bf16 copies (2 bytes per matmul weight
+  element) stay alive from forward to backward: reported as ``weight_copies``.
+- ``playbook``: the Playbook's (Korthikanti et al. 2022) formulas in bf16, generalised to GQA
+  and gated MLPs: per layer s b h (34 + 5 a s / h) without TP; with TP t
+  s b h (10 + 24/t + 5 a s/(h t)); with TP and SP s b h (34 + 5 a s/h) / t; selective
+  recomputation (or flash attention) drops the 5 a s/h attention-score term; full
+  recomputation keeps 2 s b h (/t with SP) per layer. The "10" counts the norm inputs, the
+  linear inputs and two dropout masks; without dropout the masks (2 s b h) are left out.
+
+Pipeline: with 1F1B the first stage holds ``min(pp, m)`` micro-batches of activations (rank r:
+``min(pp - r, m)``); Megatron-LM's interleaved schedule with v chunks holds
+``min(2 (pp - 1) + (v - 1) pp + 1, m v)`` chunk-forwards of L/(pp v) layers each on rank 0,
+i.e. L (1 + (pp - 1)/(pp v)) layers' worth, as Korthikanti et al. state. Without PP one
+micro-batch is in flight (gradient accumulation runs them one after another).
+
+Margin: ``overhead`` = 1.5 GiB (CUDA context, NCCL and cuBLAS workspaces) + 5% of everything
+else (allocator fragmentation, small temporaries). A layout is feasible when the total,
+overhead included, fits the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tensorpar.errors import TensorparError
+from tensorpar.planning.cost import Layout, stage_layers
+from tensorpar.planning.hardware import GiB
+
+OVERHEAD_FIXED_BYTES = int(1.5 * GiB)
+OVERHEAD_FRACTION = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    name: str
+    compute_dtype: str  # the peak FLOP/s used: "bf16" or "fp32"
+    param_bytes: int
+    grad_bytes: int
+    master_bytes: int  # fp32 master weights kept by the optimizer (0: the parameters are the fp32 copy)
+    optimizer_bytes: int  # AdamW's two fp32 states
+    activations: str  # "tensorpar" or "playbook"
+    act_bytes: int  # residual stream, norm inputs, hidden states between stages
+    matmul_bytes: int  # matmul inputs / outputs
+    autocast: bool  # bf16 copies of weights saved for backward
+    zero_master_bytes: int = 0  # tensorpar's ZeRO keeps an fp32 master slice even of fp32 parameters
+    zero2_full_grads_at_peak: bool = False  # tensorpar's ZeRO-2 holds full gradient buckets during backward
+    description: str = ""
+
+
+PRECISIONS: dict[str, Precision] = {
+    "tensorpar-bf16": Precision("tensorpar-bf16", "bf16", 4, 4, 0, 8, "tensorpar", 4, 2, True, 4, True,
+                                "tensorpar --dtype bf16: bf16 autocast over fp32 parameters, fp32 gradients and AdamW"),
+    "tensorpar-fp32": Precision("tensorpar-fp32", "fp32", 4, 4, 0, 8, "tensorpar", 4, 4, False, 4, True,
+                                "tensorpar --dtype fp32"),
+    "mixed-bf16": Precision("mixed-bf16", "bf16", 2, 2, 4, 8, "playbook", 2, 2, False,
+                            description="Playbook / Megatron-style: bf16 parameters and gradients, fp32 master + AdamW"),
+    "megatron-bf16": Precision("megatron-bf16", "bf16", 2, 4, 4, 8, "playbook", 2, 2, False,
+                               description="Megatron-LM bf16: bf16 parameters, fp32 main gradients, fp32 master + AdamW"),
+}
+
+
+def get_precision(name: str | Precision) -> Precision:
+    if isinstance(name, Precision):
+        return name
+    if name not in PRECISIONS:
+        raise TensorparError(f"unknown precision '{name}'; known: {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def check_tp(cfg, tp: int) -> None:
+    """The TP constraints of tensorpar's layers (whole heads per rank; KV heads split or replicated)."""
+    from tensorpar.models.layout import check_model_layout
+
+    check_model_layout(cfg, tp)
+
+
+_PARAM_CACHE: dict = {}
+
+
+def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline
+    stage `stage`, in `named_parameters()` order: vocabulary padded to a multiple of tp, KV heads
+    replicated when fewer than tp, norms and row-parallel biases replicated. A tied embedding is
+    held by the first stage and, as the head's copy, by the last."""
+    key = (repr(cfg), tp, pp, stage if pp > 1 else 0)
+    if key not in _PARAM_CACHE:
+        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage)
+    return _PARAM_CACHE[key]
+
+
+def _local_parameters(cfg, tp: int, pp: int, stage: int) -> list[tuple[str, int, int]]:
+    from tensorpar.layers.attention import kv_layout
+    from tensorpar.layers.sharding import padded
+
+    check_tp(cfg, tp)
+    h, hd = cfg.hidden_size, cfg.head_dim
+    heads = cfg.num_heads // tp
+    kv_local, _ = kv_layout(cfg.kv_heads, tp)
+    f = cfg.ffn_hidden_size // tp
+    vocab = padded(cfg.vocab_size, tp) // tp
+    first, last, n = stage_layers(cfg, Layout(tp=tp, pp=pp), stage if pp > 1 else None)
+    start = (stage if pp > 1 else 0) * n
+    out: list[tuple[str, int, int]] = []
+
+    def norm(prefix):
+        out.append((f"{prefix}.weight", h, 1))
+        if cfg.norm == "layernorm":
+            out.append((f"{prefix}.bias", h, 1))
+
+    def linear(prefix, rows, cols, bias_size):
+        out.append((f"{prefix}.weight", rows * cols, 2))
+        if cfg.bias:
+            out.append((f"{prefix}.bias", bias_size, 1))
+
+    if first and cfg.position == "learned":
+        out.append(("pos_embed", cfg.max_seq_len * h, 2))
+    if first or (last and cfg.tie_embeddings):
+        out.append(("embed.weight", vocab * h, 2))
+    for i in range(start, start + n):
+        p = f"layers.{i}"
+        norm(f"{p}.attn_norm")
+        linear(f"{p}.attn.q_proj", heads * hd, h, heads * hd)
+        linear(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd)
+        linear(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd)
+        linear(f"{p}.attn.o_proj", h, heads * hd, h)
+        norm(f"{p}.mlp_norm")
+        if cfg.gated_mlp:
+            linear(f"{p}.mlp.gate_proj", f, h, f)
+        linear(f"{p}.mlp.up_proj", f, h, f)
+        linear(f"{p}.mlp.down_proj", h, f, h)
+    if last:
+        norm("final_norm")
+        if not cfg.tie_embeddings:
+            out.append(("head.weight", vocab * h, 2))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSummary:
+    numel: int
+    tensors: int
+    per_layer: int  # elements of one layer
+    layer_matmul_weights: int  # elements of the layers' matmul weights (all layers of the stage)
+    head_matmul_weights: int  # the head's (or tied embedding's) weight, on the last stage
+
+
+_SUMMARY_CACHE: dict = {}
+
+
+def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0) -> ParamSummary:
+    key = (repr(cfg), tp, pp, stage if pp > 1 else 0)
+    if key not in _SUMMARY_CACHE:
+        params = local_parameters(cfg, tp, pp, stage)
+        layers = [p for p in params if p[0].startswith("layers.")]
+        n_layers = len({p[0].split(".")[1] for p in layers}) or 1
+        _SUMMARY_CACHE[key] = ParamSummary(
+            sum(n for _, n, _ in params), len(params), sum(n for _, n, _ in layers) // n_layers,
+            _matmul_weight_count(cfg, layers),
+            _matmul_weight_count(cfg, [p for p in params if not p[0].startswith("layers.")]))
+    return _SUMMARY_CACHE[key]
+
+
+def parameter_count(cfg, tp: int, pp: int = 1, stage: int = 0) -> int:
+    """Elements of the parameters one rank of `stage` holds (exactly `sum(p.numel() for p in model.parameters())`)."""
+    return sum(n for _, n, _ in local_parameters(cfg, tp, pp, stage))
+
+
+def _matmul_weight_count(cfg, params) -> int:
+    """Elements of the weights that enter a matmul (for autocast's bf16 copies): every 2-D weight but
+    the positional table, and the embedding only when it is also the (tied) head."""
+    skip = {"pos_embed"} | (set() if cfg.tie_embeddings else {"embed.weight"})
+    return sum(n for name, n, ndim in params if ndim == 2 and name not in skip)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def _mlp_saved(cfg) -> int:
+    """How many [b, s, f/t] tensors the MLP saves."""
+    relu = cfg.activation == "relu"  # relu saves its output, which is also the next op's input
+    if cfg.gated_mlp:
+        return 3 if relu else 4
+    return 1 if relu else 2
+
+
+def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, autocast: bool) -> int:
+    """Bytes one transformer layer of tensorpar saves for backward, for one micro-batch (see module docstring)."""
+    A, M = 4, (2 if autocast else 4)
+    t = tp
+    sp = sp and tp > 1
+    h, hd = cfg.hidden_size, cfg.head_dim
+    sn = s // t if sp else s
+    if recompute == "full":
+        return A * b * sn * h
+    heads = cfg.num_heads // t
+    kv_local = max(cfg.kv_heads // t, 1)
+    f = cfg.ffn_hidden_size // t
+    if cfg.norm == "rmsnorm":
+        norm = A * b * sn * h + 4 * b * sn * h + 4 * b * sn
+    else:
+        norm = A * b * sn * h + 8 * b * sn
+    if autocast:
+        attn_in = 3 * 2 * b * s * h
+        mlp_in = (2 if cfg.gated_mlp else 1) * 2 * b * s * h
+    else:
+        attn_in = mlp_in = A * b * s * h
+    local = b * s * heads * hd
+    if recompute == "selective":
+        qk = 4 if (autocast and cfg.position == "rope") else M  # RoPE promotes bf16 q, k to fp32 under autocast
+        attn = qk * local + qk * b * s * kv_local * hd + M * b * s * kv_local * hd + M * local
+    else:
+        attn = 4 * M * local + 4 * b * heads * s
+    mlp = _mlp_saved(cfg) * M * b * s * f
+    masks = 0
+    if cfg.dropout > 0:
+        masks = 2 * (A if (cfg.bias or not autocast) else M) * b * sn * h
+    return 2 * norm + attn_in + mlp_in + attn + mlp + masks
+
+
+def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast: bool) -> dict[str, int]:
+    """Bytes saved outside the layers for one micro-batch: ``first`` (ids, embedding dropout mask),
+    ``rope`` (cos/sin tables, every stage) and ``last`` (final norm, head input, loss)."""
+    from tensorpar.layers.sharding import padded
+
+    A = 4
+    sp = sp and tp > 1
+    h = cfg.hidden_size
+    sn = s // tp if sp else s
+    first = 8 * b * s + (b * s if tp > 1 else 0)  # ids (masked to the local vocabulary) and the mask
+    if cfg.dropout > 0:
+        first += A * b * sn * h
+    rope = 2 * A * s * cfg.head_dim if cfg.position == "rope" else 0
+    if cfg.norm == "rmsnorm":
+        last = A * b * sn * h + 4 * b * sn * h + 4 * b * sn
+    else:
+        last = A * b * sn * h + 8 * b * sn
+    last += (2 if autocast else A) * b * s * h  # the head's input
+    vocab = padded(cfg.vocab_size, tp) // tp
+    last += 4 * b * s * vocab + 8 * b * s + 2 * b * s + 8  # softmax, targets, masks, token count
+    return {"first": first, "rope": rope, "last": last}
+
+
+def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, flash: bool = True,
+                               nbytes: int = 2) -> int:
+    """The Playbook's (Korthikanti et al.) per-layer activation bytes, generalised to GQA and gated MLPs."""
+    t = tp
+    sp = sp and tp > 1
+    h, a = cfg.hidden_size, cfg.num_heads
+    bsh = b * s * h
+    if recompute == "full":
+        return nbytes * bsh // (t if sp else 1)
+    dropout = cfg.dropout > 0
+    outside = nbytes * (2 * bsh + 2 * bsh) + (2 * bsh if dropout else 0)  # 2 norm inputs, 2 linear inputs, masks
+    kv = cfg.kv_heads * cfg.head_dim
+    inside = nbytes * b * s * (h + 2 * kv)  # q, k, v
+    inside += nbytes * bsh  # the attention output (the output projection's input)
+    inside += _mlp_saved(cfg) * nbytes * b * s * cfg.ffn_hidden_size
+    if flash or recompute == "selective":
+        inside += 4 * b * a * s if flash else 0  # log-sum-exp
+    else:
+        inside += (nbytes + (1 + nbytes if dropout else 0)) * a * s * s * b  # softmax (+ mask, dropout output)
+    return (outside // (t if sp else 1)) + inside // t
+
+
+def playbook_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, nbytes: int = 2) -> dict[str, int]:
+    from tensorpar.layers.sharding import padded
+
+    sp = sp and tp > 1
+    bsh = b * s * cfg.hidden_size
+    first = bsh // (tp if sp else 1) if cfg.dropout > 0 else 0  # embedding dropout mask
+    last = nbytes * bsh // (tp if sp else 1) + nbytes * bsh  # final norm input, head input
+    last += 4 * b * s * padded(cfg.vocab_size, tp) // tp  # fp32 softmax of the loss
+    return {"first": first, "rope": 0, "last": last}
+
+
+def in_flight(layout: Layout, num_micro_batches: int, stage: int) -> int:
+    """Chunk-forwards whose activations pipeline rank `stage` holds at its peak (1F1B / interleaved)."""
+    pp, v, m = layout.pp, layout.virtual_stages, num_micro_batches
+    if pp == 1:
+        return 1
+    if v == 1:
+        return min(pp - stage, m)
+    if m == pp:
+        return m * v
+    return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
+
+
+# --------------------------------------------------------------------------- the breakdown
+
+
+@dataclasses.dataclass
+class MemoryBreakdown:
+    """Bytes per component on the most loaded GPU (`stage`)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    weight_copies: int
+    transient: int
+    overhead: int
+    stage: int
+    parameter_count: int
+
+    @property
+    def total(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer + self.activations + self.weight_copies
+                + self.transient + self.overhead)
+
+    COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "weight_copies", "transient", "overhead")
+
+    def gib(self) -> dict[str, float]:
+        out = {k: getattr(self, k) / GiB for k in self.COMPONENTS}
+        out["total"] = self.total / GiB
+        return out
+
+
+def optimizer_state_bytes(params, precision: Precision, zero: int = 0, dp: int = 1) -> int:
+    """AdamW states (+ master weights) of one rank holding `params` ((name, numel, ndim) list or a
+    `ParamSummary`). Unsharded: 8 bytes per element and a 4-byte `step` tensor per parameter tensor
+    (torch's AdamW), plus fp32 masters when the parameters are not fp32. ZeRO-1+: 1/dp of both."""
+    if isinstance(params, ParamSummary):
+        numel, tensors = params.numel, params.tensors
+    else:
+        numel, tensors = sum(n for _, n, _ in params), len(params)
+    states = precision.optimizer_bytes * numel + 4 * tensors
+    master = precision.master_bytes * numel
+    if zero >= 1 and dp > 1:
+        states = math.ceil(precision.optimizer_bytes * numel / dp) + 4 * tensors
+        master = math.ceil((precision.master_bytes or precision.zero_master_bytes) * numel / dp)
+    return states + master
+
+
+def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
+                 stage: int = 0, flash_attention: bool = True) -> MemoryBreakdown:
+    """Peak memory of one GPU of pipeline rank `stage`."""
+    prec = get_precision(precision)
+    pp, dp, tp = layout.pp, layout.dp, layout.tp
+    summary = parameter_summary(cfg, tp, pp, stage)
+    numel = summary.numel
+    first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
+    b, s = layout.micro_batch_size, seq_len
+    m = max(layout.num_micro_batches(global_batch), 1)
+    zero = layout.zero if dp > 1 else 0
+
+    param_mem = prec.param_bytes * numel
+    grad_mem = prec.grad_bytes * numel
+    transient = 0
+    layer_params = summary.per_layer
+    if zero >= 2 and not prec.zero2_full_grads_at_peak:
+        grad_mem = math.ceil(grad_mem / dp)
+    elif zero >= 1 and prec.zero_master_bytes:
+        grad_mem += math.ceil(4 * numel / dp)  # tensorpar's fp32 gradient slice next to the full buckets
+    if zero == 3:
+        grad_mem = math.ceil(prec.grad_bytes * numel / dp)
+        param_mem = math.ceil(param_mem / dp)
+        transient += 2 * layer_params * prec.param_bytes  # the layer being computed and the prefetched one
+    opt_mem = optimizer_state_bytes(summary, prec, zero, dp)
+
+    # Activations: per layer x layers per chunk x chunk-forwards in flight, plus the stage's ends.
+    chunks = in_flight(layout, m, stage if pp > 1 else 0)
+    layers_per_chunk = n_layers // layout.virtual_stages
+    mbs_in_flight = min(m, math.ceil(chunks / layout.virtual_stages)) if pp > 1 else 1
+    if prec.activations == "tensorpar":
+        def layer(mode):
+            return tensorpar_layer_activations(cfg, tp, layout.sp, b, s, mode, prec.autocast)
+        outer = tensorpar_outer_activations(cfg, tp, layout.sp, b, s, prec.autocast)
+    else:
+        def layer(mode):
+            return playbook_layer_activations(cfg, tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes)
+        outer = playbook_outer_activations(cfg, tp, layout.sp, b, s, prec.act_bytes)
+    per_layer = layer(layout.recompute)
+    if layout.recompute != "none":  # during backward one layer's activations exist again
+        transient += layer("none") if layout.recompute == "full" else layer("none") - per_layer
+    ends = mbs_in_flight * ((outer["first"] if first else 0) + outer["rope"]) + (outer["last"] if last else 0)
+    activations = chunks * layers_per_chunk * per_layer + ends
+    weight_copies = 0
+    if prec.autocast:
+        layer_weights = summary.layer_matmul_weights
+        head_weights = summary.head_matmul_weights if last else 0
+        if layout.recompute == "full":
+            weight_copies = 2 * head_weights
+            transient += 2 * layer_weights // max(n_layers, 1)
+        else:
+            weight_copies = 2 * (layer_weights + head_weights)
+    subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
+    overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
+    return MemoryBreakdown(param_mem, grad_mem, opt_mem, activations, weight_copies, transient, overhead,
+                           stage, numel)
+
+
+def layout_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
+                  flash_attention: bool = True) -> MemoryBreakdown:
+    """The most loaded GPU's breakdown (the first or the last pipeline stage)."""
+    stages = {0, layout.pp - 1}
+    return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention) for st in stages),
+               key=lambda mb: mb.total)

@@ -1,0 +1,173 @@
+"""Step time: compute at the achievable fraction of peak, plus what communication and the pipeline expose.
+
+Per micro-batch and pipeline stage (all FLOPs divided evenly over the stage's TP ranks):
+
+- compute: 3 x the stage's forward FLOPs (forward + backward), with the forward of a layer
+  ``2 b s P_layer + 4 b s^2 h`` (the matmul parameters, PaLM's attention term: the accounting of
+  `tensorpar.training.flops`, so that summed over stages it is exactly
+  ``train_flops_per_token(cfg, s) * b * s``) and the head ``2 b s (V h + norm)`` on the last
+  stage; recomputation adds one more forward of every layer ("full"; tensorpar's checkpoint stops
+  before the MLP's output projection when there is no dropout, which it then skips) or of the
+  attention core ``4 b s^2 h`` ("selective"). Time = FLOPs / (peak x ``mfu_ceiling``).
+- TP/SP communication: every collective of `cost.model_collectives` on the TP group, timed with
+  the alpha-beta model (the faster of ring and tree) on NVLink if the TP group fits in a node,
+  and not overlapped: it sits on the critical path (the Playbook's point about TP).
+- PP: the point-to-point sends of the stage, also exposed.
+
+The pipeline runs m micro-batches through p stages: ``(m + (p - 1)/v) * t_stage`` with
+t_stage the slowest stage's per-micro-batch time, i.e. a bubble of (p-1)/(m+p-1) of the step
+(interleaved with v chunks: (p-1)/(v m + p - 1)). Data-parallel traffic (`cost.step_collectives`
+on the DP group) overlaps with backward compute: at most ``overlap`` of it hides, and never more
+than the backward time it can hide behind (the last micro-batch's backward for gradient
+buckets; every micro-batch's forward and backward for ZeRO-3's gathers); the parameter
+all-gather after a ZeRO-1/2 optimizer step is exposed. The optimizer step itself is memory-bound:
+about 28 bytes of HBM traffic per (local) optimizer element.
+
+Outputs: step time, tokens/s (the whole cluster), MFU (model FLOPs of `training.flops`, no
+recomputation, over step time x GPUs x peak), and the achieved hardware FLOP/s per GPU
+counting recomputation (the figure Megatron-LM's papers report).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorpar.planning.cost import Collective, Layout, collectives_time, model_collectives, stage_layers, step_collectives
+from tensorpar.planning.memory import Precision, get_precision, parameter_summary
+from tensorpar.training.flops import matmul_params, train_flops_per_token
+
+OPTIMIZER_BYTES_PER_ELEMENT = 28
+
+
+@dataclasses.dataclass
+class StepTime:
+    step_time_s: float
+    compute_s: float  # the whole step's compute on the slowest stage (m micro-batches), recomputation included
+    recompute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    dp_comm_s: float  # exposed data-parallel / ZeRO communication
+    optimizer_s: float
+    num_micro_batches: int
+    bubble_fraction: float
+    tokens_per_s: float
+    mfu: float
+    model_flops: float  # per step, the whole model (training.flops accounting)
+    hardware_flops_per_gpu_s: float  # achieved, recomputation included
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def flop_parts(cfg) -> tuple[float, float]:
+    """(parameters in matmuls per layer, parameters of the head incl. the final norm), dense counts."""
+    norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    head = cfg.vocab_size * cfg.hidden_size + norm
+    return (matmul_params(cfg) - head) / cfg.num_layers, head
+
+
+def stage_flops(cfg, layout: Layout, b: int, s: int, stage: int | None, precision: Precision) -> tuple[float, float]:
+    """(training FLOPs, recomputation FLOPs) of one micro-batch through one stage (all its TP ranks)."""
+    first, last, n = stage_layers(cfg, layout, stage)
+    layer_p, head_p = flop_parts(cfg)
+    attn = 4.0 * b * s * s * cfg.hidden_size
+    layer_fwd = 2.0 * b * s * layer_p + attn
+    fwd = n * layer_fwd + (2.0 * b * s * head_p if last else 0.0)
+    if layout.recompute == "full":
+        again = layer_fwd
+        if precision.activations == "tensorpar" and cfg.dropout == 0:
+            again -= 2.0 * b * s * cfg.ffn_hidden_size * cfg.hidden_size  # checkpoint stops before down_proj
+        recompute = n * again
+    elif layout.recompute == "selective":
+        recompute = n * attn
+    else:
+        recompute = 0.0
+    return 3.0 * fwd, recompute
+
+
+def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm):
+    """(compute, recompute, tp comm, pp comm) seconds of one micro-batch on one stage."""
+    rate = cluster.peak(prec.compute_dtype) * cluster.mfu_ceiling
+    train, recompute = stage_flops(cfg, layout, b, s, stage, prec)
+    colls = model_collectives(cfg, layout, b, s, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
+                              grad_bytes=prec.grad_bytes, stage=stage if layout.pp > 1 else None,
+                              scatter_gather=prec.activations == "playbook")
+    tp = [c for c in colls if c.group == "tp"]
+    sends = [c for c in colls if c.group == "pp" and c.op == "send"]
+    return (train / layout.tp / rate, recompute / layout.tp / rate, collectives_time(tp, cluster, layout, algorithm),
+            collectives_time(sends, cluster, layout, algorithm))
+
+
+def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: int,
+                      precision: Precision | str = "tensorpar-bf16", *, algorithm: str = "best") -> StepTime:
+    prec = get_precision(precision)
+    b, s = layout.micro_batch_size, seq_len
+    m = max(layout.num_micro_batches(global_batch), 1)
+    pp, v = layout.pp, layout.virtual_stages
+    stages = sorted({0, pp - 1}) if pp > 1 else [None]
+    per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm) for st in stages}
+    slowest = max(per_stage, key=lambda st: sum(per_stage[st]))
+    comp, recomp, tp_c, pp_c = per_stage[slowest]
+    t_stage = comp + recomp + tp_c + pp_c
+    bubble = (pp - 1) / v * t_stage
+    pipeline = m * t_stage + bubble
+
+    # Data-parallel traffic of the busiest stage, and how much of it hides behind backward compute.
+    dp_stage = 0 if pp > 1 else None
+    colls = step_collectives(cfg, layout, s, m, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
+                             grad_bytes=prec.grad_bytes, param_bytes=prec.param_bytes, stage=dp_stage,
+                             zero2_per_micro_batch=not prec.zero2_full_grads_at_peak)
+    dp_colls = [c for c in colls if c.group in ("dp", "embed") or (c.phase == "step" and c.group != "dp")]
+    backward = (2.0 / 3.0) * comp + recomp  # one micro-batch's backward (and recomputation)
+    dp_exposed = 0.0
+    per_mb = [c for c in dp_colls if c.phase in ("forward", "backward")]  # ZeRO-3 gathers, ZeRO-2 per micro-batch
+    after = [c for c in dp_colls if c.phase == "step"]
+    if per_mb:
+        t = collectives_time(per_mb, cluster, layout, algorithm)
+        window = m * (comp + recomp) if any(c.phase == "forward" for c in per_mb) else m * backward
+        dp_exposed += t - min(t * cluster.overlap, window)
+    is_grad = [c.op in ("all_reduce", "reduce_scatter") and c.group == "dp" and c.nbytes > 4 for c in after]
+    grads = [c for c, g in zip(after, is_grad) if g]
+    rest = [c for c, g in zip(after, is_grad) if not g]
+    t = collectives_time(grads, cluster, layout, algorithm)
+    dp_exposed += t - min(t * cluster.overlap, backward)
+    dp_exposed += collectives_time(rest, cluster, layout, algorithm)
+
+    numel = parameter_summary(cfg, layout.tp, pp, 0).numel
+    opt_elems = numel / layout.dp if (layout.zero >= 1 and layout.dp > 1) else numel
+    optimizer = opt_elems * OPTIMIZER_BYTES_PER_ELEMENT / cluster.gpu.hbm_bandwidth
+
+    step = pipeline + dp_exposed + optimizer
+    tokens = global_batch * seq_len
+    model_flops = train_flops_per_token(cfg, seq_len) * tokens
+    # Every stage holds as many layers and the head is never recomputed: pp x one stage's recomputation.
+    total_recompute = pp * stage_flops(cfg, layout, b, s, 0 if pp > 1 else None, prec)[1] * m * layout.dp
+    peak = cluster.peak(prec.compute_dtype)
+    gpus = layout.world
+    return StepTime(
+        step_time_s=step,
+        compute_s=m * comp + m * recomp,
+        recompute_s=m * recomp,
+        tp_comm_s=m * tp_c,
+        pp_comm_s=m * pp_c,
+        bubble_s=bubble,
+        dp_comm_s=dp_exposed,
+        optimizer_s=optimizer,
+        num_micro_batches=m,
+        bubble_fraction=bubble / pipeline if pipeline else 0.0,
+        tokens_per_s=tokens / step,
+        mfu=model_flops / (step * gpus * peak),
+        model_flops=model_flops,
+        hardware_flops_per_gpu_s=(model_flops + total_recompute) / (step * gpus),
+    )
+
+
+def megatron_flops_per_step(cfg, global_batch: int, seq_len: int) -> float:
+    """Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), FLOPs of one step with full
+    activation recomputation (the accounting of their reported teraFLOP/s per GPU)."""
+    B, s, l, h, V = global_batch, seq_len, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+__all__ = ["StepTime", "predict_step_time", "stage_flops", "flop_parts", "megatron_flops_per_step", "Collective"]
