@@ -77,10 +77,14 @@ def test_under_torchrun_the_demo_uses_the_launchers_processes():
         (["train", "--model", "gpt5"], "unknown model preset 'gpt5'; known presets: tiny"),
         (["train", "--data", "/no/such/file.txt"], "data file '/no/such/file.txt' does not exist"),
         (["train", "--tp", "2", "--sequence-parallel", "--seq-len", "33"], "sequence length 33 is not divisible"),
-        (["train", "--pp", "2", "--tp", "1"], "pipeline parallelism (--pp > 1) is not available yet"),
+        (["train", "--pp", "3"], "4 layers cannot be split evenly into pp=3 x virtual stages=1"),
+        (["train", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--global-batch-size", "3",
+          "--micro-batch-size", "1"], "multiple of the pipeline-parallel size 2"),
+        (["train", "--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "4"],
+         "global batch size 6 does not divide into dp 2 x micro-batch size 4"),
         (["eval", "--checkpoint", "/no/such/dir", "--seq-len", "8"], "checkpoint '/no/such/dir' does not exist"),
     ],
-    ids=["heads", "preset", "data", "sp-seq", "pp", "checkpoint"],
+    ids=["heads", "preset", "data", "sp-seq", "pp-layers", "interleaved-microbatches", "dp-batch", "checkpoint"],
 )
 def test_bad_input_fails_in_seconds_with_one_line(args, needle):
     proc, elapsed = tensorpar(*args)

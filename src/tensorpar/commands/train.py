@@ -73,6 +73,9 @@ def _print_summary(s: dict) -> None:
           f"(of the {s['peak_flops_source']})")
     if s.get("loss_plot"):
         print(f"loss curve: {s['loss_plot']}")
+    if s.get("pipeline_bubble") is not None:
+        plot = f"; timeline: {s['pipeline_plot']}" if s.get("pipeline_plot") else ""
+        print(f"pipeline bubble (measured, last step): {100 * s['pipeline_bubble']:.1f}%{plot}")
     if s.get("sample_note"):
         print(s["sample_note"])
     if s.get("sample") is not None:

@@ -98,6 +98,9 @@ def validate(args: TrainArgs, cfg) -> None:
     if args.data and not os.path.exists(args.data):
         raise TensorparError(f"data file '{args.data}' does not exist")
     check_model_layout(cfg, args.tp, args.sequence_parallel, args.seq_len)
+    if args.dp is not None:
+        micro = args.micro_batch_size or max(1, args.global_batch_size // args.dp)
+        micro_batches(torch.zeros(args.global_batch_size, 1), 0, args.dp, micro)  # raises LayoutError if it can't
     if args.pp > 1 or args.virtual_stages > 1:
         from tensorpar.parallel.pipeline import stage_layers
         from tensorpar.parallel.schedules import build_schedule
@@ -280,6 +283,18 @@ def train(args: TrainArgs) -> dict:
         "pipeline_timeline": runner.timeline if runner is not None else None,
         "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
     }
+    if runner is not None:
+        # The last step's measured timeline of every stage (perf_counter: comparable across processes of one
+        # machine; across machines the clocks' offsets shift the rows).
+        from tensorpar.parallel.schedule_view import measured_bubble, render_measured
+
+        timelines = mesh.pp_group.all_gather_object(runner.timeline)
+        summary["pipeline_bubble"] = measured_bubble(timelines)
+        if is_main and args.out_dir:
+            summary["pipeline_plot"] = render_measured(
+                timelines, os.path.join(args.out_dir, "pipeline.png"),
+                f"measured {args.schedule} timeline, last step: pp={mesh.pp_size}, "
+                f"{len(timelines[0]) // 2 // args.virtual_stages} micro-batches")
     if args.return_state:
         summary["state"] = dense_weights(model, mesh)
     if args.sample_tokens and pipeline:
