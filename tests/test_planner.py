@@ -27,6 +27,7 @@ from tensorpar.models.config import ModelConfig, get_config
 from tensorpar.planning import cost, hardware, memory, search as search_mod, step_time
 from tensorpar.planning.cost import Layout
 
+WORLD = 4  # one pool of 4 gloo processes for every check: TP 2 runs as 2 TP groups x DP 2, TP 4 as one
 GPT2_SHAPE = get_config("gpt2-124m").replace(num_layers=2)  # GPT-2 124M's widths and vocabulary, 2 layers
 CONFIGS = {
     "tiny": get_config("tiny").replace(num_layers=2),  # Llama-style, 4 heads / 2 KV heads (replicated at TP 4)
@@ -77,7 +78,7 @@ def check_model_comm_and_params(tp, config, sp, recompute, bf16):
     from tensorpar.models import Transformer
 
     cfg = CONFIGS[config]
-    m = harness_mesh(tp=tp)
+    m = harness_mesh(tp=tp, dp=WORLD // tp)
     torch.manual_seed(0)
     B, S = 2, 16
     ids = torch.randint(0, cfg.vocab_size, (B, S))
@@ -116,7 +117,7 @@ COMM_CASES = [
 def test_predicted_comm_bytes_equal_counted_and_parameters_match(pools, tp, config, sp, recompute, bf16):
     cfg = CONFIGS[config]
     expected_params = memory.local_parameters(cfg, tp)
-    for rank, (counted, predicted, params, grads) in enumerate(pools(tp).run(
+    for rank, (counted, predicted, params, grads) in enumerate(pools(WORLD).run(
             check_model_comm_and_params, tp, config, sp, recompute, bf16)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
         assert params == expected_params, f"rank {rank}: parameters differ from the prediction"
@@ -154,8 +155,53 @@ def check_training_step_comm(zero, micro_batches):
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_predicted_training_step_comm_equals_counted(pools, zero):
-    for rank, (counted, predicted) in enumerate(pools(4).run(check_training_step_comm, zero, 2)):
+    for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+
+
+def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
+    """A pipelined trainer step (PipelineRunner + DistributedOptimizer), as tensorpar.training.trainer runs it."""
+    from tensorpar.models import Transformer
+    from tensorpar.parallel.data_parallel import DistributedOptimizer
+    from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
+
+    cfg = get_config("tiny-gpt2")  # 4 layers: tied embeddings on the first and last stage, learned positions
+    m = harness_mesh(tp=tp, pp=pp, dp=dp)
+    chunks = rank_layers(cfg.num_layers, pp, m.pp_rank, v)
+    model = Transformer(cfg, m, sequence_parallel=sp, seed=1, layers=[i for c in chunks for i in c],
+                        first_stage=m.pp_rank == 0, last_stage=m.pp_rank == pp - 1)
+    model.train()
+    B, S, micro_batches = 2, 16, 4
+    opt = DistributedOptimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
+    runner = PipelineRunner(model, m, schedule, v, micro_batches, (B, S // tp if sp else S, cfg.hidden_size))
+    torch.manual_seed(m.dp_rank)
+    batches = [torch.randint(0, cfg.vocab_size, (B, S + 1)) for _ in range(micro_batches)]
+    m.stats.reset()
+    opt.begin_step(micro_batches)
+    step_loss = torch.zeros(()) + runner.train_step(batches, lambda i: i)
+    opt.finish_backward()
+    opt.clip_and_step(1.0)
+    m.dp_group.all_reduce(step_loss)
+    counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
+    layout = Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, micro_batch_size=B, zero=zero, virtual_stages=v)
+    colls = cost.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024)
+    params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
+    expected = memory.local_parameters(cfg, tp, pp, m.pp_rank, v)
+    return counted, cost.sum_bytes(colls), params, expected, runner.peak_in_flight, m.pp_rank
+
+
+PIPELINE_CASES = [(2, 2, 1, "1f1b", 1, 0, True), (1, 2, 2, "interleaved", 2, 1, False), (1, 4, 1, "afab", 1, 0, False)]
+
+
+@pytest.mark.parametrize("tp,pp,dp,schedule,v,zero,sp", PIPELINE_CASES)
+def test_predicted_pipeline_step_comm_equals_counted(pools, tp, pp, dp, schedule, v, zero, sp):
+    layout = Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v)
+    for rank, (counted, predicted, params, expected, peak, stage) in enumerate(pools(WORLD).run(
+            check_pipeline_step_comm, tp, pp, dp, schedule, v, zero, sp)):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+        assert params == expected, f"rank {rank}: parameters differ from the prediction"
+        if schedule != "afab":  # the memory model's chunk-forwards in flight (1F1B / interleaved)
+            assert peak == memory.in_flight(layout, 4, stage), f"rank {rank}: {peak} in flight"
 
 
 # --------------------------------------------------------------------------- memory == real tensors
@@ -174,7 +220,7 @@ def check_parameter_memory(tp, config):
     from tensorpar.models import Transformer
 
     cfg = CONFIGS[config]
-    m = harness_mesh(tp=tp)
+    m = harness_mesh(tp=tp, dp=WORLD // tp) if tp > 1 else None  # tp = 1 runs here, in the test process
     model = Transformer(cfg, m, seed=1)
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
     model(ids, ids).backward()
@@ -190,7 +236,7 @@ def test_parameter_gradient_optimizer_bytes_equal_real_tensors(pools, tp, config
     prec = memory.PRECISIONS["tensorpar-fp32"]
     params = memory.local_parameters(cfg, tp)
     mb = memory.stage_memory(cfg, Layout(tp=tp), 8, 1, prec)
-    results = [check_parameter_memory(tp, config)] if tp == 1 else pools(tp).run(check_parameter_memory, tp, config)
+    results = [check_parameter_memory(tp, config)] if tp == 1 else pools(WORLD).run(check_parameter_memory, tp, config)
     for rank, (p, g, o) in enumerate(results):
         assert (p, g, o) == (mb.parameters, mb.gradients, mb.optimizer), f"rank {rank}"
         assert o == memory.optimizer_state_bytes(params, prec)
@@ -250,7 +296,7 @@ def check_activations(tp, config, sp, recompute, bf16, method):
     from tensorpar.models import Transformer
 
     cfg = CONFIGS[config]
-    m = harness_mesh(tp=tp) if tp > 1 else None
+    m = harness_mesh(tp=tp, dp=WORLD // tp) if tp > 1 else None
     torch.manual_seed(0)
     B, S = 2, 32
     ids = torch.randint(0, cfg.vocab_size, (B, S))
@@ -275,7 +321,7 @@ def test_activation_memory_matches_saved_tensors(pools, tp, config, sp, recomput
     predicted = mb.activations + mb.weight_copies
     method = "hooks" if recompute == "none" else "live"
     args = (tp, config, sp, recompute, bf16, method)
-    measured = [check_activations(*args)] if tp == 1 else pools(tp).run(check_activations, *args)
+    measured = [check_activations(*args)] if tp == 1 else pools(WORLD).run(check_activations, *args)
     for rank, got in enumerate(measured):
         assert abs(predicted - got) <= 0.10 * got, f"rank {rank}: predicted {predicted} vs measured {got}"
         assert abs(predicted - got) <= 1024, f"rank {rank}: predicted {predicted} vs measured {got} (expected ~exact)"
@@ -380,16 +426,26 @@ def test_published_throughput_within_20_percent(name, cfg, gpus, batch, publishe
         assert abs(predicted / published - 1) < 0.20, f"{name} v={v}: {predicted / 1e12:.0f} vs {published / 1e12:.0f}"
 
 
+def mesh_rank(plans, layout) -> tuple[int, int]:
+    """(0-based rank, count) of the layout's (tp, pp) among mesh shapes, each at its best configuration."""
+    meshes = sorted(search_mod.best_by_mesh(plans).values(), key=lambda p: -p.time.tokens_per_s)
+    return [(p.layout.tp, p.layout.pp) for p in meshes].index((layout.tp, layout.pp)), len(meshes)
+
+
 @pytest.mark.parametrize("name,cfg,gpus,batch,published,layout", PUBLISHED, ids=[p[0] for p in PUBLISHED])
 def test_published_layout_ranks_among_the_top_choices(name, cfg, gpus, batch, published, layout):
+    """"Top choices": (1) among what Megatron-LM could run in 2021 (no SP, no selective recomputation, no
+    distributed optimizer) their exact configuration is in the planner's top 5; (2) their mesh shape (tp, pp)
+    - the Playbook heatmap's cell, each shape at its best micro-batch / recomputation / ZeRO / SP - is among
+    the 5 best shapes, both in the 2021 space and with every feature the planner knows."""
     _, _, cl = published_prediction(cfg, gpus, batch, layout)
     era = search_mod.search(cfg, cl, 2048, batch, "mixed-bf16", flash_attention=False, **ERA_SPACE)
     rank, _ = search_mod.find(era, **dataclasses.asdict(layout))
     assert rank < 5, f"{name}: their layout ranks {rank + 1} among {sum(p.feasible for p in era)} feasible"
     full = search_mod.search(cfg, cl, 2048, batch, "mixed-bf16", flash_attention=False, **FULL_SPACE)
-    meshes = sorted(search_mod.best_by_mesh(full).values(), key=lambda p: -p.time.tokens_per_s)
-    shape = [(p.layout.tp, p.layout.pp) for p in meshes].index((layout.tp, layout.pp))
-    assert shape < 5, f"{name}: (tp, pp) = ({layout.tp}, {layout.pp}) ranks {shape + 1} of {len(meshes)} mesh shapes"
+    for space, plans in (("2021", era), ("full", full)):
+        shape, count = mesh_rank(plans, layout)
+        assert shape < 5, f"{name} ({space}): (tp, pp) = ({layout.tp}, {layout.pp}) ranks {shape + 1} of {count}"
 
 
 # --------------------------------------------------------------------------- command line
@@ -425,6 +481,8 @@ def test_plan_command_errors_and_schedule_mode(capsys, monkeypatch):
     fake.run_schedule_command = lambda args: seen.update(vars(args)) or 0
     monkeypatch.setitem(sys.modules, "tensorpar.parallel.schedule_view", fake)
     assert _main("--schedule", "interleaved", "--pp", "4", "--microbatches", "8", "--virtual-stages", "2") == 0
+    assert _main("--schedule", "1f1b", "--pp", "4") == 2
+    assert "--schedule 1f1b needs --microbatches" in capsys.readouterr().err
     assert (seen["schedule"], seen["pp"], seen["microbatches"], seen["virtual_stages"]) == ("interleaved", 4, 8, 2)
 
 
@@ -439,6 +497,10 @@ def test_python_m_tensorpar_plan():
 # --------------------------------------------------------------------------- the tables of docs/planner.md
 
 
+def _cells(counted, predicted) -> str:
+    return ", ".join(f"{op} {g}: {counted.get((op, g), 0):,}" for op, g in sorted(set(counted) | set(predicted)))
+
+
 def _report() -> None:  # pragma: no cover - `python tests/test_planner.py` prints the validation tables
     from harness import Pools
 
@@ -449,17 +511,27 @@ def _report() -> None:  # pragma: no cover - `python tests/test_planner.py` prin
         print("| tp | model | SP | recompute | dtype | (op, group): counted = predicted | equal |")
         print("|---|---|---|---|---|---|---|")
         for tp, config, sp, rc, bf16 in COMM_CASES:
-            counted, predicted, _, _ = pools(tp).run(check_model_comm_and_params, tp, config, sp, rc, bf16)[0]
-            cells = ", ".join(f"{op} {g}: {counted.get((op, g), 0):,}" for op, g in sorted(set(counted) | set(predicted)))
+            counted, predicted, _, _ = pools(WORLD).run(check_model_comm_and_params, tp, config, sp, rc, bf16)[0]
+            cells = _cells(counted, predicted)
             print(f"| {tp} | {config} | {'on' if sp else 'off'} | {rc} | {'bf16' if bf16 else 'fp32'} | {cells} | "
                   f"{'yes' if counted == predicted else 'NO'} |")
         print("\n| training step, tp=2 x dp=2, tiny-gpt2 + SP, 2 micro-batches | counted = predicted | equal |")
         print("|---|---|---|")
         for zero in (0, 1, 2):
-            counted, predicted = pools(4).run(check_training_step_comm, zero, 2)[0]
-            cells = ", ".join(f"{op} {g}: {counted.get((op, g), 0):,}" for op, g in sorted(set(counted) | set(predicted)))
+            counted, predicted = pools(WORLD).run(check_training_step_comm, zero, 2)[0]
+            cells = _cells(counted, predicted)
             print(f"| ZeRO-{zero} | {cells} | {'yes' if counted == predicted else 'NO'} |")
 
+        print("\n| pipelined step, tiny-gpt2 (4 layers), 4 micro-batches | rank | counted = predicted | equal |")
+        print("|---|---|---|---|")
+        for tp, pp, dp, schedule, v, zero, sp in PIPELINE_CASES:
+            for rank, (counted, predicted, *_rest) in enumerate(pools(WORLD).run(
+                    check_pipeline_step_comm, tp, pp, dp, schedule, v, zero, sp)):
+                if rank % (tp * dp) == 0:
+                    label = f"tp={tp} pp={pp} dp={dp} {schedule}{f' v={v}' if v > 1 else ''} ZeRO-{zero}"
+                    label += " SP" if sp else ""
+                    print(f"| {label} | {rank} | {_cells(counted, predicted)} | "
+                          f"{'yes' if counted == predicted else 'NO'} |")
         print("\n## Parameters, gradients, AdamW states per rank (bytes): predicted vs real tensors\n")
         print("| model | tp | parameters (pred / real) | gradients (pred / real) | AdamW states (pred / real) |")
         print("|---|---|---|---|---|")
@@ -467,13 +539,14 @@ def _report() -> None:  # pragma: no cover - `python tests/test_planner.py` prin
         for config in ("tiny", "gpt2-124m-2l"):
             for tp in (1, 2, 4):
                 mb = memory.stage_memory(CONFIGS[config], Layout(tp=tp), 8, 1, prec)
-                real = check_parameter_memory(tp, config) if tp == 1 else pools(tp).run(check_parameter_memory, tp,
+                real = check_parameter_memory(tp, config) if tp == 1 else pools(WORLD).run(check_parameter_memory, tp,
                                                                                           config)[0]
                 print(f"| {config} | {tp} | {mb.parameters:,} / {real[0]:,} | {mb.gradients:,} / {real[1]:,} | "
                       f"{mb.optimizer:,} / {real[2]:,} |")
 
         print("\n## Activations of one micro-batch (B=2, S=32), bytes: predicted vs measured\n")
-        print("| tp | model | SP | recompute | dtype | predicted | measured | method | error | Playbook formula (bf16) |")
+        print("| tp | model | SP | recompute | dtype | predicted | measured | method | error "
+              "| Playbook formula (bf16) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for tp, config, sp, rc, bf16 in ACTIVATION_CASES:
             cfg = CONFIGS[config]
@@ -482,7 +555,7 @@ def _report() -> None:  # pragma: no cover - `python tests/test_planner.py` prin
             pred = mb.activations + mb.weight_copies
             method = "hooks" if rc == "none" else "live"
             args = (tp, config, sp, rc, bf16, method)
-            got = check_activations(*args) if tp == 1 else pools(tp).run(check_activations, *args)[0]
+            got = check_activations(*args) if tp == 1 else pools(WORLD).run(check_activations, *args)[0]
             pb = memory.stage_memory(cfg, Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=rc), 32, 2,
                                      "mixed-bf16").activations
             print(f"| {tp} | {config} | {'on' if sp else 'off'} | {rc} | {'bf16' if bf16 else 'fp32'} | {pred:,} | "
@@ -499,22 +572,22 @@ def _report() -> None:  # pragma: no cover - `python tests/test_planner.py` prin
             plan, pred, _ = published_prediction(cfg, gpus, batch, lay)
             print(f"| {name} | TP{lay.tp} PP{lay.pp} DP{lay.dp} mbs 1 full recompute | "
                   f"{'interleaved v=2' if v == 2 else '1F1B'} | {published / 1e12:.0f} | {pred / 1e12:.1f} | "
-                  f"{100 * (pred / published - 1):+.1f}% | {plan.time.step_time_s:.1f} | {plan.memory.gib()['total']:.1f} |")
-    print("\n| run | space | feasible layouts | rank of their layout | rank of their (tp, pp) | planner's best |")
+                  f"{100 * (pred / published - 1):+.1f}% | {plan.time.step_time_s:.1f} | "
+                  f"{plan.memory.gib()['total']:.1f} |")
+    print("\n| run | space | feasible layouts | rank of their layout (MFU) | rank of their (tp, pp) | "
+          "planner's best (MFU, GiB) |")
     print("|---|---|---|---|---|---|")
     for name, cfg, gpus, batch, published, layout in PUBLISHED:
-        _, _, cl = published_prediction(cfg, gpus, batch, layout)
+        theirs, _, cl = published_prediction(cfg, gpus, batch, layout)
         for label, space in (("2021 features", ERA_SPACE), ("all features", FULL_SPACE)):
             plans = search_mod.search(cfg, cl, 2048, batch, "mixed-bf16", flash_attention=False, **space)
             feasible = [p for p in plans if p.feasible]
             rank, _ = search_mod.find(plans, **dataclasses.asdict(layout))
-            meshes = sorted(search_mod.best_by_mesh(plans).values(), key=lambda p: -p.time.tokens_per_s)
-            shape = [(p.layout.tp, p.layout.pp) for p in meshes].index((layout.tp, layout.pp))
+            shape, count = mesh_rank(plans, layout)
             best = feasible[0]
-            print(f"| {name} | {label} | {len(feasible)} | {rank + 1} (top {100 * (rank + 1) / len(feasible):.1f}%) | "
-                  f"{shape + 1} of {len(meshes)} | {best.layout.label()}: "
-                  f"{step_time.megatron_flops_per_step(cfg, batch, 2048) / (gpus * best.time.step_time_s) / 1e12:.0f} "
-                  f"TFLOP/s, {best.memory.gib()['total']:.1f} GiB |")
+            print(f"| {name} | {label} | {len(feasible)} | {rank + 1} (top {100 * (rank + 1) / len(feasible):.1f}%; "
+                  f"{100 * theirs.time.mfu:.1f}%) | {shape + 1} of {count} | {best.layout.label()} "
+                  f"({100 * best.time.mfu:.1f}%, {best.memory.gib()['total']:.1f}) |")
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ def _rank_prefix() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tensorpar.commands import demo, eval as eval_cmd, explain, plan, train
+    from tensorpar.commands import demo, eval as eval_cmd, explain, generate, plan, train, convert
 
     parser = argparse.ArgumentParser(
         prog="tensorpar", description="Tensor-parallel training, evaluation and serving of transformers."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train, eval_cmd, demo, explain, plan):
+    for module in (train, eval_cmd, generate, demo, explain, plan, convert):
         module.add_parser(sub)
     return parser
 

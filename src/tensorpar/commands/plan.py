@@ -77,6 +77,9 @@ def add_parser(sub) -> None:
 
 def run(args, argv=None) -> int:
     if args.schedule:
+        missing = [f for f, v in (("--pp", args.pp), ("--microbatches", args.microbatches)) if v is None]
+        if missing:
+            raise TensorparError(f"--schedule {args.schedule} needs {' and '.join(missing)}")
         try:
             from tensorpar.parallel.schedule_view import run_schedule_command
         except ModuleNotFoundError as e:
@@ -220,8 +223,8 @@ def render_text(cfg, cluster, plans, args, shown) -> str:
             lines.append(f"  {n:>5} {kind}; e.g. {ex.layout.label()}: {ex.reason}")
         close = [p for p in infeasible if p.memory is not None][:3]
         if close and not feasible:
-            lines.append(f"  closest to fitting: " + "; ".join(f"{p.layout.label()} needs {p.memory.total / GiB:.1f} GiB"
-                                                               for p in close))
+            lines.append("  closest to fitting: " + "; ".join(
+                f"{p.layout.label()} needs {p.memory.total / GiB:.1f} GiB" for p in close))
     return "\n".join(lines)
 
 
@@ -292,7 +295,8 @@ def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str
                         f"mb{p.layout.micro_batch_size} z{p.layout.zero}\n{_RC[p.layout.recompute]}"
                         f"{' sp' if p.layout.sp else ''}")
             bright = p is not None and p.time.tokens_per_s > lo + 0.6 * (hi - lo)
-            ax.text(j, i, text, ha="center", va="center", fontsize=6, color="w" if p is not None and not bright else "k")
+            colour = "w" if p is not None and not bright else "k"
+            ax.text(j, i, text, ha="center", va="center", fontsize=6, color=colour)
     ax.set_xticks(range(len(pps)), [str(q) for q in pps])
     ax.set_yticks(range(len(tps)), [str(t) for t in tps])
     ax.set_xlabel("pipeline parallel (pp)")

@@ -37,7 +37,11 @@ def add_parser(sub) -> None:
     p.add_argument("--val-every", type=int, default=50)
     p.add_argument("--metrics", default=None, help="JSONL file, one object per step (default OUT_DIR/metrics.jsonl)")
     p.add_argument("--out-dir", default=None, help="for the metrics and loss plot (default runs/MODEL-tpT)")
-    p.add_argument("--init-from", default=None, help="start from a Hugging Face model folder")
+    p.add_argument("--init-from", default=None, help="start from a Hugging Face folder or a tensorpar checkpoint")
+    p.add_argument("--save", default=None, help="checkpoint folder (written at the end and every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (default %(default)s)")
+    p.add_argument("--resume", default=None, help="continue from a checkpoint up to --steps, at any layout")
     p.add_argument("--sample-tokens", type=int, default=0, help="greedy sample this many tokens at the end")
     p.add_argument("--sample-prompt", default="The ")
     p.add_argument("--no-progress", action="store_true")
@@ -56,13 +60,14 @@ def _train_args(args) -> TrainArgs:
         dropout=args.dropout, dtype=args.dtype, data=args.data, bin_dtype=args.bin_dtype, val_every=args.val_every,
         metrics=args.metrics or os.path.join(out_dir, "metrics.jsonl"), out_dir=out_dir, init_from=args.init_from,
         sample_prompt=args.sample_prompt, sample_tokens=args.sample_tokens, progress=not args.no_progress,
-        device=args.device,
+        device=args.device, save=args.save, save_every=args.save_every, keep_last=args.keep_last, resume=args.resume,
     )
 
 
 def _print_summary(s: dict) -> None:
     lay = s["layout"]
-    print(f"\ntrained {s['model']} ({s['parameters'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
+    resumed = f" (resumed at step {s['start_step']})" if s.get("start_step") else ""
+    print(f"\ntrained{resumed} {s['model']} ({s['parameters'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
           f"{s['tokens']:,} tokens: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}"
           f"{' zero-' + str(lay['zero']) if lay['zero'] else ''}"
           f"{' ' + lay['schedule'] + (' v=' + str(lay['virtual_stages']) if lay['virtual_stages'] > 1 else '') if lay['schedule'] else ''}"

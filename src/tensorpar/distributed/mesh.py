@@ -79,6 +79,7 @@ class Mesh:
     pp_group: Group
     dp_group: Group
     embed_group: Group
+    world_group: Group
     rank: int
     world_size: int
     device: torch.device
@@ -159,11 +160,14 @@ def init_mesh(
                 groups[name] = Group(name, ranks, pg, stats, rank, timeout)
     # Middle pipeline stages hold no embedding: their embed group is themselves alone.
     groups.setdefault("embed", Group("embed", [rank], None, stats, rank, timeout))
+    world_pg = dist.group.WORLD if world > 1 else None
+    groups["world"] = Group("world", list(range(world)), world_pg, stats, rank, timeout)
     return Mesh(
         tp_group=groups["tp"],
         pp_group=groups["pp"],
         dp_group=groups["dp"],
         embed_group=groups["embed"],
+        world_group=groups["world"],
         rank=rank,
         world_size=world,
         device=device,

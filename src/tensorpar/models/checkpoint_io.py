@@ -1,4 +1,5 @@
-"""Where a model comes from: `--checkpoint DIR` / `--init-from DIR` accept a Hugging Face folder."""
+"""Where a model comes from: `--checkpoint DIR` / `--init-from DIR` accept a Hugging Face folder or a
+tensorpar checkpoint (its latest step, or a step folder)."""
 
 from __future__ import annotations
 
@@ -17,21 +18,30 @@ def _check_folder(path: str) -> None:
 
 def load_config(path: str):
     """The ModelConfig of a checkpoint folder, reading only its config (cheap: for checks before launching)."""
+    from tensorpar.models.config import ModelConfig
     from tensorpar.models.hf import config_from_hf, is_hf_folder
+    from tensorpar.training.checkpoint import is_checkpoint, read_meta
 
     _check_folder(path)
+    if is_checkpoint(path):
+        return ModelConfig(**read_meta(path, verify=False)[1]["model"])
     if is_hf_folder(path):
         with open(os.path.join(path, "config.json")) as f:
             return config_from_hf(json.load(f))
     raise TensorparError(
         f"checkpoint '{path}' is not a Hugging Face model folder (config.json with model_type gpt2 or llama, "
-        f"and *.safetensors weights)"
+        f"and *.safetensors weights) nor a tensorpar checkpoint (meta.json, or a 'latest' file)"
     )
 
 
 def load_model_source(path: str):
     """(ModelConfig, dense state dict in tensorpar names) of a checkpoint folder."""
+    from tensorpar.models.config import ModelConfig
     from tensorpar.models.hf import load_hf_folder
+    from tensorpar.training.checkpoint import dense_model_state, is_checkpoint
 
     load_config(path)
+    if is_checkpoint(path):
+        meta, state = dense_model_state(path)
+        return ModelConfig(**meta["model"]), state
     return load_hf_folder(path)

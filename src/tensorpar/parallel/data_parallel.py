@@ -125,7 +125,9 @@ class DistributedOptimizer:
         gradient-norm weighting follow the original parameter)."""
         rank, size = self.dp.rank, self.dp.size
         self.slices: list[nn.Parameter] = []
+        self._pieces: dict[int, list] = {}
         for b in self.buckets:
+            self._pieces[id(b)] = []
             per_rank = b.padded // size
             lo_b, hi_b = rank * per_rank, (rank + 1) * per_rank
             b.master = b.param_buffer[lo_b:hi_b].detach().clone().float()
@@ -141,6 +143,7 @@ class DistributedOptimizer:
                     piece.pipeline_duplicate = True
                 groups[0 if p.ndim >= 2 else 1]["params"].append(piece)
                 self.slices.append(piece)
+                self._pieces[id(b)].append((piece, lo, hi, p, offset))
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -202,6 +205,67 @@ class DistributedOptimizer:
             if b.grad_buffer is not None:
                 b.grad_buffer.zero_()
         return norm
+
+    # -- checkpoints: moments in the layout of the local (TP-sharded) parameters, whatever the ZeRO stage --
+
+    def _moment_buffers(self, b: _Bucket, key: str) -> torch.Tensor:
+        """This rank's slice of a bucket's `key` moment (zeros where the optimizer has no state yet)."""
+        out = torch.zeros_like(b.master)
+        lo_b = self.dp.rank * (b.padded // self.dp.size)
+        for piece in self._pieces[id(b)]:
+            state = self.optimizer.state.get(piece[0], {})
+            if key in state:
+                out[piece[1] - lo_b : piece[2] - lo_b].copy_(state[key])
+        return out
+
+    def local_state(self, names: dict[int, str]) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+        """({parameter name: {"exp_avg", "exp_avg_sq"}} for this rank's local parameters, AdamW step count).
+        With ZeRO the moments are all-gathered over DP (a collective: call on every rank)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        step = 0
+        for st in self.optimizer.state.values():
+            step = int(st["step"]) if "step" in st else step
+        if not self.zero:
+            for b in self.buckets:
+                for p in b.params:
+                    st = self.optimizer.state.get(p, {})
+                    out[names[id(p)]] = {k: (st[k].clone() if k in st else torch.zeros_like(p))
+                                         for k in ("exp_avg", "exp_avg_sq")}
+            return out, step
+        for b in self.buckets:
+            full = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full[key] = torch.empty(b.padded, dtype=b.master.dtype, device=b.master.device)
+                self.dp.all_gather_async(full[key], self._moment_buffers(b, key)).wait()
+            for p, offset in zip(b.params, b.offsets):
+                out[names[id(p)]] = {k: v[offset : offset + p.numel()].view_as(p).clone() for k, v in full.items()}
+        return out, step
+
+    def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
+        """Set AdamW moments (local parameter layout, as `local_state` returns) and the step count."""
+        step_tensor = torch.tensor(float(step))
+        if not self.zero:
+            for b in self.buckets:
+                for p in b.params:
+                    st = states[names[id(p)]]
+                    self.optimizer.state[p] = {"step": step_tensor.clone(), "exp_avg": st["exp_avg"].to(p).clone(),
+                                               "exp_avg_sq": st["exp_avg_sq"].to(p).clone()}
+            return
+        for b in self.buckets:
+            for piece, lo, hi, p, offset in self._pieces[id(b)]:
+                st = states[names[id(p)]]
+                self.optimizer.state[piece] = {
+                    "step": step_tensor.clone(),
+                    **{k: st[k].flatten()[lo - offset : hi - offset].to(piece).clone() for k in ("exp_avg", "exp_avg_sq")},
+                }
+
+    def reload_parameters(self) -> None:
+        """After parameters were overwritten in place (a checkpoint load): refresh the ZeRO master slices."""
+        if self.zero:
+            rank, size = self.dp.rank, self.dp.size
+            for b in self.buckets:
+                per_rank = b.padded // size
+                b.master.copy_(b.param_buffer[rank * per_rank : (rank + 1) * per_rank])
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (AdamW moments) held by this rank."""

@@ -28,10 +28,12 @@ then PP), so a TP group spans ``tp`` consecutive ranks, a DP group ``tp * dp`` a
 the whole world.
 
 `model_collectives` lists every collective tensorpar's model runs for one micro-batch (forward
-and backward), `step_collectives` those of a whole training step (adding the data-parallel
-gradient traffic of `tensorpar.parallel.data_parallel.DistributedOptimizer`, the gradient-norm
-scalars and the trainer's loss average), and `comm_bytes_per_step` sums them per (op, group):
-the numbers `mesh.stats` reports after the same work (tests/test_planner.py checks equality).
+and backward; with PP, one stage's, including its point-to-point messages), `step_collectives`
+those of a whole training step (adding the data-parallel gradient traffic of
+`tensorpar.parallel.data_parallel.DistributedOptimizer`, the gradient-norm scalars, the pipeline's
+loss and tied-embedding all-reduces and the trainer's loss average), and `comm_bytes_per_step`
+sums them per (op, group): the numbers `mesh.stats` reports after the same work
+(tests/test_planner.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2 and PP).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def stage_layers(cfg, layout: Layout, stage: int | None) -> tuple[bool, bool, in
     if not 0 <= stage < layout.pp:
         raise TensorparError(f"stage {stage} is outside the pipeline of {layout.pp} stages")
     if cfg.num_layers % layout.pp:
-        raise TensorparError(f"num_layers = {cfg.num_layers} is not divisible by the pipeline-parallel size {layout.pp}")
+        raise TensorparError(f"num_layers = {cfg.num_layers} is not divisible by the pipeline-parallel size "
+                             f"{layout.pp}")
     return stage == 0, stage == layout.pp - 1, cfg.num_layers // layout.pp
 
 
@@ -250,8 +253,9 @@ def model_collectives(
             add("all_reduce", b * s * 4, 1, "forward", "cross-entropy max (fp32)")
             add("all_reduce", (3 if label_smoothing else 2) * b * s * 4, 1, "forward", "cross-entropy sums (fp32)")
     if layout.pp > 1 and stage is not None:
-        # Point-to-point between stages (modelled, not yet counted by tensorpar): hidden states forward,
-        # their gradients backward, once per chunk boundary; sequence shards under SP.
+        # Point-to-point between stages (tensorpar.parallel.pipeline.PipelineRunner: fp32 hidden states
+        # forward, their gradients backward, once per chunk boundary; sequence shards under SP). Both the
+        # send and the matching recv are counted, each with the message's bytes.
         v, pp = layout.virtual_stages, layout.pp
         msg = b * (s // tp if (sp or scatter_gather) else s) * h * act_bytes
         add("send", msg, v - (stage == pp - 1), "forward", "activations to the next stage", "pp")
@@ -299,10 +303,10 @@ def step_collectives(
                                       label_smoothing=label_smoothing, scatter_gather=scatter_gather)]
     if layout.dp > 1:
         first, last, _ = stage_layers(cfg, layout, stage)
-        key = (repr(cfg), layout.tp, layout.pp, 0 if stage is None else stage, param_bytes, bucket_bytes,
-               layout.dp if layout.zero else 1)
+        key = (repr(cfg), layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, param_bytes,
+               bucket_bytes, layout.dp if layout.zero else 1)
         if key not in _BUCKET_CACHE:
-            params = local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage)
+            params = local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages)
             pad = layout.dp if layout.zero else 1
             padded = [math.ceil(n / pad) * pad for n in _buckets([n for _, n, _ in params], param_bytes, bucket_bytes)]
             sizes: dict[int, int] = defaultdict(int)  # bucket elements -> how many buckets of that size
@@ -321,13 +325,15 @@ def step_collectives(
             for n, k in sizes.items():
                 out.append(Collective("all_gather", "dp", n * param_bytes, k, "step", "updated parameters"))
         else:
-            out.append(Collective("all_gather", "dp", total * param_bytes, 2 * m, "forward", "ZeRO-3 parameter gathers"))
+            out.append(Collective("all_gather", "dp", total * param_bytes, 2 * m, "forward",
+                                  "ZeRO-3 parameter gathers"))
             out.append(Collective("reduce_scatter", "dp", total * grad_bytes, m, "backward", "ZeRO-3 gradients"))
         if layout.zero:
             out.append(Collective("all_reduce", "dp", 4, 1, "step", "gradient norm (ZeRO shards)"))
     if layout.tp > 1:
         out.append(Collective("all_reduce", "tp", 4, 1, "step", "gradient norm"))
     if layout.pp > 1:
+        out.append(Collective("all_reduce", "pp", 4, 1, "step", "loss to every stage"))
         out.append(Collective("all_reduce", "pp", 4, 1, "step", "gradient norm"))
         if cfg.tie_embeddings and stage in (0, layout.pp - 1):
             n = math.ceil(cfg.vocab_size / layout.tp) * cfg.hidden_size  # this rank's rows of the padded table

@@ -45,7 +45,8 @@ Activations, two models:
   keeps each layer's input (A b s_n h). Outside the layers: the token ids, RoPE's cos/sin, the
   final norm, the head's input and the loss's fp32 softmax over the local vocabulary
   (4 b s V_pad/t). Under bf16 autocast the weights' bf16 copies (2 bytes per matmul weight
-  element) stay alive from forward to backward: reported as ``weight_copies``.
+  element) stay alive from forward to backward, one set per micro-batch in flight: reported as
+  ``weight_copies``.
 - ``playbook``: the Playbook's (Korthikanti et al. 2022) formulas in bf16, generalised to GQA
   and gated MLPs: per layer s b h (34 + 5 a s / h) without TP; with TP t
   s b h (10 + 24/t + 5 a s/(h t)); with TP and SP s b h (34 + 5 a s/h) / t; selective
@@ -100,9 +101,11 @@ PRECISIONS: dict[str, Precision] = {
     "tensorpar-fp32": Precision("tensorpar-fp32", "fp32", 4, 4, 0, 8, "tensorpar", 4, 4, False, 4, True,
                                 "tensorpar --dtype fp32"),
     "mixed-bf16": Precision("mixed-bf16", "bf16", 2, 2, 4, 8, "playbook", 2, 2, False,
-                            description="Playbook / Megatron-style: bf16 parameters and gradients, fp32 master + AdamW"),
+                            description="Playbook / Megatron-style: bf16 parameters and gradients, "
+                                        "fp32 master + AdamW"),
     "megatron-bf16": Precision("megatron-bf16", "bf16", 2, 4, 4, 8, "playbook", 2, 2, False,
-                               description="Megatron-LM bf16: bf16 parameters, fp32 main gradients, fp32 master + AdamW"),
+                               description="Megatron-LM bf16: bf16 parameters, fp32 main gradients, "
+                                           "fp32 master + AdamW"),
 }
 
 
@@ -127,18 +130,19 @@ def check_tp(cfg, tp: int) -> None:
 _PARAM_CACHE: dict = {}
 
 
-def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0) -> list[tuple[str, int, int]]:
+def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
     """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline
     stage `stage`, in `named_parameters()` order: vocabulary padded to a multiple of tp, KV heads
     replicated when fewer than tp, norms and row-parallel biases replicated. A tied embedding is
-    held by the first stage and, as the head's copy, by the last."""
-    key = (repr(cfg), tp, pp, stage if pp > 1 else 0)
+    held by the first stage and, as the head's copy, by the last. With `virtual_stages` v > 1 the rank
+    holds the layers of virtual stages stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers)."""
+    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1)
     if key not in _PARAM_CACHE:
-        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage)
+        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage, virtual_stages if pp > 1 else 1)
     return _PARAM_CACHE[key]
 
 
-def _local_parameters(cfg, tp: int, pp: int, stage: int) -> list[tuple[str, int, int]]:
+def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int) -> list[tuple[str, int, int]]:
     from tensorpar.layers.attention import kv_layout
     from tensorpar.layers.sharding import padded
 
@@ -149,7 +153,11 @@ def _local_parameters(cfg, tp: int, pp: int, stage: int) -> list[tuple[str, int,
     f = cfg.ffn_hidden_size // tp
     vocab = padded(cfg.vocab_size, tp) // tp
     first, last, n = stage_layers(cfg, Layout(tp=tp, pp=pp), stage if pp > 1 else None)
-    start = (stage if pp > 1 else 0) * n
+    if n % v:
+        raise TensorparError(f"{n} layers per pipeline rank do not split into {v} virtual stages")
+    k = n // v
+    layers = [i for c in range(v) for i in range((c * pp + (stage if pp > 1 else 0)) * k,
+                                                  (c * pp + (stage if pp > 1 else 0) + 1) * k)]
     out: list[tuple[str, int, int]] = []
 
     def norm(prefix):
@@ -166,7 +174,7 @@ def _local_parameters(cfg, tp: int, pp: int, stage: int) -> list[tuple[str, int,
         out.append(("pos_embed", cfg.max_seq_len * h, 2))
     if first or (last and cfg.tie_embeddings):
         out.append(("embed.weight", vocab * h, 2))
-    for i in range(start, start + n):
+    for i in layers:
         p = f"layers.{i}"
         norm(f"{p}.attn_norm")
         linear(f"{p}.attn.q_proj", heads * hd, h, heads * hd)
@@ -431,8 +439,8 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
         if layout.recompute == "full":
             weight_copies = 2 * head_weights
             transient += 2 * layer_weights // max(n_layers, 1)
-        else:
-            weight_copies = 2 * (layer_weights + head_weights)
+        else:  # every micro-batch's forward makes its own copies: one set per chunk-forward in flight
+            weight_copies = 2 * (chunks * layer_weights // layout.virtual_stages + head_weights)
     subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
     return MemoryBreakdown(param_mem, grad_mem, opt_mem, activations, weight_copies, transient, overhead,

@@ -105,7 +105,8 @@ def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, glob
         if cfg.num_layers % (pp * v):
             return f"num_layers = {cfg.num_layers} is not divisible by pp x v = {pp * v}"
         if layout.num_micro_batches(global_batch) % pp:
-            return f"{layout.num_micro_batches(global_batch)} micro-batches are not a multiple of pp = {pp} (interleaving)"
+            m = layout.num_micro_batches(global_batch)
+            return f"{m} micro-batches are not a multiple of pp = {pp} (interleaving)"
     if tp > cluster.gpus_per_node:
         return f"tp = {tp} spans nodes (more than {cluster.gpus_per_node} GPUs per node)"
     return ""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.planning.cost import Collective, Layout, collectives_time, model_collectives, stage_layers, step_collectives
+from tensorpar.planning.cost import Layout, collectives_time, model_collectives, stage_layers, step_collectives
 from tensorpar.planning.memory import Precision, get_precision, parameter_summary
 from tensorpar.training.flops import matmul_params, train_flops_per_token
 
@@ -170,4 +170,4 @@ def megatron_flops_per_step(cfg, global_batch: int, seq_len: int) -> float:
     return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-__all__ = ["StepTime", "predict_step_time", "stage_flops", "flop_parts", "megatron_flops_per_step", "Collective"]
+__all__ = ["StepTime", "predict_step_time", "stage_flops", "flop_parts", "megatron_flops_per_step"]

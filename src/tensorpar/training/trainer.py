@@ -64,10 +64,21 @@ class TrainArgs:
     progress: bool = True
     device: str | None = None
     return_state: bool = False  # put the final dense weights in the summary (tests, small models)
+    save: str | None = None
+    save_every: int = 0
+    keep_last: int = 3
+    resume: str | None = None
+    stop_after: int | None = None  # stop at this step (the schedule still spans `steps`): an interrupted run
 
 
 def model_config(args: TrainArgs):
-    """The model's config alone (cheap): a preset, a config file, or the `--init-from` folder's config."""
+    """The model's config alone (cheap): a preset, a config file, the `--init-from` folder's config, or the
+    config of the checkpoint being resumed."""
+    if args.resume:
+        from tensorpar.training.checkpoint import read_meta
+        from tensorpar.models import ModelConfig
+
+        return ModelConfig(**read_meta(args.resume, verify=False)[1]["model"]).replace(dropout=args.dropout)
     if args.init_from:
         from tensorpar.models.checkpoint_io import load_config
 
@@ -93,6 +104,17 @@ def validate(args: TrainArgs, cfg) -> None:
         raise TensorparError(f"--dtype must be fp32 or bf16, got {args.dtype!r}")
     if args.steps < 1:
         raise TensorparError(f"--steps must be at least 1, got {args.steps}")
+    if args.resume:
+        from tensorpar.training.checkpoint import read_meta
+
+        _, meta = read_meta(args.resume)  # every shard present, complete and unchanged
+        if meta["step"] >= args.steps:
+            raise TensorparError(f"checkpoint '{args.resume}' is at step {meta['step']} and --steps is {args.steps}: "
+                                 f"nothing left to train (--steps is the total step count)")
+        if args.init_from:
+            raise TensorparError("--resume and --init-from exclude each other")
+    if args.save_every and not args.save:
+        raise TensorparError("--save-every needs --save DIR")
     if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({args.steps}), got {args.warmup_steps}")
     if args.data and not os.path.exists(args.data):
@@ -177,6 +199,21 @@ def train(args: TrainArgs) -> dict:
         load_full_state_dict(model, {k: v for k, v in init_state.items() if k in names}, source=args.init_from)
     model.train()
     optimizer = DistributedOptimizer(model, mesh, lr=args.lr, weight_decay=args.weight_decay, zero=args.zero)
+    start_step = 0
+    if args.resume:
+        from tensorpar.training.checkpoint import load_checkpoint
+
+        start_step = load_checkpoint(args.resume, model, optimizer, cfg)["step"]
+    checkpoint_info = dict(
+        cfg=cfg,
+        layout={"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": args.zero,
+                "virtual_stages": args.virtual_stages, "schedule": args.schedule,
+                "sequence_parallel": model.sequence_parallel},
+        train={"seed": args.seed, "global_batch_size": args.global_batch_size, "seq_len": args.seq_len,
+               "lr": args.lr, "min_lr": args.min_lr, "warmup_steps": args.warmup_steps, "steps": args.steps,
+               "weight_decay": args.weight_decay, "grad_clip": args.grad_clip, "data": args.data},
+        keep_last=args.keep_last,
+    )
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     warmup = min(100, args.steps // 10) if args.warmup_steps is None else args.warmup_steps
 
@@ -202,11 +239,12 @@ def train(args: TrainArgs) -> dict:
     if is_main and args.progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=args.steps, desc=f"train {args.model} tp={mesh.tp_size} dp={mesh.dp_size}",
+        progress = tqdm(total=args.steps, initial=start_step, desc=f"train {args.model} tp={mesh.tp_size} dp={mesh.dp_size}",
                         unit="step", dynamic_ncols=True)
     mesh.stats.reset()
     started = time.perf_counter()
-    for step in range(args.steps):
+    end_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
+    for step in range(start_step, end_step):
         t0 = time.perf_counter()
         lr = lr_at(step, max_lr=args.lr, min_lr=min_lr, warmup_steps=warmup, total_steps=args.steps)
         set_lr(optimizer.optimizer, lr)
@@ -242,7 +280,7 @@ def train(args: TrainArgs) -> dict:
             "mfu": flops_per_step / elapsed / (peak * mesh.world_size),
             "step_time_s": elapsed,
         }
-        last = step == args.steps - 1
+        last = step == end_step - 1
         if val_windows is not None and (last or (args.val_every and (step + 1) % args.val_every == 0)):
             if runner is not None:
                 model.eval()
@@ -252,6 +290,10 @@ def train(args: TrainArgs) -> dict:
                 record["val_loss"] = evaluate(model, val_windows, micro, device, args.dtype)
         records.append(record)
         metrics.write(record)
+        if args.save and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+            from tensorpar.training.checkpoint import save_checkpoint
+
+            save_checkpoint(args.save, step + 1, model, optimizer, mesh, **checkpoint_info)
         if progress is not None:
             progress.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%")
@@ -269,12 +311,13 @@ def train(args: TrainArgs) -> dict:
                    "schedule": args.schedule if pipeline else None, "virtual_stages": args.virtual_stages,
                    "sequence_parallel": model.sequence_parallel, "recompute": args.recompute, "dtype": args.dtype},
         "steps": args.steps,
-        "tokens": tokens_per_step * args.steps,
+        "start_step": start_step,
+        "tokens": tokens_per_step * (args.steps - start_step),
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
         "final_val_loss": records[-1].get("val_loss"),
         "time_s": total_time,
-        "tokens_per_s": tokens_per_step * args.steps / total_time,
+        "tokens_per_s": tokens_per_step * (args.steps - start_step) / total_time,
         "mfu": sum(r["mfu"] for r in records) / len(records),
         "peak_flops_source": peak_source,
         "history": records,

@@ -1,0 +1,303 @@
+"""Distributed checkpoints that any layout can resume from.
+
+A checkpoint is a folder ``DIR/step-000120/`` holding one safetensors file per model-parallel
+rank (``model-tp01-pp00.safetensors``: that rank's parameter shards and their AdamW moments,
+written by the DP rank 0 of each (tp, pp) position; ZeRO slices are gathered first) and
+``meta.json``: the model config, the layout, how every tensor is split (its ShardSpec), the
+optimizer step, the training arguments that fix the data order and the learning-rate schedule,
+and the size and SHA-256 of every file. Dropout masks and the sample order are functions of
+(seed, step), so the step is all the RNG and data state there is.
+
+Saving is atomic: files go to ``DIR/.tmp-step-000120``, which rank 0 renames into place only
+after every file is written, then ``DIR/latest`` is replaced. A run killed mid-save leaves the
+previous checkpoint and `latest` untouched. Loading rebuilds each dense tensor from the saved
+shards and cuts this rank's shard for the current layout: any (tp, pp, dp, zero) resumes any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import safe_open, save_file
+
+from tensorpar.errors import TensorparError
+from tensorpar.layers.sharding import ShardSpec, shard_spec, shard_tensor
+from tensorpar.models.state import dense_shape
+
+FORMAT = "tensorpar-checkpoint"
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:06d}")
+
+
+def shard_file_name(tp_rank: int, pp_rank: int) -> str:
+    return f"model-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict, train: dict,
+                    keep_last: int = 3) -> str | None:
+    """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder."""
+    final = _step_dir(root, step)
+    tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    world = mesh.world_group
+    if mesh.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # the remains of a save that was killed
+        if not os.path.exists(final):
+            os.makedirs(tmp)
+    world.barrier()
+    if os.path.exists(final):
+        return None  # never overwrite a complete checkpoint (a resumed run reaching the same step again)
+
+    params = dict(model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
+    moments, opt_step = optimizer.local_state(names)  # collective over DP when ZeRO shards the moments
+    info = None
+    if mesh.dp_rank == 0:
+        tensors = {}
+        for name, p in params.items():
+            if getattr(p, "pipeline_duplicate", False):
+                continue  # the first stage saves the tied embedding
+            tensors[f"param/{name}"] = p.detach().contiguous().cpu()
+            for kind in ("exp_avg", "exp_avg_sq"):
+                tensors[f"{kind}/{name}"] = moments[name][kind].contiguous().cpu()
+        file_name = shard_file_name(mesh.tp_rank, mesh.pp_rank)
+        path = os.path.join(tmp, file_name)
+        save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
+        _save_delay_for_tests()
+        info = {
+            "file": file_name, "bytes": os.path.getsize(path), "sha256": _sha256(path),
+            "tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank,
+            "tensors": {
+                name: {"shape": list(dense_shape(p, shard_spec(p))), **_spec_dict(shard_spec(p))}
+                for name, p in params.items() if not getattr(p, "pipeline_duplicate", False)
+            },
+        }
+    infos = world.all_gather_object(info)
+    if mesh.rank == 0:
+        files, tensors = {}, {}
+        for item in infos:
+            if item is None:
+                continue
+            files[item["file"]] = {k: item[k] for k in ("bytes", "sha256", "tp_rank", "pp_rank")}
+            for name, spec in item["tensors"].items():
+                tensors.setdefault(name, {**spec, "pp_rank": item["pp_rank"]})
+        meta = {"format": FORMAT, "version": 1, "step": step, "optimizer_step": opt_step, "model": cfg.to_dict(),
+                "layout": layout, "train": train, "tensors": tensors, "files": files,
+                "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
+        _write_json(os.path.join(tmp, "meta.json"), meta)
+        os.replace(tmp, final)
+        _write_text(os.path.join(root, "latest"), os.path.basename(final))
+        _rotate(root, keep_last)
+    world.barrier()
+    return final
+
+
+def _spec_dict(spec: ShardSpec) -> dict:
+    return {"dim": spec.dim, "full_size": spec.full_size, "padded_size": spec.padded_size,
+            "replicas": spec.replicas}
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path + ".part", "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path + ".part", "w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+
+
+def _rotate(root: str, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step-") and os.path.isdir(os.path.join(root, d)))
+    for old in steps[:-keep_last]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def _save_delay_for_tests() -> None:
+    delay = float(os.environ.get("TENSORPAR_TEST_SAVE_DELAY", "0"))
+    if delay:
+        import time
+
+        time.sleep(delay)
+
+
+# -- finding and checking ---------------------------------------------------------------------------
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(os.path.join(path, "meta.json"))
+
+
+def resolve(path: str) -> str:
+    """The step folder of `path`: itself if it holds meta.json, else the one its `latest` names."""
+    if not os.path.exists(path):
+        raise TensorparError(f"checkpoint '{path}' does not exist")
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    latest = os.path.join(path, "latest")
+    if not os.path.isfile(latest):
+        raise TensorparError(f"'{path}' holds no tensorpar checkpoint (no meta.json, no 'latest' file)")
+    with open(latest) as f:
+        step_dir = os.path.join(path, f.read().strip())
+    if not os.path.isfile(os.path.join(step_dir, "meta.json")):
+        raise TensorparError(f"'{latest}' names '{step_dir}', which holds no meta.json")
+    return step_dir
+
+
+def read_meta(path: str, verify: bool = True) -> tuple[str, dict]:
+    """(step folder, metadata) of a checkpoint, every shard checked for presence, size and SHA-256."""
+    step_dir = resolve(path)
+    meta_path = os.path.join(step_dir, "meta.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise TensorparError(f"'{meta_path}' is unreadable or not JSON: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise TensorparError(f"'{meta_path}' is not a tensorpar checkpoint (format {meta.get('format')!r})")
+    if verify:
+        for name, f in meta["files"].items():
+            file_path = os.path.join(step_dir, name)
+            if not os.path.isfile(file_path):
+                raise TensorparError(f"checkpoint shard '{file_path}' is missing")
+            size = os.path.getsize(file_path)
+            if size != f["bytes"]:
+                raise TensorparError(f"checkpoint shard '{file_path}' has {size} bytes, expected {f['bytes']}: "
+                                     f"truncated or replaced")
+            if _sha256(file_path) != f["sha256"]:
+                raise TensorparError(f"checkpoint shard '{file_path}' is corrupted: its SHA-256 does not match "
+                                     f"meta.json")
+    return step_dir, meta
+
+
+def check_compatible(meta: dict, cfg, source: str) -> None:
+    """Refuse a checkpoint of another model, naming the fields that differ."""
+    saved = meta["model"]
+    current = cfg.to_dict()
+    ignore = {"dropout"}
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs model {current[k]!r}"
+             for k in current if k not in ignore and saved.get(k) != current[k]]
+    if diffs:
+        raise TensorparError(f"checkpoint '{source}' is of another model: " + "; ".join(diffs[:4]))
+
+
+# -- loading ----------------------------------------------------------------------------------------
+
+class CheckpointReader:
+    """Rebuilds dense tensors from a checkpoint's shard files (no communication)."""
+
+    def __init__(self, step_dir: str, meta: dict):
+        self.step_dir, self.meta = step_dir, meta
+        self.by_position = {(f["tp_rank"], f["pp_rank"]): name for name, f in meta["files"].items()}
+        self.tp = meta["layout"]["tp"]
+
+    def _read(self, file_name: str, key: str) -> torch.Tensor:
+        path = os.path.join(self.step_dir, file_name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                if key not in f.keys():
+                    raise TensorparError(f"checkpoint shard '{path}' has no tensor '{key}'")
+                return f.get_tensor(key)
+        except SafetensorError as e:
+            raise TensorparError(f"checkpoint shard '{path}' is unreadable: {e}") from None
+
+    def dense(self, name: str, kind: str = "param") -> torch.Tensor:
+        info = self.meta["tensors"].get(name)
+        if info is None:
+            raise TensorparError(f"checkpoint '{self.step_dir}' has no tensor '{name}'")
+        pp_rank = info["pp_rank"]
+        key = f"{kind}/{name}"
+        if info["dim"] is None:
+            return self._read(self.by_position[(0, pp_rank)], key)
+        parts = [self._read(self.by_position[(t, pp_rank)], key) for t in range(0, self.tp, info["replicas"])]
+        full = torch.cat(parts, info["dim"])
+        return full.narrow(info["dim"], 0, info["full_size"])
+
+    def names(self) -> list[str]:
+        return list(self.meta["tensors"])
+
+
+def load_checkpoint(path: str, model, optimizer=None, cfg=None) -> dict:
+    """Load weights (and, given an optimizer, AdamW moments) into this rank's shards; returns the metadata."""
+    step_dir, meta = read_meta(path)
+    if cfg is not None:
+        check_compatible(meta, cfg, path)
+    reader = CheckpointReader(step_dir, meta)
+    tp = model.tp_group
+    params = dict(model.named_parameters())
+    missing = [n for n in params if n not in meta["tensors"]]
+    if missing:
+        raise TensorparError(f"checkpoint '{step_dir}' lacks {missing[:4]} that the model needs")
+    moments = {}
+    with torch.no_grad():
+        for name, p in params.items():
+            spec = shard_spec(p)
+            p.copy_(shard_tensor(reader.dense(name), spec, tp.rank, tp.size))
+            if optimizer is not None:
+                moments[name] = {k: shard_tensor(reader.dense(name, k), spec, tp.rank, tp.size)
+                                 for k in ("exp_avg", "exp_avg_sq")}
+    if optimizer is not None:
+        names = {id(p): n for n, p in params.items()}
+        optimizer.reload_parameters()
+        optimizer.load_local_state(moments, meta["optimizer_step"], names)
+    return meta
+
+
+def dense_model_state(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, every dense weight) of a checkpoint: for export and evaluation."""
+    step_dir, meta = read_meta(path)
+    reader = CheckpointReader(step_dir, meta)
+    return meta, {name: reader.dense(name) for name in reader.names()}
+
+
+def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step: int = 0) -> str:
+    """A single-shard checkpoint of dense weights (no optimizer state): what `tensorpar convert` writes.
+    Refuses a folder that already holds a checkpoint."""
+    if os.path.exists(root) and os.listdir(root):
+        raise TensorparError(f"'{root}' exists and is not empty: refusing to overwrite it")
+    os.makedirs(root, exist_ok=True)
+    tmp, final = os.path.join(root, f".tmp-step-{step:06d}"), _step_dir(root, step)
+    os.makedirs(tmp)
+    tensors = {f"param/{k}": v.contiguous() for k, v in state.items()}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        tensors.update({f"{kind}/{k}": torch.zeros_like(v, dtype=torch.float32) for k, v in state.items()})
+    file_name = shard_file_name(0, 0)
+    path = os.path.join(tmp, file_name)
+    save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
+    meta = {"format": FORMAT, "version": 1, "step": step, "optimizer_step": 0, "model": cfg.to_dict(),
+            "layout": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "virtual_stages": 1, "schedule": None,
+                       "sequence_parallel": False},
+            "train": {}, "rng": "none needed",
+            "tensors": {k: {"shape": list(v.shape), "dim": None, "full_size": None, "padded_size": None,
+                            "replicas": 1, "pp_rank": 0} for k, v in state.items()},
+            "files": {file_name: {"bytes": os.path.getsize(path), "sha256": _sha256(path), "tp_rank": 0, "pp_rank": 0}}}
+    _write_json(os.path.join(tmp, "meta.json"), meta)
+    os.replace(tmp, final)
+    _write_text(os.path.join(root, "latest"), os.path.basename(final))
+    return final

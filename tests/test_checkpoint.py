@@ -1,0 +1,173 @@
+"""Distributed checkpoints: exact resume, resharding across layouts, atomic saves, integrity, conversion."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from test_cli import tensorpar
+from test_3d import CONFIG
+from tensorpar.errors import TensorparError
+from tensorpar.training.checkpoint import read_meta
+from tensorpar.training.trainer import TrainArgs, train
+
+BASE = dict(steps=20, seed=11, global_batch_size=8, micro_batch_size=1, seq_len=16, lr=3e-3, warmup_steps=1,
+            val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "tiny8.json"
+    path.write_text(json.dumps(CONFIG.to_dict()))
+    return str(path)
+
+
+def run(config_file, **overrides):
+    summary = train(TrainArgs(model=config_file, **{**BASE, **overrides}))
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in summary["history"]]
+
+
+@pytest.fixture(scope="module")
+def straight(pools, config_file):
+    """20 steps in one go, one process."""
+    return pools(1).run(run, config_file)[0]
+
+
+def _layout(tp, pp, dp, **extra):
+    return dict(tp=tp, pp=pp, dp=dp, **extra)
+
+
+@pytest.mark.parametrize(
+    "before,after",
+    [
+        (_layout(1, 1, 1), _layout(1, 1, 1)),
+        (_layout(2, 1, 1), _layout(1, 1, 1)),
+        (_layout(1, 1, 1), _layout(4, 1, 1)),
+        (_layout(2, 1, 1), _layout(1, 1, 2, zero=1)),
+        (_layout(2, 2, 1, schedule="1f1b"), _layout(1, 1, 4, zero=1)),
+        (_layout(1, 2, 2, zero=1, schedule="afab"), _layout(2, 2, 1, schedule="interleaved", virtual_stages=2)),
+    ],
+    ids=["same", "tp2-to-tp1", "tp1-to-tp4", "tp2-to-dp2-zero1", "tp2pp2-to-dp4-zero1", "pp2dp2zero1-to-tp2pp2v2"],
+)
+def test_resume_continues_exactly_at_any_layout(pools, config_file, straight, tmp_path, before, after):
+    save = str(tmp_path / "ckpt")
+    world = lambda lay: lay["tp"] * lay["pp"] * lay["dp"]  # noqa: E731
+    first = pools(world(before)).run(run, config_file, steps=20, stop_after=10, save=save, **before)[0]
+    for (_, loss, _), (_, loss_ref, _) in zip(first, straight[:10]):
+        assert abs(loss - loss_ref) <= 1e-4 * loss_ref
+    resumed = pools(world(after)).run(run, config_file, steps=20, resume=os.path.join(save, "step-000010"),
+                                      **after)[0]
+    assert [s for s, _, _ in resumed] == list(range(11, 21))
+    tol = 1e-6 if before == after else 1e-4
+    for (step, loss, gn), (_, loss_ref, gn_ref) in zip(resumed, straight[10:]):
+        assert abs(loss - loss_ref) <= tol * loss_ref, f"step {step}: loss {loss} vs {loss_ref}"
+        assert abs(gn - gn_ref) <= tol * gn_ref, f"step {step}: grad norm {gn} vs {gn_ref}"
+
+
+def test_rotation_keeps_the_last_n_and_latest_points_to_the_newest(pools, config_file, tmp_path):
+    save = str(tmp_path / "ckpt")
+    pools(2).run(run, config_file, tp=2, steps=5, save=save, save_every=1, keep_last=2)
+    assert sorted(d for d in os.listdir(save) if d.startswith("step-")) == ["step-000004", "step-000005"]
+    assert open(os.path.join(save, "latest")).read().strip() == "step-000005"
+    _, meta = read_meta(save)
+    assert meta["step"] == 5 and meta["layout"]["tp"] == 2 and len(meta["files"]) == 2
+
+
+def test_a_save_never_overwrites_a_complete_checkpoint(pools, config_file, tmp_path):
+    save = str(tmp_path / "ckpt")
+    pools(1).run(run, config_file, steps=2, save=save)
+    sha = read_meta(save)[1]["files"]
+    pools(1).run(run, config_file, steps=2, save=save, lr=1e-2)  # same step, different weights
+    assert read_meta(save)[1]["files"] == sha
+
+
+def test_a_run_killed_during_a_save_leaves_the_previous_checkpoint_loadable(config_file, tmp_path):
+    save = str(tmp_path / "ckpt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TENSORPAR_TEST_SAVE_DELAY="3")
+    cmd = [sys.executable, "-m", "tensorpar", "train", "--model", config_file, "--tp", "2", "--steps", "4",
+           "--save", save, "--save-every", "2", "--seq-len", "16", "--global-batch-size", "4", "--no-progress",
+           "--out-dir", str(tmp_path / "run"), "--val-every", "0"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tmp_second = os.path.join(save, ".tmp-step-000004")
+    deadline = time.monotonic() + 120
+    while not (os.path.isdir(tmp_second) and os.listdir(tmp_second)) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.05)
+    assert os.path.isdir(tmp_second), "the second save never started"
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank, mid-save
+    proc.wait()
+    assert not os.path.exists(os.path.join(save, "step-000004"))
+    step_dir, meta = read_meta(save)  # every shard present and intact
+    assert meta["step"] == 2 and step_dir.endswith("step-000002")
+    result, _ = tensorpar("eval", "--checkpoint", save, "--tp", "2", "--seq-len", "16")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["loss"] > 0
+
+
+@pytest.fixture
+def saved(pools, config_file, tmp_path):
+    save = str(tmp_path / "ckpt")
+    pools(2).run(run, config_file, tp=2, steps=2, save=save)
+    step_dir = os.path.join(save, "step-000002")
+    return save, step_dir, os.path.join(step_dir, "model-tp01-pp00.safetensors")
+
+
+def test_missing_shard_is_refused_naming_the_file(saved):
+    save, _, shard = saved
+    os.remove(shard)
+    with pytest.raises(TensorparError, match="model-tp01-pp00.safetensors' is missing"):
+        read_meta(save)
+
+
+def test_truncated_shard_is_refused(saved):
+    save, _, shard = saved
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(TensorparError, match="model-tp01-pp00.safetensors' has .* bytes, expected .*truncated"):
+        read_meta(save)
+
+
+def test_corrupted_or_foreign_shard_is_refused(saved, pools, config_file, tmp_path):
+    save, _, shard = saved
+    data = bytearray(open(shard, "rb").read())
+    data[-5] ^= 0xFF  # same size, one byte flipped
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(TensorparError, match="model-tp01-pp00.safetensors' is corrupted"):
+        read_meta(save)
+
+
+def test_bad_checkpoints_fail_the_cli_in_seconds(saved):
+    save, _, shard = saved
+    os.remove(shard)
+    for args in (["train", "--resume", save, "--steps", "4"], ["eval", "--checkpoint", save, "--seq-len", "8"]):
+        proc, elapsed = tensorpar(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "model-tp01-pp00.safetensors' is missing" in proc.stderr and elapsed < 20
+
+
+def test_resume_past_the_end_is_refused(saved):
+    save, _, _ = saved
+    proc, _ = tensorpar("train", "--resume", save, "--steps", "2")
+    assert proc.returncode == 2 and "is at step 2 and --steps is 2" in proc.stderr
+
+
+def test_convert_round_trip_is_bit_exact_and_transformers_loads_the_export(saved, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    save, _, _ = saved
+    hf_dir, back, hf_again = tmp_path / "hf", tmp_path / "back", tmp_path / "hf2"
+    for src, dst in ((save, hf_dir), (hf_dir, back), (back, hf_again)):
+        proc, _ = tensorpar("convert", str(src), str(dst))
+        assert proc.returncode == 0, proc.stderr
+    first, second = load_file(hf_dir / "model.safetensors"), load_file(hf_again / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert sum(p.numel() for p in model.parameters()) == CONFIG.num_parameters()
+    proc, _ = tensorpar("convert", str(save), str(hf_dir))
+    assert proc.returncode == 2 and "refusing to overwrite" in proc.stderr
