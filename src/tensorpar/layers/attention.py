@@ -114,7 +114,20 @@ class ParallelAttention(nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    def forward(self, x: torch.Tensor, rope=None, dropout_seed: int | None = None, recompute_core: bool = False):
+    def cached_core(self, q, k, v, kv_cache):
+        """Attention of the new queries over every cached position (inference: no dropout, no recomputation)."""
+        if self.local_kv_heads != self.local_heads:
+            repeat = self.local_heads // self.local_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        mask, is_causal = kv_cache.attention_mask(q.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+
+    def forward(self, x: torch.Tensor, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
+                kv_cache=None, layer_key=None):
+        """With `kv_cache` (inference, no sequence parallelism): `rope` holds the new tokens' absolute positions;
+        their keys and values are appended to the cache under `layer_key` and attention spans all cached ones."""
+        if kv_cache is not None and self.sequence_parallel:
+            raise LayoutError("the KV-cache path runs without sequence parallelism")
         x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
@@ -123,7 +136,10 @@ class ParallelAttention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if recompute_core:
+        if kv_cache is not None:
+            k, v = kv_cache.append(self.layer_index if layer_key is None else layer_key, k, v)
+            out = self.cached_core(q, k, v, kv_cache)
+        elif recompute_core:
             out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, dropout_seed, use_reentrant=False)
         else:
             out = self.core(q, k, v, dropout_seed)

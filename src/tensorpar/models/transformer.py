@@ -203,6 +203,37 @@ class Transformer(nn.Module):
         logits = self.logits(self.final_norm(h))
         return logits if targets is None else self.loss(logits, targets)
 
+    def forward_cached(self, ids: torch.Tensor, cache, start_pos=None) -> torch.Tensor:
+        """Inference with a KV cache (tensorpar.inference.KVCache): run the new tokens `ids` [B, s] whose first one
+        sits at absolute position `start_pos` (an int, or a [B] tensor for left-padded rows; default: where the
+        cache ends), append their keys and values, and return this rank's vocabulary shard of the logits of the
+        LAST position: [B, padded_vocab / tp]. Whole model on one TP group: no sequence or pipeline parallelism."""
+        if self.sequence_parallel:
+            raise LayoutError("generation with a KV cache runs without sequence parallelism: build the model "
+                              "with sequence_parallel=False (the weights are the same)")
+        if not (self.first_stage and self.last_stage):
+            raise LayoutError("generation with a KV cache needs the whole model on every rank (pipeline size 1)")
+        start_pos = cache.start_positions() if start_pos is None else start_pos
+        positions = (torch.as_tensor(start_pos, device=ids.device)[..., None]
+                     + torch.arange(ids.shape[1], device=ids.device)).clamp(min=0)  # [s] or [B, s]; padding -> 0
+        h = self.embed(ids)
+        if self.pos_embed is not None:
+            if int(positions.max()) >= self.cfg.max_seq_len:
+                raise TensorparError(f"position {int(positions.max())} exceeds the model's "
+                                     f"{self.cfg.max_seq_len} learned positions")
+            h = h + self.pos_embed[positions]
+        rope = None
+        if self.cfg.position == "rope":
+            cos, sin = rope_cos_sin(positions.reshape(-1), self.inv_freq, h.dtype)
+            # [s, d] broadcasts over batch and heads; per-row positions need [B, 1, s, d].
+            rope = (cos, sin) if positions.dim() == 1 else tuple(t.view(ids.shape[0], 1, ids.shape[1], -1)
+                                                                 for t in (cos, sin))
+        for key, layer in self.layers.items():  # TransformerBlock.forward with the cache (eval: no dropout)
+            h = h + layer.attn(layer.attn_norm(h), rope, kv_cache=cache, layer_key=key)
+            h = h + layer.mlp(layer.mlp_norm(h))
+        cache.advance(ids.shape[1])
+        return self.logits(self.final_norm(h[:, -1]))
+
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Set this rank's padding columns to -inf, so that they never win an argmax or a sample."""
         start = self.tp_group.rank * logits.shape[-1]
