@@ -104,7 +104,11 @@ def test_a_run_killed_during_a_save_leaves_the_previous_checkpoint_loadable(conf
     assert not os.path.exists(os.path.join(save, "step-000004"))
     step_dir, meta = read_meta(save)  # every shard present and intact
     assert meta["step"] == 2 and step_dir.endswith("step-000002")
-    result, _ = tensorpar("eval", "--checkpoint", save, "--tp", "2", "--seq-len", "16")
+    data = tmp_path / "tokens.npy"
+    import numpy as np
+
+    np.save(data, np.arange(200) % 257)
+    result, _ = tensorpar("eval", "--checkpoint", save, "--tp", "2", "--seq-len", "16", "--data", str(data))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["loss"] > 0
 
