@@ -203,7 +203,15 @@ def train(args: TrainArgs) -> dict:
     if args.resume:
         from tensorpar.training.checkpoint import load_checkpoint
 
-        start_step = load_checkpoint(args.resume, model, optimizer, cfg)["step"]
+        meta = load_checkpoint(args.resume, model, optimizer, cfg)
+        start_step = meta["step"]
+        changed = [f"{k} {meta['train'].get(k)} -> {getattr(args, k)}" for k in ("seed", "global_batch_size", "seq_len")
+                   if meta.get("train", {}).get(k) not in (None, getattr(args, k))]
+        if changed and is_main:
+            import sys
+
+            sys.stderr.write(f"tensorpar: warning: resuming with {', '.join(changed)}: the samples (and the "
+                             f"continued losses) will differ from the original run's\n")
     checkpoint_info = dict(
         cfg=cfg,
         layout={"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": args.zero,
