@@ -1,6 +1,12 @@
+import json
+
 import pytest
 
 from harness import Pools
+from tensorpar.models import get_config
+
+# 8 layers so that pp=4 with 2 virtual stages splits evenly; 2 KV heads (replicated at tp=4).
+TINY8 = get_config("tiny").replace(hidden_size=64, num_layers=8, ffn_hidden_size=176)
 
 
 @pytest.fixture(scope="session")
@@ -9,3 +15,11 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def config_file(tmp_path_factory):
+    """TINY8 saved as a config .json, as `tensorpar train --model` takes it."""
+    path = tmp_path_factory.mktemp("cfg") / "tiny8.json"
+    path.write_text(json.dumps(TINY8.to_dict()))
+    return str(path)

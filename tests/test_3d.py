@@ -9,21 +9,14 @@ import pytest
 import torch
 
 from harness import mesh
+from conftest import TINY8 as CONFIG
 from tensorpar.models import get_config
 from tensorpar.training.trainer import TrainArgs, train
-
-# 8 layers so that pp=4 with 2 virtual stages splits evenly; 2 KV heads (replicated at tp=4).
-CONFIG = get_config("tiny").replace(hidden_size=64, num_layers=8, ffn_hidden_size=176)
 BASE = dict(steps=10, seed=5, global_batch_size=8, micro_batch_size=1, seq_len=16, lr=3e-3, warmup_steps=2,
             val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu",
             return_state=True)
 
 
-@pytest.fixture(scope="module")
-def config_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "tiny8.json"
-    path.write_text(json.dumps(CONFIG.to_dict()))
-    return str(path)
 
 
 def run(config_file, **overrides):

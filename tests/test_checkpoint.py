@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_cli import tensorpar
-from test_3d import CONFIG
+from conftest import TINY8 as CONFIG
 from tensorpar.errors import TensorparError
 from tensorpar.training.checkpoint import read_meta
 from tensorpar.training.trainer import TrainArgs, train
@@ -20,11 +20,6 @@ BASE = dict(steps=20, seed=11, global_batch_size=8, micro_batch_size=1, seq_len=
             val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu")
 
 
-@pytest.fixture(scope="module")
-def config_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "tiny8.json"
-    path.write_text(json.dumps(CONFIG.to_dict()))
-    return str(path)
 
 
 def run(config_file, **overrides):
