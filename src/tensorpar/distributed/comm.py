@@ -99,6 +99,12 @@ class CommStats:
         return "\n".join(lines)
 
 
+def _cause(e: Exception) -> str:
+    """The first line of a backend's (often very long) error message."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -163,13 +169,9 @@ class Group:
         try:
             result = fn()
         except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError; both mean the same here
-            elapsed = time.perf_counter() - t0
             limit = f" (timeout {self.timeout.total_seconds():.0f}s)" if self.timeout else ""
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CollectiveError(
-                f"rank {self.global_rank}: {op} on group '{self.name}' (ranks {self.ranks}) failed after "
-                f"{elapsed:.1f}s{limit}: a peer never arrived or broke off. Cause: {first_line}"
-            ) from e
+            raise self.failure(op, f"failed after {time.perf_counter() - t0:.1f}s{limit}: a peer never arrived "
+                                   f"or broke off. Cause: {_cause(e)}") from e
         seconds = 0.0
         if timing:
             if count_tensor.is_cuda:
@@ -184,10 +186,13 @@ class Group:
         try:
             work = fn()
         except Exception as e:
-            raise CollectiveError(f"rank {self.global_rank}: {op} on group '{self.name}' (ranks {self.ranks}) "
-                                  f"could not start: {str(e).strip().splitlines()[0] if str(e).strip() else e}") from e
+            raise self.failure(op, f"could not start: {_cause(e)}") from e
         self.stats.record(op, self.name, count_tensor.numel(), _nbytes(count_tensor))
         return Pending(work, self, op)
+
+    def failure(self, op: str, what: str) -> CollectiveError:
+        """The error for `op` on this group: which rank, which operation, which group and members, and `what`."""
+        return CollectiveError(f"rank {self.global_rank}: {op} on group '{self.name}' (ranks {self.ranks}) {what}")
 
     def _global(self, group_rank: int) -> int:
         return self.ranks[group_rank]
@@ -363,12 +368,8 @@ class Pending:
         try:
             self.work.wait()
         except Exception as e:
-            g = self.group
-            raise CollectiveError(
-                f"rank {g.global_rank}: {self.op} on group '{g.name}' (ranks {g.ranks}) failed after waiting "
-                f"{time.perf_counter() - t0:.1f}s: a peer never arrived or broke off. "
-                f"Cause: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
-            ) from e
+            raise self.group.failure(self.op, f"failed after waiting {time.perf_counter() - t0:.1f}s: a peer never "
+                                              f"arrived or broke off. Cause: {_cause(e)}") from e
         self.work = None
 
 
