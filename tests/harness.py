@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
+from tensorpar.distributed.launch import free_port
+
 TASK_TIMEOUT_S = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "180"))
 
 _meshes: dict = {}  # per worker process: (tp, pp, dp) -> Mesh
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mesh(tp: int, pp: int = 1, dp: int | None = None):

@@ -11,7 +11,6 @@ import json
 import math
 import os
 
-import torch
 
 from tensorpar.commands.common import add_layout_args, launch
 
@@ -66,5 +65,4 @@ def run_rank(args) -> int:
 
 def run(args, argv) -> int:
     _check(args)
-    torch.set_num_threads(torch.get_num_threads())
     return launch(args, argv, run_rank)
