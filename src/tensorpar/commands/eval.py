@@ -11,13 +11,12 @@ import json
 import math
 import os
 
-
 from tensorpar.commands.common import add_layout_args, launch
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a checkpoint's loss on a token stream")
-    p.add_argument("--checkpoint", required=True, help="a Hugging Face model folder (config.json + safetensors)")
+    p.add_argument("--checkpoint", required=True, help="a tensorpar checkpoint or a Hugging Face model folder")
     add_layout_args(p)
     p.add_argument("--data", default=None, help="text, .npy or .bin token file (default: the embedded corpus)")
     p.add_argument("--bin-dtype", choices=["uint16", "int32"], default="uint16")

@@ -28,6 +28,7 @@ from torch import nn
 from tensorpar.errors import TensorparError
 from tensorpar.layers.sharding import shard_spec, tag
 from tensorpar.training.grad_norm import clip_grad_norm_
+from tensorpar.training.optimizer import takes_weight_decay
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -114,7 +115,7 @@ class DistributedOptimizer:
             self._build_master_slices(groups)
         else:
             for p in params:
-                groups[0 if p.ndim >= 2 else 1]["params"].append(p)
+                groups[0 if takes_weight_decay(p) else 1]["params"].append(p)
         self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True, fused=False)
 
     # -- ZeRO bookkeeping ---------------------------------------------------------------------
@@ -141,7 +142,7 @@ class DistributedOptimizer:
                 tag(piece, shard_spec(p))
                 if getattr(p, "pipeline_duplicate", False):
                     piece.pipeline_duplicate = True
-                groups[0 if p.ndim >= 2 else 1]["params"].append(piece)
+                groups[0 if takes_weight_decay(p) else 1]["params"].append(piece)
                 self.slices.append(piece)
                 self._pieces[id(b)].append((piece, lo, hi, p, offset))
 

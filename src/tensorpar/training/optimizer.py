@@ -8,6 +8,11 @@ from torch import nn
 from tensorpar.errors import TensorparError
 
 
+def takes_weight_decay(param: torch.Tensor) -> bool:
+    """Matrices and embeddings (ndim >= 2) decay; biases and norm weights do not."""
+    return param.ndim >= 2
+
+
 def build_optimizer(
     model: nn.Module,
     lr: float,
@@ -28,7 +33,7 @@ def build_optimizer(
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if takes_weight_decay(p) else no_decay).append(p)
     if not decay and not no_decay:
         raise TensorparError(f"build_optimizer: {type(model).__name__} has no trainable parameters")
     groups = [
