@@ -53,8 +53,10 @@ class TransformerBlock(nn.Module):
         shard = self.tp_group.rank if self.sequence_parallel else 0
         return seeded_dropout(x, self.dropout, mix_seed(dropout_seed, self.layer_index, site, shard), True)
 
-    def forward(self, x, rope=None, dropout_seed: int | None = None, recompute_core: bool = False):
-        x = x + self._drop(self.attn(self.attn_norm(x), rope, dropout_seed, recompute_core), 0, dropout_seed)
+    def forward(self, x, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
+                kv_cache=None, layer_key=None):
+        attn = self.attn(self.attn_norm(x), rope, dropout_seed, recompute_core, kv_cache=kv_cache, layer_key=layer_key)
+        x = x + self._drop(attn, 0, dropout_seed)
         return x + self._drop(self.mlp(self.mlp_norm(x)), 1, dropout_seed)
 
 
@@ -154,9 +156,6 @@ class Transformer(nn.Module):
             h = seeded_dropout(h, self.cfg.dropout, mix_seed(dropout_seed, 2**20, shard), True)
         return h
 
-    def padded_vocab_size(self) -> int:
-        return padded(self.cfg.vocab_size, self.tp_group.size)
-
     def rope(self, seq_len: int, dtype: torch.dtype):
         if self.cfg.position != "rope":
             return None
@@ -228,9 +227,8 @@ class Transformer(nn.Module):
             # [s, d] broadcasts over batch and heads; per-row positions need [B, 1, s, d].
             rope = (cos, sin) if positions.dim() == 1 else tuple(t.view(ids.shape[0], 1, ids.shape[1], -1)
                                                                  for t in (cos, sin))
-        for key, layer in self.layers.items():  # TransformerBlock.forward with the cache (eval: no dropout)
-            h = h + layer.attn(layer.attn_norm(h), rope, kv_cache=cache, layer_key=key)
-            h = h + layer.mlp(layer.mlp_norm(h))
+        for key, layer in self.layers.items():
+            h = layer(h, rope, kv_cache=cache, layer_key=key)
         cache.advance(ids.shape[1])
         return self.logits(self.final_norm(h[:, -1]))
 
