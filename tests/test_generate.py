@@ -259,3 +259,24 @@ def test_cli_checks_before_launch(saved, capsys, args, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("tensorpar: error: ") and needle in err, err
+
+
+def check_uncached_greedy(tp):
+    """The training run's sample (`greedy_generate`: no cache, whole sequence each step, right-padded under
+    sequence parallelism) gives the KV-cache generator's greedy tokens, with and without SP."""
+    from tensorpar.inference.greedy import greedy_generate
+    from tensorpar.models import get_config
+
+    m = mesh(tp=tp)
+    cfg = get_config("tiny-gpt2").replace(num_layers=2)
+    prompt = [5, 17, 200, 3, 99]  # odd length: padded under SP at tp=2
+    expected = generate(Transformer(cfg, m, seed=3), [prompt], 8)[0]
+    plain = greedy_generate(Transformer(cfg, m, seed=3), prompt, 8)
+    sp = greedy_generate(Transformer(cfg, m, seed=3, sequence_parallel=True), prompt, 8)
+    return expected, plain, sp
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_uncached_greedy_sample_equals_cached_generation(pools, tp):
+    for expected, plain, sp in pools(tp).run(check_uncached_greedy, tp):
+        assert plain == expected and sp == expected, (expected, plain, sp)

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from tensorpar.inference.generate import tp_argmax_rows
+
 
 def tp_argmax(local_logits: torch.Tensor, model) -> int:
     """The global argmax token of vocabulary-sharded logits [V_local] (a collective over the TP group)."""
-    group = model.tp_group
-    local_logits = model.mask_padding(local_logits.float())
-    value, index = local_logits.max(dim=-1)
-    proposal = torch.stack([value.double(), (index + group.rank * local_logits.shape[-1]).double()])
-    proposals = group.all_gather(proposal.unsqueeze(0), dim=0)  # [tp, 2]
-    best = proposals[:, 0].max()
-    return int(proposals[proposals[:, 0] == best, 1].min().item())
+    return int(tp_argmax_rows(model.mask_padding(local_logits.float())[None], model.tp_group)[0])
 
 
 @torch.no_grad()
