@@ -50,6 +50,8 @@ class PipelineRunner:
         self.model, self.mesh = model, mesh
         self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, virtual_stages
         self.stages = self.pp * self.v
+        self.last = self.stages - 1
+        self.prev, self.next = (self.rank - 1) % self.pp, (self.rank + 1) % self.pp
         self.chunks = rank_layers(model.cfg.num_layers, self.pp, self.rank, virtual_stages)
         self.actions = build_schedule(schedule, self.pp, num_microbatches, virtual_stages)[self.rank]
         self.num_microbatches = num_microbatches
@@ -75,64 +77,61 @@ class PipelineRunner:
         self.mesh.pp_group.irecv(buf, src, tag=tag).wait()
         return buf
 
+    def _forward_action(self, mb: int, chunk: int, batch: torch.Tensor, dropout_seed, sends: list):
+        """Receive the input (unless stage 0), run the chunk, send the output on (unless the last stage).
+        Returns (input, output, start of compute); on the last stage the output is the loss."""
+        stage = self._stage(chunk)
+        x = batch[:, :-1] if stage == 0 else self._recv(self._tag(mb, stage, False), self.prev)
+        if stage > 0 and torch.is_grad_enabled():
+            x.requires_grad_()
+        t0 = time.perf_counter()
+        out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == self.last else None, dropout_seed)
+        if stage != self.last:
+            out = out.float()
+            sends.append((self.mesh.pp_group.isend(out.detach(), self.next, tag=self._tag(mb, stage + 1, False)), out))
+        return x, out, t0
+
+    def _finish(self, sends: list, loss_sum: torch.Tensor, count: int) -> float:
+        """Wait for the sends, share the last stage's loss with the other stages, return the mean."""
+        for work, _ in sends:
+            work.wait()
+        self.mesh.pp_group.all_reduce(loss_sum)
+        return loss_sum.item() / count
+
     def train_step(self, microbatches: list[torch.Tensor], dropout_seed) -> float:
         """Forward and backward of every micro-batch ([mb, L+1] token windows, inputs and targets);
         returns the mean loss over them (on every rank). `dropout_seed(i)` gives micro-batch i's seed."""
-        pp_group, prev, nxt = self.mesh.pp_group, (self.rank - 1) % self.pp, (self.rank + 1) % self.pp
-        last = self.stages - 1
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
         self.timeline, self.peak_in_flight = [], 0
         for action in self.actions:
             mb, chunk = action.microbatch, action.chunk
             stage = self._stage(chunk)
-            batch = microbatches[mb]
             if action.kind == "F":
-                if stage == 0:
-                    x = batch[:, :-1]
-                else:
-                    x = self._recv(self._tag(mb, stage, False), prev).requires_grad_()
-                t0 = time.perf_counter()
-                out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == last else None, dropout_seed(mb))
-                if stage == last:
+                x, out, t0 = self._forward_action(mb, chunk, microbatches[mb], dropout_seed(mb), sends)
+                if stage == self.last:
                     loss_sum += out.detach().float()
                     out = out / self.num_microbatches
-                else:
-                    out = out.float()
-                    sends.append((pp_group.isend(out.detach(), nxt, tag=self._tag(mb, stage + 1, False)), out))
                 saved[(mb, chunk)] = (x if stage > 0 else None, out)
                 self.peak_in_flight = max(self.peak_in_flight, len(saved))
             else:
                 x, out = saved.pop((mb, chunk))
-                grad = None if stage == last else self._recv(self._tag(mb, stage, True), nxt)
+                grad = None if stage == self.last else self._recv(self._tag(mb, stage, True), self.next)
                 t0 = time.perf_counter()
                 torch.autograd.backward(out, grad)
                 if stage > 0:
-                    sends.append((pp_group.isend(x.grad, prev, tag=self._tag(mb, stage - 1, True)), x.grad))
+                    sends.append((self.mesh.pp_group.isend(x.grad, self.prev, tag=self._tag(mb, stage - 1, True)),
+                                  x.grad))
             self.timeline.append((action.kind, mb, chunk, t0, time.perf_counter()))
-        for work, _ in sends:
-            work.wait()
-        # Only the last stage has the loss: share it with the other stages.
-        pp_group.all_reduce(loss_sum)
-        return loss_sum.item() / self.num_microbatches
+        return self._finish(sends, loss_sum, self.num_microbatches)
 
     @torch.no_grad()
     def forward_only(self, microbatches: list[torch.Tensor]) -> float:
         """Mean loss over `microbatches` without backward (validation), every micro-batch through every stage."""
-        pp_group, prev, nxt = self.mesh.pp_group, (self.rank - 1) % self.pp, (self.rank + 1) % self.pp
-        last = self.stages - 1
         sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
         for mb, batch in enumerate(microbatches):
             for chunk in range(self.v):
-                stage = self._stage(chunk)
-                x = batch[:, :-1] if stage == 0 else self._recv(self._tag(mb, stage, False), prev)
-                out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == last else None, None)
-                if stage == last:
+                _, out, _ = self._forward_action(mb, chunk, batch, None, sends)
+                if self._stage(chunk) == self.last:
                     loss_sum += out.float()
-                else:
-                    out = out.float()
-                    sends.append((pp_group.isend(out, nxt, tag=self._tag(mb, stage + 1, False)), out))
-        for work, _ in sends:
-            work.wait()
-        pp_group.all_reduce(loss_sum)
-        return loss_sum.item() / len(microbatches)
+        return self._finish(sends, loss_sum, len(microbatches))
