@@ -103,9 +103,9 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
         meta = {"format": FORMAT, "version": 1, "step": step, "optimizer_step": opt_step, "model": cfg.to_dict(),
                 "layout": layout, "train": train, "tensors": tensors, "files": files,
                 "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
-        _write_json(os.path.join(tmp, "meta.json"), meta)
+        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         os.replace(tmp, final)
-        _write_text(os.path.join(root, "latest"), os.path.basename(final))
+        _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
         _rotate(root, keep_last)
     world.barrier()
     return final
@@ -116,17 +116,10 @@ def _spec_dict(spec: ShardSpec) -> dict:
             "replicas": spec.replicas}
 
 
-def _write_json(path: str, obj) -> None:
+def _write_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old file or the whole new one, never a part."""
     with open(path + ".part", "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path + ".part", "w") as f:
-        f.write(text + "\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".part", path)
@@ -243,9 +236,10 @@ class CheckpointReader:
         return list(self.meta["tensors"])
 
 
-def load_checkpoint(path: str, model, optimizer=None, cfg=None) -> dict:
-    """Load weights (and, given an optimizer, AdamW moments) into this rank's shards; returns the metadata."""
-    step_dir, meta = read_meta(path)
+def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = True) -> dict:
+    """Load weights (and, given an optimizer, AdamW moments) into this rank's shards; returns the metadata.
+    ``verify=False`` skips hashing the shards, for a caller that has just checked them with `read_meta`."""
+    step_dir, meta = read_meta(path, verify)
     if cfg is not None:
         check_compatible(meta, cfg, path)
     reader = CheckpointReader(step_dir, meta)
@@ -297,7 +291,7 @@ def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step:
             "tensors": {k: {"shape": list(v.shape), "dim": None, "full_size": None, "padded_size": None,
                             "replicas": 1, "pp_rank": 0} for k, v in state.items()},
             "files": {file_name: {"bytes": os.path.getsize(path), "sha256": _sha256(path), "tp_rank": 0, "pp_rank": 0}}}
-    _write_json(os.path.join(tmp, "meta.json"), meta)
+    _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
     os.replace(tmp, final)
-    _write_text(os.path.join(root, "latest"), os.path.basename(final))
+    _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
     return final

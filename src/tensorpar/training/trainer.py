@@ -203,7 +203,7 @@ def train(args: TrainArgs) -> dict:
     if args.resume:
         from tensorpar.training.checkpoint import load_checkpoint
 
-        meta = load_checkpoint(args.resume, model, optimizer, cfg)
+        meta = load_checkpoint(args.resume, model, optimizer, cfg, verify=False)  # validate() hashed the shards
         start_step = meta["step"]
         changed = [f"{k} {meta['train'].get(k)} -> {getattr(args, k)}" for k in ("seed", "global_batch_size", "seq_len")
                    if meta.get("train", {}).get(k) not in (None, getattr(args, k))]
