@@ -46,7 +46,7 @@ class PipelineRunner:
     """Executes one optimizer step's micro-batches through the pipeline with a named schedule."""
 
     def __init__(self, model, mesh, schedule: str, virtual_stages: int, num_microbatches: int,
-                 activation_shape: tuple[int, ...], autocast=None):
+                 activation_shape: tuple[int, ...], autocast=contextlib.nullcontext):
         self.model, self.mesh = model, mesh
         self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, virtual_stages
         self.stages = self.pp * self.v
@@ -68,7 +68,7 @@ class PipelineRunner:
 
     def _forward_chunk(self, x, chunk, targets, dropout_seed):
         stage = self._stage(chunk)
-        with self.autocast() if self.autocast else contextlib.nullcontext():
+        with self.autocast():
             return self.model.forward_layers(x, self.chunks[chunk], targets, dropout_seed,
                                              embed=stage == 0, head=stage == self.stages - 1)
 

@@ -239,7 +239,7 @@ def train(args: TrainArgs) -> dict:
         seq_shard = args.seq_len // (mesh.tp_size if model.sequence_parallel else 1)
         runner = PipelineRunner(model, mesh, args.schedule, args.virtual_stages, num_micro,
                                 (micro, seq_shard, cfg.hidden_size),
-                                autocast=(lambda: _autocast(device, args.dtype)) if args.dtype == "bf16" else None)
+                                autocast=lambda: _autocast(device, args.dtype))
         if val_windows is not None:
             val_windows = val_windows[: (len(val_windows) // micro) * micro]
 
