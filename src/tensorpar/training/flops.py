@@ -11,12 +11,8 @@ import time
 
 import torch
 
-# Dense (no sparsity) peak TFLOP/s by dtype for common accelerators.
-PEAK_TFLOPS = {
-    "H100": {"bf16": 989.0, "fp32": 67.0},
-    "H200": {"bf16": 989.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp32": 19.5},
-}
+# CUDA device-name markers -> the planner's GPU catalog (planning/hardware.py), the one table of datasheet peaks.
+_CATALOG_BY_DEVICE_NAME = {"H200": "h200", "H100": "h100-80gb", "B200": "b200", "A100": "a100-80gb"}
 
 
 def matmul_params(cfg) -> int:
@@ -35,10 +31,13 @@ def train_flops_per_token(cfg, seq_len: int) -> float:
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one rank's device, where the figure comes from)."""
     if device.type == "cuda":
+        from tensorpar.planning.hardware import GPUS
+
         name = torch.cuda.get_device_name(device)
-        for key, table in PEAK_TFLOPS.items():
-            if key in name:
-                return table[dtype] * 1e12, f"{key} datasheet"
+        for marker, key in _CATALOG_BY_DEVICE_NAME.items():
+            if marker in name:
+                key = "a100-40gb" if key == "a100-80gb" and "40GB" in name else key
+                return GPUS[key].peak(dtype), f"{key} datasheet"
     return measure_matmul_flops(device, torch.bfloat16 if dtype == "bf16" else torch.float32), "measured matmul peak"
 
 
