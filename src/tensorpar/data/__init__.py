@@ -1,7 +1,7 @@
 """The data pipeline: tokenizers, the default corpus, token files, windows and per-step batches."""
 
 from tensorpar.data.corpus import default_corpus_text
-from tensorpar.data.dataset import TokenDataset, check_vocab, eval_windows, load_tokens, micro_batches
+from tensorpar.data.dataset import TokenDataset, check_batch_layout, check_vocab, eval_windows, load_tokens, micro_batches
 from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "eval_windows",
     "TokenDataset",
     "micro_batches",
+    "check_batch_layout",
 ]

@@ -206,6 +206,14 @@ def micro_batches(
     g = global_batch.shape[0]
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise LayoutError(f"dp rank {dp_rank} is not valid for dp size {dp_size}")
+    check_batch_layout(g, dp_size, micro_batch_size)
+    per_rank = g // dp_size
+    mine = global_batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return list(mine.split(micro_batch_size))
+
+
+def check_batch_layout(g: int, dp_size: int, micro_batch_size: int) -> None:
+    """A LayoutError unless a global batch of `g` rows splits into dp_size ranks x whole micro-batches."""
     if micro_batch_size < 1 or g % (dp_size * micro_batch_size):
         per_rank = g // dp_size if g % dp_size == 0 else 0
         valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
@@ -215,6 +223,3 @@ def micro_batches(
             f"global batch size {g} does not divide into dp {dp_size} x micro-batch size "
             f"{micro_batch_size}; {hint}"
         )
-    per_rank = g // dp_size
-    mine = global_batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    return list(mine.split(micro_batch_size))

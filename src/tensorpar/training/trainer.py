@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from tensorpar.data import TokenDataset, check_vocab, load_tokenizer, load_tokens, micro_batches
+from tensorpar.data import TokenDataset, check_batch_layout, check_vocab, load_tokenizer, load_tokens, micro_batches
 from tensorpar.distributed.mesh import init_mesh
 from tensorpar.errors import TensorparError
 from tensorpar.layers.dropout import mix_seed
@@ -122,7 +122,7 @@ def validate(args: TrainArgs, cfg) -> None:
     check_model_layout(cfg, args.tp, args.sequence_parallel, args.seq_len)
     if args.dp is not None:
         micro = args.micro_batch_size or max(1, args.global_batch_size // args.dp)
-        micro_batches(torch.zeros(args.global_batch_size, 1), 0, args.dp, micro)  # raises LayoutError if it can't
+        check_batch_layout(args.global_batch_size, args.dp, micro)
     if args.pp > 1 or args.virtual_stages > 1:
         from tensorpar.parallel.pipeline import stage_layers
         from tensorpar.parallel.schedules import build_schedule
@@ -181,7 +181,7 @@ def train(args: TrainArgs) -> dict:
     check_vocab(tokens, cfg.vocab_size, args.data or "the default corpus")
     dataset = TokenDataset(tokens, args.seq_len, args.val_fraction)
     micro = args.micro_batch_size or args.global_batch_size // mesh.dp_size
-    micro_batches(dataset.global_batch(0, args.seed, args.global_batch_size), 0, mesh.dp_size, micro)  # validates
+    check_batch_layout(args.global_batch_size, mesh.dp_size, micro)
 
     torch.manual_seed(args.seed)
     pipeline = mesh.pp_size > 1
