@@ -11,6 +11,7 @@ pipeline stage is a block of dp * tp consecutive ranks.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from datetime import timedelta
 
@@ -101,9 +102,16 @@ class Mesh:
         )
 
     def destroy(self) -> None:
-        """Tear down the default process group if this mesh created it."""
+        """Tear down the process groups if this mesh created them.
+
+        The Groups drop their torch process groups here, so that gloo's worker threads are joined now rather
+        than by the interpreter's final garbage collection, where a thread torn down mid-exit aborts the
+        process (SIGABRT, "terminate called without an active exception") after a run that succeeded."""
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+            for group in (self.tp_group, self.pp_group, self.dp_group, self.embed_group, self.world_group):
+                group.pg = None
+            gc.collect()
             self.owns_process_group = False
 
 

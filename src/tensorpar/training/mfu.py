@@ -1,9 +1,4 @@
-"""Model FLOPs per token and the device's measured peak, for MFU.
-
-FLOPs per trained token follow PaLM's accounting: 6 x (parameters that take part in a matmul)
-+ 12 x layers x hidden x sequence (attention scores and their use, forward and backward).
-Embedding lookups are not matmuls; a tied output head is counted once, as the matmul it is.
-"""
+"""The peak FLOP/s that MFU divides by: a GPU's datasheet figure, or a matmul measured on this device."""
 
 from __future__ import annotations
 
@@ -11,28 +6,15 @@ import time
 
 import torch
 
-# CUDA device-name markers -> the planner's GPU catalog (planning/hardware.py), the one table of datasheet peaks.
+from tensorpar.config.hardware import GPUS
+
+# CUDA device-name markers -> the GPU catalog (tensorpar.config.hardware), the one table of datasheet peaks.
 _CATALOG_BY_DEVICE_NAME = {"H200": "h200", "H100": "h100-80gb", "B200": "b200", "A100": "a100-80gb"}
-
-
-def matmul_params(cfg) -> int:
-    n = cfg.num_parameters()
-    if cfg.position == "learned":
-        n -= cfg.max_seq_len * cfg.hidden_size
-    if not cfg.tie_embeddings:
-        n -= cfg.vocab_size * cfg.hidden_size  # the input embedding is a lookup; the head stays counted
-    return n
-
-
-def train_flops_per_token(cfg, seq_len: int) -> float:
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
 
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one rank's device, where the figure comes from)."""
     if device.type == "cuda":
-        from tensorpar.planning.hardware import GPUS
-
         name = torch.cuda.get_device_name(device)
         for marker, key in _CATALOG_BY_DEVICE_NAME.items():
             if marker in name:

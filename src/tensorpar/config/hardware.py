@@ -1,0 +1,104 @@
+"""Datasheet figures of accelerators: the one catalog that the MFU meter (training) and the planner read.
+
+A `GPUSpec` holds one accelerator's dense peak FLOP/s per dtype, memory, HBM bandwidth and its
+links; `get_gpu` finds one by name or alias. Link bandwidths are per GPU and per direction (the
+beta of the planner's alpha-beta model): NVLink 4 (H100/H200) is 18 links x 25 GB/s = 450 GB/s
+per direction; NVLink 3 (A100) 12 x 25 = 300 GB/s; NVLink 5 (B200) 900 GB/s. The inter-node
+figures assume one NIC per GPU (DGX / HGX rail-optimised): 8 x 400 Gb/s NDR = 50 GB/s per GPU for
+H100/H200/B200 systems, 8 x 200 Gb/s HDR = 25 GB/s for A100 systems. Latencies are typical NCCL
+per-step latencies (a few microseconds). These are nominal figures; measured NCCL bus bandwidths
+are 70-90% of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorpar.errors import TensorparError
+
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One link class of the alpha-beta model: ``bandwidth`` in bytes/s (beta), ``latency`` in seconds (alpha)."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self):
+        if not self.bandwidth > 0:
+            raise TensorparError(f"link bandwidth must be positive, got {self.bandwidth}")
+        if self.latency < 0:
+            raise TensorparError(f"link latency must be non-negative, got {self.latency}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUSpec:
+    """Datasheet figures of one accelerator (dense, no sparsity)."""
+
+    name: str
+    memory_bytes: int
+    peak_flops: dict  # {"bf16": ..., "tf32": ..., "fp32": ...} FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    intra_node: Link  # NVLink / NVSwitch, per GPU per direction
+    inter_node: Link  # InfiniBand / RoCE, per GPU per direction
+    source: str = ""
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise TensorparError(f"{self.name}: no peak figure for dtype {dtype!r}; known: {sorted(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+
+_NVLINK4 = Link(450e9, 3e-6)
+_NVLINK3 = Link(300e9, 3e-6)
+_NVLINK5 = Link(900e9, 3e-6)
+_NDR = Link(50e9, 6e-6)  # 400 Gb/s per GPU
+_HDR = Link(25e9, 6e-6)  # 200 Gb/s per GPU
+
+GPUS: dict[str, GPUSpec] = {
+    "h100-80gb": GPUSpec(
+        "h100-80gb", 80 * GiB, {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}, 3.35e12, _NVLINK4, _NDR,
+        "NVIDIA H100 SXM5 80GB datasheet; DGX H100 (8 x ConnectX-7 400 Gb/s)",
+    ),
+    "h200": GPUSpec(
+        "h200", 141 * GiB, {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}, 4.8e12, _NVLINK4, _NDR,
+        "NVIDIA H200 SXM 141GB datasheet; HGX H200 (8 x 400 Gb/s)",
+    ),
+    "a100-80gb": GPUSpec(
+        "a100-80gb", 80 * GiB, {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 2.039e12, _NVLINK3, _HDR,
+        "NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8 x HDR 200 Gb/s)",
+    ),
+    "a100-40gb": GPUSpec(
+        "a100-40gb", 40 * GiB, {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 1.555e12, _NVLINK3, _HDR,
+        "NVIDIA A100 SXM4 40GB datasheet; DGX A100 (8 x HDR 200 Gb/s)",
+    ),
+    "b200": GPUSpec(
+        "b200", 180 * GiB, {"bf16": 2250e12, "tf32": 1100e12, "fp32": 75e12}, 8.0e12, _NVLINK5, _NDR,
+        "NVIDIA DGX B200 (approximate: 180 GB usable HBM3e, 2.25 PFLOP/s dense bf16)",
+    ),
+}
+
+ALIASES = {
+    "h100": "h100-80gb",
+    "h100-sxm": "h100-80gb",
+    "h100-sxm-80gb": "h100-80gb",
+    "h200-sxm": "h200",
+    "h200-141gb": "h200",
+    "a100": "a100-80gb",
+    "a100-sxm": "a100-80gb",
+    "a100-sxm-80gb": "a100-80gb",
+    "a100-sxm-40gb": "a100-40gb",
+}
+
+
+def get_gpu(name: str) -> GPUSpec:
+    """A catalog entry by name or alias (case-insensitive)."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in GPUS:
+        names = sorted(GPUS) + sorted(f"{a} (= {t})" for a, t in ALIASES.items())
+        raise TensorparError(f"unknown GPU '{name}'; known GPUs: {', '.join(names)}")
+    return GPUS[key]

@@ -1,0 +1,23 @@
+"""Model FLOPs per trained token (PaLM's accounting), for MFU and the planner.
+
+FLOPs per trained token: 6 x (parameters that take part in a matmul) + 12 x layers x hidden x
+sequence (attention scores and their use, forward and backward). Embedding lookups are not
+matmuls; a tied output head is counted once, as the matmul it is.
+"""
+
+from __future__ import annotations
+
+
+def matmul_params(cfg) -> int:
+    """Parameters of the dense model that take part in a matmul (learned positions and an untied input
+    embedding are lookups)."""
+    n = cfg.num_parameters()
+    if cfg.position == "learned":
+        n -= cfg.max_seq_len * cfg.hidden_size
+    if not cfg.tie_embeddings:
+        n -= cfg.vocab_size * cfg.hidden_size  # the input embedding is a lookup; the head stays counted
+    return n
+
+
+def train_flops_per_token(cfg, seq_len: int) -> float:
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
