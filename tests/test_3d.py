@@ -11,7 +11,7 @@ import torch
 from harness import mesh
 from conftest import TINY8 as CONFIG
 from tensorpar.models import get_config
-from tensorpar.training.trainer import TrainArgs, train
+from tensorpar.training import TrainOptions, train
 BASE = dict(steps=10, seed=5, global_batch_size=8, micro_batch_size=1, seq_len=16, lr=3e-3, warmup_steps=2,
             val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu",
             return_state=True)
@@ -20,7 +20,7 @@ BASE = dict(steps=10, seed=5, global_batch_size=8, micro_batch_size=1, seq_len=1
 
 
 def run(config_file, **overrides):
-    summary = train(TrainArgs(model=config_file, **{**BASE, **overrides}))
+    summary = train(TrainOptions(model=config_file, **{**BASE, **overrides}))
     return {
         "trajectory": [(r["loss"], r["grad_norm"]) for r in summary["history"]],
         "state": summary.get("state"),
@@ -174,7 +174,7 @@ class SleepingStage:
 
 def check_measured_schedule(schedule, pp, microbatches, virtual_stages):
     from tensorpar.parallel.pipeline import PipelineRunner
-    from tensorpar.parallel.schedule_view import measured_bubble
+    from tensorpar.parallel.pipeline_view import measured_bubble
 
     m = mesh(tp=1, pp=pp)
     shape = (1, 4, 8)
@@ -190,7 +190,7 @@ def check_measured_schedule(schedule, pp, microbatches, virtual_stages):
     ("afab", 8, 1), ("1f1b", 8, 1), ("1f1b", 4, 1), ("interleaved", 8, 2),
 ])
 def test_measured_bubble_matches_the_formula(pools, schedule, microbatches, virtual_stages):
-    from tensorpar.parallel.schedules import theoretical_bubble
+    from tensorpar.parallel.pipeline_schedules import theoretical_bubble
 
     pp = 4
     expected = theoretical_bubble(schedule, pp, microbatches, virtual_stages)
@@ -206,7 +206,7 @@ def test_measured_bubble_matches_the_formula(pools, schedule, microbatches, virt
 
 def test_bad_pipeline_layouts_are_refused(config_file):
     from tensorpar.errors import LayoutError
-    from tensorpar.training.trainer import model_config, validate
+    from tensorpar.training import validate
 
     bad = [
         (dict(pp=3, dp=1), "8 layers cannot be split evenly into pp=3"),
@@ -215,9 +215,9 @@ def test_bad_pipeline_layouts_are_refused(config_file):
          "multiple of the pipeline-parallel size 2"),
     ]
     for overrides, needle in bad:
-        args = TrainArgs(model=config_file, **{**BASE, **overrides})
+        args = TrainOptions(model=config_file, **{**BASE, **overrides})
         with pytest.raises(LayoutError, match=needle.replace("*", r"\*")):
-            validate(args, model_config(args))
+            validate(args)
 
 
 def test_tied_embeddings_stay_tied_across_pipeline_stages(pools, tmp_path):

@@ -13,8 +13,8 @@ import torch
 from test_cli import tensorpar
 from conftest import TINY8 as CONFIG
 from tensorpar.errors import TensorparError
-from tensorpar.training.checkpoint import read_meta
-from tensorpar.training.trainer import TrainArgs, train
+from tensorpar.checkpoints.sharded import read_meta
+from tensorpar.training import TrainOptions, train
 
 BASE = dict(steps=20, seed=11, global_batch_size=8, micro_batch_size=1, seq_len=16, lr=3e-3, warmup_steps=1,
             val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu")
@@ -23,7 +23,7 @@ BASE = dict(steps=20, seed=11, global_batch_size=8, micro_batch_size=1, seq_len=
 
 
 def run(config_file, **overrides):
-    summary = train(TrainArgs(model=config_file, **{**BASE, **overrides}))
+    summary = train(TrainOptions(model=config_file, **{**BASE, **overrides}))
     return [(r["step"], r["loss"], r["grad_norm"]) for r in summary["history"]]
 
 

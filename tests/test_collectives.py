@@ -11,7 +11,8 @@ import torch
 
 from harness import mesh
 from tensorpar.errors import TensorparError
-from tensorpar.planning import collectives as C
+from tensorpar.distributed import collective_algorithms as C
+from tensorpar.distributed import collective_simulation as S
 
 BLOG_INPUTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
 
@@ -48,7 +49,7 @@ def _lengths(collective, n):
     return (1, 7, 2 * n)  # 1 < n and 7: chunks of unequal sizes, some empty, for the ring all-reduce
 
 
-CASES = [(c, a) for c in C.COLLECTIVES for a in C.ALGORITHMS[c]]
+CASES = [(c, a) for c in S.COLLECTIVES for a in S.ALGORITHMS[c]]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
@@ -59,10 +60,10 @@ def test_simulation_equals_direct_computation(collective, algorithm, n):
     for length in _lengths(collective, n):
         for root in roots:
             ints = [[rng.randint(-99, 99) for _ in range(length)] for _ in range(n)]
-            outputs, trace = C.simulate(collective, ints, algorithm, root=root)
+            outputs, trace = S.simulate(collective, ints, algorithm, root=root)
             assert outputs == _expected(collective, ints, root), (length, root)
             floats = [[rng.uniform(-1, 1) for _ in range(length)] for _ in range(n)]
-            outputs, _ = C.simulate(collective, floats, algorithm, root=root)
+            outputs, _ = S.simulate(collective, floats, algorithm, root=root)
             for got, want in zip(outputs, _expected(collective, floats, root)):
                 assert (got is None and want is None) or got == pytest.approx(want, rel=1e-12, abs=1e-12)
 
@@ -72,7 +73,7 @@ def test_ring_traces_have_the_textbook_shape(n):
     length = 3 * n
     inputs = [[float(r * length + i) for i in range(length)] for r in range(n)]
     for collective, steps in (("all-reduce", 2 * (n - 1)), ("reduce-scatter", n - 1), ("all-gather", n - 1)):
-        _, trace = C.simulate(collective, inputs)
+        _, trace = S.simulate(collective, inputs)
         assert [s.index for s in trace] == list(range(1, steps + 1))
         for step in trace:
             # every rank sends exactly one chunk, to the next rank on the ring, every step
@@ -81,18 +82,18 @@ def test_ring_traces_have_the_textbook_shape(n):
             assert all(len(t.values) == size for t in step.transfers)
             for t in step.transfers:
                 assert t.result == step.buffers[t.dst]
-    _, trace = C.simulate("all-reduce", inputs)
+    _, trace = S.simulate("all-reduce", inputs)
     assert [s.phase for s in trace] == ["reduce-scatter"] * (n - 1) + ["all-gather"] * (n - 1)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 def test_tree_traces_are_binomial_trees(n):
-    k = C.tree_steps(n)
+    k = S.tree_steps(n)
     assert 2 ** (k - 1) < n <= 2**k
     inputs = [[r, r + 1] for r in range(n)]
     for root in range(n):
         for collective in ("reduce", "broadcast", "gather", "scatter"):
-            _, trace = C.simulate(collective, inputs if collective != "scatter" else
+            _, trace = S.simulate(collective, inputs if collective != "scatter" else
                                   [[float(i) for i in range(2 * n)]] * n, root=root)
             assert len(trace) == k
             for step in trace:  # each rank takes part in at most one message per step
@@ -104,35 +105,35 @@ def test_tree_traces_are_binomial_trees(n):
                 assert sorted(t.src for t in transfers) == [r for r in range(n) if r != root]
             else:
                 assert sorted(t.dst for t in transfers) == [r for r in range(n) if r != root]
-        _, trace = C.simulate("all-reduce", inputs, "tree", root=root)
+        _, trace = S.simulate("all-reduce", inputs, "tree", root=root)
         assert [s.phase for s in trace] == ["reduce"] * k + ["broadcast"] * k
 
 
 def test_blog_reduce_scatter_example_ends_with_28_32_36_40():
-    outputs, trace = C.simulate("reduce-scatter", BLOG_INPUTS)
+    outputs, trace = S.simulate("reduce-scatter", BLOG_INPUTS)
     assert outputs == [[28], [32], [36], [40]]
     assert len(trace) == 3
     final = trace[-1].buffers
     assert [final[r][r] for r in range(4)] == [28, 32, 36, 40]  # rank r owns chunk r
     first = {t.src: t for t in trace[0].transfers}
     assert (first[0].dst, first[0].chunk, first[0].values, first[0].result) == (1, 3, (4,), (5, 6, 7, 12))
-    assert C.simulate("all_reduce", BLOG_INPUTS)[0] == [[28, 32, 36, 40]] * 4
+    assert S.simulate("all_reduce", BLOG_INPUTS)[0] == [[28, 32, 36, 40]] * 4
 
 
 def test_simulation_refuses_bad_input():
     with pytest.raises(TensorparError, match="unknown collective"):
-        C.simulate("all-to-all", BLOG_INPUTS)
+        S.simulate("all-to-all", BLOG_INPUTS)
     with pytest.raises(TensorparError, match="at least 2 ranks"):
-        C.simulate("all-reduce", [[1, 2]])
+        S.simulate("all-reduce", [[1, 2]])
     with pytest.raises(TensorparError, match="one length"):
-        C.simulate("all-reduce", [[1, 2], [3]])
+        S.simulate("all-reduce", [[1, 2], [3]])
     with pytest.raises(TensorparError, match="divisible"):
-        C.simulate("reduce-scatter", [[1, 2, 3], [4, 5, 6]])
+        S.simulate("reduce-scatter", [[1, 2, 3], [4, 5, 6]])
     with pytest.raises(TensorparError, match="no 'tree' algorithm"):
-        C.simulate("all-gather", BLOG_INPUTS, "tree")
+        S.simulate("all-gather", BLOG_INPUTS, "tree")
     with pytest.raises(TensorparError, match="root"):
-        C.simulate("reduce", BLOG_INPUTS, root=4)
-    assert C.normalize("REDUCE_SCATTER") == C.normalize("reducescatter") == "reduce-scatter"
+        S.simulate("reduce", BLOG_INPUTS, root=4)
+    assert S.normalize("REDUCE_SCATTER") == S.normalize("reducescatter") == "reduce-scatter"
 
 
 # -- the send/recv implementations on real process groups ------------------------------------------
@@ -220,7 +221,7 @@ def _sim_messages(collective, algorithm, n, root, rank):
     """This rank's sends and receives in the simulation's schedule: [(step, kind, peer, chunk)]."""
     length = 2 * n if collective not in ("reduce-scatter", "scatter") else n
     inputs = [[float(i) for i in range(length)] for _ in range(n)]
-    _, trace = C.simulate(collective, inputs, algorithm, root=root)
+    _, trace = S.simulate(collective, inputs, algorithm, root=root)
     mine = []
     for step in trace:
         for t in step.transfers:
@@ -322,17 +323,17 @@ def test_explain_errors_in_process(capsys, args, needle):
     assert len(lines) == 1 and lines[0].startswith("tensorpar: error:") and needle in lines[0], err
 
 
-@pytest.mark.parametrize("collective", list(C.COLLECTIVES) + ["all_reduce --algorithm tree"])
+@pytest.mark.parametrize("collective", list(S.COLLECTIVES) + ["all_reduce --algorithm tree"])
 def test_explain_every_collective(capsys, collective):
     from tensorpar.cli import main
 
     name, *rest = collective.split()
     assert main(["explain", name, "--ranks", "3", *rest]) == 0
     out = capsys.readouterr().out
-    norm = C.normalize(name)
-    algorithm = rest[-1] if rest else C.ALGORITHMS[norm][0]
+    norm = S.normalize(name)
+    algorithm = rest[-1] if rest else S.ALGORITHMS[norm][0]
     values = [[r * 3 + i + 1 for i in range(3)] for r in range(3)]
-    outputs, trace = C.simulate(norm, values, algorithm)
+    outputs, trace = S.simulate(norm, values, algorithm)
     assert sum(ln.startswith("step ") for ln in out.splitlines()) == len(trace)
     tail = out.strip().splitlines()[-3:]
     for r, (line, want) in enumerate(zip(tail, outputs)):

@@ -18,9 +18,8 @@ from checks import rel_err  # noqa: E402
 from harness import mesh  # noqa: E402
 from tensorpar.errors import TensorparError  # noqa: E402
 from tensorpar.models import Transformer, full_state_dict, get_config, load_full_state_dict  # noqa: E402
-from tensorpar.models.hf import (  # noqa: E402
-    config_from_hf,
-    config_to_hf,
+from tensorpar.checkpoints.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from tensorpar.checkpoints.hf import (  # noqa: E402
     hf_to_tensorpar,
     is_hf_folder,
     load_hf_folder,

@@ -48,9 +48,9 @@ def test_eval_reports_the_transformers_loss(saved, name, tp):
 
 
 def check_init_from(folder, data, seq_len):
-    from tensorpar.training.trainer import TrainArgs, train
+    from tensorpar.training import TrainOptions, train
 
-    summary = train(TrainArgs(init_from=str(folder), data=str(data), tp=2, steps=1, seq_len=seq_len,
+    summary = train(TrainOptions(init_from=str(folder), data=str(data), tp=2, steps=1, seq_len=seq_len,
                               global_batch_size=2, val_every=0, val_fraction=0.0, progress=False, device="cpu"))
     return summary["history"][0]["loss"]
 

@@ -12,7 +12,7 @@ from harness import mesh
 from tensorpar.errors import TensorparError
 from tensorpar.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.layers.sharding import ShardSpec, shard_spec, shard_tensor, tag
-from tensorpar.training import build_optimizer, clip_grad_norm_, global_grad_norm, lr_at, set_lr
+from tensorpar.optim import build_optimizer, clip_grad_norm_, global_grad_norm, lr_at, set_lr
 
 # -- schedule (in process) -----------------------------------------------------------------------
 

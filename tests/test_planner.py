@@ -16,7 +16,6 @@ import gc
 import json
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -24,8 +23,9 @@ import torch
 from harness import mesh as harness_mesh
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig, get_config
-from tensorpar.planning import cost, hardware, memory, search as search_mod, step_time
-from tensorpar.planning.cost import Layout
+from tensorpar.commands import plan as plan_command
+from tensorpar.planning import comm, compute, hardware, memory, params as planned_params, precision, search as search_mod, step_time
+from tensorpar.planning.layout import Layout
 
 WORLD = 4  # one pool of 4 gloo processes for every check: TP 2 runs as 2 TP groups x DP 2, TP 4 as one
 GPT2_SHAPE = get_config("gpt2-124m").replace(num_layers=2)  # GPT-2 124M's widths and vocabulary, 2 layers
@@ -56,18 +56,18 @@ def test_gpu_catalog_aliases_overrides_and_unknown_names():
 def test_alpha_beta_formulas():
     link = hardware.Link(100e9, 5e-6)
     B, n = 64e6, 8
-    ring = lambda op: cost.collective_time(op, B, n, link, "ring")  # noqa: E731
-    tree = lambda op: cost.collective_time(op, B, n, link, "tree")  # noqa: E731
+    ring = lambda op: comm.collective_time(op, B, n, link, "ring")  # noqa: E731
+    tree = lambda op: comm.collective_time(op, B, n, link, "tree")  # noqa: E731
     assert ring("all_reduce") == pytest.approx(2 * 7 * (5e-6 + B / (8 * 100e9)))
     assert ring("all_gather") == ring("reduce_scatter") == pytest.approx(7 * (5e-6 + B / (8 * 100e9)))
     assert ring("all_reduce") == pytest.approx(ring("all_gather") + ring("reduce_scatter"))
     assert tree("all_reduce") == pytest.approx(2 * 3 * (5e-6 + B / 100e9))
     assert tree("broadcast") == tree("reduce") == pytest.approx(3 * (5e-6 + B / 100e9))
-    assert cost.collective_time("send", B, n, link) == pytest.approx(5e-6 + B / 100e9)
-    assert cost.collective_time("all_reduce", B, 1, link) == 0.0
+    assert comm.collective_time("send", B, n, link) == pytest.approx(5e-6 + B / 100e9)
+    assert comm.collective_time("all_reduce", B, 1, link) == 0.0
     # small messages: the tree's log2(n) latency wins; large ones: the ring's bandwidth
-    assert cost.collective_time("all_reduce", 8, 64, link) == cost.collective_time("all_reduce", 8, 64, link, "tree")
-    assert cost.collective_time("all_reduce", B, 64, link) == cost.collective_time("all_reduce", B, 64, link, "ring")
+    assert comm.collective_time("all_reduce", 8, 64, link) == comm.collective_time("all_reduce", 8, 64, link, "tree")
+    assert comm.collective_time("all_reduce", B, 64, link) == comm.collective_time("all_reduce", B, 64, link, "ring")
 
 
 # --------------------------------------------------------------------------- communication == CommStats
@@ -91,7 +91,7 @@ def check_model_comm_and_params(tp, config, sp, recompute, bf16):
         loss = model(ids, targets)
     loss.backward()
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    predicted = cost.comm_bytes_per_step(cfg, Layout(tp=tp, sequence_parallel=sp, recompute=recompute), B, S, 4,
+    predicted = comm.comm_bytes_per_step(cfg, Layout(tp=tp, sequence_parallel=sp, recompute=recompute), B, S, 4,
                                          matmul_dtype_bytes=2 if bf16 else 4)
     params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
@@ -116,12 +116,12 @@ COMM_CASES = [
 @pytest.mark.parametrize("tp,config,sp,recompute,bf16", COMM_CASES)
 def test_predicted_comm_bytes_equal_counted_and_parameters_match(pools, tp, config, sp, recompute, bf16):
     cfg = CONFIGS[config]
-    expected_params = memory.local_parameters(cfg, tp)
+    expected_params = planned_params.local_parameters(cfg, tp)
     for rank, (counted, predicted, params, grads) in enumerate(pools(WORLD).run(
             check_model_comm_and_params, tp, config, sp, recompute, bf16)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
         assert params == expected_params, f"rank {rank}: parameters differ from the prediction"
-        assert grads == memory.PRECISIONS["tensorpar-fp32"].grad_bytes * memory.parameter_count(cfg, tp)
+        assert grads == precision.PRECISIONS["tensorpar-fp32"].grad_bytes * planned_params.parameter_count(cfg, tp)
 
 
 def check_training_step_comm(zero, micro_batches):
@@ -149,8 +149,8 @@ def check_training_step_comm(zero, micro_batches):
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
     layout = Layout(tp=2, dp=2, sequence_parallel=True, micro_batch_size=B, zero=zero)
-    colls = cost.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024)
-    return counted, cost.sum_bytes(colls)
+    colls = comm.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024)
+    return counted, comm.sum_bytes(colls)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
@@ -184,10 +184,10 @@ def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
     layout = Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, micro_batch_size=B, zero=zero, virtual_stages=v)
-    colls = cost.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024)
+    colls = comm.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024)
     params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
-    expected = memory.local_parameters(cfg, tp, pp, m.pp_rank, v)
-    return counted, cost.sum_bytes(colls), params, expected, runner.peak_in_flight, m.pp_rank
+    expected = planned_params.local_parameters(cfg, tp, pp, m.pp_rank, v)
+    return counted, comm.sum_bytes(colls), params, expected, runner.peak_in_flight, m.pp_rank
 
 
 PIPELINE_CASES = [(2, 2, 1, "1f1b", 1, 0, True), (1, 2, 2, "interleaved", 2, 1, False), (1, 4, 1, "afab", 1, 0, False)]
@@ -208,7 +208,7 @@ def test_predicted_pipeline_step_comm_equals_counted(pools, tp, pp, dp, schedule
 
 
 def _optimizer_state_bytes(model) -> int:
-    from tensorpar.training import build_optimizer
+    from tensorpar.optim import build_optimizer
 
     opt = build_optimizer(model, 1e-3, 0.1)
     opt.step()
@@ -233,8 +233,8 @@ def check_parameter_memory(tp, config):
 @pytest.mark.parametrize("config", ["tiny", "gpt2-124m-2l"])
 def test_parameter_gradient_optimizer_bytes_equal_real_tensors(pools, tp, config):
     cfg = CONFIGS[config]
-    prec = memory.PRECISIONS["tensorpar-fp32"]
-    params = memory.local_parameters(cfg, tp)
+    prec = precision.PRECISIONS["tensorpar-fp32"]
+    params = planned_params.local_parameters(cfg, tp)
     mb = memory.stage_memory(cfg, Layout(tp=tp), 8, 1, prec)
     results = [check_parameter_memory(tp, config)] if tp == 1 else pools(WORLD).run(check_parameter_memory, tp, config)
     for rank, (p, g, o) in enumerate(results):
@@ -354,7 +354,7 @@ def test_step_time_model_bubble_flops_and_mfu():
     one = hardware.make_cluster("h100-80gb", 1)
     small = get_config("llama-1b")
     t = step_time.predict_step_time(small, Layout(), one, 2048, 4, "mixed-bf16")
-    from tensorpar.training.flops import train_flops_per_token
+    from tensorpar.models.flops import train_flops_per_token
 
     assert t.model_flops == pytest.approx(train_flops_per_token(small, 2048) * 4 * 2048)
     assert t.tp_comm_s == t.dp_comm_s == t.bubble_s == 0
@@ -415,7 +415,7 @@ def published_prediction(cfg, gpus, batch, layout):
     cl = hardware.make_cluster("a100-80gb", gpus, overlap=0.0)
     plan = search_mod.evaluate(cfg, layout, cl, 2048, batch, "mixed-bf16", flash_attention=False)
     # Their teraFLOP/s use eq. 3 of the paper (full recomputation counted); so does our step time here.
-    return plan, step_time.megatron_flops_per_step(cfg, batch, 2048) / (gpus * plan.time.step_time_s), cl
+    return plan, compute.megatron_flops_per_step(cfg, batch, 2048) / (gpus * plan.time.step_time_s), cl
 
 
 @pytest.mark.parametrize("name,cfg,gpus,batch,published,layout", PUBLISHED, ids=[p[0] for p in PUBLISHED])
@@ -477,9 +477,7 @@ def test_plan_command_errors_and_schedule_mode(capsys, monkeypatch):
     assert _main("--model", "tiny", "--gpus", "2", "--gpu", "tpu", "--seq-len", "8", "--global-batch-size", "2") == 2
     assert "unknown GPU 'tpu'; known GPUs:" in capsys.readouterr().err
     seen = {}
-    fake = types.ModuleType("tensorpar.parallel.schedule_view")
-    fake.run_schedule_command = lambda args: seen.update(vars(args)) or 0
-    monkeypatch.setitem(sys.modules, "tensorpar.parallel.schedule_view", fake)
+    monkeypatch.setattr(plan_command, "run_schedule_command", lambda args: seen.update(vars(args)) or 0)
     assert _main("--schedule", "interleaved", "--pp", "4", "--microbatches", "8", "--virtual-stages", "2") == 0
     assert _main("--schedule", "1f1b", "--pp", "4") == 2
     assert "--schedule 1f1b needs --microbatches" in capsys.readouterr().err
@@ -535,7 +533,7 @@ def _report() -> None:  # pragma: no cover - `python tests/test_planner.py` prin
         print("\n## Parameters, gradients, AdamW states per rank (bytes): predicted vs real tensors\n")
         print("| model | tp | parameters (pred / real) | gradients (pred / real) | AdamW states (pred / real) |")
         print("|---|---|---|---|---|")
-        prec = memory.PRECISIONS["tensorpar-fp32"]
+        prec = precision.PRECISIONS["tensorpar-fp32"]
         for config in ("tiny", "gpt2-124m-2l"):
             for tp in (1, 2, 4):
                 mb = memory.stage_memory(CONFIGS[config], Layout(tp=tp), 8, 1, prec)

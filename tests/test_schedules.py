@@ -6,15 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from tensorpar.commands.plan import run_schedule_command
 from tensorpar.errors import LayoutError, TensorparError
-from tensorpar.parallel.schedule_view import (
+from tensorpar.parallel.pipeline_view import (
     measured_bubble,
     render_measured,
     render_png,
     render_text,
-    run_schedule_command,
 )
-from tensorpar.parallel.schedules import (
+from tensorpar.parallel.pipeline_schedules import (
     Action,
     afab,
     build_schedule,

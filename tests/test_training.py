@@ -3,14 +3,14 @@
 import pytest
 
 from harness import mesh  # noqa: F401  (imported so workers share the harness module)
-from tensorpar.training.trainer import TrainArgs, train
+from tensorpar.training import TrainOptions, train
 
 BASE = dict(model="tiny", steps=20, seed=3, global_batch_size=8, micro_batch_size=4, seq_len=32, lr=3e-3,
             warmup_steps=5, val_every=0, progress=False, metrics=None, out_dir=None, device="cpu")
 
 
 def run_training(**overrides):
-    summary = train(TrainArgs(**{**BASE, **overrides}))
+    summary = train(TrainOptions(**{**BASE, **overrides}))
     return [(r["loss"], r["grad_norm"]) for r in summary["history"]]
 
 
@@ -87,7 +87,7 @@ def test_mfu_peak_of_a_gpu_comes_from_the_planner_catalog(monkeypatch, device_na
     import torch
 
     from tensorpar.planning.hardware import GPUS
-    from tensorpar.training.flops import peak_flops
+    from tensorpar.training.mfu import peak_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
     for dtype in ("bf16", "fp32"):

@@ -1,7 +1,8 @@
 """The `tensorpar` command line: one entry point, one module per command.
 
 From a plain shell a command that needs several processes starts them itself; under torchrun
-it uses the launcher's. Errors a user can cause print one line and exit with status 2.
+it uses the launcher's. Errors a user can cause, usage errors included, print one line and exit
+with status 2.
 """
 
 from __future__ import annotations
@@ -10,7 +11,17 @@ import argparse
 import os
 import sys
 
+from tensorpar.commands import convert, demo, eval as eval_cmd, explain, generate, plan, train
 from tensorpar.errors import TensorparError
+
+COMMANDS = (train, eval_cmd, generate, demo, explain, plan, convert)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are TensorparErrors, reported like every other bad input: one line."""
+
+    def error(self, message: str):
+        raise TensorparError(f"{message} (see '{self.prog} --help')")
 
 
 def _rank_prefix() -> str:
@@ -19,22 +30,20 @@ def _rank_prefix() -> str:
     return ""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from tensorpar.commands import demo, eval as eval_cmd, explain, generate, plan, train, convert
-
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="tensorpar", description="Tensor-parallel training, evaluation and serving of transformers."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train, eval_cmd, generate, demo, explain, plan, convert):
+    for module in COMMANDS:
         module.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.run(args, argv) or 0)
     except TensorparError as e:
         # One write per line: ranks share the terminal, and a single short write to a pipe is atomic.

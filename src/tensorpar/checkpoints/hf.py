@@ -1,8 +1,8 @@
 """Hugging Face checkpoints (GPT-2 and Llama, safetensors) to and from tensorpar's dense state dicts.
 
+Configs are mapped by `tensorpar.checkpoints.hf_config`.
+
     is_hf_folder(path)               does `path` look like a GPT-2 / Llama Hugging Face folder?
-    config_from_hf(hf_dict)          config.json -> ModelConfig (refuses what the model cannot compute)
-    config_to_hf(cfg)                ModelConfig -> a config.json dict transformers loads
     hf_to_tensorpar(hf_state, cfg)   Hugging Face tensor names -> tensorpar's dense names
     tensorpar_to_hf(state, cfg)      the inverse (bit-exact round trip)
     load_hf_folder(path)             (ModelConfig, dense state dict), ready for `load_full_state_dict`
@@ -18,24 +18,23 @@ it is ignored when the embeddings are tied, and never written for them.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, check_representable, config_from_hf, config_to_hf
 from tensorpar.errors import TensorparError
+from tensorpar.layers.sharding import shard_spec
 from tensorpar.models.config import ModelConfig
+from tensorpar.models.state import dense_shape
+from tensorpar.models.transformer import Transformer
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
-
-# Hugging Face activation names -> tensorpar's (same function; gelu_new is the tanh approximation).
-_GPT2_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
-                     "silu": "silu", "swish": "silu"}
 _GPT2_PREFIX, _LLAMA_PREFIX = "transformer.", "model."
 # Buffers some checkpoints carry that are not parameters: GPT-2's causal masks, old Llama's inv_freq.
 _IGNORED = {
@@ -44,260 +43,11 @@ _IGNORED = {
 }
 
 
-# -- configs --------------------------------------------------------------------------------------
-
-
-def _unsupported(field: str, value, why: str) -> TensorparError:
-    return TensorparError(f"unsupported Hugging Face config: {field}={value!r} ({why})")
-
-
-def _int(hf: dict, field: str, default=None) -> int:
-    value = hf.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _unsupported(field, value, "expected a positive integer")
-    return value
-
-
-def _float(hf: dict, field: str, default=None) -> float:
-    value = hf.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise _unsupported(field, value, "expected a positive number")
-    return float(value)
-
-
-def _bool(hf: dict, field: str, default: bool) -> bool:
-    value = hf.get(field, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _unsupported(field, value, "expected true or false")
-    return value
-
-
-def _require(hf: dict, field: str, expected, default, why: str) -> None:
-    value = hf.get(field, default)
-    if value != expected:
-        raise _unsupported(field, value, why)
-
-
-def config_from_hf(hf: dict) -> ModelConfig:
-    """A ModelConfig from a Hugging Face config.json dict (GPT-2 or Llama); dropout is 0."""
-    if not isinstance(hf, dict):
-        raise TensorparError(f"a Hugging Face config must be a JSON object, got {type(hf).__name__}")
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _unsupported("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if hf.get("quantization_config"):
-        raise _unsupported("quantization_config", hf["quantization_config"].get("quant_method", "?")
-                           if isinstance(hf["quantization_config"], dict) else hf["quantization_config"],
-                           "quantized checkpoints are not supported")
-    return _gpt2_config(hf) if model_type == "gpt2" else _llama_config(hf)
-
-
-def _gpt2_config(hf: dict) -> ModelConfig:
-    # Defaults are GPT2Config's, for config.json files that leave them out.
-    hidden = _int(hf, "n_embd", 768)
-    act = hf.get("activation_function", "gelu_new")
-    if act not in _GPT2_ACTIVATIONS:
-        raise _unsupported("activation_function", act, f"supported: {', '.join(_GPT2_ACTIVATIONS)}")
-    _require(hf, "scale_attn_weights", True, True, "tensorpar always scales attention scores by 1/sqrt(head_dim)")
-    _require(hf, "scale_attn_by_inverse_layer_idx", False, False, "per-layer attention scaling is not supported")
-    _require(hf, "add_cross_attention", False, False, "cross-attention is not supported")
-    n_inner = hf.get("n_inner")
-    return ModelConfig(
-        family="gpt2",
-        vocab_size=_int(hf, "vocab_size", 50257),
-        hidden_size=hidden,
-        num_layers=_int(hf, "n_layer", 12),
-        num_heads=_int(hf, "n_head", 12),
-        ffn_hidden_size=4 * hidden if n_inner is None else _int(hf, "n_inner"),
-        max_seq_len=_int(hf, "n_positions", 1024),
-        norm="layernorm",
-        norm_eps=_float(hf, "layer_norm_epsilon", 1e-5),
-        activation=_GPT2_ACTIVATIONS[act],
-        gated_mlp=False,
-        position="learned",
-        tie_embeddings=_bool(hf, "tie_word_embeddings", True),
-        bias=True,
-        dropout=0.0,
-    )
-
-
-def _rope_type(d: dict) -> str:
-    return d.get("rope_type", d.get("type")) or "default"
-
-
-def _llama_rope(hf: dict, max_positions: int) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a transformers 5 `rope_parameters` dict or the older top-level
-    `rope_theta` + `rope_scaling` fields (either may carry the theta and the scaling)."""
-    params, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
-    for field, d in (("rope_parameters", params), ("rope_scaling", legacy)):
-        if not isinstance(d, dict):
-            raise _unsupported(field, d, "expected a JSON object")
-        if any(isinstance(v, dict) for v in d.values()):
-            raise _unsupported(field, list(d), "per-layer-type RoPE parameters are not supported")
-    theta = params.get("rope_theta", legacy.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    theta = _float({"rope_theta": theta}, "rope_theta")
-    scaled = [(f, d) for f, d in (("rope_parameters", params), ("rope_scaling", legacy)) if _rope_type(d) != "default"]
-    for field, d in (("rope_parameters", params), ("rope_scaling", legacy), ("config", hf)):
-        factor = d.get("partial_rotary_factor", 1.0)
-        if factor not in (None, 1, 1.0):
-            raise _unsupported("partial_rotary_factor", factor, "RoPE on part of the head is not supported")
-    if not scaled:
-        return theta, None
-    field, d = scaled[0]
-    kind = _rope_type(d)
-    if kind != "llama3":
-        raise _unsupported(f"{field}.rope_type", kind, "supported: default, llama3")
-    scaling = {
-        "rope_type": "llama3",
-        "factor": _float(d, "factor"),
-        "low_freq_factor": _float(d, "low_freq_factor"),
-        "high_freq_factor": _float(d, "high_freq_factor"),
-        # As in transformers: without it, the model's own length is the pre-training length.
-        "original_max_position_embeddings": _int(d, "original_max_position_embeddings",
-                                                 hf.get("original_max_position_embeddings", max_positions)),
-    }
-    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise _unsupported(f"{field}.high_freq_factor", scaling["high_freq_factor"],
-                           f"must exceed low_freq_factor {scaling['low_freq_factor']}")
-    return theta, scaling
-
-
-def _llama_config(hf: dict) -> ModelConfig:
-    # Defaults are LlamaConfig's, for config.json files that leave them out.
-    hidden = _int(hf, "hidden_size", 4096)
-    heads = _int(hf, "num_attention_heads", 32)
-    kv_heads = hf.get("num_key_value_heads")
-    kv_heads = heads if kv_heads is None else _int(hf, "num_key_value_heads")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise _unsupported("hidden_act", act, "Llama's gated MLP is supported with silu only")
-    if hidden % heads:
-        raise _unsupported("hidden_size", hidden, f"not divisible by num_attention_heads {heads}")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim != hidden // heads:
-        raise _unsupported("head_dim", head_dim,
-                           f"tensorpar needs hidden_size / num_attention_heads = {hidden // heads}")
-    if heads % kv_heads:
-        raise _unsupported("num_key_value_heads", kv_heads, f"does not divide num_attention_heads {heads}")
-    attention_bias = _bool(hf, "attention_bias", False)
-    mlp_bias = _bool(hf, "mlp_bias", False)
-    if attention_bias != mlp_bias:
-        raise _unsupported("mlp_bias", mlp_bias, f"differs from attention_bias={attention_bias}; tensorpar has one "
-                                                 "bias switch for attention and MLP")
-    max_positions = _int(hf, "max_position_embeddings", 2048)
-    theta, scaling = _llama_rope(hf, max_positions)
-    return ModelConfig(
-        family="llama",
-        vocab_size=_int(hf, "vocab_size", 32000),
-        hidden_size=hidden,
-        num_layers=_int(hf, "num_hidden_layers", 32),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        ffn_hidden_size=_int(hf, "intermediate_size", 11008),
-        max_seq_len=max_positions,
-        norm="rmsnorm",
-        norm_eps=_float(hf, "rms_norm_eps", 1e-6),
-        activation="silu",
-        gated_mlp=True,
-        position="rope",
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_embeddings=_bool(hf, "tie_word_embeddings", False),
-        bias=attention_bias,
-        dropout=0.0,
-    )
-
-
-def _check_representable(cfg: ModelConfig) -> None:
-    """Refuse configs that have no Hugging Face GPT2LMHeadModel / LlamaForCausalLM equivalent."""
-    if cfg.family == "gpt2":
-        wanted = dict(norm="layernorm", position="learned", gated_mlp=False, bias=True, num_kv_heads=cfg.num_heads)
-        actual = dict(norm=cfg.norm, position=cfg.position, gated_mlp=cfg.gated_mlp, bias=cfg.bias,
-                      num_kv_heads=cfg.kv_heads)
-        if cfg.activation not in _GPT2_ACTIVATIONS.values():
-            actual["activation"], wanted["activation"] = cfg.activation, "one of " + ", ".join(_GPT2_ACTIVATIONS)
-    else:
-        wanted = dict(norm="rmsnorm", position="rope", gated_mlp=True, activation="silu")
-        actual = dict(norm=cfg.norm, position=cfg.position, gated_mlp=cfg.gated_mlp, activation=cfg.activation)
-        if cfg.rope_scaling and _rope_type(cfg.rope_scaling) not in ("default", "llama3"):
-            actual["rope_scaling"], wanted["rope_scaling"] = _rope_type(cfg.rope_scaling), "default or llama3"
-    bad = [f"{k}={actual[k]!r} (needs {wanted[k]!r})" for k in wanted if actual[k] != wanted[k]]
-    if bad:
-        arch = "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM"
-        raise TensorparError(f"this {cfg.family} config has no Hugging Face {arch} equivalent: {', '.join(bad)}")
-
-
-def config_to_hf(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
-    """A config.json dict that transformers loads as a GPT2Config / LlamaConfig (the inverse of config_from_hf)."""
-    _check_representable(cfg)
-    if cfg.family == "gpt2":
-        out = {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.max_seq_len,
-            "n_embd": cfg.hidden_size,
-            "n_layer": cfg.num_layers,
-            "n_head": cfg.num_heads,
-            "n_inner": cfg.ffn_hidden_size,
-            "activation_function": cfg.activation,
-            "layer_norm_epsilon": cfg.norm_eps,
-            "resid_pdrop": cfg.dropout,
-            "embd_pdrop": cfg.dropout,
-            "attn_pdrop": cfg.dropout,
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "initializer_range": cfg.init_std,
-            "tie_word_embeddings": cfg.tie_embeddings,
-        }
-        if cfg.vocab_size <= 50256:  # GPT2Config's default end-of-text id would lie outside the vocabulary
-            out.update(bos_token_id=None, eos_token_id=None)
-    else:
-        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        if cfg.rope_scaling and _rope_type(cfg.rope_scaling) != "default":
-            rope = {**cfg.rope_scaling, "rope_type": "llama3", "rope_theta": cfg.rope_theta}
-            rope.pop("type", None)
-        out = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.ffn_hidden_size,
-            "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.kv_heads,
-            "head_dim": cfg.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps,
-            # transformers 5 reads rope_parameters; older versions read rope_theta and rope_scaling.
-            "rope_parameters": rope,
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": None if rope["rope_type"] == "default" else
-            {k: v for k, v in rope.items() if k != "rope_theta"},
-            "attention_bias": cfg.bias,
-            "mlp_bias": cfg.bias,
-            "attention_dropout": 0.0,
-            "initializer_range": cfg.init_std,
-            "tie_word_embeddings": cfg.tie_embeddings,
-        }
-    if dtype is not None:
-        out["torch_dtype"] = str(dtype).removeprefix("torch.")
-    return out
-
-
 # -- names ----------------------------------------------------------------------------------------
 
 
 def _dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """tensorpar's dense parameter names and shapes for `cfg`, from a model built on the meta device."""
-    from tensorpar.layers.sharding import shard_spec
-    from tensorpar.models.state import dense_shape
-    from tensorpar.models.transformer import Transformer
-
     model = Transformer(cfg, init=False, device="meta")
     return {name: dense_shape(p, shard_spec(p)) for name, p in model.named_parameters()}
 
@@ -348,7 +98,7 @@ def _llama_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
 def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """tensorpar's dense state dict -> Hugging Face GPT2LMHeadModel / LlamaForCausalLM tensors (full names,
     no lm_head for tied embeddings). Bit-exact inverse of `hf_to_tensorpar`."""
-    _check_representable(cfg)
+    check_representable(cfg)
     expected = set(_dense_shapes(cfg))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -378,7 +128,7 @@ def _names(names, limit: int = 5) -> str:
 
 
 def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable[[str], str]) -> dict:
-    _check_representable(cfg)
+    check_representable(cfg)
     family = cfg.family
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}  # canonical name -> name as stored, for messages
@@ -482,8 +232,6 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, dense state dict in tensorpar's names) from a Hugging Face GPT-2 / Llama safetensors folder,
     single-file or sharded (`model.safetensors.index.json`). Tensors keep their stored dtype, on the CPU."""
-    from safetensors.torch import load_file
-
     folder = Path(path)
     if not folder.is_dir():
         raise TensorparError(f"Hugging Face folder '{folder}' does not exist" if not folder.exists()
@@ -514,8 +262,6 @@ def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor]) -> None:
     """Write `dense_state` (tensorpar names, e.g. from `full_state_dict`) as a Hugging Face folder:
     config.json (GPT2LMHeadModel / LlamaForCausalLM) and model.safetensors."""
-    from safetensors.torch import save_file
-
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise TensorparError(f"'{folder}' exists and is not a folder")

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 
 import torch
 from safetensors import SafetensorError
@@ -52,8 +53,10 @@ def shard_file_name(tp_rank: int, pp_rank: int) -> str:
 # -- saving ---------------------------------------------------------------------------------------
 
 def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict, train: dict,
-                    keep_last: int = 3) -> str | None:
-    """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder."""
+                    options: dict | None = None, keep_last: int = 3) -> str | None:
+    """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder.
+    `train` holds what fixes the data order and the learning rate; `options`, the run's whole resolved
+    configuration (so that a resumed run can say what changed)."""
     final = _step_dir(root, step)
     tmp = os.path.join(root, f".tmp-step-{step:06d}")
     world = mesh.world_group
@@ -101,7 +104,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
             for name, spec in item["tensors"].items():
                 tensors.setdefault(name, {**spec, "pp_rank": item["pp_rank"]})
         meta = {"format": FORMAT, "version": 1, "step": step, "optimizer_step": opt_step, "model": cfg.to_dict(),
-                "layout": layout, "train": train, "tensors": tensors, "files": files,
+                "layout": layout, "train": train, "options": options, "tensors": tensors, "files": files,
                 "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         os.replace(tmp, final)
@@ -136,8 +139,6 @@ def _rotate(root: str, keep_last: int) -> None:
 def _save_delay_for_tests() -> None:
     delay = float(os.environ.get("TENSORPAR_TEST_SAVE_DELAY", "0"))
     if delay:
-        import time
-
         time.sleep(delay)
 
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import os
 
+from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder
+from tensorpar.checkpoints.hf_config import config_from_hf
+from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta
 from tensorpar.errors import TensorparError
+from tensorpar.models.config import ModelConfig
 
 
 def _check_folder(path: str) -> None:
@@ -18,10 +22,6 @@ def _check_folder(path: str) -> None:
 
 def load_config(path: str):
     """The ModelConfig of a checkpoint folder, reading only its config (cheap: for checks before launching)."""
-    from tensorpar.models.config import ModelConfig
-    from tensorpar.models.hf import config_from_hf, is_hf_folder
-    from tensorpar.training.checkpoint import is_checkpoint, read_meta
-
     _check_folder(path)
     if is_checkpoint(path):
         return ModelConfig(**read_meta(path, verify=False)[1]["model"])
@@ -36,10 +36,6 @@ def load_config(path: str):
 
 def load_model_source(path: str):
     """(ModelConfig, dense state dict in tensorpar names) of a checkpoint folder."""
-    from tensorpar.models.config import ModelConfig
-    from tensorpar.models.hf import load_hf_folder
-    from tensorpar.training.checkpoint import dense_model_state, is_checkpoint
-
     load_config(path)
     if is_checkpoint(path):
         meta, state = dense_model_state(path)

@@ -9,36 +9,35 @@ from __future__ import annotations
 
 import os
 
+from tensorpar.checkpoints.hf import is_hf_folder, save_hf_folder
+from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
+from tensorpar.checkpoints.sources import load_model_source
+from tensorpar.config.fields import add_options, options_from_args
+from tensorpar.config.options import ConvertOptions
 from tensorpar.errors import TensorparError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="convert between tensorpar checkpoints and Hugging Face folders")
-    p.add_argument("source", help="a tensorpar checkpoint or a Hugging Face model folder")
-    p.add_argument("dest", help="the folder to write (must not exist, or be empty)")
-    p.add_argument("--to", choices=["hf", "tensorpar"], default=None,
-                   help="output format (default: the other one)")
+    add_options(p, ConvertOptions)
     p.set_defaults(run=run)
 
 
 def run(args, argv) -> int:
-    from tensorpar.models.checkpoint_io import load_model_source
-    from tensorpar.models.hf import is_hf_folder, save_hf_folder
-    from tensorpar.training.checkpoint import is_checkpoint, write_dense_checkpoint
-
-    source_is_hf = is_hf_folder(args.source)
-    if not source_is_hf and not (os.path.isdir(args.source) and is_checkpoint(args.source)):
-        if not os.path.exists(args.source):
-            raise TensorparError(f"'{args.source}' does not exist")
-        raise TensorparError(f"'{args.source}' is neither a tensorpar checkpoint nor a Hugging Face model folder")
-    to = args.to or ("tensorpar" if source_is_hf else "hf")
-    if os.path.exists(args.dest) and os.listdir(args.dest):
-        raise TensorparError(f"'{args.dest}' exists and is not empty: refusing to overwrite it")
-    cfg, state = load_model_source(args.source)
+    options = options_from_args(ConvertOptions, args, "convert")
+    source_is_hf = is_hf_folder(options.source)
+    if not source_is_hf and not (os.path.isdir(options.source) and is_checkpoint(options.source)):
+        if not os.path.exists(options.source):
+            raise TensorparError(f"'{options.source}' does not exist")
+        raise TensorparError(f"'{options.source}' is neither a tensorpar checkpoint nor a Hugging Face model folder")
+    to = options.to or ("tensorpar" if source_is_hf else "hf")
+    if os.path.exists(options.dest) and os.listdir(options.dest):
+        raise TensorparError(f"'{options.dest}' exists and is not empty: refusing to overwrite it")
+    cfg, state = load_model_source(options.source)
     if to == "hf":
-        save_hf_folder(args.dest, cfg, state)
+        save_hf_folder(options.dest, cfg, state)
     else:
-        write_dense_checkpoint(args.dest, cfg, state)
-    print(f"wrote {to} {'folder' if to == 'hf' else 'checkpoint'} {args.dest} ({sum(t.numel() for t in state.values()):,} "
+        write_dense_checkpoint(options.dest, cfg, state)
+    print(f"wrote {to} {'folder' if to == 'hf' else 'checkpoint'} {options.dest} ({sum(t.numel() for t in state.values()):,} "
           f"parameters, {cfg.family})")
     return 0

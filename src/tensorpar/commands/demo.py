@@ -11,20 +11,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.commands.common import add_layout_args, launch
+from tensorpar.commands.common import launch
+from tensorpar.config.fields import add_options, options_from_args
+from tensorpar.config.options import DemoOptions
+from tensorpar.distributed.mesh import init_mesh
+from tensorpar.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    vocab_parallel_cross_entropy,
+)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="show the TP layers at work across local processes")
-    add_layout_args(p, tp_default=2)
-    p.add_argument("--hidden", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 x hidden)")
-    p.add_argument("--vocab", type=int, default=11)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=4)
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(run=lambda args, argv: launch(args, argv, run_rank))
+    add_options(p, DemoOptions)
+    p.set_defaults(run=run)
 
 
 class DenseToy(nn.Module):
@@ -43,28 +46,20 @@ class DenseToy(nn.Module):
 
 class ParallelToy(nn.Module):
     def __init__(self, dense: DenseToy, mesh, sequence_parallel: bool):
-        from tensorpar.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-
         super().__init__()
         self.mesh, self.sp = mesh, sequence_parallel
         self.embed = VocabParallelEmbedding.from_dense(dense.embed, mesh, sequence_parallel=sequence_parallel)
         self.fc1 = ColumnParallelLinear.from_dense(dense.fc1, mesh, sequence_parallel=sequence_parallel)
         self.fc2 = RowParallelLinear.from_dense(dense.fc2, mesh, sequence_parallel=sequence_parallel)
-        # The head is a column-parallel linear over the padded vocabulary, so its logits line up with the loss's shards.
-        head = nn.Linear(dense.head.in_features, self.embed.padded_vocab_size, bias=False)
-        with torch.no_grad():
-            head.weight.zero_()
-            head.weight[: dense.head.out_features] = dense.head.weight
-        self.head = ColumnParallelLinear.from_dense(head, mesh, sequence_parallel=sequence_parallel)
+        # Vocabulary padded to a multiple of TP, like the embedding, so that its logits line up with the loss's shards.
+        self.head = VocabParallelLMHead.from_dense(dense.head, mesh, sequence_parallel=sequence_parallel)
 
     def forward(self, ids, targets):
-        from tensorpar.layers import vocab_parallel_cross_entropy
-
         h = self.embed(ids)
         h = h + self.fc2(F.gelu(self.fc1(h)))
         logits = self.head(h)
         return vocab_parallel_cross_entropy(
-            logits, targets, self.mesh, label_smoothing=0.1, vocab_size=self.embed.vocab_size
+            logits, targets, self.mesh, label_smoothing=0.1, vocab_size=self.head.vocab_size
         )
 
 
@@ -83,19 +78,17 @@ def _comm_lines(snapshot) -> list[str]:
     ]
 
 
-def run_rank(args) -> int:
-    import tensorpar
-
-    mesh = tensorpar.init_mesh(tp=args.tp, pp=args.pp, dp=args.dp, device="cpu")
-    ffn = args.ffn or 4 * args.hidden
-    torch.manual_seed(args.seed)  # every rank builds the same dense model and batch
-    dense = DenseToy(args.vocab, args.hidden, ffn)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
-    targets = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+def run_rank(options: DemoOptions) -> int:
+    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, device="cpu")
+    ffn = options.ffn or 4 * options.hidden
+    torch.manual_seed(options.seed)  # every rank builds the same dense model and batch
+    dense = DenseToy(options.vocab, options.hidden, ffn)
+    ids = torch.randint(0, options.vocab, (options.batch, options.seq_len))
+    targets = torch.randint(0, options.vocab, (options.batch, options.seq_len))
     dense_loss = dense(ids, targets)
     dense_loss.backward()
 
-    model = ParallelToy(dense, mesh, args.sequence_parallel)
+    model = ParallelToy(dense, mesh, options.sequence_parallel)
     mesh.stats.reset()
     loss = model(ids, targets)
     forward = mesh.stats.snapshot()
@@ -114,11 +107,11 @@ def run_rank(args) -> int:
     e = model.embed
     lines = [
         f"rank {mesh.rank} (tp rank {r}/{tp}) holds:",
-        f"  embedding rows {_rows(e, 0, args.vocab)}"
+        f"  embedding rows {_rows(e, 0, options.vocab)}"
         + (f" + {pad} zero padding row(s) (vocabulary padded to {e.padded_vocab_size})" if (pad := e.rows_per_rank - (e.vocab_end - e.vocab_start)) else ""),
         f"  fc1 (column-parallel) output features {_rows(model.fc1, 0, ffn)}: weight {tuple(model.fc1.weight.shape)}",
         f"  fc2 (row-parallel) input features {_rows(model.fc2, 1, ffn)}: weight {tuple(model.fc2.weight.shape)}",
-        f"  head (column-parallel) vocabulary {_rows(model.head, 0, args.vocab)}: logits [{args.batch}, {args.seq_len}, {model.head.out_per_rank}]",
+        f"  head (column-parallel) vocabulary {_rows(model.head, 0, options.vocab)}: logits [{options.batch}, {options.seq_len}, {model.head.out_per_rank}]",
         "  communicated in forward:", *_comm_lines(forward),
         "  communicated in backward:", *_comm_lines(backward),
         f"  loss {loss.item():.6f} vs single device {dense_loss.item():.6f}; worst relative gradient error {worst:.1e}",
@@ -126,12 +119,17 @@ def run_rank(args) -> int:
     report = mesh.tp_group.all_gather_object("\n".join(lines)) if mesh.world_size > 1 else ["\n".join(lines)]
     ok = abs(loss.item() - dense_loss.item()) <= 1e-5 * abs(dense_loss.item()) and worst <= 1e-5
     if mesh.rank == 0:
-        mode = "tensor + sequence parallel" if args.sequence_parallel else "tensor parallel"
+        mode = "tensor + sequence parallel" if options.sequence_parallel else "tensor parallel"
         print(f"tensorpar demo: {mode}, TP={tp} over {mesh.world_size} process(es) ({mesh.backend or 'no'} backend, {mesh.device})")
-        print(f"toy model: embedding({args.vocab}, {args.hidden}) -> Linear({args.hidden}, {ffn}) -> GELU -> "
-              f"Linear({ffn}, {args.hidden}) + residual -> head({args.hidden}, {args.vocab}) -> cross-entropy "
-              f"(label smoothing 0.1); batch {args.batch} x seq {args.seq_len}\n")
+        print(f"toy model: embedding({options.vocab}, {options.hidden}) -> Linear({options.hidden}, {ffn}) -> GELU -> "
+              f"Linear({ffn}, {options.hidden}) + residual -> head({options.hidden}, {options.vocab}) -> cross-entropy "
+              f"(label smoothing 0.1); batch {options.batch} x seq {options.seq_len}\n")
         print("\n\n".join(report))
         print(f"\n{'OK' if ok else 'MISMATCH'}: the {tp}-way model computes what the single-device model computes")
     mesh.destroy()
     return 0 if ok else 1
+
+
+def run(args, argv) -> int:
+    options = options_from_args(DemoOptions, args, "demo")
+    return launch(options, argv, lambda: run_rank(options))

@@ -1,7 +1,7 @@
 """`tensorpar explain COLLECTIVE --ranks N`: a collective's algorithm, step by step, on small numbers.
 
 Simulates the ring (all-reduce, all-gather, reduce-scatter) or binomial-tree (reduce, broadcast,
-gather, scatter; all-reduce too) algorithm of `tensorpar.planning.collectives` and prints its
+gather, scatter; all-reduce too) algorithm of `tensorpar.distributed.collective_simulation` and prints its
 cost, the initial buffers, every step (who sends which chunk to whom and the receiver's buffer
 after it) and the result on every rank. No processes are started. By default rank r holds
 [r*N+1 .. r*N+N], as in the reduce-scatter example of the NCCL walk-through, so
@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from tensorpar.config.fields import add_options, options_from_args
+from tensorpar.config.options import ExplainOptions
+from tensorpar.distributed.collective_simulation import chunk_bounds, normalize, resolve_algorithm, simulate, tree_steps
 from tensorpar.errors import TensorparError
 
 MAX_RANKS = 64  # every step prints every rank's buffer: beyond this the output stops being readable
@@ -77,17 +80,7 @@ def add_parser(sub) -> None:
             "also as --algorithm tree."
         ),
     )
-    p.add_argument("collective", metavar="COLLECTIVE",
-                   help="all-reduce | all-gather | reduce-scatter | reduce | broadcast | gather | scatter")
-    p.add_argument("--ranks", default=None, metavar="N",
-                   help="number of ranks N (default 4, or the number of --values lists)")
-    p.add_argument("--algorithm", default=None, metavar="ring|tree",
-                   help="ring or tree (all-reduce has both; default: ring for all-reduce, all-gather, "
-                        "reduce-scatter and tree for the rest)")
-    p.add_argument("--root", default=None, metavar="R", help="root rank of the tree collectives (default 0)")
-    p.add_argument("--values", default=None, metavar="A,B,..;C,D,..",
-                   help="each rank's numbers: comma-separated, ranks separated by ';' or '/' "
-                        "(default: rank r holds r*N+1 .. r*N+N)")
+    add_options(p, ExplainOptions)
     p.set_defaults(run=run)
 
 
@@ -131,8 +124,6 @@ def _plural(k: int, word: str) -> str:
 
 
 def _cost_lines(collective: str, algorithm: str, n: int, root: int, trace, buf_len: int) -> list[str]:
-    from tensorpar.planning.collectives import tree_steps
-
     k = tree_steps(n)
     if (collective, algorithm) == ("all-reduce", "ring"):
         formula = (f"2(N-1) = {2 * (n - 1)} steps; in each step every rank sends 1/N of its buffer to the next rank, "
@@ -173,8 +164,6 @@ def _cost_lines(collective: str, algorithm: str, n: int, root: int, trace, buf_l
 def explain(collective: str, ranks: int | None = None, algorithm: str | None = None, root: int | None = None,
             values: list[list[float]] | None = None) -> list[str]:
     """The lines `tensorpar explain` prints; bad input raises TensorparError."""
-    from tensorpar.planning.collectives import chunk_bounds, normalize, resolve_algorithm, simulate
-
     collective = normalize(collective)
     algorithm = resolve_algorithm(collective, algorithm)
     if values is not None:
@@ -253,18 +242,8 @@ def _initial_buffers(collective: str, values, n: int, root: int, buf_len: int) -
     return [list(v) for v in values]
 
 
-def _int_option(name: str, text):
-    """Integers parsed here rather than by argparse, so that a bad one fails with one line like any other error."""
-    if text is None:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise TensorparError(f"{name} takes a whole number, got '{text}'") from None
-
-
 def run(args, argv) -> int:
-    values = _parse_values(args.values) if args.values is not None else None
-    ranks, root = _int_option("--ranks", args.ranks), _int_option("--root", args.root)
-    print("\n".join(explain(args.collective, ranks, args.algorithm, root, values)))
+    options = options_from_args(ExplainOptions, args, "explain")
+    values = _parse_values(options.values) if options.values is not None else None
+    print("\n".join(explain(options.collective, options.ranks, options.algorithm, options.root, values)))
     return 0

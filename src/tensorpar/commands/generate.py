@@ -12,55 +12,47 @@ tokenizer's) unless --ignore-eos. No sequence or pipeline parallelism: the TP gr
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-from tensorpar.commands.common import add_layout_args, launch, world_size
+from tensorpar.checkpoints.sources import load_config, load_model_source
+from tensorpar.commands.common import launch, world_size
+from tensorpar.config.fields import add_options, check_choices, options_from_args
+from tensorpar.config.options import GenerateOptions
+from tensorpar.data import load_tokenizer
+from tensorpar.data.tokenizer import HFTokenizer
+from tensorpar.distributed.mesh import init_mesh
+from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.inference.generate import check_generate_args, generate
+from tensorpar.models import Transformer, load_full_state_dict
+from tensorpar.models.layout import check_model_layout
+from tensorpar.optim.precision import autocast
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a checkpoint with tensor parallelism and a KV cache")
-    p.add_argument("--checkpoint", required=True, help="a Hugging Face model folder (config.json + safetensors)")
-    add_layout_args(p)
-    p.add_argument("--prompt", action="append", default=None, help="text, tokenised with the checkpoint's tokenizer "
-                   "(tokenizer.json, else bytes); repeat for a batch")
-    p.add_argument("--prompt-ids", action="append", default=None, help="comma-separated token ids; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default without sampling options)")
-    p.add_argument("--temperature", type=float, default=None, help="sample with this temperature (default 1)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=None, help="sample from the nucleus of this probability mass")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0): same seed, same tokens")
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    p.add_argument("--json", action="store_true", help="one JSON line per prompt: ids, text, tokens_per_s")
-    p.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)  # only to refuse it clearly
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--device", default=None, help="default: this rank's GPU if any, else cpu")
+    add_options(p, GenerateOptions, config_file=True)
     p.set_defaults(run=run)
 
 
-def _sampling(args) -> dict:
-    from tensorpar.errors import TensorparError
-
-    options = {"--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p, "--seed": args.seed}
-    given = [name for name, value in options.items() if value is not None]
-    if args.greedy and given:
+def _sampling(options) -> dict:
+    flags = {"--temperature": options.temperature, "--top-k": options.top_k, "--top-p": options.top_p,
+             "--seed": options.seed}
+    given = [name for name, value in flags.items() if value is not None]
+    if options.greedy and given:
         raise TensorparError(f"--greedy takes no sampling options (got {', '.join(given)})")
-    return dict(greedy=not given, temperature=1.0 if args.temperature is None else args.temperature,
-                top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0)
+    return dict(greedy=not given, temperature=1.0 if options.temperature is None else options.temperature,
+                top_k=options.top_k or 0, top_p=1.0 if options.top_p is None else options.top_p, seed=options.seed or 0)
 
 
-def _prompts(args, tokenizer) -> list[list[int]]:
-    from tensorpar.errors import TensorparError
-
-    if (args.prompt is None) == (args.prompt_ids is None):
+def _prompts(options, tokenizer) -> list[list[int]]:
+    if (options.prompt is None) == (options.prompt_ids is None):
         raise TensorparError("give either --prompt or --prompt-ids (one of them, repeatable)")
-    if args.prompt is not None:
-        return [tokenizer.encode(text) for text in args.prompt]
+    if options.prompt is not None:
+        return [tokenizer.encode(text) for text in options.prompt]
     prompts = []
-    for text in args.prompt_ids:
+    for text in options.prompt_ids:
         try:
             prompts.append([int(t) for t in text.replace(" ", "").split(",") if t != ""])
         except ValueError:
@@ -68,12 +60,12 @@ def _prompts(args, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def _eos_ids(args, tokenizer):
+def _eos_ids(options, tokenizer):
     """The EOS id(s) transformers' generate would stop at: generation_config.json, config.json, the tokenizer."""
-    if args.ignore_eos:
+    if options.ignore_eos:
         return None
     for name in ("generation_config.json", "config.json"):
-        path = os.path.join(args.checkpoint, name)
+        path = os.path.join(options.checkpoint, name)
         if os.path.isfile(path):
             try:
                 with open(path) as f:
@@ -82,71 +74,67 @@ def _eos_ids(args, tokenizer):
                 eos = None
             if eos is not None:
                 return eos
-    from tensorpar.data.tokenizer import HFTokenizer
-
     return tokenizer.eos_id if isinstance(tokenizer, HFTokenizer) else None  # the byte tokenizer's EOS means nothing here
 
 
-def _check(args):
+def validate(options: GenerateOptions):
     """Everything that can be checked before a rank starts: (config, tokenizer, prompts, sampling, eos)."""
-    from tensorpar.data import load_tokenizer
-    from tensorpar.errors import LayoutError, TensorparError
-    from tensorpar.inference.generate import check_generate_args
-    from tensorpar.models.checkpoint_io import load_config
-    from tensorpar.models.layout import check_model_layout
-
-    cfg = load_config(args.checkpoint)
-    if args.sequence_parallel:
+    check_choices(options)
+    cfg = load_config(options.checkpoint)
+    if options.sequence_parallel:
         raise LayoutError("generate runs without sequence parallelism (decoding one token a step has nothing to "
                           "split along the sequence): drop --sequence-parallel")
-    if args.pp != 1:
-        raise LayoutError(f"generate runs without pipeline parallelism: --pp must be 1, got {args.pp}")
-    check_model_layout(cfg, args.tp)
-    if world_size(args) != args.tp:
+    if options.pp != 1:
+        raise LayoutError(f"generate runs without pipeline parallelism: --pp must be 1, got {options.pp}")
+    check_model_layout(cfg, options.tp)
+    if world_size(options) != options.tp:
         raise LayoutError(f"generate runs on exactly --tp processes (one tensor-parallel group, no data "
-                          f"parallelism): {world_size(args)} processes for --tp {args.tp}")
-    if args.max_new_tokens < 1:
-        raise TensorparError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    sampling = _sampling(args)
-    tokenizer = load_tokenizer(args.checkpoint)
-    prompts = _prompts(args, tokenizer)
-    check_generate_args(prompts, args.max_new_tokens, cfg.vocab_size,
+                          f"parallelism): {world_size(options)} processes for --tp {options.tp}")
+    if options.max_new_tokens < 1:
+        raise TensorparError(f"--max-new-tokens must be at least 1, got {options.max_new_tokens}")
+    sampling = _sampling(options)
+    tokenizer = load_tokenizer(options.checkpoint)
+    prompts = _prompts(options, tokenizer)
+    check_generate_args(prompts, options.max_new_tokens, cfg.vocab_size,
                         cfg.max_seq_len if cfg.position == "learned" else None,
                         temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"])
-    return cfg, tokenizer, prompts, sampling, _eos_ids(args, tokenizer)
+    return cfg, tokenizer, prompts, sampling, _eos_ids(options, tokenizer)
 
 
-def run_rank(args) -> int:
-    import tensorpar
-    from tensorpar.inference.generate import generate
-    from tensorpar.models import Transformer, load_full_state_dict
-    from tensorpar.models.checkpoint_io import load_model_source
-    from tensorpar.training.trainer import _autocast
+def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos) -> tuple[list[list[int]], dict]:
+    """(new token ids per prompt, timing stats) on every rank of the running world."""
+    mesh = init_mesh(tp=options.tp, pp=1, dp=1, device=options.device)
+    try:
+        cfg, state = load_model_source(options.checkpoint)
+        model = Transformer(cfg, mesh, init=False)
+        load_full_state_dict(model, state, source=options.checkpoint)
+        del state
+        stats: dict = {}
+        with autocast(mesh.device, options.dtype):
+            new = generate(model, prompts, options.max_new_tokens, eos_id=eos, stats=stats, **sampling)
+        return new, stats
+    finally:
+        mesh.destroy()
 
-    _, tokenizer, prompts, sampling, eos = _check(args)
-    mesh = tensorpar.init_mesh(tp=args.tp, pp=1, dp=1, device=args.device)
-    cfg, state = load_model_source(args.checkpoint)
-    model = Transformer(cfg, mesh, init=False)
-    load_full_state_dict(model, state, source=args.checkpoint)
-    del state
-    stats: dict = {}
-    with _autocast(mesh.device, args.dtype):
-        new = generate(model, prompts, args.max_new_tokens, eos_id=eos, stats=stats, **sampling)
-    if mesh.rank == 0:
+
+def run(args, argv) -> int:
+    options = options_from_args(GenerateOptions, args, "generate")
+    _, tokenizer, prompts, sampling, eos = validate(options)
+
+    def run_rank() -> int:
+        new, stats = generate_text(options, tokenizer, prompts, sampling, eos)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
         for ids in new:
             text = tokenizer.decode(ids)
-            if args.json:
+            if options.json:
                 print(json.dumps({"ids": ids, "text": text, "tokens_per_s": round(stats["tokens_per_s"], 2)}))
             else:
                 print(text)
         sys.stdout.flush()
-        if not args.json:
+        if not options.json:
             sys.stderr.write(f"{stats['new_tokens']} new tokens in {stats['seconds']:.2f} s "
-                             f"({stats['tokens_per_s']:.1f} tokens/s, tp={args.tp})\n")
-    mesh.destroy()
-    return 0
+                             f"({stats['tokens_per_s']:.1f} tokens/s, tp={options.tp})\n")
+        return 0
 
-
-def run(args, argv) -> int:
-    _check(args)
-    return launch(args, argv, run_rank)
+    return launch(options, argv, run_rank)

@@ -16,7 +16,7 @@ memory breakdown of the top layouts (stacked bars) to PATH and the Playbook-styl
 pp, coloured by the best tokens/s) next to it (``PATH-heatmap.png``). No processes are started.
 
 Schedule mode (``--schedule afab|1f1b|interleaved --pp P --microbatches M [--virtual-stages V]``)
-draws a pipeline schedule instead: `tensorpar.parallel.schedule_view.run_schedule_command`.
+draws a pipeline schedule instead (`run_schedule_command`, below).
 """
 
 from __future__ import annotations
@@ -24,145 +24,105 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections import Counter
 
+from tensorpar.config.fields import add_options, options_from_args
+from tensorpar.config.hardware import GiB
+from tensorpar.config.options import PlanOptions
 from tensorpar.errors import TensorparError
+from tensorpar.models import get_config
+from tensorpar.parallel.pipeline_schedules import build_schedule, peak_in_flight, simulate, theoretical_bubble
+from tensorpar.parallel.pipeline_view import render_png, render_text as render_schedule_text
+from tensorpar.planning.hardware import make_cluster
+from tensorpar.planning.memory import MemoryBreakdown
+from tensorpar.planning.precision import get_precision
+from tensorpar.planning.search import best_by_mesh, search
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="rank parallel layouts for a model on a cluster (or draw a pipeline schedule)")
-    g = p.add_argument_group("layout mode")
-    g.add_argument("--model", help="preset name or config .json")
-    g.add_argument("--gpus", type=int, help="number of GPUs")
-    g.add_argument("--gpu", help="GPU kind, e.g. h100-80gb, a100-80gb, a100-40gb, h200, b200")
-    g.add_argument("--seq-len", type=int, help="sequence length")
-    g.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
-    g.add_argument("--precision", default="tensorpar-bf16",
-                   choices=["tensorpar-bf16", "tensorpar-fp32", "mixed-bf16", "megatron-bf16"],
-                   help="memory/compute recipe (default %(default)s: what tensorpar does with --dtype bf16)")
-    g.add_argument("--top", type=int, default=None, help="show the K best layouts (default 10; --json: all)")
-    g.add_argument("--gpus-per-node", type=int, default=8)
-    g.add_argument("--intra-bandwidth", type=float, default=None, help="NVLink GB/s per GPU per direction")
-    g.add_argument("--inter-bandwidth", type=float, default=None, help="inter-node GB/s per GPU per direction")
-    g.add_argument("--intra-latency", type=float, default=None, help="NVLink latency, microseconds")
-    g.add_argument("--inter-latency", type=float, default=None, help="inter-node latency, microseconds")
-    g.add_argument("--memory-gib", type=float, default=None, help="GPU memory in GiB (default: the catalog's)")
-    g.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak TFLOP/s (default: the catalog's)")
-    g.add_argument("--mfu-ceiling", type=float, default=None,
-                   help="fraction of peak the arithmetic reaches without communication (default 0.55)")
-    g.add_argument("--overlap", type=float, default=None,
-                   help="fraction of data-parallel communication hidden behind backward (default 0.5)")
-    g.add_argument("--tp", type=int, default=None, help="consider only this tensor-parallel size")
-    g.add_argument("--zero", type=int, nargs="+", choices=[0, 1, 2, 3], default=[0, 1, 2, 3],
-                   help="ZeRO stages to consider (default: all)")
-    g.add_argument("--recompute", nargs="+", choices=["none", "selective", "full"],
-                   default=["none", "selective", "full"], help="recomputation modes to consider (default: all)")
-    g.add_argument("--sequence-parallel", choices=["both", "on", "off"], default="both",
-                   help="consider sequence parallelism on, off or both (default)")
-    g.add_argument("--no-flash-attention", action="store_true",
-                   help="Playbook precisions: attention stores its s x s scores (no flash attention)")
-    g.add_argument("--max-micro-batch", type=int, default=64, help="largest micro-batch size tried")
-    s = p.add_argument_group("schedule mode")
-    s.add_argument("--schedule", choices=["afab", "1f1b", "interleaved"], default=None,
-                   help="draw this pipeline schedule instead of planning layouts")
-    s.add_argument("--pp", type=int, default=None,
-                   help="pipeline stages (schedule mode; in layout mode: consider only this pp)")
-    s.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (schedule mode)")
-    s.add_argument("--virtual-stages", type=int, default=1,
-                   help="model chunks per pipeline rank (schedule mode; in layout mode: try interleaving up to this)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--png", default=None, help="write a picture (layout mode: memory bars + PATH-heatmap.png)")
+    add_options(p, PlanOptions, config_file=True)
     p.set_defaults(run=run)
 
 
 def run(args, argv=None) -> int:
-    if args.schedule:
-        missing = [f for f, v in (("--pp", args.pp), ("--microbatches", args.microbatches)) if v is None]
+    options = options_from_args(PlanOptions, args, "plan")
+    if options.schedule:
+        missing = [f for f, v in (("--pp", options.pp), ("--microbatches", options.microbatches)) if v is None]
         if missing:
-            raise TensorparError(f"--schedule {args.schedule} needs {' and '.join(missing)}")
-        try:
-            from tensorpar.parallel.schedule_view import run_schedule_command
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("tensorpar"):
-                raise TensorparError("pipeline-schedule mode is not available: tensorpar.parallel.schedule_view "
-                                     "is missing from this installation") from None
-            raise
-        return run_schedule_command(args)
-    return run_layouts(args)
+            raise TensorparError(f"--schedule {options.schedule} needs {' and '.join(missing)}")
+        return run_schedule_command(options)
+    return run_layouts(options)
 
 
 # --------------------------------------------------------------------------- layout mode
 
 
-def _cluster(args):
-    from tensorpar.planning.hardware import make_cluster
-
+def _cluster(options):
     gb, us = 1e9, 1e-6
     return make_cluster(
-        args.gpu, args.gpus, gpus_per_node=args.gpus_per_node, memory_gib=args.memory_gib,
-        intra_bandwidth=None if args.intra_bandwidth is None else args.intra_bandwidth * gb,
-        inter_bandwidth=None if args.inter_bandwidth is None else args.inter_bandwidth * gb,
-        intra_latency=None if args.intra_latency is None else args.intra_latency * us,
-        inter_latency=None if args.inter_latency is None else args.inter_latency * us,
-        peak_bf16=None if args.peak_tflops is None else args.peak_tflops * 1e12,
-        mfu_ceiling=args.mfu_ceiling, overlap=args.overlap,
+        options.gpu, options.gpus, gpus_per_node=options.gpus_per_node, memory_gib=options.memory_gib,
+        intra_bandwidth=None if options.intra_bandwidth is None else options.intra_bandwidth * gb,
+        inter_bandwidth=None if options.inter_bandwidth is None else options.inter_bandwidth * gb,
+        intra_latency=None if options.intra_latency is None else options.intra_latency * us,
+        inter_latency=None if options.inter_latency is None else options.inter_latency * us,
+        peak_bf16=None if options.peak_tflops is None else options.peak_tflops * 1e12,
+        mfu_ceiling=options.mfu_ceiling, overlap=options.overlap,
     )
 
 
-def _check_args(args) -> None:
-    missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--gpu", args.gpu),
-                                        ("--seq-len", args.seq_len), ("--global-batch-size", args.global_batch_size))
+def _check_args(options) -> None:
+    missing = [flag for flag, value in (("--model", options.model), ("--gpus", options.gpus), ("--gpu", options.gpu),
+                                        ("--seq-len", options.seq_len), ("--global-batch-size", options.global_batch_size))
                if value is None]
     if missing:
         raise TensorparError(f"plan needs {', '.join(missing)} (or --schedule NAME --pp P --microbatches M "
                              f"to draw a pipeline schedule)")
-    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len),
-                        ("--global-batch-size", args.global_batch_size), ("--gpus-per-node", args.gpus_per_node),
-                        ("--virtual-stages", args.virtual_stages), ("--max-micro-batch", args.max_micro_batch)):
+    for flag, value in (("--gpus", options.gpus), ("--seq-len", options.seq_len),
+                        ("--global-batch-size", options.global_batch_size), ("--gpus-per-node", options.gpus_per_node),
+                        ("--virtual-stages", options.virtual_stages), ("--max-micro-batch", options.max_micro_batch)):
         if value < 1:
             raise TensorparError(f"{flag} must be a positive integer, got {value}")
-    if args.top is not None and args.top < 1:
-        raise TensorparError(f"--top must be a positive integer, got {args.top}")
-    for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
-        if value is not None and (value < 1 or args.gpus % value):
-            raise TensorparError(f"{flag} {value} does not divide the {args.gpus} GPUs")
+    if options.top is not None and options.top < 1:
+        raise TensorparError(f"--top must be a positive integer, got {options.top}")
+    for flag, value in (("--tp", options.tp), ("--pp", options.pp)):
+        if value is not None and (value < 1 or options.gpus % value):
+            raise TensorparError(f"{flag} {value} does not divide the {options.gpus} GPUs")
 
 
-def plan_layouts(args):
+def plan_layouts(options):
     """(config, cluster, ranked plans) for parsed layout-mode arguments."""
-    from tensorpar.models import get_config
-    from tensorpar.planning.search import search
-
-    _check_args(args)
-    cfg = get_config(args.model)
-    cluster = _cluster(args)
-    space = {"virtual_stages": tuple(range(1, args.virtual_stages + 1)), "max_micro_batch": args.max_micro_batch,
-             "zero": tuple(args.zero), "recompute": tuple(args.recompute),
-             "sequence_parallel": {"both": (False, True), "on": (True,), "off": (False,)}[args.sequence_parallel]}
-    if args.tp is not None:
-        space["tp"] = (args.tp,)
-    if args.pp is not None:
-        space["pp"] = (args.pp,)
-    plans = search(cfg, cluster, args.seq_len, args.global_batch_size, args.precision,
-                   flash_attention=not args.no_flash_attention, **space)
+    _check_args(options)
+    cfg = get_config(options.model)
+    cluster = _cluster(options)
+    space = {"virtual_stages": tuple(range(1, options.virtual_stages + 1)), "max_micro_batch": options.max_micro_batch,
+             "zero": tuple(options.zero), "recompute": tuple(options.recompute),
+             "sequence_parallel": {"both": (False, True), "on": (True,), "off": (False,)}[options.sequence_parallel]}
+    if options.tp is not None:
+        space["tp"] = (options.tp,)
+    if options.pp is not None:
+        space["pp"] = (options.pp,)
+    plans = search(cfg, cluster, options.seq_len, options.global_batch_size, options.precision,
+                   flash_attention=options.flash_attention, **space)
     return cfg, cluster, plans
 
 
-def run_layouts(args) -> int:
-    cfg, cluster, plans = plan_layouts(args)
+def run_layouts(options) -> int:
+    cfg, cluster, plans = plan_layouts(options)
     feasible = [p for p in plans if p.feasible]
     infeasible = [p for p in plans if not p.feasible]
-    top = args.top if args.top is not None else (None if args.json else 10)
+    top = options.top if options.top is not None else (None if options.json else 10)
     shown = feasible if top is None else feasible[:top]
     shown_bad = infeasible if top is None else infeasible[:top]
     pngs = []
-    if args.png:
-        pngs = write_pngs(plans, cluster, args.png, f"{args.model} on {args.gpus} x {cluster.gpu.name}, "
-                          f"seq {args.seq_len}, batch {args.global_batch_size}", top or 10)
-    if args.json:
+    if options.png:
+        pngs = write_pngs(plans, cluster, options.png, f"{options.model} on {options.gpus} x {cluster.gpu.name}, "
+                          f"seq {options.seq_len}, batch {options.global_batch_size}", top or 10)
+    if options.json:
         print(json.dumps([p.to_dict() for p in shown + shown_bad], indent=None))
         return 0
-    print(render_text(cfg, cluster, plans, args, shown))
+    print(render_text(cfg, cluster, plans, options, shown))
     for path in pngs:
         print(f"wrote {path}")
     return 0
@@ -174,17 +134,14 @@ def _reason_kind(reason: str) -> str:
     return re.sub(r"\d+", "N", reason.split(":")[0].split(" (")[0])
 
 
-def render_text(cfg, cluster, plans, args, shown) -> str:
-    from tensorpar.planning.hardware import GiB
-    from tensorpar.planning.memory import get_precision
-
+def render_text(cfg, cluster, plans, options, shown) -> str:
     feasible = [p for p in plans if p.feasible]
     infeasible = [p for p in plans if not p.feasible]
-    prec = get_precision(args.precision)
-    tokens = args.global_batch_size * args.seq_len
+    prec = get_precision(options.precision)
+    tokens = options.global_batch_size * options.seq_len
     lines = [
-        f"plan: {args.model} ({cfg.num_parameters() / 1e9:.2f}B parameters) on {cluster.describe()}",
-        f"      seq {args.seq_len}, global batch {args.global_batch_size} ({tokens:,} tokens/step), "
+        f"plan: {options.model} ({cfg.num_parameters() / 1e9:.2f}B parameters) on {cluster.describe()}",
+        f"      seq {options.seq_len}, global batch {options.global_batch_size} ({tokens:,} tokens/step), "
         f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.0f} TFLOP/s "
         f"({prec.compute_dtype}) x MFU ceiling {cluster.mfu_ceiling:.2f}, DP overlap {cluster.overlap:.2f}",
         f"searched {len(plans)} layouts: {len(feasible)} feasible, {len(infeasible)} infeasible",
@@ -243,10 +200,6 @@ def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str
         import matplotlib.pyplot as plt
     except ImportError:
         raise TensorparError("--png needs matplotlib (pip install matplotlib)") from None
-    from tensorpar.planning.hardware import GiB
-    from tensorpar.planning.memory import MemoryBreakdown
-    from tensorpar.planning.search import best_by_mesh
-
     written = []
     directory = os.path.dirname(path)
     if directory:
@@ -310,3 +263,43 @@ def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str
     plt.close(fig)
     written.append(heat)
     return written
+
+
+# --------------------------------------------------------------------------- schedule mode
+
+
+def run_schedule_command(options) -> int:
+    """`tensorpar plan --schedule NAME --pp P --microbatches M [--virtual-stages V] [--png PATH]
+    [--json]`: simulate the schedule, print its picture and bubble (or one JSON object), and write
+    the Gantt chart (default ``runs/schedule-NAME-ppP-mM.png``; with --json its path is the
+    "png" key instead of a printed line).
+
+    Times: a microbatch's forward through one rank's whole share of the model takes 1, its backward
+    2; an interleaved chunk holds 1/v of that share, so its actions take 1/v and 2/v. Makespans of
+    different schedules for the same model are then comparable."""
+    name = str(options.schedule).lower()
+    pp, m = options.pp, options.microbatches
+    v = getattr(options, "virtual_stages", None) or 1
+    schedule = build_schedule(name, pp, m, v)
+    tl = simulate(schedule, forward_time=1.0 / v, backward_time=2.0 / v, name=name)
+    theory = theoretical_bubble(name, pp, m, v)
+    peaks = peak_in_flight(schedule)
+    path = getattr(options, "png", None) or os.path.join("runs", f"schedule-{name}-pp{pp}-m{m}.png")
+    title = f"{name} pipeline schedule, pp={pp}, microbatches={m}" + (f", virtual stages={v}" if v > 1 else "")
+    try:
+        png = render_png(tl, path, title)
+    except TensorparError as e:  # no matplotlib: the text picture still stands
+        png = None
+        sys.stderr.write(f"tensorpar: note: no PNG written: {e}\n")
+    if getattr(options, "json", False):
+        print(json.dumps({
+            "schedule": name, "pp": pp, "microbatches": m, "virtual_stages": v,
+            "bubble_fraction": tl.bubble_fraction, "theoretical_bubble": theory,
+            "peak_in_flight": peaks, "makespan": tl.makespan, "png": png,
+        }))
+        return 0
+    print(render_schedule_text(tl))
+    print(f"peak activations in flight per rank (microbatch x chunk): {peaks}")
+    if png:
+        print(f"wrote {png}")
+    return 0

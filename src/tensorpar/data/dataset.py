@@ -12,16 +12,17 @@ import os
 import numpy as np
 import torch
 
+from tensorpar.config.choices import BIN_DTYPES
 from tensorpar.data.corpus import default_corpus_text
 from tensorpar.errors import LayoutError, TensorparError
 
-_BIN_DTYPES = {"uint16": np.uint16, "int32": np.int32}
+_NUMPY_DTYPES = {"uint16": np.uint16, "int32": np.int32}
 
 
 def load_tokens(path: str | None, tokenizer, bin_dtype: str = "uint16") -> np.ndarray:
     """A 1-D int64 token array: the default corpus (None), a .npy, a raw .bin of `bin_dtype`, or text."""
-    if bin_dtype not in _BIN_DTYPES:
-        raise TensorparError(f"bin dtype '{bin_dtype}' is not supported; use one of {sorted(_BIN_DTYPES)}")
+    if bin_dtype not in BIN_DTYPES:
+        raise TensorparError(f"bin dtype '{bin_dtype}' is not supported; use one of {sorted(BIN_DTYPES)}")
     if path is None:
         tokens = _encode(default_corpus_text(), tokenizer)
         source = "the default corpus"
@@ -69,7 +70,7 @@ def _load_npy(path: str) -> np.ndarray:
 
 
 def _load_bin(path: str, bin_dtype: str) -> np.ndarray:
-    dtype = np.dtype(_BIN_DTYPES[bin_dtype])
+    dtype = np.dtype(_NUMPY_DTYPES[bin_dtype])
     size = os.path.getsize(path)
     if size % dtype.itemsize:
         raise TensorparError(

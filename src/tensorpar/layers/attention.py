@@ -95,12 +95,12 @@ class ParallelAttention(nn.Module):
         self.local_kv_heads, self.kv_replicas = kv_layout(cfg.kv_heads, tp)
         self.dropout = cfg.dropout
         h, hd = cfg.hidden_size, cfg.head_dim
-        column = dict(sequence_parallel=sequence_parallel, skip_input_comm=True, device=device, _init=False)
+        column = dict(sequence_parallel=sequence_parallel, skip_input_comm=True, device=device, init=False)
         self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, self.tp_group, cfg.bias, **column)
         self.k_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, cfg.bias, device=device)
         self.v_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, cfg.bias, device=device)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, self.tp_group, cfg.bias,
-                                        sequence_parallel=sequence_parallel, device=device, _init=False)
+                                        sequence_parallel=sequence_parallel, device=device, init=False)
 
     def core(self, q, k, v, dropout_seed: int | None):
         """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes)."""

@@ -46,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         seed: int | None = None,
         device=None,
         dtype=None,
-        _init: bool = True,
+        init: bool = True,
     ):
         super().__init__()
         self.tp_group: Group = as_group(tp_group)
@@ -70,7 +70,7 @@ class VocabParallelEmbedding(nn.Module):
             else ShardSpec(dim=0, full_size=num_embeddings, padded_size=self.padded_vocab_size)
         )
         self.weight = tag(nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim, device=device, dtype=dtype)), spec)
-        if _init:
+        if init:
             full = torch.empty(num_embeddings, embedding_dim)
             (init_method or default_embedding_init)(full, make_generator(seed))
             self._load_full(full)
@@ -95,7 +95,7 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's rows of an unsharded nn.Embedding (copied, not shared)."""
         kwargs.setdefault("device", module.weight.device)
         kwargs.setdefault("dtype", module.weight.dtype)
-        layer = cls(module.num_embeddings, module.embedding_dim, tp_group, _init=False, **kwargs)
+        layer = cls(module.num_embeddings, module.embedding_dim, tp_group, init=False, **kwargs)
         layer._load_full(module.weight.detach())
         return layer
 

@@ -41,7 +41,7 @@ from tensorpar.layers.sharding import (
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
 
 
-def _full_linear_params(in_features, out_features, bias, init_method, seed):
+def full_linear_params(in_features, out_features, bias, init_method, seed):
     """The unsharded weight and bias, initialised on CPU from one seeded generator (identical for any TP size)."""
     generator = make_generator(seed)
     weight = torch.empty(out_features, in_features)
@@ -85,7 +85,7 @@ class _ParallelLinear(nn.Module):
         kwargs.setdefault("bias", module.bias is not None)
         kwargs.setdefault("device", module.weight.device)
         kwargs.setdefault("dtype", module.weight.dtype)
-        layer = cls(module.in_features, module.out_features, tp_group, _init=False, **kwargs)
+        layer = cls(module.in_features, module.out_features, tp_group, init=False, **kwargs)
         layer._load_full(module.weight.detach(), None if module.bias is None else module.bias.detach())
         return layer
 
@@ -126,7 +126,7 @@ class ColumnParallelLinear(_ParallelLinear):
         seed: int | None = None,
         device=None,
         dtype=None,
-        _init: bool = True,
+        init: bool = True,
     ):
         super().__init__(in_features, out_features, tp_group, bias, sequence_parallel, device, dtype)
         if gather_output and sequence_parallel:
@@ -145,8 +145,8 @@ class ColumnParallelLinear(_ParallelLinear):
                 nn.Parameter(torch.empty(self.out_per_rank, **self._factory)),
                 ShardSpec(dim=0, full_size=out_features, padded_size=out_features),
             )
-        if _init:
-            self._load_full(*_full_linear_params(in_features, out_features, bias, init_method, seed))
+        if init:
+            self._load_full(*full_linear_params(in_features, out_features, bias, init_method, seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skip_input_comm:
@@ -184,7 +184,7 @@ class RowParallelLinear(_ParallelLinear):
         seed: int | None = None,
         device=None,
         dtype=None,
-        _init: bool = True,
+        init: bool = True,
     ):
         super().__init__(in_features, out_features, tp_group, bias, sequence_parallel, device, dtype)
         if sequence_parallel and not input_is_parallel:
@@ -203,8 +203,8 @@ class RowParallelLinear(_ParallelLinear):
                 nn.Parameter(torch.empty(out_features, **self._factory)),
                 ShardSpec(dim=None, reduce_grad_across_tp=sequence_parallel),
             )
-        if _init:
-            self._load_full(*_full_linear_params(in_features, out_features, bias, init_method, seed))
+        if init:
+            self._load_full(*full_linear_params(in_features, out_features, bias, init_method, seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

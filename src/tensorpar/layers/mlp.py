@@ -30,11 +30,11 @@ class ParallelMLP(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.act = ACTIVATION_FNS[cfg.activation]
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        column = dict(sequence_parallel=sequence_parallel, skip_input_comm=True, device=device, _init=False)
+        column = dict(sequence_parallel=sequence_parallel, skip_input_comm=True, device=device, init=False)
         self.gate_proj = ColumnParallelLinear(h, f, self.tp_group, cfg.bias, **column) if cfg.gated_mlp else None
         self.up_proj = ColumnParallelLinear(h, f, self.tp_group, cfg.bias, **column)
         self.down_proj = RowParallelLinear(f, h, self.tp_group, cfg.bias, sequence_parallel=sequence_parallel,
-                                           device=device, _init=False)
+                                           device=device, init=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tensorpar.config.choices import RECOMPUTE_MODES
 from tensorpar.distributed.comm import as_group
 from tensorpar.distributed.ops import copy_to_tp, gather_from_sp
 from tensorpar.errors import LayoutError, TensorparError
@@ -24,14 +25,13 @@ from tensorpar.layers.attention import ParallelAttention
 from tensorpar.layers.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.layers.dropout import mix_seed, seeded_dropout
 from tensorpar.layers.embedding import VocabParallelEmbedding
-from tensorpar.layers.linear import ColumnParallelLinear
+from tensorpar.layers.lm_head import VocabParallelLMHead
 from tensorpar.layers.mlp import ParallelMLP
 from tensorpar.layers.norms import Norm
 from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
-from tensorpar.layers.sharding import ShardSpec, padded, tag
+from tensorpar.layers.sharding import ShardSpec, tag
 from tensorpar.models.config import ModelConfig
-
-RECOMPUTE_MODES = ("none", "selective", "full")
+from tensorpar.models.init import init_weights
 
 
 class TransformerBlock(nn.Module):
@@ -104,7 +104,7 @@ class Transformer(nn.Module):
         self.embed = self.pos_embed = self.final_norm = self.head = None
         if first_stage or (last_stage and cfg.tie_embeddings):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, sequence_parallel=sp,
-                                                device=device, _init=False)
+                                                device=device, init=False)
             if not first_stage:
                 self.embed.weight.pipeline_duplicate = True  # the head's copy of the first stage's embedding
             if not (first_stage and last_stage) and cfg.tie_embeddings:
@@ -117,16 +117,12 @@ class Transformer(nn.Module):
         if last_stage:
             self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device)
         if last_stage and not cfg.tie_embeddings:
-            vocab = padded(cfg.vocab_size, tp.size)
-            self.head = ColumnParallelLinear(cfg.hidden_size, vocab, tp, bias=False,
-                                             skip_input_comm=True, device=device, _init=False)
-            tag(self.head.weight, ShardSpec(dim=0, full_size=cfg.vocab_size, padded_size=vocab))
+            self.head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp, bias=False, sequence_parallel=sp,
+                                            skip_input_comm=True, device=device, init=False)
         if cfg.position == "rope":
             self.register_buffer("inv_freq", inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
                                  .to(device), persistent=False)
         if init:
-            from tensorpar.models.init import init_weights
-
             init_weights(self, seed)
 
     # -- pieces -------------------------------------------------------------------------------

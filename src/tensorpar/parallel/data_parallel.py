@@ -25,10 +25,11 @@ import math
 import torch
 from torch import nn
 
+from tensorpar.config.choices import ZERO_STAGES
 from tensorpar.errors import TensorparError
 from tensorpar.layers.sharding import shard_spec, tag
-from tensorpar.training.grad_norm import clip_grad_norm_
-from tensorpar.training.optimizer import takes_weight_decay
+from tensorpar.optim.grad_norm import clip_grad_norm_
+from tensorpar.optim.adamw import takes_weight_decay
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -81,7 +82,7 @@ class DistributedOptimizer:
 
     def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, zero: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        if zero not in (0, 1, 2):
+        if zero not in ZERO_STAGES:
             raise TensorparError(f"--zero must be 0, 1 or 2, got {zero}")
         self.mesh, self.zero, self.dp = mesh, zero, mesh.dp_group
         params = [p for p in model.parameters() if p.requires_grad]

@@ -21,7 +21,7 @@ import time
 import torch
 
 from tensorpar.errors import LayoutError
-from tensorpar.parallel.schedules import build_schedule
+from tensorpar.parallel.pipeline_schedules import build_schedule
 
 
 def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1) -> list[list[int]]:

@@ -62,9 +62,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tensorpar.config.choices import PIPELINE_SCHEDULES
 from tensorpar.errors import LayoutError, TensorparError
-
-SCHEDULES = ("afab", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -168,8 +167,8 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
     if virtual_stages is None:
         virtual_stages = 1
     key = str(name).lower()
-    if key not in SCHEDULES:
-        raise TensorparError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
+    if key not in PIPELINE_SCHEDULES:
+        raise TensorparError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(PIPELINE_SCHEDULES)}")
     if key == "interleaved":
         return interleaved(pp, microbatches, virtual_stages)
     _check_int("virtual_stages", virtual_stages)
@@ -185,8 +184,8 @@ def theoretical_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
     """Ideal bubble fraction: (pp-1)/(m+pp-1) for "afab" and "1f1b"; (pp-1)/(v*m+pp-1) for
     "interleaved" (Narayanan et al. 2021). See the module docstring for the derivation."""
     key = str(name).lower()
-    if key not in SCHEDULES:
-        raise TensorparError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
+    if key not in PIPELINE_SCHEDULES:
+        raise TensorparError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(PIPELINE_SCHEDULES)}")
     _check_int("pp", pp)
     _check_int("microbatches", m)
     _check_int("virtual_stages", v)

@@ -1,5 +1,5 @@
 """Pictures of pipeline schedules: a terminal drawing and a Gantt chart (PNG), from a simulated
-Timeline or from a training run's measured per-rank timings; and `tensorpar plan --schedule`.
+Timeline or from a training run's measured per-rank timings.
 
 Text cells read ``F3`` (forward of microbatch 3) and ``B3`` (its backward); with several model
 chunks per rank a letter names the chunk (``F3a`` chunk 0, ``F3b`` chunk 1, ...); ``.`` is idle.
@@ -7,18 +7,12 @@ chunks per rank a letter names the chunk (``F3a`` chunk 0, ``F3b`` chunk 1, ...)
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import sys
 
 from tensorpar.errors import TensorparError
-from tensorpar.parallel.schedules import (
+from tensorpar.parallel.pipeline_schedules import (
     Timeline,
-    build_schedule,
-    peak_in_flight,
-    simulate,
-    theoretical_bubble,
 )
 
 _PREFIX = "rank {r:>{w}} |"
@@ -200,43 +194,3 @@ def render_measured(per_rank_events, path: str, title: str) -> str:
     rows = _measured_rows(per_rank_events)
     b = measured_bubble(per_rank_events)
     return _gantt(rows, path, title, "seconds", f"measured bubble {100 * b:.1f}%")
-
-
-# --------------------------------------------------------------------------- command
-
-
-def run_schedule_command(args) -> int:
-    """`tensorpar plan --schedule NAME --pp P --microbatches M [--virtual-stages V] [--png PATH]
-    [--json]`: simulate the schedule, print its picture and bubble (or one JSON object), and write
-    the Gantt chart (default ``runs/schedule-NAME-ppP-mM.png``; with --json its path is the
-    "png" key instead of a printed line).
-
-    Times: a microbatch's forward through one rank's whole share of the model takes 1, its backward
-    2; an interleaved chunk holds 1/v of that share, so its actions take 1/v and 2/v. Makespans of
-    different schedules for the same model are then comparable."""
-    name = str(args.schedule).lower()
-    pp, m = args.pp, args.microbatches
-    v = getattr(args, "virtual_stages", None) or 1
-    schedule = build_schedule(name, pp, m, v)
-    tl = simulate(schedule, forward_time=1.0 / v, backward_time=2.0 / v, name=name)
-    theory = theoretical_bubble(name, pp, m, v)
-    peaks = peak_in_flight(schedule)
-    path = getattr(args, "png", None) or os.path.join("runs", f"schedule-{name}-pp{pp}-m{m}.png")
-    title = f"{name} pipeline schedule, pp={pp}, microbatches={m}" + (f", virtual stages={v}" if v > 1 else "")
-    try:
-        png = render_png(tl, path, title)
-    except TensorparError as e:  # no matplotlib: the text picture still stands
-        png = None
-        sys.stderr.write(f"tensorpar: note: no PNG written: {e}\n")
-    if getattr(args, "json", False):
-        print(json.dumps({
-            "schedule": name, "pp": pp, "microbatches": m, "virtual_stages": v,
-            "bubble_fraction": tl.bubble_fraction, "theoretical_bubble": theory,
-            "peak_in_flight": peaks, "makespan": tl.makespan, "png": png,
-        }))
-        return 0
-    print(render_text(tl))
-    print(f"peak activations in flight per rank (microbatch x chunk): {peaks}")
-    if png:
-        print(f"wrote {png}")
-    return 0

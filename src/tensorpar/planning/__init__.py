@@ -1,7 +1,8 @@
-"""Planning: reasoning about parallel layouts and communication before (or without) running them.
+"""Planning: predicting the memory and step time of any parallel layout on any cluster, without running it.
 
-`tensorpar.planning.collectives` holds reference implementations of the seven NCCL collectives:
-ring all-reduce / all-gather / reduce-scatter and binomial-tree reduce / broadcast / gather /
-scatter, both as pure step-by-step simulations (what `tensorpar explain` prints) and over a
-tensorpar `Group` using point-to-point send/recv only. Other modules of this package plan layouts.
+Modules, each importing only those before it: `hardware` (clusters over the GPU catalog), `layout`
+(a layout, its groups and links, and the enumeration of layouts), `params` (the parameters each rank
+holds), `compute` (FLOPs per stage), `comm` (collectives: what tensorpar sends and how long it takes),
+`precision` (bytes per kind of state), `memory` (per-GPU memory), `step_time`, `search` (ranking).
+Nothing outside `tensorpar.commands` imports this package.
 """

@@ -1,23 +1,6 @@
 """Memory per GPU: parameters, gradients, optimizer states, activations, and a stated margin.
 
-Precisions (how many bytes each kind of state takes, and which activation model applies):
-
-================  =====  =====  ======  =====  ==================================================
-name              param  grad   master  AdamW  what it is
-================  =====  =====  ======  =====  ==================================================
-tensorpar-fp32      4      4      -       8    tensorpar with --dtype fp32
-tensorpar-bf16      4      4      -       8    tensorpar with --dtype bf16: autocast over fp32
-                                               parameters; every matmul weight is cast to bf16 in
-                                               the forward and that copy is kept for backward
-mixed-bf16          2      2      4       8    the Playbook's mixed precision (Megatron-style bf16
-                                               parameters and gradients + fp32 master weights and
-                                               AdamW states): 16 bytes per parameter
-megatron-bf16       2      4      4       8    Megatron-LM's bf16 default: gradients accumulated
-                                               and reduced in fp32 ("main_grad"): 18 bytes
-================  =====  =====  ======  =====  ==================================================
-
-AdamW keeps two fp32 states per parameter (exp_avg, exp_avg_sq) plus a one-element fp32
-``step`` tensor per parameter tensor (torch's implementation; counted exactly).
+The bytes per element of each kind of state come from a `Precision` (`tensorpar.planning.precision`).
 
 ZeRO (Playbook, after Rajbhandari et al.) divides by dp: stage 1 the optimizer states (and
 master weights), stage 2 also the gradients, stage 3 also the parameters. tensorpar's own
@@ -30,7 +13,7 @@ it is modelled as FSDP does it (1/dp of everything plus two layers' gathered par
 Activations, two models:
 
 - ``tensorpar``: exactly what tensorpar's model saves for backward (checked against
-  saved-tensor measurements in tests/test_planner.py). Per layer and micro-batch of b
+  saved-tensor measurements in tests/test_planning_memory.py). Per layer and micro-batch of b
   sequences of s tokens, TP size t, s_n = s/t under sequence parallelism (else s), A = 4 bytes
   (the fp32 residual stream) and M = matmul dtype bytes (2 under bf16 autocast, else 4):
   each norm saves its input (A b s_n h), RMSNorm also its fp32 normalised output (4 b s_n h)
@@ -70,167 +53,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tensorpar.errors import TensorparError
-from tensorpar.planning.cost import Layout, stage_layers
-from tensorpar.planning.hardware import GiB
+from tensorpar.config.hardware import GiB
+from tensorpar.layers.sharding import padded
+from tensorpar.planning.layout import Layout, stage_layers
+from tensorpar.planning.params import ParamSummary, parameter_summary
+from tensorpar.planning.precision import Precision, get_precision
+
 
 OVERHEAD_FIXED_BYTES = int(1.5 * GiB)
+
 OVERHEAD_FRACTION = 0.05
-
-
-@dataclasses.dataclass(frozen=True)
-class Precision:
-    name: str
-    compute_dtype: str  # the peak FLOP/s used: "bf16" or "fp32"
-    param_bytes: int
-    grad_bytes: int
-    master_bytes: int  # fp32 master weights kept by the optimizer (0: the parameters are the fp32 copy)
-    optimizer_bytes: int  # AdamW's two fp32 states
-    activations: str  # "tensorpar" or "playbook"
-    act_bytes: int  # residual stream, norm inputs, hidden states between stages
-    matmul_bytes: int  # matmul inputs / outputs
-    autocast: bool  # bf16 copies of weights saved for backward
-    zero_master_bytes: int = 0  # tensorpar's ZeRO keeps an fp32 master slice even of fp32 parameters
-    zero2_full_grads_at_peak: bool = False  # tensorpar's ZeRO-2 holds full gradient buckets during backward
-    description: str = ""
-
-
-PRECISIONS: dict[str, Precision] = {
-    "tensorpar-bf16": Precision("tensorpar-bf16", "bf16", 4, 4, 0, 8, "tensorpar", 4, 2, True, 4, True,
-                                "tensorpar --dtype bf16: bf16 autocast over fp32 parameters, fp32 gradients and AdamW"),
-    "tensorpar-fp32": Precision("tensorpar-fp32", "fp32", 4, 4, 0, 8, "tensorpar", 4, 4, False, 4, True,
-                                "tensorpar --dtype fp32"),
-    "mixed-bf16": Precision("mixed-bf16", "bf16", 2, 2, 4, 8, "playbook", 2, 2, False,
-                            description="Playbook / Megatron-style: bf16 parameters and gradients, "
-                                        "fp32 master + AdamW"),
-    "megatron-bf16": Precision("megatron-bf16", "bf16", 2, 4, 4, 8, "playbook", 2, 2, False,
-                               description="Megatron-LM bf16: bf16 parameters, fp32 main gradients, "
-                                           "fp32 master + AdamW"),
-}
-
-
-def get_precision(name: str | Precision) -> Precision:
-    if isinstance(name, Precision):
-        return name
-    if name not in PRECISIONS:
-        raise TensorparError(f"unknown precision '{name}'; known: {', '.join(PRECISIONS)}")
-    return PRECISIONS[name]
-
-
-# --------------------------------------------------------------------------- parameters
-
-
-def check_tp(cfg, tp: int) -> None:
-    """The TP constraints of tensorpar's layers (whole heads per rank; KV heads split or replicated)."""
-    from tensorpar.models.layout import check_model_layout
-
-    check_model_layout(cfg, tp)
-
-
-_PARAM_CACHE: dict = {}
-
-
-def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
-    """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline
-    stage `stage`, in `named_parameters()` order: vocabulary padded to a multiple of tp, KV heads
-    replicated when fewer than tp, norms and row-parallel biases replicated. A tied embedding is
-    held by the first stage and, as the head's copy, by the last. With `virtual_stages` v > 1 the rank
-    holds the layers of virtual stages stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers)."""
-    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1)
-    if key not in _PARAM_CACHE:
-        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage, virtual_stages if pp > 1 else 1)
-    return _PARAM_CACHE[key]
-
-
-def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int) -> list[tuple[str, int, int]]:
-    from tensorpar.layers.attention import kv_layout
-    from tensorpar.layers.sharding import padded
-
-    check_tp(cfg, tp)
-    h, hd = cfg.hidden_size, cfg.head_dim
-    heads = cfg.num_heads // tp
-    kv_local, _ = kv_layout(cfg.kv_heads, tp)
-    f = cfg.ffn_hidden_size // tp
-    vocab = padded(cfg.vocab_size, tp) // tp
-    first, last, n = stage_layers(cfg, Layout(tp=tp, pp=pp), stage if pp > 1 else None)
-    if n % v:
-        raise TensorparError(f"{n} layers per pipeline rank do not split into {v} virtual stages")
-    k = n // v
-    layers = [i for c in range(v) for i in range((c * pp + (stage if pp > 1 else 0)) * k,
-                                                  (c * pp + (stage if pp > 1 else 0) + 1) * k)]
-    out: list[tuple[str, int, int]] = []
-
-    def norm(prefix):
-        out.append((f"{prefix}.weight", h, 1))
-        if cfg.norm == "layernorm":
-            out.append((f"{prefix}.bias", h, 1))
-
-    def linear(prefix, rows, cols, bias_size):
-        out.append((f"{prefix}.weight", rows * cols, 2))
-        if cfg.bias:
-            out.append((f"{prefix}.bias", bias_size, 1))
-
-    if first and cfg.position == "learned":
-        out.append(("pos_embed", cfg.max_seq_len * h, 2))
-    if first or (last and cfg.tie_embeddings):
-        out.append(("embed.weight", vocab * h, 2))
-    for i in layers:
-        p = f"layers.{i}"
-        norm(f"{p}.attn_norm")
-        linear(f"{p}.attn.q_proj", heads * hd, h, heads * hd)
-        linear(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd)
-        linear(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd)
-        linear(f"{p}.attn.o_proj", h, heads * hd, h)
-        norm(f"{p}.mlp_norm")
-        if cfg.gated_mlp:
-            linear(f"{p}.mlp.gate_proj", f, h, f)
-        linear(f"{p}.mlp.up_proj", f, h, f)
-        linear(f"{p}.mlp.down_proj", h, f, h)
-    if last:
-        norm("final_norm")
-        if not cfg.tie_embeddings:
-            out.append(("head.weight", vocab * h, 2))
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSummary:
-    numel: int
-    tensors: int
-    per_layer: int  # elements of one layer
-    layer_matmul_weights: int  # elements of the layers' matmul weights (all layers of the stage)
-    head_matmul_weights: int  # the head's (or tied embedding's) weight, on the last stage
-
-
-_SUMMARY_CACHE: dict = {}
-
-
-def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0) -> ParamSummary:
-    key = (repr(cfg), tp, pp, stage if pp > 1 else 0)
-    if key not in _SUMMARY_CACHE:
-        params = local_parameters(cfg, tp, pp, stage)
-        layers = [p for p in params if p[0].startswith("layers.")]
-        n_layers = len({p[0].split(".")[1] for p in layers}) or 1
-        _SUMMARY_CACHE[key] = ParamSummary(
-            sum(n for _, n, _ in params), len(params), sum(n for _, n, _ in layers) // n_layers,
-            _matmul_weight_count(cfg, layers),
-            _matmul_weight_count(cfg, [p for p in params if not p[0].startswith("layers.")]))
-    return _SUMMARY_CACHE[key]
-
-
-def parameter_count(cfg, tp: int, pp: int = 1, stage: int = 0) -> int:
-    """Elements of the parameters one rank of `stage` holds (exactly `sum(p.numel() for p in model.parameters())`)."""
-    return sum(n for _, n, _ in local_parameters(cfg, tp, pp, stage))
-
-
-def _matmul_weight_count(cfg, params) -> int:
-    """Elements of the weights that enter a matmul (for autocast's bf16 copies): every 2-D weight but
-    the positional table, and the embedding only when it is also the (tied) head."""
-    skip = {"pos_embed"} | (set() if cfg.tie_embeddings else {"embed.weight"})
-    return sum(n for name, n, ndim in params if ndim == 2 and name not in skip)
-
-
-# --------------------------------------------------------------------------- activations
 
 
 def _mlp_saved(cfg) -> int:
@@ -278,8 +110,6 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
 def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast: bool) -> dict[str, int]:
     """Bytes saved outside the layers for one micro-batch: ``first`` (ids, embedding dropout mask),
     ``rope`` (cos/sin tables, every stage) and ``last`` (final norm, head input, loss)."""
-    from tensorpar.layers.sharding import padded
-
     A = 4
     sp = sp and tp > 1
     h = cfg.hidden_size
@@ -321,8 +151,6 @@ def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute
 
 
 def playbook_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, nbytes: int = 2) -> dict[str, int]:
-    from tensorpar.layers.sharding import padded
-
     sp = sp and tp > 1
     bsh = b * s * cfg.hidden_size
     first = bsh // (tp if sp else 1) if cfg.dropout > 0 else 0  # embedding dropout mask
@@ -341,9 +169,6 @@ def in_flight(layout: Layout, num_micro_batches: int, stage: int) -> int:
     if m == pp:
         return m * v
     return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
-
-
-# --------------------------------------------------------------------------- the breakdown
 
 
 @dataclasses.dataclass

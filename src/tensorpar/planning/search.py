@@ -1,17 +1,5 @@
-"""The layout search: every (tp, pp, dp, micro-batch, SP, recomputation, ZeRO) for a model on a cluster,
-ranked by predicted throughput, with the reason each infeasible layout fails.
-
-Enumerated:
-
-- tp: powers of two up to the node size (TP across nodes puts every layer's collectives on the
-  slow link); those that do not fit the model's heads / KV heads / FFN are kept, infeasible;
-- pp: every divisor of gpus / tp (those that do not divide the layers are kept, infeasible);
-- dp = gpus / (tp * pp); the global batch must divide by dp;
-- micro-batch size: every divisor of global_batch / dp up to `max_micro_batch`;
-- sequence parallelism off / on (on only with tp > 1; the sequence must divide by tp);
-- recomputation none / selective / full; ZeRO 0 / 1 / 2 / 3 (ZeRO > 0 only with dp > 1);
-- interleaved pipeline chunks v from `virtual_stages` (v > 1 only with pp > 1, the layers dividing
-  by pp * v and the micro-batches by pp, as Megatron-LM requires).
+"""The layout search: every layout of `tensorpar.planning.layout.enumerate_layouts` for a model on a
+cluster, ranked by predicted throughput, with the reason each infeasible layout fails.
 
 Feasible layouts come first, best predicted tokens/s first (ties: less memory); then the
 infeasible ones, those closest to fitting first.
@@ -21,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from tensorpar.config.hardware import GiB
 from tensorpar.errors import TensorparError
-from tensorpar.planning.cost import RECOMPUTE, Layout
-from tensorpar.planning.hardware import GiB, Cluster
-from tensorpar.planning.memory import MemoryBreakdown, check_tp, get_precision, layout_memory
+from tensorpar.planning.hardware import Cluster
+from tensorpar.planning.layout import Layout, enumerate_layouts, structural_problem
+from tensorpar.planning.memory import MemoryBreakdown, layout_memory
+from tensorpar.planning.precision import get_precision
 from tensorpar.planning.step_time import StepTime, predict_step_time
 
 
@@ -59,10 +49,6 @@ class Plan:
         return out
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def evaluate(cfg, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
              precision="tensorpar-bf16", *, flash_attention: bool = True) -> Plan:
     """Memory and time of one layout, or why it cannot run."""
@@ -77,69 +63,6 @@ def evaluate(cfg, layout: Layout, cluster: Cluster, seq_len: int, global_batch: 
                                    f"{cluster.memory_bytes / GiB:.0f} GiB, pipeline stage {mem.stage})",
                     mem, time, excess)
     return Plan(layout, True, "", mem, time)
-
-
-def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int) -> str:
-    """Why this layout cannot run at all (sizes that do not divide), or ''."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    if layout.world != cluster.gpus:
-        return f"tp x pp x dp = {layout.world} is not the {cluster.gpus} GPUs"
-    try:
-        check_tp(cfg, tp)
-    except TensorparError as e:
-        return str(e).split(";")[0]
-    if cfg.num_layers % pp:
-        return f"num_layers = {cfg.num_layers} is not divisible by pp = {pp}"
-    if global_batch % dp:
-        return f"global batch {global_batch} is not divisible by dp = {dp}"
-    if (global_batch // dp) % layout.micro_batch_size:
-        return f"micro-batch {layout.micro_batch_size} does not divide the {global_batch // dp} sequences per replica"
-    if layout.sp and seq_len % tp:
-        return f"sequence length {seq_len} is not divisible by tp = {tp} (sequence parallelism)"
-    if layout.zero and dp == 1:
-        return "ZeRO needs dp > 1"
-    v = layout.virtual_stages
-    if v > 1:
-        if pp == 1:
-            return "interleaving needs pp > 1"
-        if cfg.num_layers % (pp * v):
-            return f"num_layers = {cfg.num_layers} is not divisible by pp x v = {pp * v}"
-        if layout.num_micro_batches(global_batch) % pp:
-            m = layout.num_micro_batches(global_batch)
-            return f"{m} micro-batches are not a multiple of pp = {pp} (interleaving)"
-    if tp > cluster.gpus_per_node:
-        return f"tp = {tp} spans nodes (more than {cluster.gpus_per_node} GPUs per node)"
-    return ""
-
-
-def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=None, zero=(0, 1, 2, 3),
-                      recompute=RECOMPUTE, sequence_parallel=(False, True), virtual_stages=(1,),
-                      max_micro_batch: int = 64, micro_batch_sizes=None) -> list[Layout]:
-    gpus = cluster.gpus
-    tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16, 32, 64)
-                                           if t <= min(gpus, cluster.gpus_per_node) and gpus % t == 0]
-    out = []
-    for t in tps:
-        if gpus % t:
-            continue
-        pps = list(pp) if pp is not None else _divisors(gpus // t)
-        for p in pps:
-            if (gpus // t) % p:
-                continue
-            d = gpus // (t * p)
-            if global_batch % d:
-                mbs_list = [1]
-            elif micro_batch_sizes is not None:
-                mbs_list = [m for m in micro_batch_sizes if (global_batch // d) % m == 0]
-            else:
-                mbs_list = [m for m in _divisors(global_batch // d) if m <= max_micro_batch]
-            for mbs in mbs_list:
-                for sp in (sequence_parallel if t > 1 else (False,)):
-                    for rc in recompute:
-                        for z in (zero if d > 1 else (0,)):
-                            for v in (virtual_stages if p > 1 else (1,)):
-                                out.append(Layout(t, p, d, sp, mbs, rc, z, v))
-    return out
 
 
 def search(cfg, cluster: Cluster, seq_len: int, global_batch: int, precision="tensorpar-bf16", *,

@@ -2,28 +2,23 @@
 
 Per micro-batch and pipeline stage (all FLOPs divided evenly over the stage's TP ranks):
 
-- compute: 3 x the stage's forward FLOPs (forward + backward), with the forward of a layer
-  ``2 b s P_layer + 4 b s^2 h`` (the matmul parameters, PaLM's attention term: the accounting of
-  `tensorpar.training.flops`, so that summed over stages it is exactly
-  ``train_flops_per_token(cfg, s) * b * s``) and the head ``2 b s (V h + norm)`` on the last
-  stage; recomputation adds one more forward of every layer ("full"; tensorpar's checkpoint stops
-  before the MLP's output projection when there is no dropout, which it then skips) or of the
-  attention core ``4 b s^2 h`` ("selective"). Time = FLOPs / (peak x ``mfu_ceiling``).
-- TP/SP communication: every collective of `cost.model_collectives` on the TP group, timed with
+- compute: the stage's training and recomputation FLOPs (`tensorpar.planning.compute`) at
+  peak x ``mfu_ceiling``.
+- TP/SP communication: every collective of `comm.model_collectives` on the TP group, timed with
   the alpha-beta model (the faster of ring and tree) on NVLink if the TP group fits in a node,
   and not overlapped: it sits on the critical path (the Playbook's point about TP).
 - PP: the point-to-point sends of the stage, also exposed.
 
 The pipeline runs m micro-batches through p stages: ``(m + (p - 1)/v) * t_stage`` with
 t_stage the slowest stage's per-micro-batch time, i.e. a bubble of (p-1)/(m+p-1) of the step
-(interleaved with v chunks: (p-1)/(v m + p - 1)). Data-parallel traffic (`cost.step_collectives`
+(interleaved with v chunks: (p-1)/(v m + p - 1)). Data-parallel traffic (`comm.step_collectives`
 on the DP group) overlaps with backward compute: at most ``overlap`` of it hides, and never more
 than the backward time it can hide behind (the last micro-batch's backward for gradient
 buckets; every micro-batch's forward and backward for ZeRO-3's gathers); the parameter
 all-gather after a ZeRO-1/2 optimizer step is exposed. The optimizer step itself is memory-bound:
 about 28 bytes of HBM traffic per (local) optimizer element.
 
-Outputs: step time, tokens/s (the whole cluster), MFU (model FLOPs of `training.flops`, no
+Outputs: step time, tokens/s (the whole cluster), MFU (model FLOPs of `models.flops`, no
 recomputation, over step time x GPUs x peak), and the achieved hardware FLOP/s per GPU
 counting recomputation (the figure Megatron-LM's papers report).
 """
@@ -32,9 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.planning.cost import Layout, collectives_time, model_collectives, stage_layers, step_collectives
-from tensorpar.planning.memory import Precision, get_precision, parameter_summary
-from tensorpar.training.flops import matmul_params, train_flops_per_token
+from tensorpar.models.flops import train_flops_per_token
+from tensorpar.planning.comm import collectives_time, model_collectives, step_collectives
+from tensorpar.planning.compute import stage_flops
+from tensorpar.planning.layout import Layout
+from tensorpar.planning.params import parameter_summary
+from tensorpar.planning.precision import Precision, get_precision
+
 
 OPTIMIZER_BYTES_PER_ELEMENT = 28
 
@@ -53,37 +52,11 @@ class StepTime:
     bubble_fraction: float
     tokens_per_s: float
     mfu: float
-    model_flops: float  # per step, the whole model (training.flops accounting)
+    model_flops: float  # per step, the whole model (models.flops accounting)
     hardware_flops_per_gpu_s: float  # achieved, recomputation included
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def flop_parts(cfg) -> tuple[float, float]:
-    """(parameters in matmuls per layer, parameters of the head incl. the final norm), dense counts."""
-    norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
-    head = cfg.vocab_size * cfg.hidden_size + norm
-    return (matmul_params(cfg) - head) / cfg.num_layers, head
-
-
-def stage_flops(cfg, layout: Layout, b: int, s: int, stage: int | None, precision: Precision) -> tuple[float, float]:
-    """(training FLOPs, recomputation FLOPs) of one micro-batch through one stage (all its TP ranks)."""
-    first, last, n = stage_layers(cfg, layout, stage)
-    layer_p, head_p = flop_parts(cfg)
-    attn = 4.0 * b * s * s * cfg.hidden_size
-    layer_fwd = 2.0 * b * s * layer_p + attn
-    fwd = n * layer_fwd + (2.0 * b * s * head_p if last else 0.0)
-    if layout.recompute == "full":
-        again = layer_fwd
-        if precision.activations == "tensorpar" and cfg.dropout == 0:
-            again -= 2.0 * b * s * cfg.ffn_hidden_size * cfg.hidden_size  # checkpoint stops before down_proj
-        recompute = n * again
-    elif layout.recompute == "selective":
-        recompute = n * attn
-    else:
-        recompute = 0.0
-    return 3.0 * fwd, recompute
 
 
 def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm):
@@ -161,13 +134,3 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
         model_flops=model_flops,
         hardware_flops_per_gpu_s=(model_flops + total_recompute) / (step * gpus),
     )
-
-
-def megatron_flops_per_step(cfg, global_batch: int, seq_len: int) -> float:
-    """Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), FLOPs of one step with full
-    activation recomputation (the accounting of their reported teraFLOP/s per GPU)."""
-    B, s, l, h, V = global_batch, seq_len, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
-    return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
-
-
-__all__ = ["StepTime", "predict_step_time", "stage_flops", "flop_parts", "megatron_flops_per_step"]

@@ -1,7 +1,8 @@
-"""Training utilities: the dense-model gradient norm and clipping, AdamW groups, the LR schedule."""
+"""The training loop and what surrounds it: validating a run, building it on each rank, the step loop, evaluation,
+metrics and the summary. `train(TrainOptions(...))` is the Python entry point."""
 
-from tensorpar.training.grad_norm import clip_grad_norm_, global_grad_norm
-from tensorpar.training.optimizer import build_optimizer
-from tensorpar.training.schedule import lr_at, set_lr
+from tensorpar.config.options import TrainOptions
+from tensorpar.training.trainer import run_training, train
+from tensorpar.training.validate import PreparedRun, validate
 
-__all__ = ["global_grad_norm", "clip_grad_norm_", "build_optimizer", "lr_at", "set_lr"]
+__all__ = ["TrainOptions", "train", "run_training", "validate", "PreparedRun"]

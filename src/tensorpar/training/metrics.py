@@ -1,9 +1,10 @@
-"""Metrics output: one JSON object per optimizer step, and the loss-curve picture."""
+"""Metrics output: one JSON object per optimizer step, the loss-curve picture, and drawing without failing a run."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 
 class MetricsWriter:
@@ -27,15 +28,24 @@ class MetricsWriter:
             self._file = None
 
 
-def plot_loss_curve(records: list[dict], path: str, title: str) -> str | None:
-    """Training loss per step and validation loss where measured; returns the path, or None without matplotlib."""
+def draw_or_warn(what: str, draw, *args) -> str | None:
+    """`draw(*args)` (which returns the path it wrote), or None and a warning if it cannot draw: a picture is
+    not a reason to fail a finished run (no matplotlib, a full disk, an unwritable folder)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        return draw(*args)
+    except Exception as e:  # noqa: BLE001 - whatever stops the picture, the run's results stand
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        sys.stderr.write(f"tensorpar: warning: could not draw {what} ({reason}); the run's results are saved\n")
         return None
+
+
+def plot_loss_curve(records: list[dict], path: str, title: str) -> str:
+    """Training loss per step and validation loss where measured; returns the path."""
+    import matplotlib  # a heavy import, paid only by the runs that draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss", lw=1)
     val = [r for r in records if r.get("val_loss") is not None]

@@ -1,0 +1,202 @@
+"""The options of every `tensorpar` command, each written once: type, default, choices and help.
+
+The command line (`tensorpar.config.fields.add_options`), the ``--config`` TOML file and the
+Python API (``tensorpar.training.train(TrainOptions(tp=2, ...))``) all take these dataclasses.
+Checks that need more than one field or the model (does the layout divide the heads?) are done
+by each command's validation, once, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorpar.config.choices import (
+    BIN_DTYPES,
+    DTYPES,
+    PIPELINE_SCHEDULES,
+    PLAN_PRECISIONS,
+    PLANNED_ZERO_STAGES,
+    RECOMPUTE_MODES,
+    SEQUENCE_PARALLEL_SEARCH,
+    ZERO_STAGES,
+)
+from tensorpar.config.fields import option
+
+LAYOUT = "layout"
+
+
+@dataclasses.dataclass
+class LaunchOptions:
+    """How a multi-process command lays out its processes."""
+
+    tp: int = option(1, "tensor-parallel size", group=LAYOUT)
+    pp: int = option(1, "pipeline-parallel size", group=LAYOUT)
+    dp: int | None = option(None, "data-parallel size (default: the rest of the world)", group=LAYOUT)
+    nproc: int | None = option(None, "processes to start from a plain shell (default tp*pp*dp); ignored under "
+                                     "torchrun", group=LAYOUT)
+    device: str | None = option(None, "default: this rank's GPU if any, else cpu", group=LAYOUT)
+
+
+@dataclasses.dataclass
+class TrainOptions(LaunchOptions):
+    """`tensorpar train`: everything a training run needs. From Python, outputs (metrics, plots) are written only
+    where `metrics` / `out_dir` say; the command line defaults them to runs/MODEL-tpT/."""
+
+    model: str = option("tiny", "preset name or config .json", group="model")
+    init_from: str | None = option(None, "start from a Hugging Face folder or a tensorpar checkpoint", group="model")
+    dropout: float = option(0.0, "dropout probability (embedding, residual, attention)", group="model")
+    sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
+    zero: int = option(0, "ZeRO stage over the DP group: 1 shards optimizer states, 2 also gradients",
+                       choices=ZERO_STAGES, group=LAYOUT)
+    schedule: str = option("1f1b", "pipeline schedule when --pp > 1", choices=PIPELINE_SCHEDULES, group=LAYOUT)
+    virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved)", group=LAYOUT)
+    recompute: str = option("none", "activation recomputation", choices=RECOMPUTE_MODES, group=LAYOUT)
+    dtype: str = option("fp32", "fp32, or bf16 autocast over fp32 weights", choices=DTYPES, group=LAYOUT)
+    steps: int = option(300, "total optimizer steps (a resumed run continues up to it)", group="optimization")
+    seed: int = option(0, "seeds the weights, the sample order and dropout", group="optimization")
+    global_batch_size: int = option(16, "sequences per optimizer step", group="optimization")
+    micro_batch_size: int | None = option(None, "sequences per forward pass (default: global batch / dp)",
+                                          group="optimization")
+    seq_len: int = option(128, "tokens per sequence", group="optimization")
+    lr: float = option(3e-3, "peak learning rate", group="optimization")
+    min_lr: float | None = option(None, "final learning rate of the cosine (default lr / 10)", group="optimization")
+    warmup_steps: int | None = option(None, "linear warmup steps (default min(100, steps / 10))",
+                                      group="optimization")
+    weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings", group="optimization")
+    grad_clip: float = option(1.0, "clip the dense gradient norm to this (0: no clipping)", group="optimization")
+    data: str | None = option(None, "text, .npy or .bin token file (default: the embedded corpus)", group="data")
+    bin_dtype: str = option("uint16", "token dtype of a .bin file", choices=BIN_DTYPES, group="data")
+    val_fraction: float = option(0.05, "share of the token stream held out for validation", group="data")
+    val_every: int = option(50, "validation loss every this many steps (0: only at the end)", group="data")
+    val_windows: int = option(32, "validation windows evaluated each time", group="data")
+    save: str | None = option(None, "checkpoint folder (written at the end and every --save-every steps)",
+                              group="checkpoints")
+    save_every: int = option(0, "save every this many steps (0: only at the end)", group="checkpoints")
+    keep_last: int = option(3, "checkpoints to keep", group="checkpoints")
+    resume: str | None = option(None, "continue from a checkpoint up to --steps, at any layout", group="checkpoints")
+    out_dir: str | None = option(None, "for the metrics, plots and resolved config (default runs/MODEL-tpT)",
+                                 group="output")
+    metrics: str | None = option(None, "JSONL file, one object per step (default OUT_DIR/metrics.jsonl)",
+                                 group="output")
+    sample_tokens: int = option(0, "greedy sample this many tokens at the end", group="output")
+    sample_prompt: str = option("The ", "prompt of the sample", group="output")
+    progress: bool = option(True, "no progress bar", flag="--no-progress", group="output")
+    return_state: bool = option(False, "put the final dense weights in the summary (tests, small models)", cli=False)
+    stop_after: int | None = option(None, "stop at this step (the schedule still spans `steps`): an interrupted run",
+                                    cli=False)
+
+
+@dataclasses.dataclass
+class EvalOptions(LaunchOptions):
+    """`tensorpar eval`: the mean next-token loss of a checkpoint on a token stream."""
+
+    checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
+    data: str | None = option(None, "text, .npy or .bin token file (default: the embedded corpus)")
+    bin_dtype: str = option("uint16", "token dtype of a .bin file", choices=BIN_DTYPES)
+    seq_len: int | None = option(None, "tokens per window (inputs; the window holds one more)", required=True)
+    batch_size: int = option(8, "windows per forward pass")
+    sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
+    dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
+
+
+@dataclasses.dataclass
+class GenerateOptions(LaunchOptions):
+    """`tensorpar generate`: continue prompts with a KV cache sharded by heads."""
+
+    checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
+    prompt: list[str] | None = option(None, "text, tokenised with the checkpoint's tokenizer (tokenizer.json, else "
+                                            "bytes); repeat for a batch", repeat=True)
+    prompt_ids: list[str] | None = option(None, "comma-separated token ids; repeat for a batch", repeat=True)
+    max_new_tokens: int | None = option(None, "tokens to generate per prompt", required=True)
+    greedy: bool = option(False, "greedy decoding (the default without sampling options)", group="sampling")
+    temperature: float | None = option(None, "sample with this temperature (default 1)", group="sampling")
+    top_k: int | None = option(None, "sample among the k most likely tokens (0: all)", group="sampling")
+    top_p: float | None = option(None, "sample from the nucleus of this probability mass", group="sampling")
+    seed: int | None = option(None, "sampling seed (default 0): same seed, same tokens", group="sampling")
+    ignore_eos: bool = option(False, "always generate --max-new-tokens tokens")
+    json: bool = option(False, "one JSON line per prompt: ids, text, tokens_per_s")
+    sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)
+    dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
+
+
+@dataclasses.dataclass
+class PlanOptions:
+    """`tensorpar plan`: rank layouts for a model on a cluster, or draw a pipeline schedule."""
+
+    model: str | None = option(None, "preset name or config .json", group="layout mode")
+    gpus: int | None = option(None, "number of GPUs", group="layout mode")
+    gpu: str | None = option(None, "GPU kind, e.g. h100-80gb, a100-80gb, a100-40gb, h200, b200", group="layout mode")
+    seq_len: int | None = option(None, "sequence length", group="layout mode")
+    global_batch_size: int | None = option(None, "sequences per optimizer step", group="layout mode")
+    precision: str = option("tensorpar-bf16", "memory/compute recipe (tensorpar-bf16: what tensorpar does with "
+                                              "--dtype bf16)", choices=PLAN_PRECISIONS, group="layout mode")
+    top: int | None = option(None, "show the K best layouts (default 10; --json: all)", group="layout mode")
+    gpus_per_node: int = option(8, "GPUs per node", group="layout mode")
+    intra_bandwidth: float | None = option(None, "NVLink GB/s per GPU per direction", group="layout mode")
+    inter_bandwidth: float | None = option(None, "inter-node GB/s per GPU per direction", group="layout mode")
+    intra_latency: float | None = option(None, "NVLink latency, microseconds", group="layout mode")
+    inter_latency: float | None = option(None, "inter-node latency, microseconds", group="layout mode")
+    memory_gib: float | None = option(None, "GPU memory in GiB (default: the catalog's)", group="layout mode")
+    peak_tflops: float | None = option(None, "dense bf16 peak TFLOP/s (default: the catalog's)", group="layout mode")
+    mfu_ceiling: float | None = option(None, "fraction of peak the arithmetic reaches without communication "
+                                             "(default 0.55)", group="layout mode")
+    overlap: float | None = option(None, "fraction of data-parallel communication hidden behind backward "
+                                         "(default 0.5)", group="layout mode")
+    tp: int | None = option(None, "consider only this tensor-parallel size", group="layout mode")
+    zero: list[int] = option(list(PLANNED_ZERO_STAGES), "ZeRO stages to consider", choices=PLANNED_ZERO_STAGES,
+                             group="layout mode")
+    recompute: list[str] = option(list(RECOMPUTE_MODES), "recomputation modes to consider", choices=RECOMPUTE_MODES,
+                                  group="layout mode")
+    sequence_parallel: str = option("both", "consider sequence parallelism on, off or both",
+                                    choices=SEQUENCE_PARALLEL_SEARCH, group="layout mode")
+    flash_attention: bool = option(True, "Playbook precisions: attention stores its s x s scores (no flash "
+                                         "attention)", flag="--no-flash-attention", group="layout mode")
+    max_micro_batch: int = option(64, "largest micro-batch size tried", group="layout mode")
+    schedule: str | None = option(None, "draw this pipeline schedule instead of planning layouts",
+                                  choices=PIPELINE_SCHEDULES, group="schedule mode")
+    pp: int | None = option(None, "pipeline stages (schedule mode; in layout mode: consider only this pp)",
+                            group="schedule mode")
+    microbatches: int | None = option(None, "micro-batches per step (schedule mode)", group="schedule mode")
+    virtual_stages: int = option(1, "model chunks per pipeline rank (schedule mode; in layout mode: try "
+                                    "interleaving up to this)", group="schedule mode")
+    json: bool = option(False, "print JSON instead of a table")
+    png: str | None = option(None, "write a picture (layout mode: memory bars + PATH-heatmap.png)")
+
+
+@dataclasses.dataclass
+class DemoOptions(LaunchOptions):
+    """`tensorpar demo`: the four TP building blocks on a toy model, rank by rank."""
+
+    tp: int = option(2, "tensor-parallel size", group=LAYOUT)
+    hidden: int = option(8, "hidden size")
+    ffn: int | None = option(None, "MLP width (default 4 x hidden)")
+    vocab: int = option(11, "vocabulary size")
+    batch: int = option(2, "sequences")
+    seq_len: int = option(4, "tokens per sequence")
+    sequence_parallel: bool = option(False, "shard the activations along the sequence", group=LAYOUT)
+    seed: int = option(0, "seeds the toy model and batch")
+
+
+@dataclasses.dataclass
+class ExplainOptions:
+    """`tensorpar explain`: a collective's ring or tree algorithm, step by step."""
+
+    collective: str | None = option(None, "all-reduce | all-gather | reduce-scatter | reduce | broadcast | gather | "
+                                          "scatter", positional=True, metavar="COLLECTIVE")
+    ranks: int | None = option(None, "number of ranks N (default 4, or the number of --values lists)", metavar="N")
+    algorithm: str | None = option(None, "ring or tree (all-reduce has both; default: ring for all-reduce, "
+                                         "all-gather, reduce-scatter and tree for the rest)", metavar="ring|tree")
+    root: int | None = option(None, "root rank of the tree collectives (default 0)", metavar="R")
+    values: str | None = option(None, "each rank's numbers: comma-separated, ranks separated by ';' or '/' "
+                                      "(default: rank r holds r*N+1 .. r*N+N)", metavar="A,B,..;C,D,..")
+
+
+@dataclasses.dataclass
+class ConvertOptions:
+    """`tensorpar convert SRC DST`: between tensorpar checkpoints and Hugging Face folders."""
+
+    source: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", positional=True,
+                                metavar="source")
+    dest: str | None = option(None, "the folder to write (must not exist, or be empty)", positional=True,
+                              metavar="dest")
+    to: str | None = option(None, "output format (default: the other one)", choices=("hf", "tensorpar"))

@@ -1,0 +1,88 @@
+"""The output head over a vocabulary split across TP ranks, for any vocabulary size.
+
+A dense head ``logits = h W^T`` with W of shape [V, H] is column-parallel over the vocabulary.
+V rarely divides by TP (GPT-2's 50257, Llama 2's 32000 + 1, Qwen's 151936 at TP 3), so the
+vocabulary is padded to a multiple of TP with zero rows, exactly as tensorpar's Transformer and
+Megatron-LM do: rank r holds rows [r * V_pad / tp, (r + 1) * V_pad / tp). Its logits feed
+`vocab_parallel_cross_entropy(logits, targets, tp_group, vocab_size=head.vocab_size)`, which
+never gathers them and leaves the padding columns out of the max, the sum and the gradient::
+
+    head = VocabParallelLMHead.from_dense(nn.Linear(hidden, 50257, bias=False), tp_group)
+    loss = vocab_parallel_cross_entropy(head(h), targets, tp_group, vocab_size=head.vocab_size)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tensorpar.distributed.comm import as_group
+from tensorpar.layers.linear import ColumnParallelLinear, InitMethod, full_linear_params
+from tensorpar.layers.sharding import ShardSpec, padded, tag, take_shard
+
+
+class VocabParallelLMHead(ColumnParallelLinear):
+    """``logits = h W^T (+ b)`` with W's vocabulary rows split across the TP group, padded to a multiple of TP.
+
+    Forward: the input enters through `copy_to_tp` (identity / all-reduce in backward) or, with sequence
+    parallelism, `gather_from_sp` (all-gather / reduce-scatter in backward); each rank computes its
+    vocabulary slice of the logits, [..., padded_vocab_size / tp]; nothing else is communicated. The padding
+    rows (and bias entries) are zero, so the padding logits are zero: pass ``vocab_size=head.vocab_size`` to
+    the loss so that they never count. ``skip_input_comm=True`` leaves out the entering op, for a caller that
+    applies it itself. ``init=False`` leaves the shard uninitialised, for a caller that loads it.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        tp_group=None,
+        bias: bool = False,
+        *,
+        sequence_parallel: bool = False,
+        skip_input_comm: bool = False,
+        init_method: InitMethod | None = None,
+        seed: int | None = None,
+        device=None,
+        dtype=None,
+        init: bool = True,
+    ):
+        padded_vocab_size = padded(vocab_size, as_group(tp_group).size)
+        super().__init__(in_features, padded_vocab_size, tp_group, bias, sequence_parallel=sequence_parallel,
+                         skip_input_comm=skip_input_comm, device=device, dtype=dtype, init=False)
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
+        self.out_features = vocab_size  # the dense layer's; the shards hold padded_vocab_size / tp rows
+        spec = ShardSpec(dim=0, full_size=vocab_size, padded_size=self.padded_vocab_size)
+        tag(self.weight, spec)
+        if self.bias is not None:
+            tag(self.bias, spec)
+        if init:
+            self._load_full(*full_linear_params(in_features, vocab_size, bias, init_method, seed))
+
+    @property
+    def vocab_start(self) -> int:
+        """The first vocabulary row of this rank's shard."""
+        return self.tp_group.rank * self.out_per_rank
+
+    def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Set this rank's rows from the dense [vocab, in] weight (and [vocab] bias), padding rows zero."""
+        if tuple(weight.shape) != (self.vocab_size, self.in_features):
+            raise ValueError(f"VocabParallelLMHead: full weight has shape {tuple(weight.shape)}, "
+                             f"expected {(self.vocab_size, self.in_features)}")
+        tp, rank = self.tp_group.size, self.tp_group.rank
+        with torch.no_grad():
+            self.weight.copy_(take_shard(weight, 0, rank, tp, pad_to=self.padded_vocab_size))
+            if self.bias is not None:
+                if bias is None:
+                    raise ValueError("VocabParallelLMHead has a bias but the dense layer has none")
+                self.bias.copy_(take_shard(bias, 0, rank, tp, pad_to=self.padded_vocab_size))
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, tp_group=None, **kwargs) -> "VocabParallelLMHead":
+        """This rank's padded vocabulary shard of a dense head ``nn.Linear(hidden, vocab)`` (copied, not shared)."""
+        return super().from_dense(module, tp_group, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, padded to {self.padded_vocab_size}, "
+                f"tp={self.tp_group.size}, rows=[{self.vocab_start}, {self.vocab_start + self.out_per_rank}), "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")

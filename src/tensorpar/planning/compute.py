@@ -1,0 +1,48 @@
+"""Compute for the planner: the FLOPs of one micro-batch through one pipeline stage.
+
+The forward of a layer is ``2 b s P_layer + 4 b s^2 h`` (the matmul parameters, PaLM's attention
+term: the accounting of `tensorpar.models.flops`, so that summed over stages it is exactly
+``train_flops_per_token(cfg, s) * b * s``) and the head ``2 b s (V h + norm)`` on the last stage;
+training is 3 x forward. Recomputation adds one more forward of every layer ("full"; tensorpar's
+checkpoint stops before the MLP's output projection when there is no dropout, which it then skips)
+or of the attention core ``4 b s^2 h`` ("selective").
+"""
+
+from __future__ import annotations
+
+from tensorpar.models.flops import matmul_params
+from tensorpar.planning.layout import Layout, stage_layers
+from tensorpar.planning.precision import Precision
+
+
+def flop_parts(cfg) -> tuple[float, float]:
+    """(parameters in matmuls per layer, parameters of the head incl. the final norm), dense counts."""
+    norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    head = cfg.vocab_size * cfg.hidden_size + norm
+    return (matmul_params(cfg) - head) / cfg.num_layers, head
+
+
+def stage_flops(cfg, layout: Layout, b: int, s: int, stage: int | None, precision: Precision) -> tuple[float, float]:
+    """(training FLOPs, recomputation FLOPs) of one micro-batch through one stage (all its TP ranks)."""
+    first, last, n = stage_layers(cfg, layout, stage)
+    layer_p, head_p = flop_parts(cfg)
+    attn = 4.0 * b * s * s * cfg.hidden_size
+    layer_fwd = 2.0 * b * s * layer_p + attn
+    fwd = n * layer_fwd + (2.0 * b * s * head_p if last else 0.0)
+    if layout.recompute == "full":
+        again = layer_fwd
+        if precision.activations == "tensorpar" and cfg.dropout == 0:
+            again -= 2.0 * b * s * cfg.ffn_hidden_size * cfg.hidden_size  # checkpoint stops before down_proj
+        recompute = n * again
+    elif layout.recompute == "selective":
+        recompute = n * attn
+    else:
+        recompute = 0.0
+    return 3.0 * fwd, recompute
+
+
+def megatron_flops_per_step(cfg, global_batch: int, seq_len: int) -> float:
+    """Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), FLOPs of one step with full
+    activation recomputation (the accounting of their reported teraFLOP/s per GPU)."""
+    B, s, l, h, V = global_batch, seq_len, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    return 96.0 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))

@@ -1,0 +1,167 @@
+"""Layouts for the planner: one way to run a model (tp x pp x dp and the knobs that change memory and
+time), the groups it forms and the links they use, and the enumeration of every layout of a search.
+
+Ranks are laid out as in `tensorpar.distributed.mesh` (TP fastest, then DP, then PP), so a TP
+group spans ``tp`` consecutive ranks, a DP group ``tp * dp`` and a PP group the whole world; a
+group whose ranks lie within one node uses NVLink, a group spanning nodes the inter-node link.
+
+Enumerated by `enumerate_layouts`:
+
+- tp: powers of two up to the node size (TP across nodes puts every layer's collectives on the
+  slow link); those that do not fit the model's heads / KV heads / FFN are kept, infeasible;
+- pp: every divisor of gpus / tp (those that do not divide the layers are kept, infeasible);
+- dp = gpus / (tp * pp); the global batch must divide by dp;
+- micro-batch size: every divisor of global_batch / dp up to `max_micro_batch`;
+- sequence parallelism off / on (on only with tp > 1; the sequence must divide by tp);
+- recomputation none / selective / full; ZeRO 0 / 1 / 2 / 3 (ZeRO > 0 only with dp > 1);
+- interleaved pipeline chunks v from `virtual_stages` (v > 1 only with pp > 1, the layers dividing
+  by pp * v and the micro-batches by pp, as Megatron-LM requires).
+
+`structural_problem` says why a layout cannot run at all (sizes that do not divide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorpar.config.choices import PLANNED_ZERO_STAGES, RECOMPUTE_MODES
+from tensorpar.config.hardware import Link
+from tensorpar.errors import TensorparError
+from tensorpar.models.layout import check_model_layout
+from tensorpar.planning.hardware import Cluster
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a model: the tp x pp x dp mesh and the knobs that change memory and time."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    recompute: str = "none"
+    zero: int = 0
+    virtual_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise TensorparError(f"layout: {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise TensorparError(f"layout: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if self.zero not in PLANNED_ZERO_STAGES:
+            raise TensorparError(f"layout: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (it needs TP > 1)."""
+        return self.sequence_parallel and self.tp > 1
+
+    def num_micro_batches(self, global_batch: int) -> int:
+        """Micro-batches per step on each DP replica."""
+        return global_batch // (self.dp * self.micro_batch_size)
+
+    def label(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        if self.virtual_stages > 1:
+            parts.append(f"v={self.virtual_stages}")
+        parts += [f"mbs={self.micro_batch_size}", f"sp={'on' if self.sp else 'off'}",
+                  f"recompute={self.recompute}", f"zero={self.zero}"]
+        return " ".join(parts)
+
+
+def stage_layers(cfg, layout: Layout, stage: int | None) -> tuple[bool, bool, int]:
+    """(first stage?, last stage?, layers held) of pipeline rank `stage` (None: the whole model)."""
+    if stage is None or layout.pp == 1:
+        return True, True, cfg.num_layers
+    if not 0 <= stage < layout.pp:
+        raise TensorparError(f"stage {stage} is outside the pipeline of {layout.pp} stages")
+    if cfg.num_layers % layout.pp:
+        raise TensorparError(f"num_layers = {cfg.num_layers} is not divisible by the pipeline-parallel size "
+                             f"{layout.pp}")
+    return stage == 0, stage == layout.pp - 1, cfg.num_layers // layout.pp
+
+
+def group_size(layout: Layout, group: str) -> int:
+    return {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "embed": 2 if layout.pp > 1 else 1}[group]
+
+
+def group_span(layout: Layout, group: str) -> int:
+    """How many consecutive global ranks the group's members spread over (TP fastest, then DP, then PP)."""
+    return {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world, "embed": layout.world}[group]
+
+
+def group_link(cluster, layout: Layout, group: str) -> Link:
+    return cluster.link_for_span(group_span(layout, group))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int) -> str:
+    """Why this layout cannot run at all (sizes that do not divide), or ''."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    if layout.world != cluster.gpus:
+        return f"tp x pp x dp = {layout.world} is not the {cluster.gpus} GPUs"
+    try:
+        check_model_layout(cfg, tp)
+    except TensorparError as e:
+        return str(e).split(";")[0]
+    if cfg.num_layers % pp:
+        return f"num_layers = {cfg.num_layers} is not divisible by pp = {pp}"
+    if global_batch % dp:
+        return f"global batch {global_batch} is not divisible by dp = {dp}"
+    if (global_batch // dp) % layout.micro_batch_size:
+        return f"micro-batch {layout.micro_batch_size} does not divide the {global_batch // dp} sequences per replica"
+    if layout.sp and seq_len % tp:
+        return f"sequence length {seq_len} is not divisible by tp = {tp} (sequence parallelism)"
+    if layout.zero and dp == 1:
+        return "ZeRO needs dp > 1"
+    v = layout.virtual_stages
+    if v > 1:
+        if pp == 1:
+            return "interleaving needs pp > 1"
+        if cfg.num_layers % (pp * v):
+            return f"num_layers = {cfg.num_layers} is not divisible by pp x v = {pp * v}"
+        if layout.num_micro_batches(global_batch) % pp:
+            m = layout.num_micro_batches(global_batch)
+            return f"{m} micro-batches are not a multiple of pp = {pp} (interleaving)"
+    if tp > cluster.gpus_per_node:
+        return f"tp = {tp} spans nodes (more than {cluster.gpus_per_node} GPUs per node)"
+    return ""
+
+
+def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=None, zero=PLANNED_ZERO_STAGES,
+                      recompute=RECOMPUTE_MODES, sequence_parallel=(False, True), virtual_stages=(1,),
+                      max_micro_batch: int = 64, micro_batch_sizes=None) -> list[Layout]:
+    gpus = cluster.gpus
+    tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16, 32, 64)
+                                           if t <= min(gpus, cluster.gpus_per_node) and gpus % t == 0]
+    out = []
+    for t in tps:
+        if gpus % t:
+            continue
+        pps = list(pp) if pp is not None else _divisors(gpus // t)
+        for p in pps:
+            if (gpus // t) % p:
+                continue
+            d = gpus // (t * p)
+            if global_batch % d:
+                mbs_list = [1]
+            elif micro_batch_sizes is not None:
+                mbs_list = [m for m in micro_batch_sizes if (global_batch // d) % m == 0]
+            else:
+                mbs_list = [m for m in _divisors(global_batch // d) if m <= max_micro_batch]
+            for mbs in mbs_list:
+                for sp in (sequence_parallel if t > 1 else (False,)):
+                    for rc in recompute:
+                        for z in (zero if d > 1 else (0,)):
+                            for v in (virtual_stages if p > 1 else (1,)):
+                                out.append(Layout(t, p, d, sp, mbs, rc, z, v))
+    return out

@@ -1,0 +1,117 @@
+"""The parameters tensorpar's Transformer holds on one rank of any layout: names, sizes, counts.
+
+These equal `model.named_parameters()` of the real model (tests/test_planning_params.py builds it and
+compares): the vocabulary padded to a multiple of tp, KV heads replicated when fewer than tp, norms
+and row-parallel biases replicated, a tied embedding on the first stage and (as the head's copy) on
+the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorpar.errors import TensorparError
+from tensorpar.layers.attention import kv_layout
+from tensorpar.layers.sharding import padded
+from tensorpar.models.layout import check_model_layout
+from tensorpar.planning.layout import Layout, stage_layers
+
+
+_PARAM_CACHE: dict = {}
+
+
+def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline
+    stage `stage`, in `named_parameters()` order: vocabulary padded to a multiple of tp, KV heads
+    replicated when fewer than tp, norms and row-parallel biases replicated. A tied embedding is
+    held by the first stage and, as the head's copy, by the last. With `virtual_stages` v > 1 the rank
+    holds the layers of virtual stages stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers)."""
+    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1)
+    if key not in _PARAM_CACHE:
+        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage, virtual_stages if pp > 1 else 1)
+    return _PARAM_CACHE[key]
+
+
+def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int) -> list[tuple[str, int, int]]:
+    check_model_layout(cfg, tp)
+    h, hd = cfg.hidden_size, cfg.head_dim
+    heads = cfg.num_heads // tp
+    kv_local, _ = kv_layout(cfg.kv_heads, tp)
+    f = cfg.ffn_hidden_size // tp
+    vocab = padded(cfg.vocab_size, tp) // tp
+    first, last, n = stage_layers(cfg, Layout(tp=tp, pp=pp), stage if pp > 1 else None)
+    if n % v:
+        raise TensorparError(f"{n} layers per pipeline rank do not split into {v} virtual stages")
+    k = n // v
+    layers = [i for c in range(v) for i in range((c * pp + (stage if pp > 1 else 0)) * k,
+                                                  (c * pp + (stage if pp > 1 else 0) + 1) * k)]
+    out: list[tuple[str, int, int]] = []
+
+    def norm(prefix):
+        out.append((f"{prefix}.weight", h, 1))
+        if cfg.norm == "layernorm":
+            out.append((f"{prefix}.bias", h, 1))
+
+    def linear(prefix, rows, cols, bias_size):
+        out.append((f"{prefix}.weight", rows * cols, 2))
+        if cfg.bias:
+            out.append((f"{prefix}.bias", bias_size, 1))
+
+    if first and cfg.position == "learned":
+        out.append(("pos_embed", cfg.max_seq_len * h, 2))
+    if first or (last and cfg.tie_embeddings):
+        out.append(("embed.weight", vocab * h, 2))
+    for i in layers:
+        p = f"layers.{i}"
+        norm(f"{p}.attn_norm")
+        linear(f"{p}.attn.q_proj", heads * hd, h, heads * hd)
+        linear(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd)
+        linear(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd)
+        linear(f"{p}.attn.o_proj", h, heads * hd, h)
+        norm(f"{p}.mlp_norm")
+        if cfg.gated_mlp:
+            linear(f"{p}.mlp.gate_proj", f, h, f)
+        linear(f"{p}.mlp.up_proj", f, h, f)
+        linear(f"{p}.mlp.down_proj", h, f, h)
+    if last:
+        norm("final_norm")
+        if not cfg.tie_embeddings:
+            out.append(("head.weight", vocab * h, 2))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSummary:
+    numel: int
+    tensors: int
+    per_layer: int  # elements of one layer
+    layer_matmul_weights: int  # elements of the layers' matmul weights (all layers of the stage)
+    head_matmul_weights: int  # the head's (or tied embedding's) weight, on the last stage
+
+
+_SUMMARY_CACHE: dict = {}
+
+
+def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0) -> ParamSummary:
+    key = (repr(cfg), tp, pp, stage if pp > 1 else 0)
+    if key not in _SUMMARY_CACHE:
+        params = local_parameters(cfg, tp, pp, stage)
+        layers = [p for p in params if p[0].startswith("layers.")]
+        n_layers = len({p[0].split(".")[1] for p in layers}) or 1
+        _SUMMARY_CACHE[key] = ParamSummary(
+            sum(n for _, n, _ in params), len(params), sum(n for _, n, _ in layers) // n_layers,
+            _matmul_weight_count(cfg, layers),
+            _matmul_weight_count(cfg, [p for p in params if not p[0].startswith("layers.")]))
+    return _SUMMARY_CACHE[key]
+
+
+def parameter_count(cfg, tp: int, pp: int = 1, stage: int = 0) -> int:
+    """Elements of the parameters one rank of `stage` holds (exactly `sum(p.numel() for p in model.parameters())`)."""
+    return sum(n for _, n, _ in local_parameters(cfg, tp, pp, stage))
+
+
+def _matmul_weight_count(cfg, params) -> int:
+    """Elements of the weights that enter a matmul (for autocast's bf16 copies): every 2-D weight but
+    the positional table, and the embedding only when it is also the (tied) head."""
+    skip = {"pos_embed"} | (set() if cfg.tie_embeddings else {"embed.weight"})
+    return sum(n for name, n, ndim in params if ndim == 2 and name not in skip)

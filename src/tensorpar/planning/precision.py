@@ -1,0 +1,66 @@
+"""Precisions for the planner: how many bytes each kind of state takes, and which activation model applies.
+
+Precisions (how many bytes each kind of state takes, and which activation model applies):
+
+================  =====  =====  ======  =====  ==================================================
+name              param  grad   master  AdamW  what it is
+================  =====  =====  ======  =====  ==================================================
+tensorpar-fp32      4      4      -       8    tensorpar with --dtype fp32
+tensorpar-bf16      4      4      -       8    tensorpar with --dtype bf16: autocast over fp32
+                                               parameters; every matmul weight is cast to bf16 in
+                                               the forward and that copy is kept for backward
+mixed-bf16          2      2      4       8    the Playbook's mixed precision (Megatron-style bf16
+                                               parameters and gradients + fp32 master weights and
+                                               AdamW states): 16 bytes per parameter
+megatron-bf16       2      4      4       8    Megatron-LM's bf16 default: gradients accumulated
+                                               and reduced in fp32 ("main_grad"): 18 bytes
+================  =====  =====  ======  =====  ==================================================
+
+AdamW keeps two fp32 states per parameter (exp_avg, exp_avg_sq) plus a one-element fp32
+``step`` tensor per parameter tensor (torch's implementation; counted exactly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorpar.errors import TensorparError
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    name: str
+    compute_dtype: str  # the peak FLOP/s used: "bf16" or "fp32"
+    param_bytes: int
+    grad_bytes: int
+    master_bytes: int  # fp32 master weights kept by the optimizer (0: the parameters are the fp32 copy)
+    optimizer_bytes: int  # AdamW's two fp32 states
+    activations: str  # "tensorpar" or "playbook"
+    act_bytes: int  # residual stream, norm inputs, hidden states between stages
+    matmul_bytes: int  # matmul inputs / outputs
+    autocast: bool  # bf16 copies of weights saved for backward
+    zero_master_bytes: int = 0  # tensorpar's ZeRO keeps an fp32 master slice even of fp32 parameters
+    zero2_full_grads_at_peak: bool = False  # tensorpar's ZeRO-2 holds full gradient buckets during backward
+    description: str = ""
+
+
+PRECISIONS: dict[str, Precision] = {
+    "tensorpar-bf16": Precision("tensorpar-bf16", "bf16", 4, 4, 0, 8, "tensorpar", 4, 2, True, 4, True,
+                                "tensorpar --dtype bf16: bf16 autocast over fp32 parameters, fp32 gradients and AdamW"),
+    "tensorpar-fp32": Precision("tensorpar-fp32", "fp32", 4, 4, 0, 8, "tensorpar", 4, 4, False, 4, True,
+                                "tensorpar --dtype fp32"),
+    "mixed-bf16": Precision("mixed-bf16", "bf16", 2, 2, 4, 8, "playbook", 2, 2, False,
+                            description="Playbook / Megatron-style: bf16 parameters and gradients, "
+                                        "fp32 master + AdamW"),
+    "megatron-bf16": Precision("megatron-bf16", "bf16", 2, 4, 4, 8, "playbook", 2, 2, False,
+                               description="Megatron-LM bf16: bf16 parameters, fp32 main gradients, "
+                                           "fp32 master + AdamW"),
+}
+
+
+def get_precision(name: str | Precision) -> Precision:
+    if isinstance(name, Precision):
+        return name
+    if name not in PRECISIONS:
+        raise TensorparError(f"unknown precision '{name}'; known: {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]

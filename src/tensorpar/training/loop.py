@@ -1,0 +1,108 @@
+"""The step loop, run on every rank.
+
+One optimizer step: the step's global batch (fixed by seed and global batch size alone), this
+DP rank's rows cut into micro-batches, forward/backward on each (gradients accumulate locally,
+or flow through the pipeline schedule), gradients averaged (or reduce-scattered, ZeRO) over DP,
+clipped by the dense global norm, AdamW with a cosine schedule. Rank 0 shows a progress bar and
+writes the metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from tqdm import tqdm
+
+from tensorpar.data import micro_batches
+from tensorpar.errors import TensorparError
+from tensorpar.layers.dropout import mix_seed
+from tensorpar.models.flops import train_flops_per_token
+from tensorpar.optim.lr_schedule import lr_at, set_lr
+from tensorpar.training.evaluate import evaluate
+from tensorpar.training.metrics import MetricsWriter
+from tensorpar.training.session import Session
+
+
+def train_step(s: Session, step: int) -> dict:
+    """Forward, backward and the optimizer step of 0-based step `step`; its record (loss, grad_norm, lr, ...)."""
+    o, mesh, device = s.options, s.mesh, s.mesh.device
+    t0 = time.perf_counter()
+    lr = lr_at(step, max_lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=o.steps)
+    set_lr(s.optimizer.optimizer, lr)
+    batches = [b.to(device) for b in micro_batches(s.dataset.global_batch(step, o.seed, o.global_batch_size),
+                                                  mesh.dp_rank, mesh.dp_size, o.micro_batch_size)]
+
+    def seed_of(i: int) -> int:  # the dropout seed of micro-batch i: the same whatever the layout
+        return mix_seed(o.seed, step, mesh.dp_rank * len(batches) + i)
+
+    step_loss = torch.zeros((), device=device)
+    s.optimizer.begin_step(len(batches))
+    if s.runner is not None:
+        step_loss += s.runner.train_step(batches, seed_of)
+    else:
+        for i, batch in enumerate(batches):
+            with s.autocast():
+                loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i))
+            (loss / len(batches)).backward()
+            step_loss += loss.detach().float() / len(batches)
+    s.optimizer.finish_backward()
+    grad_norm = s.optimizer.clip_and_step(o.grad_clip)
+    mesh.dp_group.all_reduce(step_loss)
+    loss = step_loss.item() / mesh.dp_size
+    if not math.isfinite(loss):
+        raise TensorparError(f"loss became {loss} at step {step + 1}; try a lower --lr or --grad-clip")
+    return {"step": step + 1, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
+            "step_time_s": time.perf_counter() - t0}
+
+
+def validation_loss(s: Session) -> float:
+    if s.runner is None:
+        return evaluate(s.model, s.val_windows, s.options.micro_batch_size, s.mesh.device, s.options.dtype)
+    s.model.eval()
+    loss = s.runner.forward_only([w.to(s.mesh.device) for w in s.val_windows.split(s.options.micro_batch_size)])
+    s.model.train()
+    return loss
+
+
+def _due(step: int, every: int, last: bool) -> bool:
+    """Whether periodic work (validation, a save) falls on 1-based `step`."""
+    return last or bool(every and step % every == 0)
+
+
+def step_loop(s: Session) -> tuple[list[dict], float]:
+    """Run the steps from the start (or resumed) step to `steps` (or `stop_after`); (records, seconds)."""
+    o, mesh = s.options, s.mesh
+    tokens_per_step = o.global_batch_size * o.seq_len
+    flops_per_step = train_flops_per_token(s.run.cfg, o.seq_len) * tokens_per_step
+    peak = s.peak_flops[0]
+    metrics = MetricsWriter(o.metrics if s.is_main else None)
+    progress = None
+    if s.is_main and o.progress:
+        progress = tqdm(total=o.steps, initial=s.start_step, unit="step", dynamic_ncols=True,
+                        desc=f"train {o.model} tp={mesh.tp_size} dp={mesh.dp_size}")
+    records: list[dict] = []
+    end = o.steps if o.stop_after is None else min(o.steps, o.stop_after)
+    mesh.stats.reset()
+    started = time.perf_counter()
+    for step in range(s.start_step, end):
+        record = train_step(s, step)
+        elapsed = record.pop("step_time_s")
+        record.update(tokens_per_s=tokens_per_step / elapsed, mfu=flops_per_step / elapsed / (peak * mesh.world_size),
+                      step_time_s=elapsed)
+        last = step == end - 1
+        if s.val_windows is not None and _due(step + 1, o.val_every, last):
+            record["val_loss"] = validation_loss(s)
+        records.append(record)
+        metrics.write(record)
+        if o.save and _due(step + 1, o.save_every, last):
+            s.save(step + 1)
+        if progress is not None:
+            progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 mfu=f"{100 * record['mfu']:.1f}%")
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+    metrics.close()
+    return records, time.perf_counter() - started

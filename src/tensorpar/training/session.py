@@ -1,0 +1,140 @@
+"""What a training run builds on each rank, in order: the model (this rank's shard of this rank's stage), the
+data, the optimizer, the state of a resumed checkpoint, and the pipeline executor."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+from tensorpar.checkpoints.sharded import load_checkpoint, save_checkpoint
+from tensorpar.checkpoints.sources import load_model_source
+from tensorpar.config.fields import changed_options, to_dict, to_toml
+from tensorpar.data import TokenDataset, check_vocab, load_tokenizer, load_tokens
+from tensorpar.distributed.mesh import Mesh
+from tensorpar.models import Transformer, load_full_state_dict
+from tensorpar.optim.precision import autocast
+from tensorpar.parallel.data_parallel import DistributedOptimizer
+from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
+from tensorpar.training.mfu import peak_flops
+from tensorpar.training.validate import PreparedRun
+
+# Options that say how this invocation runs, not what it computes: a resumed run is expected to differ in them.
+_INVOCATION_OPTIONS = ("resume", "nproc", "device", "progress", "stop_after", "return_state")
+# Options whose change makes the continued samples (and losses) differ from the original run's.
+_DATA_ORDER_OPTIONS = ("seed", "global_batch_size", "seq_len")
+
+
+@dataclasses.dataclass
+class Session:
+    """One rank's share of a training run."""
+
+    run: PreparedRun
+    mesh: Mesh
+    model: Transformer
+    optimizer: DistributedOptimizer
+    tokenizer: object
+    dataset: TokenDataset
+    val_windows: torch.Tensor | None
+    runner: PipelineRunner | None
+    start_step: int
+    peak_flops: tuple[float, str]  # one rank's peak FLOP/s for MFU, and where the figure comes from
+
+    @property
+    def options(self):
+        return self.run.options
+
+    @property
+    def is_main(self) -> bool:
+        return self.mesh.rank == 0
+
+    def autocast(self):
+        return autocast(self.mesh.device, self.options.dtype)
+
+    def save(self, step: int) -> str | None:
+        """Save step `step`'s checkpoint (a collective: every rank calls it)."""
+        o, mesh = self.options, self.mesh
+        layout = {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": o.zero,
+                  "virtual_stages": o.virtual_stages, "schedule": o.schedule,
+                  "sequence_parallel": self.model.sequence_parallel}
+        train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
+                                            "steps", "weight_decay", "grad_clip", "data")}
+        return save_checkpoint(o.save, step, self.model, self.optimizer, mesh, cfg=self.run.cfg, layout=layout,
+                               train=train, options=to_dict(o), keep_last=o.keep_last)
+
+
+def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
+    """(this rank's part of the model, the tokenizer): seeded initial weights, or those of `init_from`."""
+    o, cfg = run.options, run.cfg
+    stage = {}
+    if mesh.pp_size > 1:
+        chunks = rank_layers(cfg.num_layers, mesh.pp_size, mesh.pp_rank, o.virtual_stages)
+        stage = dict(layers=[i for chunk in chunks for i in chunk], first_stage=mesh.pp_rank == 0,
+                     last_stage=mesh.pp_rank == mesh.pp_size - 1)
+    torch.manual_seed(o.seed)
+    model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
+                        init=o.init_from is None, **stage)
+    if o.init_from:
+        _, state = load_model_source(o.init_from)
+        names = dict(model.named_parameters())
+        load_full_state_dict(model, {k: v for k, v in state.items() if k in names}, source=o.init_from)
+    model.train()
+    return model, load_tokenizer(o.init_from)
+
+
+def build_data(run: PreparedRun, tokenizer) -> tuple[TokenDataset, torch.Tensor | None]:
+    """(the token dataset, the validation windows or None)."""
+    o = run.options
+    tokens = load_tokens(o.data, tokenizer, o.bin_dtype)
+    check_vocab(tokens, run.cfg.vocab_size, o.data or "the default corpus")
+    dataset = TokenDataset(tokens, o.seq_len, o.val_fraction)
+    return dataset, dataset.val_windows(o.val_windows) if dataset.num_val_windows else None
+
+
+def resume(run: PreparedRun, model, optimizer, mesh: Mesh) -> int:
+    """Load the checkpoint being resumed into this rank's shards; say what changed since it was saved; its step."""
+    o, meta = run.options, run.resume_meta
+    load_checkpoint(o.resume, model, optimizer, run.cfg, verify=False)  # validate() hashed the shards
+    if mesh.rank == 0:
+        saved = meta.get("options") or meta.get("train", {})
+        data_order = [f"{k} {saved[k]} -> {getattr(o, k)}" for k in _DATA_ORDER_OPTIONS
+                      if saved.get(k) not in (None, getattr(o, k))]
+        if data_order:
+            sys.stderr.write(f"tensorpar: warning: resuming with {', '.join(data_order)}: the samples (and the "
+                             f"continued losses) will differ from the original run's\n")
+        changed = changed_options(saved, o, ignore=_INVOCATION_OPTIONS + _DATA_ORDER_OPTIONS)
+        if changed:
+            sys.stderr.write(f"tensorpar: resuming '{o.resume}' at step {meta['step']}; changed since it was "
+                             f"saved: {', '.join(changed)}\n")
+    return meta["step"]
+
+
+def build_session(run: PreparedRun, mesh: Mesh) -> Session:
+    o = run.options
+    model, tokenizer = build_model(run, mesh)
+    dataset, val_windows = build_data(run, tokenizer)
+    optimizer = DistributedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay, zero=o.zero)
+    start_step = resume(run, model, optimizer, mesh) if o.resume else 0
+    runner = None
+    if mesh.pp_size > 1:
+        seq_shard = o.seq_len // (mesh.tp_size if model.sequence_parallel else 1)
+        runner = PipelineRunner(model, mesh, o.schedule, o.virtual_stages, run.num_micro_batches,
+                                (o.micro_batch_size, seq_shard, run.cfg.hidden_size),
+                                autocast=lambda: autocast(mesh.device, o.dtype))
+        if val_windows is not None:
+            val_windows = val_windows[: (len(val_windows) // o.micro_batch_size) * o.micro_batch_size]
+    if mesh.rank == 0 and o.out_dir:
+        write_resolved_config(run, os.path.join(o.out_dir, "config.toml"))
+    return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
+                   peak_flops(mesh.device, o.dtype))
+
+
+def write_resolved_config(run: PreparedRun, path: str) -> str:
+    """The run's options with every default filled in, as a file `tensorpar train --config` reads back."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(to_toml(run.options, f"tensorpar train: the resolved configuration of this run ({run.world_size} "
+                                     f"processes).\nRun it again with: tensorpar train --config {path}"))
+    return path

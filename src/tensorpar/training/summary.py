@@ -1,0 +1,89 @@
+"""The end of a training run: the summary every rank returns, and what rank 0 draws and samples."""
+
+from __future__ import annotations
+
+import os
+
+from tensorpar.inference import greedy_generate
+from tensorpar.models import full_state_dict
+from tensorpar.parallel.pipeline_view import measured_bubble, render_measured
+from tensorpar.training.metrics import draw_or_warn, plot_loss_curve
+from tensorpar.training.session import Session
+
+
+def dense_weights(model, mesh) -> dict:
+    """The whole dense model's weights on every rank: gathered over TP, then merged over pipeline stages."""
+    params = dict(model.named_parameters())
+    state = {k: v for k, v in full_state_dict(model).items() if not getattr(params[k], "pipeline_duplicate", False)}
+    merged = {}
+    for part in mesh.pp_group.all_gather_object(state):
+        merged.update(part)
+    return merged
+
+
+def _pipeline(s: Session, summary: dict) -> None:
+    """The last step's measured timeline of every stage: its bubble, and (rank 0) its picture.
+
+    Times are perf_counter's: comparable across processes of one machine; across machines the clocks'
+    offsets shift the rows."""
+    o, mesh = s.options, s.mesh
+    timelines = mesh.pp_group.all_gather_object(s.runner.timeline)
+    summary["pipeline_bubble"] = measured_bubble(timelines)
+    if s.is_main and o.out_dir:
+        title = (f"measured {o.schedule} timeline, last step: pp={mesh.pp_size}, "
+                 f"{len(timelines[0]) // 2 // o.virtual_stages} micro-batches")
+        summary["pipeline_plot"] = draw_or_warn("the pipeline timeline", render_measured, timelines,
+                                                os.path.join(o.out_dir, "pipeline.png"), title)
+
+
+def _sample(s: Session, summary: dict) -> None:
+    o = s.options
+    if s.runner is not None:
+        summary["sample"] = None
+        summary["sample_note"] = "no sample: generation runs with tensor parallelism only (use --pp 1)"
+        return
+    prompt = s.tokenizer.encode(o.sample_prompt)
+    new = greedy_generate(s.model, prompt, o.sample_tokens, eos_id=getattr(s.tokenizer, "eos_id", None))
+    summary["sample"] = o.sample_prompt + s.tokenizer.decode(new)
+
+
+def summarize(s: Session, records: list[dict], seconds: float) -> dict:
+    """The run's summary (the same on every rank but for the paths of what rank 0 wrote)."""
+    o, mesh, runner = s.options, s.mesh, s.runner
+    tokens = o.global_batch_size * o.seq_len * (o.steps - s.start_step)
+    comm = {f"{op}/{group}": (c.calls, c.bytes) for (op, group), c in mesh.stats.snapshot().items()}
+    summary = {
+        "model": o.init_from or o.model,
+        "parameters": s.run.cfg.num_parameters(),
+        "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": o.zero,
+                   "schedule": o.schedule if runner is not None else None, "virtual_stages": o.virtual_stages,
+                   "sequence_parallel": s.model.sequence_parallel, "recompute": o.recompute, "dtype": o.dtype},
+        "steps": o.steps,
+        "start_step": s.start_step,
+        "tokens": tokens,
+        "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
+        "final_val_loss": records[-1].get("val_loss"),
+        "time_s": seconds,
+        "tokens_per_s": tokens / seconds,
+        "mfu": sum(r["mfu"] for r in records) / len(records),
+        "peak_flops_source": s.peak_flops[1],
+        "history": records,
+        "comm": comm,
+        "optimizer_state_bytes": s.optimizer.state_bytes(),
+        "pipeline_timeline": runner.timeline if runner is not None else None,
+        "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
+    }
+    if runner is not None:
+        _pipeline(s, summary)
+    if o.return_state:
+        summary["state"] = dense_weights(s.model, mesh)
+    if o.sample_tokens:
+        _sample(s, summary)
+    if s.is_main and o.out_dir:
+        title = (f"{o.model}: tp={mesh.tp_size} dp={mesh.dp_size}{' +SP' if s.model.sequence_parallel else ''}, "
+                 f"{o.dtype}, {o.steps} steps")
+        summary["loss_plot"] = draw_or_warn("the loss curve", plot_loss_curve, records,
+                                            os.path.join(o.out_dir, "loss.png"), title)
+        summary["config"] = os.path.join(o.out_dir, "config.toml")
+    return summary

@@ -1,0 +1,92 @@
+"""Everything a training run can check before any process group exists: done once per process.
+
+`validate` turns `TrainOptions` into a `PreparedRun`: the options with every default the program
+works out filled in (dp, micro-batch size, warmup, final learning rate), the model's config, and
+the metadata of the checkpoint being resumed (its shards hashed once, here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from tensorpar.checkpoints.sharded import read_meta
+from tensorpar.checkpoints.sources import load_config
+from tensorpar.config.fields import check_choices
+from tensorpar.config.options import TrainOptions
+from tensorpar.data import check_batch_layout
+from tensorpar.distributed.mesh import resolve_layout, world_from_env
+from tensorpar.errors import TensorparError
+from tensorpar.models import ModelConfig, get_config
+from tensorpar.models.layout import check_model_layout
+from tensorpar.parallel.pipeline import stage_layers
+from tensorpar.parallel.pipeline_schedules import build_schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+    """A validated training run: what every rank builds its part from."""
+
+    options: TrainOptions  # resolved: dp, micro_batch_size, min_lr and warmup_steps are never None
+    cfg: ModelConfig  # the model to train (dropout from the options)
+    resume_meta: dict | None  # the metadata of the checkpoint resumed from, if any
+    world_size: int
+
+    @property
+    def num_micro_batches(self) -> int:
+        o = self.options
+        return o.global_batch_size // (o.dp * o.micro_batch_size)
+
+
+def model_config(options: TrainOptions) -> ModelConfig:
+    """The model's config alone (cheap): the checkpoint being resumed, the `init_from` folder, or the preset or
+    config file `model` names; dropout from the options."""
+    if options.resume:
+        cfg = ModelConfig(**read_meta(options.resume, verify=False)[1]["model"])
+    elif options.init_from:
+        cfg = load_config(options.init_from)
+    else:
+        cfg = get_config(options.model)
+    return cfg.replace(dropout=options.dropout)
+
+
+def _world_size(options: TrainOptions) -> int:
+    if options.dp is not None:
+        return options.tp * options.pp * options.dp
+    return world_from_env()[0]
+
+
+def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
+    """Check `options` against the model and a world of `world_size` processes (default: tp x pp x dp when dp
+    is given, else the running world); raise TensorparError naming what is wrong, or return the PreparedRun."""
+    o = options
+    check_choices(o)
+    if o.steps < 1:
+        raise TensorparError(f"--steps must be at least 1, got {o.steps}")
+    resume_meta = None
+    if o.resume:
+        if o.init_from:
+            raise TensorparError("--resume and --init-from exclude each other")
+        _, resume_meta = read_meta(o.resume)  # every shard present, complete and unchanged
+        if resume_meta["step"] >= o.steps:
+            raise TensorparError(f"checkpoint '{o.resume}' is at step {resume_meta['step']} and --steps is "
+                                 f"{o.steps}: nothing left to train (--steps is the total step count)")
+    if o.save_every and not o.save:
+        raise TensorparError("--save-every needs --save DIR")
+    if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
+        raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
+    if o.data and not os.path.exists(o.data):
+        raise TensorparError(f"data file '{o.data}' does not exist")
+    cfg = model_config(o)
+    check_model_layout(cfg, o.tp, o.sequence_parallel, o.seq_len)
+    world = world_size if world_size is not None else _world_size(o)
+    _, _, dp = resolve_layout(world, o.tp, o.pp, o.dp)
+    micro = o.micro_batch_size or o.global_batch_size // dp
+    check_batch_layout(o.global_batch_size, dp, micro)
+    if o.pp > 1 or o.virtual_stages > 1:
+        stage_layers(cfg.num_layers, o.pp, o.virtual_stages)
+        build_schedule(o.schedule, o.pp, o.global_batch_size // (dp * micro), o.virtual_stages)
+    resolved = dataclasses.replace(
+        o, dp=dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
+        warmup_steps=min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps)
+    return PreparedRun(resolved, cfg, resume_meta, world)
