@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from harness import Pools
 from tensorpar.models import get_config
+
+from harness import Pools
 
 # 8 layers so that pp=4 with 2 virtual stages splits evenly; 2 KV heads (replicated at tp=4).
 TINY8 = get_config("tiny").replace(hidden_size=64, num_layers=8, ffn_hidden_size=176)

@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tensorpar.layers import vocab_parallel_cross_entropy
+
 from checks import rel_err
 from harness import mesh
-from tensorpar.layers import vocab_parallel_cross_entropy
 
 VOCAB = 1001  # divisible by neither 2, 3 nor 4
 

@@ -11,16 +11,17 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper  # noqa: E402
 
-from harness import mesh  # noqa: E402
-from test_cli import tensorpar  # noqa: E402
-from test_hf import HF_CONFIGS, _hf_model  # noqa: E402
+from tensorpar.checkpoints.sources import load_model_source  # noqa: E402
 from tensorpar.cli import main  # noqa: E402
 from tensorpar.distributed.comm import Group  # noqa: E402
 from tensorpar.errors import TensorparError  # noqa: E402
 from tensorpar.inference.generate import generate, keep_threshold, select_tokens  # noqa: E402
 from tensorpar.inference.kv_cache import KVCache  # noqa: E402
 from tensorpar.models import Transformer, load_full_state_dict  # noqa: E402
-from tensorpar.checkpoints.sources import load_model_source  # noqa: E402
+
+from harness import mesh  # noqa: E402
+from test_cli import tensorpar  # noqa: E402
+from test_hf import HF_CONFIGS, _hf_model  # noqa: E402
 
 NEW = 12
 PROMPTS = [[5, 17, 400, 999, 3, 250, 42], [611, 7, 88]]  # different lengths: the second is left-padded in a batch

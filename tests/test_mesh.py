@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import tensorpar
-from harness import mesh
 from tensorpar.distributed.mesh import group_ranks, resolve_layout
 from tensorpar.errors import LayoutError
+
+from harness import mesh
 
 
 def test_megatron_rank_order_tp_fastest_then_dp_then_pp():

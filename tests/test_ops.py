@@ -7,8 +7,9 @@ gradients are written out from the definitions, so a wrong collective in either 
 import pytest
 import torch
 
-from harness import mesh
 from tensorpar.distributed import ops
+
+from harness import mesh
 
 
 def _t(rank, shape, salt=0.0):

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from checks import rel_err
-from harness import mesh
 from tensorpar.distributed.comm import Group
 from tensorpar.layers.sharding import shard_spec, unshard_tensor
 from tensorpar.models import Transformer, get_config
+
+from checks import rel_err
+from harness import mesh
 
 # tiny: Llama-style, 4 query heads, 2 KV heads (TP=4 replicates each KV head on 2 ranks), vocab 257.
 # tiny-gpt2: LayerNorm, learned positions, biases, tied embeddings, vocab 257.

@@ -197,13 +197,13 @@ def load_toml(path: str, cls, command: str) -> dict:
     out = {}
     for key, value in data.items():
         name = key.replace("-", "_")
+        if isinstance(value, dict):
+            raise TensorparError(f"config file '{path}': [{key}] is a table; options are plain 'key = value' lines")
         if name not in specs:
             close = difflib.get_close_matches(name, specs, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise TensorparError(f"config file '{path}': unknown option '{key}' for tensorpar {command}{hint} "
                                  f"(known: {', '.join(specs)})")
-        if isinstance(value, dict):
-            raise TensorparError(f"config file '{path}': [{key}] is a table; options are plain 'key = value' lines")
         out[name] = _coerce(specs[name], value, f"config file '{path}'")
     return out
 

@@ -1,64 +1,20 @@
-"""The data pipeline: tokenizers, corpus, token files, the split, per-step batches and their layout independence."""
+"""Token files, the train/validation split, per-step batches and their layout independence."""
 
 import numpy as np
 import pytest
 import torch
 
-from tensorpar.data import (ByteTokenizer, HFTokenizer, TokenDataset, check_vocab, default_corpus_text,
-                            eval_windows, load_tokenizer, load_tokens, micro_batches)
+from tensorpar.data import (
+    ByteTokenizer,
+    TokenDataset,
+    check_vocab,
+    eval_windows,
+    load_tokens,
+    micro_batches,
+)
 from tensorpar.errors import LayoutError, TensorparError
 
-TEXT = "Hello, world! Grüße, ünïcödé — 日本語 🙂\nsecond line\n"
-
-
-def test_byte_tokenizer_round_trip():
-    tok = ByteTokenizer()
-    ids = tok.encode(TEXT)
-    assert ids == list(TEXT.encode("utf-8"))
-    assert max(ids) < 256 and tok.vocab_size == 257 and tok.eos_id == 256 and tok.name == "byte"
-    assert tok.decode(ids) == TEXT
-    assert tok.decode(ids + [tok.eos_id]) == TEXT          # EOS ignored
-    assert tok.decode(torch.tensor(ids)) == TEXT
-    assert tok.decode([0xFF]) == "\ufffd"                   # invalid UTF-8 replaced
-
-
-def _write_hf_tokenizer(directory):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT * 3, "the quick brown fox"], trainer)
-    tok.save(str(directory / "tokenizer.json"))
-
-
-def test_hf_tokenizer_and_load_tokenizer(tmp_path):
-    assert isinstance(load_tokenizer(None), ByteTokenizer)
-    assert isinstance(load_tokenizer(str(tmp_path)), ByteTokenizer)   # no tokenizer.json
-    _write_hf_tokenizer(tmp_path)
-    tok = load_tokenizer(str(tmp_path))
-    assert isinstance(tok, HFTokenizer)
-    assert tok.eos_id == tok._tok.token_to_id("</s>")
-    assert tok.vocab_size == tok._tok.get_vocab_size(with_added_tokens=True)
-    ids = tok.encode(TEXT)
-    assert all(0 <= i < tok.vocab_size for i in ids)
-    assert tok.decode(ids) == TEXT
-
-
-def test_hf_tokenizer_missing_file(tmp_path):
-    with pytest.raises(TensorparError, match="tokenizer.json"):
-        HFTokenizer(str(tmp_path / "tokenizer.json"))
-
-
-def test_default_corpus():
-    text = default_corpus_text()
-    assert len(text.encode("utf-8")) > 100_000
-    assert text == default_corpus_text()
-    tokens = load_tokens(None, ByteTokenizer())
-    assert tokens.dtype == np.int64 and tokens.ndim == 1 and tokens.size == len(text.encode("utf-8"))
+from test_tokenizer import TEXT
 
 
 def test_file_formats_give_identical_ids(tmp_path):

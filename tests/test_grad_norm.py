@@ -1,4 +1,4 @@
-"""Training utilities: the LR schedule, AdamW groups, and the dense-model gradient norm from TP/PP shards."""
+"""The dense model's gradient norm and clipping, from TP/PP-sharded gradients."""
 
 import copy
 import math
@@ -7,125 +7,16 @@ import pytest
 import torch
 from torch import nn
 
+from tensorpar.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from tensorpar.layers.sharding import ShardSpec, shard_spec, shard_tensor, tag
+from tensorpar.optim import clip_grad_norm_, global_grad_norm
+
 from checks import rel_err
 from harness import mesh
-from tensorpar.errors import TensorparError
-from tensorpar.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from tensorpar.layers.sharding import ShardSpec, shard_spec, shard_tensor, tag
-from tensorpar.optim import build_optimizer, clip_grad_norm_, global_grad_norm, lr_at, set_lr
-
-# -- schedule (in process) -----------------------------------------------------------------------
-
-SCHED = dict(max_lr=1.0, min_lr=0.1, warmup_steps=5, total_steps=15)  # peak at step 4, floor at step 14
-
-
-def test_lr_warmup_is_linear_from_max_over_warmup_to_max():
-    assert lr_at(0, **SCHED) == pytest.approx(1.0 / 5)
-    assert lr_at(2, **SCHED) == pytest.approx(3.0 / 5)
-    assert lr_at(4, **SCHED) == pytest.approx(1.0)  # step warmup_steps - 1
-
-
-def test_lr_cosine_midpoint_end_and_after():
-    assert lr_at(9, **SCHED) == pytest.approx((1.0 + 0.1) / 2)  # halfway between step 4 and step 14
-    assert lr_at(14, **SCHED) == pytest.approx(0.1)
-    assert lr_at(15, **SCHED) == 0.1 and lr_at(1000, **SCHED) == 0.1
-    lrs = [lr_at(s, **SCHED) for s in range(4, 15)]
-    assert all(a > b for a, b in zip(lrs, lrs[1:])), "cosine decay must be strictly decreasing"
-
-
-def test_lr_without_warmup_starts_at_max():
-    sched = dict(max_lr=2.0, min_lr=0.0, warmup_steps=0, total_steps=11)
-    assert lr_at(0, **sched) == pytest.approx(2.0)
-    assert lr_at(5, **sched) == pytest.approx(1.0)
-    assert lr_at(10, **sched) == pytest.approx(0.0)
-    # on a schedule of 9 steps (0..8) step 2 is a quarter of the way: max * (1 + cos(pi/4)) / 2
-    quarter = 0.5 * 2.0 * (1 + math.cos(math.pi / 4))
-    assert lr_at(2, max_lr=2.0, min_lr=0.0, warmup_steps=0, total_steps=9) == pytest.approx(quarter)
-    assert lr_at(2, **dict(sched, warmup_steps=1)) == lr_at(2, **sched)  # warmup 1 == no warmup
-
-
-@pytest.mark.parametrize(
-    "kwargs, words",
-    [
-        (dict(step=-1), "step must be >= 0"),
-        (dict(max_lr=-1.0, min_lr=-2.0), "max_lr must be >= 0"),
-        (dict(min_lr=-0.1), "min_lr must be >= 0"),
-        (dict(warmup_steps=-3), "warmup_steps must be >= 0"),
-        (dict(min_lr=2.0), "min_lr (2.0) must not exceed max_lr (1.0)"),
-        (dict(total_steps=0), "total_steps must be >= 1"),
-        (dict(warmup_steps=20), "warmup_steps (20) must not exceed total_steps (15)"),
-        (dict(step=1.5), "step must be an integer"),
-    ],
-)
-def test_lr_at_refuses_bad_arguments(kwargs, words):
-    args = dict(SCHED, step=0)
-    args.update(kwargs)
-    step = args.pop("step")
-    with pytest.raises(TensorparError) as e:
-        lr_at(step, **args)
-    assert words in str(e.value)
-
-
-def test_set_lr_sets_every_group():
-    opt = build_optimizer(nn.Linear(3, 2), lr=1.0, weight_decay=0.1)
-    set_lr(opt, lr_at(0, **SCHED))
-    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.2)] * 2
-    with pytest.raises(TensorparError):
-        set_lr(opt, -1.0)
-
-
-# -- optimizer (in process) ----------------------------------------------------------------------
-
-
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.fc = nn.Linear(4, 6)
-        self.norm = nn.LayerNorm(6)
-        self.head = nn.Linear(6, 3, bias=False)
-        self.frozen = nn.Linear(3, 3)
-        self.frozen.requires_grad_(False)
-
-
-def test_build_optimizer_decays_matrices_and_embeddings_only():
-    model = Tiny()
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6)
-    assert isinstance(opt, torch.optim.AdamW)
-    names = {id(p): n for n, p in model.named_parameters()}
-    decay, no_decay = ([names[id(p)] for p in g["params"]] for g in opt.param_groups)
-    assert decay == ["emb.weight", "fc.weight", "head.weight"]
-    assert no_decay == ["fc.bias", "norm.weight", "norm.bias"]
-    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    g = opt.param_groups[0]
-    assert (g["lr"], g["betas"], g["eps"], g["foreach"], g["fused"]) == (1e-3, (0.8, 0.9), 1e-6, True, False)
-
-    # a step equals plain AdamW with the same groups
-    ref = copy.deepcopy(model)
-    torch.manual_seed(0)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        if p.requires_grad:
-            p.grad = torch.randn_like(p)
-            q.grad = p.grad.clone()
-    ref_opt = torch.optim.AdamW(
-        [
-            {"params": [ref.emb.weight, ref.fc.weight, ref.head.weight], "weight_decay": 0.1},
-            {"params": [ref.fc.bias, ref.norm.weight, ref.norm.bias], "weight_decay": 0.0},
-        ],
-        lr=1e-3, betas=(0.8, 0.9), eps=1e-6, foreach=False,
-    )
-    opt.step()
-    ref_opt.step()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), name
-
-
-def test_build_optimizer_refuses_a_model_without_trainable_parameters():
-    with pytest.raises(TensorparError, match="no trainable parameters"):
-        build_optimizer(nn.Linear(2, 2).requires_grad_(False), lr=1e-3, weight_decay=0.1)
-
-
-# -- gradient norm on one rank (in process) ------------------------------------------------------
 
 
 def _one_rank_mesh():
@@ -155,8 +46,6 @@ def test_grad_norm_on_one_rank_matches_torch_in_fp32_for_half_grads():
     assert global_grad_norm([a, b, c], m).item() == pytest.approx(expected / 2, rel=1e-2)  # half-precision grads
     assert global_grad_norm([], m).item() == 0.0
 
-
-# -- gradient norm across ranks ------------------------------------------------------------------
 
 H, VOCAB, HEAD_DIM = 12, 1001, 4
 

@@ -1,19 +1,10 @@
 """Pipeline schedules as data: completeness, Megatron-LM's order, simulated bubble = formula,
-activation memory, deadlock detection, and the pictures. In-process, no ranks."""
-
-import json
-from types import SimpleNamespace
+activation memory, deadlock detection. In-process, no ranks.
+"""
 
 import pytest
 
-from tensorpar.commands.plan import run_schedule_command
 from tensorpar.errors import LayoutError, TensorparError
-from tensorpar.parallel.pipeline_view import (
-    measured_bubble,
-    render_measured,
-    render_png,
-    render_text,
-)
 from tensorpar.parallel.pipeline_schedules import (
     Action,
     afab,
@@ -175,51 +166,3 @@ def test_deadlock_is_detected():
         simulate([[F(0), F(1), B(0)]])
     with pytest.raises(TensorparError, match="twice"):
         simulate([[F(0), F(0), B(0)]])
-
-
-def test_render_text():
-    tl = simulate(one_f_one_b(4, 8), name="1f1b")
-    text = render_text(tl)
-    for r in range(4):
-        assert f"rank {r} |" in text
-    assert "F7" in text and "B7" in text and "." in text
-    assert "bubble fraction: simulated 0.2727" in text and "3/11" in text
-    row3 = [line for line in text.splitlines() if line.startswith("rank 3 |")][0]
-    assert row3.startswith("rank 3 |.........F0 B0    F1 B1")
-    text = render_text(simulate(interleaved(4, 8, 2)), width=80)
-    rows = [line for line in text.splitlines() if line.startswith("rank")]
-    assert len(rows) == 4 and all(len(line) <= 80 for line in rows)
-    assert "3/19" in text
-    wide = render_text(simulate(interleaved(2, 4, 2)))
-    assert "F0a" in wide and "B0b" in wide
-
-
-def test_render_png_and_measured(tmp_path):
-    path = render_png(simulate(interleaved(2, 4, 2)), str(tmp_path / "a" / "s.png"), "interleaved")
-    data = open(path, "rb").read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
-    events = [[("F", 0, 0, 10.0, 11.0), ("B", 0, 0, 13.0, 15.0)],
-              [("F", 0, 0, 11.0, 12.0), ("B", 0, 0, 12.0, 13.0)]]
-    assert measured_bubble(events) == pytest.approx(1 - 5 / 10)
-    out = render_measured(events, str(tmp_path / "m.png"), "measured")
-    assert open(out, "rb").read()[:4] == b"\x89PNG"
-    with pytest.raises(TensorparError):
-        measured_bubble([[], []])
-
-
-def test_run_schedule_command(tmp_path, capsys, monkeypatch):
-    args = SimpleNamespace(schedule="interleaved", pp=4, microbatches=8, virtual_stages=2,
-                           png=str(tmp_path / "i.png"), json=True)
-    assert run_schedule_command(args) == 0
-    rec = json.loads(capsys.readouterr().out)
-    assert rec["schedule"] == "interleaved" and rec["pp"] == 4 and rec["virtual_stages"] == 2
-    assert rec["bubble_fraction"] == pytest.approx(3 / 19) and rec["theoretical_bubble"] == 3 / 19
-    assert rec["peak_in_flight"] == [11, 9, 7, 5]
-    assert (tmp_path / "i.png").stat().st_size > 0
-    monkeypatch.chdir(tmp_path)
-    args = SimpleNamespace(schedule="1f1b", pp=2, microbatches=4, virtual_stages=None, png=None, json=False)
-    assert run_schedule_command(args) == 0
-    out = capsys.readouterr().out
-    assert "rank 0 |" in out and "rank 1 |" in out and "bubble fraction" in out
-    assert "runs/schedule-1f1b-pp2-m4.png" in out
-    assert (tmp_path / "runs" / "schedule-1f1b-pp2-m4.png").stat().st_size > 0

@@ -1,9 +1,13 @@
-"""End-to-end training: any TP/SP/DP layout follows the single-device loss and grad-norm trajectory."""
+"""End-to-end training: any TP/SP/PP/DP/ZeRO layout follows the single-device loss and grad-norm trajectory
+(and, for 3D layouts, ends with the same weights); recomputation exact, dropout reproducible, bf16 close.
+"""
 
 import pytest
 
-from harness import mesh  # noqa: F401  (imported so workers share the harness module)
 from tensorpar.training import TrainOptions, train
+
+import layout_runs
+from harness import mesh  # noqa: F401  (imported so workers share the harness module)
 
 BASE = dict(model="tiny", steps=20, seed=3, global_batch_size=8, micro_batch_size=4, seq_len=32, lr=3e-3,
             warmup_steps=5, val_every=0, progress=False, metrics=None, out_dir=None, device="cpu")
@@ -81,14 +85,40 @@ def test_bf16_trains_close_to_fp32(pools, reference):
     assert bf16[-1][0] < bf16[0][0] - 1.0
 
 
-@pytest.mark.parametrize("device_name,key", [("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H200", "h200"),
-                                             ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb")])
-def test_mfu_peak_of_a_gpu_comes_from_the_planner_catalog(monkeypatch, device_name, key):
-    import torch
+@pytest.fixture(scope="module")
+def reference_3d(pools, config_file):
+    return pools(1).run(layout_runs.run, config_file)[0]
 
-    from tensorpar.planning.hardware import GPUS
-    from tensorpar.training.mfu import peak_flops
 
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
-    for dtype in ("bf16", "fp32"):
-        assert peak_flops(torch.device("cuda", 0), dtype) == (GPUS[key].peak(dtype), f"{key} datasheet")
+LAYOUTS = [
+    dict(tp=2, pp=2, schedule="afab"),
+    dict(tp=2, pp=2, schedule="1f1b"),
+    dict(tp=2, pp=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True),
+    dict(tp=1, pp=2, dp=2, schedule="1f1b", zero=0),
+    dict(tp=1, pp=2, dp=2, schedule="afab", zero=1),
+    dict(tp=1, pp=2, dp=2, schedule="interleaved", virtual_stages=2, zero=2),
+    dict(tp=2, dp=2, zero=0),
+    dict(tp=2, dp=2, zero=1),
+    dict(tp=2, dp=2, zero=2),
+    dict(pp=4, schedule="afab"),
+    dict(pp=4, schedule="1f1b"),
+    dict(pp=4, schedule="interleaved", virtual_stages=2),
+    dict(dp=4, zero=0),
+    dict(dp=4, zero=1),
+    dict(dp=4, zero=2, micro_batch_size=2),
+]
+
+
+def _id(layout):
+    return "-".join(f"{k}{v}" if k not in ("schedule",) else v for k, v in layout.items())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[_id(lay) for lay in LAYOUTS])
+def test_3d_layouts_train_like_one_process(pools, config_file, reference_3d, layout):
+    layout = {"tp": 1, "pp": 1, "dp": 4 // (layout.get("tp", 1) * layout.get("pp", 1)), **layout}
+    layout_runs.assert_same_training(pools(4).run(layout_runs.run, config_file, **layout), reference_3d)
+
+
+def test_reference_learns(reference_3d):
+    losses = [loss for loss, _ in reference_3d["trajectory"]]
+    assert losses[-1] < losses[0] - 0.5

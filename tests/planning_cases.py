@@ -1,0 +1,17 @@
+"""Model configs shared by the planning tests (and tests/planning_report.py)."""
+
+from __future__ import annotations
+
+from tensorpar.models.config import get_config
+
+WORLD = 4  # one pool of 4 gloo processes for every check: TP 2 runs as 2 TP groups x DP 2, TP 4 as one
+
+
+GPT2_SHAPE = get_config("gpt2-124m").replace(num_layers=2)  # GPT-2 124M's widths and vocabulary, 2 layers
+
+
+CONFIGS = {
+    "tiny": get_config("tiny").replace(num_layers=2),  # Llama-style, 4 heads / 2 KV heads (replicated at TP 4)
+    "tiny-gpt2": get_config("tiny-gpt2").replace(num_layers=2),  # LayerNorm, biases, learned positions, tied
+    "gpt2-124m-2l": GPT2_SHAPE,
+}

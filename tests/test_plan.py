@@ -1,0 +1,72 @@
+"""`tensorpar plan`: the layout table, JSON and pictures, its errors, and schedule mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tensorpar.commands import plan as plan_command
+from tensorpar.commands.plan import run_schedule_command
+
+
+def _main(*args):
+    from tensorpar.cli import main
+
+    return main(["plan", *args])
+
+
+def test_plan_command_text_json_and_pngs(capsys, tmp_path):
+    base = ["--model", "llama-8b", "--gpus", "16", "--gpu", "h100-80gb", "--seq-len", "4096",
+            "--global-batch-size", "256"]
+    assert _main(*base, "--top", "3", "--png", str(tmp_path / "plan.png")) == 0
+    out = capsys.readouterr().out
+    assert "searched" in out and "feasible" in out and "tokens/s" in out and "exceed the GPU memory" in out
+    assert (tmp_path / "plan.png").stat().st_size > 0 and (tmp_path / "plan-heatmap.png").stat().st_size > 0
+    assert _main(*base, "--json", "--top", "2", "--inter-bandwidth", "25", "--mfu-ceiling", "0.5") == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["feasible"] for r in rows] == [True, True, False, False]
+    assert rows[0]["tokens_per_s"] >= rows[1]["tokens_per_s"] and rows[2]["reason"].startswith("exceeds memory")
+    assert set(rows[0]["memory"]) >= {"parameters", "gradients", "optimizer", "activations", "total"}
+
+
+def test_plan_command_errors_and_schedule_mode(capsys, monkeypatch):
+    assert _main("--model", "tiny") == 2
+    assert "plan needs --gpus, --gpu, --seq-len, --global-batch-size" in capsys.readouterr().err
+    assert _main("--model", "tiny", "--gpus", "2", "--gpu", "tpu", "--seq-len", "8", "--global-batch-size", "2") == 2
+    assert "unknown GPU 'tpu'; known GPUs:" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr(plan_command, "run_schedule_command", lambda args: seen.update(vars(args)) or 0)
+    assert _main("--schedule", "interleaved", "--pp", "4", "--microbatches", "8", "--virtual-stages", "2") == 0
+    assert _main("--schedule", "1f1b", "--pp", "4") == 2
+    assert "--schedule 1f1b needs --microbatches" in capsys.readouterr().err
+    assert (seen["schedule"], seen["pp"], seen["microbatches"], seen["virtual_stages"]) == ("interleaved", 4, 8, 2)
+
+
+def test_python_m_tensorpar_plan():
+    proc = subprocess.run([sys.executable, "-m", "tensorpar", "plan", "--model", "tiny", "--gpus", "8", "--gpu", "a100",
+                           "--seq-len", "256", "--global-batch-size", "32", "--top", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("\n") > 5 and "a100-80gb" in proc.stdout
+
+
+def test_run_schedule_command(tmp_path, capsys, monkeypatch):
+    args = SimpleNamespace(schedule="interleaved", pp=4, microbatches=8, virtual_stages=2,
+                           png=str(tmp_path / "i.png"), json=True)
+    assert run_schedule_command(args) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["schedule"] == "interleaved" and rec["pp"] == 4 and rec["virtual_stages"] == 2
+    assert rec["bubble_fraction"] == pytest.approx(3 / 19) and rec["theoretical_bubble"] == 3 / 19
+    assert rec["peak_in_flight"] == [11, 9, 7, 5]
+    assert (tmp_path / "i.png").stat().st_size > 0
+    monkeypatch.chdir(tmp_path)
+    args = SimpleNamespace(schedule="1f1b", pp=2, microbatches=4, virtual_stages=None, png=None, json=False)
+    assert run_schedule_command(args) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 |" in out and "rank 1 |" in out and "bubble fraction" in out
+    assert "runs/schedule-1f1b-pp2-m4.png" in out
+    assert (tmp_path / "runs" / "schedule-1f1b-pp2-m4.png").stat().st_size > 0

@@ -1,0 +1,166 @@
+"""The planner's communication model: alpha-beta times, and predicted bytes per (op, group) EQUAL what
+`CommStats` counts for the model's forward/backward (TP 2 and 4, SP on/off, full recomputation, bf16 autocast),
+a whole training step with DP and ZeRO 0/1/2, and pipelined steps; the parameters each rank holds equal the
+planner's list.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorpar.models.config import get_config
+from tensorpar.planning import comm, hardware, memory, precision
+from tensorpar.planning import params as planned_params
+from tensorpar.planning.layout import Layout
+
+from harness import mesh as harness_mesh
+from planning_cases import CONFIGS, GPT2_SHAPE, WORLD  # noqa: F401
+
+
+def test_alpha_beta_formulas():
+    link = hardware.Link(100e9, 5e-6)
+    B, n = 64e6, 8
+    ring = lambda op: comm.collective_time(op, B, n, link, "ring")  # noqa: E731
+    tree = lambda op: comm.collective_time(op, B, n, link, "tree")  # noqa: E731
+    assert ring("all_reduce") == pytest.approx(2 * 7 * (5e-6 + B / (8 * 100e9)))
+    assert ring("all_gather") == ring("reduce_scatter") == pytest.approx(7 * (5e-6 + B / (8 * 100e9)))
+    assert ring("all_reduce") == pytest.approx(ring("all_gather") + ring("reduce_scatter"))
+    assert tree("all_reduce") == pytest.approx(2 * 3 * (5e-6 + B / 100e9))
+    assert tree("broadcast") == tree("reduce") == pytest.approx(3 * (5e-6 + B / 100e9))
+    assert comm.collective_time("send", B, n, link) == pytest.approx(5e-6 + B / 100e9)
+    assert comm.collective_time("all_reduce", B, 1, link) == 0.0
+    # small messages: the tree's log2(n) latency wins; large ones: the ring's bandwidth
+    assert comm.collective_time("all_reduce", 8, 64, link) == comm.collective_time("all_reduce", 8, 64, link, "tree")
+    assert comm.collective_time("all_reduce", B, 64, link) == comm.collective_time("all_reduce", B, 64, link, "ring")
+
+
+def check_model_comm_and_params(tp, config, sp, recompute, bf16):
+    """One micro-batch forward/backward: counted bytes per (op, group), and the local parameters."""
+    from tensorpar.models import Transformer
+
+    cfg = CONFIGS[config]
+    m = harness_mesh(tp=tp, dp=WORLD // tp)
+    torch.manual_seed(0)
+    B, S = 2, 16
+    ids = torch.randint(0, cfg.vocab_size, (B, S))
+    targets = torch.randint(0, cfg.vocab_size, (B, S))
+    model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1)
+    model.train()
+    m.stats.reset()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
+    with ctx:
+        loss = model(ids, targets)
+    loss.backward()
+    counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
+    predicted = comm.comm_bytes_per_step(cfg, Layout(tp=tp, sequence_parallel=sp, recompute=recompute), B, S, 4,
+                                         matmul_dtype_bytes=2 if bf16 else 4)
+    params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    return counted, predicted, params, grads
+
+
+COMM_CASES = [
+    (2, "tiny", False, "none", False),
+    (2, "tiny", True, "none", False),
+    (2, "tiny-gpt2", False, "none", False),
+    (2, "tiny-gpt2", True, "full", True),
+    (2, "gpt2-124m-2l", True, "none", True),
+    (4, "tiny", False, "none", False),  # 2 KV heads at TP 4: replicated, gradients summed
+    (4, "tiny", True, "full", False),
+    (4, "tiny", False, "none", True),
+    (4, "tiny-gpt2", True, "none", False),
+    (4, "tiny-gpt2", False, "full", True),
+    (4, "gpt2-124m-2l", False, "none", False),  # vocabulary 50257 padded to 50260
+]
+
+
+@pytest.mark.parametrize("tp,config,sp,recompute,bf16", COMM_CASES)
+def test_predicted_comm_bytes_equal_counted_and_parameters_match(pools, tp, config, sp, recompute, bf16):
+    cfg = CONFIGS[config]
+    expected_params = planned_params.local_parameters(cfg, tp)
+    for rank, (counted, predicted, params, grads) in enumerate(pools(WORLD).run(
+            check_model_comm_and_params, tp, config, sp, recompute, bf16)):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+        assert params == expected_params, f"rank {rank}: parameters differ from the prediction"
+        assert grads == precision.PRECISIONS["tensorpar-fp32"].grad_bytes * planned_params.parameter_count(cfg, tp)
+
+
+def check_training_step_comm(zero, micro_batches):
+    """A trainer step (tensorpar.training.trainer.train's loop body) at tp=2 x dp=2."""
+    from tensorpar.models import Transformer
+    from tensorpar.parallel.data_parallel import DistributedOptimizer
+
+    cfg = CONFIGS["tiny-gpt2"]
+    m = harness_mesh(tp=2, dp=2)
+    torch.manual_seed(m.dp_rank)
+    B, S = 2, 16
+    model = Transformer(cfg, m, sequence_parallel=True, seed=1)
+    model.train()
+    opt = DistributedOptimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
+    m.stats.reset()
+    opt.begin_step(micro_batches)
+    step_loss = torch.zeros(())
+    for _ in range(micro_batches):
+        ids = torch.randint(0, cfg.vocab_size, (B, S))
+        loss = model(ids, ids.roll(-1, 1))
+        (loss / micro_batches).backward()
+        step_loss += loss.detach() / micro_batches
+    opt.finish_backward()
+    opt.clip_and_step(1.0)
+    m.dp_group.all_reduce(step_loss)
+    counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
+    layout = Layout(tp=2, dp=2, sequence_parallel=True, micro_batch_size=B, zero=zero)
+    colls = comm.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024)
+    return counted, comm.sum_bytes(colls)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_predicted_training_step_comm_equals_counted(pools, zero):
+    for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2)):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+
+
+def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
+    """A pipelined trainer step (PipelineRunner + DistributedOptimizer), as tensorpar.training.trainer runs it."""
+    from tensorpar.models import Transformer
+    from tensorpar.parallel.data_parallel import DistributedOptimizer
+    from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
+
+    cfg = get_config("tiny-gpt2")  # 4 layers: tied embeddings on the first and last stage, learned positions
+    m = harness_mesh(tp=tp, pp=pp, dp=dp)
+    chunks = rank_layers(cfg.num_layers, pp, m.pp_rank, v)
+    model = Transformer(cfg, m, sequence_parallel=sp, seed=1, layers=[i for c in chunks for i in c],
+                        first_stage=m.pp_rank == 0, last_stage=m.pp_rank == pp - 1)
+    model.train()
+    B, S, micro_batches = 2, 16, 4
+    opt = DistributedOptimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
+    runner = PipelineRunner(model, m, schedule, v, micro_batches, (B, S // tp if sp else S, cfg.hidden_size))
+    torch.manual_seed(m.dp_rank)
+    batches = [torch.randint(0, cfg.vocab_size, (B, S + 1)) for _ in range(micro_batches)]
+    m.stats.reset()
+    opt.begin_step(micro_batches)
+    step_loss = torch.zeros(()) + runner.train_step(batches, lambda i: i)
+    opt.finish_backward()
+    opt.clip_and_step(1.0)
+    m.dp_group.all_reduce(step_loss)
+    counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
+    layout = Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, micro_batch_size=B, zero=zero, virtual_stages=v)
+    colls = comm.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024)
+    params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
+    expected = planned_params.local_parameters(cfg, tp, pp, m.pp_rank, v)
+    return counted, comm.sum_bytes(colls), params, expected, runner.peak_in_flight, m.pp_rank
+
+
+PIPELINE_CASES = [(2, 2, 1, "1f1b", 1, 0, True), (1, 2, 2, "interleaved", 2, 1, False), (1, 4, 1, "afab", 1, 0, False)]
+
+
+@pytest.mark.parametrize("tp,pp,dp,schedule,v,zero,sp", PIPELINE_CASES)
+def test_predicted_pipeline_step_comm_equals_counted(pools, tp, pp, dp, schedule, v, zero, sp):
+    layout = Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v)
+    for rank, (counted, predicted, params, expected, peak, stage) in enumerate(pools(WORLD).run(
+            check_pipeline_step_comm, tp, pp, dp, schedule, v, zero, sp)):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+        assert params == expected, f"rank {rank}: parameters differ from the prediction"
+        if schedule != "afab":  # the memory model's chunk-forwards in flight (1F1B / interleaved)
+            assert peak == memory.in_flight(layout, 4, stage), f"rank {rank}: {peak} in flight"

@@ -1,0 +1,23 @@
+"""Training runs are validated before any process group exists."""
+
+import pytest
+
+from tensorpar.training import TrainOptions
+
+from layout_runs import BASE
+
+
+def test_bad_pipeline_layouts_are_refused(config_file):
+    from tensorpar.errors import LayoutError
+    from tensorpar.training import validate
+
+    bad = [
+        (dict(pp=3, dp=1), "8 layers cannot be split evenly into pp=3"),
+        (dict(pp=2, virtual_stages=3, dp=1), "pp=2 x virtual stages=3"),
+        (dict(pp=2, schedule="interleaved", virtual_stages=2, dp=1, global_batch_size=3, micro_batch_size=1),
+         "multiple of the pipeline-parallel size 2"),
+    ]
+    for overrides, needle in bad:
+        args = TrainOptions(model=config_file, **{**BASE, **overrides})
+        with pytest.raises(LayoutError, match=needle.replace("*", r"\*")):
+            validate(args)
