@@ -54,7 +54,7 @@ share of the model, and no communication time:
 ``bubble`` here is the fraction of the pipeline's rank-time that is idle:
 ``1 - busy / (pp * makespan)``, the quantity :func:`simulate` reports.
 :func:`simulate` reproduces these values exactly with ``forward_time=1, backward_time=2``
-(``tests/test_schedules.py`` checks a grid). In :func:`simulate` the times are per action, i.e.
+(``tests/test_pipeline_schedules.py`` checks a grid). In :func:`simulate` the times are per action, i.e.
 per chunk for interleaved schedules; the bubble fraction does not depend on that scale.
 """
 

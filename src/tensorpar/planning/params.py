@@ -1,6 +1,6 @@
 """The parameters tensorpar's Transformer holds on one rank of any layout: names, sizes, counts.
 
-These equal `model.named_parameters()` of the real model (tests/test_planning_params.py builds it and
+These equal `model.named_parameters()` of the real model (tests/test_planning_comm.py builds it and
 compares): the vocabulary padded to a multiple of tp, KV heads replicated when fewer than tp, norms
 and row-parallel biases replicated, a tied embedding on the first stage and (as the head's copy) on
 the last.
