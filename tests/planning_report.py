@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.planning import memory, precision
+from tensorpar.planning import memory, precision_recipes
 from tensorpar.planning import search as search_mod
 from tensorpar.planning.layout import Layout
 
 from planning_cases import CONFIGS, WORLD
-from test_planning_comm import (
+from test_planning_communication import (
     COMM_CASES,
     PIPELINE_CASES,
     check_model_comm_and_params,
@@ -67,7 +67,7 @@ def _report() -> None:  # pragma: no cover - run as a script
         print("\n## Parameters, gradients, AdamW states per rank (bytes): predicted vs real tensors\n")
         print("| model | tp | parameters (pred / real) | gradients (pred / real) | AdamW states (pred / real) |")
         print("|---|---|---|---|---|")
-        prec = precision.PRECISIONS["tensorpar-fp32"]
+        prec = precision_recipes.PRECISIONS["tensorpar-fp32"]
         for config in ("tiny", "gpt2-124m-2l"):
             for tp in (1, 2, 4):
                 mb = memory.stage_memory(CONFIGS[config], Layout(tp=tp), 8, 1, prec)

@@ -13,7 +13,7 @@ from tensorpar.models import get_config  # noqa: E402
 from test_hf import HF_CONFIGS, LLAMA3_ROPE, _gpt2, _llama, hf_models  # noqa: F401  (hf_models: a fixture)
 
 
-def test_config_mapping(hf_models):
+def test_config_mapping(hf_models):  # noqa: F811 - the fixture imported from test_hf
     cfg = load_hf_folder(hf_models["gpt2"][0])[0]
     assert (cfg.family, cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.kv_heads) == \
         ("gpt2", 1001, 64, 2, 4, 4)

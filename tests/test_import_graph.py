@@ -120,6 +120,15 @@ def test_tensorpar_imports_sit_at_the_top_of_their_module():
     assert import_edges()[1] == []
 
 
+def test_no_two_modules_share_a_name():
+    """A newcomer looking for `checkpoint.py` or `schedule.py` finds one file, not two in different packages."""
+    seen: dict[str, list[str]] = {}
+    for name, path in sources().items():
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(name)
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
 def test_every_package_is_placed():
     assert {package_of(m) for m in sources()} <= set(LEVEL)
 

@@ -10,7 +10,7 @@ from harness import mesh  # noqa: F401  (imported so workers share the harness m
 def test_mfu_peak_of_a_gpu_comes_from_the_planner_catalog(monkeypatch, device_name, key):
     import torch
 
-    from tensorpar.planning.hardware import GPUS
+    from tensorpar.config.hardware import GPUS
     from tensorpar.training.mfu import peak_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)

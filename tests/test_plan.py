@@ -70,3 +70,10 @@ def test_run_schedule_command(tmp_path, capsys, monkeypatch):
     assert "rank 0 |" in out and "rank 1 |" in out and "bubble fraction" in out
     assert "runs/schedule-1f1b-pp2-m4.png" in out
     assert (tmp_path / "runs" / "schedule-1f1b-pp2-m4.png").stat().st_size > 0
+
+
+def test_plan_precision_choices_are_the_planners_recipes():
+    from tensorpar.config.choices import PLAN_PRECISIONS
+    from tensorpar.planning.precision_recipes import PRECISIONS
+
+    assert tuple(PRECISIONS) == PLAN_PRECISIONS

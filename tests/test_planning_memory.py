@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tensorpar.models.config import ModelConfig
-from tensorpar.planning import memory, precision
+from tensorpar.planning import memory, precision_recipes
 from tensorpar.planning import params as planned_params
 from tensorpar.planning.layout import Layout
 
@@ -44,7 +44,7 @@ def check_parameter_memory(tp, config):
 @pytest.mark.parametrize("config", ["tiny", "gpt2-124m-2l"])
 def test_parameter_gradient_optimizer_bytes_equal_real_tensors(pools, tp, config):
     cfg = CONFIGS[config]
-    prec = precision.PRECISIONS["tensorpar-fp32"]
+    prec = precision_recipes.PRECISIONS["tensorpar-fp32"]
     params = planned_params.local_parameters(cfg, tp)
     mb = memory.stage_memory(cfg, Layout(tp=tp), 8, 1, prec)
     results = [check_parameter_memory(tp, config)] if tp == 1 else pools(WORLD).run(check_parameter_memory, tp, config)

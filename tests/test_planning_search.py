@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from tensorpar.models.config import ModelConfig, get_config
-from tensorpar.planning import compute, hardware
+from tensorpar.planning import cluster, compute
 from tensorpar.planning import search as search_mod
 from tensorpar.planning.layout import Layout
 
@@ -18,7 +18,7 @@ from planning_cases import CONFIGS, GPT2_SHAPE, WORLD  # noqa: F401
 
 
 def test_search_ranks_feasible_first_and_explains_the_rest():
-    cl = hardware.make_cluster("a100-40gb", 8, memory_gib=16)
+    cl = cluster.make_cluster("a100-40gb", 8, memory_gib=16)
     plans = search_mod.search(get_config("gpt2-774m"), cl, 1024, 64)  # 20 heads, 36 layers
     feasible = [p for p in plans if p.feasible]
     assert feasible and not plans[0].reason
@@ -57,7 +57,7 @@ FULL_SPACE = dict(virtual_stages=(1, 2), max_micro_batch=8)
 
 def published_prediction(cfg, gpus, batch, layout):
     # A100-80GB DGX nodes; their data-parallel all-reduce ran after the pipeline flush: no overlap.
-    cl = hardware.make_cluster("a100-80gb", gpus, overlap=0.0)
+    cl = cluster.make_cluster("a100-80gb", gpus, overlap=0.0)
     plan = search_mod.evaluate(cfg, layout, cl, 2048, batch, "mixed-bf16", flash_attention=False)
     # Their teraFLOP/s use eq. 3 of the paper (full recomputation counted); so does our step time here.
     return plan, compute.megatron_flops_per_step(cfg, batch, 2048) / (gpus * plan.time.step_time_s), cl

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tensorpar.models.config import get_config
-from tensorpar.planning import hardware, step_time
+from tensorpar.planning import cluster, step_time
 from tensorpar.planning.layout import Layout
 
 from planning_cases import CONFIGS, GPT2_SHAPE, WORLD  # noqa: F401
@@ -13,12 +13,12 @@ from planning_cases import CONFIGS, GPT2_SHAPE, WORLD  # noqa: F401
 
 def test_step_time_model_bubble_flops_and_mfu():
     cfg = get_config("llama-8b")
-    cl = hardware.make_cluster("h100-80gb", 64)
+    cl = cluster.make_cluster("h100-80gb", 64)
     for v, expected in ((1, 3 / (32 + 3)), (2, 3 / (64 + 3))):
         t = step_time.predict_step_time(cfg, Layout(tp=8, pp=4, dp=2, micro_batch_size=1, virtual_stages=v),
                                         cl, 4096, 64, "mixed-bf16")
         assert t.num_micro_batches == 32 and t.bubble_fraction == pytest.approx(expected)
-    one = hardware.make_cluster("h100-80gb", 1)
+    one = cluster.make_cluster("h100-80gb", 1)
     small = get_config("llama-1b")
     t = step_time.predict_step_time(small, Layout(), one, 2048, 4, "mixed-bf16")
     from tensorpar.models.flops import train_flops_per_token
@@ -29,7 +29,7 @@ def test_step_time_model_bubble_flops_and_mfu():
     # recomputation costs time, TP over nodes costs more than within
     full = step_time.predict_step_time(small, Layout(recompute="full"), one, 2048, 4, "mixed-bf16")
     assert full.recompute_s > 0 and full.step_time_s > t.step_time_s
-    intra = step_time.predict_step_time(cfg, Layout(tp=8, dp=2), hardware.make_cluster("h100", 16), 4096, 32)
-    inter = step_time.predict_step_time(cfg, Layout(tp=8, dp=2), hardware.make_cluster("h100", 16, gpus_per_node=4),
+    intra = step_time.predict_step_time(cfg, Layout(tp=8, dp=2), cluster.make_cluster("h100", 16), 4096, 32)
+    inter = step_time.predict_step_time(cfg, Layout(tp=8, dp=2), cluster.make_cluster("h100", 16, gpus_per_node=4),
                                         4096, 32)
     assert inter.tp_comm_s > 5 * intra.tp_comm_s

@@ -19,7 +19,7 @@ from tensorpar.data import check_vocab, eval_windows, load_tokenizer, load_token
 from tensorpar.distributed.mesh import init_mesh
 from tensorpar.errors import TensorparError
 from tensorpar.models import Transformer, load_full_state_dict
-from tensorpar.models.layout import check_model_layout
+from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.training.evaluate import evaluate
 
 

@@ -24,9 +24,9 @@ from tensorpar.data import load_tokenizer
 from tensorpar.data.tokenizer import HFTokenizer
 from tensorpar.distributed.mesh import init_mesh
 from tensorpar.errors import LayoutError, TensorparError
-from tensorpar.inference.generate import check_generate_args, generate
+from tensorpar.inference.generation import check_generate_args, generate
 from tensorpar.models import Transformer, load_full_state_dict
-from tensorpar.models.layout import check_model_layout
+from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.optim.precision import autocast
 
 

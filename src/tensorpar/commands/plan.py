@@ -34,9 +34,9 @@ from tensorpar.errors import TensorparError
 from tensorpar.models import get_config
 from tensorpar.parallel.pipeline_schedules import build_schedule, peak_in_flight, simulate, theoretical_bubble
 from tensorpar.parallel.pipeline_view import render_png, render_text as render_schedule_text
-from tensorpar.planning.hardware import make_cluster
+from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.memory import MemoryBreakdown
-from tensorpar.planning.precision import get_precision
+from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.search import best_by_mesh, search
 
 

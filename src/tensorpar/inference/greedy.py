@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorpar.inference.generate import tp_argmax_rows
+from tensorpar.inference.generation import tp_argmax_rows
 
 
 def tp_argmax(local_logits: torch.Tensor, model) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tensorpar.models.flops import matmul_params
 from tensorpar.planning.layout import Layout, stage_layers
-from tensorpar.planning.precision import Precision
+from tensorpar.planning.precision_recipes import Precision
 
 
 def flop_parts(cfg) -> tuple[float, float]:

@@ -27,8 +27,8 @@ import dataclasses
 from tensorpar.config.choices import PLANNED_ZERO_STAGES, RECOMPUTE_MODES
 from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
-from tensorpar.models.layout import check_model_layout
-from tensorpar.planning.hardware import Cluster
+from tensorpar.models.layout_checks import check_model_layout
+from tensorpar.planning.cluster import Cluster
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Memory per GPU: parameters, gradients, optimizer states, activations, and a stated margin.
 
-The bytes per element of each kind of state come from a `Precision` (`tensorpar.planning.precision`).
+The bytes per element of each kind of state come from a `Precision` (`tensorpar.planning.precision_recipes`).
 
 ZeRO (Playbook, after Rajbhandari et al.) divides by dp: stage 1 the optimizer states (and
 master weights), stage 2 also the gradients, stage 3 also the parameters. tensorpar's own
@@ -57,8 +57,7 @@ from tensorpar.config.hardware import GiB
 from tensorpar.layers.sharding import padded
 from tensorpar.planning.layout import Layout, stage_layers
 from tensorpar.planning.params import ParamSummary, parameter_summary
-from tensorpar.planning.precision import Precision, get_precision
-
+from tensorpar.planning.precision_recipes import Precision, get_precision
 
 OVERHEAD_FIXED_BYTES = int(1.5 * GiB)
 

@@ -1,6 +1,6 @@
 """The parameters tensorpar's Transformer holds on one rank of any layout: names, sizes, counts.
 
-These equal `model.named_parameters()` of the real model (tests/test_planning_comm.py builds it and
+These equal `model.named_parameters()` of the real model (tests/test_planning_communication.py builds it and
 compares): the vocabulary padded to a multiple of tp, KV heads replicated when fewer than tp, norms
 and row-parallel biases replicated, a tied embedding on the first stage and (as the head's copy) on
 the last.
@@ -13,9 +13,8 @@ import dataclasses
 from tensorpar.errors import TensorparError
 from tensorpar.layers.attention import kv_layout
 from tensorpar.layers.sharding import padded
-from tensorpar.models.layout import check_model_layout
+from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.planning.layout import Layout, stage_layers
-
 
 _PARAM_CACHE: dict = {}
 

@@ -11,10 +11,10 @@ import dataclasses
 
 from tensorpar.config.hardware import GiB
 from tensorpar.errors import TensorparError
-from tensorpar.planning.hardware import Cluster
+from tensorpar.planning.cluster import Cluster
 from tensorpar.planning.layout import Layout, enumerate_layouts, structural_problem
 from tensorpar.planning.memory import MemoryBreakdown, layout_memory
-from tensorpar.planning.precision import get_precision
+from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.step_time import StepTime, predict_step_time
 
 

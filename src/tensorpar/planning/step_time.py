@@ -28,12 +28,15 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.models.flops import train_flops_per_token
-from tensorpar.planning.comm import collectives_time, model_collectives, step_collectives
+from tensorpar.planning.communication import (
+    collectives_time,
+    model_collectives,
+    step_collectives,
+)
 from tensorpar.planning.compute import stage_flops
 from tensorpar.planning.layout import Layout
 from tensorpar.planning.params import parameter_summary
-from tensorpar.planning.precision import Precision, get_precision
-
+from tensorpar.planning.precision_recipes import Precision, get_precision
 
 OPTIMIZER_BYTES_PER_ELEMENT = 28
 

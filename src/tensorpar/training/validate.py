@@ -18,7 +18,7 @@ from tensorpar.data import check_batch_layout
 from tensorpar.distributed.mesh import resolve_layout, world_from_env
 from tensorpar.errors import TensorparError
 from tensorpar.models import ModelConfig, get_config
-from tensorpar.models.layout import check_model_layout
+from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.parallel.pipeline import stage_layers
 from tensorpar.parallel.pipeline_schedules import build_schedule
 

@@ -15,7 +15,7 @@ from tensorpar.checkpoints.sources import load_model_source  # noqa: E402
 from tensorpar.cli import main  # noqa: E402
 from tensorpar.distributed.comm import Group  # noqa: E402
 from tensorpar.errors import TensorparError  # noqa: E402
-from tensorpar.inference.generate import generate, keep_threshold, select_tokens  # noqa: E402
+from tensorpar.inference.generation import generate, keep_threshold, select_tokens  # noqa: E402
 from tensorpar.inference.kv_cache import KVCache  # noqa: E402
 from tensorpar.models import Transformer, load_full_state_dict  # noqa: E402
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tensorpar.config import hardware
 from tensorpar.models.config import get_config
-from tensorpar.planning import comm, hardware, memory, precision
+from tensorpar.planning import communication, memory, precision_recipes
 from tensorpar.planning import params as planned_params
 from tensorpar.planning.layout import Layout
 
@@ -21,18 +22,18 @@ from planning_cases import CONFIGS, GPT2_SHAPE, WORLD  # noqa: F401
 def test_alpha_beta_formulas():
     link = hardware.Link(100e9, 5e-6)
     B, n = 64e6, 8
-    ring = lambda op: comm.collective_time(op, B, n, link, "ring")  # noqa: E731
-    tree = lambda op: comm.collective_time(op, B, n, link, "tree")  # noqa: E731
+    ring = lambda op: communication.collective_time(op, B, n, link, "ring")  # noqa: E731
+    tree = lambda op: communication.collective_time(op, B, n, link, "tree")  # noqa: E731
     assert ring("all_reduce") == pytest.approx(2 * 7 * (5e-6 + B / (8 * 100e9)))
     assert ring("all_gather") == ring("reduce_scatter") == pytest.approx(7 * (5e-6 + B / (8 * 100e9)))
     assert ring("all_reduce") == pytest.approx(ring("all_gather") + ring("reduce_scatter"))
     assert tree("all_reduce") == pytest.approx(2 * 3 * (5e-6 + B / 100e9))
     assert tree("broadcast") == tree("reduce") == pytest.approx(3 * (5e-6 + B / 100e9))
-    assert comm.collective_time("send", B, n, link) == pytest.approx(5e-6 + B / 100e9)
-    assert comm.collective_time("all_reduce", B, 1, link) == 0.0
+    assert communication.collective_time("send", B, n, link) == pytest.approx(5e-6 + B / 100e9)
+    assert communication.collective_time("all_reduce", B, 1, link) == 0.0
     # small messages: the tree's log2(n) latency wins; large ones: the ring's bandwidth
-    assert comm.collective_time("all_reduce", 8, 64, link) == comm.collective_time("all_reduce", 8, 64, link, "tree")
-    assert comm.collective_time("all_reduce", B, 64, link) == comm.collective_time("all_reduce", B, 64, link, "ring")
+    assert communication.collective_time("all_reduce", 8, 64, link) == communication.collective_time("all_reduce", 8, 64, link, "tree")
+    assert communication.collective_time("all_reduce", B, 64, link) == communication.collective_time("all_reduce", B, 64, link, "ring")
 
 
 def check_model_comm_and_params(tp, config, sp, recompute, bf16):
@@ -53,7 +54,7 @@ def check_model_comm_and_params(tp, config, sp, recompute, bf16):
         loss = model(ids, targets)
     loss.backward()
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    predicted = comm.comm_bytes_per_step(cfg, Layout(tp=tp, sequence_parallel=sp, recompute=recompute), B, S, 4,
+    predicted = communication.comm_bytes_per_step(cfg, Layout(tp=tp, sequence_parallel=sp, recompute=recompute), B, S, 4,
                                          matmul_dtype_bytes=2 if bf16 else 4)
     params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
@@ -83,7 +84,7 @@ def test_predicted_comm_bytes_equal_counted_and_parameters_match(pools, tp, conf
             check_model_comm_and_params, tp, config, sp, recompute, bf16)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
         assert params == expected_params, f"rank {rank}: parameters differ from the prediction"
-        assert grads == precision.PRECISIONS["tensorpar-fp32"].grad_bytes * planned_params.parameter_count(cfg, tp)
+        assert grads == precision_recipes.PRECISIONS["tensorpar-fp32"].grad_bytes * planned_params.parameter_count(cfg, tp)
 
 
 def check_training_step_comm(zero, micro_batches):
@@ -111,8 +112,8 @@ def check_training_step_comm(zero, micro_batches):
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
     layout = Layout(tp=2, dp=2, sequence_parallel=True, micro_batch_size=B, zero=zero)
-    colls = comm.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024)
-    return counted, comm.sum_bytes(colls)
+    colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024)
+    return counted, communication.sum_bytes(colls)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
@@ -146,10 +147,10 @@ def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
     layout = Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, micro_batch_size=B, zero=zero, virtual_stages=v)
-    colls = comm.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024)
+    colls = communication.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024)
     params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
     expected = planned_params.local_parameters(cfg, tp, pp, m.pp_rank, v)
-    return counted, comm.sum_bytes(colls), params, expected, runner.peak_in_flight, m.pp_rank
+    return counted, communication.sum_bytes(colls), params, expected, runner.peak_in_flight, m.pp_rank
 
 
 PIPELINE_CASES = [(2, 2, 1, "1f1b", 1, 0, True), (1, 2, 2, "interleaved", 2, 1, False), (1, 4, 1, "afab", 1, 0, False)]

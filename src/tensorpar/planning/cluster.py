@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.config.hardware import GPUS, GPUSpec, GiB, Link, get_gpu
+from tensorpar.config.hardware import GiB, GPUSpec, Link, get_gpu
 from tensorpar.errors import TensorparError
-
-__all__ = ["Cluster", "make_cluster", "GPUS", "GPUSpec", "GiB", "Link", "get_gpu"]
 
 DEFAULT_MFU_CEILING = 0.55
 DEFAULT_OVERLAP = 0.5

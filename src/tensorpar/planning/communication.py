@@ -30,7 +30,7 @@ those of a whole training step (adding the data-parallel gradient traffic of
 `tensorpar.parallel.data_parallel.DistributedOptimizer`, the gradient-norm scalars, the pipeline's
 loss and tied-embedding all-reduces and the trainer's loss average), and `comm_bytes_per_step`
 sums them per (op, group): the numbers `mesh.stats` reports after the same work
-(tests/test_planning_comm.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2 and PP).
+(tests/test_planning_communication.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2 and PP).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from tensorpar.errors import TensorparError
 from tensorpar.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from tensorpar.planning.layout import Layout, group_link, group_size, stage_layers
 from tensorpar.planning.params import local_parameters
-
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "send")
 
