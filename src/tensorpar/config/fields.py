@@ -101,6 +101,23 @@ def _help(spec: _Spec) -> str:
     return text.replace("%", "%%")
 
 
+def _int_arg(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number, got '{text}'") from None
+
+
+def _float_arg(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number, got '{text}'") from None
+
+
+_ARG_TYPES = {int: _int_arg, float: _float_arg, str: str}
+
+
 def add_options(parser: argparse.ArgumentParser, cls, *, config_file: bool = False) -> None:
     """One argparse argument per CLI field of `cls` (under its group's heading), plus ``--config`` if asked.
 
@@ -125,30 +142,15 @@ def add_options(parser: argparse.ArgumentParser, cls, *, config_file: bool = Fal
             kw.update(type=_ARG_TYPES[spec.kind], metavar=metavar)
             if spec.meta["choices"] is not None:
                 kw["choices"] = spec.meta["choices"]
-            if spec.is_list:
-                kw["action" if spec.meta["repeat"] else "nargs"] = "append" if spec.meta["repeat"] else "+"
+            if spec.is_list and spec.meta["repeat"]:
+                kw["action"] = "append"
+            elif spec.is_list:
+                kw["nargs"] = "+"
         target.add_argument(spec.flag, **kw)
     if config_file:
         parser.add_argument("--config", metavar="FILE.toml", default=None,
                             help="read options from a TOML file (keys are the flags' names); flags given here "
                                  "override it")
-
-
-def _int_arg(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a whole number, got '{text}'") from None
-
-
-def _float_arg(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a number, got '{text}'") from None
-
-
-_ARG_TYPES = {int: _int_arg, float: _float_arg, str: str}
 
 
 def _describe(spec: _Spec) -> str:
@@ -161,11 +163,7 @@ def _coerce(spec: _Spec, value, where: str):
     def one(v):
         if spec.kind is float and isinstance(v, int) and not isinstance(v, bool):
             return float(v)
-        if spec.kind is bool and not isinstance(v, bool):
-            raise TypeError
-        if spec.kind is int and isinstance(v, bool):
-            raise TypeError
-        if not isinstance(v, spec.kind):
+        if not isinstance(v, spec.kind) or (spec.kind is int and isinstance(v, bool)):
             raise TypeError
         if spec.meta["choices"] is not None and v not in spec.meta["choices"]:
             raise ValueError
