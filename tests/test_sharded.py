@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tensorpar.checkpoints.sharded import read_meta
+from tensorpar.checkpoints.sharded import read_meta, rotate
 from tensorpar.errors import TensorparError
 from tensorpar.training import TrainOptions, train
 
@@ -72,10 +72,49 @@ def test_rotation_keeps_the_last_n_and_latest_points_to_the_newest(pools, config
 
 def test_a_save_never_overwrites_a_complete_checkpoint(pools, config_file, tmp_path):
     save = str(tmp_path / "ckpt")
-    pools(1).run(run, config_file, steps=2, save=save)
+    pools(1).run(run, config_file, steps=2, save=save, save_every=1, keep_last=0)
     sha = read_meta(save)[1]["files"]
-    pools(1).run(run, config_file, steps=2, save=save, lr=1e-2)  # same step, different weights
+    # Resumed from step 1 with other weights' updates, it reaches step 2 again: the saved step 2 stays.
+    pools(1).run(run, config_file, steps=2, save=save, lr=1e-2, resume=os.path.join(save, "step-000001"))
     assert read_meta(save)[1]["files"] == sha
+
+
+def _tree(folder):
+    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(folder) for f in fs}
+
+
+def test_a_fresh_run_into_a_folder_holding_checkpoints_is_refused_and_the_folder_untouched(pools, config_file,
+                                                                                            tmp_path):
+    save = str(tmp_path / "ckpt")
+    pools(1).run(run, config_file, steps=2, save=save)
+    before = _tree(save)
+    proc, elapsed = tensorpar("train", "--model", config_file, "--steps", "4", "--save", save, "--no-progress",
+                              "--out-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2 and elapsed < 15, proc.stderr
+    assert f"--save folder '{save}' already holds checkpoints of a run (newest: '{save}/step-000002')" in proc.stderr
+    assert f"--resume {save}" in proc.stderr
+    assert _tree(save) == before
+
+
+def _fake_checkpoint(root, step, run_id):
+    os.makedirs(os.path.join(root, f"step-{step:06d}"))
+    with open(os.path.join(root, f"step-{step:06d}", "meta.json"), "w") as f:
+        json.dump({"format": "tensorpar-checkpoint", "step": step, "run_id": run_id}, f)
+
+
+def test_rotation_spares_latest_other_runs_and_later_branches(tmp_path):
+    """A run resumed from step 3 of a folder that also holds its own steps 4-5 (a branch it abandoned) and another
+    run's step 9 rotates only its own steps up to the current one, never the one `latest` names."""
+    root = str(tmp_path)
+    for step in (1, 2, 3, 4, 5):
+        _fake_checkpoint(root, step, "run-a")
+    _fake_checkpoint(root, 9, "run-b")
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("step-000003\n")
+    rotate(root, keep_last=1, run_id="run-a", step=3)
+    assert sorted(os.listdir(root)) == ["latest", "step-000003", "step-000004", "step-000005", "step-000009"]
+    rotate(root, keep_last=0, run_id="run-a", step=3)  # 0: keep everything
+    assert len(os.listdir(root)) == 5
 
 
 def test_a_run_killed_during_a_save_leaves_the_previous_checkpoint_loadable(config_file, tmp_path):

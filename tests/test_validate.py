@@ -21,3 +21,12 @@ def test_bad_pipeline_layouts_are_refused(config_file):
         args = TrainOptions(model=config_file, **{**BASE, **overrides})
         with pytest.raises(LayoutError, match=needle.replace("*", r"\*")):
             validate(args)
+
+
+def test_resume_from_a_folder_without_a_checkpoint_starts_from_scratch_and_says_so(config_file, tmp_path):
+    from tensorpar.training import validate
+
+    for folder in (tmp_path / "absent", tmp_path):  # absent, and empty
+        run = validate(TrainOptions(model=config_file, **{**BASE, "resume": str(folder), "save": str(folder)}))
+        assert run.options.resume is None and run.resume_meta is None
+        assert run.notes == (f"--resume {folder}: no checkpoint there yet; starting from step 0",)

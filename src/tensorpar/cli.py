@@ -11,7 +11,9 @@ import argparse
 import os
 import sys
 
-from tensorpar.commands import convert, demo, eval as eval_cmd, explain, generate, plan, train
+from tensorpar.commands import convert, demo, explain, generate, plan, train
+from tensorpar.commands import eval as eval_cmd
+from tensorpar.distributed.launch import record_error
 from tensorpar.errors import TensorparError
 
 COMMANDS = (train, eval_cmd, generate, demo, explain, plan, convert)
@@ -49,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         # One write per line: ranks share the terminal, and a single short write to a pipe is atomic.
         sys.stderr.write(f"tensorpar: error: {_rank_prefix()}{e}\n")
         sys.stderr.flush()
+        record_error(str(e))
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug: the traceback is printed, and the launcher names it in the rank's line
+        record_error(f"{type(e).__name__}: {e}")
+        raise
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _step_dir(root: str, step: int) -> str:
+def step_folder(root: str, step: int) -> str:
+    """Where step `step`'s checkpoint lives under `root`."""
     return os.path.join(root, f"step-{step:06d}")
 
 
@@ -53,11 +54,12 @@ def shard_file_name(tp_rank: int, pp_rank: int) -> str:
 # -- saving ---------------------------------------------------------------------------------------
 
 def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict, train: dict,
-                    options: dict | None = None, keep_last: int = 3) -> str | None:
+                    options: dict | None = None, run_id: str | None = None, keep_last: int = 3) -> str | None:
     """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder.
     `train` holds what fixes the data order and the learning rate; `options`, the run's whole resolved
-    configuration (so that a resumed run can say what changed)."""
-    final = _step_dir(root, step)
+    configuration (so that a resumed run can say what changed); `run_id`, the run (a resumed run keeps its
+    checkpoint's) whose checkpoints `keep_last` rotates, never another's."""
+    final = step_folder(root, step)
     tmp = os.path.join(root, f".tmp-step-{step:06d}")
     world = mesh.world_group
     if mesh.rank == 0:
@@ -104,12 +106,13 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
             for name, spec in item["tensors"].items():
                 tensors.setdefault(name, {**spec, "pp_rank": item["pp_rank"]})
         meta = {"format": FORMAT, "version": 1, "step": step, "optimizer_step": opt_step, "model": cfg.to_dict(),
-                "layout": layout, "train": train, "options": options, "tensors": tensors, "files": files,
+                "run_id": run_id, "layout": layout, "train": train, "options": options, "tensors": tensors,
+                "files": files,
                 "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         os.replace(tmp, final)
         _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
-        _rotate(root, keep_last)
+        rotate(root, keep_last, run_id, step)
     world.barrier()
     return final
 
@@ -128,12 +131,20 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(path + ".part", path)
 
 
-def _rotate(root: str, keep_last: int) -> None:
+def rotate(root: str, keep_last: int, run_id: str | None, step: int) -> None:
+    """Keep this run's `keep_last` newest checkpoints up to `step`. Never touched: the one `latest` names, and any
+    checkpoint of another run (another run_id) or beyond `step` (a later branch this run resumed before)."""
     if keep_last <= 0:
         return
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step-") and os.path.isdir(os.path.join(root, d)))
-    for old in steps[:-keep_last]:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    latest = os.path.join(root, _read_latest(root) or "")
+    ours = []
+    for folder in step_folders(root):
+        meta = _read_meta_file(folder)
+        if meta is not None and meta.get("run_id") == run_id and meta.get("step", step + 1) <= step:
+            ours.append((meta["step"], folder))
+    for _, folder in sorted(ours)[:-keep_last]:
+        if os.path.abspath(folder) != os.path.abspath(latest):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _save_delay_for_tests() -> None:
@@ -144,23 +155,57 @@ def _save_delay_for_tests() -> None:
 
 # -- finding and checking ---------------------------------------------------------------------------
 
+def step_folders(root: str) -> list[str]:
+    """The complete step folders (holding meta.json) under `root`, by step."""
+    if not os.path.isdir(root):
+        return []
+    names = sorted(d for d in os.listdir(root) if d.startswith("step-"))
+    return [os.path.join(root, d) for d in names if os.path.isfile(os.path.join(root, d, "meta.json"))]
+
+
+def _read_latest(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _read_meta_file(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def is_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(os.path.join(path, "meta.json"))
+    """Whether `path` holds a checkpoint: a step folder, or a folder with `latest` or a complete step folder."""
+    return (os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(os.path.join(path, "meta.json"))
+            or bool(step_folders(path)))
+
+
+def newest_checkpoint(root: str) -> str | None:
+    """The step folder `latest` names, else the highest complete one; None when `root` holds none."""
+    name = _read_latest(root)
+    if name is not None:
+        return os.path.join(root, name)
+    folders = step_folders(root)
+    return folders[-1] if folders else None
 
 
 def resolve(path: str) -> str:
-    """The step folder of `path`: itself if it holds meta.json, else the one its `latest` names."""
+    """The step folder of `path`: itself if it holds meta.json, else the one its `latest` names (or, when a run
+    was killed between renaming its newest step folder into place and updating `latest`, that newest one)."""
     if not os.path.exists(path):
         raise TensorparError(f"checkpoint '{path}' does not exist")
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest):
+    step_dir = newest_checkpoint(path)
+    if step_dir is None:
         raise TensorparError(f"'{path}' holds no tensorpar checkpoint (no meta.json, no 'latest' file)")
-    with open(latest) as f:
-        step_dir = os.path.join(path, f.read().strip())
     if not os.path.isfile(os.path.join(step_dir, "meta.json")):
-        raise TensorparError(f"'{latest}' names '{step_dir}', which holds no meta.json")
+        raise TensorparError(f"'{os.path.join(path, 'latest')}' names '{step_dir}', which holds no meta.json")
     return step_dir
 
 
@@ -277,7 +322,7 @@ def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step:
     if os.path.exists(root) and os.listdir(root):
         raise TensorparError(f"'{root}' exists and is not empty: refusing to overwrite it")
     os.makedirs(root, exist_ok=True)
-    tmp, final = os.path.join(root, f".tmp-step-{step:06d}"), _step_dir(root, step)
+    tmp, final = os.path.join(root, f".tmp-step-{step:06d}"), step_folder(root, step)
     os.makedirs(tmp)
     tensors = {f"param/{k}": v.contiguous() for k, v in state.items()}
     for kind in ("exp_avg", "exp_avg_sq"):

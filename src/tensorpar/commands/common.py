@@ -31,4 +31,4 @@ def launch(options, argv: list[str], run_rank) -> int:
         return run_rank()
     if world == 1:
         return run_rank()
-    return spawn_local(world, argv)
+    return spawn_local(world, argv, grace_s=options.grace_period)

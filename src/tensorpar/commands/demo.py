@@ -79,7 +79,7 @@ def _comm_lines(snapshot) -> list[str]:
 
 
 def run_rank(options: DemoOptions) -> int:
-    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, device="cpu")
+    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, device="cpu", timeout=options.timeout)
     ffn = options.ffn or 4 * options.hidden
     torch.manual_seed(options.seed)  # every rank builds the same dense model and batch
     dense = DenseToy(options.vocab, options.hidden, ffn)

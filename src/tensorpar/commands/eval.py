@@ -39,7 +39,8 @@ def validate(options: EvalOptions) -> None:
 
 def evaluate_checkpoint(options: EvalOptions) -> dict:
     """{"loss", "perplexity", "tokens"} of the checkpoint on the data (every rank of the running world)."""
-    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, device=options.device)
+    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, device=options.device,
+                     timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
         tokens = load_tokens(options.data, load_tokenizer(options.checkpoint), options.bin_dtype)

@@ -103,7 +103,7 @@ def validate(options: GenerateOptions):
 
 def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos) -> tuple[list[list[int]], dict]:
     """(new token ids per prompt, timing stats) on every rank of the running world."""
-    mesh = init_mesh(tp=options.tp, pp=1, dp=1, device=options.device)
+    mesh = init_mesh(tp=options.tp, pp=1, dp=1, device=options.device, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
         model = Transformer(cfg, mesh, init=False)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
 from tensorpar.commands.common import launch, world_size
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import TrainOptions
+from tensorpar.distributed.launch import SPAWNED_ENV
 from tensorpar.training import run_training, validate
+from tensorpar.training.stop import GracefulStop
 
 
 def add_parser(sub) -> None:
@@ -56,13 +59,28 @@ def print_summary(s: dict) -> None:
         print(f"sample (greedy): {json.dumps(s['sample'])}")
 
 
+def report_stop(s: dict) -> None:
+    saved = f"; checkpoint '{s['stop_checkpoint']}' (continue with --resume)" if s["stop_checkpoint"] else ""
+    sys.stderr.write(f"tensorpar: stopped by {s['stopped_by']} after step {s['stopped_at_step']} of "
+                     f"{s['steps']}{saved}\n")
+
+
 def run(args, argv) -> int:
     options = with_output_defaults(options_from_args(TrainOptions, args, "train"))
     prepared = validate(options, world_size(options))  # in this process, before starting any rank
+    is_first = int(os.environ.get("RANK", "0")) == 0
+    if is_first and SPAWNED_ENV not in os.environ:  # the launching process, or rank 0 under torchrun
+        for note in prepared.notes:
+            sys.stderr.write(f"tensorpar: {note}\n")
 
     def run_rank() -> int:
-        summary = run_training(prepared)
-        if int(os.environ.get("RANK", "0")) == 0:
+        with GracefulStop() as stop:
+            summary = run_training(prepared, stop)
+        if "stopped_by" in summary:
+            if is_first:
+                report_stop(summary)
+            return 128 + summary["stop_signal"]
+        if is_first:
             print_summary(summary)
         return 0
 

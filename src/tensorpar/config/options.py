@@ -23,6 +23,7 @@ from tensorpar.config.choices import (
 from tensorpar.config.fields import option
 
 LAYOUT = "layout"
+LAUNCH = "processes"
 
 
 @dataclasses.dataclass
@@ -35,6 +36,11 @@ class LaunchOptions:
     nproc: int | None = option(None, "processes to start from a plain shell (default tp*pp*dp); ignored under "
                                      "torchrun", group=LAYOUT)
     device: str | None = option(None, "default: this rank's GPU if any, else cpu", group=LAYOUT)
+    timeout: float | None = option(None, "seconds a collective may wait for a peer before the job fails, naming "
+                                         "the rank and the operation (default $TENSORPAR_TIMEOUT or 300)",
+                                   group=LAUNCH)
+    grace_period: float = option(30.0, "seconds the ranks get to stop (and save) after SIGTERM or Ctrl-C before "
+                                       "they are killed", group=LAUNCH)
 
 
 @dataclasses.dataclass

@@ -1,21 +1,40 @@
-"""Start local processes the way torchrun does, or use torchrun's.
+"""Start local processes the way torchrun does and supervise them like its elastic agent, or use torchrun's.
 
 From a plain shell, `tensorpar <command>` re-runs itself as N child processes with the
 environment torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
-Under torchrun (or in such a child) the command just runs. If any child fails, the others are
-stopped so that no rank is left waiting in a collective.
+Under torchrun (or in such a child) the command just runs.
+
+The launcher (`Supervisor`) never exits while one of its workers lives:
+
+- SIGTERM or SIGINT to the launcher is forwarded once to every worker (each runs in its own
+  session, so a Ctrl-C at the terminal reaches them only through the launcher); workers still
+  alive after the grace period are killed; a second signal kills them at once. The launcher then
+  exits with 128 + the signal's number.
+- When a worker fails, the others are stopped (SIGTERM, a short grace, then SIGKILL) and one line
+  per failed rank says its rank, pid, exit status or signal, and the last error it reported (each
+  worker writes its error to the file named by TENSORPAR_ERROR_FILE). The launcher's own status
+  is the first failure's (128 + signal for a worker killed by a signal).
+- On Linux each worker asks to be killed if the launcher dies (PR_SET_PDEATHSIG), so even a
+  launcher killed with SIGKILL leaves no orphan training on.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 SPAWNED_ENV = "TENSORPAR_SPAWNED"
+ERROR_FILE_ENV = "TENSORPAR_ERROR_FILE"
+DEFAULT_GRACE_S = 30.0
+FAILURE_GRACE_S = 5.0  # after a worker failed, the others are likely stuck in a collective: stop them soon
+_PR_SET_PDEATHSIG = 1
 
 
 def under_launcher() -> bool:
@@ -33,45 +52,162 @@ def threads_per_process(nprocs: int) -> int:
     return max(1, (os.cpu_count() or 1) // nprocs)
 
 
-def spawn_local(nprocs: int, argv: list[str], grace_s: float = 5.0) -> int:
-    """Run ``python -m tensorpar *argv`` as `nprocs` ranks on this machine; the first failing exit code, or 0."""
-    port = free_port()
-    procs = []
-    for rank in range(nprocs):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(nprocs),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(nprocs),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            **{SPAWNED_ENV: "1"},
-        )
-        env.setdefault("OMP_NUM_THREADS", str(threads_per_process(nprocs)))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tensorpar", *argv], env=env))
-
-    def stop_all():
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-
+def signal_name(signum: int) -> str:
     try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def record_error(message: str) -> None:
+    """Leave this process's last error where its launcher looks for it (a no-op outside a tensorpar launcher)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(message.strip() + "\n")
+        except OSError:
+            pass
+
+
+def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+@dataclasses.dataclass
+class _Worker:
+    rank: int
+    proc: subprocess.Popen
+    error_file: str
+    failed_first: bool = False  # failed on its own, before the launcher stopped it
+
+    def last_error(self) -> str:
+        try:
+            with open(self.error_file) as f:
+                lines = [ln.strip() for ln in f if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+    def describe(self) -> str:
+        code = self.proc.returncode
+        what = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
+        error = self.last_error()
+        return f"rank {self.rank} (pid {self.proc.pid}) {what}" + (f": {error}" if error else "")
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+class Supervisor:
+    """Runs ``python -m tensorpar *argv`` as `nprocs` local ranks and watches them until all have exited."""
+
+    def __init__(self, nprocs: int, argv: list[str], grace_s: float = DEFAULT_GRACE_S, poll_s: float = 0.05):
+        self.nprocs, self.argv, self.grace_s, self.poll_s = nprocs, argv, grace_s, poll_s
+        self.workers: list[_Worker] = []
+        self.signum: int | None = None  # the first stop signal received
+        self.kill_at: float | None = None  # when the workers still alive get SIGKILL
+        self.kill_after = grace_s  # the grace that kill_at gives
+
+    def _start(self, tmp: str) -> None:
+        port, parent = free_port(), os.getpid()
+        for rank in range(self.nprocs):
+            error_file = os.path.join(tmp, f"rank-{rank}.err")
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.nprocs), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(self.nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       **{SPAWNED_ENV: "1", ERROR_FILE_ENV: error_file})
+            env.setdefault("OMP_NUM_THREADS", str(threads_per_process(self.nprocs)))
+            proc = subprocess.Popen([sys.executable, "-m", "tensorpar", *self.argv], env=env, start_new_session=True,
+                                    preexec_fn=lambda: _die_with_parent(parent))
+            self.workers.append(_Worker(rank, proc, error_file))
+
+    def _alive(self) -> list[_Worker]:
+        return [w for w in self.workers if w.proc.poll() is None]
+
+    def _send(self, signum: int, workers=None) -> None:
+        for w in self._alive() if workers is None else workers:
+            try:
+                w.proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: stop now
+            self._send(signal.SIGKILL)
+            return
+        self.signum = signum
+        self._send(signum)
+        self._kill_in(self.grace_s)
+
+    def _kill_in(self, seconds: float) -> None:
+        self.kill_at, self.kill_after = time.monotonic() + seconds, seconds
+
+    def _kill_overdue(self) -> None:
+        if self.kill_at is not None and time.monotonic() >= self.kill_at:
+            for w in self._alive():
+                sys.stderr.write(f"tensorpar: error: rank {w.rank} (pid {w.proc.pid}) did not stop within "
+                                 f"{self.kill_after:g} s; killing it\n")
+            self._send(signal.SIGKILL)
+            self.kill_at = None
+
+    def _watch(self) -> int:
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                stop_all()
-                return failed[0]
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        stop_all()
-        return 130
+            self._kill_overdue()
+            alive = self._alive()
+            failed = [w for w in self.workers if w.proc.returncode not in (None, 0)]
+            if self.signum is None and failed and not any(w.failed_first for w in self.workers):
+                for w in failed:
+                    w.failed_first = True
+                self._send(signal.SIGTERM)
+                self._kill_in(FAILURE_GRACE_S)
+            if not alive:
+                return self._report()
+            time.sleep(self.poll_s)
+
+    def _report(self) -> int:
+        if self.signum is not None and not any(w.failed_first for w in self.workers):
+            return 128 + self.signum
+        first = sorted((w for w in self.workers if w.failed_first), key=lambda w: (w.proc.returncode >= 0, w.rank))
+        if not first:
+            return 0
+        lines = [w.describe() for w in first]
+        after = f" after rank {first[0].rank} failed"
+        stopped = []
+        for w in self.workers:
+            if not w.failed_first and w.proc.returncode != 0:
+                if w.last_error():  # it failed on its own too (a collective with the dead rank, say)
+                    lines.append(w.describe().replace(f"(pid {w.proc.pid})", f"(pid {w.proc.pid}){after}", 1))
+                else:
+                    stopped.append(str(w.rank))
+        if stopped:
+            lines.append(f"stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(stopped)}{after}")
+        for line in lines:
+            sys.stderr.write(f"tensorpar: error: {line}\n")
+        sys.stderr.flush()
+        return _status(first[0].proc.returncode)
+
+    def run(self) -> int:
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            with tempfile.TemporaryDirectory(prefix="tensorpar-launch-") as tmp:
+                self._start(tmp)
+                return self._watch()
+        finally:
+            if self._alive():  # an exception in the launcher itself: take the workers down with it
+                self._send(signal.SIGKILL)
+                for w in self.workers:
+                    w.proc.wait()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+
+
+def spawn_local(nprocs: int, argv: list[str], grace_s: float = DEFAULT_GRACE_S) -> int:
+    """Run ``python -m tensorpar *argv`` as `nprocs` supervised ranks on this machine; the job's exit status."""
+    return Supervisor(nprocs, argv, grace_s).run()

@@ -9,12 +9,14 @@ writes the metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import torch
 from tqdm import tqdm
 
+from tensorpar.checkpoints.sharded import step_folder
 from tensorpar.data import micro_batches
 from tensorpar.errors import TensorparError
 from tensorpar.layers.dropout import mix_seed
@@ -71,8 +73,16 @@ def _due(step: int, every: int, last: bool) -> bool:
     return last or bool(every and step % every == 0)
 
 
-def step_loop(s: Session) -> tuple[list[dict], float]:
-    """Run the steps from the start (or resumed) step to `steps` (or `stop_after`); (records, seconds)."""
+@dataclasses.dataclass
+class LoopResult:
+    records: list[dict]
+    seconds: float
+    stop_signal: int | None = None  # the signal that stopped the run before its last step
+    stop_checkpoint: str | None = None  # what the stop saved
+
+
+def step_loop(s: Session) -> LoopResult:
+    """Run the steps from the start (or resumed) step to `steps` (or `stop_after`), or until a stop signal."""
     o, mesh = s.options, s.mesh
     tokens_per_step = o.global_batch_size * o.seq_len
     flops_per_step = train_flops_per_token(s.run.cfg, o.seq_len) * tokens_per_step
@@ -86,7 +96,14 @@ def step_loop(s: Session) -> tuple[list[dict], float]:
     end = o.steps if o.stop_after is None else min(o.steps, o.stop_after)
     mesh.stats.reset()
     started = time.perf_counter()
+    result = LoopResult(records, 0.0)
+    saved_step = s.start_step
     for step in range(s.start_step, end):
+        if s.stop is not None and (signum := s.stop.agreed(mesh.world_group, mesh.device)):
+            result.stop_signal = signum
+            if o.save and step > s.start_step:  # the last completed step, saved unless it just was
+                result.stop_checkpoint = s.save(step) if step > saved_step else step_folder(o.save, step)
+            break
         record = train_step(s, step)
         elapsed = record.pop("step_time_s")
         record.update(tokens_per_s=tokens_per_step / elapsed, mfu=flops_per_step / elapsed / (peak * mesh.world_size),
@@ -98,6 +115,7 @@ def step_loop(s: Session) -> tuple[list[dict], float]:
         metrics.write(record)
         if o.save and _due(step + 1, o.save_every, last):
             s.save(step + 1)
+            saved_step = step + 1
         if progress is not None:
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%")
@@ -105,4 +123,5 @@ def step_loop(s: Session) -> tuple[list[dict], float]:
     if progress is not None:
         progress.close()
     metrics.close()
-    return records, time.perf_counter() - started
+    result.seconds = time.perf_counter() - started
+    return result

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import uuid
 
 import torch
 
@@ -19,10 +20,12 @@ from tensorpar.optim.precision import autocast
 from tensorpar.parallel.data_parallel import DistributedOptimizer
 from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
 from tensorpar.training.mfu import peak_flops
+from tensorpar.training.stop import GracefulStop
 from tensorpar.training.validate import PreparedRun
 
 # Options that say how this invocation runs, not what it computes: a resumed run is expected to differ in them.
-_INVOCATION_OPTIONS = ("resume", "nproc", "device", "progress", "stop_after", "return_state")
+_INVOCATION_OPTIONS = ("resume", "nproc", "device", "timeout", "grace_period", "progress", "stop_after",
+                       "return_state")
 # Options whose change makes the continued samples (and losses) differ from the original run's.
 _DATA_ORDER_OPTIONS = ("seed", "global_batch_size", "seq_len")
 
@@ -41,6 +44,8 @@ class Session:
     runner: PipelineRunner | None
     start_step: int
     peak_flops: tuple[float, str]  # one rank's peak FLOP/s for MFU, and where the figure comes from
+    stop: GracefulStop | None = None  # stop signals, when the caller handles them (the command line does)
+    run_id: str = ""  # the run's checkpoints carry it: rotation deletes only this run's (rank 0 decides)
 
     @property
     def options(self):
@@ -62,7 +67,7 @@ class Session:
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                                             "steps", "weight_decay", "grad_clip", "data")}
         return save_checkpoint(o.save, step, self.model, self.optimizer, mesh, cfg=self.run.cfg, layout=layout,
-                               train=train, options=to_dict(o), keep_last=o.keep_last)
+                               train=train, options=to_dict(o), run_id=self.run_id, keep_last=o.keep_last)
 
 
 def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
@@ -105,13 +110,12 @@ def resume(run: PreparedRun, model, optimizer, mesh: Mesh) -> int:
             sys.stderr.write(f"tensorpar: warning: resuming with {', '.join(data_order)}: the samples (and the "
                              f"continued losses) will differ from the original run's\n")
         changed = changed_options(saved, o, ignore=_INVOCATION_OPTIONS + _DATA_ORDER_OPTIONS)
-        if changed:
-            sys.stderr.write(f"tensorpar: resuming '{o.resume}' at step {meta['step']}; changed since it was "
-                             f"saved: {', '.join(changed)}\n")
+        changes = f"; changed since it was saved: {', '.join(changed)}" if changed else ""
+        sys.stderr.write(f"tensorpar: resuming '{o.resume}' at step {meta['step']}{changes}\n")
     return meta["step"]
 
 
-def build_session(run: PreparedRun, mesh: Mesh) -> Session:
+def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None) -> Session:
     o = run.options
     model, tokenizer = build_model(run, mesh)
     dataset, val_windows = build_data(run, tokenizer)
@@ -127,8 +131,9 @@ def build_session(run: PreparedRun, mesh: Mesh) -> Session:
             val_windows = val_windows[: (len(val_windows) // o.micro_batch_size) * o.micro_batch_size]
     if mesh.rank == 0 and o.out_dir:
         write_resolved_config(run, os.path.join(o.out_dir, "config.toml"))
+    run_id = (run.resume_meta or {}).get("run_id") or uuid.uuid4().hex
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
-                   peak_flops(mesh.device, o.dtype))
+                   peak_flops(mesh.device, o.dtype), stop, run_id)
 
 
 def write_resolved_config(run: PreparedRun, path: str) -> str:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+from tensorpar.distributed.launch import signal_name
 from tensorpar.inference import greedy_generate
 from tensorpar.models import full_state_dict
 from tensorpar.parallel.pipeline_view import measured_bubble, render_measured
+from tensorpar.training.loop import LoopResult
 from tensorpar.training.metrics import draw_or_warn, plot_loss_curve
 from tensorpar.training.session import Session
 
@@ -47,10 +49,11 @@ def _sample(s: Session, summary: dict) -> None:
     summary["sample"] = o.sample_prompt + s.tokenizer.decode(new)
 
 
-def summarize(s: Session, records: list[dict], seconds: float) -> dict:
+def summarize(s: Session, result: LoopResult) -> dict:
     """The run's summary (the same on every rank but for the paths of what rank 0 wrote)."""
     o, mesh, runner = s.options, s.mesh, s.runner
-    tokens = o.global_batch_size * o.seq_len * (o.steps - s.start_step)
+    records, seconds = result.records, result.seconds
+    tokens = o.global_batch_size * o.seq_len * len(records)
     comm = {f"{op}/{group}": (c.calls, c.bytes) for (op, group), c in mesh.stats.snapshot().items()}
     summary = {
         "model": o.init_from or o.model,
@@ -61,12 +64,12 @@ def summarize(s: Session, records: list[dict], seconds: float) -> dict:
         "steps": o.steps,
         "start_step": s.start_step,
         "tokens": tokens,
-        "first_loss": records[0]["loss"],
-        "final_loss": records[-1]["loss"],
-        "final_val_loss": records[-1].get("val_loss"),
+        "first_loss": records[0]["loss"] if records else None,
+        "final_loss": records[-1]["loss"] if records else None,
+        "final_val_loss": records[-1].get("val_loss") if records else None,
         "time_s": seconds,
-        "tokens_per_s": tokens / seconds,
-        "mfu": sum(r["mfu"] for r in records) / len(records),
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "mfu": sum(r["mfu"] for r in records) / len(records) if records else 0.0,
         "peak_flops_source": s.peak_flops[1],
         "history": records,
         "comm": comm,
@@ -74,13 +77,16 @@ def summarize(s: Session, records: list[dict], seconds: float) -> dict:
         "pipeline_timeline": runner.timeline if runner is not None else None,
         "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
     }
-    if runner is not None:
+    if result.stop_signal is not None:
+        summary.update(stopped_by=signal_name(result.stop_signal), stop_signal=result.stop_signal,
+                       stopped_at_step=s.start_step + len(records), stop_checkpoint=result.stop_checkpoint)
+    if runner is not None and records:
         _pipeline(s, summary)
     if o.return_state:
         summary["state"] = dense_weights(s.model, mesh)
-    if o.sample_tokens:
+    if o.sample_tokens and result.stop_signal is None:
         _sample(s, summary)
-    if s.is_main and o.out_dir:
+    if s.is_main and o.out_dir and records:
         title = (f"{o.model}: tp={mesh.tp_size} dp={mesh.dp_size}{' +SP' if s.model.sequence_parallel else ''}, "
                  f"{o.dtype}, {o.steps} steps")
         summary["loss_plot"] = draw_or_warn("the loss curve", plot_loss_curve, records,

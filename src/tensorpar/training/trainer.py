@@ -12,6 +12,7 @@ from tensorpar.config.options import TrainOptions
 from tensorpar.distributed.mesh import init_mesh
 from tensorpar.training.loop import step_loop
 from tensorpar.training.session import build_session
+from tensorpar.training.stop import GracefulStop
 from tensorpar.training.summary import summarize
 from tensorpar.training.validate import PreparedRun, validate
 
@@ -21,13 +22,13 @@ def train(options: TrainOptions) -> dict:
     return run_training(validate(options))
 
 
-def run_training(run: PreparedRun) -> dict:
-    """Train a validated run on every rank of the running world; returns the summary."""
+def run_training(run: PreparedRun, stop: GracefulStop | None = None) -> dict:
+    """Train a validated run on every rank of the running world; returns the summary. With `stop` (a
+    `GracefulStop` the caller installed), a SIGTERM or SIGINT ends the run early, saved."""
     o = run.options
-    mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, device=o.device)
+    mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, device=o.device, timeout=o.timeout)
     try:
-        session = build_session(run, mesh)
-        records, seconds = step_loop(session)
-        return summarize(session, records, seconds)
+        session = build_session(run, mesh, stop)
+        return summarize(session, step_loop(session))
     finally:
         mesh.destroy()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from tensorpar.checkpoints.sharded import read_meta
+from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read_meta
 from tensorpar.checkpoints.sources import load_config
 from tensorpar.config.fields import check_choices
 from tensorpar.config.options import TrainOptions
@@ -31,6 +31,7 @@ class PreparedRun:
     cfg: ModelConfig  # the model to train (dropout from the options)
     resume_meta: dict | None  # the metadata of the checkpoint resumed from, if any
     world_size: int
+    notes: tuple[str, ...] = ()  # what the user should hear once (e.g. "no checkpoint yet: starting from scratch")
 
     @property
     def num_micro_batches(self) -> int:
@@ -56,6 +57,19 @@ def _world_size(options: TrainOptions) -> int:
     return world_from_env()[0]
 
 
+def _check_save_folder(o: TrainOptions) -> None:
+    """A run saves into a folder of its own: one that holds no checkpoint, or the one it resumes from."""
+    if not o.save or not is_checkpoint(o.save):
+        return
+    if o.resume:
+        resumed = os.path.realpath(o.resume)
+        if os.path.realpath(o.save) in (resumed, os.path.dirname(resumed)):
+            return
+    newest = newest_checkpoint(o.save) or o.save
+    raise TensorparError(f"--save folder '{o.save}' already holds checkpoints of a run (newest: '{newest}'): "
+                         f"continue that run with --resume {o.save}, or save to another folder")
+
+
 def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
     """Check `options` against the model and a world of `world_size` processes (default: tp x pp x dp when dp
     is given, else the running world); raise TensorparError naming what is wrong, or return the PreparedRun."""
@@ -63,14 +77,20 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     check_choices(o)
     if o.steps < 1:
         raise TensorparError(f"--steps must be at least 1, got {o.steps}")
+    notes = []
+    if o.resume and o.init_from:
+        raise TensorparError("--resume and --init-from exclude each other")
+    if o.resume and not is_checkpoint(o.resume):
+        # One command serves the first start and every restart of a crash-restart loop.
+        notes.append(f"--resume {o.resume}: no checkpoint there yet; starting from step 0")
+        o = dataclasses.replace(o, resume=None)
     resume_meta = None
     if o.resume:
-        if o.init_from:
-            raise TensorparError("--resume and --init-from exclude each other")
         _, resume_meta = read_meta(o.resume)  # every shard present, complete and unchanged
         if resume_meta["step"] >= o.steps:
             raise TensorparError(f"checkpoint '{o.resume}' is at step {resume_meta['step']} and --steps is "
                                  f"{o.steps}: nothing left to train (--steps is the total step count)")
+    _check_save_folder(o)
     if o.save_every and not o.save:
         raise TensorparError("--save-every needs --save DIR")
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
@@ -89,4 +109,4 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     resolved = dataclasses.replace(
         o, dp=dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
         warmup_steps=min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps)
-    return PreparedRun(resolved, cfg, resume_meta, world)
+    return PreparedRun(resolved, cfg, resume_meta, world, tuple(notes))

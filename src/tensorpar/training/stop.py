@@ -1,0 +1,51 @@
+"""Stopping a training run on SIGTERM or SIGINT (Ctrl-C) the way a scheduler expects: cleanly, and saved.
+
+The first signal only sets a flag. Before each step every rank all-reduces its flag (MAX, one
+4-byte collective on the world group), so all ranks see the stop at the same step whichever
+of them received the signal first; the run then saves the last completed step (with `--save`)
+and ends with status 128 + the signal's number. A second signal restores the default action
+and re-raises it: the process ends at once. This is Megatron-LM's exit-signal handler, with the
+agreement made explicit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import torch
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class GracefulStop:
+    """Catches STOP_SIGNALS while installed (a context manager; the main thread only) and says, collectively,
+    whether the run should stop before its next step."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # the second signal: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+
+    def agreed(self, group, device) -> int | None:
+        """The stop signal if any rank of `group` received one (a collective: every rank calls it), else None."""
+        flag = torch.tensor([self.signum or 0], dtype=torch.int32, device=device)
+        group.all_reduce(flag, op="max")
+        return int(flag.item()) or None

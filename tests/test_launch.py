@@ -1,0 +1,183 @@
+"""The local launcher supervises its ranks as on a real cluster: a scheduler's SIGTERM stops every rank and saves
+the last step, a dead or stopped rank ends the job with a line naming it, a crash-restart loop always continues
+from `latest`, and no process is ever left behind."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tensorpar.checkpoints.sharded import read_meta
+from tensorpar.training import TrainOptions, train
+
+STEPS = 1000
+COMMON = ["--seq-len", "16", "--global-batch-size", "4", "--no-progress", "--val-every", "0"]
+
+
+def start(*args, **env):
+    """`tensorpar` started as a scheduler would start it: in a session of its own."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    return subprocess.Popen([sys.executable, "-m", "tensorpar", *args], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def rank_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the launcher's worker processes (read from /proc)."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher:
+                continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"RANK" in env:
+            out[int(env[b"RANK"])] = int(name)
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has finished
+    except OSError:
+        return True
+
+
+def wait_for(predicate, timeout=90.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def lines(path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in open(path) if line.strip()]
+    except OSError:
+        return []
+
+
+def finish(proc, timeout=60.0):
+    """(returncode, stderr, seconds) once the launcher has exited."""
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def next_loss(config_file, stop_after, resume=None):
+    options = TrainOptions(model=config_file, tp=2, steps=STEPS, seq_len=16, global_batch_size=4, val_every=0,
+                           progress=False, device="cpu", stop_after=stop_after, resume=resume)
+    return train(options)["history"][-1]["loss"]
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_and_saves_the_last_step(pools, config_file, tmp_path):
+    save, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--save", str(save),
+                 "--metrics", str(metrics), "--out-dir", str(tmp_path / "run"), *COMMON)
+    wait_for(lambda: len(lines(metrics)) >= 3, what="three steps")
+    ranks = rank_pids(proc.pid)
+    assert sorted(ranks) == [0, 1]
+    proc.send_signal(signal.SIGTERM)
+    code, err, seconds = finish(proc)
+    assert code == 128 + signal.SIGTERM and seconds < 60, err
+    assert all(gone(pid) for pid in ranks.values())
+    done = len(lines(metrics))
+    assert f"stopped by SIGTERM after step {done} of {STEPS}" in err
+    _, meta = read_meta(str(save))  # every shard present and intact
+    assert meta["step"] == done
+    # The saved step resumes to the loss the uninterrupted run has at the next step.
+    expected = pools(2).run(next_loss, config_file, done + 1)[0]
+    resumed = pools(2).run(next_loss, config_file, done + 1, str(save))[0]
+    assert abs(resumed - expected) <= 1e-6 * expected
+
+
+@pytest.mark.parametrize("when", ["start-up", "mid-training"])
+def test_a_killed_rank_ends_the_job_with_a_line_naming_it(config_file, tmp_path, when):
+    metrics = tmp_path / "m.jsonl"
+    proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--metrics", str(metrics),
+                 "--out-dir", str(tmp_path / "run"), *COMMON)
+    ranks = wait_for(lambda: (r := rank_pids(proc.pid)) and len(r) == 2 and r, what="two ranks")
+    if when == "mid-training":
+        wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+    os.kill(ranks[1], signal.SIGKILL)
+    code, err, seconds = finish(proc)
+    assert code == 128 + signal.SIGKILL and seconds < 60, err
+    assert f"tensorpar: error: rank 1 (pid {ranks[1]}) was killed by SIGKILL" in err
+    assert all(gone(pid) for pid in ranks.values())
+
+
+def test_a_stopped_rank_is_caught_by_the_collective_timeout(config_file, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--metrics", str(metrics),
+                 "--out-dir", str(tmp_path / "run"), "--timeout", "4", *COMMON)
+    wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+    ranks = rank_pids(proc.pid)
+    os.kill(ranks[1], signal.SIGSTOP)
+    code, err, seconds = finish(proc)
+    assert code == 2 and seconds < 60, err
+    failure = [ln for ln in err.splitlines() if ln.startswith("tensorpar: error: rank 0 (pid")]
+    assert len(failure) == 1 and "on group 'tp'" in failure[0] and "(timeout 4s)" in failure[0], err
+    assert "stopped rank 1 after rank 0 failed" in err
+    assert all(gone(pid) for pid in ranks.values())
+
+
+def test_a_crash_restart_loop_always_continues_from_latest(config_file, tmp_path):
+    """The same `--resume ck --save ck` command, killed -9 at random moments (during start-up, mid-step, mid-save)
+    five times, then left to finish: every restart continues from what `latest` names."""
+    save, metrics = tmp_path / "ck", tmp_path / "run" / "metrics.jsonl"
+    command = ["train", "--model", config_file, "--tp", "2", "--steps", "80", "--resume", str(save), "--save",
+               str(save), "--save-every", "1", "--keep-last", "2", "--out-dir", str(tmp_path / "run"), *COMMON]
+    rng = random.Random(17)
+    latest = 0
+    for attempt in range(6):
+        if metrics.exists():
+            metrics.unlink()
+        proc = start(*command)
+        if attempt < 5:
+            if rng.random() < 0.3:
+                time.sleep(rng.uniform(0.2, 2.5))  # most likely during start-up
+            else:
+                steps = rng.randint(1, 10)
+                wait_for(lambda: len(lines(metrics)) >= steps or proc.poll() is not None, what=f"{steps} steps")
+                time.sleep(rng.uniform(0.0, 0.05))
+            ranks = rank_pids(proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)  # the whole job dies: its ranks follow their launcher
+            code, err, _ = finish(proc)
+            assert code == -signal.SIGKILL, (attempt, err)
+            wait_for(lambda: all(gone(pid) for pid in ranks.values()), timeout=30, what="the ranks to die")
+        else:
+            code, err, _ = finish(proc, timeout=180)
+            assert code == 0, err
+        said = "no checkpoint there yet; starting from step 0" if latest == 0 else f"at step {latest}"
+        first = lines(metrics)[:1]
+        assert said in err or not first, (attempt, latest, err)  # killed before it could say anything
+        assert not first or first[0]["step"] == latest + 1, (attempt, latest, first)
+        if (save / "latest").exists():
+            latest = read_meta(str(save))[1]["step"]  # `latest` always names a complete, intact checkpoint
+    assert latest == 80
+
+
+def test_ctrl_c_at_the_terminal_reaches_the_ranks_once(config_file, tmp_path):
+    """Ctrl-C sends SIGINT to the launcher (its ranks are in sessions of their own): one stop, saved."""
+    save, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--save", str(save),
+                 "--metrics", str(metrics), "--out-dir", str(tmp_path / "run"), *COMMON)
+    wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+    os.killpg(proc.pid, signal.SIGINT)  # the terminal signals the foreground process group
+    code, err, _ = finish(proc)
+    assert code == 128 + signal.SIGINT, err
+    assert read_meta(str(save))[1]["step"] == len(lines(metrics))
