@@ -173,7 +173,8 @@ class Supervisor:
 
     def _report(self) -> int:
         if self.signum is not None and not any(w.failed_first for w in self.workers):
-            return 128 + self.signum
+            # Stopped by the signal, unless every rank had finished its work anyway.
+            return 0 if all(w.proc.returncode == 0 for w in self.workers) else 128 + self.signum
         first = sorted((w for w in self.workers if w.failed_first), key=lambda w: (w.proc.returncode >= 0, w.rank))
         if not first:
             return 0
