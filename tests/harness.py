@@ -19,16 +19,16 @@ from tensorpar.distributed.launch import free_port
 
 TASK_TIMEOUT_S = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "180"))
 
-_meshes: dict = {}  # per worker process: (tp, pp, dp) -> Mesh
+_meshes: dict = {}  # per worker process: (tp, pp, dp, cp) -> Mesh
 
 
-def mesh(tp: int, pp: int = 1, dp: int | None = None):
+def mesh(tp: int, pp: int = 1, dp: int | None = None, cp: int = 1):
     """The (cached) mesh for this layout, inside a worker."""
     import tensorpar
 
-    key = (tp, pp, dp)
+    key = (tp, pp, dp, cp)
     if key not in _meshes:
-        _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, timeout=60)
+        _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp, timeout=60)
     m = _meshes[key]
     m.stats.reset()
     return m

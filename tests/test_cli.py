@@ -83,8 +83,12 @@ def test_under_torchrun_the_demo_uses_the_launchers_processes():
         (["train", "--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "4"],
          "global batch size 6 does not divide into dp 2 x micro-batch size 4"),
         (["eval", "--checkpoint", "/no/such/dir", "--seq-len", "8"], "checkpoint '/no/such/dir' does not exist"),
+        (["train", "--cp", "4", "--seq-len", "100"], "sequence length 100 is not divisible by 2 x cp = 8"),
+        (["train", "--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "12"],
+         "sequence length 12 / cp 2 = 6 is not divisible by the tensor-parallel size"),
     ],
-    ids=["heads", "preset", "data", "sp-seq", "pp-layers", "interleaved-microbatches", "dp-batch", "checkpoint"],
+    ids=["heads", "preset", "data", "sp-seq", "pp-layers", "interleaved-microbatches", "dp-batch", "checkpoint",
+         "cp-seq", "cp-sp-seq"],
 )
 def test_bad_input_fails_in_seconds_with_one_line(args, needle):
     proc, elapsed = tensorpar(*args)

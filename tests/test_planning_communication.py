@@ -165,3 +165,37 @@ def test_predicted_pipeline_step_comm_equals_counted(pools, tp, pp, dp, schedule
         assert params == expected, f"rank {rank}: parameters differ from the prediction"
         if schedule != "afab":  # the memory model's chunk-forwards in flight (1F1B / interleaved)
             assert peak == memory.in_flight(layout, 4, stage), f"rank {rank}: {peak} in flight"
+
+
+def check_context_parallel_comm(tp, cp, config, sp, recompute, bf16):
+    """One micro-batch forward/backward at tp x cp: counted bytes per (op, group) against the prediction."""
+    from tensorpar.models import Transformer
+
+    cfg = CONFIGS[config]
+    m = harness_mesh(tp=tp, cp=cp, dp=WORLD // (tp * cp))
+    torch.manual_seed(0)
+    B, S = 2, 16
+    ids = torch.randint(0, cfg.vocab_size, (B, S))
+    model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1)
+    model.train()
+    m.stats.reset()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
+    with ctx:
+        loss = model(ids, ids.roll(-1, 1))
+    loss.backward()
+    counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
+    layout = Layout(tp=tp, cp=cp, sequence_parallel=sp, recompute=recompute)
+    predicted = communication.comm_bytes_per_step(cfg, layout, B, S, 4, matmul_dtype_bytes=2 if bf16 else 4)
+    return counted, predicted
+
+
+@pytest.mark.parametrize("tp,cp,config,sp,recompute,bf16", [
+    (1, 2, "tiny", False, "none", False),
+    (1, 4, "tiny", False, "selective", False),
+    (2, 2, "tiny", True, "none", True),
+    (2, 2, "tiny-gpt2", False, "full", False),
+])
+def test_predicted_context_parallel_comm_equals_counted(pools, tp, cp, config, sp, recompute, bf16):
+    for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_context_parallel_comm, tp, cp, config, sp,
+                                                                 recompute, bf16)):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"

@@ -47,8 +47,15 @@ def reference(pools):
         (4, dict(tp=2, dp=2, micro_batch_size=2)),  # 2 micro-batches per DP rank
         (4, dict(tp=2, dp=2, zero=1, sequence_parallel=True)),
         (4, dict(tp=1, dp=4, zero=2, micro_batch_size=1)),
+        (2, dict(cp=2)),
+        (4, dict(cp=4)),
+        (4, dict(cp=4, cp_impl="allgather", model="tiny-gpt2")),
+        (4, dict(tp=2, cp=2, sequence_parallel=True)),  # 2 KV heads: one per TP rank
+        (4, dict(cp=2, dp=2, zero=1)),
+        (4, dict(cp=2, pp=2, micro_batch_size=2)),
     ],
-    ids=["tp2", "tp4", "tp2-sp", "tp4-sp-gpt2", "tp2-dp2", "tp2-dp2-accum", "tp2-sp-dp2-zero1", "dp4-zero2-accum"],
+    ids=["tp2", "tp4", "tp2-sp", "tp4-sp-gpt2", "tp2-dp2", "tp2-dp2-accum", "tp2-sp-dp2-zero1", "dp4-zero2-accum",
+         "cp2", "cp4", "cp4-allgather-gpt2", "tp2-cp2-sp", "cp2-dp2-zero1", "cp2-pp2"],
 )
 def test_layouts_follow_the_single_device_trajectory(pools, reference, world, layout):
     model = layout.get("model", "tiny")

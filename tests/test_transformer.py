@@ -78,3 +78,57 @@ def test_tp_transformer_matches_single_device(pools, tp, config, sp, recompute):
     for rank, errs in enumerate(pools(tp).run(check_model, tp, config, sp, recompute)):
         bad = {k: f"{v:.1e}" for k, v in errs.items() if v > 1e-5}
         assert not bad, f"rank {rank}: {bad}"
+
+
+def check_context_parallel_model(tp, cp, config, sp, recompute, impl):
+    """At cp ranks each holding its zigzag chunks: the loss, this rank's logits, and every gradient averaged over
+    the CP ranks (what the optimizer applies) equal the single-device model's."""
+    m = mesh(tp=tp, cp=cp, dp=4 // (tp * cp))
+    cfg = CONFIGS[config]
+    seq_len = 16
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, seq_len))
+    targets = torch.randint(0, cfg.vocab_size, (2, seq_len))
+    targets[0, :3] = -100  # ignored targets, all on one CP rank: the mean weighs each rank by its tokens
+
+    reference = Transformer(cfg, Group.single("tp"), seed=5)
+    ref_loss = reference(ids, targets)
+    ref_loss.backward()
+    ref_logits = reference(ids).detach()
+    model = Transformer(cfg, m, seed=5, sequence_parallel=sp, recompute=recompute, cp_impl=impl)
+    model.train()
+    loss = model(ids, targets)
+    loss.backward()
+    logits = model(ids).detach()  # this rank's chunks and vocabulary shard (SP gathers the sequence back)
+
+    pos = model.context(seq_len).positions()
+    vocab = logits.shape[-1]
+    expected = torch.nn.functional.pad(ref_logits, (0, vocab * m.tp_size - cfg.vocab_size))[:, pos]
+    errs = {"loss": rel_err(loss, ref_loss),
+            "logits": rel_err(logits, expected[..., m.tp_rank * vocab:(m.tp_rank + 1) * vocab])}
+    for p in model.parameters():
+        m.cp_group.all_reduce(p.grad)
+        p.grad /= m.cp_size
+    grads = _dense_grads(model)
+    floor = 1e-3 * torch.sqrt(sum(p.grad.double().pow(2).sum() for p in reference.parameters())).item()
+    for name, p in reference.named_parameters():
+        diff = (grads[name].double() - p.grad.double()).norm().item()
+        errs[f"grad {name}"] = diff / max(p.grad.double().norm().item(), floor)
+    return errs
+
+
+@pytest.mark.parametrize(
+    "tp,cp,config,sp,recompute,impl",
+    [
+        (1, 2, "tiny", False, "none", "ring"),
+        (1, 4, "tiny", False, "none", "ring"),
+        (1, 4, "tiny", False, "selective", "allgather"),
+        (2, 2, "tiny", True, "none", "ring"),  # GQA: 2 KV heads, one per TP rank
+        (2, 2, "tiny-gpt2", True, "full", "ring"),  # learned positions follow the zigzag chunks
+        (1, 2, "mqa-relu", False, "none", "allgather"),
+    ],
+)
+def test_context_parallel_transformer_matches_single_device(pools, tp, cp, config, sp, recompute, impl):
+    for rank, errs in enumerate(pools(4).run(check_context_parallel_model, tp, cp, config, sp, recompute, impl)):
+        bad = {k: f"{v:.1e}" for k, v in errs.items() if v > 1e-5}
+        assert not bad, f"rank {rank}: {bad}"

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder ``DIR/step-000120/`` holding one safetensors file per model-parallel
 rank (``model-tp01-pp00.safetensors``: that rank's parameter shards and their AdamW moments,
-written by the DP rank 0 of each (tp, pp) position; ZeRO slices are gathered first) and
+written by the DP and CP rank 0 of each (tp, pp) position; ZeRO slices are gathered first) and
 ``meta.json``: the model config, the layout, how every tensor is split (its ShardSpec), the
 optimizer step, the training arguments that fix the data order and the learning-rate schedule,
 and the size and SHA-256 of every file. Dropout masks and the sample order are functions of
@@ -76,7 +76,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
     names = {id(p): n for n, p in params.items()}
     moments, opt_step = optimizer.local_state(names)  # collective over DP when ZeRO shards the moments
     info = None
-    if mesh.dp_rank == 0:
+    if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # one writer per (tp, pp) position
         tensors = {}
         for name, p in params.items():
             if getattr(p, "pipeline_duplicate", False):

@@ -14,7 +14,7 @@ def world_size(options) -> int:
     """The number of processes this command will run on: the launcher's, or the ones it will start."""
     if under_launcher():
         return int(os.environ["WORLD_SIZE"])
-    return options.nproc or options.tp * options.pp * (options.dp or 1)
+    return options.nproc or options.tp * options.cp * options.pp * (options.dp or 1)
 
 
 def launch(options, argv: list[str], run_rank) -> int:
@@ -25,7 +25,7 @@ def launch(options, argv: list[str], run_rank) -> int:
     process group exists (under torchrun: on every rank, before the rendezvous).
     """
     world = world_size(options)
-    resolve_layout(world, options.tp, options.pp, options.dp)
+    resolve_layout(world, options.tp, options.pp, options.dp, options.cp)
     if under_launcher():
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         return run_rank()

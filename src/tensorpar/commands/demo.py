@@ -15,6 +15,7 @@ from tensorpar.commands.common import launch
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import DemoOptions
 from tensorpar.distributed.mesh import init_mesh
+from tensorpar.errors import LayoutError
 from tensorpar.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -132,4 +133,6 @@ def run_rank(options: DemoOptions) -> int:
 
 def run(args, argv) -> int:
     options = options_from_args(DemoOptions, args, "demo")
+    if options.cp != 1:
+        raise LayoutError(f"the demo shows tensor parallelism: --cp must be 1, got {options.cp}")
     return launch(options, argv, lambda: run_rank(options))

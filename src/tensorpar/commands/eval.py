@@ -34,19 +34,20 @@ def validate(options: EvalOptions) -> None:
     if options.data and not os.path.exists(options.data):
         raise TensorparError(f"data file '{options.data}' does not exist")
     cfg = load_config(options.checkpoint)
-    check_model_layout(cfg, options.tp, options.sequence_parallel, options.seq_len)
+    check_model_layout(cfg, options.tp, options.sequence_parallel, options.seq_len, options.cp)
 
 
 def evaluate_checkpoint(options: EvalOptions) -> dict:
     """{"loss", "perplexity", "tokens"} of the checkpoint on the data (every rank of the running world)."""
-    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, device=options.device,
+    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, cp=options.cp, device=options.device,
                      timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
         tokens = load_tokens(options.data, load_tokenizer(options.checkpoint), options.bin_dtype)
         check_vocab(tokens, cfg.vocab_size, options.data or "the default corpus")
         windows = eval_windows(tokens, options.seq_len)
-        model = Transformer(cfg, mesh, sequence_parallel=options.sequence_parallel, init=False)
+        model = Transformer(cfg, mesh, sequence_parallel=options.sequence_parallel, init=False,
+                            cp_impl=options.cp_impl)
         load_full_state_dict(model, state, source=options.checkpoint)
         loss = evaluate(model, windows, options.batch_size, mesh.device, options.dtype)
         return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(windows[:, 1:].numel())}

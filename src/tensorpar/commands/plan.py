@@ -86,7 +86,7 @@ def _check_args(options) -> None:
             raise TensorparError(f"{flag} must be a positive integer, got {value}")
     if options.top is not None and options.top < 1:
         raise TensorparError(f"--top must be a positive integer, got {options.top}")
-    for flag, value in (("--tp", options.tp), ("--pp", options.pp)):
+    for flag, value in (("--tp", options.tp), ("--pp", options.pp), *(("--cp", c) for c in options.cp)):
         if value is not None and (value < 1 or options.gpus % value):
             raise TensorparError(f"{flag} {value} does not divide the {options.gpus} GPUs")
 
@@ -97,7 +97,7 @@ def plan_layouts(options):
     cfg = get_config(options.model)
     cluster = _cluster(options)
     space = {"virtual_stages": tuple(range(1, options.virtual_stages + 1)), "max_micro_batch": options.max_micro_batch,
-             "zero": tuple(options.zero), "recompute": tuple(options.recompute),
+             "zero": tuple(options.zero), "recompute": tuple(options.recompute), "cp": tuple(options.cp),
              "sequence_parallel": {"both": (False, True), "on": (True,), "off": (False,)}[options.sequence_parallel]}
     if options.tp is not None:
         space["tp"] = (options.tp,)
@@ -148,21 +148,21 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
         "",
     ]
     if shown:
-        head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'v':>2} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
+        head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'v':>2} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
                 f" {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'copies':>6} {'other':>6} {'total':>6} GiB |"
-                f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp':>5} {'pp+bub':>6} {'dp':>5} exposed")
+                f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp+cp':>5} {'pp+bub':>6} {'dp':>5} exposed")
         lines.append(head)
         for i, p in enumerate(shown, 1):
             lay, mem, t = p.layout, p.memory.gib(), p.time
             other = mem["transient"] + mem["overhead"]
             pct = lambda x: f"{100 * x / t.step_time_s:4.1f}%"  # noqa: E731
             lines.append(
-                f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} {lay.micro_batch_size:>4} "
+                f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} {lay.micro_batch_size:>4} "
                 f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {lay.zero:>4} |"
                 f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
                 f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
                 f" {t.step_time_s:7.2f} {t.tokens_per_s:10,.0f} {100 * t.mfu:5.1f}% |"
-                f" {pct(t.tp_comm_s)} {pct(t.pp_comm_s + t.bubble_s):>6} {pct(t.dp_comm_s)}"
+                f" {pct(t.tp_comm_s + t.cp_comm_s)} {pct(t.pp_comm_s + t.bubble_s):>6} {pct(t.dp_comm_s)}"
             )
         lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast; "
                      "'other': recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")

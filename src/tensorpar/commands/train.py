@@ -38,7 +38,8 @@ def print_summary(s: dict) -> None:
     lay = s["layout"]
     resumed = f" (resumed at step {s['start_step']})" if s.get("start_step") else ""
     print(f"\ntrained{resumed} {s['model']} ({s['parameters'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
-          f"{s['tokens']:,} tokens: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}"
+          f"{s['tokens']:,} tokens: tp={lay['tp']}{' cp=' + str(lay['cp']) if lay['cp'] > 1 else ''} pp={lay['pp']} "
+          f"dp={lay['dp']}"
           f"{' zero-' + str(lay['zero']) if lay['zero'] else ''}"
           f"{' ' + lay['schedule'] + (' v=' + str(lay['virtual_stages']) if lay['virtual_stages'] > 1 else '') if lay['schedule'] else ''}"
           f"{' +sequence-parallel' if lay['sequence_parallel'] else ''}, recompute={lay['recompute']}, {lay['dtype']}")

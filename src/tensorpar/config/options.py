@@ -12,6 +12,8 @@ import dataclasses
 
 from tensorpar.config.choices import (
     BIN_DTYPES,
+    CP_IMPLS,
+    CP_SPLITS,
     DTYPES,
     PIPELINE_SCHEDULES,
     PLAN_PRECISIONS,
@@ -33,6 +35,7 @@ class LaunchOptions:
     tp: int = option(1, "tensor-parallel size", group=LAYOUT)
     pp: int = option(1, "pipeline-parallel size", group=LAYOUT)
     dp: int | None = option(None, "data-parallel size (default: the rest of the world)", group=LAYOUT)
+    cp: int = option(1, "context-parallel size: each sequence split over cp ranks (train, eval)", group=LAYOUT)
     nproc: int | None = option(None, "processes to start from a plain shell (default tp*pp*dp); ignored under "
                                      "torchrun", group=LAYOUT)
     device: str | None = option(None, "default: this rank's GPU if any, else cpu", group=LAYOUT)
@@ -58,6 +61,10 @@ class TrainOptions(LaunchOptions):
     virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved)", group=LAYOUT)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE_MODES, group=LAYOUT)
     dtype: str = option("fp32", "fp32, or bf16 autocast over fp32 weights", choices=DTYPES, group=LAYOUT)
+    cp_impl: str = option("ring", "context-parallel attention: K/V passed round a ring, or all-gathered",
+                          choices=CP_IMPLS, group=LAYOUT)
+    cp_split: str = option("zigzag", "how the 2 x cp chunks of a sequence are dealt to the CP ranks (zigzag "
+                                     "balances causal attention)", choices=CP_SPLITS, group=LAYOUT)
     steps: int = option(300, "total optimizer steps (a resumed run continues up to it)", group="optimization")
     seed: int = option(0, "seeds the weights, the sample order and dropout", group="optimization")
     global_batch_size: int = option(16, "sequences per optimizer step", group="optimization")
@@ -103,6 +110,8 @@ class EvalOptions(LaunchOptions):
     batch_size: int = option(8, "windows per forward pass")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
     dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
+    cp_impl: str = option("ring", "context-parallel attention: K/V passed round a ring, or all-gathered",
+                          choices=CP_IMPLS, group=LAYOUT)
 
 
 @dataclasses.dataclass
@@ -149,6 +158,7 @@ class PlanOptions:
     overlap: float | None = option(None, "fraction of data-parallel communication hidden behind backward "
                                          "(default 0.5)", group="layout mode")
     tp: int | None = option(None, "consider only this tensor-parallel size", group="layout mode")
+    cp: list[int] = option([1], "context-parallel sizes to consider", group="layout mode")
     zero: list[int] = option(list(PLANNED_ZERO_STAGES), "ZeRO stages to consider", choices=PLANNED_ZERO_STAGES,
                              group="layout mode")
     recompute: list[str] = option(list(RECOMPUTE_MODES), "recomputation modes to consider", choices=RECOMPUTE_MODES,

@@ -6,6 +6,7 @@ from tensorpar.distributed.ops import (
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
+    mean_from_cp,
     reduce_from_tp,
     reduce_scatter_to_sp,
     scatter_to_sp,
@@ -15,5 +16,5 @@ from tensorpar.distributed.ops import (
 __all__ = [
     "CommStats", "Group", "as_group", "Mesh", "init_mesh", "group_ranks", "resolve_layout", "world_from_env",
     "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp",
-    "gather_from_sp", "reduce_scatter_to_sp", "scatter_to_sp",
+    "gather_from_sp", "reduce_scatter_to_sp", "scatter_to_sp", "mean_from_cp",
 ]

@@ -95,11 +95,11 @@ class _Worker:
             return ""
         return lines[-1] if lines else ""
 
-    def describe(self) -> str:
+    def describe(self, when: str = "") -> str:
         code = self.proc.returncode
         what = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
         error = self.last_error()
-        return f"rank {self.rank} (pid {self.proc.pid}) {what}" + (f": {error}" if error else "")
+        return f"rank {self.rank} (pid {self.proc.pid}) {what}{when}" + (f": {error}" if error else "")
 
 
 def _status(code: int) -> int:
@@ -184,7 +184,7 @@ class Supervisor:
         for w in self.workers:
             if not w.failed_first and w.proc.returncode != 0:
                 if w.last_error():  # it failed on its own too (a collective with the dead rank, say)
-                    lines.append(w.describe().replace(f"(pid {w.proc.pid})", f"(pid {w.proc.pid}){after}", 1))
+                    lines.append(w.describe(after))
                 else:
                     stopped.append(str(w.rank))
         if stopped:

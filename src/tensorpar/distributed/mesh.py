@@ -1,11 +1,13 @@
-"""The process mesh: which rank does what in a tp x pp x dp layout.
+"""The process mesh: which rank does what in a tp x cp x dp x pp layout.
 
-Ranks are laid out as Megatron-LM orders them: TP varies fastest, then DP, then PP::
+Ranks are laid out as Megatron-Core orders them: TP varies fastest, then CP, then DP, then PP::
 
-    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    global_rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
-so the ranks of one TP group are contiguous (on one node, sharing the fast links), and a
-pipeline stage is a block of dp * tp consecutive ranks.
+so the ranks of one TP group are contiguous (on one node, sharing the fast links), a context-parallel
+ring is the next closest, and a pipeline stage is a block of tp * cp * dp consecutive ranks. Parameter
+gradients are averaged over DP x CP (`dp_cp_group`: the ranks that hold the same parameters and see
+different tokens); with cp = 1 that group is the DP group itself.
 """
 
 from __future__ import annotations
@@ -35,46 +37,52 @@ def world_from_env() -> tuple[int, int, int]:
     return world, rank, local
 
 
-def resolve_layout(world_size: int, tp: int, pp: int = 1, dp: int | None = None) -> tuple[int, int, int]:
-    """Check that tp x pp x dp fits `world_size` (dp defaults to what is left) and return (tp, pp, dp)."""
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):
+def resolve_layout(world_size: int, tp: int, pp: int = 1, dp: int | None = None, cp: int = 1) -> tuple[int, int, int]:
+    """Check that tp x cp x pp x dp fits `world_size` (dp defaults to what is left) and return (tp, pp, dp)."""
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    named = f"tp={tp}" + (f" x cp={cp}" if cp > 1 else "") + f" x pp={pp}"
+    product = "tp*" + ("cp*" if cp > 1 else "") + "pp"
+    fixed = tp * cp * pp
     if dp is None:
-        if world_size % (tp * pp):
-            raise LayoutError(
-                f"layout tp={tp} x pp={pp} does not fit world size {world_size}: "
-                f"{world_size} is not divisible by tp*pp={tp * pp}"
-            )
-        dp = world_size // (tp * pp)
-    if tp * pp * dp != world_size:
+        if world_size % fixed:
+            raise LayoutError(f"layout {named} does not fit world size {world_size}: "
+                              f"{world_size} is not divisible by {product}={fixed}")
+        dp = world_size // fixed
+    if fixed * dp != world_size:
         raise LayoutError(
-            f"layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} processes, but the world has {world_size}; "
+            f"layout {named} x dp={dp} = {fixed * dp} processes, but the world has {world_size}; "
             f"the product must equal the world size"
         )
     return tp, pp, dp
 
 
-def rank_grid(tp: int, pp: int, dp: int) -> torch.Tensor:
-    """Global ranks arranged as [pp, dp, tp]: grid[p, d, t] is the rank with those coordinates."""
-    return torch.arange(tp * pp * dp).reshape(pp, dp, tp)
+def rank_grid(tp: int, pp: int, dp: int, cp: int = 1) -> torch.Tensor:
+    """Global ranks arranged as [pp, dp, cp, tp]: grid[p, d, c, t] is the rank with those coordinates."""
+    return torch.arange(tp * pp * dp * cp).reshape(pp, dp, cp, tp)
 
 
-def group_ranks(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
-    """Every group of each dimension, as lists of global ranks."""
-    grid = rank_grid(tp, pp, dp)
-    return {
-        "tp": [grid[p, d, :].tolist() for p in range(pp) for d in range(dp)],
-        "dp": [grid[p, :, t].tolist() for p in range(pp) for t in range(tp)],
-        "pp": [grid[:, d, t].tolist() for d in range(dp) for t in range(tp)],
+def group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[list[int]]]:
+    """Every group of each dimension, as lists of global ranks ("dp_cp" only when cp > 1)."""
+    g = rank_grid(tp, pp, dp, cp)
+    groups = {
+        "tp": [g[p, d, c, :].tolist() for p in range(pp) for d in range(dp) for c in range(cp)],
+        "cp": [g[p, d, :, t].tolist() for p in range(pp) for d in range(dp) for t in range(tp)],
+        "dp": [g[p, :, c, t].tolist() for p in range(pp) for c in range(cp) for t in range(tp)],
+        "pp": [g[:, d, c, t].tolist() for d in range(dp) for c in range(cp) for t in range(tp)],
         # The first and last pipeline stage, which both hold a tied embedding.
-        "embed": [sorted({int(grid[0, d, t]), int(grid[pp - 1, d, t])}) for d in range(dp) for t in range(tp)],
+        "embed": [sorted({int(g[0, d, c, t]), int(g[pp - 1, d, c, t])})
+                  for d in range(dp) for c in range(cp) for t in range(tp)],
     }
+    if cp > 1:
+        groups["dp_cp"] = [g[p, :, :, t].flatten().tolist() for p in range(pp) for t in range(tp)]
+    return groups
 
 
 @dataclasses.dataclass
 class Mesh:
-    """A tp x pp x dp layout of the running processes, with one counted `Group` per dimension."""
+    """A tp x cp x dp x pp layout of the running processes, with one counted `Group` per dimension."""
 
     tp_group: Group
     pp_group: Group
@@ -87,6 +95,14 @@ class Mesh:
     backend: str | None
     stats: CommStats
     owns_process_group: bool = False
+    cp_group: Group | None = None  # None: a group of this rank alone (see __post_init__)
+    dp_cp_group: Group | None = None  # None: the DP group
+
+    def __post_init__(self):
+        if self.cp_group is None:
+            self.cp_group = Group("cp", [self.rank], None, self.stats, self.rank)
+        if self.dp_cp_group is None:
+            self.dp_cp_group = self.dp_group
 
     tp_size = property(lambda self: self.tp_group.size)
     tp_rank = property(lambda self: self.tp_group.rank)
@@ -94,11 +110,14 @@ class Mesh:
     pp_rank = property(lambda self: self.pp_group.rank)
     dp_size = property(lambda self: self.dp_group.size)
     dp_rank = property(lambda self: self.dp_group.rank)
+    cp_size = property(lambda self: self.cp_group.size)
+    cp_rank = property(lambda self: self.cp_group.rank)
 
     def __repr__(self) -> str:
         return (
             f"Mesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-            f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, device={self.device})"
+            f"cp={self.cp_rank}/{self.cp_size}, pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
+            f"device={self.device})"
         )
 
     def destroy(self) -> None:
@@ -109,7 +128,8 @@ class Mesh:
         process (SIGABRT, "terminate called without an active exception") after a run that succeeded."""
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
-            for group in (self.tp_group, self.pp_group, self.dp_group, self.embed_group, self.world_group):
+            for group in (self.tp_group, self.cp_group, self.pp_group, self.dp_group, self.dp_cp_group,
+                          self.embed_group, self.world_group):
                 group.pg = None
             gc.collect()
             self.owns_process_group = False
@@ -128,12 +148,13 @@ def init_mesh(
     pp: int = 1,
     dp: int | None = None,
     *,
+    cp: int = 1,
     device: str | torch.device | None = None,
     backend: str | None = None,
     timeout: float | timedelta | None = None,
     stats: CommStats | None = None,
 ) -> Mesh:
-    """Lay tp x pp x dp over the running world and create one process group per dimension.
+    """Lay tp x cp x dp x pp over the running world and create one process group per dimension.
 
     The world comes from an initialised torch.distributed, from a launcher's environment
     (torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), or is a single process.
@@ -141,7 +162,7 @@ def init_mesh(
     fails at once on every rank. The backend is NCCL for CUDA devices and gloo otherwise.
     """
     world, rank, local_rank = world_from_env()
-    tp, pp, dp = resolve_layout(world, tp, pp, dp)
+    tp, pp, dp = resolve_layout(world, tp, pp, dp, cp)
     device = _pick_device(local_rank, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -160,7 +181,7 @@ def init_mesh(
         backend = backend or dist.get_backend()
 
     groups = {}
-    for name, all_ranks in group_ranks(tp, pp, dp).items():
+    for name, all_ranks in group_ranks(tp, pp, dp, cp).items():
         for ranks in all_ranks:
             # new_group is collective over the whole world: every rank creates every group, in the same order.
             pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
@@ -182,4 +203,6 @@ def init_mesh(
         backend=backend,
         stats=stats,
         owns_process_group=owns,
+        cp_group=groups["cp"],
+        dp_cp_group=groups.get("dp_cp"),
     )

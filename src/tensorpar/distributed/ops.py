@@ -13,6 +13,7 @@ scatter_to_tp            split along the last dim            all-gather along th
 gather_from_sp  (g)      all-gather along the sequence       reduce-scatter along the sequence
 reduce_scatter_to_sp     reduce-scatter along the sequence   all-gather along the sequence
 scatter_to_sp            split along the sequence            all-gather along the sequence
+mean_from_cp             all-reduce (token-weighted mean)    scale by cp x this rank's share
 =======================  ==================================  ==================================
 
 Every op takes the group (a Mesh, a `Group`, or None) explicitly and is the identity for a
@@ -106,6 +107,18 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return ctx.group.all_gather(grad, dim=ctx.dim), None, None
 
 
+class _MeanFromCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, count, group):
+        totals = group.all_reduce(torch.stack([x.detach().float() * count, count.float()]))
+        ctx.scale = group.size * count.float() / totals[1]  # this rank's share of the tokens, times cp
+        return (totals[0] / totals[1]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale.to(grad.dtype), None, None
+
+
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -170,3 +183,15 @@ def scatter_to_sp(x: torch.Tensor, group=None, dim: int = SEQ_DIM) -> torch.Tens
     """
     group = as_group(group)
     return x if group.size == 1 else _ScatterToSP.apply(x, group, dim)
+
+
+def mean_from_cp(x: torch.Tensor, count: torch.Tensor, group=None) -> torch.Tensor:
+    """The mean over the context-parallel ranks of a per-rank mean `x` over `count` tokens, weighted by the counts:
+    forward one all-reduce of [x * count, count]; backward the gradient times cp x count / total.
+
+    That backward is what the parameters need: their gradients are then averaged over DP x CP (the
+    `DistributedOptimizer`), which divides by cp, so each rank's tokens weigh what they weigh in the mean
+    (with equal counts, as without ignored targets, the backward is the identity).
+    """
+    group = as_group(group, "cp")
+    return x if group.size == 1 else _MeanFromCP.apply(x, count, group)

@@ -18,6 +18,7 @@ from tensorpar.distributed.ops import copy_to_tp, gather_from_sp
 from tensorpar.errors import LayoutError
 from tensorpar.layers.dropout import fork_rng_seeded, mix_seed
 from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.layers.ring_attention import ContextSplit, context_attention
 from tensorpar.layers.rope import apply_rope
 from tensorpar.layers.sharding import ShardSpec, divide, tag
 
@@ -102,8 +103,13 @@ class ParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, self.tp_group, cfg.bias,
                                         sequence_parallel=sequence_parallel, device=device, init=False)
 
-    def core(self, q, k, v, dropout_seed: int | None):
-        """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes)."""
+    def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None):
+        """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes); with
+        `context`, over the whole sequence of which this CP rank holds its chunks (ring or all-gather)."""
+        if context is not None:
+            dropout = self.dropout if self.training else 0.0
+            seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
+            return context_attention(q, k, v, context, dropout, seed)
         if self.local_kv_heads != self.local_heads:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -123,7 +129,7 @@ class ParallelAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
     def forward(self, x: torch.Tensor, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
-                kv_cache=None, layer_key=None):
+                kv_cache=None, layer_key=None, context: ContextSplit | None = None):
         """With `kv_cache` (inference, no sequence parallelism): `rope` holds the new tokens' absolute positions;
         their keys and values are appended to the cache under `layer_key` and attention spans all cached ones."""
         if kv_cache is not None and self.sequence_parallel:
@@ -140,8 +146,8 @@ class ParallelAttention(nn.Module):
             k, v = kv_cache.append(self.layer_index if layer_key is None else layer_key, k, v)
             out = self.cached_core(q, k, v, kv_cache)
         elif recompute_core:
-            out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, dropout_seed, use_reentrant=False)
+            out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, dropout_seed, context, use_reentrant=False)
         else:
-            out = self.core(q, k, v, dropout_seed)
+            out = self.core(q, k, v, dropout_seed, context)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.o_proj(out)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from tensorpar.errors import LayoutError
 from tensorpar.layers.attention import kv_layout
+from tensorpar.layers.ring_attention import check_context_split
 from tensorpar.layers.sharding import divide
 
 
-def check_model_layout(cfg, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
+def check_model_layout(cfg, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,
+                       cp: int = 1) -> None:
     divide(cfg.num_heads, tp, "num_heads")
     kv_layout(cfg.kv_heads, tp)
     divide(cfg.ffn_hidden_size, tp, "ffn_hidden_size")
@@ -20,8 +22,10 @@ def check_model_layout(cfg, tp: int, sequence_parallel: bool = False, seq_len: i
             raise LayoutError(f"sequence length must be positive, got {seq_len}")
         if cfg.position == "learned" and seq_len > cfg.max_seq_len:
             raise LayoutError(f"sequence length {seq_len} exceeds the model's {cfg.max_seq_len} learned positions")
-        if sequence_parallel and tp > 1 and seq_len % tp:
+        check_context_split(seq_len, cp)
+        if sequence_parallel and tp > 1 and (seq_len // cp) % tp:
+            what = f"sequence length {seq_len}" + (f" / cp {cp} = {seq_len // cp}" if cp > 1 else "")
             raise LayoutError(
-                f"sequence length {seq_len} is not divisible by the tensor-parallel size {tp}; sequence parallelism "
-                f"splits the sequence evenly: use a multiple of {tp} or drop --sequence-parallel"
+                f"{what} is not divisible by the tensor-parallel size {tp}; sequence parallelism "
+                f"splits the sequence evenly: use a multiple of {tp * cp} or drop --sequence-parallel"
             )

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tensorpar.config.choices import RECOMPUTE_MODES
 from tensorpar.distributed.comm import as_group
-from tensorpar.distributed.ops import copy_to_tp, gather_from_sp
+from tensorpar.distributed.ops import copy_to_tp, gather_from_sp, mean_from_cp
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layers.attention import ParallelAttention
 from tensorpar.layers.cross_entropy import vocab_parallel_cross_entropy
@@ -28,6 +28,7 @@ from tensorpar.layers.embedding import VocabParallelEmbedding
 from tensorpar.layers.lm_head import VocabParallelLMHead
 from tensorpar.layers.mlp import ParallelMLP
 from tensorpar.layers.norms import Norm
+from tensorpar.layers.ring_attention import ContextSplit, check_context_split
 from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
 from tensorpar.layers.sharding import ShardSpec, tag
 from tensorpar.models.config import ModelConfig
@@ -46,18 +47,26 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = Norm(cfg.hidden_size, **norm)
         self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device)
 
-    def _drop(self, x, site: int, dropout_seed):
+    def _drop(self, x, site: int, dropout_seed, context):
         """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
         if not self.training or self.dropout == 0:
             return x
-        shard = self.tp_group.rank if self.sequence_parallel else 0
+        shard = sequence_shard(self.tp_group, self.sequence_parallel, context)
         return seeded_dropout(x, self.dropout, mix_seed(dropout_seed, self.layer_index, site, shard), True)
 
     def forward(self, x, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
-                kv_cache=None, layer_key=None):
-        attn = self.attn(self.attn_norm(x), rope, dropout_seed, recompute_core, kv_cache=kv_cache, layer_key=layer_key)
-        x = x + self._drop(attn, 0, dropout_seed)
-        return x + self._drop(self.mlp(self.mlp_norm(x)), 1, dropout_seed)
+                kv_cache=None, layer_key=None, context: ContextSplit | None = None):
+        attn = self.attn(self.attn_norm(x), rope, dropout_seed, recompute_core, kv_cache=kv_cache, layer_key=layer_key,
+                         context=context)
+        x = x + self._drop(attn, 0, dropout_seed, context)
+        return x + self._drop(self.mlp(self.mlp_norm(x)), 1, dropout_seed, context)
+
+
+def sequence_shard(tp_group, sequence_parallel: bool, context: ContextSplit | None) -> int:
+    """Which part of the sequence this rank's activations hold outside the TP regions (for dropout seeds):
+    0 on every rank without sequence or context parallelism, else distinct per CP rank and (with SP) TP rank."""
+    shard = tp_group.rank if sequence_parallel else 0
+    return shard + (context.group.rank * tp_group.size if context is not None else 0)
 
 
 class Transformer(nn.Module):
@@ -88,12 +97,16 @@ class Transformer(nn.Module):
         layers=None,
         first_stage: bool = True,
         last_stage: bool = True,
+        cp_impl: str = "ring",
+        cp_split: str = "zigzag",
     ):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
             raise TensorparError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.cfg = cfg
         self.tp_group = as_group(mesh, "tp")
+        self.cp_group = as_group(mesh, "cp")
+        self.cp_split, self.cp_impl = cp_split, cp_impl
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
         self.recompute = recompute
         device = device if device is not None else getattr(mesh, "device", None)
@@ -128,8 +141,10 @@ class Transformer(nn.Module):
     # -- pieces -------------------------------------------------------------------------------
 
     def check_sequence(self, seq_len: int) -> None:
-        tp = self.tp_group.size
-        if self.sequence_parallel and seq_len % tp:
+        """`seq_len`: the whole sequence (all CP ranks' positions)."""
+        tp, cp = self.tp_group.size, self.cp_group.size
+        check_context_split(seq_len, cp)
+        if self.sequence_parallel and (seq_len // cp) % tp:
             raise LayoutError(
                 f"sequence length {seq_len} is not divisible by the tensor-parallel size {tp}; sequence parallelism "
                 f"splits the sequence evenly across TP ranks: use a multiple of {tp} or drop --sequence-parallel"
@@ -137,26 +152,37 @@ class Transformer(nn.Module):
         if self.cfg.position == "learned" and seq_len > self.cfg.max_seq_len:
             raise TensorparError(f"sequence length {seq_len} exceeds the model's {self.cfg.max_seq_len} positions")
 
-    def embed_tokens(self, ids: torch.Tensor, dropout_seed: int | None = None) -> torch.Tensor:
-        seq_len = ids.shape[1]
-        self.check_sequence(seq_len)
+    def context(self, seq_len: int) -> ContextSplit | None:
+        """How a sequence of `seq_len` positions lies across the CP ranks (None without context parallelism)."""
+        if self.cp_group.size == 1:
+            return None
+        return ContextSplit(self.cp_group, seq_len, self.cp_split, self.cp_impl)
+
+    def positions(self, seq_len: int, context: ContextSplit | None, device) -> torch.Tensor:
+        """The absolute positions of this rank's tokens (all of them without context parallelism)."""
+        return torch.arange(seq_len, device=device) if context is None else context.positions(device)
+
+    def embed_tokens(self, ids: torch.Tensor, dropout_seed: int | None = None,
+                     context: ContextSplit | None = None) -> torch.Tensor:
+        """Embed this rank's token ids (its CP chunks of the sequence when `context` is given)."""
         h = self.embed(ids)
         if self.pos_embed is not None:
-            pos = self.pos_embed[:seq_len]
+            seq_len = context.seq_len if context is not None else ids.shape[1]
+            pos = self.pos_embed[self.positions(seq_len, context, ids.device)]
             if self.sequence_parallel:
                 # Each rank adds the positions of its shard; the gradient of the [S, H] slice is summed across TP.
                 pos = copy_to_tp(pos, self.tp_group).chunk(self.tp_group.size, 0)[self.tp_group.rank]
             h = h + pos
         if self.training and self.cfg.dropout > 0:
-            shard = self.tp_group.rank if self.sequence_parallel else 0
+            shard = sequence_shard(self.tp_group, self.sequence_parallel, context)
             h = seeded_dropout(h, self.cfg.dropout, mix_seed(dropout_seed, 2**20, shard), True)
         return h
 
-    def rope(self, seq_len: int, dtype: torch.dtype):
+    def rope(self, seq_len: int, dtype: torch.dtype, context: ContextSplit | None = None):
+        """cos/sin of this rank's positions (its CP chunks' under context parallelism)."""
         if self.cfg.position != "rope":
             return None
-        positions = torch.arange(seq_len, device=self.inv_freq.device)
-        return rope_cos_sin(positions, self.inv_freq, dtype)
+        return rope_cos_sin(self.positions(seq_len, context, self.inv_freq.device), self.inv_freq, dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp]."""
@@ -165,13 +191,17 @@ class Transformer(nn.Module):
         return F.linear(h, weight)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size)
+        """The mean next-token loss over the targets that are not -100 (under context parallelism, of every CP rank)."""
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size)
+        return mean_from_cp(loss, (targets != -100).sum(), self.cp_group)
 
     # -- forward ------------------------------------------------------------------------------
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, dropout_seed: int | None = None):
-        """`ids` [B, S] on the first stage, hidden states [B, S(/tp), H] on the others; returns the loss
-        (targets given) or the logits on the last stage, hidden states on the others."""
+        """`ids` [B, S] on the first stage, hidden states [B, S(/cp)(/tp), H] on the others; returns the loss
+        (targets [B, S] given) or the logits on the last stage, hidden states on the others. Under context
+        parallelism every CP rank gets the whole sequence's ids and targets and keeps its own chunks; its logits
+        and hidden states are those of its chunks."""
         return self.forward_layers(ids, list(self.layers), targets, dropout_seed,
                                    embed=self.first_stage, head=self.last_stage)
 
@@ -181,31 +211,37 @@ class Transformer(nn.Module):
         if self.training and self.cfg.dropout > 0 and dropout_seed is None:
             raise TensorparError("dropout is on: pass dropout_seed to the forward pass (the trainer does)")
         if embed:
-            h = self.embed_tokens(x, dropout_seed)
             seq_len = x.shape[1]
+            self.check_sequence(seq_len)
+            context = self.context(seq_len)
+            h = self.embed_tokens(x if context is None else context.local(x), dropout_seed, context)
         else:
             h = x
-            seq_len = h.shape[1] * (self.tp_group.size if self.sequence_parallel else 1)
-        rope = self.rope(seq_len, h.dtype)  # like transformers: cos/sin in the hidden states' dtype
+            seq_len = h.shape[1] * (self.tp_group.size if self.sequence_parallel else 1) * self.cp_group.size
+            context = self.context(seq_len)
+        rope = self.rope(seq_len, h.dtype, context)  # like transformers: cos/sin in the hidden states' dtype
         for key in layer_keys:
             layer = self.layers[str(key)]
             if self.recompute == "full" and self.training:
-                h = checkpoint(layer, h, rope, dropout_seed, use_reentrant=False)
+                h = checkpoint(layer, h, rope, dropout_seed, context=context, use_reentrant=False)
             else:
-                h = layer(h, rope, dropout_seed, recompute_core=self.recompute == "selective" and self.training)
+                h = layer(h, rope, dropout_seed, recompute_core=self.recompute == "selective" and self.training,
+                          context=context)
         if not head:
             return h
         logits = self.logits(self.final_norm(h))
-        return logits if targets is None else self.loss(logits, targets)
+        if targets is None:
+            return logits
+        return self.loss(logits, targets if context is None else context.local(targets))
 
     def forward_cached(self, ids: torch.Tensor, cache, start_pos=None) -> torch.Tensor:
         """Inference with a KV cache (tensorpar.inference.KVCache): run the new tokens `ids` [B, s] whose first one
         sits at absolute position `start_pos` (an int, or a [B] tensor for left-padded rows; default: where the
         cache ends), append their keys and values, and return this rank's vocabulary shard of the logits of the
         LAST position: [B, padded_vocab / tp]. Whole model on one TP group: no sequence or pipeline parallelism."""
-        if self.sequence_parallel:
-            raise LayoutError("generation with a KV cache runs without sequence parallelism: build the model "
-                              "with sequence_parallel=False (the weights are the same)")
+        if self.sequence_parallel or self.cp_group.size > 1:
+            raise LayoutError("generation with a KV cache runs without sequence or context parallelism: build the "
+                              "model with sequence_parallel=False and cp = 1 (the weights are the same)")
         if not (self.first_stage and self.last_stage):
             raise LayoutError("generation with a KV cache needs the whole model on every rank (pipeline size 1)")
         start_pos = cache.start_positions() if start_pos is None else start_pos

@@ -11,8 +11,10 @@ tensor, none on a group of one rank):
 - one all-reduce (sum) on ``mesh.tp_group``: the TP ranks of a stage hold different shards;
 - one all-reduce (sum) on ``mesh.pp_group``: the pipeline stages hold different layers.
 
-Nothing is reduced over ``mesh.dp_group``: after the data-parallel gradient all-reduce every DP
-replica holds the same (averaged) gradients, so summing over DP would count them dp times.
+Nothing is reduced over ``mesh.dp_group`` (nor over the context-parallel ranks): after the
+data-parallel gradient all-reduce over DP x CP every replica holds the same (averaged) gradients,
+so summing over them would count them dp x cp times; under ZeRO, whose slices are sharded over
+``mesh.dp_cp_group``, one all-reduce there comes first.
 A parameter held by more than one pipeline stage (tied embeddings on the first and last stage)
 would be counted once per stage; such a parameter needs its own accounting.
 """
@@ -41,7 +43,7 @@ def _global_norm(params: list[torch.Tensor], mesh, sharded_over_dp: bool = False
         sq = torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32).square()
         total += sq.to(total.device) / shard_spec(p).effective_replicas(tp_size)
     if sharded_over_dp:
-        mesh.dp_group.all_reduce(total)  # ZeRO: each DP rank holds a different slice of the gradients
+        mesh.dp_cp_group.all_reduce(total)  # ZeRO: each DP (x CP) rank holds a different slice of the gradients
     mesh.tp_group.all_reduce(total)  # the shards of this stage
     mesh.pp_group.all_reduce(total)  # the layers of the other stages
     return total.sqrt()

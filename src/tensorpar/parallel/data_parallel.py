@@ -84,7 +84,9 @@ class DistributedOptimizer:
                  eps: float = 1e-8, zero: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         if zero not in ZERO_STAGES:
             raise TensorparError(f"--zero must be 0, 1 or 2, got {zero}")
-        self.mesh, self.zero, self.dp = mesh, zero, mesh.dp_group
+        # Gradients are averaged (ZeRO: sharded) over every rank that holds the same parameters and saw other
+        # tokens: DP, times CP under context parallelism.
+        self.mesh, self.zero, self.dp = mesh, zero, mesh.dp_cp_group
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise TensorparError("DistributedOptimizer: the model has no trainable parameters")

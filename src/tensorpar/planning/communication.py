@@ -42,7 +42,8 @@ from collections import defaultdict
 from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
 from tensorpar.parallel.data_parallel import DEFAULT_BUCKET_BYTES
-from tensorpar.planning.layout import Layout, group_link, group_size, stage_layers
+from tensorpar.layers.attention import kv_layout
+from tensorpar.planning.layout import Layout, gradient_group, group_link, group_size, stage_layers
 from tensorpar.planning.params import local_parameters
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "send")
@@ -120,8 +121,8 @@ def model_collectives(
     mm = act_bytes if matmul_bytes is None else matmul_bytes
     first, last, n_layers = stage_layers(cfg, layout, stage)
     out: list[Collective] = []
-    tp, sp = layout.tp, layout.sp
-    b, s, h = micro_batch, seq_len, cfg.hidden_size
+    tp, sp, cp = layout.tp, layout.sp, layout.cp
+    b, s, h = micro_batch, seq_len // cp, cfg.hidden_size  # s: the tokens of each sequence this rank holds
     bsh = b * s * h
 
     def add(op, nbytes, calls, phase, what, group="tp"):
@@ -173,6 +174,8 @@ def model_collectives(
                 add("all_reduce", bsh * act_bytes, 1, "backward", "head input gradient")
             add("all_reduce", b * s * 4, 1, "forward", "cross-entropy max (fp32)")
             add("all_reduce", (3 if label_smoothing else 2) * b * s * 4, 1, "forward", "cross-entropy sums (fp32)")
+    if cp > 1:
+        out += ring_collectives(cfg, layout, b, s, mm, n_layers, last)
     if layout.pp > 1 and stage is not None:
         # Point-to-point between stages (tensorpar.parallel.pipeline.PipelineRunner: fp32 hidden states
         # forward, their gradients backward, once per chunk boundary; sequence shards under SP). Both the
@@ -183,6 +186,31 @@ def model_collectives(
         add("recv", msg, v - (stage == 0), "forward", "activations from the previous stage", "pp")
         add("send", msg, v - (stage == 0), "backward", "activation gradients to the previous stage", "pp")
         add("recv", msg, v - (stage == pp - 1), "backward", "activation gradients from the next stage", "pp")
+    return out
+
+
+def ring_collectives(cfg, layout: Layout, b: int, s: int, kv_bytes: int, n_layers: int, last: bool) -> list[Collective]:
+    """The context-parallel ring of one micro-batch (tensorpar.layers.ring_attention), `s` tokens per rank.
+
+    Per layer: forward, the local K and V blocks sent cp - 1 times; backward, the same again, then their
+    fp32 gradients cp - 1 times and once more home; recomputation (selective re-runs the attention core,
+    full the whole layer) repeats the forward ring. K travels in fp32 after RoPE under autocast (RoPE
+    promotes it), V in the matmul dtype (`kv_bytes`). Sends and receives are both counted, each with the
+    message's bytes. The last stage also averages the loss over the CP ranks (two fp32 scalars)."""
+    cp = layout.cp
+    block = b * kv_layout(cfg.kv_heads, layout.tp)[0] * cfg.head_dim * s
+    k_bytes = 4 if cfg.position == "rope" else kv_bytes
+    rings = 1 + (layout.recompute != "none")  # forward rings of K and V per layer, recomputation included
+    out = []
+    for op in ("send", "recv"):
+        for name, nbytes in (("K", k_bytes), ("V", kv_bytes)):
+            out.append(Collective(op, "cp", block * nbytes, (cp - 1) * n_layers * rings, "forward",
+                                  f"{name} blocks round the ring"))
+            out.append(Collective(op, "cp", block * nbytes, (cp - 1) * n_layers, "backward",
+                                  f"{name} blocks round the ring again"))
+        out.append(Collective(op, "cp", block * 4, 2 * cp * n_layers, "backward", "K, V gradients (fp32)"))
+    if last:
+        out.append(Collective("all_reduce", "cp", 8, 1, "forward", "loss mean over the CP ranks"))
     return out
 
 
@@ -220,13 +248,14 @@ def step_collectives(
            for c in model_collectives(cfg, layout, layout.micro_batch_size, seq_len, act_bytes=act_bytes,
                                       matmul_bytes=matmul_bytes, grad_bytes=grad_bytes, stage=stage,
                                       label_smoothing=label_smoothing, scatter_gather=scatter_gather)]
-    if layout.dp > 1:
+    grads = gradient_group(layout)
+    if layout.replicas > 1:
         first, last, _ = stage_layers(cfg, layout, stage)
         key = (repr(cfg), layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, param_bytes,
-               bucket_bytes, layout.dp if layout.zero else 1)
+               bucket_bytes, layout.replicas if layout.zero else 1)
         if key not in _BUCKET_CACHE:
             params = local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages)
-            pad = layout.dp if layout.zero else 1
+            pad = layout.replicas if layout.zero else 1
             padded = [math.ceil(n / pad) * pad for n in _buckets([n for _, n, _ in params], param_bytes, bucket_bytes)]
             sizes: dict[int, int] = defaultdict(int)  # bucket elements -> how many buckets of that size
             for n in padded:
@@ -235,20 +264,20 @@ def step_collectives(
         total, sizes = _BUCKET_CACHE[key]
         if layout.zero == 0:
             for n, k in sizes.items():
-                out.append(Collective("all_reduce", "dp", n * grad_bytes, k, "step", "gradient buckets"))
+                out.append(Collective("all_reduce", grads, n * grad_bytes, k, "step", "gradient buckets"))
         elif layout.zero in (1, 2):
             per_mb = layout.zero == 2 and zero2_per_micro_batch
             for n, k in sizes.items():
-                out.append(Collective("reduce_scatter", "dp", n * grad_bytes, k * (m if per_mb else 1),
+                out.append(Collective("reduce_scatter", grads, n * grad_bytes, k * (m if per_mb else 1),
                                       "backward" if per_mb else "step", "gradient buckets"))
             for n, k in sizes.items():
-                out.append(Collective("all_gather", "dp", n * param_bytes, k, "step", "updated parameters"))
+                out.append(Collective("all_gather", grads, n * param_bytes, k, "step", "updated parameters"))
         else:
-            out.append(Collective("all_gather", "dp", total * param_bytes, 2 * m, "forward",
+            out.append(Collective("all_gather", grads, total * param_bytes, 2 * m, "forward",
                                   "ZeRO-3 parameter gathers"))
-            out.append(Collective("reduce_scatter", "dp", total * grad_bytes, m, "backward", "ZeRO-3 gradients"))
+            out.append(Collective("reduce_scatter", grads, total * grad_bytes, m, "backward", "ZeRO-3 gradients"))
         if layout.zero:
-            out.append(Collective("all_reduce", "dp", 4, 1, "step", "gradient norm (ZeRO shards)"))
+            out.append(Collective("all_reduce", grads, 4, 1, "step", "gradient norm (ZeRO shards)"))
     if layout.tp > 1:
         out.append(Collective("all_reduce", "tp", 4, 1, "step", "gradient norm"))
     if layout.pp > 1:

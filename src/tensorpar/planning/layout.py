@@ -33,7 +33,7 @@ from tensorpar.planning.cluster import Cluster
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """One way to run a model: the tp x pp x dp mesh and the knobs that change memory and time."""
+    """One way to run a model: the tp x cp x dp x pp mesh and the knobs that change memory and time."""
 
     tp: int = 1
     pp: int = 1
@@ -43,9 +43,10 @@ class Layout:
     recompute: str = "none"
     zero: int = 0
     virtual_stages: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "cp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise TensorparError(f"layout: {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -55,7 +56,12 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that hold the same parameters and see other tokens: their gradients are averaged."""
+        return self.dp * self.cp
 
     @property
     def sp(self) -> bool:
@@ -67,7 +73,7 @@ class Layout:
         return global_batch // (self.dp * self.micro_batch_size)
 
     def label(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}", f"dp={self.dp}"]
         if self.virtual_stages > 1:
             parts.append(f"v={self.virtual_stages}")
         parts += [f"mbs={self.micro_batch_size}", f"sp={'on' if self.sp else 'off'}",
@@ -88,12 +94,20 @@ def stage_layers(cfg, layout: Layout, stage: int | None) -> tuple[bool, bool, in
 
 
 def group_size(layout: Layout, group: str) -> int:
-    return {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "embed": 2 if layout.pp > 1 else 1}[group]
+    return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "pp": layout.pp,
+            "embed": 2 if layout.pp > 1 else 1}[group]
 
 
 def group_span(layout: Layout, group: str) -> int:
-    """How many consecutive global ranks the group's members spread over (TP fastest, then DP, then PP)."""
-    return {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world, "embed": layout.world}[group]
+    """How many consecutive global ranks the group's members spread over (TP fastest, then CP, DP, PP)."""
+    tp, cp = layout.tp, layout.cp
+    return {"tp": tp, "cp": tp * cp, "dp": tp * cp * layout.dp, "dp_cp": tp * cp * layout.dp, "pp": layout.world,
+            "embed": layout.world}[group]
+
+
+def gradient_group(layout: Layout) -> str:
+    """The group parameter gradients are averaged over, as `mesh.dp_cp_group` names it."""
+    return "dp_cp" if layout.cp > 1 else "dp"
 
 
 def group_link(cluster, layout: Layout, group: str) -> Link:
@@ -106,9 +120,9 @@ def _divisors(n: int) -> list[int]:
 
 def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int) -> str:
     """Why this layout cannot run at all (sizes that do not divide), or ''."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    tp, pp, dp, cp = layout.tp, layout.pp, layout.dp, layout.cp
     if layout.world != cluster.gpus:
-        return f"tp x pp x dp = {layout.world} is not the {cluster.gpus} GPUs"
+        return f"tp x cp x pp x dp = {layout.world} is not the {cluster.gpus} GPUs"
     try:
         check_model_layout(cfg, tp)
     except TensorparError as e:
@@ -119,10 +133,12 @@ def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, glob
         return f"global batch {global_batch} is not divisible by dp = {dp}"
     if (global_batch // dp) % layout.micro_batch_size:
         return f"micro-batch {layout.micro_batch_size} does not divide the {global_batch // dp} sequences per replica"
-    if layout.sp and seq_len % tp:
+    if cp > 1 and seq_len % (2 * cp):
+        return f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp} (context parallelism)"
+    if layout.sp and (seq_len // cp) % tp:
         return f"sequence length {seq_len} is not divisible by tp = {tp} (sequence parallelism)"
-    if layout.zero and dp == 1:
-        return "ZeRO needs dp > 1"
+    if layout.zero and layout.replicas == 1:
+        return "ZeRO needs dp x cp > 1"
     v = layout.virtual_stages
     if v > 1:
         if pp == 1:
@@ -139,29 +155,30 @@ def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, glob
 
 def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=None, zero=PLANNED_ZERO_STAGES,
                       recompute=RECOMPUTE_MODES, sequence_parallel=(False, True), virtual_stages=(1,),
-                      max_micro_batch: int = 64, micro_batch_sizes=None) -> list[Layout]:
+                      max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,)) -> list[Layout]:
     gpus = cluster.gpus
     tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16, 32, 64)
                                            if t <= min(gpus, cluster.gpus_per_node) and gpus % t == 0]
     out = []
-    for t in tps:
-        if gpus % t:
-            continue
-        pps = list(pp) if pp is not None else _divisors(gpus // t)
-        for p in pps:
-            if (gpus // t) % p:
+    for c in cp:
+        for t in tps:
+            if gpus % (t * c):
                 continue
-            d = gpus // (t * p)
-            if global_batch % d:
-                mbs_list = [1]
-            elif micro_batch_sizes is not None:
-                mbs_list = [m for m in micro_batch_sizes if (global_batch // d) % m == 0]
-            else:
-                mbs_list = [m for m in _divisors(global_batch // d) if m <= max_micro_batch]
-            for mbs in mbs_list:
-                for sp in (sequence_parallel if t > 1 else (False,)):
-                    for rc in recompute:
-                        for z in (zero if d > 1 else (0,)):
-                            for v in (virtual_stages if p > 1 else (1,)):
-                                out.append(Layout(t, p, d, sp, mbs, rc, z, v))
+            pps = list(pp) if pp is not None else _divisors(gpus // (t * c))
+            for p in pps:
+                if (gpus // (t * c)) % p:
+                    continue
+                d = gpus // (t * c * p)
+                if global_batch % d:
+                    mbs_list = [1]
+                elif micro_batch_sizes is not None:
+                    mbs_list = [m for m in micro_batch_sizes if (global_batch // d) % m == 0]
+                else:
+                    mbs_list = [m for m in _divisors(global_batch // d) if m <= max_micro_batch]
+                for mbs in mbs_list:
+                    for sp in (sequence_parallel if t > 1 else (False,)):
+                        for rc in recompute:
+                            for z in (zero if d * c > 1 else (0,)):
+                                for v in (virtual_stages if p > 1 else (1,)):
+                                    out.append(Layout(t, p, d, sp, mbs, rc, z, v, c))
     return out

@@ -217,11 +217,12 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
                  stage: int = 0, flash_attention: bool = True) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline rank `stage`."""
     prec = get_precision(precision)
-    pp, dp, tp = layout.pp, layout.dp, layout.tp
+    # ZeRO shards over every replica of the parameters (DP x CP); each rank holds seq_len / cp tokens of a sequence.
+    pp, dp, tp = layout.pp, layout.replicas, layout.tp
     summary = parameter_summary(cfg, tp, pp, stage)
     numel = summary.numel
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
-    b, s = layout.micro_batch_size, seq_len
+    b, s = layout.micro_batch_size, seq_len // layout.cp
     m = max(layout.num_micro_batches(global_batch), 1)
     zero = layout.zero if dp > 1 else 0
 

@@ -34,7 +34,7 @@ from tensorpar.planning.communication import (
     step_collectives,
 )
 from tensorpar.planning.compute import stage_flops
-from tensorpar.planning.layout import Layout
+from tensorpar.planning.layout import Layout, stage_layers
 from tensorpar.planning.params import parameter_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
 
@@ -48,6 +48,7 @@ class StepTime:
     recompute_s: float
     tp_comm_s: float
     pp_comm_s: float
+    cp_comm_s: float  # the context-parallel ring, where it is longer than the attention it overlaps
     bubble_s: float
     dp_comm_s: float  # exposed data-parallel / ZeRO communication
     optimizer_s: float
@@ -63,16 +64,21 @@ class StepTime:
 
 
 def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm):
-    """(compute, recompute, tp comm, pp comm) seconds of one micro-batch on one stage."""
+    """(compute, recompute, tp comm, pp comm, exposed cp ring) seconds of one micro-batch on one stage: the
+    micro-batch's FLOPs are shared by the stage's tp x cp ranks; the context-parallel ring hides behind the
+    attention it feeds, and what is longer than that attention is exposed."""
     rate = cluster.peak(prec.compute_dtype) * cluster.mfu_ceiling
+    ranks = layout.tp * layout.cp
     train, recompute = stage_flops(cfg, layout, b, s, stage, prec)
     colls = model_collectives(cfg, layout, b, s, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                               grad_bytes=prec.grad_bytes, stage=stage if layout.pp > 1 else None,
                               scatter_gather=prec.activations == "playbook")
     tp = [c for c in colls if c.group == "tp"]
     sends = [c for c in colls if c.group == "pp" and c.op == "send"]
-    return (train / layout.tp / rate, recompute / layout.tp / rate, collectives_time(tp, cluster, layout, algorithm),
-            collectives_time(sends, cluster, layout, algorithm))
+    ring = collectives_time([c for c in colls if c.group == "cp" and c.op == "send"], cluster, layout, algorithm)
+    attention = 3.0 * stage_layers(cfg, layout, stage)[2] * 4.0 * b * s * s * cfg.hidden_size / ranks / rate
+    return (train / ranks / rate, recompute / ranks / rate, collectives_time(tp, cluster, layout, algorithm),
+            collectives_time(sends, cluster, layout, algorithm), max(0.0, ring - attention))
 
 
 def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: int,
@@ -84,8 +90,8 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     stages = sorted({0, pp - 1}) if pp > 1 else [None]
     per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm) for st in stages}
     slowest = max(per_stage, key=lambda st: sum(per_stage[st]))
-    comp, recomp, tp_c, pp_c = per_stage[slowest]
-    t_stage = comp + recomp + tp_c + pp_c
+    comp, recomp, tp_c, pp_c, cp_c = per_stage[slowest]
+    t_stage = comp + recomp + tp_c + pp_c + cp_c
     bubble = (pp - 1) / v * t_stage
     pipeline = m * t_stage + bubble
 
@@ -94,7 +100,9 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     colls = step_collectives(cfg, layout, s, m, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                              grad_bytes=prec.grad_bytes, param_bytes=prec.param_bytes, stage=dp_stage,
                              zero2_per_micro_batch=not prec.zero2_full_grads_at_peak)
-    dp_colls = [c for c in colls if c.group in ("dp", "embed") or (c.phase == "step" and c.group != "dp")]
+    replica_groups = ("dp", "dp_cp")
+    dp_colls = [c for c in colls if c.group in replica_groups + ("embed",)
+                or (c.phase == "step" and c.group not in replica_groups)]
     backward = (2.0 / 3.0) * comp + recomp  # one micro-batch's backward (and recomputation)
     dp_exposed = 0.0
     per_mb = [c for c in dp_colls if c.phase in ("forward", "backward")]  # ZeRO-3 gathers, ZeRO-2 per micro-batch
@@ -103,7 +111,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
         t = collectives_time(per_mb, cluster, layout, algorithm)
         window = m * (comp + recomp) if any(c.phase == "forward" for c in per_mb) else m * backward
         dp_exposed += t - min(t * cluster.overlap, window)
-    is_grad = [c.op in ("all_reduce", "reduce_scatter") and c.group == "dp" and c.nbytes > 4 for c in after]
+    is_grad = [c.op in ("all_reduce", "reduce_scatter") and c.group in replica_groups and c.nbytes > 4 for c in after]
     grads = [c for c, g in zip(after, is_grad) if g]
     rest = [c for c, g in zip(after, is_grad) if not g]
     t = collectives_time(grads, cluster, layout, algorithm)
@@ -111,7 +119,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     dp_exposed += collectives_time(rest, cluster, layout, algorithm)
 
     numel = parameter_summary(cfg, layout.tp, pp, 0).numel
-    opt_elems = numel / layout.dp if (layout.zero >= 1 and layout.dp > 1) else numel
+    opt_elems = numel / layout.replicas if (layout.zero >= 1 and layout.replicas > 1) else numel
     optimizer = opt_elems * OPTIMIZER_BYTES_PER_ELEMENT / cluster.gpu.hbm_bandwidth
 
     step = pipeline + dp_exposed + optimizer
@@ -127,6 +135,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
         recompute_s=m * recomp,
         tp_comm_s=m * tp_c,
         pp_comm_s=m * pp_c,
+        cp_comm_s=m * cp_c,
         bubble_s=bubble,
         dp_comm_s=dp_exposed,
         optimizer_s=optimizer,

@@ -61,7 +61,7 @@ class Session:
     def save(self, step: int) -> str | None:
         """Save step `step`'s checkpoint (a collective: every rank calls it)."""
         o, mesh = self.options, self.mesh
-        layout = {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": o.zero,
+        layout = {"tp": mesh.tp_size, "cp": mesh.cp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": o.zero,
                   "virtual_stages": o.virtual_stages, "schedule": o.schedule,
                   "sequence_parallel": self.model.sequence_parallel}
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
@@ -80,7 +80,7 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
                      last_stage=mesh.pp_rank == mesh.pp_size - 1)
     torch.manual_seed(o.seed)
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
-                        init=o.init_from is None, **stage)
+                        init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, **stage)
     if o.init_from:
         _, state = load_model_source(o.init_from)
         names = dict(model.named_parameters())
@@ -123,7 +123,7 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
     start_step = resume(run, model, optimizer, mesh) if o.resume else 0
     runner = None
     if mesh.pp_size > 1:
-        seq_shard = o.seq_len // (mesh.tp_size if model.sequence_parallel else 1)
+        seq_shard = o.seq_len // mesh.cp_size // (mesh.tp_size if model.sequence_parallel else 1)
         runner = PipelineRunner(model, mesh, o.schedule, o.virtual_stages, run.num_micro_batches,
                                 (o.micro_batch_size, seq_shard, run.cfg.hidden_size),
                                 autocast=lambda: autocast(mesh.device, o.dtype))

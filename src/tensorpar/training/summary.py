@@ -40,9 +40,9 @@ def _pipeline(s: Session, summary: dict) -> None:
 
 def _sample(s: Session, summary: dict) -> None:
     o = s.options
-    if s.runner is not None:
+    if s.runner is not None or s.mesh.cp_size > 1:
         summary["sample"] = None
-        summary["sample_note"] = "no sample: generation runs with tensor parallelism only (use --pp 1)"
+        summary["sample_note"] = "no sample: generation runs with tensor parallelism only (use --pp 1 --cp 1)"
         return
     prompt = s.tokenizer.encode(o.sample_prompt)
     new = greedy_generate(s.model, prompt, o.sample_tokens, eos_id=getattr(s.tokenizer, "eos_id", None))
@@ -58,7 +58,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
     summary = {
         "model": o.init_from or o.model,
         "parameters": s.run.cfg.num_parameters(),
-        "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": o.zero,
+        "layout": {"tp": mesh.tp_size, "cp": mesh.cp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": o.zero,
                    "schedule": o.schedule if runner is not None else None, "virtual_stages": o.virtual_stages,
                    "sequence_parallel": s.model.sequence_parallel, "recompute": o.recompute, "dtype": o.dtype},
         "steps": o.steps,

@@ -53,7 +53,7 @@ def model_config(options: TrainOptions) -> ModelConfig:
 
 def _world_size(options: TrainOptions) -> int:
     if options.dp is not None:
-        return options.tp * options.pp * options.dp
+        return options.tp * options.cp * options.pp * options.dp
     return world_from_env()[0]
 
 
@@ -98,9 +98,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     if o.data and not os.path.exists(o.data):
         raise TensorparError(f"data file '{o.data}' does not exist")
     cfg = model_config(o)
-    check_model_layout(cfg, o.tp, o.sequence_parallel, o.seq_len)
+    check_model_layout(cfg, o.tp, o.sequence_parallel, o.seq_len, o.cp)
     world = world_size if world_size is not None else _world_size(o)
-    _, _, dp = resolve_layout(world, o.tp, o.pp, o.dp)
+    _, _, dp = resolve_layout(world, o.tp, o.pp, o.dp, o.cp)
     micro = o.micro_batch_size or o.global_batch_size // dp
     check_batch_layout(o.global_batch_size, dp, micro)
     if o.pp > 1 or o.virtual_stages > 1:

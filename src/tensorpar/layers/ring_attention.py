@@ -1,0 +1,284 @@
+"""Context parallelism: the sequence split across the CP ranks, and causal attention across the split.
+
+The L positions of a sequence are cut into 2 x cp chunks of C = L / (2 cp). With the "zigzag" split
+(the default, as in Megatron-Core and torchtitan) CP rank i holds chunks i and 2 cp - 1 - i: under a
+causal mask an early chunk sees few keys and a late one many, so pairing them gives every rank the
+same work. The "contiguous" split (rank i holds chunks 2i and 2i + 1) is there to measure what the
+zigzag saves: its last rank does 2 cp - 1 times the block work of its first (`split_work`).
+
+Two ways to attend across the split (`--cp-impl`):
+
+- ``ring`` (default): each rank keeps its queries and passes its key/value block around the ring
+  (asynchronous send to rank + 1 and receive from rank - 1 of the next block while attending to the
+  current one). Per (query chunk, key chunk) pair the block is skipped (the key chunk is later),
+  attended in full (earlier) or with the causal mask (the same chunk); partial results are merged
+  exactly through their log-sum-exp. Backward: the key/value blocks go round again, each followed by
+  the gradient accumulated for it, which is finally sent back to the rank that owns the block.
+  Nothing of size L is ever held: activations and saved tensors are those of L / cp positions.
+- ``allgather``: the keys and values of the whole sequence are all-gathered (backward:
+  reduce-scattered) and attended with a position mask, as Llama 3 did; simpler, O(L) memory.
+
+Attention dropout inside the ring draws one mask per (query chunk, key chunk) pair from the layer's
+seed, so forward and backward (and recomputation) agree; the masks are a function of the chunks, not
+of which rank computes them. Communication per layer and micro-batch (ring, cp ranks): forward
+(cp - 1) sends of the local K and V blocks; backward (cp - 1) more of K and V, (cp - 1) of their fp32
+gradients, and one final send of those gradients to their owner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tensorpar.config.choices import CP_IMPLS, CP_SPLITS
+from tensorpar.distributed.comm import Group
+from tensorpar.distributed.ops import gather_from_sp
+from tensorpar.errors import LayoutError
+from tensorpar.layers.dropout import fork_rng_seeded, mix_seed
+
+_TAG_FORWARD, _TAG_BACKWARD, _TAG_GRADIENT, _TAG_RETURN = 0, 1, 2, 3
+
+
+def check_context_split(seq_len: int, cp: int) -> None:
+    if cp > 1 and seq_len % (2 * cp):
+        raise LayoutError(
+            f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp}: context parallelism cuts the "
+            f"sequence into 2 x cp equal chunks (zigzag); use a multiple of {2 * cp} (not padded: padding would "
+            f"train on tokens you did not give)"
+        )
+
+
+def split_chunks(rank: int, cp: int, split: str = "zigzag") -> tuple[int, int]:
+    """The two chunk indices (of 2 cp) that CP rank `rank` holds, in sequence order."""
+    if split not in CP_SPLITS:
+        raise ValueError(f"unknown context split {split!r}; choose one of {', '.join(CP_SPLITS)}")
+    return (rank, 2 * cp - 1 - rank) if split == "zigzag" else (2 * rank, 2 * rank + 1)
+
+
+def split_work(cp: int, split: str = "zigzag") -> list[float]:
+    """Causal attention work of each CP rank, in (chunk x chunk) blocks: a full block counts 1, a diagonal 1/2."""
+    work = []
+    for rank in range(cp):
+        mine = split_chunks(rank, cp, split)
+        work.append(sum(qc + 0.5 for qc in mine))  # qc earlier chunks in full, its own causally
+    return work
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextSplit:
+    """How one sequence of `seq_len` positions lies across the CP ranks of `group`."""
+
+    group: Group
+    seq_len: int
+    split: str = "zigzag"
+    impl: str = "ring"
+    # Where the ring adds the CPU seconds its thread spends attending (not waiting for blocks, not descheduled):
+    # measurements only.
+    compute_seconds: list | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        check_context_split(self.seq_len, self.group.size)
+        if self.impl not in CP_IMPLS:
+            raise ValueError(f"unknown context-parallel attention {self.impl!r}; choose one of {', '.join(CP_IMPLS)}")
+
+    @property
+    def chunk_len(self) -> int:
+        return self.seq_len // (2 * self.group.size)
+
+    def chunks(self, rank: int | None = None) -> tuple[int, int]:
+        return split_chunks(self.group.rank if rank is None else rank, self.group.size, self.split)
+
+    def positions(self, device=None, rank: int | None = None) -> torch.Tensor:
+        """The absolute positions this rank (or `rank`) holds: [seq_len / cp], in its local order."""
+        c = self.chunk_len
+        return torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in self.chunks(rank)])
+
+    def local(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's positions of a full-sequence tensor (token ids, targets) along `dim`."""
+        return x.index_select(dim, self.positions(x.device))
+
+
+def _repeat(x: torch.Tensor, times: int) -> torch.Tensor:
+    return x if times == 1 else x.repeat_interleave(times, dim=1)
+
+
+def _fold(grad: torch.Tensor, times: int) -> torch.Tensor:
+    """Sum the gradient of repeated KV heads back onto the heads: [B, H, C, D] -> [B, H / times, C, D]."""
+    if times == 1:
+        return grad
+    b, h, c, d = grad.shape
+    return grad.view(b, h // times, times, c, d).sum(2)
+
+
+def _dropout_keep(shape, p: float, seed: int, qc: int, kc: int, device) -> torch.Tensor:
+    """The scaled keep mask of one (query chunk, key chunk) block: 1/(1-p) where kept, 0 where dropped."""
+    generator = torch.Generator(device=device).manual_seed(mix_seed(seed, qc, kc))
+    keep = torch.empty(shape, device=device).uniform_(generator=generator) >= p
+    return keep.float() / (1.0 - p)
+
+
+def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        c = s.shape[-1]
+        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: K/V blocks passed around the CP ring (send to rank + 1, receive from rank - 1), cp - 1 times.
+    Backward: the blocks passed round again followed by their accumulated gradients, then those gradients
+    sent to their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, split: ContextSplit, scale: float, dropout_p: float, dropout_seed):
+        group, n, r = split.group, split.group.size, split.group.rank
+        repeat = q.shape[1] // k.shape[1]
+        c = split.chunk_len
+        qs = [t.float() for t in q.split(c, dim=2)]
+        outs, lses = [None, None], [None, None]
+        mine = split.chunks()
+        block_k, block_v = k, v
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            for step in range(n):
+                src = (r - step) % n
+                pending = _exchange(group, [block_k, block_v], step, n, _TAG_FORWARD)
+                ks = [_repeat(t, repeat).float() for t in block_k.split(c, dim=2)]
+                vs = [_repeat(t, repeat).float() for t in block_v.split(c, dim=2)]
+                started = time.thread_time()
+                for qi, qc in enumerate(mine):
+                    for ki, kc in enumerate(split.chunks(src)):
+                        if kc > qc:
+                            continue
+                        s = _scores(qs[qi], ks[ki], scale, causal=kc == qc)
+                        lse = torch.logsumexp(s, dim=-1)
+                        p = torch.exp(s - lse.unsqueeze(-1))
+                        if dropout_p > 0:
+                            p = p * _dropout_keep(p.shape, dropout_p, dropout_seed, qc, kc, q.device)
+                        outs[qi], lses[qi] = _merge(outs[qi], lses[qi], torch.matmul(p, vs[ki]), lse)
+                _tally(split, started)
+                if pending is not None:
+                    block_k, block_v = pending.result()
+        out = torch.cat(outs, dim=2)
+        lse = torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.split, ctx.scale, ctx.dropout_p, ctx.dropout_seed = split, scale, dropout_p, dropout_seed
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        split, scale, dropout_p, dropout_seed = ctx.split, ctx.scale, ctx.dropout_p, ctx.dropout_seed
+        group, n, r = split.group, split.group.size, split.group.rank
+        repeat = q.shape[1] // k.shape[1]
+        c = split.chunk_len
+        mine = split.chunks()
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            dout = dout.float()
+            delta = (dout * out).sum(-1)  # rowsum(dO * O) = rowsum(P * dP), dropout or not
+            qs, dos = q.float().split(c, dim=2), dout.split(c, dim=2)
+            lses, deltas = lse.split(c, dim=2), delta.split(c, dim=2)
+            dqs = [torch.zeros_like(t) for t in qs]
+            block_k, block_v = k, v
+            grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            grad_v = torch.zeros_like(grad_k)
+            for step in range(n):
+                src = (r - step) % n
+                pending = _exchange(group, [block_k, block_v], step, n, _TAG_BACKWARD)
+                ks = [_repeat(t, repeat).float() for t in block_k.split(c, dim=2)]
+                vs = [_repeat(t, repeat).float() for t in block_v.split(c, dim=2)]
+                dks = [torch.zeros_like(t) for t in ks]
+                dvs = [torch.zeros_like(t) for t in vs]
+                started = time.thread_time()
+                for qi, qc in enumerate(mine):
+                    for ki, kc in enumerate(split.chunks(src)):
+                        if kc > qc:
+                            continue
+                        p = torch.exp(_scores(qs[qi], ks[ki], scale, causal=kc == qc) - lses[qi].unsqueeze(-1))
+                        dp = torch.matmul(dos[qi], vs[ki].transpose(-1, -2))
+                        kept = p
+                        if dropout_p > 0:
+                            keep = _dropout_keep(p.shape, dropout_p, dropout_seed, qc, kc, q.device)
+                            kept, dp = p * keep, dp * keep
+                        dvs[ki] += torch.matmul(kept.transpose(-1, -2), dos[qi])
+                        ds = p * (dp - deltas[qi].unsqueeze(-1))
+                        dqs[qi] += torch.matmul(ds, ks[ki]) * scale
+                        dks[ki] += torch.matmul(ds.transpose(-1, -2), qs[qi]) * scale
+                grad_k += torch.cat([_fold(t, repeat) for t in dks], dim=2)
+                grad_v += torch.cat([_fold(t, repeat) for t in dvs], dim=2)
+                _tally(split, started)
+                if pending is not None:
+                    block_k, block_v = pending.result()
+                    # The gradient follows its block one step behind: the next rank adds to it.
+                    grad_k, grad_v = _exchange(group, [grad_k, grad_v], step, n, _TAG_GRADIENT).result()
+            if n > 1:  # after a full round each gradient holds every rank's share: back to the block's owner
+                grad_k, grad_v = _exchange(group, [grad_k, grad_v], 0, 2, _TAG_RETURN).result()
+        dq = torch.cat(dqs, dim=2).to(q.dtype)
+        return dq, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
+
+
+def _tally(split: ContextSplit, started: float) -> None:
+    if split.compute_seconds is not None:
+        split.compute_seconds[0] += time.thread_time() - started
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Combine two softmax-normalised partial attentions by their log-sum-exps (exact)."""
+    if out is None:
+        return block_out, block_lse
+    total = torch.logaddexp(lse, block_lse)
+    return (out * torch.exp(lse - total).unsqueeze(-1) + block_out * torch.exp(block_lse - total).unsqueeze(-1),
+            total)
+
+
+class _Exchange:
+    """Tensors sent to the next rank of the ring while the same shapes arrive from the previous one."""
+
+    def __init__(self, group: Group, tensors: list[torch.Tensor], tag: int):
+        n, r = group.size, group.rank
+        self.received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        self.sent = [t.contiguous() for t in tensors]
+        self.works = [group.isend(t, (r + 1) % n, tag=tag + 4 * i) for i, t in enumerate(self.sent)]
+        self.works += [group.irecv(t, (r - 1) % n, tag=tag + 4 * i) for i, t in enumerate(self.received)]
+
+    def result(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def _exchange(group: Group, tensors, step: int, n: int, tag: int) -> _Exchange | None:
+    """Start passing `tensors` one step round the ring, unless this is the last of `n` steps."""
+    return _Exchange(group, tensors, tag) if step < n - 1 else None
+
+
+def ring_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None):
+    """Causal attention of this rank's queries [B, H, L/cp, D] over the whole sequence's keys and values, of which
+    this rank holds [B, H_kv, L/cp, D] (H a multiple of H_kv): the ring. Returns [B, H, L/cp, D]."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, split, scale, dropout_p, dropout_seed)
+
+
+def allgather_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None):
+    """The same result by all-gathering K and V over the CP group (backward: reduce-scatter of their gradients)."""
+    group = split.group
+    k_all = gather_from_sp(k.contiguous(), group, dim=2)
+    v_all = gather_from_sp(v.contiguous(), group, dim=2)
+    repeat = q.shape[1] // k.shape[1]
+    k_all, v_all = _repeat(k_all, repeat), _repeat(v_all, repeat)
+    keys = torch.cat([split.positions(q.device, rank) for rank in range(group.size)])
+    mask = keys.unsqueeze(0) <= split.positions(q.device).unsqueeze(1)  # [L/cp, L]: True where attended
+    if dropout_p > 0:
+        with fork_rng_seeded(mix_seed(dropout_seed, group.rank), q.device):
+            return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+
+def context_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None):
+    """Attention across the CP ranks of `split`, by its `impl` (ring or allgather)."""
+    fn = ring_attention if split.impl == "ring" else allgather_attention
+    return fn(q, k, v, split, dropout_p, dropout_seed)
