@@ -14,7 +14,7 @@ def test_eval_loss_is_the_same_at_any_tp_and_cp(pools, config_file, tmp_path):
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, 257, size=10 * 17 + 3).astype(np.int32))
     losses = {}
-    for tp, cp in ((1, 1), (1, 2), (2, 2), (1, 4)):
+    for tp, cp in ((1, 1), (2, 2), (1, 4)):
         proc, _ = tensorpar("eval", "--checkpoint", save, "--data", str(data), "--seq-len", "16", "--tp", str(tp),
                             "--cp", str(cp), "--batch-size", "4")
         assert proc.returncode == 0, proc.stderr

@@ -84,9 +84,11 @@ def validate(options: GenerateOptions):
     if options.sequence_parallel:
         raise LayoutError("generate runs without sequence parallelism (decoding one token a step has nothing to "
                           "split along the sequence): drop --sequence-parallel")
-    if options.pp != 1 or options.cp != 1:
-        raise LayoutError(f"generate runs without pipeline or context parallelism: --pp and --cp must be 1, got "
-                          f"{options.pp} and {options.cp}")
+    if options.pp != 1:
+        raise LayoutError(f"generate runs without pipeline parallelism: --pp must be 1, got {options.pp}")
+    if options.cp != 1:
+        raise LayoutError(f"generate runs without context parallelism (one new token a step has no sequence to "
+                          f"split): --cp must be 1, got {options.cp}")
     check_model_layout(cfg, options.tp)
     if world_size(options) != options.tp:
         raise LayoutError(f"generate runs on exactly --tp processes (one tensor-parallel group, no data "
