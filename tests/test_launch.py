@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -19,11 +20,30 @@ STEPS = 1000
 COMMON = ["--seq-len", "16", "--global-batch-size", "4", "--no-progress", "--val-every", "0"]
 
 
+TAG = "TENSORPAR_TEST_JOB"  # every process of a job started here carries it (the ranks inherit it)
+
+
 def start(*args, **env):
-    """`tensorpar` started as a scheduler would start it: in a session of its own."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    return subprocess.Popen([sys.executable, "-m", "tensorpar", *args], env=env, start_new_session=True,
+    """`tensorpar` started as a scheduler would start it: in a session of its own, tagged with a job id."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{TAG: uuid.uuid4().hex}, **env)
+    proc = subprocess.Popen([sys.executable, "-m", "tensorpar", *args], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.job = env[TAG]
+    return proc
+
+
+def job_pids(job: str) -> list[int]:
+    """Every live process of the job (launcher and ranks, wherever they were re-parented)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and not gone(int(name)):
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if f"{TAG}={job}".encode() in f.read().split(b"\0"):
+                        out.append(int(name))
+            except OSError:
+                pass
+    return out
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
@@ -94,7 +114,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_saves_the_last_step(pools,
     proc.send_signal(signal.SIGTERM)
     code, err, seconds = finish(proc)
     assert code == 128 + signal.SIGTERM and seconds < 60, err
-    assert all(gone(pid) for pid in ranks.values())
+    assert all(gone(pid) for pid in ranks.values()) and not job_pids(proc.job)
     done = len(lines(metrics))
     assert f"stopped by SIGTERM after step {done} of {STEPS}" in err
     _, meta = read_meta(str(save))  # every shard present and intact
@@ -117,7 +137,7 @@ def test_a_killed_rank_ends_the_job_with_a_line_naming_it(config_file, tmp_path,
     code, err, seconds = finish(proc)
     assert code == 128 + signal.SIGKILL and seconds < 60, err
     assert f"tensorpar: error: rank 1 (pid {ranks[1]}) was killed by SIGKILL" in err
-    assert all(gone(pid) for pid in ranks.values())
+    assert all(gone(pid) for pid in ranks.values()) and not job_pids(proc.job)
 
 
 def test_a_stopped_rank_is_caught_by_the_collective_timeout(config_file, tmp_path):
@@ -130,7 +150,9 @@ def test_a_stopped_rank_is_caught_by_the_collective_timeout(config_file, tmp_pat
     code, err, seconds = finish(proc)
     assert code == 2 and seconds < 60, err
     failure = [ln for ln in err.splitlines() if ln.startswith("tensorpar: error: rank 0 (pid")]
-    assert len(failure) == 1 and "on group 'tp'" in failure[0] and "(timeout 8s)" in failure[0], err
+    # Rank 0 waits in whichever collective rank 1 stopped before: a TP one, or the stop check on 'world'.
+    assert len(failure) == 1 and "(timeout 8s)" in failure[0], err
+    assert "on group 'tp'" in failure[0] or "on group 'world'" in failure[0], err
     assert "stopped rank 1 after rank 0 failed" in err
     assert all(gone(pid) for pid in ranks.values())
 
@@ -142,7 +164,7 @@ def test_a_crash_restart_loop_always_continues_from_latest(config_file, tmp_path
     command = ["train", "--model", config_file, "--tp", "2", "--steps", "80", "--resume", str(save), "--save",
                str(save), "--save-every", "1", "--keep-last", "2", "--out-dir", str(tmp_path / "run"), *COMMON]
     rng = random.Random(17)
-    latest = 0
+    latest, mid_training = 0, 0
     for attempt in range(6):
         if metrics.exists():
             metrics.unlink()
@@ -154,21 +176,21 @@ def test_a_crash_restart_loop_always_continues_from_latest(config_file, tmp_path
                 steps = rng.randint(1, 10)
                 wait_for(lambda: len(lines(metrics)) >= steps or proc.poll() is not None, what=f"{steps} steps")
                 time.sleep(rng.uniform(0.0, 0.05))
-            ranks = rank_pids(proc.pid)
             os.kill(proc.pid, signal.SIGKILL)  # the whole job dies: its ranks follow their launcher
             code, err, _ = finish(proc)
             assert code == -signal.SIGKILL, (attempt, err)
-            wait_for(lambda: all(gone(pid) for pid in ranks.values()), timeout=30, what="the ranks to die")
+            wait_for(lambda: not job_pids(proc.job), timeout=30, what="every process of the job to die")
         else:
             code, err, _ = finish(proc, timeout=180)
             assert code == 0, err
         said = "no checkpoint there yet; starting from step 0" if latest == 0 else f"at step {latest}"
         first = lines(metrics)[:1]
+        mid_training += bool(first)
         assert said in err or not first, (attempt, latest, err)  # killed before it could say anything
         assert not first or first[0]["step"] == latest + 1, (attempt, latest, first)
         if (save / "latest").exists():
             latest = read_meta(str(save))[1]["step"]  # `latest` always names a complete, intact checkpoint
-    assert latest == 80
+    assert latest == 80 and mid_training >= 3  # most kills landed in training, not only in start-up
 
 
 def test_ctrl_c_at_the_terminal_reaches_the_ranks_once(config_file, tmp_path):
@@ -181,3 +203,32 @@ def test_ctrl_c_at_the_terminal_reaches_the_ranks_once(config_file, tmp_path):
     code, err, _ = finish(proc)
     assert code == 128 + signal.SIGINT, err
     assert read_meta(str(save))[1]["step"] == len(lines(metrics))
+
+
+def test_a_stop_sent_to_every_process_of_the_job_still_saves(config_file, tmp_path):
+    """Slurm and `pkill` signal every process: each rank gets the stop twice (directly and forwarded by the
+    launcher), which must not turn into "stop at once"."""
+    save, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--save", str(save),
+                 "--metrics", str(metrics), "--out-dir", str(tmp_path / "run"), *COMMON)
+    wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+    for pid in job_pids(proc.job):
+        os.kill(pid, signal.SIGTERM)
+    code, err, _ = finish(proc)
+    assert code == 128 + signal.SIGTERM and "tensorpar: error" not in err, err
+    assert read_meta(str(save))[1]["step"] == len(lines(metrics))
+    assert not job_pids(proc.job)
+
+
+def test_a_stop_sent_to_one_rank_stops_the_job_as_a_stop(config_file, tmp_path):
+    save, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--save", str(save),
+                 "--metrics", str(metrics), "--out-dir", str(tmp_path / "run"), *COMMON)
+    wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+    os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)
+    code, err, _ = finish(proc)
+    assert code == 128 + signal.SIGTERM and "tensorpar: error" not in err, err
+    assert f"stopped by SIGTERM after step {len(lines(metrics))}" in err
+    assert read_meta(str(save))[1]["step"] == len(lines(metrics))
+    assert not job_pids(proc.job)
+

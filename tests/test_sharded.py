@@ -77,9 +77,12 @@ def test_a_save_never_overwrites_a_complete_checkpoint(pools, config_file, tmp_p
     save = str(tmp_path / "ckpt")
     pools(1).run(run, config_file, steps=2, save=save, save_every=1, keep_last=0)
     sha = read_meta(save)[1]["files"]
-    # Resumed from step 1 with other weights' updates, it reaches step 2 again: the saved step 2 stays.
+    # Resumed from step 1 with another learning rate, it reaches step 2 again: the first step 2 is kept intact
+    # beside it (renamed, not overwritten), and `latest` names the new one, which this run continues from.
     pools(1).run(run, config_file, steps=2, save=save, lr=1e-2, resume=os.path.join(save, "step-000001"))
-    assert read_meta(save)[1]["files"] == sha
+    assert read_meta(os.path.join(save, "superseded-step-000002-1"))[1]["files"] == sha
+    step_dir, meta = read_meta(save)
+    assert step_dir == os.path.join(save, "step-000002") and meta["files"] != sha and meta["train"]["lr"] == 1e-2
 
 
 def _tree(folder):

@@ -27,12 +27,16 @@ def test_config_file_flags_override_resolved_config_and_resume(tmp_path, config_
     proc, _ = tensorpar("train", "--config", str(config), "--tp", "2", "--steps", "2")
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1, 2]  # --steps 2 overrode steps = 4
-    resolved = load_toml(str(out / "config.toml"), TrainOptions, "train")
-    assert resolved["tp"] == 2 and resolved["steps"] == 2 and resolved["dp"] == 1 and resolved["lr"] == 0.01
-    assert resolved["micro_batch_size"] == 4 and resolved["warmup_steps"] == 0 and resolved["min_lr"] == 0.001
-    assert f"resolved configuration: {out / 'config.toml'}" in proc.stdout
-    meta = read_meta(str(save))[1]
-    assert meta["options"]["tp"] == 2 and meta["options"]["global_batch_size"] == 4
+    written = (out / "config.toml").read_text()
+    given = load_toml(str(out / "config.toml"), TrainOptions, "train")
+    assert given["tp"] == 2 and given["steps"] == 2 and given["lr"] == 0.01 and given["global_batch_size"] == 4
+    # What the run worked out is recorded, as a comment: a file that froze dp or min_lr would go wrong when
+    # the world size or the learning rate is changed on the command line.
+    assert "dp" not in given and "min_lr" not in given
+    assert "# worked out: dp = 1, micro_batch_size = 4, min_lr = 0.001, warmup_steps = 0" in written
+    assert f"configuration: {out / 'config.toml'}" in proc.stdout
+    meta = read_meta(str(save))[1]  # the checkpoint keeps every resolved value
+    assert meta["options"]["tp"] == 2 and meta["options"]["dp"] == 1 and meta["options"]["min_lr"] == 0.001
 
     # The resolved file is itself a --config; the resumed run names what differs from the saved one.
     proc, _ = tensorpar("train", "--config", str(out / "config.toml"), "--resume", str(save), "--tp", "1",

@@ -2,6 +2,7 @@
 
 import pytest
 
+from tensorpar.errors import TensorparError
 from tensorpar.training import TrainOptions
 
 from layout_runs import BASE
@@ -30,3 +31,7 @@ def test_resume_from_a_folder_without_a_checkpoint_starts_from_scratch_and_says_
         run = validate(TrainOptions(model=config_file, **{**BASE, "resume": str(folder), "save": str(folder)}))
         assert run.options.resume is None and run.resume_meta is None
         assert run.notes == (f"--resume {folder}: no checkpoint there yet; starting from step 0",)
+    # A --resume path that does not exist and is not where the run saves is a typo: refused as before.
+    with pytest.raises(TensorparError, match="checkpoint '.*/typo' does not exist"):
+        validate(TrainOptions(model=config_file, **{**BASE, "resume": str(tmp_path / "typo")}))
+

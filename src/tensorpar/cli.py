@@ -13,7 +13,7 @@ import sys
 
 from tensorpar.commands import convert, demo, explain, generate, plan, train
 from tensorpar.commands import eval as eval_cmd
-from tensorpar.distributed.launch import record_error
+from tensorpar.distributed.launch import follow_launcher, record_error
 from tensorpar.errors import TensorparError
 
 COMMANDS = (train, eval_cmd, generate, demo, explain, plan, convert)
@@ -43,6 +43,7 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_launcher()  # a rank of tensorpar's launcher dies with it, whatever happens next
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)

@@ -54,8 +54,9 @@ def shard_file_name(tp_rank: int, pp_rank: int) -> str:
 # -- saving ---------------------------------------------------------------------------------------
 
 def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict, train: dict,
-                    options: dict | None = None, run_id: str | None = None, keep_last: int = 3) -> str | None:
-    """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder.
+                    options: dict | None = None, run_id: str | None = None, keep_last: int = 3) -> str:
+    """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder. A
+    complete checkpoint already at this step is kept, renamed superseded-step-N-K, never overwritten.
     `train` holds what fixes the data order and the learning rate; `options`, the run's whole resolved
     configuration (so that a resumed run can say what changed); `run_id`, the run (a resumed run keeps its
     checkpoint's) whose checkpoints `keep_last` rotates, never another's."""
@@ -66,11 +67,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
         os.makedirs(root, exist_ok=True)
         if os.path.exists(tmp):
             shutil.rmtree(tmp)  # the remains of a save that was killed
-        if not os.path.exists(final):
-            os.makedirs(tmp)
+        os.makedirs(tmp)
     world.barrier()
-    if os.path.exists(final):
-        return None  # never overwrite a complete checkpoint (a resumed run reaching the same step again)
 
     params = dict(model.named_parameters())
     names = {id(p): n for n, p in params.items()}
@@ -110,6 +108,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
                 "files": files,
                 "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        _move_aside(final)
         os.replace(tmp, final)
         _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
         rotate(root, keep_last, run_id, step)
@@ -129,6 +128,20 @@ def _write_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".part", path)
+
+
+def _move_aside(folder: str) -> str | None:
+    """A complete checkpoint is never overwritten: one already at this step (a later branch this run abandoned by
+    resuming an earlier step, or a save whose `latest` update a kill prevented) becomes superseded-step-N-K."""
+    if not os.path.exists(folder):
+        return None
+    root, name = os.path.split(folder)
+    k = 1
+    while os.path.exists(os.path.join(root, f"superseded-{name}-{k}")):
+        k += 1
+    target = os.path.join(root, f"superseded-{name}-{k}")
+    os.replace(folder, target)
+    return target
 
 
 def rotate(root: str, keep_last: int, run_id: str | None, step: int) -> None:

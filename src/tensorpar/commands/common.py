@@ -6,15 +6,8 @@ import os
 
 import torch
 
-from tensorpar.distributed.launch import spawn_local, under_launcher
+from tensorpar.distributed.launch import spawn_local, under_launcher, world_size
 from tensorpar.distributed.mesh import resolve_layout
-
-
-def world_size(options) -> int:
-    """The number of processes this command will run on: the launcher's, or the ones it will start."""
-    if under_launcher():
-        return int(os.environ["WORLD_SIZE"])
-    return options.nproc or options.tp * options.cp * options.pp * (options.dp or 1)
 
 
 def launch(options, argv: list[str], run_rank) -> int:

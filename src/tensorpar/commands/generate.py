@@ -17,11 +17,12 @@ import os
 import sys
 
 from tensorpar.checkpoints.sources import load_config, load_model_source
-from tensorpar.commands.common import launch, world_size
+from tensorpar.commands.common import launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import GenerateOptions
 from tensorpar.data import load_tokenizer
 from tensorpar.data.tokenizer import HFTokenizer
+from tensorpar.distributed.launch import world_size
 from tensorpar.distributed.mesh import init_mesh
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.inference.generation import check_generate_args, generate

@@ -12,10 +12,10 @@ import json
 import os
 import sys
 
-from tensorpar.commands.common import launch, world_size
+from tensorpar.commands.common import launch
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import TrainOptions
-from tensorpar.distributed.launch import SPAWNED_ENV
+from tensorpar.distributed.launch import SPAWNED_ENV, under_launcher, world_size
 from tensorpar.training import run_training, validate
 from tensorpar.training.stop import GracefulStop
 
@@ -50,7 +50,7 @@ def print_summary(s: dict) -> None:
     if s.get("loss_plot"):
         print(f"loss curve: {s['loss_plot']}")
     if s.get("config"):
-        print(f"resolved configuration: {s['config']}")
+        print(f"configuration: {s['config']} (tensorpar train --config takes it)")
     if s.get("pipeline_bubble") is not None:
         plot = f"; timeline: {s['pipeline_plot']}" if s.get("pipeline_plot") else ""
         print(f"pipeline bubble (measured, last step): {100 * s['pipeline_bubble']:.1f}%{plot}")
@@ -68,15 +68,22 @@ def report_stop(s: dict) -> None:
 
 def run(args, argv) -> int:
     options = with_output_defaults(options_from_args(TrainOptions, args, "train"))
-    prepared = validate(options, world_size(options))  # in this process, before starting any rank
+    world = world_size(options)
+    if under_launcher() or world == 1:  # a rank: catch stop signals from the start (its launcher forwards them)
+        with GracefulStop(escalate=SPAWNED_ENV not in os.environ) as stop:
+            return _run(options, argv, world, stop)
+    return _run(options, argv, world, None)
+
+
+def _run(options: TrainOptions, argv, world: int, stop: GracefulStop | None) -> int:
+    prepared = validate(options, world)  # in this process, before starting any rank
     is_first = int(os.environ.get("RANK", "0")) == 0
     if is_first and SPAWNED_ENV not in os.environ:  # the launching process, or rank 0 under torchrun
         for note in prepared.notes:
             sys.stderr.write(f"tensorpar: {note}\n")
 
     def run_rank() -> int:
-        with GracefulStop() as stop:
-            summary = run_training(prepared, stop)
+        summary = run_training(prepared, stop)
         if "stopped_by" in summary:
             if is_first:
                 report_stop(summary)

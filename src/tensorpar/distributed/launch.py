@@ -14,8 +14,11 @@ The launcher (`Supervisor`) never exits while one of its workers lives:
   per failed rank says its rank, pid, exit status or signal, and the last error it reported (each
   worker writes its error to the file named by TENSORPAR_ERROR_FILE). The launcher's own status
   is the first failure's (128 + signal for a worker killed by a signal).
-- On Linux each worker asks to be killed if the launcher dies (PR_SET_PDEATHSIG), so even a
-  launcher killed with SIGKILL leaves no orphan training on.
+- A worker that stops on its own after SIGTERM or SIGINT (status 143 or 130: a scheduler signalled every
+  process of the job, or someone signalled one rank) is a stop, not a failure: the others, which agree
+  on the stop among themselves, get the grace period and no second signal.
+- On Linux each worker asks, first thing, to be killed if the launcher dies (PR_SET_PDEATHSIG,
+  `follow_launcher`), so even a launcher killed with SIGKILL leaves no orphan training on.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import time
 
 SPAWNED_ENV = "TENSORPAR_SPAWNED"
 ERROR_FILE_ENV = "TENSORPAR_ERROR_FILE"
+LAUNCHER_PID_ENV = "TENSORPAR_LAUNCHER_PID"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEFAULT_GRACE_S = 30.0
 FAILURE_GRACE_S = 5.0  # after a worker failed, the others are likely stuck in a collective: stop them soon
 _PR_SET_PDEATHSIG = 1
@@ -40,6 +45,14 @@ _PR_SET_PDEATHSIG = 1
 def under_launcher() -> bool:
     """True under torchrun or in a process that tensorpar itself spawned."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def world_size(options) -> int:
+    """The number of processes a command with these layout options runs on: the launcher's (torchrun's, or
+    this one's for its workers), or the ones it will start (`nproc`, else tp x cp x pp x dp)."""
+    if under_launcher():
+        return int(os.environ["WORLD_SIZE"])
+    return options.nproc or options.tp * options.cp * options.pp * (options.dp or 1)
 
 
 def free_port() -> int:
@@ -70,14 +83,27 @@ def record_error(message: str) -> None:
             pass
 
 
-def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
+def follow_launcher() -> None:
+    """In a worker of a tensorpar launcher: be killed when the launcher dies (Linux), or exit now if it already
+    has. Called first thing by the command line (a no-op elsewhere)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None:
+        return
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent:  # the launcher died before prctl took effect
+    if os.getppid() != int(launcher):  # the launcher died before prctl took effect
         os._exit(1)
+
+
+def stop_signal(returncode: int | None) -> int | None:
+    """The stop signal (SIGTERM, SIGINT) a process ended on, by dying of it or by exiting with 128 + it."""
+    for signum in STOP_SIGNALS:
+        if returncode in (-signum, 128 + signum):
+            return signum
+    return None
 
 
 @dataclasses.dataclass
@@ -86,6 +112,7 @@ class _Worker:
     proc: subprocess.Popen
     error_file: str
     failed_first: bool = False  # failed on its own, before the launcher stopped it
+    signalled: bool = False  # the launcher forwarded the stop signal to it
 
     def last_error(self) -> str:
         try:
@@ -117,16 +144,17 @@ class Supervisor:
         self.kill_after = grace_s  # the grace that kill_at gives
 
     def _start(self, tmp: str) -> None:
-        port, parent = free_port(), os.getpid()
+        port = free_port()
         for rank in range(self.nprocs):
             error_file = os.path.join(tmp, f"rank-{rank}.err")
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.nprocs), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(self.nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       **{SPAWNED_ENV: "1", ERROR_FILE_ENV: error_file})
+                       **{SPAWNED_ENV: "1", ERROR_FILE_ENV: error_file, LAUNCHER_PID_ENV: str(os.getpid())})
             env.setdefault("OMP_NUM_THREADS", str(threads_per_process(self.nprocs)))
-            proc = subprocess.Popen([sys.executable, "-m", "tensorpar", *self.argv], env=env, start_new_session=True,
-                                    preexec_fn=lambda: _die_with_parent(parent))
+            proc = subprocess.Popen([sys.executable, "-m", "tensorpar", *self.argv], env=env, start_new_session=True)
             self.workers.append(_Worker(rank, proc, error_file))
+        if self.signum is not None:  # a signal that came while the workers were starting reaches them all
+            self._forward([w for w in self.workers if not w.signalled])
 
     def _alive(self) -> list[_Worker]:
         return [w for w in self.workers if w.proc.poll() is None]
@@ -138,12 +166,17 @@ class Supervisor:
             except ProcessLookupError:
                 pass
 
+    def _forward(self, workers) -> None:
+        self._send(self.signum, workers)
+        for w in workers:
+            w.signalled = True
+
     def _on_signal(self, signum, frame) -> None:
         if self.signum is not None:  # a second signal: stop now
             self._send(signal.SIGKILL)
             return
         self.signum = signum
-        self._send(signum)
+        self._forward(self._alive())
         self._kill_in(self.grace_s)
 
     def _kill_in(self, seconds: float) -> None:
@@ -161,7 +194,12 @@ class Supervisor:
         while True:
             self._kill_overdue()
             alive = self._alive()
-            failed = [w for w in self.workers if w.proc.returncode not in (None, 0)]
+            ended = [w for w in self.workers if w.proc.returncode not in (None, 0)]
+            stops = [stop_signal(w.proc.returncode) for w in ended if stop_signal(w.proc.returncode)]
+            if self.signum is None and stops and not any(w.failed_first for w in self.workers):
+                self.signum = stops[0]  # a rank stopping on a signal of its own: the others stop with it
+                self._kill_in(self.grace_s)
+            failed = [w for w in ended if stop_signal(w.proc.returncode) is None]
             if self.signum is None and failed and not any(w.failed_first for w in self.workers):
                 for w in failed:
                     w.failed_first = True

@@ -14,7 +14,6 @@ never gathers them and leaves the padding columns out of the max, the sum and th
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tensorpar.distributed.comm import as_group
 from tensorpar.layers.linear import ColumnParallelLinear, InitMethod, full_linear_params
@@ -28,7 +27,8 @@ class VocabParallelLMHead(ColumnParallelLinear):
     parallelism, `gather_from_sp` (all-gather / reduce-scatter in backward); each rank computes its
     vocabulary slice of the logits, [..., padded_vocab_size / tp]; nothing else is communicated. The padding
     rows (and bias entries) are zero, so the padding logits are zero: pass ``vocab_size=head.vocab_size`` to
-    the loss so that they never count. ``skip_input_comm=True`` leaves out the entering op, for a caller that
+    the loss so that they never count. ``VocabParallelLMHead.from_dense(nn.Linear(hidden, vocab), tp_group)``
+    takes this rank's padded shard of a dense head. ``skip_input_comm=True`` leaves out the entering op, for a caller that
     applies it itself. ``init=False`` leaves the shard uninitialised, for a caller that loads it.
     """
 
@@ -76,11 +76,6 @@ class VocabParallelLMHead(ColumnParallelLinear):
                 if bias is None:
                     raise ValueError("VocabParallelLMHead has a bias but the dense layer has none")
                 self.bias.copy_(take_shard(bias, 0, rank, tp, pad_to=self.padded_vocab_size))
-
-    @classmethod
-    def from_dense(cls, module: nn.Linear, tp_group=None, **kwargs) -> "VocabParallelLMHead":
-        """This rank's padded vocabulary shard of a dense head ``nn.Linear(hidden, vocab)`` (copied, not shared)."""
-        return super().from_dense(module, tp_group, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, padded to {self.padded_vocab_size}, "

@@ -45,7 +45,7 @@ class Session:
     start_step: int
     peak_flops: tuple[float, str]  # one rank's peak FLOP/s for MFU, and where the figure comes from
     stop: GracefulStop | None = None  # stop signals, when the caller handles them (the command line does)
-    run_id: str = ""  # the run's checkpoints carry it: rotation deletes only this run's (rank 0 decides)
+    run_id: str = ""  # the run's checkpoints carry it: rotation deletes only this run's
 
     @property
     def options(self):
@@ -58,7 +58,7 @@ class Session:
     def autocast(self):
         return autocast(self.mesh.device, self.options.dtype)
 
-    def save(self, step: int) -> str | None:
+    def save(self, step: int) -> str:
         """Save step `step`'s checkpoint (a collective: every rank calls it)."""
         o, mesh = self.options, self.mesh
         layout = {"tp": mesh.tp_size, "cp": mesh.cp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": o.zero,
@@ -131,15 +131,26 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
             val_windows = val_windows[: (len(val_windows) // o.micro_batch_size) * o.micro_batch_size]
     if mesh.rank == 0 and o.out_dir:
         write_resolved_config(run, os.path.join(o.out_dir, "config.toml"))
-    run_id = (run.resume_meta or {}).get("run_id") or uuid.uuid4().hex
+    # One id for the run's checkpoints: a resumed run keeps its checkpoint's, a new one takes rank 0's.
+    run_id = mesh.world_group.all_gather_object((run.resume_meta or {}).get("run_id") or uuid.uuid4().hex)[0]
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
                    peak_flops(mesh.device, o.dtype), stop, run_id)
 
 
+_DERIVED = ("dp", "micro_batch_size", "min_lr", "warmup_steps")  # worked out by validate() when not given
+
+
 def write_resolved_config(run: PreparedRun, path: str) -> str:
-    """The run's options with every default filled in, as a file `tensorpar train --config` reads back."""
+    """The run's configuration as a file `tensorpar train --config` reads back: the options as given, and the
+    values the run worked out for the ones left to it (as comments, so that the file stays right when the
+    world size or the learning rate is changed on the command line)."""
+    worked_out = [f"{name} = {getattr(run.options, name)!r}" for name in _DERIVED
+                  if getattr(run.requested, name) is None]
+    header = (f"tensorpar train: the configuration of this run ({run.world_size} processes).\n"
+              f"Run it again with: tensorpar train --config {path}   (a run that saved checkpoints: add "
+              f"--resume to continue it, or change --save)" + (f"\nworked out: {', '.join(worked_out)}"
+                                                               if worked_out else ""))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        f.write(to_toml(run.options, f"tensorpar train: the resolved configuration of this run ({run.world_size} "
-                                     f"processes).\nRun it again with: tensorpar train --config {path}"))
+        f.write(to_toml(run.requested, header))
     return path

@@ -3,9 +3,14 @@
 The first signal only sets a flag. Before each step every rank all-reduces its flag (MAX, one
 4-byte collective on the world group), so all ranks see the stop at the same step whichever
 of them received the signal first; the run then saves the last completed step (with `--save`)
-and ends with status 128 + the signal's number. A second signal restores the default action
-and re-raises it: the process ends at once. This is Megatron-LM's exit-signal handler, with the
+and ends with status 128 + the signal's number. This is Megatron-LM's exit-signal handler, with the
 agreement made explicit.
+
+A second signal means "stop now" only where nobody else escalates: under tensorpar's launcher the
+launcher does (it turns a second signal into SIGKILL), and a scheduler that signals every process of
+the job makes each rank receive the stop twice (once directly, once forwarded), so there
+(``escalate=False``) repeats are ignored. Elsewhere (torchrun, one process) a second signal more than
+`REPEAT_WINDOW_S` after the first restores the default action and re-raises it.
 """
 
 from __future__ import annotations
@@ -13,18 +18,23 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import torch
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from tensorpar.distributed.launch import STOP_SIGNALS
+
+REPEAT_WINDOW_S = 1.0  # a second copy of the same stop arriving this soon is the same stop
 
 
 class GracefulStop:
     """Catches STOP_SIGNALS while installed (a context manager; the main thread only) and says, collectively,
     whether the run should stop before its next step."""
 
-    def __init__(self):
+    def __init__(self, escalate: bool = True):
         self.signum: int | None = None
+        self.escalate = escalate
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "GracefulStop":
@@ -38,11 +48,11 @@ class GracefulStop:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None:  # the second signal: stop now
+        if self.signum is None:
+            self.signum, self._first_at = signum, time.monotonic()
+        elif self.escalate and time.monotonic() - self._first_at > REPEAT_WINDOW_S:  # a second stop: now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-            return
-        self.signum = signum
 
     def agreed(self, group, device) -> int | None:
         """The stop signal if any rank of `group` received one (a collective: every rank calls it), else None."""

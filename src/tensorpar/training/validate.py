@@ -15,7 +15,8 @@ from tensorpar.checkpoints.sources import load_config
 from tensorpar.config.fields import check_choices
 from tensorpar.config.options import TrainOptions
 from tensorpar.data import check_batch_layout
-from tensorpar.distributed.mesh import resolve_layout, world_from_env
+from tensorpar.distributed.launch import world_size as launched_world_size
+from tensorpar.distributed.mesh import resolve_layout
 from tensorpar.errors import TensorparError
 from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout
@@ -28,6 +29,7 @@ class PreparedRun:
     """A validated training run: what every rank builds its part from."""
 
     options: TrainOptions  # resolved: dp, micro_batch_size, min_lr and warmup_steps are never None
+    requested: TrainOptions  # as given (flags, --config, defaults): what running the same command again gives
     cfg: ModelConfig  # the model to train (dropout from the options)
     resume_meta: dict | None  # the metadata of the checkpoint resumed from, if any
     world_size: int
@@ -51,10 +53,11 @@ def model_config(options: TrainOptions) -> ModelConfig:
     return cfg.replace(dropout=options.dropout)
 
 
-def _world_size(options: TrainOptions) -> int:
-    if options.dp is not None:
-        return options.tp * options.cp * options.pp * options.dp
-    return world_from_env()[0]
+def _first_start(o: TrainOptions) -> bool:
+    """Whether a `--resume` folder without a checkpoint is the first start of its run (which starts from scratch):
+    the folder exists (empty, or a save was killed before its first checkpoint) or the run saves there.
+    A path that exists nowhere else is a typo, refused as before."""
+    return os.path.isdir(o.resume) or bool(o.save and os.path.realpath(o.save) == os.path.realpath(o.resume))
 
 
 def _check_save_folder(o: TrainOptions) -> None:
@@ -71,8 +74,8 @@ def _check_save_folder(o: TrainOptions) -> None:
 
 
 def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
-    """Check `options` against the model and a world of `world_size` processes (default: tp x pp x dp when dp
-    is given, else the running world); raise TensorparError naming what is wrong, or return the PreparedRun."""
+    """Check `options` against the model and a world of `world_size` processes (default: the launcher's, else
+    nproc or tp x cp x pp x dp); raise TensorparError naming what is wrong, or return the PreparedRun."""
     o = options
     check_choices(o)
     if o.steps < 1:
@@ -80,7 +83,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     notes = []
     if o.resume and o.init_from:
         raise TensorparError("--resume and --init-from exclude each other")
-    if o.resume and not is_checkpoint(o.resume):
+    if o.resume and not is_checkpoint(o.resume) and _first_start(o):
         # One command serves the first start and every restart of a crash-restart loop.
         notes.append(f"--resume {o.resume}: no checkpoint there yet; starting from step 0")
         o = dataclasses.replace(o, resume=None)
@@ -99,7 +102,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         raise TensorparError(f"data file '{o.data}' does not exist")
     cfg = model_config(o)
     check_model_layout(cfg, o.tp, o.sequence_parallel, o.seq_len, o.cp)
-    world = world_size if world_size is not None else _world_size(o)
+    world = world_size if world_size is not None else launched_world_size(o)
     _, _, dp = resolve_layout(world, o.tp, o.pp, o.dp, o.cp)
     micro = o.micro_batch_size or o.global_batch_size // dp
     check_batch_layout(o.global_batch_size, dp, micro)
@@ -109,4 +112,4 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     resolved = dataclasses.replace(
         o, dp=dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
         warmup_steps=min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps)
-    return PreparedRun(resolved, cfg, resume_meta, world, tuple(notes))
+    return PreparedRun(resolved, options, cfg, resume_meta, world, tuple(notes))
