@@ -53,9 +53,15 @@ def reference(pools):
         (4, dict(tp=2, cp=2, sequence_parallel=True)),  # 2 KV heads: one per TP rank
         (4, dict(cp=2, dp=2, zero=1)),
         (4, dict(cp=2, pp=2, micro_batch_size=2)),
+        (2, dict(dp=2, zero=3)),
+        (4, dict(tp=2, dp=2, zero=3, sequence_parallel=True)),
+        (4, dict(pp=2, dp=2, zero=3, micro_batch_size=2)),
+        (4, dict(dp=4, zero=3, micro_batch_size=1, zero3_reshard_after_forward=False)),
+        (2, dict(dp=2, zero=3, micro_batch_size=1, recompute="full")),  # 4 micro-batches per rank
     ],
     ids=["tp2", "tp4", "tp2-sp", "tp4-sp-gpt2", "tp2-dp2", "tp2-dp2-accum", "tp2-sp-dp2-zero1", "dp4-zero2-accum",
-         "cp2", "cp4", "cp4-allgather-gpt2", "tp2-cp2-sp", "cp2-dp2-zero1", "cp2-pp2"],
+         "cp2", "cp4", "cp4-allgather-gpt2", "tp2-cp2-sp", "cp2-dp2-zero1", "cp2-pp2", "dp2-zero3",
+         "tp2-sp-dp2-zero3", "pp2-dp2-zero3", "dp4-zero3-keep-params-accum2", "dp2-zero3-accum4-recompute"],
 )
 def test_layouts_follow_the_single_device_trajectory(pools, reference, world, layout):
     model = layout.get("model", "tiny")
@@ -124,6 +130,16 @@ def _id(layout):
 def test_3d_layouts_train_like_one_process(pools, config_file, reference_3d, layout):
     layout = {"tp": 1, "pp": 1, "dp": 4 // (layout.get("tp", 1) * layout.get("pp", 1)), **layout}
     layout_runs.assert_same_training(pools(4).run(layout_runs.run, config_file, **layout), reference_3d)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=4), dict(tp=2, dp=2, sequence_parallel=True), dict(pp=2, dp=2)],
+                         ids=["dp4", "tp2-sp-dp2", "pp2-dp2"])
+def test_zero3_weights_after_a_step_are_the_single_device_weights(pools, config_file, layout):
+    one_step = dict(steps=1, warmup_steps=0)
+    reference = pools(1).run(layout_runs.run, config_file, **one_step)[0]
+    layout = {"tp": 1, "pp": 1, **layout}
+    results = pools(4).run(layout_runs.run, config_file, zero=3, **one_step, **layout)
+    layout_runs.assert_same_training(results, reference, tol=1e-5)
 
 
 def test_reference_learns(reference_3d):

@@ -16,6 +16,7 @@ shards and cuts this rank's shard for the current layout: any (tp, pp, dp, zero)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -70,30 +71,31 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
         os.makedirs(tmp)
     world.barrier()
 
-    params = dict(model.named_parameters())
-    names = {id(p): n for n, p in params.items()}
-    moments, opt_step = optimizer.local_state(names)  # collective over DP when ZeRO shards the moments
-    info = None
-    if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # one writer per (tp, pp) position
-        tensors = {}
-        for name, p in params.items():
-            if getattr(p, "pipeline_duplicate", False):
-                continue  # the first stage saves the tied embedding
-            tensors[f"param/{name}"] = p.detach().contiguous().cpu()
-            for kind in ("exp_avg", "exp_avg_sq"):
-                tensors[f"{kind}/{name}"] = moments[name][kind].contiguous().cpu()
-        file_name = shard_file_name(mesh.tp_rank, mesh.pp_rank)
-        path = os.path.join(tmp, file_name)
-        save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
-        _save_delay_for_tests()
-        info = {
-            "file": file_name, "bytes": os.path.getsize(path), "sha256": _sha256(path),
-            "tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank,
-            "tensors": {
-                name: {"shape": list(dense_shape(p, shard_spec(p))), **_spec_dict(shard_spec(p))}
-                for name, p in params.items() if not getattr(p, "pipeline_duplicate", False)
-            },
-        }
+    with optimizer.gathered():  # ZeRO-3 stores 1/dp of each parameter: gather them for the save
+        params = dict(model.named_parameters())
+        names = {id(p): n for n, p in params.items()}
+        moments, opt_step = optimizer.local_state(names)  # collective over DP when ZeRO shards the moments
+        info = None
+        if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # one writer per (tp, pp) position
+            tensors = {}
+            for name, p in params.items():
+                if getattr(p, "pipeline_duplicate", False):
+                    continue  # the first stage saves the tied embedding
+                tensors[f"param/{name}"] = p.detach().contiguous().cpu()
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    tensors[f"{kind}/{name}"] = moments[name][kind].contiguous().cpu()
+            file_name = shard_file_name(mesh.tp_rank, mesh.pp_rank)
+            path = os.path.join(tmp, file_name)
+            save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
+            _save_delay_for_tests()
+            info = {
+                "file": file_name, "bytes": os.path.getsize(path), "sha256": _sha256(path),
+                "tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank,
+                "tensors": {
+                    name: {"shape": list(dense_shape(p, shard_spec(p))), **_spec_dict(shard_spec(p))}
+                    for name, p in params.items() if not getattr(p, "pipeline_duplicate", False)
+                },
+            }
     infos = world.all_gather_object(info)
     if mesh.rank == 0:
         files, tensors = {}, {}
@@ -308,17 +310,17 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
     if missing:
         raise TensorparError(f"checkpoint '{step_dir}' lacks {missing[:4]} that the model needs")
     moments = {}
-    with torch.no_grad():
+    with torch.no_grad(), (optimizer.gathered() if optimizer is not None else contextlib.nullcontext()):
         for name, p in params.items():
             spec = shard_spec(p)
             p.copy_(shard_tensor(reader.dense(name), spec, tp.rank, tp.size))
             if optimizer is not None:
                 moments[name] = {k: shard_tensor(reader.dense(name, k), spec, tp.rank, tp.size)
                                  for k in ("exp_avg", "exp_avg_sq")}
+        if optimizer is not None:
+            optimizer.reload_parameters()
     if optimizer is not None:
-        names = {id(p): n for n, p in params.items()}
-        optimizer.reload_parameters()
-        optimizer.load_local_state(moments, meta["optimizer_step"], names)
+        optimizer.load_local_state(moments, meta["optimizer_step"], {id(p): n for n, p in params.items()})
     return meta
 
 

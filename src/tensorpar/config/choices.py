@@ -3,7 +3,7 @@
 DTYPES = ("fp32", "bf16")  # training and inference precision (--dtype)
 RECOMPUTE_MODES = ("none", "selective", "full")  # activation recomputation (--recompute)
 PIPELINE_SCHEDULES = ("afab", "1f1b", "interleaved")  # --schedule
-ZERO_STAGES = (0, 1, 2)  # what training runs (--zero)
+ZERO_STAGES = (0, 1, 2, 3)  # what training runs (--zero)
 PLANNED_ZERO_STAGES = (0, 1, 2, 3)  # what the planner models
 BIN_DTYPES = ("uint16", "int32")  # raw token files (--bin-dtype)
 PLAN_PRECISIONS = ("tensorpar-bf16", "tensorpar-fp32", "mixed-bf16", "megatron-bf16")  # plan --precision

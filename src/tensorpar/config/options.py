@@ -55,8 +55,12 @@ class TrainOptions(LaunchOptions):
     init_from: str | None = option(None, "start from a Hugging Face folder or a tensorpar checkpoint", group="model")
     dropout: float = option(0.0, "dropout probability (embedding, residual, attention)", group="model")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
-    zero: int = option(0, "ZeRO stage over the DP group: 1 shards optimizer states, 2 also gradients",
-                       choices=ZERO_STAGES, group=LAYOUT)
+    zero: int = option(0, "ZeRO stage over the DP group: 1 shards optimizer states, 2 also gradients, 3 also "
+                          "parameters (each block gathered just before use)", choices=ZERO_STAGES, group=LAYOUT)
+    zero3_reshard_after_forward: bool = option(True, "ZeRO-3: keep a block's gathered parameters from its forward "
+                                                     "to its backward (one all-gather less per block, more memory; "
+                                                     "in a config file: zero3_reshard_after_forward = false)",
+                                               flag="--no-zero3-reshard-after-forward", group=LAYOUT)
     schedule: str = option("1f1b", "pipeline schedule when --pp > 1", choices=PIPELINE_SCHEDULES, group=LAYOUT)
     virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved)", group=LAYOUT)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE_MODES, group=LAYOUT)

@@ -19,7 +19,7 @@ def dense_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
 @torch.no_grad()
 def full_state_dict(model) -> dict[str, torch.Tensor]:
     """Every parameter as the dense tensor (a collective over the TP group: call on every TP rank)."""
-    return {name: unshard_tensor(p, shard_spec(p), model.tp_group).cpu() for name, p in model.named_parameters()}
+    return {name: unshard_tensor(p.detach(), shard_spec(p), model.tp_group).cpu() for name, p in model.named_parameters()}
 
 
 @torch.no_grad()

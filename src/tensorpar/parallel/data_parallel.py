@@ -20,6 +20,7 @@ zero=2     as zero=1, and the full gradient buckets are freed after the reduce-s
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -27,9 +28,10 @@ from torch import nn
 
 from tensorpar.config.choices import ZERO_STAGES
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import shard_spec, tag
-from tensorpar.optim.grad_norm import clip_grad_norm_
 from tensorpar.optim.adamw import takes_weight_decay
+from tensorpar.optim.grad_norm import clip_grad_norm_
+from tensorpar.parallel.shard_pieces import (MOMENTS, adamw_step_count, cut_pieces, gather_moments, load_moments,
+                                             slice_bounds, state_bytes)
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -82,8 +84,8 @@ class DistributedOptimizer:
 
     def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, zero: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        if zero not in ZERO_STAGES:
-            raise TensorparError(f"--zero must be 0, 1 or 2, got {zero}")
+        if zero not in ZERO_STAGES or zero == 3:
+            raise TensorparError(f"DistributedOptimizer runs ZeRO 0, 1 or 2, got {zero} (ZeRO-3: FullyShardedOptimizer)")
         # Gradients are averaged (ZeRO: sharded) over every rank that holds the same parameters and saw other
         # tokens: DP, times CP under context parallelism.
         self.mesh, self.zero, self.dp = mesh, zero, mesh.dp_cp_group
@@ -124,30 +126,15 @@ class DistributedOptimizer:
     # -- ZeRO bookkeeping ---------------------------------------------------------------------
 
     def _build_master_slices(self, groups) -> None:
-        """For each bucket, this rank's 1/dp slice: an fp32 master copy, its gradient slice, and one
-        optimizer parameter per piece of an original parameter it covers (so weight decay and the
-        gradient-norm weighting follow the original parameter)."""
-        rank, size = self.dp.rank, self.dp.size
+        """For each bucket, this rank's 1/dp slice: an fp32 master copy, its gradient slice, and one optimizer
+        parameter per piece of an original parameter it covers."""
         self.slices: list[nn.Parameter] = []
-        self._pieces: dict[int, list] = {}
         for b in self.buckets:
-            self._pieces[id(b)] = []
-            per_rank = b.padded // size
-            lo_b, hi_b = rank * per_rank, (rank + 1) * per_rank
+            lo_b, hi_b = slice_bounds(b.padded, self.dp.rank, self.dp.size)
             b.master = b.param_buffer[lo_b:hi_b].detach().clone().float()
             b.grad_shard = torch.zeros_like(b.master)
-            for p, offset in zip(b.params, b.offsets):
-                lo, hi = max(offset, lo_b), min(offset + p.numel(), hi_b)
-                if lo >= hi:
-                    continue
-                piece = nn.Parameter(b.master[lo - lo_b : hi - lo_b])
-                piece.grad = b.grad_shard[lo - lo_b : hi - lo_b]
-                tag(piece, shard_spec(p))
-                if getattr(p, "pipeline_duplicate", False):
-                    piece.pipeline_duplicate = True
-                groups[0 if takes_weight_decay(p) else 1]["params"].append(piece)
-                self.slices.append(piece)
-                self._pieces[id(b)].append((piece, lo, hi, p, offset))
+            b.pieces = cut_pieces(b.params, [p.shape for p in b.params], b.offsets, lo_b, hi_b, b.master, b.grad_shard, groups)
+            self.slices += [piece.opt_param for piece in b.pieces]
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -212,56 +199,33 @@ class DistributedOptimizer:
 
     # -- checkpoints: moments in the layout of the local (TP-sharded) parameters, whatever the ZeRO stage --
 
-    def _moment_buffers(self, b: _Bucket, key: str) -> torch.Tensor:
-        """This rank's slice of a bucket's `key` moment (zeros where the optimizer has no state yet)."""
-        out = torch.zeros_like(b.master)
-        lo_b = self.dp.rank * (b.padded // self.dp.size)
-        for piece in self._pieces[id(b)]:
-            state = self.optimizer.state.get(piece[0], {})
-            if key in state:
-                out[piece[1] - lo_b : piece[2] - lo_b].copy_(state[key])
-        return out
+    def gathered(self):
+        """A context in which every parameter holds its values (always so below ZeRO-3)."""
+        return contextlib.nullcontext()
 
     def local_state(self, names: dict[int, str]) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         """({parameter name: {"exp_avg", "exp_avg_sq"}} for this rank's local parameters, AdamW step count).
         With ZeRO the moments are all-gathered over DP (a collective: call on every rank)."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        step = 0
-        for st in self.optimizer.state.values():
-            step = int(st["step"]) if "step" in st else step
-        if not self.zero:
-            for b in self.buckets:
-                for p in b.params:
-                    st = self.optimizer.state.get(p, {})
-                    out[names[id(p)]] = {k: (st[k].clone() if k in st else torch.zeros_like(p))
-                                         for k in ("exp_avg", "exp_avg_sq")}
-            return out, step
+        step = adamw_step_count(self.optimizer)
+        if self.zero:
+            return gather_moments(self.buckets, self.optimizer, self.dp, names), step
+        out = {}
         for b in self.buckets:
-            full = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                full[key] = torch.empty(b.padded, dtype=b.master.dtype, device=b.master.device)
-                self.dp.all_gather_async(full[key], self._moment_buffers(b, key)).wait()
-            for p, offset in zip(b.params, b.offsets):
-                out[names[id(p)]] = {k: v[offset : offset + p.numel()].view_as(p).clone() for k, v in full.items()}
+            for p in b.params:
+                st = self.optimizer.state.get(p, {})
+                out[names[id(p)]] = {k: (st[k].clone() if k in st else torch.zeros_like(p)) for k in MOMENTS}
         return out, step
 
     def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
         """Set AdamW moments (local parameter layout, as `local_state` returns) and the step count."""
+        if self.zero:
+            return load_moments(self.buckets, self.optimizer, states, step, names)
         step_tensor = torch.tensor(float(step))
-        if not self.zero:
-            for b in self.buckets:
-                for p in b.params:
-                    st = states[names[id(p)]]
-                    self.optimizer.state[p] = {"step": step_tensor.clone(), "exp_avg": st["exp_avg"].to(p).clone(),
-                                               "exp_avg_sq": st["exp_avg_sq"].to(p).clone()}
-            return
         for b in self.buckets:
-            for piece, lo, hi, p, offset in self._pieces[id(b)]:
+            for p in b.params:
                 st = states[names[id(p)]]
-                self.optimizer.state[piece] = {
-                    "step": step_tensor.clone(),
-                    **{k: st[k].flatten()[lo - offset : hi - offset].to(piece).clone() for k in ("exp_avg", "exp_avg_sq")},
-                }
+                self.optimizer.state[p] = {"step": step_tensor.clone(),
+                                           **{k: st[k].to(p).clone() for k in MOMENTS}}
 
     def reload_parameters(self) -> None:
         """After parameters were overwritten in place (a checkpoint load): refresh the ZeRO master slices."""
@@ -273,5 +237,4 @@ class DistributedOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (AdamW moments) held by this rank."""
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                   for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        return state_bytes(self.optimizer)

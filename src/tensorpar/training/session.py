@@ -18,6 +18,7 @@ from tensorpar.distributed.mesh import Mesh
 from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.optim.precision import autocast
 from tensorpar.parallel.data_parallel import DistributedOptimizer
+from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
 from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
@@ -37,7 +38,7 @@ class Session:
     run: PreparedRun
     mesh: Mesh
     model: Transformer
-    optimizer: DistributedOptimizer
+    optimizer: DistributedOptimizer | FullyShardedOptimizer
     tokenizer: object
     dataset: TokenDataset
     val_windows: torch.Tensor | None
@@ -98,6 +99,15 @@ def build_data(run: PreparedRun, tokenizer) -> tuple[TokenDataset, torch.Tensor 
     return dataset, dataset.val_windows(o.val_windows) if dataset.num_val_windows else None
 
 
+def build_optimizer(model, mesh: Mesh, o) -> DistributedOptimizer | FullyShardedOptimizer:
+    """AdamW across the DP (x CP) group: gradients averaged (ZeRO-0), or states, gradients and (ZeRO-3) parameters
+    sharded."""
+    if o.zero == 3:
+        return FullyShardedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay,
+                                     reshard_after_forward=o.zero3_reshard_after_forward)
+    return DistributedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay, zero=o.zero)
+
+
 def resume(run: PreparedRun, model, optimizer, mesh: Mesh) -> int:
     """Load the checkpoint being resumed into this rank's shards; say what changed since it was saved; its step."""
     o, meta = run.options, run.resume_meta
@@ -119,7 +129,7 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
     o = run.options
     model, tokenizer = build_model(run, mesh)
     dataset, val_windows = build_data(run, tokenizer)
-    optimizer = DistributedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay, zero=o.zero)
+    optimizer = build_optimizer(model, mesh, o)
     start_step = resume(run, model, optimizer, mesh) if o.resume else 0
     runner = None
     if mesh.pp_size > 1:

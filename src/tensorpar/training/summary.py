@@ -82,10 +82,11 @@ def summarize(s: Session, result: LoopResult) -> dict:
                        stopped_at_step=s.start_step + len(records), stop_checkpoint=result.stop_checkpoint)
     if runner is not None and records:
         _pipeline(s, summary)
-    if o.return_state:
-        summary["state"] = dense_weights(s.model, mesh)
-    if o.sample_tokens and result.stop_signal is None:
-        _sample(s, summary)
+    with s.optimizer.gathered():  # ZeRO-3 holds 1/dp of each parameter between uses
+        if o.return_state:
+            summary["state"] = dense_weights(s.model, mesh)
+        if o.sample_tokens and result.stop_signal is None:
+            _sample(s, summary)
     if s.is_main and o.out_dir and records:
         title = (f"{o.model}: tp={mesh.tp_size} dp={mesh.dp_size}{' +SP' if s.model.sequence_parallel else ''}, "
                  f"{o.dtype}, {o.steps} steps")

@@ -1,0 +1,247 @@
+"""ZeRO-3: fully sharded data parallelism (the Playbook's DP chapter, last stage; PyTorch FSDP, DeepSpeed stage 3).
+
+Each DP (x CP) rank stores 1/dp of every parameter, gradient and optimizer state of its part of the model (its
+TP shard of its pipeline stage). Parameters are grouped into units that are gathered and freed together: one
+per transformer block, and a root unit with the rest of the stage (embedding, positions, final norm, head).
+
+Per micro-batch, for a block:
+
+=========  ==========================================================================================
+forward    all-gather the block's flat parameters just before it runs, starting the next block's
+           all-gather at the same time (it runs while this block computes); free them after the block
+           (``reshard_after_forward=False`` keeps them for the backward: more memory, one all-gather less)
+backward   all-gather again when the gradient reaches the block's output, starting the previous
+           block's; free them when every parameter's gradient is in, and reduce-scatter the flat
+           gradient into this rank's fp32 gradient shard (asynchronously; the full gradient is dropped)
+=========  ==========================================================================================
+
+The root unit is gathered at its first use in a step and kept until the optimizer step; its gradients are
+summed over the step's micro-batches (the tied embedding's also over the first and last pipeline stage) and
+reduce-scattered once, in `finish_backward`.
+
+Gradient accumulation: a block's gradients are reduce-scattered after every micro-batch, not once per step.
+Keeping full gradients across micro-batches would hold the whole stage's gradients at once, which ZeRO-3 is
+there to avoid (FSDP and DeepSpeed make the same choice). Per block and micro-batch the communication is one
+all-gather in forward, one in backward (none with reshard_after_forward=False) and one reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+from torch import nn
+
+from tensorpar.errors import TensorparError
+from tensorpar.optim.grad_norm import clip_grad_norm_
+from tensorpar.parallel.shard_pieces import (ReduceScatterQueue, add_to_flat, adamw_step_count, cut_pieces,
+                                             gather_moments, load_moments, slice_bounds, state_bytes)
+
+
+class _Unit:
+    """Parameters gathered and freed together; between uses each holds an empty tensor."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], dp_group, root: bool):
+        self.name, self.params, self.root, self.dp = name, params, root, dp_group
+        self.shapes = [p.shape for p in params]
+        self.offsets, offset = [], 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.padded = math.ceil(offset / dp_group.size) * dp_group.size
+        device, dtype = params[0].device, params[0].dtype
+        flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, off in zip(params, self.offsets):
+                flat[off : off + p.numel()].copy_(p.detach().flatten())
+        lo, hi = slice_bounds(self.padded, dp_group.rank, dp_group.size)
+        self.shard = flat[lo:hi].clone()  # the parameters this rank stores
+        self.master = self.shard if dtype == torch.float32 else self.shard.float()  # what AdamW steps
+        self.grad_shard = torch.zeros_like(self.master)
+        self.full: torch.Tensor | None = None
+        self._gather = None
+        self.full_grad: torch.Tensor | None = None
+        self.ready = 0
+        self.in_backward = False
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        self.free()
+
+    def start_gather(self) -> None:
+        """Start all-gathering the parameters (nothing if they are gathered or being gathered)."""
+        if self.full is None:
+            self.full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+            self._gather = self.dp.all_gather_async(self.full, self.shard)
+
+    def wait_gather(self) -> None:
+        """Make every parameter hold its values (a view of the gathered flat buffer)."""
+        self.start_gather()
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+            for p, off, shape in zip(self.params, self.offsets, self.shapes):
+                p.data = self.full[off : off + shape.numel()].view(shape)
+
+    def free(self) -> None:
+        if self._gather is not None:
+            self._gather.wait()  # never drop a collective in flight
+            self._gather = None
+        for p in self.params:
+            p.data = self._empty
+        self.full = None
+
+
+class FullyShardedOptimizer:
+    """AdamW over parameters, gradients and states sharded across the mesh's DP (x CP) group: ZeRO-3.
+
+    The same interface as `DistributedOptimizer` (begin_step, finish_backward, clip_and_step, checkpoints);
+    `gathered()` is a context in which every parameter holds its values (saving, sampling, exporting)."""
+
+    zero = 3
+
+    def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
+                 eps: float = 1e-8, reshard_after_forward: bool = True, prefetch: bool = True):
+        self.mesh, self.dp = mesh, mesh.dp_cp_group
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, nn.ModuleDict):
+            raise TensorparError("ZeRO-3 shards a tensorpar Transformer (its blocks are the units gathered together)")
+        in_blocks = {id(p) for p in layers.parameters()}
+        self.units = [_Unit(f"layer {key}", [p for p in block.parameters() if p.requires_grad], self.dp, False)
+                      for key, block in layers.items()]
+        root_params = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
+        self.root = _Unit("root", root_params, self.dp, True) if root_params else None
+        self._all = self.units + ([self.root] if self.root else [])
+        self._place = {id(p): (u, off) for u in self._all for p, off in zip(u.params, u.offsets)}
+        self.tied = [(p, off) for p, off in zip(self.root.params, self.root.offsets)
+                     if getattr(p, "pipeline_tied", False)] if self.root else []
+        self._pinned = False
+        self.queue = ReduceScatterQueue(self.dp)
+        self._hooks = []
+        for i, block in enumerate(layers.values()):
+            self._hooks.append(block.register_forward_pre_hook(functools.partial(self._pre_forward, i)))
+            self._hooks.append(block.register_forward_hook(functools.partial(self._post_forward, i)))
+        for module in (getattr(model, "embed", None), getattr(model, "final_norm", None)):
+            if module is not None and self.root is not None:
+                self._hooks.append(module.register_forward_pre_hook(lambda *_: self.root.wait_gather()))
+        for u in self._all:
+            for p in u.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+        groups = [{"params": [], "weight_decay": weight_decay}, {"params": [], "weight_decay": 0.0}]
+        self.slices = []
+        for u in self._all:
+            lo, hi = slice_bounds(u.padded, self.dp.rank, self.dp.size)
+            u.pieces = cut_pieces(u.params, u.shapes, u.offsets, lo, hi, u.master, u.grad_shard, groups)
+            self.slices += [piece.opt_param for piece in u.pieces]
+        groups = [g for g in groups if g["params"]] or [{"params": [nn.Parameter(torch.zeros(0))]}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True, fused=False)
+
+    # -- hooks: gather before use, free after, reduce-scatter the gradients ----------------------------------
+
+    def _pre_forward(self, i: int, module, args) -> None:
+        unit = self.units[i]
+        unit.wait_gather()
+        if self.prefetch and not unit.in_backward and i + 1 < len(self.units):
+            self.units[i + 1].start_gather()
+
+    def _post_forward(self, i: int, module, args, output) -> None:
+        unit = self.units[i]
+        if unit.in_backward or self._pinned:  # a recomputation inside the backward, or everything pinned
+            return
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(functools.partial(self._pre_backward, i))
+            if not self.reshard_after_forward:
+                return
+        unit.free()
+
+    def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
+        unit = self.units[i]
+        unit.in_backward = True
+        unit.wait_gather()
+        if self.prefetch and i > 0:
+            self.units[i - 1].start_gather()
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        unit, offset = self._place[id(param)]
+        if unit.full_grad is None:
+            unit.full_grad = torch.zeros(unit.padded, dtype=unit.grad_shard.dtype, device=unit.grad_shard.device)
+        add_to_flat(unit.full_grad, param, offset)
+        unit.ready += 1
+        if unit.ready == len(unit.params) and not unit.root:
+            unit.ready, unit.in_backward = 0, False
+            self.queue.push(unit, unit.full_grad)
+            unit.full_grad = None
+            if not self._pinned:
+                unit.free()
+
+    # -- the step ----------------------------------------------------------------------------------------------
+
+    def begin_step(self, num_microbatches: int) -> None:
+        for u in self._all:
+            u.ready, u.in_backward = 0, False
+
+    def finish_backward(self) -> None:
+        """Reduce-scatter the root's gradients (after summing the tied embedding's over the pipeline's ends), wait
+        for every reduce-scatter, and average."""
+        root = self.root
+        if root is not None:
+            if root.full_grad is None:
+                root.full_grad = torch.zeros(root.padded, dtype=root.grad_shard.dtype, device=root.grad_shard.device)
+            for p, off in self.tied:
+                self.mesh.embed_group.all_reduce(root.full_grad[off : off + p.numel()])
+            self.queue.push(root, root.full_grad)
+            root.full_grad, root.ready = None, 0
+        self.queue.drain()
+        for u in self._all:
+            u.grad_shard.div_(self.dp.size)
+
+    def clip_and_step(self, max_norm: float) -> torch.Tensor:
+        """Clip by the dense model's gradient norm, step this rank's shards, free every gathered parameter (the
+        next use gathers the updated ones). Returns the norm before clipping."""
+        norm = clip_grad_norm_(self.slices, max_norm, self.mesh, sharded_over_dp=True)
+        self.optimizer.step()
+        for u in self._all:
+            if u.master is not u.shard:
+                u.shard.copy_(u.master)
+            u.free()
+            u.grad_shard.zero_()
+        return norm
+
+    # -- whole parameters and checkpoints ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every parameter holds its values inside (a collective on entry: call on every DP rank)."""
+        self._pinned = True
+        try:
+            for u in self._all:
+                u.start_gather()
+            for u in self._all:
+                u.wait_gather()
+            yield
+        finally:
+            self._pinned = False
+            for u in self._all:
+                u.free()
+
+    def reload_parameters(self) -> None:
+        """Inside `gathered()`, after the parameters were overwritten (a checkpoint load): take them as the shards."""
+        for u in self._all:
+            lo, hi = slice_bounds(u.padded, self.dp.rank, self.dp.size)
+            u.shard.copy_(u.full[lo:hi])
+            if u.master is not u.shard:
+                u.master.copy_(u.shard)
+
+    def local_state(self, names: dict[int, str]) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+        """AdamW moments in the layout of the local (TP-sharded) parameters, all-gathered over DP (a collective)."""
+        shapes = {id(p): s for u in self._all for p, s in zip(u.params, u.shapes)}
+        return gather_moments(self._all, self.optimizer, self.dp, names, shapes), adamw_step_count(self.optimizer)
+
+    def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
+        load_moments(self._all, self.optimizer, states, step, names)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (AdamW moments) held by this rank."""
+        return state_bytes(self.optimizer)
