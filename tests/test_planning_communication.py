@@ -91,6 +91,7 @@ def check_training_step_comm(zero, micro_batches):
     """A trainer step (tensorpar.training.trainer.train's loop body) at tp=2 x dp=2."""
     from tensorpar.models import Transformer
     from tensorpar.parallel.data_parallel import DistributedOptimizer
+    from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
 
     cfg = CONFIGS["tiny-gpt2"]
     m = harness_mesh(tp=2, dp=2)
@@ -98,7 +99,10 @@ def check_training_step_comm(zero, micro_batches):
     B, S = 2, 16
     model = Transformer(cfg, m, sequence_parallel=True, seed=1)
     model.train()
-    opt = DistributedOptimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
+    if zero == 3:
+        opt = FullyShardedOptimizer(model, m, lr=1e-3, weight_decay=0.1)
+    else:
+        opt = DistributedOptimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
     m.stats.reset()
     opt.begin_step(micro_batches)
     step_loss = torch.zeros(())
@@ -116,7 +120,7 @@ def check_training_step_comm(zero, micro_batches):
     return counted, communication.sum_bytes(colls)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_predicted_training_step_comm_equals_counted(pools, zero):
     for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"

@@ -150,3 +150,38 @@ def test_playbook_activation_formula_special_cases():
     assert f(cfg, 8, True, b, s, "none", flash=False) == (sbh * 34 + 5 * a * s * s * b) // 8
     assert f(cfg, 8, True, b, s, "selective", flash=False) == sbh * 34 // 8
     assert f(cfg, 8, True, b, s, "full") == 2 * sbh // 8
+
+
+def _zero_run(config_file, **layout):
+    from tensorpar.training import TrainOptions, train
+
+    summary = train(TrainOptions(model=config_file, steps=1, warmup_steps=0, global_batch_size=8, micro_batch_size=2,
+                                 seq_len=16, val_every=0, progress=False, metrics=None, out_dir=None, device="cpu",
+                                 bucket_mb=ZERO_BUCKET_MB, **layout))
+    return summary["memory_mib_per_rank"]
+
+
+ZERO_BUCKET_MB = 0.02  # buckets of ~5k elements, so that ZeRO-2's buffers in flight are a small part of the model
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero_memory_measured_by_a_run_matches_the_planner(pools, config_file, dp):
+    """Parameters + gradients (at their peak during the step) + optimizer state that a run counts, per rank,
+    against the planner's formula for the same layout, ZeRO 0 to 3; ZeRO-2 really frees its gradients."""
+    from conftest import TINY8
+
+    measured = {zero: pools(dp).run(_zero_run, config_file, dp=dp, zero=zero)[0] for zero in (0, 1, 2, 3)}
+    for zero, per_rank in measured.items():
+        mb = memory.stage_memory(TINY8, Layout(dp=dp, zero=zero, micro_batch_size=2), 16, 8, "tensorpar-fp32",
+                                 bucket_bytes=int(ZERO_BUCKET_MB * 2**20))
+        planned = (mb.parameters + mb.gradients + mb.optimizer) / 2**20
+        for rank, mem in enumerate(per_rank):
+            got = mem["parameters"] + mem["gradients"] + mem["optimizer"]
+            assert abs(planned - got) <= 0.10 * got, f"zero {zero} rank {rank}: planned {planned:.3f} MiB, got {got:.3f}"
+            for kind in ("parameters", "gradients", "optimizer"):
+                plan = getattr(mb, kind) / 2**20
+                assert abs(plan - mem[kind]) <= 0.10 * mem[kind], f"zero {zero} rank {rank} {kind}: {plan} vs {mem[kind]}"
+        if zero == 3:  # and the gathered parameters: the root and two blocks
+            assert abs(mb.transient / 2**20 - per_rank[0]["gathered"]) <= 0.10 * per_rank[0]["gathered"]
+    assert measured[2][0]["gradients"] <= 0.6 * measured[1][0]["gradients"]
+    assert measured[3][0]["parameters"] <= 1.01 * measured[0][0]["parameters"] / dp

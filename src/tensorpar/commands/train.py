@@ -47,6 +47,8 @@ def print_summary(s: dict) -> None:
     print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{val}")
     print(f"{s['time_s']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% "
           f"(of the {s['peak_flops_source']})")
+    if s.get("memory_mib_per_rank") and s["memory_mib_per_rank"][0]:
+        print(memory_line(s["memory_mib_per_rank"]))
     if s.get("loss_plot"):
         print(f"loss curve: {s['loss_plot']}")
     if s.get("config"):
@@ -58,6 +60,13 @@ def print_summary(s: dict) -> None:
         print(s["sample_note"])
     if s.get("sample") is not None:
         print(f"sample (greedy): {json.dumps(s['sample'])}")
+
+
+def memory_line(per_rank: list[dict]) -> str:
+    """Peak MiB by kind, of the rank that needs the most in all (its rank named)."""
+    rank = max(range(len(per_rank)), key=lambda r: sum(v for k, v in per_rank[r].items() if k != "allocated"))
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in per_rank[rank].items())
+    return f"peak memory of rank {rank} (MiB): {parts}"
 
 
 def report_stop(s: dict) -> None:

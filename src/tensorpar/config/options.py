@@ -61,6 +61,8 @@ class TrainOptions(LaunchOptions):
                                                      "to its backward (one all-gather less per block, more memory; "
                                                      "in a config file: zero3_reshard_after_forward = false)",
                                                flag="--no-zero3-reshard-after-forward", group=LAYOUT)
+    bucket_mb: float = option(25.0, "MiB of gradients per DP bucket (one all-reduce, or ZeRO-1/2 reduce-scatter, "
+                                    "each)", group=LAYOUT)
     schedule: str = option("1f1b", "pipeline schedule when --pp > 1", choices=PIPELINE_SCHEDULES, group=LAYOUT)
     virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved)", group=LAYOUT)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE_MODES, group=LAYOUT)

@@ -13,9 +13,15 @@ zero=0     all-reduce each bucket's gradients (every gradient byte once per step
 zero=1     reduce-scatter each bucket's gradients; each rank clips and steps only its 1/dp slice
            (fp32 master slice and AdamW states: 1/dp of the memory), then all-gathers the
            updated parameters into the buckets
-zero=2     as zero=1, and the full gradient buckets are freed after the reduce-scatter, so
-           between backward passes each rank holds only its 1/dp slice of the gradients
+zero=2     gradients do not stay in full buckets: a bucket's buffer is allocated when its first
+           gradient of a micro-batch arrives, reduce-scattered into the rank's fp32 slice as soon as
+           the micro-batch has filled it, and released when that completes (at most 3 buckets'
+           buffers exist at once). So the gradient memory is 1/dp of ZeRO-1's plus a few buckets;
+           the price: with gradient accumulation every micro-batch's gradients are reduce-scattered
+           (as DeepSpeed's ZeRO-2 does), not one reduction per step. Then as zero=1.
 =========  =====================================================================================
+
+ZeRO-3 (parameters sharded too) is `tensorpar.parallel.fully_sharded.FullyShardedOptimizer`.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from tensorpar.config.choices import ZERO_STAGES
 from tensorpar.errors import TensorparError
 from tensorpar.optim.adamw import takes_weight_decay
 from tensorpar.optim.grad_norm import clip_grad_norm_
-from tensorpar.parallel.shard_pieces import (MOMENTS, adamw_step_count, cut_pieces, gather_moments, load_moments,
-                                             slice_bounds, state_bytes)
+from tensorpar.parallel.shard_pieces import (MOMENTS, BytesInUse, ReduceScatterQueue, adamw_step_count, add_to_flat,
+                                             cut_pieces, gather_moments, load_moments, nbytes, slice_bounds,
+                                             state_bytes)
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -51,6 +58,7 @@ class _Bucket:
                 p.data = self.param_buffer[offset : offset + p.numel()].view_as(p)
                 self.offsets.append(offset)
                 offset += p.numel()
+        self.offset_of = {id(p): off for p, off in zip(params, self.offsets)}
         self.grad_buffer: torch.Tensor | None = None
         self.pending = None
         self.ready = 0
@@ -58,17 +66,9 @@ class _Bucket:
 
     def attach_grads(self) -> None:
         """Give every parameter a zeroed `.grad` that is a view of this bucket's gradient buffer."""
-        if self.grad_buffer is None:
-            self.grad_buffer = torch.zeros_like(self.param_buffer)
-        else:
-            self.grad_buffer.zero_()
+        self.grad_buffer = torch.zeros_like(self.param_buffer)
         for p, offset in zip(self.params, self.offsets):
             p.grad = self.grad_buffer[offset : offset + p.numel()].view_as(p)
-
-    def free_grads(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.grad_buffer = None
 
 
 class DistributedOptimizer:
@@ -83,7 +83,7 @@ class DistributedOptimizer:
     """
 
     def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, zero: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 eps: float = 1e-8, zero: int = 0, bucket_bytes: int | float = DEFAULT_BUCKET_BYTES):
         if zero not in ZERO_STAGES or zero == 3:
             raise TensorparError(f"DistributedOptimizer runs ZeRO 0, 1 or 2, got {zero} (ZeRO-3: FullyShardedOptimizer)")
         # Gradients are averaged (ZeRO: sharded) over every rank that holds the same parameters and saw other
@@ -112,8 +112,13 @@ class DistributedOptimizer:
             self._bucket_of[id(p)].deferred = True
         self._expected = 1
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
-        for b in self.buckets:
-            b.attach_grads()
+        self.param_bytes = sum(nbytes(b.param_buffer) for b in self.buckets)
+        self.grad_bytes = BytesInUse()
+        self.queue = ReduceScatterQueue(self.dp, self.grad_bytes)
+        if zero < 2:  # the gradients live in the buckets for good
+            for b in self.buckets:
+                b.attach_grads()
+                self.grad_bytes.add(nbytes(b.grad_buffer))
 
         groups = [{"params": [], "weight_decay": weight_decay}, {"params": [], "weight_decay": 0.0}]
         if zero:
@@ -133,6 +138,7 @@ class DistributedOptimizer:
             lo_b, hi_b = slice_bounds(b.padded, self.dp.rank, self.dp.size)
             b.master = b.param_buffer[lo_b:hi_b].detach().clone().float()
             b.grad_shard = torch.zeros_like(b.master)
+            self.grad_bytes.add(nbytes(b.grad_shard))
             b.pieces = cut_pieces(b.params, [p.shape for p in b.params], b.offsets, lo_b, hi_b, b.master, b.grad_shard, groups)
             self.slices += [piece.opt_param for piece in b.pieces]
 
@@ -141,17 +147,28 @@ class DistributedOptimizer:
     def begin_step(self, num_microbatches: int) -> None:
         """Gradients are communicated after this many backward passes through each parameter."""
         self._expected = num_microbatches
+        self.grad_bytes.reset_peak()
         for b in self.buckets:
             b.ready = 0
             b.pending = None
-            if self.zero == 2 and b.grad_buffer is None:
-                b.attach_grads()
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         bucket = self._bucket_of[id(param)]
         bucket.ready += 1
+        if self.zero == 2:
+            return self._gather_grad(bucket, param)
         if bucket.ready == len(bucket.params) * self._expected and not bucket.deferred:
             self._launch(bucket)
+
+    def _gather_grad(self, b: _Bucket, param: torch.Tensor) -> None:
+        """ZeRO-2: move the gradient into its bucket (allocated now if needed); hand a full bucket to the queue."""
+        if b.grad_buffer is None:
+            b.grad_buffer = torch.zeros(b.padded, dtype=b.grad_shard.dtype, device=b.grad_shard.device)
+            self.grad_bytes.add(nbytes(b.grad_buffer))
+        add_to_flat(b.grad_buffer, param, b.offset_of[id(param)])
+        if b.ready % len(b.params) == 0 and not b.deferred:
+            self.queue.push(b, b.grad_buffer)
+            b.grad_buffer = None
 
     def _launch(self, b: _Bucket) -> None:
         if self.zero:
@@ -161,6 +178,8 @@ class DistributedOptimizer:
 
     def finish_backward(self) -> None:
         """Start any bucket not yet started (in bucket order, the same on every rank), wait for all, average."""
+        if self.zero == 2:
+            return self._finish_zero2()
         for p in self.tied:
             self.mesh.embed_group.all_reduce(p.grad)
         for b in self.buckets:
@@ -171,10 +190,23 @@ class DistributedOptimizer:
             b.pending = None
             if self.zero:
                 b.grad_shard.div_(self.dp.size)
-                if self.zero == 2:
-                    b.free_grads()
             else:
                 b.grad_buffer.div_(self.dp.size)
+
+    def _finish_zero2(self) -> None:
+        for b in self.buckets:
+            if b.deferred:  # the tied embedding's bucket: its stages' gradients summed first
+                if b.grad_buffer is None:
+                    b.grad_buffer = torch.zeros(b.padded, dtype=b.grad_shard.dtype, device=b.grad_shard.device)
+                    self.grad_bytes.add(nbytes(b.grad_buffer))
+                for p, offset in zip(b.params, b.offsets):
+                    if getattr(p, "pipeline_tied", False):
+                        self.mesh.embed_group.all_reduce(b.grad_buffer[offset : offset + p.numel()])
+                self.queue.push(b, b.grad_buffer)
+                b.grad_buffer = None
+        self.queue.drain()
+        for b in self.buckets:
+            b.grad_shard.div_(self.dp.size)
 
     def clip_and_step(self, max_norm: float) -> torch.Tensor:
         """Clip by the dense model's gradient norm, take the AdamW step, and (ZeRO) all-gather the parameters.
@@ -195,7 +227,16 @@ class DistributedOptimizer:
         for b in self.buckets:
             if b.grad_buffer is not None:
                 b.grad_buffer.zero_()
+            if self.zero == 2:
+                b.grad_shard.zero_()  # ZeRO-2 adds each micro-batch's reduce-scatter into it
         return norm
+
+    def memory(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients (the most alive at once since `begin_step`) and optimizer
+        state (AdamW moments and, under ZeRO, the fp32 master slices)."""
+        master = sum(nbytes(b.master) for b in self.buckets) if self.zero else 0
+        return {"parameters": self.param_bytes, "gradients": self.grad_bytes.peak,
+                "optimizer": state_bytes(self.optimizer) + master}
 
     # -- checkpoints: moments in the layout of the local (TP-sharded) parameters, whatever the ZeRO stage --
 

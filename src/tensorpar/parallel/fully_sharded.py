@@ -36,15 +36,16 @@ from torch import nn
 
 from tensorpar.errors import TensorparError
 from tensorpar.optim.grad_norm import clip_grad_norm_
-from tensorpar.parallel.shard_pieces import (ReduceScatterQueue, add_to_flat, adamw_step_count, cut_pieces,
-                                             gather_moments, load_moments, slice_bounds, state_bytes)
+from tensorpar.parallel.shard_pieces import (BytesInUse, ReduceScatterQueue, add_to_flat, adamw_step_count,
+                                             cut_pieces, gather_moments, load_moments, nbytes, slice_bounds,
+                                             state_bytes)
 
 
 class _Unit:
     """Parameters gathered and freed together; between uses each holds an empty tensor."""
 
-    def __init__(self, name: str, params: list[nn.Parameter], dp_group, root: bool):
-        self.name, self.params, self.root, self.dp = name, params, root, dp_group
+    def __init__(self, name: str, params: list[nn.Parameter], dp_group, root: bool, gathered: BytesInUse):
+        self.name, self.params, self.root, self.dp, self.gathered = name, params, root, dp_group, gathered
         self.shapes = [p.shape for p in params]
         self.offsets, offset = [], 0
         for p in params:
@@ -72,6 +73,7 @@ class _Unit:
         """Start all-gathering the parameters (nothing if they are gathered or being gathered)."""
         if self.full is None:
             self.full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+            self.gathered.add(nbytes(self.full))
             self._gather = self.dp.all_gather_async(self.full, self.shard)
 
     def wait_gather(self) -> None:
@@ -89,6 +91,7 @@ class _Unit:
             self._gather = None
         for p in self.params:
             p.data = self._empty
+        self.gathered.sub(nbytes(self.full))
         self.full = None
 
 
@@ -108,16 +111,19 @@ class FullyShardedOptimizer:
         if not isinstance(layers, nn.ModuleDict):
             raise TensorparError("ZeRO-3 shards a tensorpar Transformer (its blocks are the units gathered together)")
         in_blocks = {id(p) for p in layers.parameters()}
-        self.units = [_Unit(f"layer {key}", [p for p in block.parameters() if p.requires_grad], self.dp, False)
-                      for key, block in layers.items()]
+        self.gathered_bytes, self.grad_bytes = BytesInUse(), BytesInUse()
+        self.units = [_Unit(f"layer {key}", [p for p in block.parameters() if p.requires_grad], self.dp, False,
+                            self.gathered_bytes) for key, block in layers.items()]
         root_params = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
-        self.root = _Unit("root", root_params, self.dp, True) if root_params else None
+        self.root = _Unit("root", root_params, self.dp, True, self.gathered_bytes) if root_params else None
         self._all = self.units + ([self.root] if self.root else [])
         self._place = {id(p): (u, off) for u in self._all for p, off in zip(u.params, u.offsets)}
         self.tied = [(p, off) for p, off in zip(self.root.params, self.root.offsets)
                      if getattr(p, "pipeline_tied", False)] if self.root else []
         self._pinned = False
-        self.queue = ReduceScatterQueue(self.dp)
+        self.param_bytes = sum(nbytes(u.shard) for u in self._all)
+        self.grad_bytes.add(sum(nbytes(u.grad_shard) for u in self._all))
+        self.queue = ReduceScatterQueue(self.dp, self.grad_bytes)
         self._hooks = []
         for i, block in enumerate(layers.values()):
             self._hooks.append(block.register_forward_pre_hook(functools.partial(self._pre_forward, i)))
@@ -167,6 +173,7 @@ class FullyShardedOptimizer:
         unit, offset = self._place[id(param)]
         if unit.full_grad is None:
             unit.full_grad = torch.zeros(unit.padded, dtype=unit.grad_shard.dtype, device=unit.grad_shard.device)
+            self.grad_bytes.add(nbytes(unit.full_grad))
         add_to_flat(unit.full_grad, param, offset)
         unit.ready += 1
         if unit.ready == len(unit.params) and not unit.root:
@@ -179,6 +186,8 @@ class FullyShardedOptimizer:
     # -- the step ----------------------------------------------------------------------------------------------
 
     def begin_step(self, num_microbatches: int) -> None:
+        self.grad_bytes.reset_peak()
+        self.gathered_bytes.reset_peak()
         for u in self._all:
             u.ready, u.in_backward = 0, False
 
@@ -189,6 +198,7 @@ class FullyShardedOptimizer:
         if root is not None:
             if root.full_grad is None:
                 root.full_grad = torch.zeros(root.padded, dtype=root.grad_shard.dtype, device=root.grad_shard.device)
+                self.grad_bytes.add(nbytes(root.full_grad))
             for p, off in self.tied:
                 self.mesh.embed_group.all_reduce(root.full_grad[off : off + p.numel()])
             self.queue.push(root, root.full_grad)
@@ -241,6 +251,14 @@ class FullyShardedOptimizer:
 
     def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
         load_moments(self._all, self.optimizer, states, step, names)
+
+    def memory(self) -> dict[str, int]:
+        """This rank's bytes of parameter shards, gradients (the most alive at once since `begin_step`: shards and
+        full per-unit gradients in flight), optimizer state (AdamW moments, and fp32 masters of non-fp32
+        shards) and gathered parameters (the most alive at once since `begin_step`)."""
+        master = sum(nbytes(u.master) for u in self._all if u.master is not u.shard)
+        return {"parameters": self.param_bytes, "gradients": self.grad_bytes.peak,
+                "optimizer": state_bytes(self.optimizer) + master, "gathered": self.gathered_bytes.peak}
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (AdamW moments) held by this rank."""

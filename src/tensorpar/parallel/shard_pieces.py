@@ -107,31 +107,56 @@ class ReduceScatterQueue:
     """Gradient reduce-scatters in flight, each summed into its buffer's `grad_shard` when it completes.
 
     A flat gradient buffer is handed over the moment a micro-batch's backward has filled it; the queue starts
-    its reduce-scatter asynchronously and keeps at most `depth` in flight (waiting for the oldest beyond that),
-    so that only a few full-size gradient buffers ever exist at once: the ZeRO-2/3 gradient memory."""
+    its reduce-scatter asynchronously and keeps at most `depth` in flight (waiting for the oldest first),
+    so that only a few full-size gradient buffers ever exist at once: the ZeRO-2/3 gradient memory. With depth 1
+    (the default) one buffer is being reduce-scattered while the next is filled by the backward."""
 
-    def __init__(self, dp_group, depth: int = 2):
-        self.dp, self.depth = dp_group, depth
+    def __init__(self, dp_group, grad_bytes: "BytesInUse", depth: int = 1):
+        self.dp, self.depth, self.grad_bytes = dp_group, depth, grad_bytes
         self._inflight: list = []
 
     def push(self, buffer, full_grad: torch.Tensor) -> None:
-        out = torch.empty(full_grad.numel() // self.dp.size, dtype=full_grad.dtype, device=full_grad.device)
-        self._inflight.append((buffer, out, self.dp.reduce_scatter_async(out, full_grad), full_grad))
-        while len(self._inflight) > self.depth:
+        """Reduce-scatter `full_grad` (counted in `grad_bytes` by the caller) into `buffer.grad_shard`; the queue
+        releases it."""
+        while len(self._inflight) >= self.depth:
             self._complete(self._inflight.pop(0))
+        out = torch.empty(full_grad.numel() // self.dp.size, dtype=full_grad.dtype, device=full_grad.device)
+        self.grad_bytes.add(nbytes(out))
+        self._inflight.append((buffer, out, self.dp.reduce_scatter_async(out, full_grad), full_grad))
 
     def drain(self) -> None:
         while self._inflight:
             self._complete(self._inflight.pop(0))
 
-    @staticmethod
-    def _complete(item) -> None:
-        buffer, out, work, _ = item  # the full gradient is referenced until here: the collective reads it
+    def _complete(self, item) -> None:
+        buffer, out, work, full_grad = item  # the full gradient is referenced until here: the collective reads it
         work.wait()
         buffer.grad_shard.add_(out.to(buffer.grad_shard.dtype))
+        self.grad_bytes.sub(nbytes(out) + nbytes(full_grad))
 
 
 def add_to_flat(flat: torch.Tensor, param: torch.Tensor, offset: int) -> None:
     """Add `param`'s gradient into its place in a flat gradient buffer and drop the parameter's own."""
     flat[offset : offset + param.grad.numel()].add_(param.grad.detach().flatten())
     param.grad = None
+
+
+class BytesInUse:
+    """Bytes of some kind of buffer alive now, and the most alive at once since `reset_peak()`."""
+
+    def __init__(self, now: int = 0):
+        self.now = self.peak = now
+
+    def add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+    def sub(self, nbytes: int) -> None:
+        self.now -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.now
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

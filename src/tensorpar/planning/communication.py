@@ -228,18 +228,22 @@ def step_collectives(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     label_smoothing: bool = False,
     scatter_gather: bool = False,
-    zero2_per_micro_batch: bool = False,
+    zero2_per_micro_batch: bool = True,
+    zero3_reshard_after_forward: bool = True,
 ) -> list[Collective]:
     """Every collective of one training step of one rank (of pipeline stage `stage`).
 
     The model's collectives once per micro-batch, then the data-parallel gradient traffic of
     tensorpar's `DistributedOptimizer` (flat buckets of `bucket_bytes`, filled in reverse
     parameter order; ZeRO pads each bucket to a multiple of dp): zero=0 all-reduces every
-    bucket once per step; zero=1/2 reduce-scatter every bucket once per step and all-gather
-    the updated parameters; zero=3 (not in tensorpar: modelled as ZeRO-3 / FSDP does it)
-    all-gathers the parameters in every micro-batch's forward and backward and reduce-scatters
-    the gradients of every micro-batch. With ``zero2_per_micro_batch`` ZeRO-2 reduce-scatters
-    every micro-batch's gradients (as DeepSpeed does, so that full gradients never persist).
+    bucket once per step; zero=1 reduce-scatters every bucket once per step and all-gathers
+    the updated parameters; zero=2 the same, but reduce-scatters every micro-batch's gradients
+    (``zero2_per_micro_batch``, as tensorpar and DeepSpeed do, so that full gradients never
+    persist; False: once per step). zero=3 (`FullyShardedOptimizer`) all-gathers each block's
+    parameters (padded to dp) in every micro-batch's forward and backward (forward only with
+    ``zero3_reshard_after_forward=False``) and reduce-scatters its gradients after every
+    micro-batch's backward; the root (the stage's other parameters) is gathered and its
+    gradient reduce-scattered once per step.
     Then the gradient-norm scalars (one fp32 all-reduce on DP under ZeRO, on TP, on PP), the
     tied-embedding gradient between the first and last stage, and the trainer's loss average.
     """
@@ -254,9 +258,9 @@ def step_collectives(
         key = (repr(cfg), layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, param_bytes,
                bucket_bytes, layout.replicas if layout.zero else 1)
         if key not in _BUCKET_CACHE:
-            params = local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages)
+            params = params_of(cfg, layout, stage)
             pad = layout.replicas if layout.zero else 1
-            padded = [math.ceil(n / pad) * pad for n in _buckets([n for _, n, _ in params], param_bytes, bucket_bytes)]
+            padded = [math.ceil(n / pad) * pad for n in bucket_sizes([n for _, n, _ in params], param_bytes, bucket_bytes)]
             sizes: dict[int, int] = defaultdict(int)  # bucket elements -> how many buckets of that size
             for n in padded:
                 sizes[n] += 1
@@ -273,9 +277,17 @@ def step_collectives(
             for n, k in sizes.items():
                 out.append(Collective("all_gather", grads, n * param_bytes, k, "step", "updated parameters"))
         else:
-            out.append(Collective("all_gather", grads, total * param_bytes, 2 * m, "forward",
-                                  "ZeRO-3 parameter gathers"))
-            out.append(Collective("reduce_scatter", grads, total * grad_bytes, m, "backward", "ZeRO-3 gradients"))
+            if key + ("zero3",) not in _BUCKET_CACHE:
+                _BUCKET_CACHE[key + ("zero3",)] = zero3_units(params_of(cfg, layout, stage), layout.replicas)
+            root, layers = _BUCKET_CACHE[key + ("zero3",)]
+            gathers = (2 if zero3_reshard_after_forward else 1) * m
+            out.append(Collective("all_gather", grads, root * param_bytes, 1, "forward", "ZeRO-3 root gather"))
+            out.append(Collective("reduce_scatter", grads, root * grad_bytes, 1, "step", "ZeRO-3 root gradients"))
+            for n, k in layers.items():
+                out.append(Collective("all_gather", grads, n * param_bytes, k * gathers, "forward",
+                                      "ZeRO-3 block gathers"))
+                out.append(Collective("reduce_scatter", grads, n * grad_bytes, k * m, "backward",
+                                      "ZeRO-3 block gradients"))
         if layout.zero:
             out.append(Collective("all_reduce", grads, 4, 1, "step", "gradient norm (ZeRO shards)"))
     if layout.tp > 1:
@@ -294,7 +306,26 @@ def step_collectives(
 _BUCKET_CACHE: dict = {}
 
 
-def _buckets(numels: list[int], elem_bytes: int, bucket_bytes: int) -> list[int]:
+def params_of(cfg, layout: Layout, stage: int | None) -> list[tuple[str, int, int]]:
+    return local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages)
+
+
+def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[int, int]]:
+    """ZeRO-3's gather units of a stage's (name, numel, ndim) parameters, each padded to a multiple of dp:
+    (elements of the root unit, {elements of a block unit: how many blocks})."""
+    root, blocks = 0, defaultdict(int)
+    for name, n, _ in params:
+        if name.startswith("layers."):
+            blocks[name.split(".")[1]] += n
+        else:
+            root += n
+    sizes: dict[int, int] = defaultdict(int)
+    for n in blocks.values():
+        sizes[math.ceil(n / dp) * dp] += 1
+    return math.ceil(root / dp) * dp, dict(sizes)
+
+
+def bucket_sizes(numels: list[int], elem_bytes: int, bucket_bytes: int) -> list[int]:
     """Element counts of DistributedOptimizer's buckets: parameters in reverse order, a bucket closed
     as soon as it holds at least `bucket_bytes`."""
     buckets, current, size = [], 0, 0

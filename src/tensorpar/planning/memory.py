@@ -3,12 +3,16 @@
 The bytes per element of each kind of state come from a `Precision` (`tensorpar.planning.precision_recipes`).
 
 ZeRO (Playbook, after Rajbhandari et al.) divides by dp: stage 1 the optimizer states (and
-master weights), stage 2 also the gradients, stage 3 also the parameters. tensorpar's own
-ZeRO-1/2 (`tensorpar.parallel.data_parallel`) keeps an fp32 master slice (4/dp bytes) even though
-its parameters are fp32, and allocates the full gradient buckets at the start of every step, so
-its ZeRO-2 has the same *peak* as ZeRO-1 (the buckets are freed after the reduce-scatter, i.e.
-only between steps); the tensorpar precisions model exactly that. ZeRO-3 is not in tensorpar:
-it is modelled as FSDP does it (1/dp of everything plus two layers' gathered parameters).
+master weights), stage 2 also the gradients, stage 3 also the parameters. The tensorpar
+precisions model tensorpar's own ZeRO exactly (`tensorpar.parallel.data_parallel`,
+`tensorpar.parallel.fully_sharded`; a test compares with the bytes a run counts):
+ZeRO-1/2 keep an fp32 master slice (4/dp bytes) even of fp32 parameters; ZeRO-1 keeps full
+gradient buckets plus the fp32 gradient slice; ZeRO-2 the slice plus the full buffers in flight
+(two adjacent buckets, one being filled and one being reduce-scattered, and one bucket's 1/dp
+result); ZeRO-3 the parameter shards and, as ``transient``, the gathered root (embedding,
+head, final norm: gathered for the whole step) and two blocks (the one computing and the
+prefetched one), gradient shards plus the root's full gradient and two blocks' in flight, and
+no separate master of fp32 parameters (the shard is what AdamW steps).
 
 Activations, two models:
 
@@ -55,8 +59,9 @@ import math
 
 from tensorpar.config.hardware import GiB
 from tensorpar.layers.sharding import padded
+from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
 from tensorpar.planning.layout import Layout, stage_layers
-from tensorpar.planning.params import ParamSummary, parameter_summary
+from tensorpar.planning.params import ParamSummary, local_parameters, parameter_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
 
 OVERHEAD_FIXED_BYTES = int(1.5 * GiB)
@@ -209,13 +214,31 @@ def optimizer_state_bytes(params, precision: Precision, zero: int = 0, dp: int =
     master = precision.master_bytes * numel
     if zero >= 1 and dp > 1:
         states = math.ceil(precision.optimizer_bytes * numel / dp) + 4 * tensors
-        master = math.ceil((precision.master_bytes or precision.zero_master_bytes) * numel / dp)
+        extra_master = precision.zero_master_bytes if zero < 3 else 0  # ZeRO-3 steps its fp32 shards directly
+        master = math.ceil((precision.master_bytes or extra_master) * numel / dp)
     return states + master
 
 
+def zero_gradients_in_flight(cfg, layout: Layout, stage: int, prec: Precision, bucket_bytes: int) -> int:
+    """Bytes of tensorpar's full-size gradient buffers alive at once under ZeRO-2 (two adjacent buckets and one
+    bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' and one block's slice)."""
+    dp = layout.replicas
+    if layout.zero == 3:
+        summary = parameter_summary(cfg, layout.tp, layout.pp, stage)
+        _, _, n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)
+        root = summary.numel - n_layers * summary.per_layer
+        layer = math.ceil(summary.per_layer / dp) * dp
+        return 4 * (root + min(2, n_layers) * layer + layer // dp)
+    params = local_parameters(cfg, layout.tp, layout.pp, stage, layout.virtual_stages)
+    sizes = [math.ceil(n / dp) * dp for n in bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)]
+    pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
+    return 4 * (max(pairs) + max(sizes) // dp)
+
+
 def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
-                 stage: int = 0, flash_attention: bool = True) -> MemoryBreakdown:
-    """Peak memory of one GPU of pipeline rank `stage`."""
+                 stage: int = 0, flash_attention: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> MemoryBreakdown:
+    """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size)."""
     prec = get_precision(precision)
     # ZeRO shards over every replica of the parameters (DP x CP); each rank holds seq_len / cp tokens of a sequence.
     pp, dp, tp = layout.pp, layout.replicas, layout.tp
@@ -234,10 +257,12 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
         grad_mem = math.ceil(grad_mem / dp)
     elif zero >= 1 and prec.zero_master_bytes:
         grad_mem += math.ceil(4 * numel / dp)  # tensorpar's fp32 gradient slice next to the full buckets
+    if zero >= 2 and prec.zero_buffers_in_flight:
+        grad_mem += zero_gradients_in_flight(cfg, layout, stage if pp > 1 else 0, prec, bucket_bytes)
     if zero == 3:
-        grad_mem = math.ceil(prec.grad_bytes * numel / dp)
         param_mem = math.ceil(param_mem / dp)
-        transient += 2 * layer_params * prec.param_bytes  # the layer being computed and the prefetched one
+        # Gathered: the layer being computed and the prefetched one, and the root (embedding, head) for the step.
+        transient += (2 * layer_params + numel - n_layers * layer_params) * prec.param_bytes
     opt_mem = optimizer_state_bytes(summary, prec, zero, dp)
 
     # Activations: per layer x layers per chunk x chunk-forwards in flight, plus the stage's ends.

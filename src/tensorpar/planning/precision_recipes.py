@@ -39,15 +39,16 @@ class Precision:
     act_bytes: int  # residual stream, norm inputs, hidden states between stages
     matmul_bytes: int  # matmul inputs / outputs
     autocast: bool  # bf16 copies of weights saved for backward
-    zero_master_bytes: int = 0  # tensorpar's ZeRO keeps an fp32 master slice even of fp32 parameters
-    zero2_full_grads_at_peak: bool = False  # tensorpar's ZeRO-2 holds full gradient buckets during backward
+    zero_master_bytes: int = 0  # tensorpar's ZeRO-1/2 keeps an fp32 master slice even of fp32 parameters
+    zero2_full_grads_at_peak: bool = False  # a ZeRO-2 that holds full gradient buckets during backward
+    zero_buffers_in_flight: bool = False  # count tensorpar's ZeRO-2/3 full gradient buffers in flight
     description: str = ""
 
 
 PRECISIONS: dict[str, Precision] = {
-    "tensorpar-bf16": Precision("tensorpar-bf16", "bf16", 4, 4, 0, 8, "tensorpar", 4, 2, True, 4, True,
+    "tensorpar-bf16": Precision("tensorpar-bf16", "bf16", 4, 4, 0, 8, "tensorpar", 4, 2, True, 4, False, True,
                                 "tensorpar --dtype bf16: bf16 autocast over fp32 parameters, fp32 gradients and AdamW"),
-    "tensorpar-fp32": Precision("tensorpar-fp32", "fp32", 4, 4, 0, 8, "tensorpar", 4, 4, False, 4, True,
+    "tensorpar-fp32": Precision("tensorpar-fp32", "fp32", 4, 4, 0, 8, "tensorpar", 4, 4, False, 4, False, True,
                                 "tensorpar --dtype fp32"),
     "mixed-bf16": Precision("mixed-bf16", "bf16", 2, 2, 4, 8, "playbook", 2, 2, False,
                             description="Playbook / Megatron-style: bf16 parameters and gradients, "

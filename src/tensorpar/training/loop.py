@@ -23,6 +23,7 @@ from tensorpar.layers.dropout import mix_seed
 from tensorpar.models.flops import train_flops_per_token
 from tensorpar.optim.lr_schedule import lr_at, set_lr
 from tensorpar.training.evaluate import evaluate
+from tensorpar.training.memory import step_memory
 from tensorpar.training.metrics import MetricsWriter
 from tensorpar.training.session import Session
 
@@ -41,14 +42,15 @@ def train_step(s: Session, step: int) -> dict:
 
     step_loss = torch.zeros((), device=device)
     s.optimizer.begin_step(len(batches))
-    if s.runner is not None:
-        step_loss += s.runner.train_step(batches, seed_of)
-    else:
-        for i, batch in enumerate(batches):
-            with s.autocast():
-                loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i))
-            (loss / len(batches)).backward()
-            step_loss += loss.detach().float() / len(batches)
+    with s.activations.measuring(s.model):
+        if s.runner is not None:
+            step_loss += s.runner.train_step(batches, seed_of)
+        else:
+            for i, batch in enumerate(batches):
+                with s.autocast():
+                    loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i))
+                (loss / len(batches)).backward()
+                step_loss += loss.detach().float() / len(batches)
     s.optimizer.finish_backward()
     grad_norm = s.optimizer.clip_and_step(o.grad_clip)
     mesh.dp_group.all_reduce(step_loss)
@@ -56,7 +58,7 @@ def train_step(s: Session, step: int) -> dict:
     if not math.isfinite(loss):
         raise TensorparError(f"loss became {loss} at step {step + 1}; try a lower --lr or --grad-clip")
     return {"step": step + 1, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
-            "step_time_s": time.perf_counter() - t0}
+            "step_time_s": time.perf_counter() - t0, "memory_mib": step_memory(s.optimizer, s.activations, device)}
 
 
 def validation_loss(s: Session) -> float:
@@ -79,6 +81,7 @@ class LoopResult:
     seconds: float
     stop_signal: int | None = None  # the signal that stopped the run before its last step
     stop_checkpoint: str | None = None  # what the stop saved
+    peak_memory_mib: dict = dataclasses.field(default_factory=dict)  # this rank's, by kind, over the steps run
 
 
 def step_loop(s: Session) -> LoopResult:
@@ -111,6 +114,8 @@ def step_loop(s: Session) -> LoopResult:
         last = step == end - 1
         if s.val_windows is not None and _due(step + 1, o.val_every, last):
             record["val_loss"] = validation_loss(s)
+        for kind, mib in record["memory_mib"].items():
+            result.peak_memory_mib[kind] = max(mib, result.peak_memory_mib.get(kind, 0.0))
         records.append(record)
         metrics.write(record)
         if o.save and _due(step + 1, o.save_every, last):

@@ -20,6 +20,7 @@ from tensorpar.optim.precision import autocast
 from tensorpar.parallel.data_parallel import DistributedOptimizer
 from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
 from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
+from tensorpar.training.memory import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
 from tensorpar.training.validate import PreparedRun
@@ -47,6 +48,7 @@ class Session:
     peak_flops: tuple[float, str]  # one rank's peak FLOP/s for MFU, and where the figure comes from
     stop: GracefulStop | None = None  # stop signals, when the caller handles them (the command line does)
     run_id: str = ""  # the run's checkpoints carry it: rotation deletes only this run's
+    activations: ActivationMeter = dataclasses.field(default_factory=ActivationMeter)
 
     @property
     def options(self):
@@ -105,7 +107,8 @@ def build_optimizer(model, mesh: Mesh, o) -> DistributedOptimizer | FullySharded
     if o.zero == 3:
         return FullyShardedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay,
                                      reshard_after_forward=o.zero3_reshard_after_forward)
-    return DistributedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay, zero=o.zero)
+    return DistributedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay, zero=o.zero,
+                                bucket_bytes=int(o.bucket_mb * 2**20))
 
 
 def resume(run: PreparedRun, model, optimizer, mesh: Mesh) -> int:

@@ -74,6 +74,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
         "history": records,
         "comm": comm,
         "optimizer_state_bytes": s.optimizer.state_bytes(),
+        "memory_mib_per_rank": mesh.world_group.all_gather_object(result.peak_memory_mib),
         "pipeline_timeline": runner.timeline if runner is not None else None,
         "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
     }

@@ -94,6 +94,8 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
             raise TensorparError(f"checkpoint '{o.resume}' is at step {resume_meta['step']} and --steps is "
                                  f"{o.steps}: nothing left to train (--steps is the total step count)")
     _check_save_folder(o)
+    if o.bucket_mb <= 0:
+        raise TensorparError(f"--bucket-mb must be positive, got {o.bucket_mb}")
     if o.save_every and not o.save:
         raise TensorparError("--save-every needs --save DIR")
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:

@@ -1,0 +1,72 @@
+"""Measured memory per rank: parameters, gradients, optimizer state, gathered parameters and activations.
+
+The first four come from the optimizer, which owns those buffers and counts them as it allocates and frees
+them (`DistributedOptimizer.memory`, `FullyShardedOptimizer.memory`): exact on any device. Activations are
+what autograd keeps for the backward pass: on every device, the storages of the tensors it saves (each
+storage once, parameters excluded) from when they are saved until autograd lets them go; the most alive at
+once during the step is the peak. Recomputed blocks keep their own saved tensors out of sight
+(torch.utils.checkpoint installs its own hooks): there only the block's inputs and, during the backward,
+one recomputed block count. On a GPU the allocator's peak for the step is reported too (`allocated`),
+which also holds what no ledger sees: temporaries, communication buffers, the allocator's rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from tensorpar.parallel.shard_pieces import BytesInUse
+
+MiB = 2**20
+
+
+class ActivationMeter:
+    """Bytes of tensors saved for backward alive at once; use `measuring()` around the forward and backward."""
+
+    def __init__(self):
+        self.bytes = BytesInUse()
+        self._live: dict[int, list[int]] = {}  # storage id -> [bytes, saved tensors referring to it]
+        self._params: set[int] = set()
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):  # a weight or its view
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._params or storage.nbytes() == 0:
+            return t
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [storage.nbytes(), 0]
+            self.bytes.add(entry[0])
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+        return t
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.bytes.sub(entry[0])
+                del self._live[key]
+
+    @contextlib.contextmanager
+    def measuring(self, model):
+        """Count what autograd saves inside; the peak restarts at entry."""
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
+        self.bytes.reset_peak()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+
+
+def step_memory(optimizer, activations: ActivationMeter, device: torch.device) -> dict[str, float]:
+    """This rank's peak memory of the step just taken, in MiB, by kind."""
+    out = {k: v / MiB for k, v in optimizer.memory().items()}
+    out["activations"] = activations.bytes.peak / MiB
+    if device.type == "cuda":
+        out["allocated"] = torch.cuda.max_memory_allocated(device) / MiB
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
