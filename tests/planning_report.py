@@ -80,17 +80,17 @@ def _report() -> None:  # pragma: no cover - run as a script
         print("| tp | model | SP | recompute | dtype | predicted | measured | method | error "
               "| Playbook formula (bf16) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-        for tp, config, sp, rc, bf16 in ACTIVATION_CASES:
+        for tp, config, sp, rc, dtype in ACTIVATION_CASES:
             cfg = CONFIGS[config]
             mb = memory.stage_memory(cfg, Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=rc), 32, 2,
-                                     "tensorpar-bf16" if bf16 else "tensorpar-fp32")
+                                     f"tensorpar-{dtype}")
             pred = mb.activations + mb.weight_copies
             method = "hooks" if rc == "none" else "live"
-            args = (tp, config, sp, rc, bf16, method)
+            args = (tp, config, sp, rc, dtype, method)
             got = check_activations(*args) if tp == 1 else pools(WORLD).run(check_activations, *args)[0]
             pb = memory.stage_memory(cfg, Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=rc), 32, 2,
                                      "mixed-bf16").activations
-            print(f"| {tp} | {config} | {'on' if sp else 'off'} | {rc} | {'bf16' if bf16 else 'fp32'} | {pred:,} | "
+            print(f"| {tp} | {config} | {'on' if sp else 'off'} | {rc} | {dtype} | {pred:,} | "
                   f"{got:,} | {method} | {100 * (pred - got) / got:+.3f}% | {pb:,} |")
     finally:
         pools.close()

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from tensorpar.cli import ArgumentParser, build_parser, main
-from tensorpar.config.choices import DTYPES, PIPELINE_SCHEDULES, RECOMPUTE_MODES
+from tensorpar.config.choices import DTYPES, PIPELINE_SCHEDULES, RECOMPUTE_MODES, TRAIN_DTYPES
 from tensorpar.config.fields import (
     add_options,
     changed_options,
@@ -47,12 +47,13 @@ def test_flags_follow_the_fields():
 
 def test_choices_come_from_one_place():
     specs = {s.name: s for s in cli_specs(TrainOptions)}
-    assert specs["dtype"].meta["choices"] == DTYPES
+    assert specs["dtype"].meta["choices"] == TRAIN_DTYPES
+    assert {s.name: s for s in cli_specs(EvalOptions)}["dtype"].meta["choices"] == DTYPES
     assert specs["recompute"].meta["choices"] == RECOMPUTE_MODES
     assert specs["schedule"].meta["choices"] == PIPELINE_SCHEDULES
     assert {s.name: s for s in cli_specs(PlanOptions)}["recompute"].meta["choices"] == RECOMPUTE_MODES
-    with pytest.raises(TensorparError, match="--dtype must be one of fp32, bf16; got 'fp16'"):
-        check_choices(TrainOptions(dtype="fp16"))
+    with pytest.raises(TensorparError, match="--dtype must be one of fp32, bf16, fp16; got 'fp8'"):
+        check_choices(TrainOptions(dtype="fp8"))
 
 
 def test_toml_round_trip_and_flags_override(tmp_path):
@@ -82,7 +83,7 @@ def test_config_file_keys_may_be_written_like_flags(tmp_path):
     ("tp = \"two\"\n", "tp = \"two\" should be an integer"),
     ("tp = true\n", "tp = true should be an integer"),
     ("lr = \"fast\"\n", "lr = \"fast\" should be a number"),
-    ("dtype = \"fp16\"\n", "dtype = \"fp16\" is not one of: fp32, bf16"),
+    ("dtype = \"fp8\"\n", "dtype = \"fp8\" is not one of: fp32, bf16, fp16"),
     ("sequence_parallel = 1\n", "sequence_parallel = 1 should be true or false"),
     ("[train]\ntp = 2\n", "[train] is a table"),
     ("tp = \n", "is not valid TOML"),
@@ -120,12 +121,12 @@ def test_changed_options_names_what_differs():
 
 def test_usage_errors_are_one_line(capsys):
     assert main(["train", "--tp", "x"]) == 2
-    assert main(["train", "--dtype", "fp16"]) == 2
+    assert main(["train", "--dtype", "fp8"]) == 2
     assert main(["bogus"]) == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 3 and all(ln.startswith("tensorpar: error:") for ln in lines), lines
     assert "argument --tp: takes a whole number, got 'x'" in lines[0] and "tensorpar train --help" in lines[0]
-    assert "invalid choice: 'fp16'" in lines[1]
+    assert "invalid choice: 'fp8'" in lines[1]
 
 
 def test_every_command_parses_its_help():

@@ -23,15 +23,18 @@ def check_lm_head(tp, vocab, label_smoothing, bias=False, sequence_parallel=Fals
     targets = torch.randint(0, vocab, (B, S))
     targets[0, :3] = -100  # ignored positions
     targets[1, 0] = vocab - 1  # the last real row, next to the padding
+    head = VocabParallelLMHead.from_dense(dense, m, sequence_parallel=sequence_parallel)
+    # The reference in float64: the exact answer, so that the comparison measures the parallel head's fp32
+    # rounding alone (an fp32 reference adds its own, which at 50257 classes is as large as the head's).
+    dense, h = dense.double(), h.detach().double().requires_grad_()
     loss = F.cross_entropy(dense(h).flatten(0, 1), targets.flatten(), label_smoothing=label_smoothing)
     loss.backward()
 
-    head = VocabParallelLMHead.from_dense(dense, m, sequence_parallel=sequence_parallel)
     if sequence_parallel:
-        h_local = h.detach().chunk(tp, 1)[g.rank].clone().requires_grad_()
+        h_local = h.detach().float().chunk(tp, 1)[g.rank].clone().requires_grad_()
         h_grad_expected = h.grad.chunk(tp, 1)[g.rank]
     else:
-        h_local = h.detach().clone().requires_grad_()
+        h_local = h.detach().float().clone().requires_grad_()
         h_grad_expected = h.grad
     logits = head(h_local)
     local_loss = vocab_parallel_cross_entropy(logits, targets, m, label_smoothing=label_smoothing,

@@ -103,7 +103,8 @@ def measure_saved_bytes(model, ids, targets, bf16: bool, method: str) -> int:
     return sum(n for k, (ref, n) in mode.storages.items() if not ref.expired() and k not in params and k != keep)
 
 
-def check_activations(tp, config, sp, recompute, bf16, method):
+def check_activations(tp, config, sp, recompute, dtype, method):
+    """`dtype`: "fp32", "bf16" (parameters cast, as training does) or "bf16-autocast" (as eval does)."""
     from tensorpar.models import Transformer
 
     cfg = CONFIGS[config]
@@ -113,25 +114,29 @@ def check_activations(tp, config, sp, recompute, bf16, method):
     ids = torch.randint(0, cfg.vocab_size, (B, S))
     targets = torch.randint(0, cfg.vocab_size, (B, S))
     model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1)
+    if dtype == "bf16":
+        for p in model.parameters():
+            p.data = p.data.bfloat16()
     model.train()
-    return measure_saved_bytes(model, ids, targets, bf16, method)
+    return measure_saved_bytes(model, ids, targets, dtype == "bf16-autocast", method)
 
 
-ACTIVATION_CASES = [(1, c, False, rc, bf16) for c in ("tiny", "tiny-gpt2") for rc in ("none", "selective", "full")
-                    for bf16 in (False, True)] + [
-    (2, "tiny", True, "none", False), (2, "tiny", True, "none", True), (2, "tiny", False, "selective", True),
-    (2, "tiny-gpt2", True, "full", False), (2, "tiny-gpt2", False, "none", True)]
+ACTIVATION_CASES = [(1, c, False, rc, dtype) for c in ("tiny", "tiny-gpt2") for rc in ("none", "selective", "full")
+                    for dtype in ("fp32", "bf16-autocast", "bf16")] + [
+    (2, "tiny", True, "none", "fp32"), (2, "tiny", True, "none", "bf16-autocast"),
+    (2, "tiny", False, "selective", "bf16-autocast"), (2, "tiny-gpt2", True, "full", "fp32"),
+    (2, "tiny-gpt2", False, "none", "bf16-autocast"), (2, "tiny", True, "none", "bf16")]
 
 
-@pytest.mark.parametrize("tp,config,sp,recompute,bf16", ACTIVATION_CASES)
-def test_activation_memory_matches_saved_tensors(pools, tp, config, sp, recompute, bf16):
+@pytest.mark.parametrize("tp,config,sp,recompute,dtype", ACTIVATION_CASES)
+def test_activation_memory_matches_saved_tensors(pools, tp, config, sp, recompute, dtype):
     cfg = CONFIGS[config]
-    prec = "tensorpar-bf16" if bf16 else "tensorpar-fp32"
+    prec = f"tensorpar-{dtype}"
     mb = memory.stage_memory(cfg, Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=recompute),
                              32, 2, prec)
     predicted = mb.activations + mb.weight_copies
     method = "hooks" if recompute == "none" else "live"
-    args = (tp, config, sp, recompute, bf16, method)
+    args = (tp, config, sp, recompute, dtype, method)
     measured = [check_activations(*args)] if tp == 1 else pools(WORLD).run(check_activations, *args)
     for rank, got in enumerate(measured):
         assert abs(predicted - got) <= 0.10 * got, f"rank {rank}: predicted {predicted} vs measured {got}"

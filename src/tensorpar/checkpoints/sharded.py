@@ -81,7 +81,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
             for name, p in params.items():
                 if getattr(p, "pipeline_duplicate", False):
                     continue  # the first stage saves the tied embedding
-                tensors[f"param/{name}"] = p.detach().contiguous().cpu()
+                # bf16/fp16 training saves its fp32 master weights: a resume continues exactly
+                tensors[f"param/{name}"] = moments[name].get("master", p.detach()).contiguous().cpu()
                 for kind in ("exp_avg", "exp_avg_sq"):
                     tensors[f"{kind}/{name}"] = moments[name][kind].contiguous().cpu()
             file_name = shard_file_name(mesh.tp_rank, mesh.pp_rank)
@@ -314,9 +315,10 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
         for name, p in params.items():
             spec = shard_spec(p)
             p.copy_(shard_tensor(reader.dense(name), spec, tp.rank, tp.size))
-            if optimizer is not None:
+            if optimizer is not None:  # the moments, and the fp32 weights for the masters of bf16/fp16 training
                 moments[name] = {k: shard_tensor(reader.dense(name, k), spec, tp.rank, tp.size)
                                  for k in ("exp_avg", "exp_avg_sq")}
+                moments[name]["master"] = shard_tensor(reader.dense(name).float(), spec, tp.rank, tp.size)
         if optimizer is not None:
             optimizer.reload_parameters()
     if optimizer is not None:

@@ -3,8 +3,8 @@
 Layout mode (the default)::
 
     tensorpar plan --model llama-8b --gpus 16 --gpu h100-80gb --seq-len 4096 --global-batch-size 256
-                   [--top K] [--json] [--png PATH] [--precision tensorpar-bf16|tensorpar-fp32|mixed-bf16|
-                   megatron-bf16] [--gpus-per-node 8] [--intra-bandwidth GB/s] [--inter-bandwidth GB/s]
+                   [--top K] [--json] [--png PATH] [--precision tensorpar-bf16|tensorpar-fp16|
+                   tensorpar-bf16-autocast|tensorpar-fp32|mixed-bf16|megatron-bf16] [--gpus-per-node 8] [--intra-bandwidth GB/s] [--inter-bandwidth GB/s]
                    [--intra-latency us] [--inter-latency us] [--memory-gib G] [--peak-tflops T]
                    [--mfu-ceiling F] [--overlap F] [--tp T] [--pp P] [--virtual-stages V]
                    [--zero 0 1 ..] [--recompute none ..] [--sequence-parallel both|on|off]

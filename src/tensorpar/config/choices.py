@@ -1,12 +1,15 @@
 """The choices the commands offer, written once: every flag, check and error message reads them from here."""
 
-DTYPES = ("fp32", "bf16")  # training and inference precision (--dtype)
+DTYPES = ("fp32", "bf16")  # evaluation and generation precision (--dtype; bf16: autocast over fp32 weights)
+TRAIN_DTYPES = ("fp32", "bf16", "fp16")  # training precision (--dtype; bf16/fp16 parameters, fp32 master weights)
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the dtype gradients are accumulated and reduced in (--grad-reduce-dtype)
 RECOMPUTE_MODES = ("none", "selective", "full")  # activation recomputation (--recompute)
 PIPELINE_SCHEDULES = ("afab", "1f1b", "interleaved")  # --schedule
 ZERO_STAGES = (0, 1, 2, 3)  # what training runs (--zero)
 PLANNED_ZERO_STAGES = (0, 1, 2, 3)  # what the planner models
 BIN_DTYPES = ("uint16", "int32")  # raw token files (--bin-dtype)
-PLAN_PRECISIONS = ("tensorpar-bf16", "tensorpar-fp32", "mixed-bf16", "megatron-bf16")  # plan --precision
+PLAN_PRECISIONS = ("tensorpar-bf16", "tensorpar-fp16", "tensorpar-bf16-autocast", "tensorpar-fp32", "mixed-bf16",
+                   "megatron-bf16")  # plan --precision
 SEQUENCE_PARALLEL_SEARCH = ("both", "on", "off")  # plan --sequence-parallel
 CP_IMPLS = ("ring", "allgather")  # context-parallel attention (--cp-impl)
 CP_SPLITS = ("zigzag", "contiguous")  # how the sequence's chunks are dealt to the CP ranks (--cp-split)

@@ -15,11 +15,13 @@ from tensorpar.config.choices import (
     CP_IMPLS,
     CP_SPLITS,
     DTYPES,
+    GRAD_REDUCE_DTYPES,
     PIPELINE_SCHEDULES,
     PLAN_PRECISIONS,
     PLANNED_ZERO_STAGES,
     RECOMPUTE_MODES,
     SEQUENCE_PARALLEL_SEARCH,
+    TRAIN_DTYPES,
     ZERO_STAGES,
 )
 from tensorpar.config.fields import option
@@ -66,7 +68,14 @@ class TrainOptions(LaunchOptions):
     schedule: str = option("1f1b", "pipeline schedule when --pp > 1", choices=PIPELINE_SCHEDULES, group=LAYOUT)
     virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved)", group=LAYOUT)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE_MODES, group=LAYOUT)
-    dtype: str = option("fp32", "fp32, or bf16 autocast over fp32 weights", choices=DTYPES, group=LAYOUT)
+    dtype: str = option("fp32", "bf16/fp16: parameters, activations and gradients in bf16/fp16 with fp32 master "
+                                "weights in the optimizer (fp16 with dynamic loss scaling)", choices=TRAIN_DTYPES,
+                        group=LAYOUT)
+    grad_reduce_dtype: str = option("fp32", "bf16/fp16 training: accumulate and reduce gradients in this dtype",
+                                    choices=GRAD_REDUCE_DTYPES, group=LAYOUT)
+    loss_scale: float = option(2.0**16, "fp16: the initial dynamic loss scale", group="optimization")
+    loss_scale_window: int = option(1000, "fp16: double the loss scale after this many steps without overflow",
+                                    group="optimization")
     cp_impl: str = option("ring", "context-parallel attention: K/V passed round a ring, or all-gathered",
                           choices=CP_IMPLS, group=LAYOUT)
     cp_split: str = option("zigzag", "how the 2 x cp chunks of a sequence are dealt to the CP ranks (zigzag "

@@ -79,3 +79,15 @@ def clip_grad_norm_(
         if p.grad is not None:
             p.grad.detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
     return norm
+
+
+def unscale_and_clip(params: list[torch.Tensor], max_norm: float, mesh, sharded_over_dp: bool, scaler=None):
+    """The optimizer step's gradient work: divide by the loss scale (fp16: `scaler`, a DynamicLossScaler), take the
+    dense norm and clip. Returns (the norm, whether to skip the step): skip when the gradients overflowed (the
+    scaler has then backed off; every rank decides alike, from the same global norm)."""
+    if scaler is not None:
+        for p in params:
+            if p.grad is not None:
+                p.grad.detach().div_(scaler.scale)
+    norm = clip_grad_norm_(params, max_norm, mesh, sharded_over_dp)
+    return norm, scaler is not None and scaler.update(norm.item())

@@ -1,7 +1,13 @@
-"""Precision of the forward and backward pass.
+"""Precision of training, evaluation and generation.
 
-``fp32``: everything in fp32. ``bf16``: the matmuls and attention run in bf16 under
-torch.autocast, while the weights, gradients, their reductions and the optimizer stay fp32.
+Training (`--dtype`): ``fp32`` everything in fp32. ``bf16`` and ``fp16``: the parameters, activations and
+gradients are bf16 (fp16); the optimizer keeps an fp32 master copy of the parameters (sharded under ZeRO)
+and steps it, gradients are accumulated and reduced in fp32 (``--grad-reduce-dtype bf16``: in bf16, half the
+traffic) and the loss, softmax and norms compute in fp32. fp16 adds dynamic loss scaling
+(`tensorpar.optim.loss_scaler`).
+
+Evaluation and generation load fp32 weights; their ``bf16`` runs the matmuls and attention in bf16 under
+torch.autocast.
 """
 
 from __future__ import annotations
@@ -9,6 +15,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def param_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of the parameters under training precision `dtype`."""
+    return PARAM_DTYPES[dtype]
 
 
 def autocast(device: torch.device, dtype: str):

@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from tensorpar.config.choices import ZERO_STAGES
+from tensorpar.distributed.comm import Group
 from tensorpar.errors import TensorparError
 from tensorpar.optim.adamw import takes_weight_decay
-from tensorpar.optim.grad_norm import clip_grad_norm_
+from tensorpar.optim.grad_norm import unscale_and_clip
 from tensorpar.parallel.shard_pieces import (MOMENTS, BytesInUse, ReduceScatterQueue, adamw_step_count, add_to_flat,
                                              cut_pieces, gather_moments, load_moments, nbytes, slice_bounds,
                                              state_bytes)
@@ -83,7 +84,8 @@ class DistributedOptimizer:
     """
 
     def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, zero: int = 0, bucket_bytes: int | float = DEFAULT_BUCKET_BYTES):
+                 eps: float = 1e-8, zero: int = 0, bucket_bytes: int | float = DEFAULT_BUCKET_BYTES,
+                 reduce_dtype: torch.dtype = torch.float32):
         if zero not in ZERO_STAGES or zero == 3:
             raise TensorparError(f"DistributedOptimizer runs ZeRO 0, 1 or 2, got {zero} (ZeRO-3: FullyShardedOptimizer)")
         # Gradients are averaged (ZeRO: sharded) over every rank that holds the same parameters and saw other
@@ -93,6 +95,10 @@ class DistributedOptimizer:
         if not params:
             raise TensorparError("DistributedOptimizer: the model has no trainable parameters")
         device = params[0].device
+        # bf16/fp16 parameters: gradients move into flat buffers of `reduce_dtype` (fp32 by default) as they arrive,
+        # are accumulated and reduced there, and AdamW steps fp32 master copies (whole ones under ZeRO-0).
+        self.mixed = params[0].dtype != torch.float32
+        self.reduce_dtype = reduce_dtype if self.mixed else torch.float32
         pad_to = self.dp.size if zero else 1
         self.buckets: list[_Bucket] = []
         current, size = [], 0
@@ -117,11 +123,14 @@ class DistributedOptimizer:
         self.queue = ReduceScatterQueue(self.dp, self.grad_bytes)
         if zero < 2:  # the gradients live in the buckets for good
             for b in self.buckets:
-                b.attach_grads()
+                if self.mixed:
+                    b.grad_buffer = torch.zeros(b.padded, dtype=self.reduce_dtype, device=device)
+                else:
+                    b.attach_grads()
                 self.grad_bytes.add(nbytes(b.grad_buffer))
 
         groups = [{"params": [], "weight_decay": weight_decay}, {"params": [], "weight_decay": 0.0}]
-        if zero:
+        if zero or self.mixed:
             self._build_master_slices(groups)
         else:
             for p in params:
@@ -134,11 +143,16 @@ class DistributedOptimizer:
         """For each bucket, this rank's 1/dp slice: an fp32 master copy, its gradient slice, and one optimizer
         parameter per piece of an original parameter it covers."""
         self.slices: list[nn.Parameter] = []
+        self._slice_group = self.dp if self.zero else Group.single("dp")  # ZeRO-0: a master of the whole bucket
+        rank, size = self._slice_group.rank, self._slice_group.size
         for b in self.buckets:
-            lo_b, hi_b = slice_bounds(b.padded, self.dp.rank, self.dp.size)
+            lo_b, hi_b = slice_bounds(b.padded, rank, size)
             b.master = b.param_buffer[lo_b:hi_b].detach().clone().float()
-            b.grad_shard = torch.zeros_like(b.master)
-            self.grad_bytes.add(nbytes(b.grad_shard))
+            if self.zero == 0 and b.grad_buffer.dtype == torch.float32:
+                b.grad_shard = b.grad_buffer  # the all-reduced fp32 buffer is the master's gradient
+            else:
+                b.grad_shard = torch.zeros_like(b.master)
+                self.grad_bytes.add(nbytes(b.grad_shard))
             b.pieces = cut_pieces(b.params, [p.shape for p in b.params], b.offsets, lo_b, hi_b, b.master, b.grad_shard, groups)
             self.slices += [piece.opt_param for piece in b.pieces]
 
@@ -157,13 +171,15 @@ class DistributedOptimizer:
         bucket.ready += 1
         if self.zero == 2:
             return self._gather_grad(bucket, param)
+        if self.mixed:
+            add_to_flat(bucket.grad_buffer, param, bucket.offset_of[id(param)])
         if bucket.ready == len(bucket.params) * self._expected and not bucket.deferred:
             self._launch(bucket)
 
     def _gather_grad(self, b: _Bucket, param: torch.Tensor) -> None:
         """ZeRO-2: move the gradient into its bucket (allocated now if needed); hand a full bucket to the queue."""
         if b.grad_buffer is None:
-            b.grad_buffer = torch.zeros(b.padded, dtype=b.grad_shard.dtype, device=b.grad_shard.device)
+            b.grad_buffer = torch.zeros(b.padded, dtype=self.reduce_dtype, device=b.grad_shard.device)
             self.grad_bytes.add(nbytes(b.grad_buffer))
         add_to_flat(b.grad_buffer, param, b.offset_of[id(param)])
         if b.ready % len(b.params) == 0 and not b.deferred:
@@ -172,7 +188,10 @@ class DistributedOptimizer:
 
     def _launch(self, b: _Bucket) -> None:
         if self.zero:
-            b.pending = self.dp.reduce_scatter_async(b.grad_shard, b.grad_buffer)
+            b.rs_out = b.grad_shard
+            if b.grad_buffer.dtype != b.grad_shard.dtype:  # reduced in bf16: into a bf16 slice, then widened
+                b.rs_out = torch.empty(b.grad_shard.numel(), dtype=b.grad_buffer.dtype, device=b.grad_buffer.device)
+            b.pending = self.dp.reduce_scatter_async(b.rs_out, b.grad_buffer)
         else:
             b.pending = self.dp.all_reduce_async(b.grad_buffer)
 
@@ -181,7 +200,8 @@ class DistributedOptimizer:
         if self.zero == 2:
             return self._finish_zero2()
         for p in self.tied:
-            self.mesh.embed_group.all_reduce(p.grad)
+            b = self._bucket_of[id(p)]
+            self.mesh.embed_group.all_reduce(b.grad_buffer[b.offset_of[id(p)] : b.offset_of[id(p)] + p.numel()])
         for b in self.buckets:
             if b.pending is None:
                 self._launch(b)
@@ -189,7 +209,11 @@ class DistributedOptimizer:
             b.pending.wait()
             b.pending = None
             if self.zero:
+                if b.rs_out is not b.grad_shard:
+                    b.grad_shard.copy_(b.rs_out)
                 b.grad_shard.div_(self.dp.size)
+            elif self.mixed and b.grad_shard is not b.grad_buffer:
+                b.grad_shard.copy_(b.grad_buffer).div_(self.dp.size)
             else:
                 b.grad_buffer.div_(self.dp.size)
 
@@ -208,22 +232,24 @@ class DistributedOptimizer:
         for b in self.buckets:
             b.grad_shard.div_(self.dp.size)
 
-    def clip_and_step(self, max_norm: float) -> torch.Tensor:
+    def clip_and_step(self, max_norm: float, scaler=None) -> torch.Tensor:
         """Clip by the dense model's gradient norm, take the AdamW step, and (ZeRO) all-gather the parameters.
-        Returns the norm before clipping."""
-        if self.zero:
-            norm = clip_grad_norm_(self.slices, max_norm, self.mesh, sharded_over_dp=True)
+        With a `DynamicLossScaler` (fp16) the gradients are first divided by its scale, and a step whose gradients
+        overflowed is skipped. Returns the norm before clipping."""
+        params = self.slices if (self.zero or self.mixed) else [p for b in self.buckets for p in b.params]
+        norm, skip = unscale_and_clip(params, max_norm, self.mesh, bool(self.zero), scaler)
+        if not skip:
             self.optimizer.step()
-            pending = []
-            for b in self.buckets:
-                shard = b.master.to(b.param_buffer.dtype)
-                pending.append((self.dp.all_gather_async(b.param_buffer, shard), shard))
-            for work, _ in pending:
-                work.wait()
-        else:
-            params = [p for b in self.buckets for p in b.params]
-            norm = clip_grad_norm_(params, max_norm, self.mesh)
-            self.optimizer.step()
+            if self.zero:
+                pending = []
+                for b in self.buckets:
+                    shard = b.master.to(b.param_buffer.dtype)
+                    pending.append((self.dp.all_gather_async(b.param_buffer, shard), shard))
+                for work, _ in pending:
+                    work.wait()
+            elif self.mixed:
+                for b in self.buckets:
+                    b.param_buffer.copy_(b.master)
         for b in self.buckets:
             if b.grad_buffer is not None:
                 b.grad_buffer.zero_()
@@ -248,8 +274,8 @@ class DistributedOptimizer:
         """({parameter name: {"exp_avg", "exp_avg_sq"}} for this rank's local parameters, AdamW step count).
         With ZeRO the moments are all-gathered over DP (a collective: call on every rank)."""
         step = adamw_step_count(self.optimizer)
-        if self.zero:
-            return gather_moments(self.buckets, self.optimizer, self.dp, names), step
+        if self.zero or self.mixed:
+            return gather_moments(self.buckets, self.optimizer, self._slice_group, names, with_master=self.mixed), step
         out = {}
         for b in self.buckets:
             for p in b.params:
@@ -259,8 +285,12 @@ class DistributedOptimizer:
 
     def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
         """Set AdamW moments (local parameter layout, as `local_state` returns) and the step count."""
-        if self.zero:
-            return load_moments(self.buckets, self.optimizer, states, step, names)
+        if self.zero or self.mixed:
+            load_moments(self.buckets, self.optimizer, states, step, names)
+            if self.mixed and not self.zero:
+                for b in self.buckets:
+                    b.param_buffer.copy_(b.master)
+            return None
         step_tensor = torch.tensor(float(step))
         for b in self.buckets:
             for p in b.params:
@@ -269,9 +299,9 @@ class DistributedOptimizer:
                                            **{k: st[k].to(p).clone() for k in MOMENTS}}
 
     def reload_parameters(self) -> None:
-        """After parameters were overwritten in place (a checkpoint load): refresh the ZeRO master slices."""
-        if self.zero:
-            rank, size = self.dp.rank, self.dp.size
+        """After parameters were overwritten in place (a checkpoint load): refresh the master slices."""
+        if self.zero or self.mixed:
+            rank, size = self._slice_group.rank, self._slice_group.size
             for b in self.buckets:
                 per_rank = b.padded // size
                 b.master.copy_(b.param_buffer[rank * per_rank : (rank + 1) * per_rank])

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tensorpar.errors import TensorparError
-from tensorpar.optim.grad_norm import clip_grad_norm_
+from tensorpar.optim.grad_norm import unscale_and_clip
 from tensorpar.parallel.shard_pieces import (BytesInUse, ReduceScatterQueue, add_to_flat, adamw_step_count,
                                              cut_pieces, gather_moments, load_moments, nbytes, slice_bounds,
                                              state_bytes)
@@ -104,8 +104,9 @@ class FullyShardedOptimizer:
     zero = 3
 
     def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, reshard_after_forward: bool = True, prefetch: bool = True):
-        self.mesh, self.dp = mesh, mesh.dp_cp_group
+                 eps: float = 1e-8, reshard_after_forward: bool = True, prefetch: bool = True,
+                 reduce_dtype: torch.dtype = torch.float32):
+        self.mesh, self.dp, self.reduce_dtype = mesh, mesh.dp_cp_group, reduce_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         layers = getattr(model, "layers", None)
         if not isinstance(layers, nn.ModuleDict):
@@ -118,7 +119,8 @@ class FullyShardedOptimizer:
         self.root = _Unit("root", root_params, self.dp, True, self.gathered_bytes) if root_params else None
         self._all = self.units + ([self.root] if self.root else [])
         self._place = {id(p): (u, off) for u in self._all for p, off in zip(u.params, u.offsets)}
-        self.tied = [(p, off) for p, off in zip(self.root.params, self.root.offsets)
+        self.tied = [(off, shape.numel()) for p, off, shape in zip(self.root.params, self.root.offsets,
+                                                                    self.root.shapes)
                      if getattr(p, "pipeline_tied", False)] if self.root else []
         self._pinned = False
         self.param_bytes = sum(nbytes(u.shard) for u in self._all)
@@ -172,7 +174,7 @@ class FullyShardedOptimizer:
     def _grad_ready(self, param: torch.Tensor) -> None:
         unit, offset = self._place[id(param)]
         if unit.full_grad is None:
-            unit.full_grad = torch.zeros(unit.padded, dtype=unit.grad_shard.dtype, device=unit.grad_shard.device)
+            unit.full_grad = torch.zeros(unit.padded, dtype=self.reduce_dtype, device=unit.grad_shard.device)
             self.grad_bytes.add(nbytes(unit.full_grad))
         add_to_flat(unit.full_grad, param, offset)
         unit.ready += 1
@@ -197,23 +199,25 @@ class FullyShardedOptimizer:
         root = self.root
         if root is not None:
             if root.full_grad is None:
-                root.full_grad = torch.zeros(root.padded, dtype=root.grad_shard.dtype, device=root.grad_shard.device)
+                root.full_grad = torch.zeros(root.padded, dtype=self.reduce_dtype, device=root.grad_shard.device)
                 self.grad_bytes.add(nbytes(root.full_grad))
-            for p, off in self.tied:
-                self.mesh.embed_group.all_reduce(root.full_grad[off : off + p.numel()])
+            for off, numel in self.tied:
+                self.mesh.embed_group.all_reduce(root.full_grad[off : off + numel])
             self.queue.push(root, root.full_grad)
             root.full_grad, root.ready = None, 0
         self.queue.drain()
         for u in self._all:
             u.grad_shard.div_(self.dp.size)
 
-    def clip_and_step(self, max_norm: float) -> torch.Tensor:
+    def clip_and_step(self, max_norm: float, scaler=None) -> torch.Tensor:
         """Clip by the dense model's gradient norm, step this rank's shards, free every gathered parameter (the
-        next use gathers the updated ones). Returns the norm before clipping."""
-        norm = clip_grad_norm_(self.slices, max_norm, self.mesh, sharded_over_dp=True)
-        self.optimizer.step()
+        next use gathers the updated ones). With a `DynamicLossScaler` (fp16) the gradients are first divided by
+        its scale, and a step whose gradients overflowed is skipped. Returns the norm before clipping."""
+        norm, skip = unscale_and_clip(self.slices, max_norm, self.mesh, True, scaler)
+        if not skip:
+            self.optimizer.step()
         for u in self._all:
-            if u.master is not u.shard:
+            if u.master is not u.shard and not skip:
                 u.shard.copy_(u.master)
             u.free()
             u.grad_shard.zero_()
@@ -247,7 +251,9 @@ class FullyShardedOptimizer:
     def local_state(self, names: dict[int, str]) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         """AdamW moments in the layout of the local (TP-sharded) parameters, all-gathered over DP (a collective)."""
         shapes = {id(p): s for u in self._all for p, s in zip(u.params, u.shapes)}
-        return gather_moments(self._all, self.optimizer, self.dp, names, shapes), adamw_step_count(self.optimizer)
+        mixed = any(u.master is not u.shard for u in self._all)
+        return (gather_moments(self._all, self.optimizer, self.dp, names, shapes, with_master=mixed),
+                adamw_step_count(self.optimizer))
 
     def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
         load_moments(self._all, self.optimizer, states, step, names)

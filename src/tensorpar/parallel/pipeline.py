@@ -46,7 +46,8 @@ class PipelineRunner:
     """Executes one optimizer step's micro-batches through the pipeline with a named schedule."""
 
     def __init__(self, model, mesh, schedule: str, virtual_stages: int, num_microbatches: int,
-                 activation_shape: tuple[int, ...], autocast=contextlib.nullcontext):
+                 activation_shape: tuple[int, ...], autocast=contextlib.nullcontext,
+                 activation_dtype: torch.dtype = torch.float32):
         self.model, self.mesh = model, mesh
         self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, virtual_stages
         self.stages = self.pp * self.v
@@ -57,6 +58,7 @@ class PipelineRunner:
         self.num_microbatches = num_microbatches
         self.activation_shape = activation_shape
         self.autocast = autocast
+        self.activation_dtype = activation_dtype  # of the hidden states (and their gradients) sent between stages
         self.timeline: list[tuple[str, int, int, float, float]] = []
         self.peak_in_flight = 0
 
@@ -73,7 +75,7 @@ class PipelineRunner:
                                              embed=stage == 0, head=stage == self.stages - 1)
 
     def _recv(self, tag: int, src: int) -> torch.Tensor:
-        buf = torch.empty(self.activation_shape, device=self.mesh.device, dtype=torch.float32)
+        buf = torch.empty(self.activation_shape, device=self.mesh.device, dtype=self.activation_dtype)
         self.mesh.pp_group.irecv(buf, src, tag=tag).wait()
         return buf
 
@@ -87,7 +89,7 @@ class PipelineRunner:
         t0 = time.perf_counter()
         out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == self.last else None, dropout_seed)
         if stage != self.last:
-            out = out.float()
+            out = out.to(self.activation_dtype)
             sends.append((self.mesh.pp_group.isend(out.detach(), self.next, tag=self._tag(mb, stage + 1, False)), out))
         return x, out, t0
 
@@ -98,9 +100,10 @@ class PipelineRunner:
         self.mesh.pp_group.all_reduce(loss_sum)
         return loss_sum.item() / count
 
-    def train_step(self, microbatches: list[torch.Tensor], dropout_seed) -> float:
+    def train_step(self, microbatches: list[torch.Tensor], dropout_seed, loss_scale: float = 1.0) -> float:
         """Forward and backward of every micro-batch ([mb, L+1] token windows, inputs and targets);
-        returns the mean loss over them (on every rank). `dropout_seed(i)` gives micro-batch i's seed."""
+        returns the mean loss over them (on every rank). `dropout_seed(i)` gives micro-batch i's seed; the
+        backward starts from the loss times `loss_scale` (fp16's dynamic loss scaling)."""
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
         self.timeline, self.peak_in_flight = [], 0
@@ -111,7 +114,7 @@ class PipelineRunner:
                 x, out, t0 = self._forward_action(mb, chunk, microbatches[mb], dropout_seed(mb), sends)
                 if stage == self.last:
                     loss_sum += out.detach().float()
-                    out = out / self.num_microbatches
+                    out = out * (loss_scale / self.num_microbatches)
                 saved[(mb, chunk)] = (x if stage > 0 else None, out)
                 self.peak_in_flight = max(self.peak_in_flight, len(saved))
             else:

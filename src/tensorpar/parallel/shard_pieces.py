@@ -55,19 +55,23 @@ def cut_pieces(params, shapes, offsets, lo_b: int, hi_b: int, master: torch.Tens
     return pieces
 
 
-def gather_moments(buffers, optimizer, dp_group, names: dict[int, str], shapes: dict | None = None) -> dict:
+def gather_moments(buffers, optimizer, dp_group, names: dict[int, str], shapes: dict | None = None,
+                   with_master: bool = False) -> dict:
     """{parameter name: {"exp_avg", "exp_avg_sq"}} of every parameter of `buffers` (each with .pieces, .padded,
-    .offsets, .params, .master), all-gathered over `dp_group` (a collective)."""
+    .offsets, .params, .master), all-gathered over `dp_group` (a collective). ``with_master``: also "master",
+    the fp32 master weights (which bf16/fp16 training saves as the parameters)."""
     shapes = shapes or {}
     out = {}
     for b in buffers:
         lo_b, _ = slice_bounds(b.padded, dp_group.rank, dp_group.size)
         full = {}
-        for key in MOMENTS:
+        for key in MOMENTS + (("master",) if with_master else ()):
             local = torch.zeros_like(b.master)
             for piece in b.pieces:
                 state = optimizer.state.get(piece.opt_param, {})
-                if key in state:
+                if key == "master":
+                    local[piece.lo - lo_b : piece.hi - lo_b].copy_(piece.opt_param.detach())
+                elif key in state:
                     local[piece.lo - lo_b : piece.hi - lo_b].copy_(state[key])
             full[key] = torch.empty(b.padded, dtype=b.master.dtype, device=b.master.device)
             dp_group.all_gather_async(full[key], local).wait()
@@ -78,11 +82,15 @@ def gather_moments(buffers, optimizer, dp_group, names: dict[int, str], shapes: 
 
 
 def load_moments(buffers, optimizer, states: dict, step: int, names: dict[int, str]) -> None:
-    """Set the AdamW moments of every piece from `states` (the layout `gather_moments` returns) and the step."""
+    """Set the AdamW moments of every piece from `states` (the layout `gather_moments` returns) and the step, and
+    the fp32 master weights from "master" where given (the checkpoint's fp32 parameters)."""
     step_tensor = torch.tensor(float(step))
     for b in buffers:
         for piece in b.pieces:
             st = states[names[id(piece.param)]]
+            if "master" in st:
+                with torch.no_grad():
+                    piece.opt_param.copy_(st["master"].flatten()[piece.lo - piece.offset : piece.hi - piece.offset])
             optimizer.state[piece.opt_param] = {
                 "step": step_tensor.clone(),
                 **{k: st[k].flatten()[piece.lo - piece.offset : piece.hi - piece.offset].to(piece.opt_param).clone()

@@ -77,9 +77,11 @@ def _mlp_saved(cfg) -> int:
     return 1 if relu else 2
 
 
-def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, autocast: bool) -> int:
-    """Bytes one transformer layer of tensorpar saves for backward, for one micro-batch (see module docstring)."""
-    A, M = 4, (2 if autocast else 4)
+def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, autocast: bool,
+                                act_bytes: int = 4) -> int:
+    """Bytes one transformer layer of tensorpar saves for backward, for one micro-batch (see module docstring).
+    `act_bytes`: 2 when the parameters and activations are bf16/fp16 (then M = 2 too)."""
+    A, M = act_bytes, (2 if autocast or act_bytes == 2 else 4)
     t = tp
     sp = sp and tp > 1
     h, hd = cfg.hidden_size, cfg.head_dim
@@ -111,10 +113,11 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
     return 2 * norm + attn_in + mlp_in + attn + mlp + masks
 
 
-def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast: bool) -> dict[str, int]:
+def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast: bool,
+                                act_bytes: int = 4) -> dict[str, int]:
     """Bytes saved outside the layers for one micro-batch: ``first`` (ids, embedding dropout mask),
     ``rope`` (cos/sin tables, every stage) and ``last`` (final norm, head input, loss)."""
-    A = 4
+    A = act_bytes
     sp = sp and tp > 1
     h = cfg.hidden_size
     sn = s // tp if sp else s
@@ -255,7 +258,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     layer_params = summary.per_layer
     if zero >= 2 and not prec.zero2_full_grads_at_peak:
         grad_mem = math.ceil(grad_mem / dp)
-    elif zero >= 1 and prec.zero_master_bytes:
+    elif zero >= 1 and (prec.zero_master_bytes or prec.zero_buffers_in_flight):
         grad_mem += math.ceil(4 * numel / dp)  # tensorpar's fp32 gradient slice next to the full buckets
     if zero >= 2 and prec.zero_buffers_in_flight:
         grad_mem += zero_gradients_in_flight(cfg, layout, stage if pp > 1 else 0, prec, bucket_bytes)
@@ -271,8 +274,8 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     mbs_in_flight = min(m, math.ceil(chunks / layout.virtual_stages)) if pp > 1 else 1
     if prec.activations == "tensorpar":
         def layer(mode):
-            return tensorpar_layer_activations(cfg, tp, layout.sp, b, s, mode, prec.autocast)
-        outer = tensorpar_outer_activations(cfg, tp, layout.sp, b, s, prec.autocast)
+            return tensorpar_layer_activations(cfg, tp, layout.sp, b, s, mode, prec.autocast, prec.act_bytes)
+        outer = tensorpar_outer_activations(cfg, tp, layout.sp, b, s, prec.autocast, prec.act_bytes)
     else:
         def layer(mode):
             return playbook_layer_activations(cfg, tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes)

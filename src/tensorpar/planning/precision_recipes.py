@@ -6,9 +6,13 @@ Precisions (how many bytes each kind of state takes, and which activation model 
 name              param  grad   master  AdamW  what it is
 ================  =====  =====  ======  =====  ==================================================
 tensorpar-fp32      4      4      -       8    tensorpar with --dtype fp32
-tensorpar-bf16      4      4      -       8    tensorpar with --dtype bf16: autocast over fp32
-                                               parameters; every matmul weight is cast to bf16 in
-                                               the forward and that copy is kept for backward
+tensorpar-bf16      2      4      4       8    tensorpar with --dtype bf16 (and tensorpar-fp16 with
+                                               --dtype fp16): bf16 parameters and activations,
+                                               gradients moved into fp32 buffers as they arrive,
+                                               fp32 master weights (whole under ZeRO-0)
+tensorpar-bf16-     4      4      -       8    bf16 autocast over fp32 parameters; every matmul
+ autocast                                      weight is cast to bf16 in the forward and that copy
+                                               is kept for backward
 mixed-bf16          2      2      4       8    the Playbook's mixed precision (Megatron-style bf16
                                                parameters and gradients + fp32 master weights and
                                                AdamW states): 16 bytes per parameter
@@ -46,8 +50,14 @@ class Precision:
 
 
 PRECISIONS: dict[str, Precision] = {
-    "tensorpar-bf16": Precision("tensorpar-bf16", "bf16", 4, 4, 0, 8, "tensorpar", 4, 2, True, 4, False, True,
-                                "tensorpar --dtype bf16: bf16 autocast over fp32 parameters, fp32 gradients and AdamW"),
+    "tensorpar-bf16": Precision("tensorpar-bf16", "bf16", 2, 4, 4, 8, "tensorpar", 2, 2, False, 0, False, True,
+                                "tensorpar --dtype bf16: bf16 parameters and activations, gradients accumulated and "
+                                "reduced in fp32, fp32 master weights and AdamW"),
+    "tensorpar-fp16": Precision("tensorpar-fp16", "bf16", 2, 4, 4, 8, "tensorpar", 2, 2, False, 0, False, True,
+                                "tensorpar --dtype fp16: as tensorpar-bf16, with dynamic loss scaling"),
+    "tensorpar-bf16-autocast": Precision("tensorpar-bf16-autocast", "bf16", 4, 4, 0, 8, "tensorpar", 4, 2, True, 4,
+                                         False, True, "bf16 autocast over fp32 parameters (what tensorpar eval and "
+                                                      "generate do with --dtype bf16), fp32 gradients and AdamW"),
     "tensorpar-fp32": Precision("tensorpar-fp32", "fp32", 4, 4, 0, 8, "tensorpar", 4, 4, False, 4, False, True,
                                 "tensorpar --dtype fp32"),
     "mixed-bf16": Precision("mixed-bf16", "bf16", 2, 2, 4, 8, "playbook", 2, 2, False,

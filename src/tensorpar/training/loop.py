@@ -23,7 +23,7 @@ from tensorpar.layers.dropout import mix_seed
 from tensorpar.models.flops import train_flops_per_token
 from tensorpar.optim.lr_schedule import lr_at, set_lr
 from tensorpar.training.evaluate import evaluate
-from tensorpar.training.memory import step_memory
+from tensorpar.training.memory_meter import step_memory
 from tensorpar.training.metrics import MetricsWriter
 from tensorpar.training.session import Session
 
@@ -42,23 +42,27 @@ def train_step(s: Session, step: int) -> dict:
 
     step_loss = torch.zeros((), device=device)
     s.optimizer.begin_step(len(batches))
+    scale = s.scaler.scale if s.scaler is not None else 1.0
     with s.activations.measuring(s.model):
         if s.runner is not None:
-            step_loss += s.runner.train_step(batches, seed_of)
+            step_loss += s.runner.train_step(batches, seed_of, scale)
         else:
             for i, batch in enumerate(batches):
                 with s.autocast():
                     loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i))
-                (loss / len(batches)).backward()
+                (loss * (scale / len(batches))).backward()
                 step_loss += loss.detach().float() / len(batches)
     s.optimizer.finish_backward()
-    grad_norm = s.optimizer.clip_and_step(o.grad_clip)
+    grad_norm = s.optimizer.clip_and_step(o.grad_clip, s.scaler)
     mesh.dp_group.all_reduce(step_loss)
     loss = step_loss.item() / mesh.dp_size
     if not math.isfinite(loss):
         raise TensorparError(f"loss became {loss} at step {step + 1}; try a lower --lr or --grad-clip")
-    return {"step": step + 1, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
-            "step_time_s": time.perf_counter() - t0, "memory_mib": step_memory(s.optimizer, s.activations, device)}
+    record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
+              "step_time_s": time.perf_counter() - t0, "memory_mib": step_memory(s.optimizer, s.activations, device)}
+    if s.scaler is not None:  # the scale this step ran with, and whether its gradients overflowed
+        record.update(loss_scale=scale, skipped=not math.isfinite(record["grad_norm"]))
+    return record
 
 
 def validation_loss(s: Session) -> float:

@@ -7,20 +7,22 @@ import time
 import torch
 
 from tensorpar.config.hardware import GPUS
+from tensorpar.optim.precision import PARAM_DTYPES
 
 # CUDA device-name markers -> the GPU catalog (tensorpar.config.hardware), the one table of datasheet peaks.
 _CATALOG_BY_DEVICE_NAME = {"H200": "h200", "H100": "h100-80gb", "B200": "b200", "A100": "a100-80gb"}
 
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
-    """(peak FLOP/s of one rank's device, where the figure comes from)."""
+    """(peak FLOP/s of one rank's device, where the figure comes from). On a GPU fp16 counts as bf16 (same
+    datasheet peak); elsewhere a matmul in the training dtype is measured."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for marker, key in _CATALOG_BY_DEVICE_NAME.items():
             if marker in name:
                 key = "a100-40gb" if key == "a100-80gb" and "40GB" in name else key
-                return GPUS[key].peak(dtype), f"{key} datasheet"
-    return measure_matmul_flops(device, torch.bfloat16 if dtype == "bf16" else torch.float32), "measured matmul peak"
+                return GPUS[key].peak("bf16" if dtype == "fp16" else dtype), f"{key} datasheet"
+    return measure_matmul_flops(device, PARAM_DTYPES[dtype]), "measured matmul peak"
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> float:

@@ -3,6 +3,7 @@ data, the optimizer, the state of a resumed checkpoint, and the pipeline executo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -16,11 +17,12 @@ from tensorpar.config.fields import changed_options, to_dict, to_toml
 from tensorpar.data import TokenDataset, check_vocab, load_tokenizer, load_tokens
 from tensorpar.distributed.mesh import Mesh
 from tensorpar.models import Transformer, load_full_state_dict
-from tensorpar.optim.precision import autocast
+from tensorpar.optim.loss_scaler import DynamicLossScaler
+from tensorpar.optim.precision import param_dtype
 from tensorpar.parallel.data_parallel import DistributedOptimizer
 from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
 from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
-from tensorpar.training.memory import ActivationMeter
+from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
 from tensorpar.training.validate import PreparedRun
@@ -49,6 +51,7 @@ class Session:
     stop: GracefulStop | None = None  # stop signals, when the caller handles them (the command line does)
     run_id: str = ""  # the run's checkpoints carry it: rotation deletes only this run's
     activations: ActivationMeter = dataclasses.field(default_factory=ActivationMeter)
+    scaler: DynamicLossScaler | None = None  # fp16's dynamic loss scale
 
     @property
     def options(self):
@@ -59,7 +62,8 @@ class Session:
         return self.mesh.rank == 0
 
     def autocast(self):
-        return autocast(self.mesh.device, self.options.dtype)
+        """Training casts the parameters themselves (bf16, fp16): no autocast."""
+        return contextlib.nullcontext()
 
     def save(self, step: int) -> str:
         """Save step `step`'s checkpoint (a collective: every rank calls it)."""
@@ -69,6 +73,8 @@ class Session:
                   "sequence_parallel": self.model.sequence_parallel}
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                                             "steps", "weight_decay", "grad_clip", "data")}
+        if self.scaler is not None:
+            train["loss_scaler"] = self.scaler.state_dict()
         return save_checkpoint(o.save, step, self.model, self.optimizer, mesh, cfg=self.run.cfg, layout=layout,
                                train=train, options=to_dict(o), run_id=self.run_id, keep_last=o.keep_last)
 
@@ -88,6 +94,9 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
         _, state = load_model_source(o.init_from)
         names = dict(model.named_parameters())
         load_full_state_dict(model, {k: v for k, v in state.items() if k in names}, source=o.init_from)
+    if o.dtype != "fp32":  # bf16/fp16 parameters; the optimizer keeps fp32 masters; buffers (RoPE) stay fp32
+        for p in model.parameters():
+            p.data = p.data.to(param_dtype(o.dtype))
     model.train()
     return model, load_tokenizer(o.init_from)
 
@@ -104,11 +113,12 @@ def build_data(run: PreparedRun, tokenizer) -> tuple[TokenDataset, torch.Tensor 
 def build_optimizer(model, mesh: Mesh, o) -> DistributedOptimizer | FullyShardedOptimizer:
     """AdamW across the DP (x CP) group: gradients averaged (ZeRO-0), or states, gradients and (ZeRO-3) parameters
     sharded."""
+    reduce_dtype = param_dtype(o.grad_reduce_dtype)
     if o.zero == 3:
-        return FullyShardedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay,
+        return FullyShardedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay, reduce_dtype=reduce_dtype,
                                      reshard_after_forward=o.zero3_reshard_after_forward)
     return DistributedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay, zero=o.zero,
-                                bucket_bytes=int(o.bucket_mb * 2**20))
+                                bucket_bytes=int(o.bucket_mb * 2**20), reduce_dtype=reduce_dtype)
 
 
 def resume(run: PreparedRun, model, optimizer, mesh: Mesh) -> int:
@@ -139,15 +149,21 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
         seq_shard = o.seq_len // mesh.cp_size // (mesh.tp_size if model.sequence_parallel else 1)
         runner = PipelineRunner(model, mesh, o.schedule, o.virtual_stages, run.num_micro_batches,
                                 (o.micro_batch_size, seq_shard, run.cfg.hidden_size),
-                                autocast=lambda: autocast(mesh.device, o.dtype))
+                                activation_dtype=param_dtype(o.dtype))
         if val_windows is not None:
             val_windows = val_windows[: (len(val_windows) // o.micro_batch_size) * o.micro_batch_size]
     if mesh.rank == 0 and o.out_dir:
         write_resolved_config(run, os.path.join(o.out_dir, "config.toml"))
     # One id for the run's checkpoints: a resumed run keeps its checkpoint's, a new one takes rank 0's.
     run_id = mesh.world_group.all_gather_object((run.resume_meta or {}).get("run_id") or uuid.uuid4().hex)[0]
+    scaler = None
+    if o.dtype == "fp16":
+        scaler = DynamicLossScaler(o.loss_scale, growth_interval=o.loss_scale_window)
+        saved = ((run.resume_meta or {}).get("train") or {}).get("loss_scaler")
+        if saved:
+            scaler.load_state_dict(saved)  # the scale survives a resume
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
-                   peak_flops(mesh.device, o.dtype), stop, run_id)
+                   peak_flops(mesh.device, o.dtype), stop, run_id, scaler=scaler)
 
 
 _DERIVED = ("dp", "micro_batch_size", "min_lr", "warmup_steps")  # worked out by validate() when not given
