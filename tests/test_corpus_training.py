@@ -9,7 +9,7 @@ import pytest
 from tensorpar.checkpoints.sharded import read_meta
 from tensorpar.data import ByteTokenizer, IndexedWriter, TokenStream
 from tensorpar.training import TrainOptions, train
-from tensorpar.training.session import _warn_if_data_changed
+from tensorpar.training.session import warn_if_data_changed
 
 from corpora import DOCS, byte_stream, write_hf_dataset, write_jsonl, write_jsonl_folder, write_parquet_folder
 
@@ -83,13 +83,13 @@ def test_the_checkpoint_records_the_position_in_every_source(mixture_runs, corpo
     assert [s["samples_drawn"] for s in data["sources"]] == [56, 24]  # 80 samples, 0.7 / 0.3
     assert [s["format"] for s in data["sources"]] == ["jsonl", "megatron"]
     assert [s["documents"] for s in data["sources"]] == [len(DOCS)] * 2
-    _warn_if_data_changed(data, [(0.7, TokenStream("x", "npy", byte_stream())),
+    warn_if_data_changed(data, [(0.7, TokenStream("x", "npy", byte_stream())),
                                  (0.3, TokenStream("y", "npy", byte_stream()[::-1].copy()))], "0.7 x 0.3 y")
     assert "training data differs from the checkpoint's" in capsys.readouterr().err
     same = [(s["weight"], TokenStream(s["path"], s["format"], np.zeros(0))) for s in data["sources"]]
     same[0] = (0.7, TokenStream(corpora["jsonl-gz"], "jsonl", byte_stream()))
     same[1] = (0.3, TokenStream(corpora["megatron"], "megatron", byte_stream(list(reversed(DOCS)))))
-    _warn_if_data_changed(data, same, common["data"])
+    warn_if_data_changed(data, same, common["data"])
     assert capsys.readouterr().err == ""
 
 

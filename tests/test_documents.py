@@ -114,3 +114,15 @@ def test_bad_input_names_the_file_and_the_line_or_row(tmp_path):
     _refused(tmp_path / "nothing", r"data folder '.*nothing' holds no \.jsonl", tmp=cache)
     _refused(tmp_path / "missing.jsonl", r"data file '.*missing\.jsonl' does not exist", tmp=cache)
     assert not [f for f in os.listdir(cache) if f.endswith((".json", ".bin"))]  # nothing half-written is kept
+
+
+def test_the_command_line_names_a_missing_source_of_a_mixture_in_one_line(tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl")
+    assert main(["train", "--data", f"0.5 {a} 0.5 {tmp_path / 'b.parquet'}", "--no-progress", "--data-cache",
+                 str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tensorpar: error: data file '{tmp_path / 'b.parquet'}' does not exist"]
+    assert main(["prepare-data", "--data", str(tmp_path / "a.jsonl"), "--text-field", "body", "--no-progress",
+                 "--data-cache", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a.jsonl' line 1: no field 'body'" in err[0]

@@ -18,6 +18,8 @@ def test_megatron_syntax_and_toml_table(tmp_path):
     assert parse_data_spec(str(tmp_path / "mix.toml")) == [(0.25, str(a)), (0.75, "/abs/b")]
     with pytest.raises(TensorparError, match="weight of '.*b' must be a positive number, got 0.0"):
         parse_data_spec(f"1 {a} 0 {b}")
+    with pytest.raises(TensorparError, match="weights and paths must alternate"):
+        parse_data_spec(f"0.7 {a} 0.3")
     with pytest.raises(TensorparError, match="names a source twice"):
         parse_data_spec(f"1 {a} 1 {a}")
     (tmp_path / "bad.toml").write_text('[mixture]\n"a" = "lots"\n')

@@ -92,7 +92,7 @@ class TrainOptions(LaunchOptions):
                                         "--data)", group="data")
     val_fraction: float = option(0.05, "share of the token stream held out for validation", group="data")
     val_every: int = option(50, "validation loss every this many steps (0: only at the end)", group="data")
-    eval_every: int | None = option(None, "the same as --val-every", group="data")
+    eval_every: int | None = option(None, "the same as --val-every (wins when both are given)", group="data")
     val_windows: int = option(32, "validation windows evaluated each time", group="data")
     save: str | None = option(None, "checkpoint folder (written at the end and every --save-every steps)",
                               group="checkpoints")

@@ -47,8 +47,10 @@ def parse_data_spec(spec: str | None) -> list[tuple[float, str | None]]:
     if spec.endswith(".toml") and os.path.isfile(spec):
         return _normalize(_toml_mixture(spec), spec)
     words = spec.split()
-    if len(words) >= 2 and len(words) % 2 == 0 and all(_weight(w) is not None for w in words[::2]) \
-            and not os.path.exists(spec):
+    if len(words) >= 2 and _weight(words[0]) is not None and not os.path.exists(spec):
+        if len(words) % 2 or any(_weight(w) is None for w in words[::2]):
+            raise TensorparError(f"data mixture '{spec}': weights and paths must alternate, as in "
+                                 f"'0.7 PATH_A 0.3 PATH_B'")
         return _normalize([(_weight(w), p) for w, p in zip(words[::2], words[1::2])], spec)
     return [(1.0, spec)]
 

@@ -15,6 +15,8 @@ import fcntl
 import hashlib
 import json
 import os
+import queue
+import threading
 import time
 
 import numpy as np
@@ -61,14 +63,10 @@ def tokenize_source(path: str, tokenizer, text_field: str, prefix: str, progress
     bar = tqdm(total=total, unit="B", unit_scale=True, dynamic_ncols=True, disable=not progress,
                desc=f"tokenize {os.path.basename(os.path.normpath(path))}")
     try:
-        before = 0
-        for kind, file in files:
-            done = 0
-            for texts, done in read_documents(kind, file, text_field):
-                _write_batch(writer, tokenizer.encode_batch(texts), eos)
-                bar.update(before + done - bar.n)
-                bar.set_postfix(tokens=f"{writer.tokens:,}", refresh=False)
-            before += os.path.getsize(file)
+        for texts, done in _prefetched(_all_documents(files, text_field)):
+            _write_batch(writer, tokenizer.encode_batch(texts), eos)
+            bar.update(done - bar.n)
+            bar.set_postfix(tokens=f"{writer.tokens:,}", refresh=False)
         writer.finish()
     except BaseException:
         writer.abort()
@@ -77,6 +75,55 @@ def tokenize_source(path: str, tokenizer, text_field: str, prefix: str, progress
         bar.close()
     return {"documents": len(writer.lengths), "tokens": writer.tokens, "seconds": time.perf_counter() - started,
             "files": [f for _, f in files]}
+
+
+def _all_documents(files: list[tuple[str, str]], text_field: str):
+    """Batches of texts of every file in order, with the bytes of all files read so far."""
+    before = 0
+    for kind, file in files:
+        for texts, done in read_documents(kind, file, text_field):
+            yield texts, before + done
+        before += os.path.getsize(file)
+
+
+def _prefetched(batches, depth: int = 2):
+    """`batches`, produced by a reader thread up to `depth` ahead: reading and parsing the next batch overlaps
+    the tokenizer's work on this one (which releases the GIL). An error of the reader is raised here."""
+    out: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def put(message) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(message, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read():
+        try:
+            for item in batches:
+                if not put(("item", item)):
+                    return
+            put(("end", done))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            put(("error", e))
+
+    thread = threading.Thread(target=read, name="tensorpar-read-documents", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = out.get()
+            if kind == "error":
+                raise value
+            if kind == "end":
+                return
+            yield value
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 def _write_batch(writer: IndexedWriter, batch: list[list[int]], eos: int) -> None:

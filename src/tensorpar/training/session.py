@@ -106,7 +106,7 @@ def build_data(run: PreparedRun, tokenizer) -> tuple[object, torch.Tensor | None
     return dataset, dataset.val_windows(o.val_windows) if dataset.num_val_windows else None, corpus
 
 
-def _warn_if_data_changed(saved: dict | None, corpus: list, spec: str | None) -> None:
+def warn_if_data_changed(saved: dict | None, corpus: list, spec: str | None) -> None:
     """A warning when the data differs in content from the checkpoint's (the samples will then differ)."""
     if not saved:
         return
@@ -129,7 +129,7 @@ def resume(run: PreparedRun, model, optimizer, mesh: Mesh, corpus: list) -> int:
         if data_order:
             sys.stderr.write(f"tensorpar: warning: resuming with {', '.join(data_order)}: the samples (and the "
                              f"continued losses) will differ from the original run's\n")
-        _warn_if_data_changed(meta.get("train", {}).get("data_sources"), corpus, o.data)
+        warn_if_data_changed(meta.get("train", {}).get("data_sources"), corpus, o.data)
         changed = changed_options(saved, o, ignore=_INVOCATION_OPTIONS + _DATA_ORDER_OPTIONS)
         changes = f"; changed since it was saved: {', '.join(changed)}" if changed else ""
         sys.stderr.write(f"tensorpar: resuming '{o.resume}' at step {meta['step']}{changes}\n")
