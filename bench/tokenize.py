@@ -16,7 +16,9 @@ fresh process pinned to `--threads` cores:
   plus EOS appended to a uint16 array written at the end (RAYON_NUM_THREADS=1).
 
 Both must produce the same token stream (checked). Times are wall-clock seconds of the whole pass (read,
-parse, tokenize, write). The last line reads ``prepare=X tok/s loop=Y tok/s speedup=Z.ZZ``.
+parse, tokenize, write); the CPU seconds of each pass and the share of the machine other processes used
+meanwhile are printed too (the machine may be shared). With `--repeat N` the passes alternate N times and
+the fastest of each kind counts. The last line reads ``prepare=X tok/s loop=Y tok/s speedup=Z.ZZ``.
 """
 
 from __future__ import annotations
@@ -123,7 +125,10 @@ def _child(args) -> None:
         cores = sorted(os.sched_getaffinity(0))[: args.threads]
         os.sched_setaffinity(0, cores)
     fn = run_prepare if args.child == "prepare" else run_loop
-    print(json.dumps(fn(args.corpus, args.tokenizer_file, args.out)))
+    result = fn(args.corpus, args.tokenizer_file, args.out)
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process, start-up included
+    result["cpu_seconds"] = usage.ru_utime + usage.ru_stime
+    print(json.dumps(result))
 
 
 def _cpu_jiffies() -> tuple[int, int] | None:
@@ -168,6 +173,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=100.0, help="size of the generated JSONL corpus")
     parser.add_argument("--threads", type=int, default=2, help="cores for tensorpar's pass (the loop gets 1)")
     parser.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary size")
+    parser.add_argument("--repeat", type=int, default=1, help="passes of each kind, alternated; the fastest counts")
     parser.add_argument("--workdir", default=None, help="keep the corpus and outputs here (default: a temp dir)")
     parser.add_argument("--child", choices=("prepare", "loop"), help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
@@ -188,8 +194,11 @@ def main() -> None:
     print(f"tokenizer: byte-level BPE, vocabulary {args.vocab}, trained on the first 4 MB")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"machine: {cores} cores available; tensorpar pass pinned to {args.threads}, loop to 1 thread")
-    prepare = _measure("prepare", args, corpus, tokenizer, os.path.join(work, "prepared"))
-    loop = _measure("loop", args, corpus, tokenizer, os.path.join(work, "loop.bin"))
+    runs = {"prepare": [], "loop": []}
+    for _ in range(args.repeat):  # alternated, so that a burst of other load hits both
+        runs["prepare"].append(_measure("prepare", args, corpus, tokenizer, os.path.join(work, "prepared")))
+        runs["loop"].append(_measure("loop", args, corpus, tokenizer, os.path.join(work, "loop.bin")))
+    prepare, loop = (min(runs[k], key=lambda r: r["seconds"]) for k in ("prepare", "loop"))
     a = np.fromfile(os.path.join(work, "prepared.bin"), dtype=np.uint16)
     b = np.fromfile(os.path.join(work, "loop.bin"), dtype=np.uint16)
     if not np.array_equal(a, b):
@@ -197,7 +206,8 @@ def main() -> None:
     for name, r in (("prepare", prepare), ("loop", loop)):
         load = f", other load {100 * r['other_load']:.0f}% of the machine" if "other_load" in r else ""
         print(f"{name:8s} {r['tokens']:,} tokens in {r['seconds']:.1f}s = {r['tokens'] / r['seconds']:,.0f} tokens/s "
-              f"({size / 1e6 / r['seconds']:.2f} MB/s of JSONL{load})")
+              f"({size / 1e6 / r['seconds']:.2f} MB/s of JSONL, {r['cpu_seconds']:.1f} CPU-s{load})"
+              + ("; all runs: " + ", ".join(f"{x['seconds']:.1f}s" for x in runs[name]) if args.repeat > 1 else ""))
         if r.get("other_load", 0) > 0.05:
             print(f"warning: other processes used {100 * r['other_load']:.0f}% of the CPU during '{name}': its "
                   f"figure is low")

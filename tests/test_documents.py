@@ -126,3 +126,13 @@ def test_the_command_line_names_a_missing_source_of_a_mixture_in_one_line(tmp_pa
                  "--data-cache", str(tmp_path / "cache")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a.jsonl' line 1: no field 'body'" in err[0]
+
+
+def test_ids_that_do_not_fit_the_model_are_refused_naming_the_source(tmp_path):
+    from tensorpar.data import open_corpus
+
+    path = write_jsonl(tmp_path / "a.jsonl")
+    pairs = open_corpus(path, ByteTokenizer(), 257, cache_dir=str(tmp_path / "c"), progress=False)
+    assert pairs[0][1].max_id == 256
+    with pytest.raises(TensorparError, match=r"a\.jsonl: token id 256 does not fit the vocabulary of size 256"):
+        open_corpus(path, ByteTokenizer(), 256, cache_dir=str(tmp_path / "c"), progress=False)

@@ -66,6 +66,7 @@ class IndexedWriter:
         self._bin = open(prefix + ".bin.tmp", "wb")
         self.lengths: list[int] = []
         self.tokens = 0
+        self.max_id = -1  # the largest token id written (a run checks it against the vocabulary without a scan)
 
     def add_document(self, ids) -> None:
         """Append one document's token ids."""
@@ -73,12 +74,14 @@ class IndexedWriter:
         self._bin.write(array.tobytes())
         self.lengths.append(int(array.size))
         self.tokens += int(array.size)
+        self.max_id = max(self.max_id, int(array.max())) if array.size else self.max_id
 
     def write_flat(self, flat: np.ndarray, lengths) -> None:
         """Append several documents at once: their ids back to back in `flat`, and each one's length."""
         self._bin.write(np.ascontiguousarray(flat, dtype=self.dtype).tobytes())
         self.lengths.extend(int(n) for n in lengths)
         self.tokens += int(flat.size)
+        self.max_id = max(self.max_id, int(flat.max())) if flat.size else self.max_id
 
     def finish(self) -> str:
         """Close the `.bin`, write the `.idx`; returns the prefix."""

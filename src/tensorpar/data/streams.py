@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tensorpar.data.dataset import TokenDataset, check_vocab, load_tokens
-from tensorpar.data.documents import document_kind
+from tensorpar.data.documents import document_files, document_kind
 from tensorpar.data.megatron_indexed import IndexedDataset, indexed_prefix
 from tensorpar.data.mixture import Blend, MixtureDataset, parse_data_spec
 from tensorpar.data.token_cache import cached_tokens
@@ -39,6 +39,7 @@ class TokenStream:
     kind: str
     tokens: np.ndarray
     documents: int | None = None
+    max_id: int | None = None  # the largest id, when known without a scan (the token cache records it)
 
     @property
     def name(self) -> str:
@@ -74,8 +75,11 @@ def open_stream(path: str | None, tokenizer, *, text_field: str = "text", bin_dt
             raise TensorparError(f"data file '{path}' does not exist")
         kind = document_kind(path)
         if kind is not None:
-            data, _ = cached_tokens(path, tokenizer, text_field, cache_dir, progress)
-            return TokenStream(path, kind, data.tokens, data.num_documents)
+            data, info = cached_tokens(path, tokenizer, text_field, cache_dir, progress)
+            if kind == "folder":  # say what it holds: "parquet folder", "jsonl folder", "jsonl+parquet folder"
+                kind = "+".join(sorted({"parquet" if k == "parquet" else "jsonl" for k, _ in document_files(path)}))
+                kind += " folder"
+            return TokenStream(path, kind, data.tokens, data.num_documents, info.get("max_id"))
     tokens = load_tokens(path, tokenizer, bin_dtype)
     kind = "default" if path is None else os.path.splitext(path)[1].lstrip(".").lower() or "text"
     return TokenStream(path, kind if kind in ("npy", "bin", "default") else "text", tokens)
@@ -102,6 +106,8 @@ def open_corpus(spec: str | None, tokenizer, vocab_size: int | None = None, **kw
     pairs = [(w, open_stream(p, tokenizer, **kw)) for w, p in parse_data_spec(spec)]
     if vocab_size is not None:
         for _, stream in pairs:
+            if stream.max_id is not None and 0 <= stream.max_id < vocab_size:
+                continue  # the cache's ids are known to fit: no scan of a large memory map
             check_vocab(stream.tokens, vocab_size, stream.name)
     return pairs
 

@@ -74,7 +74,7 @@ def tokenize_source(path: str, tokenizer, text_field: str, prefix: str, progress
     finally:
         bar.close()
     return {"documents": len(writer.lengths), "tokens": writer.tokens, "seconds": time.perf_counter() - started,
-            "files": [f for _, f in files]}
+            "files": [f for _, f in files], "max_id": writer.max_id}
 
 
 def _all_documents(files: list[tuple[str, str]], text_field: str):
