@@ -15,7 +15,7 @@ from tensorpar.checkpoints.sources import load_config, load_model_source
 from tensorpar.commands.common import launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import EvalOptions
-from tensorpar.data import check_vocab, eval_windows, load_tokenizer, load_tokens
+from tensorpar.data import check_vocab, eval_windows, load_tokenizer, open_stream, parse_data_spec, prepare_sources
 from tensorpar.distributed.mesh import init_mesh
 from tensorpar.errors import TensorparError
 from tensorpar.models import Transformer, load_full_state_dict
@@ -31,8 +31,10 @@ def add_parser(sub) -> None:
 
 def validate(options: EvalOptions) -> None:
     check_choices(options)
-    if options.data and not os.path.exists(options.data):
-        raise TensorparError(f"data file '{options.data}' does not exist")
+    if len(parse_data_spec(options.data)) > 1:
+        raise TensorparError(f"tensorpar eval takes one data source, not the mixture '{options.data}'")
+    prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,
+                    cache_dir=options.data_cache, progress=os.environ.get("RANK", "0") == "0")
     cfg = load_config(options.checkpoint)
     check_model_layout(cfg, options.tp, options.sequence_parallel, options.seq_len, options.cp)
 
@@ -43,7 +45,8 @@ def evaluate_checkpoint(options: EvalOptions) -> dict:
                      timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
-        tokens = load_tokens(options.data, load_tokenizer(options.checkpoint), options.bin_dtype)
+        tokens = open_stream(options.data, load_tokenizer(options.checkpoint), text_field=options.text_field,
+                             bin_dtype=options.bin_dtype, cache_dir=options.data_cache, progress=False).tokens
         check_vocab(tokens, cfg.vocab_size, options.data or "the default corpus")
         windows = eval_windows(tokens, options.seq_len)
         model = Transformer(cfg, mesh, sequence_parallel=options.sequence_parallel, init=False,

@@ -92,10 +92,22 @@ class TrainOptions(LaunchOptions):
                                       group="optimization")
     weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings", group="optimization")
     grad_clip: float = option(1.0, "clip the dense gradient norm to this (0: no clipping)", group="optimization")
-    data: str | None = option(None, "text, .npy or .bin token file (default: the embedded corpus)", group="data")
+    data: str | None = option(None, "text, .npy or .bin token file; .jsonl/.jsonl.gz/.parquet file or folder; a "
+                                    "datasets save_to_disk folder; a Megatron PREFIX (.bin + .idx); a mixture "
+                                    "'0.7 PATH_A 0.3 PATH_B' or mix.toml (default: the embedded corpus)",
+                              group="data")
     bin_dtype: str = option("uint16", "token dtype of a .bin file", choices=BIN_DTYPES, group="data")
+    text_field: str = option("text", "the text field of JSONL records / column of Parquet and datasets",
+                             group="data")
+    tokenizer: str | None = option(None, "a tokenizer.json or a folder holding one (default: --init-from's, "
+                                         "else bytes)", group="data")
+    data_cache: str | None = option(None, "folder of the token cache (default $TENSORPAR_CACHE/tokens or "
+                                          "~/.cache/tensorpar/tokens)", group="data")
+    val_data: str | None = option(None, "validation data, any --data form (default: the last --val-fraction of "
+                                        "--data)", group="data")
     val_fraction: float = option(0.05, "share of the token stream held out for validation", group="data")
     val_every: int = option(50, "validation loss every this many steps (0: only at the end)", group="data")
+    eval_every: int | None = option(None, "the same as --val-every (wins when both are given)", group="data")
     val_windows: int = option(32, "validation windows evaluated each time", group="data")
     save: str | None = option(None, "checkpoint folder (written at the end and every --save-every steps)",
                               group="checkpoints")
@@ -119,8 +131,11 @@ class EvalOptions(LaunchOptions):
     """`tensorpar eval`: the mean next-token loss of a checkpoint on a token stream."""
 
     checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
-    data: str | None = option(None, "text, .npy or .bin token file (default: the embedded corpus)")
+    data: str | None = option(None, "text, .npy or .bin token file, or any document source train --data takes "
+                                    "(not a mixture) (default: the embedded corpus)")
     bin_dtype: str = option("uint16", "token dtype of a .bin file", choices=BIN_DTYPES)
+    text_field: str = option("text", "the text field of JSONL records / column of Parquet and datasets")
+    data_cache: str | None = option(None, "folder of the token cache (default ~/.cache/tensorpar/tokens)")
     seq_len: int | None = option(None, "tokens per window (inputs; the window holds one more)", required=True)
     batch_size: int = option(8, "windows per forward pass")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
@@ -231,3 +246,20 @@ class ConvertOptions:
     dest: str | None = option(None, "the folder to write (must not exist, or be empty)", positional=True,
                               metavar="dest")
     to: str | None = option(None, "output format (default: the other one)", choices=("hf", "tensorpar"))
+
+
+@dataclasses.dataclass
+class PrepareDataOptions:
+    """`tensorpar prepare-data`: tokenize document sources ahead of time into the token cache (what `train`
+    reads), and optionally write them as a Megatron indexed dataset."""
+
+    data: str | None = option(None, "a .jsonl/.jsonl.gz/.parquet file or folder, a datasets save_to_disk folder, or "
+                                    "a mixture of them ('0.7 PATH_A 0.3 PATH_B' or mix.toml)", required=True)
+    text_field: str = option("text", "the text field of JSONL records / column of Parquet and datasets")
+    tokenizer: str | None = option(None, "a tokenizer.json or a folder holding one (default: bytes)")
+    data_cache: str | None = option(None, "folder of the token cache (default $TENSORPAR_CACHE/tokens or "
+                                          "~/.cache/tensorpar/tokens)")
+    output: str | None = option(None, "also write a Megatron indexed dataset PREFIX.bin + PREFIX.idx (one "
+                                      "source only)", metavar="PREFIX")
+    json: bool = option(False, "print one JSON line per source instead of a sentence")
+    progress: bool = option(True, "no progress bar", flag="--no-progress")

@@ -105,6 +105,26 @@ def _as_tensor(tokens) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
 
 
+def check_step(step: int, seed: int, global_batch_size: int) -> None:
+    """A TensorparError unless the step, the seed and the global batch size can address samples."""
+    if step < 0:
+        raise TensorparError(f"step must be >= 0, got {step}")
+    if global_batch_size < 1:
+        raise TensorparError(f"global batch size must be >= 1, got {global_batch_size}")
+    if seed < 0:
+        raise TensorparError(f"seed must be >= 0, got {seed}")
+
+
+def _as_array(tokens) -> np.ndarray:
+    """A 1-D integer array of `tokens` without copying a numpy array or a memory map."""
+    array = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    if array.ndim != 1:
+        raise TensorparError(f"token stream must be 1-D, got shape {tuple(array.shape)}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TensorparError(f"token ids must be integers, got {array.dtype}")
+    return array
+
+
 def _windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Non-overlapping [N, seq_len + 1] windows from the start of `tokens` (a view; remainder dropped)."""
     width = seq_len + 1
@@ -136,13 +156,13 @@ class TokenDataset:
     training, cut into windows of seq_len + 1 tokens at stride seq_len + 1.
     """
 
-    def __init__(self, tokens, seq_len: int, val_fraction: float = 0.1):
+    def __init__(self, tokens, seq_len: int, val_fraction: float = 0.1, stream_id: int | None = None):
         _check_seq_len(seq_len)
         if not 0.0 <= val_fraction < 1.0:
             raise TensorparError(f"val_fraction must lie in [0, 1), got {val_fraction}")
-        stream = _as_tensor(tokens)
+        stream = _as_array(tokens)  # a memory map stays one: windows are read when a batch asks for them
         width = seq_len + 1
-        total = stream.numel()
+        total = stream.size
         num_val = int(total * val_fraction) // width
         if val_fraction > 0 and num_val == 0 and total >= 2 * width:
             num_val = 1
@@ -154,8 +174,9 @@ class TokenDataset:
             )
         self.seq_len = seq_len
         self.val_fraction = val_fraction
-        self._train = _windows(stream[:train_len], seq_len)
-        self._val = stream[train_len:].view(num_val, width)
+        self.stream_id = stream_id  # a mixture's source number: its own shuffle, independent of the others'
+        self._train = stream[: (train_len // width) * width].reshape(-1, width)
+        self._val = stream[train_len:].reshape(num_val, width)
         self.num_train_windows = self._train.shape[0]
         self.num_val_windows = num_val
         self.train_tokens = train_len
@@ -166,34 +187,37 @@ class TokenDataset:
         if key not in self._perms:
             if len(self._perms) >= 4:  # a step touches at most a few epochs; keep the cache small
                 self._perms.clear()
-            self._perms[key] = np.random.default_rng([seed, epoch]).permutation(self.num_train_windows)
+            entropy = [seed, epoch] if self.stream_id is None else [seed, epoch, self.stream_id]
+            self._perms[key] = np.random.default_rng(entropy).permutation(self.num_train_windows)
         return self._perms[key]
 
-    def sample_indices(self, step: int, seed: int, global_batch_size: int) -> np.ndarray:
-        """Training-window indices of optimizer step `step`: stream positions [step*G, (step+1)*G)."""
-        if step < 0:
-            raise TensorparError(f"step must be >= 0, got {step}")
-        if global_batch_size < 1:
-            raise TensorparError(f"global batch size must be >= 1, got {global_batch_size}")
-        if seed < 0:
-            raise TensorparError(f"seed must be >= 0, got {seed}")
+    def shuffled_indices(self, start: int, stop: int, seed: int) -> np.ndarray:
+        """Training-window indices at positions [start, stop) of this dataset's endless shuffled stream (a new
+        permutation of the windows each epoch, fixed by the seed)."""
         n = self.num_train_windows
-        start, stop = step * global_batch_size, (step + 1) * global_batch_size
         parts = []
         for epoch in range(start // n, (stop - 1) // n + 1):
             lo, hi = max(start, epoch * n) - epoch * n, min(stop, (epoch + 1) * n) - epoch * n
             parts.append(self._permutation(seed, epoch)[lo:hi])
-        return np.concatenate(parts)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def sample_indices(self, step: int, seed: int, global_batch_size: int) -> np.ndarray:
+        """Training-window indices of optimizer step `step`: stream positions [step*G, (step+1)*G)."""
+        check_step(step, seed, global_batch_size)
+        return self.shuffled_indices(step * global_batch_size, (step + 1) * global_batch_size, seed)
+
+    def windows(self, indices) -> torch.Tensor:
+        """The training windows at `indices`: LongTensor [len(indices), seq_len + 1]."""
+        return torch.from_numpy(np.asarray(self._train[np.asarray(indices, dtype=np.int64)], dtype=np.int64))
 
     def global_batch(self, step: int, seed: int, global_batch_size: int) -> torch.Tensor:
         """The samples of optimizer step `step` (0-based): LongTensor [global_batch_size, seq_len + 1]."""
-        index = torch.from_numpy(self.sample_indices(step, seed, global_batch_size))
-        return self._train[index]
+        return self.windows(self.sample_indices(step, seed, global_batch_size))
 
     def val_windows(self, max_windows: int | None = None) -> torch.Tensor:
         """The validation windows in stream order (the first `max_windows` of them): [N, seq_len + 1]."""
         n = self.num_val_windows if max_windows is None else min(max(max_windows, 0), self.num_val_windows)
-        return self._val[:n].clone()
+        return torch.from_numpy(np.array(self._val[:n], dtype=np.int64))
 
     def __repr__(self) -> str:
         return (f"TokenDataset(seq_len={self.seq_len}, train_windows={self.num_train_windows}, "

@@ -6,6 +6,7 @@ Nothing here touches the network.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -26,6 +27,15 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         """The UTF-8 bytes of `text`; no EOS is added."""
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text."""
+        return [list(t.encode("utf-8")) for t in texts]
+
+    @property
+    def fingerprint(self) -> str:
+        """What identifies the tokenizer's ids (a cache of tokenized data is keyed by it)."""
+        return "byte-v1"
 
     def decode(self, ids) -> str:
         """Bytes back to text; ids outside 0..255 (EOS) are skipped, invalid UTF-8 becomes U+FFFD."""
@@ -82,6 +92,20 @@ class HFTokenizer:
         """Token ids of `text`, without special tokens (no BOS/EOS added)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, batched: the Rust library spreads the batch over its threads
+        (RAYON_NUM_THREADS, default all cores)."""
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # _fast: no offsets (>= 0.20)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    @property
+    def fingerprint(self) -> str:
+        """The SHA-256 of the tokenizer.json and the EOS id: what identifies the ids it produces."""
+        if not hasattr(self, "_fingerprint"):
+            with open(self.path, "rb") as f:
+                self._fingerprint = f"hf-{hashlib.sha256(f.read()).hexdigest()[:32]}-eos{self.eos_id}"
+        return self._fingerprint
+
     def decode(self, ids) -> str:
         """Text of `ids`, skipping special tokens."""
         return self._tok.decode([int(x) for x in ids], skip_special_tokens=True)
@@ -106,3 +130,14 @@ def load_tokenizer(checkpoint_dir: str | None):
         )
         return ByteTokenizer()
     return HFTokenizer(file)
+
+
+def tokenizer_from(path: str | None, fallback_dir: str | None = None):
+    """The tokenizer that `--tokenizer PATH` names (a tokenizer.json, or a folder holding one), else that of
+    `fallback_dir` (a model folder; `load_tokenizer`'s rules), else the byte tokenizer."""
+    if path is None:
+        return load_tokenizer(fallback_dir)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise TensorparError(f"tokenizer folder '{path}' holds no tokenizer.json (only tokenizer.json files of "
+                             f"Hugging Face tokenizers are read)")
+    return HFTokenizer(path)

@@ -14,7 +14,7 @@ import torch
 from tensorpar.checkpoints.sharded import load_checkpoint, save_checkpoint
 from tensorpar.checkpoints.sources import load_model_source
 from tensorpar.config.fields import changed_options, to_dict, to_toml
-from tensorpar.data import TokenDataset, check_vocab, load_tokenizer, load_tokens
+from tensorpar.data import build_dataset, describe_corpus, open_corpus, tokenizer_from, validation_windows
 from tensorpar.distributed.mesh import Mesh
 from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.optim.loss_scaler import DynamicLossScaler
@@ -43,7 +43,7 @@ class Session:
     model: Transformer
     optimizer: DistributedOptimizer | FullyShardedOptimizer
     tokenizer: object
-    dataset: TokenDataset
+    dataset: object  # a TokenDataset, or a MixtureDataset for a weighted mixture of sources
     val_windows: torch.Tensor | None
     runner: PipelineRunner | None
     start_step: int
@@ -52,6 +52,7 @@ class Session:
     run_id: str = ""  # the run's checkpoints carry it: rotation deletes only this run's
     activations: ActivationMeter = dataclasses.field(default_factory=ActivationMeter)
     scaler: DynamicLossScaler | None = None  # fp16's dynamic loss scale
+    corpus: list | None = None  # [(weight, TokenStream)] of --data: recorded in every checkpoint
 
     @property
     def options(self):
@@ -75,6 +76,8 @@ class Session:
                                             "steps", "weight_decay", "grad_clip", "data")}
         if self.scaler is not None:
             train["loss_scaler"] = self.scaler.state_dict()
+        if self.corpus is not None:
+            train["data_sources"] = describe_corpus(o.data, self.corpus, self.dataset, step, o.global_batch_size)
         return save_checkpoint(o.save, step, self.model, self.optimizer, mesh, cfg=self.run.cfg, layout=layout,
                                train=train, options=to_dict(o), run_id=self.run_id, keep_last=o.keep_last)
 
@@ -98,16 +101,21 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
         for p in model.parameters():
             p.data = p.data.to(param_dtype(o.dtype))
     model.train()
-    return model, load_tokenizer(o.init_from)
+    return model, tokenizer_from(o.tokenizer, o.init_from)
 
 
-def build_data(run: PreparedRun, tokenizer) -> tuple[TokenDataset, torch.Tensor | None]:
-    """(the token dataset, the validation windows or None)."""
+def build_data(run: PreparedRun, tokenizer) -> tuple[object, torch.Tensor | None, list]:
+    """(the training dataset, the validation windows or None, the sources [(weight, TokenStream)] of --data).
+    With --val-data the validation windows come from it and --data is all training."""
     o = run.options
-    tokens = load_tokens(o.data, tokenizer, o.bin_dtype)
-    check_vocab(tokens, run.cfg.vocab_size, o.data or "the default corpus")
-    dataset = TokenDataset(tokens, o.seq_len, o.val_fraction)
-    return dataset, dataset.val_windows(o.val_windows) if dataset.num_val_windows else None
+    kw = dict(text_field=o.text_field, bin_dtype=o.bin_dtype, cache_dir=o.data_cache, progress=False)
+    corpus = open_corpus(o.data, tokenizer, run.cfg.vocab_size, **kw)
+    dataset = build_dataset(corpus, o.seq_len, 0.0 if o.val_data else o.val_fraction)
+    if o.val_data:
+        val = validation_windows(open_corpus(o.val_data, tokenizer, run.cfg.vocab_size, **kw), o.seq_len,
+                                 o.val_windows)
+        return dataset, val, corpus
+    return dataset, dataset.val_windows(o.val_windows) if dataset.num_val_windows else None, corpus
 
 
 def build_optimizer(model, mesh: Mesh, o) -> DistributedOptimizer | FullyShardedOptimizer:
@@ -121,7 +129,19 @@ def build_optimizer(model, mesh: Mesh, o) -> DistributedOptimizer | FullySharded
                                 bucket_bytes=int(o.bucket_mb * 2**20), reduce_dtype=reduce_dtype)
 
 
-def resume(run: PreparedRun, model, optimizer, mesh: Mesh) -> int:
+def warn_if_data_changed(saved: dict | None, corpus: list, spec: str | None) -> None:
+    """A warning when the data differs in content from the checkpoint's (the samples will then differ)."""
+    if not saved:
+        return
+    now = describe_corpus(spec, corpus)
+    if saved.get("fingerprint") != now["fingerprint"]:
+        was = ", ".join(f"{x['weight']:.3g} {x['path']} ({x['tokens']:,} tokens)" for x in saved.get("sources", []))
+        new = ", ".join(f"{x['weight']:.3g} {x['path']} ({x['tokens']:,} tokens)" for x in now["sources"])
+        sys.stderr.write(f"tensorpar: warning: the training data differs from the checkpoint's (was: {was}; now: "
+                         f"{new}): the samples (and the continued losses) will differ from the original run's\n")
+
+
+def resume(run: PreparedRun, model, optimizer, mesh: Mesh, corpus: list) -> int:
     """Load the checkpoint being resumed into this rank's shards; say what changed since it was saved; its step."""
     o, meta = run.options, run.resume_meta
     load_checkpoint(o.resume, model, optimizer, run.cfg, verify=False)  # validate() hashed the shards
@@ -132,6 +152,7 @@ def resume(run: PreparedRun, model, optimizer, mesh: Mesh) -> int:
         if data_order:
             sys.stderr.write(f"tensorpar: warning: resuming with {', '.join(data_order)}: the samples (and the "
                              f"continued losses) will differ from the original run's\n")
+        warn_if_data_changed(meta.get("train", {}).get("data_sources"), corpus, o.data)
         changed = changed_options(saved, o, ignore=_INVOCATION_OPTIONS + _DATA_ORDER_OPTIONS)
         changes = f"; changed since it was saved: {', '.join(changed)}" if changed else ""
         sys.stderr.write(f"tensorpar: resuming '{o.resume}' at step {meta['step']}{changes}\n")
@@ -141,9 +162,9 @@ def resume(run: PreparedRun, model, optimizer, mesh: Mesh) -> int:
 def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None) -> Session:
     o = run.options
     model, tokenizer = build_model(run, mesh)
-    dataset, val_windows = build_data(run, tokenizer)
+    dataset, val_windows, corpus = build_data(run, tokenizer)
     optimizer = build_optimizer(model, mesh, o)
-    start_step = resume(run, model, optimizer, mesh) if o.resume else 0
+    start_step = resume(run, model, optimizer, mesh, corpus) if o.resume else 0
     runner = None
     if mesh.pp_size > 1:
         seq_shard = o.seq_len // mesh.cp_size // (mesh.tp_size if model.sequence_parallel else 1)
@@ -163,7 +184,7 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
         if saved:
             scaler.load_state_dict(saved)  # the scale survives a resume
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
-                   peak_flops(mesh.device, o.dtype), stop, run_id, scaler=scaler)
+                   peak_flops(mesh.device, o.dtype), stop, run_id, scaler=scaler, corpus=corpus)
 
 
 _DERIVED = ("dp", "micro_batch_size", "min_lr", "warmup_steps")  # worked out by validate() when not given

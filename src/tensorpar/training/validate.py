@@ -14,7 +14,7 @@ from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read
 from tensorpar.checkpoints.sources import load_config
 from tensorpar.config.fields import check_choices
 from tensorpar.config.options import TrainOptions
-from tensorpar.data import check_batch_layout
+from tensorpar.data import check_batch_layout, prepare_sources, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
 from tensorpar.distributed.mesh import resolve_layout
 from tensorpar.errors import TensorparError
@@ -100,8 +100,6 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         raise TensorparError("--save-every needs --save DIR")
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
-    if o.data and not os.path.exists(o.data):
-        raise TensorparError(f"data file '{o.data}' does not exist")
     cfg = model_config(o)
     check_model_layout(cfg, o.tp, o.sequence_parallel, o.seq_len, o.cp)
     world = world_size if world_size is not None else launched_world_size(o)
@@ -111,7 +109,11 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     if o.pp > 1 or o.virtual_stages > 1:
         stage_layers(cfg.num_layers, o.pp, o.virtual_stages)
         build_schedule(o.schedule, o.pp, o.global_batch_size // (dp * micro), o.virtual_stages)
+    # Document sources are tokenized here, once (the ranks then open the cache).
+    prepare_sources(o.data, o.val_data, tokenizer=tokenizer_from(o.tokenizer, o.init_from), text_field=o.text_field,
+                    cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
     resolved = dataclasses.replace(
         o, dp=dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
+        val_every=o.val_every if o.eval_every is None else o.eval_every,
         warmup_steps=min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps)
     return PreparedRun(resolved, options, cfg, resume_meta, world, tuple(notes))
