@@ -9,7 +9,8 @@ Per micro-batch, for a block:
 =========  ==========================================================================================
 forward    all-gather the block's flat parameters just before it runs, starting the next block's
            all-gather at the same time (it runs while this block computes); free them after the block
-           (``reshard_after_forward=False`` keeps them for the backward: more memory, one all-gather less)
+           (``reshard_after_forward=False`` keeps them for the backward: more memory, one all-gather less;
+           the stage's last block is always kept, the backward starts with it)
 backward   all-gather again when the gradient reaches the block's output, starting the previous
            block's; free them when every parameter's gradient is in, and reduce-scatter the flat
            gradient into this rank's fp32 gradient shard (asynchronously; the full gradient is dropped)
@@ -22,7 +23,8 @@ reduce-scattered once, in `finish_backward`.
 Gradient accumulation: a block's gradients are reduce-scattered after every micro-batch, not once per step.
 Keeping full gradients across micro-batches would hold the whole stage's gradients at once, which ZeRO-3 is
 there to avoid (FSDP and DeepSpeed make the same choice). Per block and micro-batch the communication is one
-all-gather in forward, one in backward (none with reshard_after_forward=False) and one reduce-scatter.
+all-gather in forward, one in backward (none with reshard_after_forward=False, nor for the stage's last block)
+and one reduce-scatter.
 """
 
 from __future__ import annotations
@@ -160,8 +162,8 @@ class FullyShardedOptimizer:
             return
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(functools.partial(self._pre_backward, i))
-            if not self.reshard_after_forward:
-                return
+            if not self.reshard_after_forward or i == len(self.units) - 1:
+                return  # the stage's last block is the first the backward needs: kept, not gathered again
         unit.free()
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
@@ -192,6 +194,9 @@ class FullyShardedOptimizer:
         self.gathered_bytes.reset_peak()
         for u in self._all:
             u.ready, u.in_backward = 0, False
+        if self.prefetch:  # what the first forward needs first, gathered side by side
+            for u in ([self.root] if self.root else []) + self.units[:1]:
+                u.start_gather()
 
     def finish_backward(self) -> None:
         """Reduce-scatter the root's gradients (after summing the tied embedding's over the pipeline's ends), wait

@@ -279,13 +279,15 @@ def step_collectives(
         else:
             if key + ("zero3",) not in _BUCKET_CACHE:
                 _BUCKET_CACHE[key + ("zero3",)] = zero3_units(params_of(cfg, layout, stage), layout.replicas)
-            root, layers = _BUCKET_CACHE[key + ("zero3",)]
-            gathers = (2 if zero3_reshard_after_forward else 1) * m
+            root, layers, last = _BUCKET_CACHE[key + ("zero3",)]
             out.append(Collective("all_gather", grads, root * param_bytes, 1, "forward", "ZeRO-3 root gather"))
             out.append(Collective("reduce_scatter", grads, root * grad_bytes, 1, "step", "ZeRO-3 root gradients"))
             for n, k in layers.items():
-                out.append(Collective("all_gather", grads, n * param_bytes, k * gathers, "forward",
-                                      "ZeRO-3 block gathers"))
+                out.append(Collective("all_gather", grads, n * param_bytes, k * m, "forward", "ZeRO-3 block gathers"))
+                again = (k - (n == last)) * m if zero3_reshard_after_forward else 0  # the last block is kept
+                if again:
+                    out.append(Collective("all_gather", grads, n * param_bytes, again, "backward",
+                                          "ZeRO-3 block gathers for the backward"))
                 out.append(Collective("reduce_scatter", grads, n * grad_bytes, k * m, "backward",
                                       "ZeRO-3 block gradients"))
         if layout.zero:
@@ -310,9 +312,9 @@ def params_of(cfg, layout: Layout, stage: int | None) -> list[tuple[str, int, in
     return local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages)
 
 
-def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[int, int]]:
+def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[int, int], int]:
     """ZeRO-3's gather units of a stage's (name, numel, ndim) parameters, each padded to a multiple of dp:
-    (elements of the root unit, {elements of a block unit: how many blocks})."""
+    (elements of the root unit, {elements of a block unit: how many blocks}, elements of the last block)."""
     root, blocks = 0, defaultdict(int)
     for name, n, _ in params:
         if name.startswith("layers."):
@@ -322,7 +324,8 @@ def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[
     sizes: dict[int, int] = defaultdict(int)
     for n in blocks.values():
         sizes[math.ceil(n / dp) * dp] += 1
-    return math.ceil(root / dp) * dp, dict(sizes)
+    last = math.ceil(list(blocks.values())[-1] / dp) * dp if blocks else 0
+    return math.ceil(root / dp) * dp, dict(sizes), last
 
 
 def bucket_sizes(numels: list[int], elem_bytes: int, bucket_bytes: int) -> list[int]:
