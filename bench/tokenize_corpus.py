@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Tokens per second of data preparation: tensorpar's tokenizer pass vs a single-threaded loop.
 
-    .venv/bin/python bench/tokenize.py                  # a 100 MB JSONL corpus, 2 threads
-    .venv/bin/python bench/tokenize.py --size-mb 10     # a quick check
+    .venv/bin/python bench/tokenize_corpus.py                  # a 100 MB JSONL corpus, 2 threads
+    .venv/bin/python bench/tokenize_corpus.py --size-mb 10     # a quick check
 
 The bench writes a JSONL corpus of `--size-mb` MB (synthetic English-like documents: words drawn from a
 Zipf distribution over a fixed word list, seeded), trains a byte-level BPE tokenizer (vocabulary
@@ -23,21 +23,16 @@ the fastest of each kind counts. The last line reads ``prepare=X tok/s loop=Y to
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import resource
 import sys
+import subprocess
+import tempfile
+import time
 
-# This file's name shadows the standard library's `tokenize` (which numpy, json tracebacks and linecache
-# import) when it runs as a script: take its folder off the import path first.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import resource  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 WORDS = ("the of and to in is was for that with as on by it from at his an were are which this be or has had "
          "not first one their its new after but who they have her she two been other when there all during into "
