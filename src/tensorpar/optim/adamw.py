@@ -8,9 +8,10 @@ from torch import nn
 from tensorpar.errors import TensorparError
 
 
-def takes_weight_decay(param: torch.Tensor) -> bool:
-    """Matrices and embeddings (ndim >= 2) decay; biases and norm weights do not."""
-    return param.ndim >= 2
+def takes_weight_decay(param: torch.Tensor | torch.Size) -> bool:
+    """Matrices and embeddings (ndim >= 2) decay; biases and norm weights do not. Takes a parameter or its shape
+    (ZeRO-3 frees a parameter's storage between uses)."""
+    return len(getattr(param, "shape", param)) >= 2
 
 
 def build_optimizer(

@@ -176,12 +176,16 @@ class DistributedOptimizer:
         if bucket.ready == len(bucket.params) * self._expected and not bucket.deferred:
             self._launch(bucket)
 
-    def _gather_grad(self, b: _Bucket, param: torch.Tensor) -> None:
-        """ZeRO-2: move the gradient into its bucket (allocated now if needed); hand a full bucket to the queue."""
+    def _ensure_grad_buffer(self, b: _Bucket) -> torch.Tensor:
+        """ZeRO-2: the bucket's gradient buffer, allocated (and counted) when first needed."""
         if b.grad_buffer is None:
             b.grad_buffer = torch.zeros(b.padded, dtype=self.reduce_dtype, device=b.grad_shard.device)
             self.grad_bytes.add(nbytes(b.grad_buffer))
-        add_to_flat(b.grad_buffer, param, b.offset_of[id(param)])
+        return b.grad_buffer
+
+    def _gather_grad(self, b: _Bucket, param: torch.Tensor) -> None:
+        """ZeRO-2: move the gradient into its bucket (allocated now if needed); hand a full bucket to the queue."""
+        add_to_flat(self._ensure_grad_buffer(b), param, b.offset_of[id(param)])
         if b.ready % len(b.params) == 0 and not b.deferred:
             self.queue.push(b, b.grad_buffer)
             b.grad_buffer = None
@@ -199,9 +203,7 @@ class DistributedOptimizer:
         """Start any bucket not yet started (in bucket order, the same on every rank), wait for all, average."""
         if self.zero == 2:
             return self._finish_zero2()
-        for p in self.tied:
-            b = self._bucket_of[id(p)]
-            self.mesh.embed_group.all_reduce(b.grad_buffer[b.offset_of[id(p)] : b.offset_of[id(p)] + p.numel()])
+        self._sum_tied_across_stages()
         for b in self.buckets:
             if b.pending is None:
                 self._launch(b)
@@ -217,17 +219,21 @@ class DistributedOptimizer:
             else:
                 b.grad_buffer.div_(self.dp.size)
 
+    def _sum_tied_across_stages(self) -> None:
+        """Sum the tied embedding's gradient over its first- and last-stage copies (in its bucket's buffer)."""
+        for p in self.tied:
+            b = self._bucket_of[id(p)]
+            offset = b.offset_of[id(p)]
+            self.mesh.embed_group.all_reduce(b.grad_buffer[offset : offset + p.numel()])
+
     def _finish_zero2(self) -> None:
-        for b in self.buckets:
-            if b.deferred:  # the tied embedding's bucket: its stages' gradients summed first
-                if b.grad_buffer is None:
-                    b.grad_buffer = torch.zeros(b.padded, dtype=b.grad_shard.dtype, device=b.grad_shard.device)
-                    self.grad_bytes.add(nbytes(b.grad_buffer))
-                for p, offset in zip(b.params, b.offsets):
-                    if getattr(p, "pipeline_tied", False):
-                        self.mesh.embed_group.all_reduce(b.grad_buffer[offset : offset + p.numel()])
-                self.queue.push(b, b.grad_buffer)
-                b.grad_buffer = None
+        deferred = [b for b in self.buckets if b.deferred]  # the tied embedding's: its stages' gradients first
+        for b in deferred:
+            self._ensure_grad_buffer(b)
+        self._sum_tied_across_stages()
+        for b in deferred:
+            self.queue.push(b, b.grad_buffer)
+            b.grad_buffer = None
         self.queue.drain()
         for b in self.buckets:
             b.grad_shard.div_(self.dp.size)
@@ -301,10 +307,9 @@ class DistributedOptimizer:
     def reload_parameters(self) -> None:
         """After parameters were overwritten in place (a checkpoint load): refresh the master slices."""
         if self.zero or self.mixed:
-            rank, size = self._slice_group.rank, self._slice_group.size
             for b in self.buckets:
-                per_rank = b.padded // size
-                b.master.copy_(b.param_buffer[rank * per_rank : (rank + 1) * per_rank])
+                lo, hi = slice_bounds(b.padded, self._slice_group.rank, self._slice_group.size)
+                b.master.copy_(b.param_buffer[lo:hi])
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (AdamW moments) held by this rank."""

@@ -173,12 +173,16 @@ class FullyShardedOptimizer:
         if self.prefetch and i > 0:
             self.units[i - 1].start_gather()
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        unit, offset = self._place[id(param)]
+    def _full_grad(self, unit: _Unit) -> torch.Tensor:
+        """The unit's full-size gradient buffer of this micro-batch (the root's: of the step), allocated when needed."""
         if unit.full_grad is None:
             unit.full_grad = torch.zeros(unit.padded, dtype=self.reduce_dtype, device=unit.grad_shard.device)
             self.grad_bytes.add(nbytes(unit.full_grad))
-        add_to_flat(unit.full_grad, param, offset)
+        return unit.full_grad
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        unit, offset = self._place[id(param)]
+        add_to_flat(self._full_grad(unit), param, offset)
         unit.ready += 1
         if unit.ready == len(unit.params) and not unit.root:
             unit.ready, unit.in_backward = 0, False
@@ -203,12 +207,10 @@ class FullyShardedOptimizer:
         for every reduce-scatter, and average."""
         root = self.root
         if root is not None:
-            if root.full_grad is None:
-                root.full_grad = torch.zeros(root.padded, dtype=self.reduce_dtype, device=root.grad_shard.device)
-                self.grad_bytes.add(nbytes(root.full_grad))
+            full_grad = self._full_grad(root)
             for off, numel in self.tied:
-                self.mesh.embed_group.all_reduce(root.full_grad[off : off + numel])
-            self.queue.push(root, root.full_grad)
+                self.mesh.embed_group.all_reduce(full_grad[off : off + numel])
+            self.queue.push(root, full_grad)
             root.full_grad, root.ready = None, 0
         self.queue.drain()
         for u in self._all:

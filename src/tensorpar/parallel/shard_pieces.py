@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tensorpar.layers.sharding import shard_spec, tag
+from tensorpar.optim.adamw import takes_weight_decay
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -50,7 +51,7 @@ def cut_pieces(params, shapes, offsets, lo_b: int, hi_b: int, master: torch.Tens
         tag(piece, shard_spec(p))
         if getattr(p, "pipeline_duplicate", False):
             piece.pipeline_duplicate = True
-        groups[0 if len(shape) >= 2 else 1]["params"].append(piece)  # as takes_weight_decay(p)
+        groups[0 if takes_weight_decay(shape) else 1]["params"].append(piece)
         pieces.append(Piece(piece, lo, hi, p, offset))
     return pieces
 

@@ -47,9 +47,8 @@ def train_step(s: Session, step: int) -> dict:
         if s.runner is not None:
             step_loss += s.runner.train_step(batches, seed_of, scale)
         else:
-            for i, batch in enumerate(batches):
-                with s.autocast():
-                    loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i))
+            for i, batch in enumerate(batches):  # bf16/fp16: the parameters themselves are cast, no autocast
+                loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i))
                 (loss * (scale / len(batches))).backward()
                 step_loss += loss.detach().float() / len(batches)
     s.optimizer.finish_backward()

@@ -3,7 +3,6 @@ data, the optimizer, the state of a resumed checkpoint, and the pipeline executo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
@@ -61,10 +60,6 @@ class Session:
     @property
     def is_main(self) -> bool:
         return self.mesh.rank == 0
-
-    def autocast(self):
-        """Training casts the parameters themselves (bf16, fp16): no autocast."""
-        return contextlib.nullcontext()
 
     def save(self, step: int) -> str:
         """Save step `step`'s checkpoint (a collective: every rank calls it)."""
