@@ -53,3 +53,16 @@ def test_vocab_parallel_embedding_1001_rows_matches_nn_embedding(pools, tp, mode
         assert max(errs.values()) <= 1e-5, errs
         assert padding_sum == 0.0, "padding rows must stay zero"
         assert rows == (1001 if replicated else -(-1001 // tp))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_table_sums_a_frequent_rows_gradient_in_fp32(dtype):
+    # 1000 lookups of row 0 with gradient 0.01 each: 10.0. Summed in bf16 the row stops near 4 (PyTorch's CPU
+    # embedding backward); each addend is exact in fp32, so the wide sum rounds once.
+    layer = VocabParallelEmbedding(4, 3, init=False, dtype=dtype)
+    ids = torch.zeros(2, 500, dtype=torch.long)
+    layer(ids).backward(torch.full((2, 500, 3), 0.01, dtype=dtype))
+    expected = torch.full((1000,), 0.01, dtype=dtype).float().sum()
+    assert layer.weight.grad.dtype == dtype
+    torch.testing.assert_close(layer.weight.grad[0].float(), expected.expand(3), rtol=4e-3, atol=0)
+    assert layer.weight.grad[1:].eq(0).all()

@@ -13,6 +13,35 @@ from tensorpar.distributed.ops import reduce_from_tp, reduce_scatter_to_sp, scat
 from tensorpar.layers.sharding import ShardSpec, make_generator, padded, tag, take_shard
 
 
+class _LookupWithWideGrad(torch.autograd.Function):
+    """`weight[ids]` whose backward sums each row's gradients in fp32 before rounding to the table's dtype.
+
+    PyTorch's CPU embedding backward accumulates in the weight's dtype: in bf16 a row looked up a few hundred
+    times stops growing once its sum is 2^8 times the addends (a byte-level vocabulary's space: about 15% of
+    all tokens). Local: no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        wide = torch.zeros(ctx.weight_shape, dtype=torch.float32, device=grad.device)
+        wide.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).float())
+        return None, wide.to(ctx.weight_dtype)
+
+
+def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.embedding(ids, weight)`, with the weight gradient accumulated in fp32 when the table is bf16/fp16."""
+    if weight.dtype in (torch.bfloat16, torch.float16) and weight.requires_grad and torch.is_grad_enabled():
+        return _LookupWithWideGrad.apply(ids, weight)
+    return F.embedding(ids, weight)
+
+
 def default_embedding_init(weight: torch.Tensor, generator: torch.Generator) -> None:
     """nn.Embedding's own initialisation: N(0, 1)."""
     nn.init.normal_(weight, generator=generator)
@@ -101,11 +130,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.replicated or self.tp_group.size == 1:
-            out = F.embedding(ids, self.weight)
+            out = embedding_lookup(ids, self.weight)
             return scatter_to_sp(out, self.tp_group) if self.sequence_parallel else out
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = embedding_lookup(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sp(out, self.tp_group)
         return reduce_from_tp(out, self.tp_group)

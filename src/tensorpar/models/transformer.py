@@ -24,7 +24,7 @@ from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layers.attention import ParallelAttention
 from tensorpar.layers.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.layers.dropout import mix_seed, seeded_dropout
-from tensorpar.layers.embedding import VocabParallelEmbedding
+from tensorpar.layers.embedding import VocabParallelEmbedding, embedding_lookup
 from tensorpar.layers.lm_head import VocabParallelLMHead
 from tensorpar.layers.mlp import ParallelMLP
 from tensorpar.layers.norms import Norm
@@ -168,7 +168,7 @@ class Transformer(nn.Module):
         h = self.embed(ids)
         if self.pos_embed is not None:
             seq_len = context.seq_len if context is not None else ids.shape[1]
-            pos = self.pos_embed[self.positions(seq_len, context, ids.device)]
+            pos = embedding_lookup(self.positions(seq_len, context, ids.device), self.pos_embed)
             if self.sequence_parallel:
                 # Each rank adds the positions of its shard; the gradient of the [S, H] slice is summed across TP.
                 pos = copy_to_tp(pos, self.tp_group).chunk(self.tp_group.size, 0)[self.tp_group.rank]
