@@ -44,11 +44,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """`x`: rows grouped by local expert, `sizes[i]` rows for local expert i; returns their outputs."""
-        outs, start = [], 0
-        for i, size in enumerate(sizes):
-            rows = x[start : start + size]
-            start += size
-            h = rows @ self.up_proj[i].t()
-            h = self.act(rows @ self.gate_proj[i].t()) * h if self.gate_proj is not None else self.act(h)
-            outs.append(h @ self.down_proj[i].t())
+        # unbind once (its backward stacks the experts' gradients in one op; indexing each would allocate a
+        # whole zero gradient per expert)
+        up, down = self.up_proj.unbind(0), self.down_proj.unbind(0)
+        gate = self.gate_proj.unbind(0) if self.gate_proj is not None else None
+        outs = []
+        for i, rows in enumerate(x.split(sizes, 0)):
+            h = rows @ up[i].t()
+            h = self.act(rows @ gate[i].t()) * h if gate is not None else self.act(h)
+            outs.append(h @ down[i].t())
         return torch.cat(outs, 0)
