@@ -184,6 +184,9 @@ def _llama_config(hf: dict) -> ModelConfig:
 
 def check_representable(cfg: ModelConfig) -> None:
     """Refuse configs that have no Hugging Face GPT2LMHeadModel / LlamaForCausalLM equivalent."""
+    if cfg.is_moe:
+        raise TensorparError("Hugging Face export of mixture-of-experts models (Mixtral, Qwen2-MoE) is not "
+                             "supported yet: keep the tensorpar checkpoint")
     if cfg.family == "gpt2":
         wanted = dict(norm="layernorm", position="learned", gated_mlp=False, bias=True, num_kv_heads=cfg.num_heads)
         actual = dict(norm=cfg.norm, position=cfg.position, gated_mlp=cfg.gated_mlp, bias=cfg.bias,

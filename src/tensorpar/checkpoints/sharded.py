@@ -12,11 +12,18 @@ Saving is atomic: files go to ``DIR/.tmp-step-000120``, which rank 0 renames int
 after every file is written, then ``DIR/latest`` is replaced. A run killed mid-save leaves the
 previous checkpoint and `latest` untouched. Loading rebuilds each dense tensor from the saved
 shards and cuts this rank's shard for the current layout: any (tp, pp, dp, zero) resumes any other.
+
+Mixture-of-experts models: the routed experts' stacked weights (ShardSpec group "ep") are not in the
+model files but in one file per expert-parallel rank and stage (``experts-ep01-pp00.safetensors``,
+written by expert-DP rank 0): rank e's slice of the [num_experts, ...] tensors, i.e. the experts with
+global indices [e * E/ep, (e+1) * E/ep). Their meta entries say ``"group": "ep"``; loading concatenates
+the slices and cuts the current EP rank's, so any ep resumes any other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,7 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import ShardSpec, shard_spec, shard_tensor
+from tensorpar.layers.sharding import ShardSpec, group_for, shard_spec, shard_tensor
 from tensorpar.models.state import dense_shape
 
 FORMAT = "tensorpar-checkpoint"
@@ -50,6 +57,28 @@ def step_folder(root: str, step: int) -> str:
 
 def shard_file_name(tp_rank: int, pp_rank: int) -> str:
     return f"model-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+def expert_file_name(ep_rank: int, pp_rank: int) -> str:
+    return f"experts-ep{ep_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+def _write_shard(tmp: str, file_name: str, params: dict, moments: dict, step: int, position: dict) -> dict:
+    """Write `params` (name -> local tensor) and their AdamW moments to `tmp/file_name`; its entry for meta.json."""
+    tensors = {}
+    for name, p in params.items():
+        # bf16/fp16 training saves its fp32 master weights: a resume continues exactly
+        tensors[f"param/{name}"] = moments[name].get("master", p.detach()).contiguous().cpu()
+        for kind in ("exp_avg", "exp_avg_sq"):
+            tensors[f"{kind}/{name}"] = moments[name][kind].contiguous().cpu()
+    path = os.path.join(tmp, file_name)
+    save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
+    _save_delay_for_tests()
+    return {
+        "file": file_name, "bytes": os.path.getsize(path), "sha256": _sha256(path), **position,
+        "tensors": {name: {"shape": list(dense_shape(p, shard_spec(p))), **_spec_dict(shard_spec(p))}
+                    for name, p in params.items()},
+    }
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -75,35 +104,22 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
         params = dict(model.named_parameters())
         names = {id(p): n for n, p in params.items()}
         moments, opt_step = optimizer.local_state(names)  # collective over DP when ZeRO shards the moments
-        info = None
+        saved = {n: p for n, p in params.items() if not getattr(p, "pipeline_duplicate", False)}  # the first
+        dense = {n: p for n, p in saved.items() if not shard_spec(p).expert}  # stage saves the tied embedding
+        experts = {n: p for n, p in saved.items() if shard_spec(p).expert}
+        info = []
         if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # one writer per (tp, pp) position
-            tensors = {}
-            for name, p in params.items():
-                if getattr(p, "pipeline_duplicate", False):
-                    continue  # the first stage saves the tied embedding
-                # bf16/fp16 training saves its fp32 master weights: a resume continues exactly
-                tensors[f"param/{name}"] = moments[name].get("master", p.detach()).contiguous().cpu()
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    tensors[f"{kind}/{name}"] = moments[name][kind].contiguous().cpu()
-            file_name = shard_file_name(mesh.tp_rank, mesh.pp_rank)
-            path = os.path.join(tmp, file_name)
-            save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
-            _save_delay_for_tests()
-            info = {
-                "file": file_name, "bytes": os.path.getsize(path), "sha256": _sha256(path),
-                "tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank,
-                "tensors": {
-                    name: {"shape": list(dense_shape(p, shard_spec(p))), **_spec_dict(shard_spec(p))}
-                    for name, p in params.items() if not getattr(p, "pipeline_duplicate", False)
-                },
-            }
-    infos = world.all_gather_object(info)
+            info.append(_write_shard(tmp, shard_file_name(mesh.tp_rank, mesh.pp_rank), dense, moments, step,
+                                     {"tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank}))
+        if experts and mesh.expert_dp_group.rank == 0:  # one writer per (ep, pp) position
+            info.append(_write_shard(tmp, expert_file_name(mesh.ep_rank, mesh.pp_rank), experts, moments, step,
+                                     {"ep_rank": mesh.ep_rank, "pp_rank": mesh.pp_rank}))
+    infos = [item for items in world.all_gather_object(info) for item in items]
     if mesh.rank == 0:
         files, tensors = {}, {}
         for item in infos:
-            if item is None:
-                continue
-            files[item["file"]] = {k: item[k] for k in ("bytes", "sha256", "tp_rank", "pp_rank")}
+            files[item["file"]] = {k: item[k] for k in ("bytes", "sha256", "tp_rank", "ep_rank", "pp_rank")
+                                   if k in item}
             for name, spec in item["tensors"].items():
                 tensors.setdefault(name, {**spec, "pp_rank": item["pp_rank"]})
         meta = {"format": FORMAT, "version": 1, "step": step, "optimizer_step": opt_step, "model": cfg.to_dict(),
@@ -120,8 +136,11 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
 
 
 def _spec_dict(spec: ShardSpec) -> dict:
-    return {"dim": spec.dim, "full_size": spec.full_size, "padded_size": spec.padded_size,
-            "replicas": spec.replicas}
+    out = {"dim": spec.dim, "full_size": spec.full_size, "padded_size": spec.padded_size,
+           "replicas": spec.replicas}
+    if spec.expert:
+        out["group"] = "ep"  # split over the expert-parallel ranks (whose files are experts-ep*)
+    return out
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -256,8 +275,10 @@ def check_compatible(meta: dict, cfg, source: str) -> None:
     saved = meta["model"]
     current = cfg.to_dict()
     ignore = {"dropout"}
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs model {current[k]!r}"
-             for k in current if k not in ignore and saved.get(k) != current[k]]
+    # a field the checkpoint predates (the MoE ones) had its default value then
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
+    diffs = [f"{k}: checkpoint {saved.get(k, defaults.get(k))!r} vs model {current[k]!r}"
+             for k in current if k not in ignore and saved.get(k, defaults.get(k)) != current[k]]
     if diffs:
         raise TensorparError(f"checkpoint '{source}' is of another model: " + "; ".join(diffs[:4]))
 
@@ -269,8 +290,11 @@ class CheckpointReader:
 
     def __init__(self, step_dir: str, meta: dict):
         self.step_dir, self.meta = step_dir, meta
-        self.by_position = {(f["tp_rank"], f["pp_rank"]): name for name, f in meta["files"].items()}
+        files = meta["files"].items()
+        self.by_position = {(f["tp_rank"], f["pp_rank"]): name for name, f in files if "tp_rank" in f}
+        self.by_expert_rank = {(f["ep_rank"], f["pp_rank"]): name for name, f in files if "ep_rank" in f}
         self.tp = meta["layout"]["tp"]
+        self.ep = meta["layout"].get("ep", 1)
 
     def _read(self, file_name: str, key: str) -> torch.Tensor:
         path = os.path.join(self.step_dir, file_name)
@@ -290,7 +314,10 @@ class CheckpointReader:
         key = f"{kind}/{name}"
         if info["dim"] is None:
             return self._read(self.by_position[(0, pp_rank)], key)
-        parts = [self._read(self.by_position[(t, pp_rank)], key) for t in range(0, self.tp, info["replicas"])]
+        if info.get("group") == "ep":
+            parts = [self._read(self.by_expert_rank[(e, pp_rank)], key) for e in range(self.ep)]
+        else:
+            parts = [self._read(self.by_position[(t, pp_rank)], key) for t in range(0, self.tp, info["replicas"])]
         full = torch.cat(parts, info["dim"])
         return full.narrow(info["dim"], 0, info["full_size"])
 
@@ -305,7 +332,6 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
     if cfg is not None:
         check_compatible(meta, cfg, path)
     reader = CheckpointReader(step_dir, meta)
-    tp = model.tp_group
     params = dict(model.named_parameters())
     missing = [n for n in params if n not in meta["tensors"]]
     if missing:
@@ -314,11 +340,12 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
     with torch.no_grad(), (optimizer.gathered() if optimizer is not None else contextlib.nullcontext()):
         for name, p in params.items():
             spec = shard_spec(p)
-            p.copy_(shard_tensor(reader.dense(name), spec, tp.rank, tp.size))
+            g = group_for(spec, model)  # TP, or EP for the routed experts
+            p.copy_(shard_tensor(reader.dense(name), spec, g.rank, g.size))
             if optimizer is not None:  # the moments, and the fp32 weights for the masters of bf16/fp16 training
-                moments[name] = {k: shard_tensor(reader.dense(name, k), spec, tp.rank, tp.size)
+                moments[name] = {k: shard_tensor(reader.dense(name, k), spec, g.rank, g.size)
                                  for k in ("exp_avg", "exp_avg_sq")}
-                moments[name]["master"] = shard_tensor(reader.dense(name).float(), spec, tp.rank, tp.size)
+                moments[name]["master"] = shard_tensor(reader.dense(name).float(), spec, g.rank, g.size)
         if optimizer is not None:
             optimizer.reload_parameters()
     if optimizer is not None:

@@ -95,6 +95,11 @@ def plan_layouts(options):
     """(config, cluster, ranked plans) for parsed layout-mode arguments."""
     _check_args(options)
     cfg = get_config(options.model)
+    if cfg.is_moe:
+        raise TensorparError(f"'{options.model}' is a mixture-of-experts model ({cfg.num_experts} experts, "
+                             f"{cfg.num_parameters() / 1e9:.1f}B parameters, {cfg.num_parameters(active=True) / 1e9:.1f}B "
+                             f"active): the planner does not model expert layers yet, and planning it as a dense model "
+                             f"would mislead")
     cluster = _cluster(options)
     space = {"virtual_stages": tuple(range(1, options.virtual_stages + 1)), "max_micro_batch": options.max_micro_batch,
              "zero": tuple(options.zero), "recompute": tuple(options.recompute), "cp": tuple(options.cp),

@@ -39,7 +39,7 @@ def print_summary(s: dict) -> None:
     resumed = f" (resumed at step {s['start_step']})" if s.get("start_step") else ""
     print(f"\ntrained{resumed} {s['model']} ({s['parameters'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
           f"{s['tokens']:,} tokens: tp={lay['tp']}{' cp=' + str(lay['cp']) if lay['cp'] > 1 else ''} pp={lay['pp']} "
-          f"dp={lay['dp']}"
+          f"dp={lay['dp']}{' ep=' + str(lay['ep']) if 'ep' in lay else ''}"
           f"{' zero-' + str(lay['zero']) if lay['zero'] else ''}"
           f"{' ' + lay['schedule'] + (' v=' + str(lay['virtual_stages']) if lay['virtual_stages'] > 1 else '') if lay['schedule'] else ''}"
           f"{' +sequence-parallel' if lay['sequence_parallel'] else ''}, recompute={lay['recompute']}, {lay['dtype']}")
@@ -47,6 +47,11 @@ def print_summary(s: dict) -> None:
     print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{val}")
     print(f"{s['time_s']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% "
           f"(of the {s['peak_flops_source']})")
+    if s.get("moe"):
+        m = s["moe"]
+        print(f"experts: aux loss {m['final_aux_loss']:.4f}, z-loss {m['final_z_loss']:.4f} (last step), load "
+              f"imbalance {m['mean_load_imbalance']:.2f} (busiest / mean expert, mean over steps), "
+              f"{m['dropped_tokens']:,} routing choices dropped")
     if s.get("memory_mib_per_rank") and s["memory_mib_per_rank"][0]:
         print(memory_line(s["memory_mib_per_rank"]))
     if s.get("loss_plot"):

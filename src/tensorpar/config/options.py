@@ -57,6 +57,9 @@ class TrainOptions(LaunchOptions):
     init_from: str | None = option(None, "start from a Hugging Face folder or a tensorpar checkpoint", group="model")
     dropout: float = option(0.0, "dropout probability (embedding, residual, attention)", group="model")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
+    ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, the "
+                        "tp x cp x dp ranks of a stage regrouped into ep x expert-DP for the MoE layers (needs no "
+                        "more processes; ep must divide tp x cp x dp)", group=LAYOUT)
     zero: int = option(0, "ZeRO stage over the DP group: 1 shards optimizer states, 2 also gradients, 3 also "
                           "parameters (each block gathered just before use)", choices=ZERO_STAGES, group=LAYOUT)
     zero3_reshard_after_forward: bool = option(True, "ZeRO-3: keep a block's gathered parameters from its forward "

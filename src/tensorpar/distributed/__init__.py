@@ -3,6 +3,7 @@
 from tensorpar.distributed.comm import CommStats, Group, as_group
 from tensorpar.distributed.mesh import Mesh, group_ranks, init_mesh, resolve_layout, world_from_env
 from tensorpar.distributed.ops import (
+    all_to_all_ep,
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
@@ -16,5 +17,5 @@ from tensorpar.distributed.ops import (
 __all__ = [
     "CommStats", "Group", "as_group", "Mesh", "init_mesh", "group_ranks", "resolve_layout", "world_from_env",
     "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp",
-    "gather_from_sp", "reduce_scatter_to_sp", "scatter_to_sp", "mean_from_cp",
+    "gather_from_sp", "reduce_scatter_to_sp", "scatter_to_sp", "mean_from_cp", "all_to_all_ep",
 ]

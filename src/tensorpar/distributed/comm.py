@@ -13,6 +13,7 @@ all_gather         the gathered output (group size x input)
 reduce_scatter     the input being reduced (group size x output)
 broadcast / reduce the tensor broadcast or reduced
 scatter / gather   the full (unscattered / gathered) tensor
+all_to_all         the tensor this rank sends (the sum of its split sizes)
 send / recv        the tensor sent or received
 =================  =========================================================
 """
@@ -276,6 +277,17 @@ class Group:
         self._run(
             "reduce_scatter", tensor, lambda: _reduce_scatter_single(out, tensor, op=_REDUCE_OPS[op], group=self.pg)
         )
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        """Send rows [sum(send_sizes[:r]), sum(send_sizes[:r+1])) of `tensor` to group rank r and receive
+        recv_sizes[r] rows from it; returns the received rows, in group-rank order (split sizes may differ)."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((sum(recv_sizes),) + tuple(tensor.shape[1:]))
+        self._run("all_to_all", tensor, lambda: dist.all_to_all_single(
+            out, tensor, output_split_sizes=list(recv_sizes), input_split_sizes=list(send_sizes), group=self.pg))
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -8,6 +8,13 @@ so the ranks of one TP group are contiguous (on one node, sharing the fast links
 ring is the next closest, and a pipeline stage is a block of tp * cp * dp consecutive ranks. Parameter
 gradients are averaged over DP x CP (`dp_cp_group`: the ranks that hold the same parameters and see
 different tokens); with cp = 1 that group is the DP group itself.
+
+Mixture-of-experts runs fold the same tp x cp x dp ranks of a pipeline stage differently for their
+expert layers ("parallel folding", as Megatron-Core does): expert-TP (1) fastest, then EP, then
+expert-DP, so that the stage's n = tp * cp * dp ranks (in rank order) form n / ep expert-parallel
+groups of ep consecutive ranks, each holding all the experts between them, and ep expert-data-parallel
+groups (ranks ep apart), whose members hold the same experts and over which expert gradients are
+summed. EP may therefore exceed DP: at tp 2 x dp 2, ep 4 spans the TP and the DP ranks.
 """
 
 from __future__ import annotations
@@ -58,13 +65,25 @@ def resolve_layout(world_size: int, tp: int, pp: int = 1, dp: int | None = None,
     return tp, pp, dp
 
 
+def check_expert_layout(tp: int, cp: int, dp: int, ep: int) -> None:
+    """Refuse an expert-parallel size that does not fold onto the tp x cp x dp ranks of a pipeline stage."""
+    if not isinstance(ep, int) or ep < 1:
+        raise LayoutError(f"ep must be a positive integer, got {ep!r}")
+    stage = tp * cp * dp
+    if stage % ep:
+        valid = [d for d in range(1, stage + 1) if stage % d == 0]
+        raise LayoutError(f"ep={ep} does not fold onto the {stage} ranks of a pipeline stage (tp={tp} x cp={cp} x "
+                          f"dp={dp}): expert parallelism regroups those ranks, so ep must divide {stage}; valid: {valid}")
+
+
 def rank_grid(tp: int, pp: int, dp: int, cp: int = 1) -> torch.Tensor:
     """Global ranks arranged as [pp, dp, cp, tp]: grid[p, d, c, t] is the rank with those coordinates."""
     return torch.arange(tp * pp * dp * cp).reshape(pp, dp, cp, tp)
 
 
-def group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[list[int]]]:
-    """Every group of each dimension, as lists of global ranks ("dp_cp" only when cp > 1)."""
+def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int | None = None) -> dict[str, list[list[int]]]:
+    """Every group of each dimension, as lists of global ranks ("dp_cp" only when cp > 1; the expert groups "ep"
+    and "edp" only when `ep` is given, for a mixture-of-experts model)."""
     g = rank_grid(tp, pp, dp, cp)
     groups = {
         "tp": [g[p, d, c, :].tolist() for p in range(pp) for d in range(dp) for c in range(cp)],
@@ -77,6 +96,10 @@ def group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[list[i
     }
     if cp > 1:
         groups["dp_cp"] = [g[p, :, :, t].flatten().tolist() for p in range(pp) for t in range(tp)]
+    if ep is not None:
+        stages = [g[p].flatten().tolist() for p in range(pp)]  # a stage's ranks in rank order
+        groups["ep"] = [stage[i : i + ep] for stage in stages for i in range(0, len(stage), ep)]
+        groups["edp"] = [stage[j::ep] for stage in stages for j in range(ep)]
     return groups
 
 
@@ -97,12 +120,16 @@ class Mesh:
     owns_process_group: bool = False
     cp_group: Group | None = None  # None: a group of this rank alone (see __post_init__)
     dp_cp_group: Group | None = None  # None: the DP group
+    ep_group: Group | None = None  # None: a group of this rank alone
+    expert_dp_group: Group | None = None  # None: no expert groups (a dense model)
 
     def __post_init__(self):
         if self.cp_group is None:
             self.cp_group = Group("cp", [self.rank], None, self.stats, self.rank)
         if self.dp_cp_group is None:
             self.dp_cp_group = self.dp_group
+        if self.ep_group is None:
+            self.ep_group = Group("ep", [self.rank], None, self.stats, self.rank)
 
     tp_size = property(lambda self: self.tp_group.size)
     tp_rank = property(lambda self: self.tp_group.rank)
@@ -112,12 +139,14 @@ class Mesh:
     dp_rank = property(lambda self: self.dp_group.rank)
     cp_size = property(lambda self: self.cp_group.size)
     cp_rank = property(lambda self: self.cp_group.rank)
+    ep_size = property(lambda self: self.ep_group.size)
+    ep_rank = property(lambda self: self.ep_group.rank)
 
     def __repr__(self) -> str:
         return (
             f"Mesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
             f"cp={self.cp_rank}/{self.cp_size}, pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
-            f"device={self.device})"
+            f"ep={self.ep_rank}/{self.ep_size}, device={self.device})"
         )
 
     def destroy(self) -> None:
@@ -129,8 +158,9 @@ class Mesh:
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             for group in (self.tp_group, self.cp_group, self.pp_group, self.dp_group, self.dp_cp_group,
-                          self.embed_group, self.world_group):
-                group.pg = None
+                          self.embed_group, self.world_group, self.ep_group, self.expert_dp_group):
+                if group is not None:
+                    group.pg = None
             gc.collect()
             self.owns_process_group = False
 
@@ -149,6 +179,7 @@ def init_mesh(
     dp: int | None = None,
     *,
     cp: int = 1,
+    ep: int | None = None,
     device: str | torch.device | None = None,
     backend: str | None = None,
     timeout: float | timedelta | None = None,
@@ -160,9 +191,14 @@ def init_mesh(
     (torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), or is a single process.
     The layout is checked before any process group is created, so a layout that cannot work
     fails at once on every rank. The backend is NCCL for CUDA devices and gloo otherwise.
+
+    `ep` (mixture-of-experts models only; None for dense ones, which then create no expert groups): the
+    expert-parallel size, folded onto each stage's tp x cp x dp ranks (see the module docstring).
     """
     world, rank, local_rank = world_from_env()
     tp, pp, dp = resolve_layout(world, tp, pp, dp, cp)
+    if ep is not None:
+        check_expert_layout(tp, cp, dp, ep)
     device = _pick_device(local_rank, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -181,7 +217,7 @@ def init_mesh(
         backend = backend or dist.get_backend()
 
     groups = {}
-    for name, all_ranks in group_ranks(tp, pp, dp, cp).items():
+    for name, all_ranks in group_ranks(tp, pp, dp, cp, ep).items():
         for ranks in all_ranks:
             # new_group is collective over the whole world: every rank creates every group, in the same order.
             pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
@@ -205,4 +241,6 @@ def init_mesh(
         owns_process_group=owns,
         cp_group=groups["cp"],
         dp_cp_group=groups.get("dp_cp"),
+        ep_group=groups.get("ep"),
+        expert_dp_group=groups.get("edp"),
     )

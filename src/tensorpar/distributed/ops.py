@@ -14,6 +14,7 @@ gather_from_sp  (g)      all-gather along the sequence       reduce-scatter alon
 reduce_scatter_to_sp     reduce-scatter along the sequence   all-gather along the sequence
 scatter_to_sp            split along the sequence            all-gather along the sequence
 mean_from_cp             all-reduce (token-weighted mean)    scale by cp x this rank's share
+all_to_all_ep            all-to-all (variable split sizes)   all-to-all with the sizes swapped
 =======================  ==================================  ==================================
 
 Every op takes the group (a Mesh, a `Group`, or None) explicitly and is the identity for a
@@ -119,6 +120,17 @@ class _MeanFromCP(torch.autograd.Function):
         return grad * ctx.scale.to(grad.dtype), None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, send_sizes, recv_sizes):
+        ctx.group, ctx.send_sizes, ctx.recv_sizes = group, send_sizes, recv_sizes
+        return group.all_to_all(x, send_sizes, recv_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_to_all(grad, ctx.recv_sizes, ctx.send_sizes), None, None, None
+
+
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -195,3 +207,12 @@ def mean_from_cp(x: torch.Tensor, count: torch.Tensor, group=None) -> torch.Tens
     """
     group = as_group(group, "cp")
     return x if group.size == 1 else _MeanFromCP.apply(x, count, group)
+
+
+def all_to_all_ep(x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group=None) -> torch.Tensor:
+    """Forward all-to-all of rows over the expert-parallel group (rank r gets `send_sizes[r]` rows of `x`, and
+    this rank gets `recv_sizes[r]` rows from rank r, in rank order); backward the reverse all-to-all (the sizes
+    swapped), which sends each row's gradient back to the rank the row came from. Dispatches tokens to the
+    ranks holding their experts, and combines the experts' outputs back."""
+    group = as_group(group, "ep")
+    return x if group.size == 1 else _AllToAll.apply(x, group, list(send_sizes), list(recv_sizes))

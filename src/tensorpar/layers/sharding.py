@@ -27,6 +27,9 @@ class ShardSpec:
       tp / replicas chunks along `dim` and rank r holds chunk r // replicas.
     - `reduce_grad_across_tp`: a replicated parameter whose gradient is computed from a sequence
       shard and so is summed across TP ranks (the layer does this itself in autograd).
+    - `group`: the mesh group the tensor is split over: "tp", or "ep" for the stacked weights of routed
+      experts, split along dim 0 (the global expert index) over the expert-parallel group. Their
+      gradients are summed over the expert-data-parallel group, not the DP group.
 
     A norm over the dense parameter is the sum over TP ranks of each local squared norm divided by
     `effective_replicas(tp)`.
@@ -37,6 +40,12 @@ class ShardSpec:
     padded_size: int | None = None
     replicas: int = 1
     reduce_grad_across_tp: bool = False
+    group: str = "tp"
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert's weight (split over the expert-parallel group)."""
+        return self.group == "ep"
 
     def effective_replicas(self, tp_size: int) -> int:
         """How many TP ranks hold an identical copy of this rank's tensor."""
@@ -50,6 +59,11 @@ def tag(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
 
 def shard_spec(param: torch.Tensor) -> ShardSpec:
     return getattr(param, "shard_spec", ShardSpec(dim=None))
+
+
+def group_for(spec: ShardSpec, owner):
+    """The group `spec` splits a tensor over, from `owner` (a model or mesh with `tp_group` and `ep_group`)."""
+    return getattr(owner, f"{spec.group}_group")
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -3,6 +3,11 @@
 One dataclass covers both families: GPT-2 (LayerNorm, learned positions, gelu_new MLP, biases,
 tied embeddings) and Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases).
 The course slides' ReLU MLP is ``activation="relu"``.
+
+Mixture-of-experts models (Mixtral, Qwen-MoE) are the same dataclass with ``num_experts > 0``: every
+``moe_layer_freq``-th layer's MLP becomes a router over ``num_experts`` expert MLPs of width
+``moe_ffn_hidden_size``, of which each token uses ``experts_per_token``, plus ``num_shared_experts``
+experts every token uses (tensorpar.layers.moe). The default, ``num_experts=0``, is a dense model.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 from tensorpar.errors import TensorparError
 
 ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +42,18 @@ class ModelConfig:
     bias: bool = True  # biases in the attention and MLP linears
     init_std: float = 0.02
     dropout: float = 0.0  # embedding, residual and attention-probability dropout
+    # Mixture of experts (0 experts: a dense model; the rest is then unused).
+    num_experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 2  # top-k
+    num_shared_experts: int = 0  # experts every token goes through (one MLP of that many times the expert width)
+    moe_ffn_hidden_size: int | None = None  # width of one expert (None: ffn_hidden_size)
+    moe_layer_freq: int = 1  # layer i is an MoE layer when (i + 1) % moe_layer_freq == 0 (1: every layer)
+    router_score: str = "softmax"  # "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3: top-k weights normalised)
+    norm_topk_prob: bool = True  # softmax: renormalise the top-k probabilities to sum to 1 (Mixtral yes, Qwen-MoE no)
+    router_aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss, per sequence
+    router_z_loss_coef: float = 0.0  # ST-MoE router z-loss: mean squared logsumexp of the router logits
+    capacity_factor: float | None = None  # None: dropless; else each expert takes at most
+    #   ceil(capacity_factor * seq_len * experts_per_token / num_experts) tokens of a sequence, the rest are dropped
 
     def __post_init__(self):
         problems = []
@@ -55,8 +73,41 @@ class ModelConfig:
             problems.append(f"RoPE needs an even head dimension, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.num_experts:
+            problems += self._moe_problems()
         if problems:
             raise TensorparError("invalid model config: " + "; ".join(problems))
+
+    def _moe_problems(self) -> list[str]:
+        problems = []
+        if self.num_experts < 0:
+            problems.append(f"num_experts must be >= 0, got {self.num_experts}")
+        if not 1 <= self.experts_per_token <= max(self.num_experts, 1):
+            problems.append(f"experts_per_token must be between 1 and num_experts ({self.num_experts}), "
+                            f"got {self.experts_per_token}")
+        if self.num_shared_experts < 0 or self.moe_layer_freq < 1 or self.expert_ffn_size < 1:
+            problems.append(f"num_shared_experts >= 0, moe_layer_freq >= 1 and moe_ffn_hidden_size >= 1 needed, got "
+                            f"{self.num_shared_experts}, {self.moe_layer_freq}, {self.expert_ffn_size}")
+        if self.router_score not in ROUTER_SCORES:
+            problems.append(f"router_score must be one of {ROUTER_SCORES}, got {self.router_score!r}")
+        if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
+            problems.append("router_aux_loss_coef and router_z_loss_coef must be >= 0")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            problems.append(f"capacity_factor must be positive (or None: dropless), got {self.capacity_factor}")
+        return problems
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` (0-based) has a mixture of experts instead of a dense MLP."""
+        return self.num_experts > 0 and (layer_index + 1) % self.moe_layer_freq == 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """The hidden width of one expert."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def kv_heads(self) -> int:
@@ -72,17 +123,32 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def num_parameters(self) -> int:
-        """Parameters of the dense model (tied embeddings counted once)."""
+    def _mlp_parameters(self, f: int) -> int:
+        h = self.hidden_size
+        return (3 if self.gated_mlp else 2) * h * f + ((2 if self.gated_mlp else 1) * f + h if self.bias else 0)
+
+    def moe_layer_parameters(self, active: bool = False) -> int:
+        """Parameters of one MoE layer's MLP part: router, routed experts (only the top-k when `active`), shared
+        experts. Routed experts have no biases."""
+        e, f, h = self.num_experts, self.expert_ffn_size, self.hidden_size
+        routed = (self.experts_per_token if active else e) * (3 if self.gated_mlp else 2) * h * f
+        shared = self._mlp_parameters(self.num_shared_experts * f) if self.num_shared_experts else 0
+        return e * h + routed + shared
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the dense model (tied embeddings counted once); MoE models: all experts, or with
+        ``active=True`` those one token uses (the top-k routed experts)."""
         h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
         kv = self.kv_heads * self.head_dim
         attn = h * h + 2 * h * kv + h * h + (h + 2 * kv + h if self.bias else 0)
-        mlp = (3 if self.gated_mlp else 2) * h * f + ((2 if self.gated_mlp else 1) * f + h if self.bias else 0)
+        mlp = self._mlp_parameters(f)
         norm = h * (2 if self.norm == "layernorm" else 1)
         per_layer = attn + mlp + 2 * norm
         embed = v * h + (self.max_seq_len * h if self.position == "learned" else 0)
         head = 0 if self.tie_embeddings else v * h
-        return L * per_layer + embed + head + norm
+        moe_layers = sum(self.is_moe_layer(i) for i in range(L))
+        moe = moe_layers * (self.moe_layer_parameters(active) - mlp)
+        return L * per_layer + moe + embed + head + norm
 
 
 def _gpt2(hidden, layers, heads, **kw) -> ModelConfig:
@@ -119,6 +185,17 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-8b": _llama(4096, 32, 32, 8, 14336, rope_scaling={**_LLAMA3_SCALING, "factor": 8.0}),
     "llama-70b": _llama(8192, 80, 64, 8, 28672, rope_scaling={**_LLAMA3_SCALING, "factor": 8.0}),
     "llama-405b": _llama(16384, 126, 128, 8, 53248, rope_scaling={**_LLAMA3_SCALING, "factor": 8.0}),
+    # Mixtures of experts. tiny-moe trains in seconds on CPU: 8 experts (top-2) and one shared expert per layer.
+    "tiny-moe": _llama(64, 4, 4, 2, 128, vocab=257, theta=10000.0, max_seq=1024, num_experts=8, experts_per_token=2,
+                       num_shared_experts=1, moe_ffn_hidden_size=64, router_aux_loss_coef=0.01,
+                       router_z_loss_coef=0.001),
+    # Mixtral 8x7B (Jiang et al. 2024) and Qwen1.5-MoE-A2.7B (60 experts, top-4, a 4-expert-wide shared expert;
+    # its attention biases and shared-expert gate are left out), as published on the Hugging Face hub: for planning.
+    "mixtral-8x7b": _llama(4096, 32, 32, 8, 14336, vocab=32000, theta=1e6, max_seq=32768, num_experts=8,
+                           experts_per_token=2, router_aux_loss_coef=0.02),
+    "qwen-moe-a2.7b": _llama(2048, 24, 16, 16, 5632, vocab=151936, theta=1e6, max_seq=8192, num_experts=60,
+                             experts_per_token=4, num_shared_experts=4, moe_ffn_hidden_size=1408,
+                             norm_topk_prob=False, router_aux_loss_coef=0.001),
 }
 
 

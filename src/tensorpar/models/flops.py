@@ -10,8 +10,8 @@ from __future__ import annotations
 
 def matmul_params(cfg) -> int:
     """Parameters of the dense model that take part in a matmul (learned positions and an untied input
-    embedding are lookups)."""
-    n = cfg.num_parameters()
+    embedding are lookups); of a mixture of experts, those one token uses (its top-k routed experts)."""
+    n = cfg.num_parameters(active=True)
     if cfg.position == "learned":
         n -= cfg.max_seq_len * cfg.hidden_size
     if not cfg.tie_embeddings:

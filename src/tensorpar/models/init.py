@@ -14,10 +14,11 @@ import zlib
 import torch
 
 from tensorpar.layers.dropout import mix_seed
-from tensorpar.layers.sharding import shard_spec, shard_tensor
+from tensorpar.layers.sharding import group_for, shard_spec, shard_tensor
 from tensorpar.models.state import dense_shape
 
-RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "mlp.down_proj.weight")
+RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "mlp.down_proj.weight", "experts.down_proj",
+                        "shared_experts.down_proj.weight")
 
 
 def full_init(name: str, shape: tuple[int, ...], cfg, seed: int) -> torch.Tensor:
@@ -35,8 +36,8 @@ def full_init(name: str, shape: tuple[int, ...], cfg, seed: int) -> torch.Tensor
 
 @torch.no_grad()
 def init_weights(model, seed: int) -> None:
-    tp = model.tp_group
     for name, param in model.named_parameters():
         spec = shard_spec(param)
+        group = group_for(spec, model)
         full = full_init(name, dense_shape(param, spec), model.cfg, seed)
-        param.copy_(shard_tensor(full, spec, tp.rank, tp.size))
+        param.copy_(shard_tensor(full, spec, group.rank, group.size))

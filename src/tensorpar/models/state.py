@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import ShardSpec, shard_spec, shard_tensor, unshard_tensor
+from tensorpar.layers.sharding import ShardSpec, group_for, shard_spec, shard_tensor, unshard_tensor
 
 
 def dense_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
@@ -18,14 +18,15 @@ def dense_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
 
 @torch.no_grad()
 def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """Every parameter as the dense tensor (a collective over the TP group: call on every TP rank)."""
-    return {name: unshard_tensor(p.detach(), shard_spec(p), model.tp_group).cpu() for name, p in model.named_parameters()}
+    """Every parameter as the dense tensor (a collective over the TP group, and the expert-parallel group for the
+    routed experts: call on every rank of them)."""
+    return {name: unshard_tensor(p.detach(), shard_spec(p), group_for(shard_spec(p), model)).cpu()
+            for name, p in model.named_parameters()}
 
 
 @torch.no_grad()
 def load_full_state_dict(model, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
     """Copy this rank's shard of every dense tensor in `state` into `model`; names and shapes must match."""
-    tp = model.tp_group
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(state))
     unexpected = sorted(set(state) - set(params))
@@ -41,4 +42,5 @@ def load_full_state_dict(model, state: dict[str, torch.Tensor], source: str = "s
             raise TensorparError(
                 f"{source}: '{name}' has shape {tuple(full.shape)}, the model expects {dense_shape(param, spec)}"
             )
-        param.copy_(shard_tensor(full.to(param.dtype), spec, tp.rank, tp.size))
+        group = group_for(spec, model)
+        param.copy_(shard_tensor(full.to(param.dtype), spec, group.rank, group.size))

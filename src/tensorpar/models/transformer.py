@@ -4,6 +4,9 @@
         -> N x [ x + dropout(attention(norm(x))) ; x + dropout(mlp(norm(x))) ]
         -> norm -> vocabulary-parallel logits -> vocab_parallel_cross_entropy
 
+In a mixture-of-experts model the mlp of every `moe_layer_freq`-th layer is an `MoELayer`, whose routed
+experts are split over the mesh's expert-parallel group (tensorpar.layers.moe).
+
 Without sequence parallelism every TP rank holds the whole [B, S, H] activation between the
 TP regions; with it, each rank holds a [B, S/tp, H] sequence shard there (norms, dropout and
 residuals on shards) and the regions are entered by all-gather and left by reduce-scatter.
@@ -27,6 +30,7 @@ from tensorpar.layers.dropout import mix_seed, seeded_dropout
 from tensorpar.layers.embedding import VocabParallelEmbedding, embedding_lookup
 from tensorpar.layers.lm_head import VocabParallelLMHead
 from tensorpar.layers.mlp import ParallelMLP
+from tensorpar.layers.moe import MoELayer
 from tensorpar.layers.norms import Norm
 from tensorpar.layers.ring_attention import ContextSplit, check_context_split
 from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
@@ -36,7 +40,8 @@ from tensorpar.models.init import init_weights
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, layer_index: int, device=None):
+    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, layer_index: int, device=None,
+                 ep_group=None, cp_group=None):
         super().__init__()
         self.layer_index, self.dropout = layer_index, cfg.dropout
         self.tp_group = tp_group
@@ -45,7 +50,12 @@ class TransformerBlock(nn.Module):
         self.attn_norm = Norm(cfg.hidden_size, **norm)
         self.attn = ParallelAttention(cfg, tp_group, sequence_parallel, layer_index, device=device)
         self.mlp_norm = Norm(cfg.hidden_size, **norm)
-        self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device)
+        self.moe = cfg.is_moe_layer(layer_index)
+        if self.moe:
+            self.mlp = MoELayer(cfg, tp_group, as_group(ep_group, "ep"), as_group(cp_group, "cp"), sequence_parallel,
+                                device=device)
+        else:
+            self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device)
 
     def _drop(self, x, site: int, dropout_seed, context):
         """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
@@ -55,11 +65,13 @@ class TransformerBlock(nn.Module):
         return seeded_dropout(x, self.dropout, mix_seed(dropout_seed, self.layer_index, site, shard), True)
 
     def forward(self, x, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
-                kv_cache=None, layer_key=None, context: ContextSplit | None = None):
+                kv_cache=None, layer_key=None, context: ContextSplit | None = None, aux_scale: float = 1.0):
         attn = self.attn(self.attn_norm(x), rope, dropout_seed, recompute_core, kv_cache=kv_cache, layer_key=layer_key,
                          context=context)
         x = x + self._drop(attn, 0, dropout_seed, context)
-        return x + self._drop(self.mlp(self.mlp_norm(x)), 1, dropout_seed, context)
+        h = self.mlp_norm(x)
+        h = self.mlp(h, context, aux_scale) if self.moe else self.mlp(h)
+        return x + self._drop(h, 1, dropout_seed, context)
 
 
 def sequence_shard(tp_group, sequence_parallel: bool, context: ContextSplit | None) -> int:
@@ -106,6 +118,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tp_group = as_group(mesh, "tp")
         self.cp_group = as_group(mesh, "cp")
+        self.ep_group = as_group(mesh, "ep")
         self.cp_split, self.cp_impl = cp_split, cp_impl
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
         self.recompute = recompute
@@ -126,7 +139,8 @@ class Transformer(nn.Module):
             self.pos_embed = tag(nn.Parameter(torch.empty(cfg.max_seq_len, cfg.hidden_size, device=device)),
                                  ShardSpec(dim=None, reduce_grad_across_tp=sp))
         # Keyed by global layer index, so that a stage's parameter names are the dense model's.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, tp, sp, i, device) for i in layers})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, tp, sp, i, device, self.ep_group, self.cp_group)
+                                     for i in layers})
         if last_stage:
             self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device)
         if last_stage and not cfg.tie_embeddings:
@@ -197,15 +211,24 @@ class Transformer(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, dropout_seed: int | None = None):
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, dropout_seed: int | None = None,
+                aux_scale: float = 1.0):
         """`ids` [B, S] on the first stage, hidden states [B, S(/cp)(/tp), H] on the others; returns the loss
         (targets [B, S] given) or the logits on the last stage, hidden states on the others. Under context
         parallelism every CP rank gets the whole sequence's ids and targets and keeps its own chunks; its logits
-        and hidden states are those of its chunks."""
-        return self.forward_layers(ids, list(self.layers), targets, dropout_seed,
-                                   embed=self.first_stage, head=self.last_stage)
+        and hidden states are those of its chunks.
 
-    def forward_layers(self, x, layer_keys, targets=None, dropout_seed=None, *, embed: bool, head: bool):
+        MoE models: the router losses are not in the returned loss; their gradients join the backward pass
+        scaled by `aux_scale`, the factor the caller multiplies the returned loss by before calling backward."""
+        return self.forward_layers(ids, list(self.layers), targets, dropout_seed,
+                                   embed=self.first_stage, head=self.last_stage, aux_scale=aux_scale)
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """This rank's MoE layers by global layer index."""
+        return {int(key): block.mlp for key, block in self.layers.items() if block.moe}
+
+    def forward_layers(self, x, layer_keys, targets=None, dropout_seed=None, *, embed: bool, head: bool,
+                       aux_scale: float = 1.0):
         """Run the layers `layer_keys` (one pipeline chunk), starting from token ids if `embed`, ending in
         the loss (or logits) if `head`; hidden states in and out otherwise."""
         if self.training and self.cfg.dropout > 0 and dropout_seed is None:
@@ -223,10 +246,11 @@ class Transformer(nn.Module):
         for key in layer_keys:
             layer = self.layers[str(key)]
             if self.recompute == "full" and self.training:
-                h = checkpoint(layer, h, rope, dropout_seed, context=context, use_reentrant=False)
+                h = checkpoint(layer, h, rope, dropout_seed, context=context, aux_scale=aux_scale,
+                               use_reentrant=False)
             else:
                 h = layer(h, rope, dropout_seed, recompute_core=self.recompute == "selective" and self.training,
-                          context=context)
+                          context=context, aux_scale=aux_scale)
         if not head:
             return h
         logits = self.logits(self.final_norm(h))

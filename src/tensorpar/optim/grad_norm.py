@@ -17,6 +17,11 @@ so summing over them would count them dp x cp times; under ZeRO, whose slices ar
 ``mesh.dp_cp_group``, one all-reduce there comes first.
 A parameter held by more than one pipeline stage (tied embeddings on the first and last stage)
 would be counted once per stage; such a parameter needs its own accounting.
+
+Routed experts (mixture-of-experts models, ShardSpec group "ep"): each expert-parallel rank holds its own
+experts, identical on the expert-DP ranks after their gradient reduction, so their squares are summed over
+``mesh.ep_group`` instead of the TP group (under ZeRO first over ``mesh.expert_dp_group``, whose ranks hold
+different slices): each expert counted once. Two more one-element all-reduces, only on meshes with expert groups.
 """
 
 from __future__ import annotations
@@ -36,15 +41,26 @@ def _as_list(params: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor
 
 def _global_norm(params: list[torch.Tensor], mesh, sharded_over_dp: bool = False) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    experts = torch.zeros((), dtype=torch.float32, device=mesh.device)
     tp_size = mesh.tp_size
     for p in params:
         if p.grad is None or getattr(p, "pipeline_duplicate", False):
             continue
         sq = torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32).square()
-        total += sq.to(total.device) / shard_spec(p).effective_replicas(tp_size)
+        spec = shard_spec(p)
+        if spec.expert:
+            experts += sq.to(total.device)
+        else:
+            total += sq.to(total.device) / spec.effective_replicas(tp_size)
     if sharded_over_dp:
         mesh.dp_cp_group.all_reduce(total)  # ZeRO: each DP (x CP) rank holds a different slice of the gradients
     mesh.tp_group.all_reduce(total)  # the shards of this stage
+    expert_dp = getattr(mesh, "expert_dp_group", None)
+    if expert_dp is not None:  # a mixture-of-experts run
+        if sharded_over_dp:
+            expert_dp.all_reduce(experts)  # ZeRO: the expert-DP ranks hold different slices of their experts
+        mesh.ep_group.all_reduce(experts)  # each EP rank holds its own experts
+        total += experts
     mesh.pp_group.all_reduce(total)  # the layers of the other stages
     return total.sqrt()
 

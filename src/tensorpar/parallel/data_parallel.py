@@ -21,6 +21,11 @@ zero=2     gradients do not stay in full buckets: a bucket's buffer is allocated
            (as DeepSpeed's ZeRO-2 does), not one reduction per step. Then as zero=1.
 =========  =====================================================================================
 
+Mixture-of-experts models: the routed experts' weights (ShardSpec group "ep") go into buckets of their own,
+reduced (ZeRO: sharded) over the mesh's expert-data-parallel group, whose members hold the same experts, instead
+of DP x CP. Both kinds are divided by the DP x CP size: every rank's token gradients carry that factor (the
+loss is a per-rank mean), and the expert-DP ranks together saw every token once.
+
 ZeRO-3 (parameters sharded too) is `tensorpar.parallel.fully_sharded.FullyShardedOptimizer`.
 """
 
@@ -35,6 +40,7 @@ from torch import nn
 from tensorpar.config.choices import ZERO_STAGES
 from tensorpar.distributed.comm import Group
 from tensorpar.errors import TensorparError
+from tensorpar.layers.sharding import shard_spec
 from tensorpar.optim.adamw import takes_weight_decay
 from tensorpar.optim.grad_norm import unscale_and_clip
 from tensorpar.parallel.shard_pieces import (MOMENTS, BytesInUse, ReduceScatterQueue, adamw_step_count, add_to_flat,
@@ -45,8 +51,8 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], pad_to: int, device):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], pad_to: int, device, group: Group):
+        self.params, self.group = params, group  # the group its gradients are reduced over
         self.numel = sum(p.numel() for p in params)
         self.padded = math.ceil(self.numel / pad_to) * pad_to
         dtype = params[0].dtype
@@ -99,17 +105,24 @@ class DistributedOptimizer:
         # are accumulated and reduced there, and AdamW steps fp32 master copies (whole ones under ZeRO-0).
         self.mixed = params[0].dtype != torch.float32
         self.reduce_dtype = reduce_dtype if self.mixed else torch.float32
-        pad_to = self.dp.size if zero else 1
+        groups_of = {False: self.dp, True: getattr(mesh, "expert_dp_group", None)}  # by "is a routed expert's weight"
         self.buckets: list[_Bucket] = []
-        current, size = [], 0
+        current, size = {False: [], True: []}, {False: 0, True: 0}
         for p in reversed(params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(_Bucket(current, pad_to, device))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current, pad_to, device))
+            kind = shard_spec(p).expert
+            if kind and groups_of[True] is None:
+                raise TensorparError("the model has routed experts but the mesh no expert groups: "
+                                     "build it with init_mesh(..., ep=N)")
+            current[kind].append(p)
+            size[kind] += p.numel() * p.element_size()
+            if size[kind] >= bucket_bytes:
+                group = groups_of[kind]
+                self.buckets.append(_Bucket(current[kind], group.size if zero else 1, device, group))
+                current[kind], size[kind] = [], 0
+        for kind, rest in current.items():
+            if rest:
+                group = groups_of[kind]
+                self.buckets.append(_Bucket(rest, group.size if zero else 1, device, group))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         # A tied embedding split across the first and last pipeline stage: its two copies' gradients are
         # summed (embed group) before DP sees them, so their buckets start only in finish_backward.
@@ -143,10 +156,9 @@ class DistributedOptimizer:
         """For each bucket, this rank's 1/dp slice: an fp32 master copy, its gradient slice, and one optimizer
         parameter per piece of an original parameter it covers."""
         self.slices: list[nn.Parameter] = []
-        self._slice_group = self.dp if self.zero else Group.single("dp")  # ZeRO-0: a master of the whole bucket
-        rank, size = self._slice_group.rank, self._slice_group.size
         for b in self.buckets:
-            lo_b, hi_b = slice_bounds(b.padded, rank, size)
+            b.slice_group = b.group if self.zero else Group.single("dp")  # ZeRO-0: a master of the whole bucket
+            lo_b, hi_b = slice_bounds(b.padded, b.slice_group.rank, b.slice_group.size)
             b.master = b.param_buffer[lo_b:hi_b].detach().clone().float()
             if self.zero == 0 and b.grad_buffer.dtype == torch.float32:
                 b.grad_shard = b.grad_buffer  # the all-reduced fp32 buffer is the master's gradient
@@ -187,7 +199,7 @@ class DistributedOptimizer:
         """ZeRO-2: move the gradient into its bucket (allocated now if needed); hand a full bucket to the queue."""
         add_to_flat(self._ensure_grad_buffer(b), param, b.offset_of[id(param)])
         if b.ready % len(b.params) == 0 and not b.deferred:
-            self.queue.push(b, b.grad_buffer)
+            self.queue.push(b, b.grad_buffer, b.group)
             b.grad_buffer = None
 
     def _launch(self, b: _Bucket) -> None:
@@ -195,9 +207,9 @@ class DistributedOptimizer:
             b.rs_out = b.grad_shard
             if b.grad_buffer.dtype != b.grad_shard.dtype:  # reduced in bf16: into a bf16 slice, then widened
                 b.rs_out = torch.empty(b.grad_shard.numel(), dtype=b.grad_buffer.dtype, device=b.grad_buffer.device)
-            b.pending = self.dp.reduce_scatter_async(b.rs_out, b.grad_buffer)
+            b.pending = b.group.reduce_scatter_async(b.rs_out, b.grad_buffer)
         else:
-            b.pending = self.dp.all_reduce_async(b.grad_buffer)
+            b.pending = b.group.all_reduce_async(b.grad_buffer)
 
     def finish_backward(self) -> None:
         """Start any bucket not yet started (in bucket order, the same on every rank), wait for all, average."""
@@ -232,7 +244,7 @@ class DistributedOptimizer:
             self._ensure_grad_buffer(b)
         self._sum_tied_across_stages()
         for b in deferred:
-            self.queue.push(b, b.grad_buffer)
+            self.queue.push(b, b.grad_buffer, b.group)
             b.grad_buffer = None
         self.queue.drain()
         for b in self.buckets:
@@ -250,7 +262,7 @@ class DistributedOptimizer:
                 pending = []
                 for b in self.buckets:
                     shard = b.master.to(b.param_buffer.dtype)
-                    pending.append((self.dp.all_gather_async(b.param_buffer, shard), shard))
+                    pending.append((b.group.all_gather_async(b.param_buffer, shard), shard))
                 for work, _ in pending:
                     work.wait()
             elif self.mixed:
@@ -281,7 +293,11 @@ class DistributedOptimizer:
         With ZeRO the moments are all-gathered over DP (a collective: call on every rank)."""
         step = adamw_step_count(self.optimizer)
         if self.zero or self.mixed:
-            return gather_moments(self.buckets, self.optimizer, self._slice_group, names, with_master=self.mixed), step
+            out = {}
+            for group in dict.fromkeys(b.slice_group for b in self.buckets):  # dense buckets', then experts'
+                buckets = [b for b in self.buckets if b.slice_group is group]
+                out.update(gather_moments(buckets, self.optimizer, group, names, with_master=self.mixed))
+            return out, step
         out = {}
         for b in self.buckets:
             for p in b.params:
@@ -308,7 +324,7 @@ class DistributedOptimizer:
         """After parameters were overwritten in place (a checkpoint load): refresh the master slices."""
         if self.zero or self.mixed:
             for b in self.buckets:
-                lo, hi = slice_bounds(b.padded, self._slice_group.rank, self._slice_group.size)
+                lo, hi = slice_bounds(b.padded, b.slice_group.rank, b.slice_group.size)
                 b.master.copy_(b.param_buffer[lo:hi])
 
     def state_bytes(self) -> int:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from tensorpar.errors import TensorparError
+from tensorpar.layers.sharding import shard_spec
 from tensorpar.optim.grad_norm import unscale_and_clip
 from tensorpar.parallel.shard_pieces import (BytesInUse, ReduceScatterQueue, add_to_flat, adamw_step_count,
                                              cut_pieces, gather_moments, load_moments, nbytes, slice_bounds,
@@ -110,6 +111,9 @@ class FullyShardedOptimizer:
                  reduce_dtype: torch.dtype = torch.float32):
         self.mesh, self.dp, self.reduce_dtype = mesh, mesh.dp_cp_group, reduce_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        if any(shard_spec(p).expert for p in model.parameters()):
+            raise TensorparError("ZeRO-3 does not shard mixture-of-experts models yet: use --zero 1 or 2 (the "
+                                 "experts' optimizer states and gradients are then sharded over expert-DP)")
         layers = getattr(model, "layers", None)
         if not isinstance(layers, nn.ModuleDict):
             raise TensorparError("ZeRO-3 shards a tensorpar Transformer (its blocks are the units gathered together)")

@@ -68,26 +68,28 @@ class PipelineRunner:
     def _tag(self, microbatch: int, stage: int, backward: bool) -> int:
         return 2 * (microbatch * self.stages + stage) + int(backward)
 
-    def _forward_chunk(self, x, chunk, targets, dropout_seed):
+    def _forward_chunk(self, x, chunk, targets, dropout_seed, aux_scale=1.0):
         stage = self._stage(chunk)
         with self.autocast():
             return self.model.forward_layers(x, self.chunks[chunk], targets, dropout_seed,
-                                             embed=stage == 0, head=stage == self.stages - 1)
+                                             embed=stage == 0, head=stage == self.stages - 1, aux_scale=aux_scale)
 
     def _recv(self, tag: int, src: int) -> torch.Tensor:
         buf = torch.empty(self.activation_shape, device=self.mesh.device, dtype=self.activation_dtype)
         self.mesh.pp_group.irecv(buf, src, tag=tag).wait()
         return buf
 
-    def _forward_action(self, mb: int, chunk: int, batch: torch.Tensor, dropout_seed, sends: list):
+    def _forward_action(self, mb: int, chunk: int, batch: torch.Tensor, dropout_seed, sends: list,
+                        aux_scale: float = 1.0):
         """Receive the input (unless stage 0), run the chunk, send the output on (unless the last stage).
-        Returns (input, output, start of compute); on the last stage the output is the loss."""
+        Returns (input, output, start of compute); on the last stage the output is the loss. `aux_scale`: what the
+        loss's backward is scaled by (MoE router losses take it too)."""
         stage = self._stage(chunk)
         x = batch[:, :-1] if stage == 0 else self._recv(self._tag(mb, stage, False), self.prev)
         if stage > 0 and torch.is_grad_enabled():
             x.requires_grad_()
         t0 = time.perf_counter()
-        out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == self.last else None, dropout_seed)
+        out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == self.last else None, dropout_seed, aux_scale)
         if stage != self.last:
             out = out.to(self.activation_dtype)
             sends.append((self.mesh.pp_group.isend(out.detach(), self.next, tag=self._tag(mb, stage + 1, False)), out))
@@ -111,7 +113,8 @@ class PipelineRunner:
             mb, chunk = action.microbatch, action.chunk
             stage = self._stage(chunk)
             if action.kind == "F":
-                x, out, t0 = self._forward_action(mb, chunk, microbatches[mb], dropout_seed(mb), sends)
+                x, out, t0 = self._forward_action(mb, chunk, microbatches[mb], dropout_seed(mb), sends,
+                                                  loss_scale / self.num_microbatches)
                 if stage == self.last:
                     loss_sum += out.detach().float()
                     out = out * (loss_scale / self.num_microbatches)

@@ -124,14 +124,15 @@ class ReduceScatterQueue:
         self.dp, self.depth, self.grad_bytes = dp_group, depth, grad_bytes
         self._inflight: list = []
 
-    def push(self, buffer, full_grad: torch.Tensor) -> None:
-        """Reduce-scatter `full_grad` (counted in `grad_bytes` by the caller) into `buffer.grad_shard`; the queue
-        releases it."""
+    def push(self, buffer, full_grad: torch.Tensor, group=None) -> None:
+        """Reduce-scatter `full_grad` (counted in `grad_bytes` by the caller) into `buffer.grad_shard` over `group`
+        (default: the queue's DP group); the queue releases it."""
+        group = group or self.dp
         while len(self._inflight) >= self.depth:
             self._complete(self._inflight.pop(0))
-        out = torch.empty(full_grad.numel() // self.dp.size, dtype=full_grad.dtype, device=full_grad.device)
+        out = torch.empty(full_grad.numel() // group.size, dtype=full_grad.dtype, device=full_grad.device)
         self.grad_bytes.add(nbytes(out))
-        self._inflight.append((buffer, out, self.dp.reduce_scatter_async(out, full_grad), full_grad))
+        self._inflight.append((buffer, out, group.reduce_scatter_async(out, full_grad), full_grad))
 
     def drain(self) -> None:
         while self._inflight:

@@ -25,6 +25,7 @@ from tensorpar.optim.lr_schedule import lr_at, set_lr
 from tensorpar.training.evaluate import evaluate
 from tensorpar.training.memory_meter import step_memory
 from tensorpar.training.metrics import MetricsWriter
+from tensorpar.training.moe_metrics import moe_step_metrics
 from tensorpar.training.session import Session
 
 
@@ -48,7 +49,7 @@ def train_step(s: Session, step: int) -> dict:
             step_loss += s.runner.train_step(batches, seed_of, scale)
         else:
             for i, batch in enumerate(batches):  # bf16/fp16: the parameters themselves are cast, no autocast
-                loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i))
+                loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i), aux_scale=scale / len(batches))
                 (loss * (scale / len(batches))).backward()
                 step_loss += loss.detach().float() / len(batches)
     s.optimizer.finish_backward()
@@ -61,6 +62,8 @@ def train_step(s: Session, step: int) -> dict:
               "step_time_s": time.perf_counter() - t0, "memory_mib": step_memory(s.optimizer, s.activations, device)}
     if s.scaler is not None:  # the scale this step ran with, and whether its gradients overflowed
         record.update(loss_scale=scale, skipped=not math.isfinite(record["grad_norm"]))
+    if s.run.cfg.is_moe:
+        record.update(moe_step_metrics(s.model, s.run.cfg, mesh))
     return record
 
 

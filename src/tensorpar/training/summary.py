@@ -78,6 +78,14 @@ def summarize(s: Session, result: LoopResult) -> dict:
         "pipeline_timeline": runner.timeline if runner is not None else None,
         "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
     }
+    if s.run.cfg.is_moe:
+        summary["layout"]["ep"] = mesh.ep_size
+        if records:
+            summary["moe"] = {
+                "final_aux_loss": records[-1]["moe_aux_loss"], "final_z_loss": records[-1]["moe_z_loss"],
+                "mean_load_imbalance": sum(r["moe_load_imbalance"] for r in records) / len(records),
+                "dropped_tokens": sum(r["moe_dropped_tokens"] for r in records),
+            }
     if result.stop_signal is not None:
         summary.update(stopped_by=signal_name(result.stop_signal), stop_signal=result.stop_signal,
                        stopped_at_step=s.start_step + len(records), stop_checkpoint=result.stop_checkpoint)

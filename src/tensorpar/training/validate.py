@@ -19,7 +19,7 @@ from tensorpar.distributed.launch import world_size as launched_world_size
 from tensorpar.distributed.mesh import resolve_layout
 from tensorpar.errors import TensorparError
 from tensorpar.models import ModelConfig, get_config
-from tensorpar.models.layout_checks import check_model_layout
+from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
 from tensorpar.parallel.pipeline import stage_layers
 from tensorpar.parallel.pipeline_schedules import build_schedule
 
@@ -106,6 +106,8 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     _, _, dp = resolve_layout(world, o.tp, o.pp, o.dp, o.cp)
     micro = o.micro_batch_size or o.global_batch_size // dp
     check_batch_layout(o.global_batch_size, dp, micro)
+    check_moe_layout(cfg, o.tp, o.cp, dp, o.ep, zero=o.zero, sequence_parallel=o.sequence_parallel,
+                     micro_batch_size=micro, seq_len=o.seq_len)
     if o.pp > 1 or o.virtual_stages > 1:
         stage_layers(cfg.num_layers, o.pp, o.virtual_stages)
         build_schedule(o.schedule, o.pp, o.global_batch_size // (dp * micro), o.virtual_stages)

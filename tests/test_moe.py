@@ -1,0 +1,142 @@
+"""Mixture of experts end to end: tiny-moe (2 of its 4 layers, for time) trained at expert-parallel layouts (EP folded over DP, TP with and without
+SP, CP, PP; ZeRO-1/2) follows the single-device loss and grad-norm trajectory and has its weights after one step;
+with a capacity factor every layout drops the same tokens; a checkpoint saved at ep 4 resumes at ep 1 and ep 2."""
+
+import json
+import os
+
+import pytest
+
+from tensorpar.checkpoints.sharded import read_meta
+from tensorpar.errors import LayoutError
+from tensorpar.models import get_config
+from tensorpar.training import TrainOptions, train, validate
+
+from harness import mesh  # noqa: F401  (imported so workers share the harness module)
+
+BASE = dict(model="tiny-moe", steps=20, seed=3, global_batch_size=8, micro_batch_size=4, seq_len=16, lr=3e-3,
+            warmup_steps=2, val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu")
+MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_tokens", "moe_load_imbalance")
+
+
+TINY_MOE2 = get_config("tiny-moe").replace(num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe") / "tiny-moe-2-layers.json"
+    path.write_text(json.dumps(TINY_MOE2.to_dict()))
+    return str(path)
+
+
+def run(one_step: bool = True, **overrides):
+    """20 steps (their losses, grad norms and MoE metrics) and, if `one_step`, the dense weights after step 1."""
+    summary = train(TrainOptions(**{**BASE, **overrides}))
+    out = {"trajectory": [(r["loss"], r["grad_norm"]) for r in summary["history"]],
+           "moe": [tuple(r[k] for k in MOE_KEYS) for r in summary["history"]], "summary_moe": summary.get("moe")}
+    if one_step:
+        layout = {k: v for k, v in overrides.items() if k not in ("save", "save_every", "resume")}
+        out["state"] = train(TrainOptions(**{**BASE, **layout, "steps": 1, "warmup_steps": 0,
+                                             "return_state": True}))["state"]
+    return out
+
+
+def _world(layout):
+    return layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1) * layout.get("cp", 1)
+
+
+def _assert_same(result, reference, tol=1e-4, weight_tol=1e-5):
+    assert len(result["trajectory"]) == len(reference["trajectory"])
+    for step, ((loss, gn), (loss_ref, gn_ref)) in enumerate(zip(result["trajectory"], reference["trajectory"]), 1):
+        assert abs(loss - loss_ref) <= tol * loss_ref, f"step {step}: loss {loss} vs {loss_ref}"
+        assert abs(gn - gn_ref) <= tol * gn_ref, f"step {step}: grad norm {gn} vs {gn_ref}"
+    for step, (got, ref) in enumerate(zip(result["moe"], reference["moe"]), 1):
+        for key, a, b in zip(MOE_KEYS, got, ref):
+            assert abs(a - b) <= tol * max(abs(b), 1e-3), f"step {step}: {key} {a} vs {b}"
+    if "state" in result and "state" in reference:
+        assert result["state"].keys() == reference["state"].keys()
+        for name, ref in reference["state"].items():
+            err = (result["state"][name] - ref).norm() / ref.norm()
+            assert err <= weight_tol, f"after one step {name} differs by {err:.1e}"
+
+
+@pytest.fixture(scope="module")
+def reference(pools, model):
+    return pools(1).run(run, model=model)[0]
+
+
+LAYOUTS = [
+    dict(dp=2, ep=2, recompute="full"),  # the MoE layers run again in the backward: stats counted once
+    dict(tp=2, ep=2, sequence_parallel=True),  # EP folded over the TP ranks
+    dict(dp=4, ep=2, zero=1, micro_batch_size=2),  # EP inside DP: two expert-DP replicas of each expert
+    dict(tp=2, dp=2, ep=4, zero=2),  # EP folded over TP and DP (expert-TP 1)
+    dict(pp=2, dp=2, ep=2),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["-".join(f"{k}{v}" for k, v in lay.items()) for lay in LAYOUTS])
+def test_expert_parallel_layouts_train_like_one_process(pools, model, reference, layout):
+    for result in pools(_world(layout)).run(run, model=model, **layout):
+        _assert_same(result, reference)
+
+
+@pytest.fixture(scope="module")
+def ep4_run(pools, model, tmp_path_factory):
+    """dp 4 x ep 4 (each rank holds 2 of the 8 experts), saving a checkpoint at step 10."""
+    save = str(tmp_path_factory.mktemp("moe") / "ckpt")
+    return save, pools(4).run(run, model=model, dp=4, ep=4, micro_batch_size=2, save=save, save_every=10)
+
+
+def test_ep4_trains_like_one_process(reference, ep4_run):
+    for result in ep4_run[1]:
+        _assert_same(result, reference)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(dp=2, ep=2)], ids=["ep1", "ep2"])
+def test_a_checkpoint_saved_at_ep4_resumes_at_other_ep_sizes(pools, model, reference, ep4_run, layout):
+    save, _ = ep4_run
+    step_dir, meta = read_meta(os.path.join(save, "step-000010"))
+    assert meta["layout"]["ep"] == 4 and sorted(f for f in meta["files"] if f.startswith("experts-")) == \
+        [f"experts-ep{e:02d}-pp00.safetensors" for e in range(4)]
+    assert meta["tensors"]["layers.0.mlp.experts.up_proj"]["group"] == "ep"
+    # steps 11-13 of the 20-step schedule: the same next losses as the uninterrupted run
+    resumed = pools(_world(layout)).run(run, model=model, one_step=False, resume=step_dir, stop_after=13, **layout)
+    for result in resumed:
+        _assert_same({"trajectory": result["trajectory"], "moe": result["moe"]},
+                     {"trajectory": reference["trajectory"][10:13], "moe": reference["moe"][10:13]})
+
+
+def test_the_reference_learns_and_reports_its_router(reference):
+    losses = [loss for loss, _ in reference["trajectory"]]
+    assert losses[-1] < losses[0] - 1.0
+    aux, z, dropped, imbalance = reference["moe"][0]
+    assert 2 * 0.01 * 0.9 < aux < 2 * 0.01 * 2 and z > 0 and dropped == 0 and imbalance >= 1.0
+    assert reference["summary_moe"]["dropped_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def capacity_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe") / "tiny-moe-capacity.json"
+    path.write_text(json.dumps(TINY_MOE2.replace(capacity_factor=1.0).to_dict()))
+    return str(path)
+
+
+def test_a_capacity_drops_the_same_tokens_at_every_layout(pools, capacity_config):
+    kw = dict(model=capacity_config, steps=6, one_step=False)
+    reference = pools(1).run(run, **kw)[0]
+    assert all(dropped > 0 for _, _, dropped, _ in reference["moe"]), "capacity 1.0 dropped nothing"
+    for layout in (dict(tp=2, ep=2), dict(tp=2, cp=2, ep=4, sequence_parallel=True)):
+        for result in pools(_world(layout)).run(run, **kw, **layout):
+            _assert_same(result, reference)
+            assert [m[2] for m in result["moe"]] == [m[2] for m in reference["moe"]]
+
+
+def test_bad_expert_layouts_are_refused_before_any_process_group():
+    with pytest.raises(LayoutError, match="num_experts = 8 is not divisible by the expert-parallel size 3"):
+        validate(TrainOptions(**{**BASE, "dp": 3, "ep": 3, "global_batch_size": 6, "micro_batch_size": 2}), world_size=3)
+    with pytest.raises(LayoutError, match=r"ep=4 does not fold onto the 2 ranks of a pipeline stage"):
+        validate(TrainOptions(**{**BASE, "dp": 2, "ep": 4}), world_size=2)
+    with pytest.raises(LayoutError, match="--ep 2 needs a mixture-of-experts model"):
+        validate(TrainOptions(**{**BASE, "model": "tiny", "dp": 2, "ep": 2}), world_size=2)
+    with pytest.raises(LayoutError, match="ZeRO-3 does not shard mixture-of-experts models yet"):
+        validate(TrainOptions(**{**BASE, "dp": 2, "ep": 2, "zero": 3}), world_size=2)
