@@ -49,7 +49,7 @@ class SleepingStage:
         self.weight = torch.ones((), requires_grad=True)
         self.shape, self.v = shape, virtual_stages
 
-    def forward_layers(self, x, layers, targets, seed, *, embed, head):
+    def forward_layers(self, x, layers, targets, seed, *, embed, head, aux_scale=1.0):
         if embed:
             x = torch.zeros(self.shape)
         # Every chunk takes the full time: the bubble formula depends only on the 1:2 forward:backward ratio,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -22,7 +23,14 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
             if marker in name:
                 key = "a100-40gb" if key == "a100-80gb" and "40GB" in name else key
                 return GPUS[key].peak("bf16" if dtype == "fp16" else dtype), f"{key} datasheet"
-    return measure_matmul_flops(device, PARAM_DTYPES[dtype]), "measured matmul peak"
+    return _measured_once(str(device), dtype, torch.get_num_threads()), "measured matmul peak"
+
+
+@functools.cache
+def _measured_once(device: str, dtype: str, threads: int) -> float:
+    """The matmul peak of this process on `device` with `threads` threads, measured on first use (0.3 s): a process
+    that trains several times (a notebook, a test's worker pool) measures once."""
+    return measure_matmul_flops(torch.device(device), PARAM_DTYPES[dtype])
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> float:
