@@ -108,6 +108,12 @@ class DistributedOptimizer:
         groups_of = {False: self.dp, True: getattr(mesh, "expert_dp_group", None)}  # by "is a routed expert's weight"
         self.buckets: list[_Bucket] = []
         current, size = {False: [], True: []}, {False: 0, True: 0}
+
+        def close(kind: bool) -> None:
+            group = groups_of[kind]
+            self.buckets.append(_Bucket(current[kind], group.size if zero else 1, device, group))
+            current[kind], size[kind] = [], 0
+
         for p in reversed(params):
             kind = shard_spec(p).expert
             if kind and groups_of[True] is None:
@@ -116,13 +122,10 @@ class DistributedOptimizer:
             current[kind].append(p)
             size[kind] += p.numel() * p.element_size()
             if size[kind] >= bucket_bytes:
-                group = groups_of[kind]
-                self.buckets.append(_Bucket(current[kind], group.size if zero else 1, device, group))
-                current[kind], size[kind] = [], 0
-        for kind, rest in current.items():
-            if rest:
-                group = groups_of[kind]
-                self.buckets.append(_Bucket(rest, group.size if zero else 1, device, group))
+                close(kind)
+        for kind in (False, True):
+            if current[kind]:
+                close(kind)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         # A tied embedding split across the first and last pipeline stage: its two copies' gradients are
         # summed (embed group) before DP sees them, so their buckets start only in finish_backward.
