@@ -140,3 +140,24 @@ def test_bad_expert_layouts_are_refused_before_any_process_group():
         validate(TrainOptions(**{**BASE, "model": "tiny", "dp": 2, "ep": 2}), world_size=2)
     with pytest.raises(LayoutError, match="ZeRO-3 does not shard mixture-of-experts models yet"):
         validate(TrainOptions(**{**BASE, "dp": 2, "ep": 2, "zero": 3}), world_size=2)
+
+
+def test_bf16_experts_follow_the_fp32_trajectory(pools, model, reference):
+    """bf16 weights and activations with fp32 masters, experts dispatched in bf16 over the EP all-to-all."""
+    result = pools(2).run(run, model=model, one_step=False, dp=2, ep=2, dtype="bf16")[0]
+    for step, ((loss, _), (loss_ref, _)) in enumerate(zip(result["trajectory"], reference["trajectory"]), 1):
+        assert abs(loss - loss_ref) <= 0.02 * loss_ref, f"step {step}: bf16 loss {loss} vs fp32 {loss_ref}"
+    assert all(abs(a - b) <= 0.05 * b for a, b in zip(result["moe"][-1][:2], reference["moe"][-1][:2]))
+
+
+def test_the_loss_plot_of_a_moe_run_has_a_routing_panel(tmp_path):
+    from PIL import Image
+
+    from tensorpar.training.metrics import plot_loss_curve
+
+    dense = [{"step": s, "loss": 5.0 - 0.1 * s} for s in range(1, 11)]
+    moe = [{**r, "moe_load_imbalance": 2.0 - 0.05 * r["step"], "moe_aux_loss": 0.02, "moe_z_loss": 0.01,
+            "moe_dropped_fraction": 0.0} for r in dense]
+    heights = [Image.open(plot_loss_curve(records, str(tmp_path / f"{name}.png"), name)).size[1]
+               for name, records in (("dense", dense), ("moe", moe))]
+    assert heights[1] > 1.5 * heights[0]

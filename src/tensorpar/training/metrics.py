@@ -40,24 +40,51 @@ def draw_or_warn(what: str, draw, *args) -> str | None:
 
 
 def plot_loss_curve(records: list[dict], path: str, title: str) -> str:
-    """Training loss per step and validation loss where measured; returns the path."""
+    """Training loss per step and validation loss where measured; for a mixture-of-experts run, a second panel
+    with the routing metrics (load imbalance, the auxiliary losses, dropped share when a capacity is set).
+    Returns the path."""
     import matplotlib  # a heavy import, paid only by the runs that draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    moe = [r for r in records if r.get("moe_load_imbalance") is not None]
+    if moe:
+        fig, (ax, ax_moe) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=(3, 2))
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss", lw=1)
     val = [r for r in records if r.get("val_loss") is not None]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
-    ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    if moe:
+        _plot_moe_panel(ax_moe, moe)
+    (ax_moe if moe else ax).set_xlabel("optimizer step")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _plot_moe_panel(ax, records: list[dict]) -> None:
+    """Load imbalance (busiest expert / mean, left axis) and the auxiliary losses and dropped share (right)."""
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["moe_load_imbalance"] for r in records], color="tab:red", lw=1, label="load imbalance")
+    ax.axhline(1.0, color="tab:red", lw=0.5, ls=":")
+    ax.set_ylabel("busiest expert / mean")
+    ax.grid(alpha=0.3)
+    right = ax.twinx()
+    lines = [("moe_aux_loss", "balance loss (x coef)", "tab:blue"), ("moe_z_loss", "z-loss (x coef)", "tab:green"),
+             ("moe_dropped_fraction", "dropped share", "tab:gray")]
+    for key, label, color in lines:
+        values = [r.get(key) or 0.0 for r in records]
+        if any(values):
+            right.plot(steps, values, color=color, lw=1, label=label)
+    right.set_ylabel("auxiliary losses, dropped share")
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper right", fontsize=8)
