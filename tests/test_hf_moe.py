@@ -26,8 +26,9 @@ from tensorpar.commands.generate import generate_text  # noqa: E402
 from tensorpar.config.options import EvalOptions, GenerateOptions  # noqa: E402
 from tensorpar.data import load_tokenizer  # noqa: E402
 from tensorpar.errors import LayoutError, TensorparError  # noqa: E402
-from tensorpar.models import get_config  # noqa: E402
+from tensorpar.models import Transformer, get_config, load_full_state_dict  # noqa: E402
 
+from harness import mesh  # noqa: E402
 from test_cli import tensorpar  # noqa: E402
 from test_eval import eval_command, evaluate_in_worker  # noqa: E402
 
@@ -228,3 +229,26 @@ def test_generate_command_at_ep_2(hf_moe):
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert [line["ids"] for line in lines] == hf_moe["mixtral"]["tokens"]
+
+
+def gradients_in_worker(folder, tp, sequence_parallel, ids):
+    """(loss, gradients of the replicated MoE parameters) of one training forward/backward at this TP size."""
+    cfg, state = load_hf_folder(folder)
+    model = Transformer(cfg, mesh(tp=tp), sequence_parallel=sequence_parallel, init=False)
+    load_full_state_dict(model, state, "test")
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if n.endswith(("shared_expert_gate",
+                                                                                       "router.weight"))}
+
+
+def test_shared_expert_gate_gradient_at_tp2_with_sequence_parallelism(pools, hf_moe):
+    """The gate sees a sequence shard per TP rank under SP: its gradient is summed over TP (copy_to_tp)."""
+    ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    folder = hf_moe["qwen2_moe"]["folder"]
+    loss, grads = gradients_in_worker(folder, 1, False, ids)
+    assert any(n.endswith("shared_expert_gate") for n in grads)
+    for rank_loss, rank_grads in pools(2).run(gradients_in_worker, folder, 2, True, ids):
+        assert abs(rank_loss - loss) <= TOL * loss
+        for name, grad in grads.items():
+            torch.testing.assert_close(rank_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
