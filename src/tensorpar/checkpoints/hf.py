@@ -103,8 +103,8 @@ def _llama_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """tensorpar's dense state dict -> Hugging Face GPT2LMHeadModel / LlamaForCausalLM / Mixtral / Qwen2-MoE tensors (full names,
-    no lm_head for tied embeddings). Bit-exact inverse of `hf_to_tensorpar`."""
+    """tensorpar's dense state dict -> Hugging Face GPT2LMHeadModel / LlamaForCausalLM / Mixtral / Qwen2-MoE tensors
+    (full names, no lm_head for tied embeddings). Bit-exact inverse of `hf_to_tensorpar`."""
     check_representable(cfg)
     expected = set(_dense_shapes(cfg))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -190,7 +190,8 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
 
 def hf_to_tensorpar(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
                     source: str = "Hugging Face state dict") -> dict[str, torch.Tensor]:
-    """Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE tensors -> tensorpar's dense state dict (for `load_full_state_dict`).
+    """Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE tensors -> tensorpar's dense state dict (for
+    `load_full_state_dict`).
 
     Accepts names with or without the base-model prefix; ignores GPT-2's attention-mask buffers and,
     for tied embeddings, `lm_head.weight`. Missing, unknown or wrongly shaped tensors are errors.

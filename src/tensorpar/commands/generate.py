@@ -1,7 +1,7 @@
 """`tensorpar generate`: continue prompts with a checkpoint at any TP size, with a KV cache sharded by heads.
 
-    tensorpar generate --checkpoint DIR [--tp T] [--ep E] (--prompt TEXT ... | --prompt-ids 1,2,3 ...) --max-new-tokens N
-                       [--greedy | --temperature T --top-k K --top-p P --seed S] [--json]
+    tensorpar generate --checkpoint DIR [--tp T] [--ep E] (--prompt TEXT ... | --prompt-ids 1,2,3 ...)
+                       --max-new-tokens N [--greedy | --temperature T --top-k K --top-p P --seed S] [--json]
 
 Greedy unless a sampling option is given. Several --prompt (or --prompt-ids) flags make one batch.
 Prints each prompt's continuation, or with --json one line per prompt:
