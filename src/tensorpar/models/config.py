@@ -198,13 +198,14 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-moe": _llama(64, 4, 4, 2, 128, vocab=257, theta=10000.0, max_seq=1024, num_experts=8, experts_per_token=2,
                        num_shared_experts=1, moe_ffn_hidden_size=64, router_aux_loss_coef=0.01,
                        router_z_loss_coef=0.001),
-    # Mixtral 8x7B (Jiang et al. 2024) and Qwen1.5-MoE-A2.7B (60 experts, top-4, a 4-expert-wide shared expert;
-    # its attention biases and shared-expert gate are left out), as published on the Hugging Face hub: for planning.
+    # Mixtral 8x7B (Jiang et al. 2024) and Qwen1.5-MoE-A2.7B (60 experts, top-4, a 4-expert-wide shared expert behind
+    # a sigmoid gate, q/k/v biases), as published on the Hugging Face hub.
     "mixtral-8x7b": _llama(4096, 32, 32, 8, 14336, vocab=32000, theta=1e6, max_seq=32768, num_experts=8,
                            experts_per_token=2, router_aux_loss_coef=0.02),
     "qwen-moe-a2.7b": _llama(2048, 24, 16, 16, 5632, vocab=151936, theta=1e6, max_seq=8192, num_experts=60,
                              experts_per_token=4, num_shared_experts=4, moe_ffn_hidden_size=1408,
-                             norm_topk_prob=False, router_aux_loss_coef=0.001),
+                             shared_expert_gate=True, qkv_bias=True, norm_topk_prob=False,
+                             router_aux_loss_coef=0.001),
 }
 
 
