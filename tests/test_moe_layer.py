@@ -65,7 +65,10 @@ def naive(layer, x, cfg):
                     out = (F.silu(t @ ex.gate_proj[j].t()) * (t @ ex.up_proj[j].t())) @ ex.down_proj[j].t()
                     y[bi, pos] = y[bi, pos] + w[bi, pos, slot] * out
     if layer.shared_experts is not None:
-        y = y + layer.shared_experts(x)
+        shared = layer.shared_experts(x)
+        if layer.shared_expert_gate is not None:  # Qwen2-MoE: sigmoid(x . w) per token
+            shared = torch.sigmoid(x @ layer.shared_expert_gate.t()) * shared
+        y = y + shared
     f = F.one_hot(idx, e).sum(2).float().sum(1) / (s * k)  # [B, E]
     aux = (e * (f * probs.mean(1)).sum(-1)).mean()
     z = torch.logsumexp(logits, -1).square().mean()
@@ -73,8 +76,9 @@ def naive(layer, x, cfg):
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(router_score="sigmoid", num_shared_experts=0),
-                                     dict(norm_topk_prob=False, capacity_factor=1.0)],
-                         ids=["softmax-shared", "sigmoid", "capacity"])
+                                     dict(norm_topk_prob=False, capacity_factor=1.0),
+                                     dict(norm_topk_prob=False, shared_expert_gate=True)],
+                         ids=["softmax-shared", "sigmoid", "capacity", "gated-shared"])
 def test_layer_matches_the_naive_reference_with_its_losses_in_the_gradient(changes):
     cfg = CFG.replace(router_aux_loss_coef=0.1, router_z_loss_coef=0.01, **changes)
     layer = _layer(cfg)

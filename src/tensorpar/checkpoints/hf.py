@@ -1,8 +1,9 @@
-"""Hugging Face checkpoints (GPT-2 and Llama, safetensors) to and from tensorpar's dense state dicts.
+"""Hugging Face checkpoints (GPT-2, Llama, Mixtral and Qwen2-MoE, safetensors) to and from tensorpar's dense state
+dicts (the experts of MoE layers: `tensorpar.checkpoints.hf_moe`).
 
 Configs are mapped by `tensorpar.checkpoints.hf_config`.
 
-    is_hf_folder(path)               does `path` look like a GPT-2 / Llama Hugging Face folder?
+    is_hf_folder(path)               does `path` look like a GPT-2 / Llama / Mixtral / Qwen2-MoE folder?
     hf_to_tensorpar(hf_state, cfg)   Hugging Face tensor names -> tensorpar's dense names
     tensorpar_to_hf(state, cfg)      the inverse (bit-exact round trip)
     load_hf_folder(path)             (ModelConfig, dense state dict), ready for `load_full_state_dict`
@@ -27,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, check_representable, config_from_hf, config_to_hf
+from tensorpar.checkpoints.hf_moe import experts_from_hf, experts_to_hf, moe_layer_pairs, unfuse_experts
 from tensorpar.errors import TensorparError
 from tensorpar.layers.sharding import shard_spec
 from tensorpar.models.config import ModelConfig
@@ -82,12 +84,17 @@ def _llama_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     pairs = [(f"{_LLAMA_PREFIX}embed_tokens.weight", "embed.weight"),
              (f"{_LLAMA_PREFIX}norm.weight", "final_norm.weight")]
     suffixes = ("weight", "bias") if cfg.bias else ("weight",)
+    qkv_suffixes = ("weight", "bias") if cfg.attention_qkv_bias else ("weight",)
     for i in range(cfg.num_layers):
         h, t = f"{_LLAMA_PREFIX}layers.{i}.", f"layers.{i}."
         pairs += [(h + "input_layernorm.weight", t + "attn_norm.weight"),
                   (h + "post_attention_layernorm.weight", t + "mlp_norm.weight")]
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            pairs += [(f"{h}self_attn.{proj}.{s}", f"{t}attn.{proj}.{s}") for s in suffixes]
+            pairs += [(f"{h}self_attn.{proj}.{s}", f"{t}attn.{proj}.{s}")
+                      for s in (suffixes if proj == "o_proj" else qkv_suffixes)]
+        if cfg.is_moe_layer(i):
+            pairs += moe_layer_pairs(cfg, i)
+            continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
             pairs += [(f"{h}mlp.{proj}.{s}", f"{t}mlp.{proj}.{s}") for s in suffixes]
     if not cfg.tie_embeddings:
@@ -96,8 +103,8 @@ def _llama_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 
 def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """tensorpar's dense state dict -> Hugging Face GPT2LMHeadModel / LlamaForCausalLM tensors (full names,
-    no lm_head for tied embeddings). Bit-exact inverse of `hf_to_tensorpar`."""
+    """tensorpar's dense state dict -> Hugging Face GPT2LMHeadModel / LlamaForCausalLM / Mixtral / Qwen2-MoE tensors
+    (full names, no lm_head for tied embeddings). Bit-exact inverse of `hf_to_tensorpar`."""
     check_representable(cfg)
     expected = set(_dense_shapes(cfg))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -106,7 +113,10 @@ def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
                              f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                              f"{'...' if len(unexpected) > 5 else ''}")
     if cfg.family == "llama":
-        return {hf: state[tp] for hf, tp in _llama_pairs(cfg)}
+        out = {hf: state[tp] for hf, tp in _llama_pairs(cfg)}
+        for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
+            out.update(experts_to_hf(state, cfg, i))
+        return out
     out = {f"{_GPT2_PREFIX}wte.weight": state["embed.weight"], f"{_GPT2_PREFIX}wpe.weight": state["pos_embed"]}
     for i in range(cfg.num_layers):
         t, h = f"layers.{i}.attn.", f"{_GPT2_PREFIX}h.{i}.attn.c_attn."
@@ -139,6 +149,8 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
         if key in state:
             raise TensorparError(f"{source}: '{origin[key]}' and '{name}' are the same tensor under two names")
         state[key], origin[key] = tensor, name
+    if cfg.is_moe:
+        unfuse_experts(state, origin, cfg)
 
     shapes = _hf_shapes(cfg)
     missing, unexpected = set(shapes) - set(state), set(state) - set(shapes)
@@ -155,7 +167,10 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
                                  f"the config expects {shape}")
 
     if family == "llama":
-        return {tp: state[hf] for hf, tp in _llama_pairs(cfg)}
+        out = {tp: state[hf] for hf, tp in _llama_pairs(cfg)}
+        for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
+            out.update(experts_from_hf(state, cfg, i))
+        return out
     out = {"embed.weight": state[f"{_GPT2_PREFIX}wte.weight"], "pos_embed": state[f"{_GPT2_PREFIX}wpe.weight"]}
     h = cfg.hidden_size
     for i in range(cfg.num_layers):
@@ -175,7 +190,8 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
 
 def hf_to_tensorpar(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
                     source: str = "Hugging Face state dict") -> dict[str, torch.Tensor]:
-    """Hugging Face GPT-2 / Llama tensors -> tensorpar's dense state dict (for `load_full_state_dict`).
+    """Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE tensors -> tensorpar's dense state dict (for
+    `load_full_state_dict`).
 
     Accepts names with or without the base-model prefix; ignores GPT-2's attention-mask buffers and,
     for tied embeddings, `lm_head.weight`. Missing, unknown or wrongly shaped tensors are errors.
@@ -197,7 +213,7 @@ def _read_json(path: Path, what: str):
 
 
 def is_hf_folder(path) -> bool:
-    """A directory with a GPT-2 or Llama config.json and at least one *.safetensors file."""
+    """A directory with a supported (`SUPPORTED_MODEL_TYPES`) config.json and at least one *.safetensors file."""
     try:
         path = Path(path)
         if not path.is_dir() or not any(path.glob("*.safetensors")):
@@ -230,7 +246,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, dense state dict in tensorpar's names) from a Hugging Face GPT-2 / Llama safetensors folder,
+    """(config, dense state dict in tensorpar's names) from a Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE
+    safetensors folder,
     single-file or sharded (`model.safetensors.index.json`). Tensors keep their stored dtype, on the CPU."""
     folder = Path(path)
     if not folder.is_dir():
@@ -261,7 +278,8 @@ def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor]) -> None:
     """Write `dense_state` (tensorpar names, e.g. from `full_state_dict`) as a Hugging Face folder:
-    config.json (GPT2LMHeadModel / LlamaForCausalLM) and model.safetensors."""
+    config.json (GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM / Qwen2MoeForCausalLM) and
+    model.safetensors."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise TensorparError(f"'{folder}' exists and is not a folder")

@@ -1,4 +1,5 @@
-"""Hugging Face config.json <-> tensorpar's ModelConfig, for GPT-2 and Llama.
+"""Hugging Face config.json <-> tensorpar's ModelConfig, for GPT-2, Llama, Mixtral and Qwen2-MoE (the MoE fields:
+`tensorpar.checkpoints.hf_moe_config`).
 
     config_from_hf(hf_dict)          config.json -> ModelConfig (refuses what the model cannot compute)
     config_to_hf(cfg)                ModelConfig -> a config.json dict transformers loads
@@ -6,50 +7,23 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from tensorpar.checkpoints.hf_fields import boolean, positive_float, positive_int, require, unsupported
+from tensorpar.checkpoints.hf_moe_config import (
+    MOE_MODEL_TYPES,
+    moe_architecture,
+    moe_config_from_hf,
+    moe_config_to_hf,
+    moe_export_problems,
+)
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama") + MOE_MODEL_TYPES
 # Hugging Face activation names -> tensorpar's (same function; gelu_new is the tanh approximation).
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
                      "silu": "silu", "swish": "silu"}
-
-
-def _unsupported(field: str, value, why: str) -> TensorparError:
-    return TensorparError(f"unsupported Hugging Face config: {field}={value!r} ({why})")
-
-
-def _int(hf: dict, field: str, default=None) -> int:
-    value = hf.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _unsupported(field, value, "expected a positive integer")
-    return value
-
-
-def _float(hf: dict, field: str, default=None) -> float:
-    value = hf.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise _unsupported(field, value, "expected a positive number")
-    return float(value)
-
-
-def _bool(hf: dict, field: str, default: bool) -> bool:
-    value = hf.get(field, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _unsupported(field, value, "expected true or false")
-    return value
-
-
-def _require(hf: dict, field: str, expected, default, why: str) -> None:
-    value = hf.get(field, default)
-    if value != expected:
-        raise _unsupported(field, value, why)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -58,38 +32,40 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise TensorparError(f"a Hugging Face config must be a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _unsupported("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise unsupported("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if hf.get("quantization_config"):
-        raise _unsupported("quantization_config", hf["quantization_config"].get("quant_method", "?")
+        raise unsupported("quantization_config", hf["quantization_config"].get("quant_method", "?")
                            if isinstance(hf["quantization_config"], dict) else hf["quantization_config"],
                            "quantized checkpoints are not supported")
+    if model_type in MOE_MODEL_TYPES:
+        return moe_config_from_hf(hf, _decoder_fields(hf, model_type))
     return _gpt2_config(hf) if model_type == "gpt2" else _llama_config(hf)
 
 
 def _gpt2_config(hf: dict) -> ModelConfig:
     # Defaults are GPT2Config's, for config.json files that leave them out.
-    hidden = _int(hf, "n_embd", 768)
+    hidden = positive_int(hf, "n_embd", 768)
     act = hf.get("activation_function", "gelu_new")
     if act not in _GPT2_ACTIVATIONS:
-        raise _unsupported("activation_function", act, f"supported: {', '.join(_GPT2_ACTIVATIONS)}")
-    _require(hf, "scale_attn_weights", True, True, "tensorpar always scales attention scores by 1/sqrt(head_dim)")
-    _require(hf, "scale_attn_by_inverse_layer_idx", False, False, "per-layer attention scaling is not supported")
-    _require(hf, "add_cross_attention", False, False, "cross-attention is not supported")
+        raise unsupported("activation_function", act, f"supported: {', '.join(_GPT2_ACTIVATIONS)}")
+    require(hf, "scale_attn_weights", True, True, "tensorpar always scales attention scores by 1/sqrt(head_dim)")
+    require(hf, "scale_attn_by_inverse_layer_idx", False, False, "per-layer attention scaling is not supported")
+    require(hf, "add_cross_attention", False, False, "cross-attention is not supported")
     n_inner = hf.get("n_inner")
     return ModelConfig(
         family="gpt2",
-        vocab_size=_int(hf, "vocab_size", 50257),
+        vocab_size=positive_int(hf, "vocab_size", 50257),
         hidden_size=hidden,
-        num_layers=_int(hf, "n_layer", 12),
-        num_heads=_int(hf, "n_head", 12),
-        ffn_hidden_size=4 * hidden if n_inner is None else _int(hf, "n_inner"),
-        max_seq_len=_int(hf, "n_positions", 1024),
+        num_layers=positive_int(hf, "n_layer", 12),
+        num_heads=positive_int(hf, "n_head", 12),
+        ffn_hidden_size=4 * hidden if n_inner is None else positive_int(hf, "n_inner"),
+        max_seq_len=positive_int(hf, "n_positions", 1024),
         norm="layernorm",
-        norm_eps=_float(hf, "layer_norm_epsilon", 1e-5),
+        norm_eps=positive_float(hf, "layer_norm_epsilon", 1e-5),
         activation=_GPT2_ACTIVATIONS[act],
         gated_mlp=False,
         position="learned",
-        tie_embeddings=_bool(hf, "tie_word_embeddings", True),
+        tie_embeddings=boolean(hf, "tie_word_embeddings", True),
         bias=True,
         dropout=0.0,
     )
@@ -99,95 +75,110 @@ def _rope_type(d: dict) -> str:
     return d.get("rope_type", d.get("type")) or "default"
 
 
-def _llama_rope(hf: dict, max_positions: int) -> tuple[float, dict | None]:
+def _llama_rope(hf: dict, max_positions: int, default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a transformers 5 `rope_parameters` dict or the older top-level
     `rope_theta` + `rope_scaling` fields (either may carry the theta and the scaling)."""
     params, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
     for field, d in (("rope_parameters", params), ("rope_scaling", legacy)):
         if not isinstance(d, dict):
-            raise _unsupported(field, d, "expected a JSON object")
+            raise unsupported(field, d, "expected a JSON object")
         if any(isinstance(v, dict) for v in d.values()):
-            raise _unsupported(field, list(d), "per-layer-type RoPE parameters are not supported")
-    theta = params.get("rope_theta", legacy.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    theta = _float({"rope_theta": theta}, "rope_theta")
+            raise unsupported(field, list(d), "per-layer-type RoPE parameters are not supported")
+    theta = params.get("rope_theta", legacy.get("rope_theta", hf.get("rope_theta", default_theta)))
+    theta = positive_float({"rope_theta": theta}, "rope_theta")
     scaled = [(f, d) for f, d in (("rope_parameters", params), ("rope_scaling", legacy)) if _rope_type(d) != "default"]
     for field, d in (("rope_parameters", params), ("rope_scaling", legacy), ("config", hf)):
         factor = d.get("partial_rotary_factor", 1.0)
         if factor not in (None, 1, 1.0):
-            raise _unsupported("partial_rotary_factor", factor, "RoPE on part of the head is not supported")
+            raise unsupported("partial_rotary_factor", factor, "RoPE on part of the head is not supported")
     if not scaled:
         return theta, None
     field, d = scaled[0]
     kind = _rope_type(d)
     if kind != "llama3":
-        raise _unsupported(f"{field}.rope_type", kind, "supported: default, llama3")
+        raise unsupported(f"{field}.rope_type", kind, "supported: default, llama3")
     scaling = {
         "rope_type": "llama3",
-        "factor": _float(d, "factor"),
-        "low_freq_factor": _float(d, "low_freq_factor"),
-        "high_freq_factor": _float(d, "high_freq_factor"),
+        "factor": positive_float(d, "factor"),
+        "low_freq_factor": positive_float(d, "low_freq_factor"),
+        "high_freq_factor": positive_float(d, "high_freq_factor"),
         # As in transformers: without it, the model's own length is the pre-training length.
-        "original_max_position_embeddings": _int(d, "original_max_position_embeddings",
+        "original_max_position_embeddings": positive_int(d, "original_max_position_embeddings",
                                                  hf.get("original_max_position_embeddings", max_positions)),
     }
     if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise _unsupported(f"{field}.high_freq_factor", scaling["high_freq_factor"],
+        raise unsupported(f"{field}.high_freq_factor", scaling["high_freq_factor"],
                            f"must exceed low_freq_factor {scaling['low_freq_factor']}")
     return theta, scaling
 
 
-def _llama_config(hf: dict) -> ModelConfig:
-    # Defaults are LlamaConfig's, for config.json files that leave them out.
-    hidden = _int(hf, "hidden_size", 4096)
-    heads = _int(hf, "num_attention_heads", 32)
-    kv_heads = hf.get("num_key_value_heads")
-    kv_heads = heads if kv_heads is None else _int(hf, "num_key_value_heads")
+# Defaults of LlamaConfig / MixtralConfig / Qwen2MoeConfig, for config.json files that leave fields out.
+_DEFAULTS = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=2048, rms_norm_eps=1e-6),
+    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    rms_norm_eps=1e-5, rope_theta=1e6),
+    "qwen2_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=32768, rms_norm_eps=1e-6),
+}
+
+
+def _decoder_fields(hf: dict, model_type: str) -> dict:
+    """The ModelConfig fields a Llama-style decoder (Llama, Mixtral, Qwen2-MoE) shares: sizes, attention, RoPE."""
+    defaults = _DEFAULTS[model_type]
+    hidden = positive_int(hf, "hidden_size", defaults["hidden_size"])
+    heads = positive_int(hf, "num_attention_heads", defaults["num_attention_heads"])
+    kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
+    kv_heads = heads if kv_heads is None else positive_int({"num_key_value_heads": kv_heads}, "num_key_value_heads")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise _unsupported("hidden_act", act, "Llama's gated MLP is supported with silu only")
+        raise unsupported("hidden_act", act, f"{model_type}'s gated MLP is supported with silu only")
     if hidden % heads:
-        raise _unsupported("hidden_size", hidden, f"not divisible by num_attention_heads {heads}")
+        raise unsupported("hidden_size", hidden, f"not divisible by num_attention_heads {heads}")
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim != hidden // heads:
-        raise _unsupported("head_dim", head_dim,
+        raise unsupported("head_dim", head_dim,
                            f"tensorpar needs hidden_size / num_attention_heads = {hidden // heads}")
     if heads % kv_heads:
-        raise _unsupported("num_key_value_heads", kv_heads, f"does not divide num_attention_heads {heads}")
-    attention_bias = _bool(hf, "attention_bias", False)
-    mlp_bias = _bool(hf, "mlp_bias", False)
-    if attention_bias != mlp_bias:
-        raise _unsupported("mlp_bias", mlp_bias, f"differs from attention_bias={attention_bias}; tensorpar has one "
-                                                 "bias switch for attention and MLP")
-    max_positions = _int(hf, "max_position_embeddings", 2048)
-    theta, scaling = _llama_rope(hf, max_positions)
-    return ModelConfig(
+        raise unsupported("num_key_value_heads", kv_heads, f"does not divide num_attention_heads {heads}")
+    max_positions = positive_int(hf, "max_position_embeddings", defaults["max_position_embeddings"])
+    theta, scaling = _llama_rope(hf, max_positions, defaults.get("rope_theta", 10000.0))
+    return dict(
         family="llama",
-        vocab_size=_int(hf, "vocab_size", 32000),
+        vocab_size=positive_int(hf, "vocab_size", defaults["vocab_size"]),
         hidden_size=hidden,
-        num_layers=_int(hf, "num_hidden_layers", 32),
+        num_layers=positive_int(hf, "num_hidden_layers", defaults["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        ffn_hidden_size=_int(hf, "intermediate_size", 11008),
         max_seq_len=max_positions,
         norm="rmsnorm",
-        norm_eps=_float(hf, "rms_norm_eps", 1e-6),
+        norm_eps=positive_float(hf, "rms_norm_eps", defaults["rms_norm_eps"]),
         activation="silu",
         gated_mlp=True,
         position="rope",
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_embeddings=_bool(hf, "tie_word_embeddings", False),
-        bias=attention_bias,
+        tie_embeddings=boolean(hf, "tie_word_embeddings", False),
         dropout=0.0,
     )
 
 
+def _llama_config(hf: dict) -> ModelConfig:
+    attention_bias = boolean(hf, "attention_bias", False)
+    mlp_bias = boolean(hf, "mlp_bias", False)
+    if attention_bias != mlp_bias:
+        raise unsupported("mlp_bias", mlp_bias, f"differs from attention_bias={attention_bias}; tensorpar has one "
+                                                 "bias switch for attention and MLP")
+    return ModelConfig(**_decoder_fields(hf, "llama"),
+                       ffn_hidden_size=positive_int(hf, "intermediate_size", _DEFAULTS["llama"]["intermediate_size"]),
+                       bias=attention_bias)
+
+
 def check_representable(cfg: ModelConfig) -> None:
-    """Refuse configs that have no Hugging Face GPT2LMHeadModel / LlamaForCausalLM equivalent."""
-    if cfg.is_moe:
-        raise TensorparError("Hugging Face export of mixture-of-experts models (Mixtral, Qwen2-MoE) is not "
-                             "supported yet: keep the tensorpar checkpoint")
-    if cfg.family == "gpt2":
+    """Refuse configs that have no Hugging Face GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM /
+    Qwen2MoeForCausalLM equivalent."""
+    if cfg.family == "gpt2" and not cfg.is_moe:
         wanted = dict(norm="layernorm", position="learned", gated_mlp=False, bias=True, num_kv_heads=cfg.num_heads)
         actual = dict(norm=cfg.norm, position=cfg.position, gated_mlp=cfg.gated_mlp, bias=cfg.bias,
                       num_kv_heads=cfg.kv_heads)
@@ -198,14 +189,21 @@ def check_representable(cfg: ModelConfig) -> None:
         actual = dict(norm=cfg.norm, position=cfg.position, gated_mlp=cfg.gated_mlp, activation=cfg.activation)
         if cfg.rope_scaling and _rope_type(cfg.rope_scaling) not in ("default", "llama3"):
             actual["rope_scaling"], wanted["rope_scaling"] = _rope_type(cfg.rope_scaling), "default or llama3"
+        if cfg.family != "llama":
+            actual["family"], wanted["family"] = cfg.family, "llama"
+    if not cfg.is_moe and cfg.attention_qkv_bias != cfg.bias:
+        actual["qkv_bias"], wanted["qkv_bias"] = cfg.attention_qkv_bias, cfg.bias
     bad = [f"{k}={actual[k]!r} (needs {wanted[k]!r})" for k in wanted if actual[k] != wanted[k]]
+    bad += moe_export_problems(cfg) if cfg.is_moe else []
     if bad:
-        arch = "GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM"
+        arch = ("GPT2LMHeadModel" if cfg.family == "gpt2" else "LlamaForCausalLM") if not cfg.is_moe else \
+            {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[moe_architecture(cfg)]
         raise TensorparError(f"this {cfg.family} config has no Hugging Face {arch} equivalent: {', '.join(bad)}")
 
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
-    """A config.json dict that transformers loads as a GPT2Config / LlamaConfig (the inverse of config_from_hf)."""
+    """A config.json dict that transformers loads as a GPT2Config / LlamaConfig / MixtralConfig / Qwen2MoeConfig (the
+    inverse of config_from_hf)."""
     check_representable(cfg)
     if cfg.family == "gpt2":
         out = {
@@ -259,6 +257,10 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
             "initializer_range": cfg.init_std,
             "tie_word_embeddings": cfg.tie_embeddings,
         }
+        if cfg.is_moe:
+            for field in ("attention_bias", "mlp_bias"):
+                del out[field]
+            out.update(moe_config_to_hf(cfg))
     if dtype is not None:
         out["torch_dtype"] = str(dtype).removeprefix("torch.")
     return out

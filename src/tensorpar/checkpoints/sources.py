@@ -7,7 +7,7 @@ import json
 import os
 
 from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder
-from tensorpar.checkpoints.hf_config import config_from_hf
+from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
 from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
@@ -29,7 +29,8 @@ def load_config(path: str):
         with open(os.path.join(path, "config.json")) as f:
             return config_from_hf(json.load(f))
     raise TensorparError(
-        f"checkpoint '{path}' is not a Hugging Face model folder (config.json with model_type gpt2 or llama, "
+        f"checkpoint '{path}' is not a Hugging Face model folder (config.json with model_type "
+        f"{', '.join(SUPPORTED_MODEL_TYPES)}, "
         f"and *.safetensors weights) nor a tensorpar checkpoint (meta.json, or a 'latest' file)"
     )
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 import torch
 
 from tensorpar.distributed.launch import spawn_local, under_launcher, world_size
 from tensorpar.distributed.mesh import resolve_layout
+from tensorpar.errors import LayoutError
+from tensorpar.models.layout_checks import check_moe_layout
 
 
 def launch(options, argv: list[str], run_rank) -> int:
@@ -25,3 +29,17 @@ def launch(options, argv: list[str], run_rank) -> int:
     if world == 1:
         return run_rank()
     return spawn_local(world, argv, grace_s=options.grace_period)
+
+
+def fold_experts(options, cfg):
+    """`options` of an inference command (eval, generate) with --ep checked against the model `cfg` and folded onto
+    the ranks, before any process exists. Without --dp (and --nproc), a run whose tp x cp ranks cannot hold the ep
+    expert-parallel ranks gets ep / gcd(tp x cp, ep) data-parallel groups, so that ep divides tp x cp x dp."""
+    ep, tp, cp = options.ep, options.tp, options.cp
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise LayoutError(f"--ep must be a positive integer, got {ep!r}")
+    if ep > 1 and options.dp is None and options.nproc is None and not under_launcher():
+        options = dataclasses.replace(options, dp=ep // math.gcd(tp * cp, ep))
+    _, _, dp = resolve_layout(world_size(options), tp, options.pp, options.dp, cp)
+    check_moe_layout(cfg, tp, cp, dp, ep)
+    return options

@@ -1,4 +1,4 @@
-"""`tensorpar eval`: mean next-token loss of a checkpoint on a token stream, at any TP size.
+"""`tensorpar eval`: mean next-token loss of a checkpoint on a token stream, at any TP, CP and (MoE) EP size.
 
 The stream is cut into consecutive non-overlapping windows of L+1 tokens (inputs the first L,
 targets the last L), the remainder dropped; `loss` is the mean cross-entropy over all targets.
@@ -12,7 +12,7 @@ import math
 import os
 
 from tensorpar.checkpoints.sources import load_config, load_model_source
-from tensorpar.commands.common import launch
+from tensorpar.commands.common import fold_experts, launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import EvalOptions
 from tensorpar.data import check_vocab, eval_windows, load_tokenizer, open_stream, parse_data_spec, prepare_sources
@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def validate(options: EvalOptions) -> None:
+def validate(options: EvalOptions) -> EvalOptions:
+    """Check everything that can be checked before a rank starts; the options with --ep folded onto the ranks."""
     check_choices(options)
     if len(parse_data_spec(options.data)) > 1:
         raise TensorparError(f"tensorpar eval takes one data source, not the mixture '{options.data}'")
@@ -37,12 +38,14 @@ def validate(options: EvalOptions) -> None:
                     cache_dir=options.data_cache, progress=os.environ.get("RANK", "0") == "0")
     cfg = load_config(options.checkpoint)
     check_model_layout(cfg, options.tp, options.sequence_parallel, options.seq_len, options.cp)
+    return fold_experts(options, cfg)
 
 
 def evaluate_checkpoint(options: EvalOptions) -> dict:
     """{"loss", "perplexity", "tokens"} of the checkpoint on the data (every rank of the running world)."""
-    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, cp=options.cp, device=options.device,
-                     timeout=options.timeout)
+    cfg = load_config(options.checkpoint)
+    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, cp=options.cp,
+                     ep=options.ep if cfg.is_moe else None, device=options.device, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
         tokens = open_stream(options.data, load_tokenizer(options.checkpoint), text_field=options.text_field,
@@ -52,15 +55,14 @@ def evaluate_checkpoint(options: EvalOptions) -> dict:
         model = Transformer(cfg, mesh, sequence_parallel=options.sequence_parallel, init=False,
                             cp_impl=options.cp_impl)
         load_full_state_dict(model, state, source=options.checkpoint)
-        loss = evaluate(model, windows, options.batch_size, mesh.device, options.dtype)
+        loss = evaluate(model, windows, options.batch_size, mesh.device, options.dtype, dp_group=mesh.dp_group)
         return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(windows[:, 1:].numel())}
     finally:
         mesh.destroy()
 
 
 def run(args, argv) -> int:
-    options = options_from_args(EvalOptions, args, "eval")
-    validate(options)
+    options = validate(options_from_args(EvalOptions, args, "eval"))
 
     def run_rank() -> int:
         result = evaluate_checkpoint(options)

@@ -1,13 +1,15 @@
 """`tensorpar generate`: continue prompts with a checkpoint at any TP size, with a KV cache sharded by heads.
 
-    tensorpar generate --checkpoint DIR [--tp T] (--prompt TEXT ... | --prompt-ids 1,2,3 ...) --max-new-tokens N
-                       [--greedy | --temperature T --top-k K --top-p P --seed S] [--json]
+    tensorpar generate --checkpoint DIR [--tp T] [--ep E] (--prompt TEXT ... | --prompt-ids 1,2,3 ...)
+                       --max-new-tokens N [--greedy | --temperature T --top-k K --top-p P --seed S] [--json]
 
 Greedy unless a sampling option is given. Several --prompt (or --prompt-ids) flags make one batch.
 Prints each prompt's continuation, or with --json one line per prompt:
 {"ids": [new token ids], "text": "their text", "tokens_per_s": new tokens of the batch per second}.
 Generation stops at the checkpoint's EOS token (generation_config.json / config.json, else the
-tokenizer's) unless --ignore-eos. No sequence or pipeline parallelism: the TP group holds the model.
+tokenizer's) unless --ignore-eos. No sequence or pipeline parallelism: the TP group holds the model. A
+mixture-of-experts model takes --ep N: its experts spread over N ranks folded onto replicas of the TP group
+(ep / gcd(tp, ep) of them unless --dp says), which all generate the same tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import sys
 
 from tensorpar.checkpoints.sources import load_config, load_model_source
-from tensorpar.commands.common import launch
+from tensorpar.commands.common import fold_experts, launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import GenerateOptions
 from tensorpar.data import load_tokenizer
@@ -79,7 +81,8 @@ def _eos_ids(options, tokenizer):
 
 
 def validate(options: GenerateOptions):
-    """Everything that can be checked before a rank starts: (config, tokenizer, prompts, sampling, eos)."""
+    """Everything that can be checked before a rank starts: (options with --ep folded onto the ranks, config,
+    tokenizer, prompts, sampling, eos)."""
     check_choices(options)
     cfg = load_config(options.checkpoint)
     if options.sequence_parallel:
@@ -91,9 +94,11 @@ def validate(options: GenerateOptions):
         raise LayoutError(f"generate runs without context parallelism (one new token a step has no sequence to "
                           f"split): --cp must be 1, got {options.cp}")
     check_model_layout(cfg, options.tp)
-    if world_size(options) != options.tp:
+    options = fold_experts(options, cfg)
+    if options.ep == 1 and world_size(options) != options.tp:
         raise LayoutError(f"generate runs on exactly --tp processes (one tensor-parallel group, no data "
-                          f"parallelism): {world_size(options)} processes for --tp {options.tp}")
+                          f"parallelism; a mixture-of-experts model with --ep runs replicas of it): "
+                          f"{world_size(options)} processes for --tp {options.tp}")
     if options.max_new_tokens < 1:
         raise TensorparError(f"--max-new-tokens must be at least 1, got {options.max_new_tokens}")
     sampling = _sampling(options)
@@ -102,12 +107,15 @@ def validate(options: GenerateOptions):
     check_generate_args(prompts, options.max_new_tokens, cfg.vocab_size,
                         cfg.max_seq_len if cfg.position == "learned" else None,
                         temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"])
-    return cfg, tokenizer, prompts, sampling, _eos_ids(options, tokenizer)
+    return options, cfg, tokenizer, prompts, sampling, _eos_ids(options, tokenizer)
 
 
 def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos) -> tuple[list[list[int]], dict]:
     """(new token ids per prompt, timing stats) on every rank of the running world."""
-    mesh = init_mesh(tp=options.tp, pp=1, dp=1, device=options.device, timeout=options.timeout)
+    cfg = load_config(options.checkpoint)
+    moe = cfg.is_moe and options.ep > 1
+    mesh = init_mesh(tp=options.tp, pp=1, dp=options.dp if moe else 1, ep=options.ep if cfg.is_moe else None,
+                     device=options.device, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
         model = Transformer(cfg, mesh, init=False)
@@ -115,15 +123,15 @@ def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos) -
         del state
         stats: dict = {}
         with autocast(mesh.device, options.dtype):
-            new = generate(model, prompts, options.max_new_tokens, eos_id=eos, stats=stats, **sampling)
+            new = generate(model, prompts, options.max_new_tokens, eos_id=eos, stats=stats,
+                           replica_group=mesh.dp_group, **sampling)
         return new, stats
     finally:
         mesh.destroy()
 
 
 def run(args, argv) -> int:
-    options = options_from_args(GenerateOptions, args, "generate")
-    _, tokenizer, prompts, sampling, eos = validate(options)
+    options, _, tokenizer, prompts, sampling, eos = validate(options_from_args(GenerateOptions, args, "generate"))
 
     def run_rank() -> int:
         new, stats = generate_text(options, tokenizer, prompts, sampling, eos)

@@ -142,6 +142,9 @@ class EvalOptions(LaunchOptions):
     seq_len: int | None = option(None, "tokens per window (inputs; the window holds one more)", required=True)
     batch_size: int = option(8, "windows per forward pass")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
+    ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, folded "
+                        "onto the tp x cp x dp ranks; without --dp, ep / gcd(tp x cp, ep) data-parallel groups are "
+                        "started so that it folds (they split the windows)", group=LAYOUT)
     dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
     cp_impl: str = option("ring", "context-parallel attention: K/V passed round a ring, or all-gathered",
                           choices=CP_IMPLS, group=LAYOUT)
@@ -164,6 +167,9 @@ class GenerateOptions(LaunchOptions):
     ignore_eos: bool = option(False, "always generate --max-new-tokens tokens")
     json: bool = option(False, "one JSON line per prompt: ids, text, tokens_per_s")
     sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)
+    ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, folded "
+                        "onto the ranks; without --dp, ep / gcd(tp, ep) replicas of the TP group are started so "
+                        "that it folds (they generate the same tokens)", group=LAYOUT)
     dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
 
 

@@ -147,13 +147,17 @@ def check_generate_args(prompts, max_new_tokens: int, vocab_size: int, max_posit
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, stats: dict | None = None
-             ) -> list[list[int]]:
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, stats: dict | None = None,
+             replica_group=None) -> list[list[int]]:
     """The new token ids of every prompt (not the prompt), stopping a row after an `eos_id` (an int or several;
     the EOS token is included) or after `max_new_tokens`. Call on every TP rank: all get the same result.
 
     `stats`, if given, receives new_tokens, seconds, prefill_seconds and tokens_per_s (new tokens of all rows
-    per second, prefill included). Under torch.autocast the cache takes the autocast dtype."""
+    per second, prefill included). Under torch.autocast the cache takes the autocast dtype.
+
+    `replica_group`: ranks running the same prompts as replicas of the TP group (whose expert-parallel all-to-alls
+    span them); each step they take the tokens of its first rank (a broadcast), so that rounding differences
+    between replicas can never make them pick different tokens or stop at different steps."""
     cfg = model.cfg
     check_generate_args(prompts, max_new_tokens, cfg.vocab_size,
                         cfg.max_seq_len if cfg.position == "learned" else None,
@@ -182,6 +186,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bo
         prefill_s = None
         for step in range(max_new_tokens):
             tokens = select_tokens(logits, model, step=step, **sampling)
+            if replica_group is not None:
+                replica_group.broadcast(tokens)
             for row, token in enumerate(tokens.tolist()):  # .tolist() waits for the device
                 if not done[row]:
                     new[row].append(token)

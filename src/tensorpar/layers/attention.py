@@ -97,9 +97,10 @@ class ParallelAttention(nn.Module):
         self.dropout = cfg.dropout
         h, hd = cfg.hidden_size, cfg.head_dim
         column = dict(sequence_parallel=sequence_parallel, skip_input_comm=True, device=device, init=False)
-        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, self.tp_group, cfg.bias, **column)
-        self.k_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, cfg.bias, device=device)
-        self.v_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, cfg.bias, device=device)
+        qkv_bias = cfg.attention_qkv_bias
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, self.tp_group, qkv_bias, **column)
+        self.k_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device=device)
+        self.v_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device=device)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, self.tp_group, cfg.bias,
                                         sequence_parallel=sequence_parallel, device=device, init=False)
 

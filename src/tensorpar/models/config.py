@@ -40,12 +40,14 @@ class ModelConfig:
     rope_scaling: dict | None = None  # Llama 3.1 style {"rope_type": "llama3", "factor": ..., ...}
     tie_embeddings: bool = True
     bias: bool = True  # biases in the attention and MLP linears
+    qkv_bias: bool | None = None  # biases on the query/key/value projections only (None: as `bias`; Qwen2: True)
     init_std: float = 0.02
     dropout: float = 0.0  # embedding, residual and attention-probability dropout
     # Mixture of experts (0 experts: a dense model; the rest is then unused).
     num_experts: int = 0  # routed experts per MoE layer
     experts_per_token: int = 2  # top-k
     num_shared_experts: int = 0  # experts every token goes through (one MLP of that many times the expert width)
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared experts' output times sigmoid(x . w), w [1, H]
     moe_ffn_hidden_size: int | None = None  # width of one expert (None: ffn_hidden_size)
     moe_layer_freq: int = 1  # layer i is an MoE layer when (i + 1) % moe_layer_freq == 0 (1: every layer)
     router_score: str = "softmax"  # "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3: top-k weights normalised)
@@ -92,6 +94,8 @@ class ModelConfig:
             problems.append(f"router_score must be one of {ROUTER_SCORES}, got {self.router_score!r}")
         if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
             problems.append("router_aux_loss_coef and router_z_loss_coef must be >= 0")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            problems.append("shared_expert_gate needs shared experts (num_shared_experts > 0)")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             problems.append(f"capacity_factor must be positive (or None: dropless), got {self.capacity_factor}")
         return problems
@@ -108,6 +112,11 @@ class ModelConfig:
     def expert_ffn_size(self) -> int:
         """The hidden width of one expert."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def attention_qkv_bias(self) -> bool:
+        """Whether the query, key and value projections have biases (the output projection's follow `bias`)."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def kv_heads(self) -> int:
@@ -133,14 +142,14 @@ class ModelConfig:
         e, f, h = self.num_experts, self.expert_ffn_size, self.hidden_size
         routed = (self.experts_per_token if active else e) * (3 if self.gated_mlp else 2) * h * f
         shared = self._mlp_parameters(self.num_shared_experts * f) if self.num_shared_experts else 0
-        return e * h + routed + shared
+        return e * h + routed + shared + (h if self.shared_expert_gate else 0)
 
     def num_parameters(self, active: bool = False) -> int:
         """Parameters of the dense model (tied embeddings counted once); MoE models: all experts, or with
         ``active=True`` those one token uses (the top-k routed experts)."""
         h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
         kv = self.kv_heads * self.head_dim
-        attn = h * h + 2 * h * kv + h * h + (h + 2 * kv + h if self.bias else 0)
+        attn = h * h + 2 * h * kv + h * h + (h + 2 * kv if self.attention_qkv_bias else 0) + (h if self.bias else 0)
         mlp = self._mlp_parameters(f)
         norm = h * (2 if self.norm == "layernorm" else 1)
         per_layer = attn + mlp + 2 * norm
@@ -189,13 +198,14 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-moe": _llama(64, 4, 4, 2, 128, vocab=257, theta=10000.0, max_seq=1024, num_experts=8, experts_per_token=2,
                        num_shared_experts=1, moe_ffn_hidden_size=64, router_aux_loss_coef=0.01,
                        router_z_loss_coef=0.001),
-    # Mixtral 8x7B (Jiang et al. 2024) and Qwen1.5-MoE-A2.7B (60 experts, top-4, a 4-expert-wide shared expert;
-    # its attention biases and shared-expert gate are left out), as published on the Hugging Face hub: for planning.
+    # Mixtral 8x7B (Jiang et al. 2024) and Qwen1.5-MoE-A2.7B (60 experts, top-4, a 4-expert-wide shared expert behind
+    # a sigmoid gate, q/k/v biases), as published on the Hugging Face hub.
     "mixtral-8x7b": _llama(4096, 32, 32, 8, 14336, vocab=32000, theta=1e6, max_seq=32768, num_experts=8,
                            experts_per_token=2, router_aux_loss_coef=0.02),
     "qwen-moe-a2.7b": _llama(2048, 24, 16, 16, 5632, vocab=151936, theta=1e6, max_seq=8192, num_experts=60,
                              experts_per_token=4, num_shared_experts=4, moe_ffn_hidden_size=1408,
-                             norm_topk_prob=False, router_aux_loss_coef=0.001),
+                             shared_expert_gate=True, qkv_bias=True, norm_topk_prob=False,
+                             router_aux_loss_coef=0.001),
 }
 
 

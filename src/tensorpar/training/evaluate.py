@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tensorpar.optim.precision import autocast
 
 
 @torch.no_grad()
-def evaluate(model, windows: torch.Tensor, batch_size: int, device, dtype: str) -> float:
-    """Mean next-token loss over `windows` [N, L+1] (every rank gets the same value)."""
+def evaluate(model, windows: torch.Tensor, batch_size: int, device, dtype: str, dp_group=None) -> float:
+    """Mean next-token loss over `windows` [N, L+1] (every rank gets the same value).
+
+    With `dp_group` (size d > 1) the batches are dealt round-robin to its ranks and the sums of the losses and
+    target counts all-reduced over it. Every rank runs the same number of forwards (one with no batch of its
+    own runs the first batch and drops it), as the all-to-alls of expert parallelism need every rank."""
     was_training = model.training
     model.eval()
+    dp = dp_group.size if dp_group is not None else 1
+    rank = dp_group.rank if dp_group is not None else 0
+    num_batches = math.ceil(windows.shape[0] / batch_size)
     total, count = 0.0, 0
-    for start in range(0, windows.shape[0], batch_size):
-        batch = windows[start : start + batch_size].to(device)
+    for first in range(0, num_batches, dp):
+        index = first + rank
+        own = index < num_batches
+        batch = windows[(index if own else 0) * batch_size:][:batch_size].to(device)
         with autocast(device, dtype):
             loss = model(batch[:, :-1], batch[:, 1:])
-        total += loss.item() * batch[:, 1:].numel()
-        count += batch[:, 1:].numel()
+        if own:
+            total += loss.item() * batch[:, 1:].numel()
+            count += batch[:, 1:].numel()
+    if dp > 1:
+        sums = dp_group.all_reduce(torch.tensor([total, float(count)], dtype=torch.float64, device=device))
+        total, count = sums[0].item(), int(sums[1].item())
     model.train(was_training)
     return total / max(count, 1)

@@ -7,7 +7,10 @@ group holds the same [B, S, H] activation, and each TP rank takes 1/tp of the B 
 on the token dim: split / all-gather in backward) and all-gathers the outputs after (`gather_from_sp` with a
 plain split in backward), so that expert parallelism can fold over the TP ranks (expert-TP = 1). The
 router's weight is replicated on the TP ranks and its gradient summed over them (`copy_to_tp`). The shared
-experts are a tensor-parallel `ParallelMLP` of num_shared_experts times the expert width.
+experts are a tensor-parallel `ParallelMLP` of num_shared_experts times the expert width; with
+`shared_expert_gate` (Qwen2-MoE) their output is scaled per token by sigmoid(x w^T), w [1, H] replicated on
+the TP ranks (under sequence parallelism each rank sees its sequence shard, so w enters through `copy_to_tp`:
+forward identity, backward all-reduce over TP; without it every rank computes the whole gradient).
 
 Auxiliary losses (tensorpar.layers.moe.router) are not returned: their gradient is injected in the backward
 (`_AddAuxLossGrad`, Megatron's MoEAuxLossAutoScaler), so that they reach the parameters of any pipeline
@@ -23,14 +26,16 @@ expert, dropped choices, and this rank's share of the two loss values.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.distributed.ops import gather_from_sp, scatter_to_sp
+from tensorpar.distributed.ops import copy_to_tp, gather_from_sp, scatter_to_sp
 from tensorpar.errors import LayoutError
 from tensorpar.layers.mlp import ParallelMLP
 from tensorpar.layers.moe.dispatch import AllToAllDispatcher
 from tensorpar.layers.moe.experts import GroupedExperts
 from tensorpar.layers.moe.router import TopKRouter, balance_statistics, capacity, keep_mask
+from tensorpar.layers.sharding import ShardSpec, tag
 
 # The layout of a MoE layer's per-step statistics (`MoEStats.vector`): the E counts of routing choices, then these.
 STAT_FIELDS = ("choices", "dropped", "aux_loss_sum", "sequences", "z_loss_sum", "tokens")
@@ -82,6 +87,10 @@ class MoELayer(nn.Module):
         if cfg.num_shared_experts:
             self.shared_experts = ParallelMLP(cfg.replace(ffn_hidden_size=cfg.num_shared_experts * cfg.expert_ffn_size),
                                               tp_group, sequence_parallel, device=device)
+        self.shared_expert_gate = None
+        if cfg.shared_expert_gate:
+            self.shared_expert_gate = tag(nn.Parameter(torch.empty(1, cfg.hidden_size, device=device)),
+                                          ShardSpec(dim=None, reduce_grad_across_tp=sequence_parallel))
         self.stats = MoEStats(cfg.num_experts)
 
     def _local_tokens(self, x: torch.Tensor, context):
@@ -132,8 +141,17 @@ class MoELayer(nn.Module):
         if self.training and torch.is_grad_enabled():
             y = self._auxiliary_losses(y, routing, keep, seq_index, num_seqs, seq_len, groups, aux_scale)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            y = y + self._shared(x)
         return y
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shared_experts(x)
+        if self.shared_expert_gate is None:
+            return out
+        gate = self.shared_expert_gate
+        if self.sequence_parallel:
+            gate = copy_to_tp(gate, self.tp_group)
+        return torch.sigmoid(F.linear(x, gate)) * out
 
     def _auxiliary_losses(self, y, routing, keep, seq_index, num_seqs, seq_len, groups, aux_scale):
         cfg, cp = self.cfg, self.cp_group.size
