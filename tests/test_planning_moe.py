@@ -139,3 +139,23 @@ def test_plan_ep_json_and_bad_ep(capsys):
     assert _main("--model", "llama-8b", "--gpus", "16", "--gpu", "h100-80gb", "--seq-len", "4096",
                  "--global-batch-size", "256", "--json", "--top", "1", "--zero", "1", "--recompute", "none") == 0
     assert all(r["ep"] == 1 for r in json.loads(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_moe_activation_memory_near_the_saved_tensors(dtype):
+    """tiny-moe at tp 1 (routing as the seed makes it, not balanced): the MoE activation model is within 10%
+    (it counts balanced routing and leaves out a few small index tensors; measured: 8% under)."""
+    import torch
+    from test_planning_memory import measure_saved_bytes
+
+    cfg = get_config("tiny-moe")
+    torch.manual_seed(0)
+    ids, targets = torch.randint(0, cfg.vocab_size, (2, 32)), torch.randint(0, cfg.vocab_size, (2, 32))
+    model = Transformer(cfg, None, seed=1)
+    if dtype == "bf16":
+        for p in model.parameters():
+            p.data = p.data.bfloat16()
+    model.train()
+    measured = measure_saved_bytes(model, ids, targets, False, "hooks")
+    predicted = layout_memory(cfg, Layout(micro_batch_size=2), 32, 2, f"tensorpar-{dtype}").activations
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
