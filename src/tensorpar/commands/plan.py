@@ -6,10 +6,11 @@ Layout mode (the default)::
                    [--top K] [--json] [--png PATH] [--precision tensorpar-bf16|tensorpar-fp16|
                    tensorpar-bf16-autocast|tensorpar-fp32|mixed-bf16|megatron-bf16] [--gpus-per-node 8] [--intra-bandwidth GB/s] [--inter-bandwidth GB/s]
                    [--intra-latency us] [--inter-latency us] [--memory-gib G] [--peak-tflops T]
-                   [--mfu-ceiling F] [--overlap F] [--tp T] [--pp P] [--virtual-stages V]
+                   [--mfu-ceiling F] [--overlap F] [--tp T] [--pp P] [--ep E] [--virtual-stages V]
                    [--zero 0 1 ..] [--recompute none ..] [--sequence-parallel both|on|off]
 
-searches every tp x pp x dp x micro-batch x SP x recomputation x ZeRO layout
+searches every tp x pp x dp x micro-batch x SP x recomputation x ZeRO layout (x ep for a
+mixture-of-experts model: every size dividing num_experts and tp x cp x dp, or ``--ep E``)
 (`tensorpar.planning.search`), prints the feasible ones ranked by predicted tokens/s with the
 per-GPU memory breakdown, step time and MFU, and why the others fail. ``--png PATH`` writes the
 memory breakdown of the top layouts (stacked bars) to PATH and the Playbook-style heatmap (tp x
@@ -91,15 +92,27 @@ def _check_args(options) -> None:
             raise TensorparError(f"{flag} {value} does not divide the {options.gpus} GPUs")
 
 
+def _check_ep(cfg, options) -> None:
+    """--ep must name an expert-parallel size some layout can use: one dividing num_experts and the GPUs."""
+    if options.ep is None:
+        return
+    if not cfg.is_moe:
+        if options.ep != 1:
+            raise TensorparError(f"--ep {options.ep} needs a mixture-of-experts model; '{options.model}' is dense "
+                                 f"(leave --ep out, or use 1)")
+        return
+    valid = [e for e in range(1, cfg.num_experts + 1) if cfg.num_experts % e == 0 and options.gpus % e == 0]
+    if options.ep not in valid:
+        raise TensorparError(f"--ep {options.ep} does not divide both the {cfg.num_experts} experts of "
+                             f"'{options.model}' and the {options.gpus} GPUs: each EP rank holds num_experts / ep "
+                             f"experts and EP folds onto the tp x cp x dp ranks; valid: {valid}")
+
+
 def plan_layouts(options):
     """(config, cluster, ranked plans) for parsed layout-mode arguments."""
     _check_args(options)
     cfg = get_config(options.model)
-    if cfg.is_moe:
-        raise TensorparError(f"'{options.model}' is a mixture-of-experts model ({cfg.num_experts} experts, "
-                             f"{cfg.num_parameters() / 1e9:.1f}B parameters, {cfg.num_parameters(active=True) / 1e9:.1f}B "
-                             f"active): the planner does not model expert layers yet, and planning it as a dense model "
-                             f"would mislead")
+    _check_ep(cfg, options)
     cluster = _cluster(options)
     space = {"virtual_stages": tuple(range(1, options.virtual_stages + 1)), "max_micro_batch": options.max_micro_batch,
              "zero": tuple(options.zero), "recompute": tuple(options.recompute), "cp": tuple(options.cp),
@@ -108,6 +121,8 @@ def plan_layouts(options):
         space["tp"] = (options.tp,)
     if options.pp is not None:
         space["pp"] = (options.pp,)
+    if options.ep is not None:
+        space["ep"] = (options.ep,)
     plans = search(cfg, cluster, options.seq_len, options.global_batch_size, options.precision,
                    flash_attention=options.flash_attention, **space)
     return cfg, cluster, plans
@@ -144,33 +159,44 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
     infeasible = [p for p in plans if not p.feasible]
     prec = get_precision(options.precision)
     tokens = options.global_batch_size * options.seq_len
+    size = f"{cfg.num_parameters() / 1e9:.2f}B parameters"
+    if cfg.is_moe:
+        size += (f", {cfg.num_parameters(active=True) / 1e9:.2f}B active: {cfg.num_experts} experts, "
+                 f"top-{cfg.experts_per_token}")
     lines = [
-        f"plan: {options.model} ({cfg.num_parameters() / 1e9:.2f}B parameters) on {cluster.describe()}",
+        f"plan: {options.model} ({size}) on {cluster.describe()}",
         f"      seq {options.seq_len}, global batch {options.global_batch_size} ({tokens:,} tokens/step), "
         f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.0f} TFLOP/s "
         f"({prec.compute_dtype}) x MFU ceiling {cluster.mfu_ceiling:.2f}, DP overlap {cluster.overlap:.2f}",
         f"searched {len(plans)} layouts: {len(feasible)} feasible, {len(infeasible)} infeasible",
         "",
     ]
+    moe = cfg.is_moe  # the ep column and the all-to-all share, for mixture-of-experts models only
+    ep_head, a2a_head = (f" {'ep':>3}", f" {'a2a':>5}") if moe else ("", "")
     if shown:
-        head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'v':>2} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
+        head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
                 f" {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'copies':>6} {'other':>6} {'total':>6} GiB |"
-                f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp+cp':>5} {'pp+bub':>6} {'dp':>5} exposed")
+                f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp+cp':>5} {'pp+bub':>6} {'dp':>5}"
+                f"{a2a_head} exposed")
         lines.append(head)
         for i, p in enumerate(shown, 1):
             lay, mem, t = p.layout, p.memory.gib(), p.time
             other = mem["transient"] + mem["overhead"]
             pct = lambda x: f"{100 * x / t.step_time_s:4.1f}%"  # noqa: E731
             lines.append(
-                f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} {lay.micro_batch_size:>4} "
+                f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} {lay.micro_batch_size:>4} "
                 f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {lay.zero:>4} |"
                 f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
                 f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
                 f" {t.step_time_s:7.2f} {t.tokens_per_s:10,.0f} {100 * t.mfu:5.1f}% |"
                 f" {pct(t.tp_comm_s + t.cp_comm_s)} {pct(t.pp_comm_s + t.bubble_s):>6} {pct(t.dp_comm_s)}"
+                + (f" {pct(t.ep_comm_s)}" if moe else "")
             )
         lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast; "
                      "'other': recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
+        if moe:
+            lines.append("MoE: ep expert-parallel ranks (expert-DP = tp x cp x dp / ep); 'a2a': the expert all-to-alls; "
+                         "FLOPs and MFU count the active parameters (balanced routing assumed)")
     else:
         lines.append("no layout fits: see the reasons below")
     if infeasible:
@@ -212,7 +238,8 @@ def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str
     feasible = [p for p in plans if p.feasible][: max(1, min(top, 20))]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(feasible) + 3), 5))
     if feasible:
-        labels = [f"#{i}\ntp{p.layout.tp} pp{p.layout.pp}\ndp{p.layout.dp} z{p.layout.zero}\n"
+        labels = [f"#{i}\ntp{p.layout.tp} pp{p.layout.pp}\ndp{p.layout.dp}{f' ep{p.layout.ep}' if p.layout.ep > 1 else ''}"
+                  f" z{p.layout.zero}\n"
                   f"{_RC[p.layout.recompute]}{' sp' if p.layout.sp else ''} mb{p.layout.micro_batch_size}"
                   for i, p in enumerate(feasible, 1)]
         bottom = [0.0] * len(feasible)
@@ -249,7 +276,8 @@ def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str
                 failed = tried.get((t, q))
                 text = "-" if failed is None else ("no fit" if failed.memory is not None else "cannot\nsplit")
             else:
-                text = (f"{p.time.tokens_per_s:,.0f}\nMFU {100 * p.time.mfu:.0f}%\ndp{p.layout.dp} "
+                text = (f"{p.time.tokens_per_s:,.0f}\nMFU {100 * p.time.mfu:.0f}%\ndp{p.layout.dp}"
+                        f"{f' ep{p.layout.ep}' if p.layout.ep > 1 else ''} "
                         f"mb{p.layout.micro_batch_size} z{p.layout.zero}\n{_RC[p.layout.recompute]}"
                         f"{' sp' if p.layout.sp else ''}")
             bright = p is not None and p.time.tokens_per_s > lo + 0.6 * (hi - lo)

@@ -198,6 +198,8 @@ class PlanOptions:
                                          "(default 0.5)", group="layout mode")
     tp: int | None = option(None, "consider only this tensor-parallel size", group="layout mode")
     cp: list[int] = option([1], "context-parallel sizes to consider", group="layout mode")
+    ep: int | None = option(None, "consider only this expert-parallel size (MoE models; default: every size that "
+                                  "divides num_experts and tp x cp x dp)", group="layout mode")
     zero: list[int] = option(list(PLANNED_ZERO_STAGES), "ZeRO stages to consider", choices=PLANNED_ZERO_STAGES,
                              group="layout mode")
     recompute: list[str] = option(list(RECOMPUTE_MODES), "recomputation modes to consider", choices=RECOMPUTE_MODES,

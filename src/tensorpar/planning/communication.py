@@ -15,7 +15,11 @@ broadcast         (n-1) alpha + B/beta  (pipelined)   ceil(log2 n) (alpha + B/be
 reduce            (n-1) alpha + B/beta  (pipelined)   ceil(log2 n) (alpha + B/beta)
 gather, scatter   (n-1) (alpha + B/(n beta))          ceil(log2 n) alpha + (n-1)/n B/beta
 send              alpha + B/beta                      alpha + B/beta
+all_to_all        (n-1) (alpha + B/(n beta))          (pairwise exchange; the same)
 ================  ==================================  =========================================
+
+The all-to-all is the pairwise exchange NCCL runs: n - 1 steps, each sending B/n (a balanced
+split of the B bytes a rank sends, its own share staying home) to one other rank.
 
 The ring all-reduce is a reduce-scatter followed by an all-gather; the binomial tree reduce
 and broadcast move the whole message at each of their ceil(log2 n) steps (the algorithms that
@@ -31,6 +35,12 @@ those of a whole training step (adding the data-parallel gradient traffic of
 loss and tied-embedding all-reduces and the trainer's loss average), and `comm_bytes_per_step`
 sums them per (op, group): the numbers `mesh.stats` reports after the same work
 (tests/test_planning_communication.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2 and PP).
+
+Mixture-of-experts layers (`moe_collectives`) add their all-to-alls on the expert-parallel group "ep"
+(balanced routing assumed: each rank sends its T k routing choices' rows), change their MLP's TP
+collectives (the routed part splits the tokens over TP instead of all-reducing a row-parallel output),
+and their experts' gradients reduce over expert-DP ("edp"); these MoE volumes are modelled from the
+layer's code, not yet checked byte for byte against a counted run.
 """
 
 from __future__ import annotations
@@ -43,10 +53,11 @@ from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
 from tensorpar.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from tensorpar.layers.attention import kv_layout
-from tensorpar.planning.layout import Layout, gradient_group, group_link, group_size, stage_layers
-from tensorpar.planning.params import local_parameters
+from tensorpar.planning.layout import (Layout, gradient_group, group_link, group_size, stage_layer_indices,
+                                       stage_layers)
+from tensorpar.planning.params import is_expert, local_parameters
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "send")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "send", "all_to_all")
 
 ALGORITHMS = ("ring", "tree", "best")
 
@@ -67,6 +78,8 @@ def collective_time(op: str, nbytes: float, n: int, link: Link, algorithm: str =
         return min(collective_time(op, nbytes, n, link, "ring"), collective_time(op, nbytes, n, link, "tree"))
     a, beta = link.latency, link.bandwidth
     steps = math.ceil(math.log2(n))
+    if op == "all_to_all":
+        return (n - 1) * (a + nbytes / (n * beta))
     if algorithm == "ring":
         if op == "all_reduce":
             return 2 * (n - 1) * (a + nbytes / (n * beta))
@@ -174,6 +187,9 @@ def model_collectives(
                 add("all_reduce", bsh * act_bytes, 1, "backward", "head input gradient")
             add("all_reduce", b * s * 4, 1, "forward", "cross-entropy max (fp32)")
             add("all_reduce", (3 if label_smoothing else 2) * b * s * 4, 1, "forward", "cross-entropy sums (fp32)")
+    if cfg.is_moe:
+        n_moe = sum(cfg.is_moe_layer(i) for i in stage_layer_indices(cfg, layout, stage))
+        out = moe_collectives(cfg, layout, out, b, s, n_layers, n_moe, act_bytes, mm, grad_bytes)
     if cp > 1:
         out += ring_collectives(cfg, layout, b, s, mm, n_layers, last)
     if layout.pp > 1 and stage is not None:
@@ -186,6 +202,47 @@ def model_collectives(
         add("recv", msg, v - (stage == 0), "forward", "activations from the previous stage", "pp")
         add("send", msg, v - (stage == 0), "backward", "activation gradients to the previous stage", "pp")
         add("recv", msg, v - (stage == pp - 1), "backward", "activation gradients from the next stage", "pp")
+    return out
+
+
+def moe_collectives(cfg, layout: Layout, dense: list[Collective], b: int, s: int, n_layers: int, n_moe: int,
+                    act_bytes: int, mm: int, grad_bytes: int) -> list[Collective]:
+    """`dense`, the collectives of a micro-batch as if every layer were dense, changed for the `n_moe` MoE layers
+    among the stage's `n_layers` (tensorpar.layers.moe), `s` tokens per sequence on this rank.
+
+    Each TP rank routes T = b s / tp tokens. Without sequence parallelism the routed part takes its 1/tp of the
+    tokens (no communication) and all-gathers the outputs (backward: all-gathers the input gradients) instead
+    of the dense MLP's row-parallel all-reduce (forward) and input-gradient all-reduce (backward), which only
+    the shared experts (a TP MLP) still run; under SP the routed part works on the sequence shard, and the SP
+    gather / reduce-scatter pairs are the shared experts' only. The router's replicated weight gradient is
+    all-reduced over TP, and the balance statistics (2 E fp32 per sequence) over the TP ranks sharing sequences.
+    On the EP group, per MoE layer: forward, the expert counts (E int64) and the rows out (T k h, the
+    residual dtype) and back (T k h, the matmul dtype); backward, the two row all-to-alls reversed; full
+    recomputation repeats the forward ones."""
+    out = list(dense)
+    tp, sp, h = layout.tp, layout.sp, cfg.hidden_size
+    bsh = b * s * h
+    full = layout.recompute == "full"
+    if tp > 1 and n_moe:
+        shared = cfg.num_shared_experts > 0
+        if not shared:  # no MLP collectives in an MoE layer: those counted twice a layer lose one call per MoE layer
+            out = [dataclasses.replace(c, calls=c.calls - n_moe)
+                   if c.group == "tp" and "attention / MLP" in c.what and c.calls == 2 * n_layers else c for c in out]
+        if not sp:
+            out.append(Collective("all_gather", "tp", bsh * act_bytes, n_moe, "forward", "MoE outputs (token split)"))
+            out.append(Collective("all_gather", "tp", bsh * act_bytes, n_moe, "backward", "MoE input gradients"))
+        out.append(Collective("all_reduce", "tp", cfg.num_experts * h * grad_bytes, n_moe, "backward",
+                              "router weight gradients"))
+        out.append(Collective("all_reduce", "tp", b * 2 * cfg.num_experts * 4, n_moe * (1 + full), "forward",
+                              "router balance statistics"))
+    if layout.ep > 1 and n_moe:
+        rows = (b * s // tp) * cfg.experts_per_token * h
+        again = 1 + full
+        out.append(Collective("all_to_all", "ep", cfg.num_experts * 8, n_moe * again, "forward", "expert counts"))
+        out.append(Collective("all_to_all", "ep", rows * act_bytes, n_moe * again, "forward", "MoE dispatch"))
+        out.append(Collective("all_to_all", "ep", rows * mm, n_moe * again, "forward", "MoE combine"))
+        out.append(Collective("all_to_all", "ep", rows * mm, n_moe, "backward", "MoE combine gradients"))
+        out.append(Collective("all_to_all", "ep", rows * act_bytes, n_moe, "backward", "MoE dispatch gradients"))
     return out
 
 
@@ -256,26 +313,13 @@ def step_collectives(
     if layout.replicas > 1:
         first, last, _ = stage_layers(cfg, layout, stage)
         key = (repr(cfg), layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, param_bytes,
-               bucket_bytes, layout.replicas if layout.zero else 1)
+               bucket_bytes, layout.replicas if layout.zero else 1, layout.ep)
         if key not in _BUCKET_CACHE:
-            params = params_of(cfg, layout, stage)
-            pad = layout.replicas if layout.zero else 1
-            padded = [math.ceil(n / pad) * pad for n in bucket_sizes([n for _, n, _ in params], param_bytes, bucket_bytes)]
-            sizes: dict[int, int] = defaultdict(int)  # bucket elements -> how many buckets of that size
-            for n in padded:
-                sizes[n] += 1
-            _BUCKET_CACHE[key] = (sum(padded), dict(sizes))
+            params = [p for p in params_of(cfg, layout, stage) if not is_expert(p[0])]
+            _BUCKET_CACHE[key] = _bucket_table(params, param_bytes, bucket_bytes, layout.replicas if layout.zero else 1)
         total, sizes = _BUCKET_CACHE[key]
-        if layout.zero == 0:
-            for n, k in sizes.items():
-                out.append(Collective("all_reduce", grads, n * grad_bytes, k, "step", "gradient buckets"))
-        elif layout.zero in (1, 2):
-            per_mb = layout.zero == 2 and zero2_per_micro_batch
-            for n, k in sizes.items():
-                out.append(Collective("reduce_scatter", grads, n * grad_bytes, k * (m if per_mb else 1),
-                                      "backward" if per_mb else "step", "gradient buckets"))
-            for n, k in sizes.items():
-                out.append(Collective("all_gather", grads, n * param_bytes, k, "step", "updated parameters"))
+        if layout.zero in (0, 1, 2):
+            out += _gradient_traffic(sizes, grads, layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes)
         else:
             if key + ("zero3",) not in _BUCKET_CACHE:
                 _BUCKET_CACHE[key + ("zero3",)] = zero3_units(params_of(cfg, layout, stage), layout.replicas)
@@ -292,6 +336,12 @@ def step_collectives(
                                       "ZeRO-3 block gradients"))
         if layout.zero:
             out.append(Collective("all_reduce", grads, 4, 1, "step", "gradient norm (ZeRO shards)"))
+    if cfg.is_moe and layout.expert_dp > 1:  # the routed experts' own buckets, over expert-DP
+        experts = [p for p in params_of(cfg, layout, stage) if is_expert(p[0])]
+        if experts:
+            _, sizes = _bucket_table(experts, param_bytes, bucket_bytes, layout.expert_dp if layout.zero else 1)
+            out += _gradient_traffic(sizes, "edp", layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes,
+                                     "expert ")
     if layout.tp > 1:
         out.append(Collective("all_reduce", "tp", 4, 1, "step", "gradient norm"))
     if layout.pp > 1:
@@ -308,8 +358,34 @@ def step_collectives(
 _BUCKET_CACHE: dict = {}
 
 
+def _bucket_table(params, param_bytes: int, bucket_bytes: int, pad: int) -> tuple[int, dict[int, int]]:
+    """(elements of all buckets, {bucket elements: how many buckets}) of `params`, each bucket padded to `pad`."""
+    padded = [math.ceil(n / pad) * pad for n in bucket_sizes([n for _, n, _ in params], param_bytes, bucket_bytes)]
+    sizes: dict[int, int] = defaultdict(int)  # bucket elements -> how many buckets of that size
+    for n in padded:
+        sizes[n] += 1
+    return sum(padded), dict(sizes)
+
+
+def _gradient_traffic(sizes: dict[int, int], group: str, zero: int, m: int, zero2_per_micro_batch: bool,
+                      grad_bytes: int, param_bytes: int, what: str = "") -> list[Collective]:
+    """DistributedOptimizer's collectives for buckets of `sizes` reduced over `group` (ZeRO 0, 1 or 2)."""
+    out = []
+    if zero == 0:
+        for n, k in sizes.items():
+            out.append(Collective("all_reduce", group, n * grad_bytes, k, "step", what + "gradient buckets"))
+        return out
+    per_mb = zero == 2 and zero2_per_micro_batch
+    for n, k in sizes.items():
+        out.append(Collective("reduce_scatter", group, n * grad_bytes, k * (m if per_mb else 1),
+                              "backward" if per_mb else "step", what + "gradient buckets"))
+    for n, k in sizes.items():
+        out.append(Collective("all_gather", group, n * param_bytes, k, "step", what + "updated parameters"))
+    return out
+
+
 def params_of(cfg, layout: Layout, stage: int | None) -> list[tuple[str, int, int]]:
-    return local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages)
+    return local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, layout.ep)
 
 
 def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[int, int], int]:

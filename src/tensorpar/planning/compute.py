@@ -3,7 +3,9 @@
 The forward of a layer is ``2 b s P_layer + 4 b s^2 h`` (the matmul parameters, PaLM's attention
 term: the accounting of `tensorpar.models.flops`, so that summed over stages it is exactly
 ``train_flops_per_token(cfg, s) * b * s``) and the head ``2 b s (V h + norm)`` on the last stage;
-training is 3 x forward. Recomputation adds one more forward of every layer ("full"; tensorpar's
+training is 3 x forward. A mixture of experts counts what one token uses (`models.flops`: the router, its
+top-k routed experts and the shared experts; balanced routing), averaged over the layers when only every
+moe_layer_freq-th layer is one. Recomputation adds one more forward of every layer ("full"; tensorpar's
 checkpoint stops before the MLP's output projection when there is no dropout, which it then skips)
 or of the attention core ``4 b s^2 h`` ("selective").
 """
@@ -22,6 +24,17 @@ def flop_parts(cfg) -> tuple[float, float]:
     return (matmul_params(cfg) - head) / cfg.num_layers, head
 
 
+def down_proj_params(cfg) -> float:
+    """The MLP output projection's parameters one token uses, averaged over the layers (MoE: top-k routed
+    experts' and the shared experts')."""
+    dense = cfg.ffn_hidden_size * cfg.hidden_size
+    if not cfg.is_moe:
+        return dense
+    moe = (cfg.experts_per_token + cfg.num_shared_experts) * cfg.expert_ffn_size * cfg.hidden_size
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    return (n_moe * moe + (cfg.num_layers - n_moe) * dense) / cfg.num_layers
+
+
 def stage_flops(cfg, layout: Layout, b: int, s: int, stage: int | None, precision: Precision) -> tuple[float, float]:
     """(training FLOPs, recomputation FLOPs) of one micro-batch through one stage (all its TP ranks)."""
     first, last, n = stage_layers(cfg, layout, stage)
@@ -32,7 +45,7 @@ def stage_flops(cfg, layout: Layout, b: int, s: int, stage: int | None, precisio
     if layout.recompute == "full":
         again = layer_fwd
         if precision.activations == "tensorpar" and cfg.dropout == 0:
-            again -= 2.0 * b * s * cfg.ffn_hidden_size * cfg.hidden_size  # checkpoint stops before down_proj
+            again -= 2.0 * b * s * down_proj_params(cfg)  # checkpoint stops before down_proj
         recompute = n * again
     elif layout.recompute == "selective":
         recompute = n * attn

@@ -15,7 +15,11 @@ Enumerated by `enumerate_layouts`:
 - sequence parallelism off / on (on only with tp > 1; the sequence must divide by tp);
 - recomputation none / selective / full; ZeRO 0 / 1 / 2 / 3 (ZeRO > 0 only with dp > 1);
 - interleaved pipeline chunks v from `virtual_stages` (v > 1 only with pp > 1, the layers dividing
-  by pp * v and the micro-batches by pp, as Megatron-LM requires).
+  by pp * v and the micro-batches by pp, as Megatron-LM requires);
+- expert parallelism ep (mixture-of-experts models; dense models: 1): every divisor of num_experts
+  that also divides tp * cp * dp, the ranks of a pipeline stage that EP folds onto. Within a stage the
+  EP group is ``ep`` consecutive ranks and the expert-DP group (expert gradients) ``tp * cp * dp / ep``
+  ranks ``ep`` apart (`tensorpar.distributed.mesh`); expert-TP is 1.
 
 `structural_problem` says why a layout cannot run at all (sizes that do not divide).
 """
@@ -27,7 +31,7 @@ import dataclasses
 from tensorpar.config.choices import PLANNED_ZERO_STAGES, RECOMPUTE_MODES
 from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
-from tensorpar.models.layout_checks import check_model_layout
+from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
 from tensorpar.planning.cluster import Cluster
 
 
@@ -44,9 +48,10 @@ class Layout:
     zero: int = 0
     virtual_stages: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
+    ep: int = 1  # expert parallelism (MoE models): the experts split over ep of a stage's tp x cp x dp ranks
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "cp"):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "cp", "ep"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise TensorparError(f"layout: {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -64,6 +69,11 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def expert_dp(self) -> int:
+        """The ranks that hold the same experts (expert-DP): a stage's tp x cp x dp ranks over ep."""
+        return max(self.tp * self.cp * self.dp // self.ep, 1)
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism in effect (it needs TP > 1)."""
         return self.sequence_parallel and self.tp > 1
@@ -74,6 +84,8 @@ class Layout:
 
     def label(self) -> str:
         parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}", f"dp={self.dp}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if self.virtual_stages > 1:
             parts.append(f"v={self.virtual_stages}")
         parts += [f"mbs={self.micro_batch_size}", f"sp={'on' if self.sp else 'off'}",
@@ -93,16 +105,28 @@ def stage_layers(cfg, layout: Layout, stage: int | None) -> tuple[bool, bool, in
     return stage == 0, stage == layout.pp - 1, cfg.num_layers // layout.pp
 
 
+def stage_layer_indices(cfg, layout: Layout, stage: int | None) -> list[int]:
+    """Global indices of the layers pipeline rank `stage` holds (None: the whole model); with v virtual stages
+    those of chunks stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers)."""
+    _, _, n = stage_layers(cfg, layout, stage)
+    if stage is None or layout.pp == 1:
+        return list(range(cfg.num_layers))
+    v, pp = layout.virtual_stages, layout.pp
+    k = n // v
+    return [i for c in range(v) for i in range((c * pp + stage) * k, (c * pp + stage + 1) * k)]
+
+
 def group_size(layout: Layout, group: str) -> int:
     return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "pp": layout.pp,
-            "embed": 2 if layout.pp > 1 else 1}[group]
+            "embed": 2 if layout.pp > 1 else 1, "ep": layout.ep, "edp": layout.expert_dp}[group]
 
 
 def group_span(layout: Layout, group: str) -> int:
-    """How many consecutive global ranks the group's members spread over (TP fastest, then CP, DP, PP)."""
+    """How many consecutive global ranks the group's members spread over (TP fastest, then CP, DP, PP; EP
+    groups are consecutive ranks of a stage, expert-DP groups span the stage)."""
     tp, cp = layout.tp, layout.cp
     return {"tp": tp, "cp": tp * cp, "dp": tp * cp * layout.dp, "dp_cp": tp * cp * layout.dp, "pp": layout.world,
-            "embed": layout.world}[group]
+            "embed": layout.world, "ep": layout.ep, "edp": tp * cp * layout.dp}[group]
 
 
 def gradient_group(layout: Layout) -> str:
@@ -139,6 +163,10 @@ def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, glob
         return f"sequence length {seq_len} is not divisible by tp = {tp} (sequence parallelism)"
     if layout.zero and layout.replicas == 1:
         return "ZeRO needs dp x cp > 1"
+    if cfg.is_moe or layout.ep > 1:
+        reason = _moe_problem(cfg, layout, seq_len)
+        if reason:
+            return reason
     v = layout.virtual_stages
     if v > 1:
         if pp == 1:
@@ -153,9 +181,40 @@ def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, glob
     return ""
 
 
+def expert_parallel_sizes(cfg, stage_ranks: int, ep=None) -> list[int]:
+    """The EP sizes to try on a pipeline stage of `stage_ranks` (tp x cp x dp) ranks: `ep` if given, else those that
+    divide both num_experts and `stage_ranks` (dense models: 1)."""
+    if ep is not None:
+        return list(ep)
+    if not cfg.is_moe:
+        return [1]
+    return [e for e in _divisors(cfg.num_experts) if stage_ranks % e == 0]
+
+
+def _moe_problem(cfg, layout: Layout, seq_len: int) -> str:
+    """Why an expert-parallel layout cannot run (the rules of `check_moe_layout`, stated briefly), or ''."""
+    ep, stage = layout.ep, layout.tp * layout.cp * layout.dp
+    if not cfg.is_moe:
+        return f"ep = {ep} needs a mixture-of-experts model"
+    if stage % ep:
+        return f"ep = {ep} does not divide tp x cp x dp = {stage} (the ranks of a pipeline stage)"
+    if cfg.num_experts % ep:
+        return f"num_experts = {cfg.num_experts} is not divisible by ep = {ep}"
+    if layout.zero == 3:
+        return "ZeRO-3 does not shard mixture-of-experts models yet"
+    try:  # what is left: the shared experts' width and the tokens an MoE layer splits over TP
+        check_moe_layout(cfg, layout.tp, layout.cp, layout.dp, ep, sequence_parallel=layout.sp,
+                         micro_batch_size=layout.micro_batch_size, seq_len=seq_len)
+    except TensorparError as e:
+        return str(e).split(";")[0].split(": use")[0]
+    return ""
+
+
 def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=None, zero=PLANNED_ZERO_STAGES,
                       recompute=RECOMPUTE_MODES, sequence_parallel=(False, True), virtual_stages=(1,),
-                      max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,)) -> list[Layout]:
+                      max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,), ep=None) -> list[Layout]:
+    """`ep`: the expert-parallel sizes to try (None: for an MoE model every divisor of num_experts that divides
+    the layout's tp x cp x dp, for a dense one 1; given sizes that do not divide are kept, infeasible)."""
     gpus = cluster.gpus
     tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16, 32, 64)
                                            if t <= min(gpus, cluster.gpus_per_node) and gpus % t == 0]
@@ -180,5 +239,6 @@ def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=N
                         for rc in recompute:
                             for z in (zero if d * c > 1 else (0,)):
                                 for v in (virtual_stages if p > 1 else (1,)):
-                                    out.append(Layout(t, p, d, sp, mbs, rc, z, v, c))
+                                    for e in expert_parallel_sizes(cfg, t * c * d, ep):
+                                        out.append(Layout(t, p, d, sp, mbs, rc, z, v, c, e))
     return out

@@ -78,9 +78,10 @@ def _mlp_saved(cfg) -> int:
 
 
 def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, autocast: bool,
-                                act_bytes: int = 4) -> int:
+                                act_bytes: int = 4, moe: bool = False) -> int:
     """Bytes one transformer layer of tensorpar saves for backward, for one micro-batch (see module docstring).
-    `act_bytes`: 2 when the parameters and activations are bf16/fp16 (then M = 2 too)."""
+    `act_bytes`: 2 when the parameters and activations are bf16/fp16 (then M = 2 too). `moe`: the layer's MLP
+    is a mixture of experts (`tensorpar_moe_activations` instead of the dense MLP's)."""
     A, M = act_bytes, (2 if autocast or act_bytes == 2 else 4)
     t = tp
     sp = sp and tp > 1
@@ -107,10 +108,36 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
     else:
         attn = 4 * M * local + 4 * b * heads * s
     mlp = _mlp_saved(cfg) * M * b * s * f
+    if moe:
+        mlp_in, mlp = 0, tensorpar_moe_activations(cfg, tp, b, s, autocast, act_bytes)
     masks = 0
     if cfg.dropout > 0:
         masks = 2 * (A if (cfg.bias or not autocast) else M) * b * sn * h
     return 2 * norm + attn_in + mlp_in + attn + mlp + masks
+
+
+def tensorpar_moe_activations(cfg, tp: int, b: int, s: int, autocast: bool, act_bytes: int = 4) -> int:
+    """Bytes an MoE layer's MLP part saves for backward, for one micro-batch (tensorpar.layers.moe): each TP rank
+    routes T = b s / tp tokens (its sequence shard or token slice), i.e. T k routing choices whose rows the
+    all-to-all brings to their experts. Saved: the router's input (T h; a bf16 copy under autocast), its fp32
+    logits' softmax and top-k (2 x 4 T E + T k indices and weights); the dispatched rows as the experts'
+    input (T k h: fp32, or one bf16 copy per consuming linear under autocast), the experts' hidden tensors
+    (as the dense MLP's, T k f_e each) and their combined outputs (M T k h) with the routing weights; the
+    shared experts as a tensor-parallel MLP of width num_shared_experts x f_e over the b s tokens."""
+    A, M = act_bytes, (2 if autocast or act_bytes == 2 else 4)
+    h, e, k, fe = cfg.hidden_size, cfg.num_experts, cfg.experts_per_token, cfg.expert_ffn_size
+    tokens = b * s // tp
+    rows = tokens * k
+    copies = 2 if cfg.gated_mlp else 1
+    shared = 0
+    if cfg.num_shared_experts:
+        shared_in = copies * 2 * b * s * h if autocast else A * b * s * h
+        shared = shared_in + _mlp_saved(cfg) * M * b * s * (cfg.num_shared_experts * fe // tp)
+    router_in = 2 * tokens * h if autocast else (0 if shared and tp == 1 else A * tokens * h)  # fp32: shares the norm's
+    router = 2 * 4 * tokens * e + (8 + 4) * rows
+    experts_in = copies * 2 * rows * h if autocast else A * rows * h
+    experts = _mlp_saved(cfg) * M * rows * fe + M * rows * h
+    return router_in + router + experts_in + experts + shared
 
 
 def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast: bool,
@@ -136,8 +163,10 @@ def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast
 
 
 def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, flash: bool = True,
-                               nbytes: int = 2) -> int:
-    """The Playbook's (Korthikanti et al.) per-layer activation bytes, generalised to GQA and gated MLPs."""
+                               nbytes: int = 2, moe: bool = False) -> int:
+    """The Playbook's (Korthikanti et al.) per-layer activation bytes, generalised to GQA and gated MLPs; with
+    `moe`, the MLP's saved tensors are those of k routed experts per token (split over the TP ranks, the
+    dispatched rows and the combined outputs included), the fp32 router scores and the shared experts'."""
     t = tp
     sp = sp and tp > 1
     h, a = cfg.hidden_size, cfg.num_heads
@@ -149,7 +178,12 @@ def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute
     kv = cfg.kv_heads * cfg.head_dim
     inside = nbytes * b * s * (h + 2 * kv)  # q, k, v
     inside += nbytes * bsh  # the attention output (the output projection's input)
-    inside += _mlp_saved(cfg) * nbytes * b * s * cfg.ffn_hidden_size
+    if moe:
+        rows = b * s * cfg.experts_per_token
+        inside += (_mlp_saved(cfg) * rows * cfg.expert_ffn_size + 2 * rows * h) * nbytes + 8 * b * s * cfg.num_experts
+        inside += _mlp_saved(cfg) * nbytes * b * s * cfg.num_shared_experts * cfg.expert_ffn_size
+    else:
+        inside += _mlp_saved(cfg) * nbytes * b * s * cfg.ffn_hidden_size
     if flash or recompute == "selective":
         inside += 4 * b * a * s if flash else 0  # log-sum-exp
     else:
@@ -213,6 +247,11 @@ def optimizer_state_bytes(params, precision: Precision, zero: int = 0, dp: int =
         numel, tensors = params.numel, params.tensors
     else:
         numel, tensors = sum(n for _, n, _ in params), len(params)
+    return adamw_bytes(numel, tensors, precision, zero, dp)
+
+
+def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, dp: int = 1) -> int:
+    """`optimizer_state_bytes` of `numel` elements in `tensors` tensors, sharded over `dp` ranks by ZeRO."""
     states = precision.optimizer_bytes * numel + 4 * tensors
     master = precision.master_bytes * numel
     if zero >= 1 and dp > 1:
@@ -232,10 +271,21 @@ def zero_gradients_in_flight(cfg, layout: Layout, stage: int, prec: Precision, b
         root = summary.numel - n_layers * summary.per_layer
         layer = math.ceil(summary.per_layer / dp) * dp
         return 4 * (root + min(2, n_layers) * layer + layer // dp)
-    params = local_parameters(cfg, layout.tp, layout.pp, stage, layout.virtual_stages)
+    params = local_parameters(cfg, layout.tp, layout.pp, stage, layout.virtual_stages, layout.ep)
     sizes = [math.ceil(n / dp) * dp for n in bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)]
     pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
     return 4 * (max(pairs) + max(sizes) // dp)
+
+
+def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
+    """Gradient bytes of `numel` elements whose gradients are reduced over `shards` ranks (ZeRO-2: kept 1/shards;
+    ZeRO-1/2 in tensorpar: full buckets plus the fp32 slice; the ZeRO-2 buffers in flight are added apart)."""
+    grad_mem = prec.grad_bytes * numel
+    if zero >= 2 and shards > 1 and not prec.zero2_full_grads_at_peak:
+        return math.ceil(grad_mem / shards)
+    if zero >= 1 and (prec.zero_master_bytes or prec.zero_buffers_in_flight):
+        grad_mem += math.ceil(4 * numel / shards)  # tensorpar's fp32 gradient slice next to the full buckets
+    return grad_mem
 
 
 def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
@@ -245,7 +295,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     prec = get_precision(precision)
     # ZeRO shards over every replica of the parameters (DP x CP); each rank holds seq_len / cp tokens of a sequence.
     pp, dp, tp = layout.pp, layout.replicas, layout.tp
-    summary = parameter_summary(cfg, tp, pp, stage)
+    summary = parameter_summary(cfg, tp, pp, stage, layout.ep)
     numel = summary.numel
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
     b, s = layout.micro_batch_size, seq_len // layout.cp
@@ -253,32 +303,43 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     zero = layout.zero if dp > 1 else 0
 
     param_mem = prec.param_bytes * numel
-    grad_mem = prec.grad_bytes * numel
+    # Routed experts' gradients and optimizer states: reduced and ZeRO-sharded over expert-DP, the rest over DP x CP.
+    expert, dense = summary.expert_numel, numel - summary.expert_numel
+    edp = layout.expert_dp
+    grad_mem = _gradient_bytes(dense, dp, zero, prec) + _gradient_bytes(expert, edp, layout.zero if expert else 0, prec)
     transient = 0
     layer_params = summary.per_layer
-    if zero >= 2 and not prec.zero2_full_grads_at_peak:
-        grad_mem = math.ceil(grad_mem / dp)
-    elif zero >= 1 and (prec.zero_master_bytes or prec.zero_buffers_in_flight):
-        grad_mem += math.ceil(4 * numel / dp)  # tensorpar's fp32 gradient slice next to the full buckets
     if zero >= 2 and prec.zero_buffers_in_flight:
         grad_mem += zero_gradients_in_flight(cfg, layout, stage if pp > 1 else 0, prec, bucket_bytes)
     if zero == 3:
         param_mem = math.ceil(param_mem / dp)
         # Gathered: the layer being computed and the prefetched one, and the root (embedding, head) for the step.
         transient += (2 * layer_params + numel - n_layers * layer_params) * prec.param_bytes
-    opt_mem = optimizer_state_bytes(summary, prec, zero, dp)
+    opt_mem = (adamw_bytes(dense, summary.tensors - summary.expert_tensors, prec, zero, dp)
+               + adamw_bytes(expert, summary.expert_tensors, prec, layout.zero if expert else 0, edp))
 
     # Activations: per layer x layers per chunk x chunk-forwards in flight, plus the stage's ends.
     chunks = in_flight(layout, m, stage if pp > 1 else 0)
     layers_per_chunk = n_layers // layout.virtual_stages
     mbs_in_flight = min(m, math.ceil(chunks / layout.virtual_stages)) if pp > 1 else 1
+    # MoE models: the share of the layers whose MLP is a mixture of experts (every moe_layer_freq-th; the same
+    # share on every stage, as tensorpar places them by global index)
+    moe_share = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / cfg.num_layers
+
+    def layer(mode):
+        if prec.activations == "tensorpar":
+            def one(moe):
+                return tensorpar_layer_activations(cfg, tp, layout.sp, b, s, mode, prec.autocast, prec.act_bytes, moe)
+        else:
+            def one(moe):
+                return playbook_layer_activations(cfg, tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes, moe)
+        if not moe_share:
+            return one(False)
+        return round(moe_share * one(True) + (1 - moe_share) * one(False))
+
     if prec.activations == "tensorpar":
-        def layer(mode):
-            return tensorpar_layer_activations(cfg, tp, layout.sp, b, s, mode, prec.autocast, prec.act_bytes)
         outer = tensorpar_outer_activations(cfg, tp, layout.sp, b, s, prec.autocast, prec.act_bytes)
     else:
-        def layer(mode):
-            return playbook_layer_activations(cfg, tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes)
         outer = playbook_outer_activations(cfg, tp, layout.sp, b, s, prec.act_bytes)
     per_layer = layer(layout.recompute)
     if layout.recompute != "none":  # during backward one layer's activations exist again

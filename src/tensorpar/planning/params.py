@@ -3,7 +3,9 @@
 These equal `model.named_parameters()` of the real model (tests/test_planning_communication.py builds it and
 compares): the vocabulary padded to a multiple of tp, KV heads replicated when fewer than tp, norms
 and row-parallel biases replicated, a tied embedding on the first stage and (as the head's copy) on
-the last.
+the last. In a mixture-of-experts layer the MLP is a router (replicated), num_experts / ep routed experts
+held whole (expert-TP is 1; stacked [E / ep, ...] tensors, no biases) and the shared experts, a
+tensor-parallel MLP of num_shared_experts times the expert width (tensorpar.layers.moe).
 """
 
 from __future__ import annotations
@@ -12,26 +14,34 @@ import dataclasses
 
 from tensorpar.errors import TensorparError
 from tensorpar.layers.attention import kv_layout
-from tensorpar.layers.sharding import padded
+from tensorpar.layers.moe import experts_per_rank
+from tensorpar.layers.sharding import divide, padded
 from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.planning.layout import Layout, stage_layers
 
 _PARAM_CACHE: dict = {}
 
 
-def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
+def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: int = 1,
+                     ep: int = 1) -> list[tuple[str, int, int]]:
     """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline
     stage `stage`, in `named_parameters()` order: vocabulary padded to a multiple of tp, KV heads
     replicated when fewer than tp, norms and row-parallel biases replicated. A tied embedding is
     held by the first stage and, as the head's copy, by the last. With `virtual_stages` v > 1 the rank
-    holds the layers of virtual stages stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers)."""
-    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1)
+    holds the layers of virtual stages stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers).
+    `ep`: the expert-parallel size (MoE models)."""
+    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1, ep)
     if key not in _PARAM_CACHE:
-        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage, virtual_stages if pp > 1 else 1)
+        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage, virtual_stages if pp > 1 else 1, ep)
     return _PARAM_CACHE[key]
 
 
-def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int) -> list[tuple[str, int, int]]:
+def is_expert(name: str) -> bool:
+    """Whether a parameter is a routed expert's weight (split over EP, its gradient reduced over expert-DP)."""
+    return ".mlp.experts." in name
+
+
+def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int, ep: int) -> list[tuple[str, int, int]]:
     check_model_layout(cfg, tp)
     h, hd = cfg.hidden_size, cfg.head_dim
     heads = cfg.num_heads // tp
@@ -56,6 +66,18 @@ def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int) -> list[tuple[s
         if cfg.bias:
             out.append((f"{prefix}.bias", bias_size, 1))
 
+    def moe(prefix):
+        local, fe = experts_per_rank(cfg.num_experts, ep), cfg.expert_ffn_size
+        out.append((f"{prefix}.router.weight", cfg.num_experts * h, 2))
+        for proj in ("gate_proj", "up_proj", "down_proj") if cfg.gated_mlp else ("up_proj", "down_proj"):
+            out.append((f"{prefix}.experts.{proj}", local * fe * h, 3))
+        if cfg.num_shared_experts:
+            fs = divide(cfg.num_shared_experts * fe, tp, "the shared experts' width")
+            if cfg.gated_mlp:
+                linear(f"{prefix}.shared_experts.gate_proj", fs, h, fs)
+            linear(f"{prefix}.shared_experts.up_proj", fs, h, fs)
+            linear(f"{prefix}.shared_experts.down_proj", h, fs, h)
+
     if first and cfg.position == "learned":
         out.append(("pos_embed", cfg.max_seq_len * h, 2))
     if first or (last and cfg.tie_embeddings):
@@ -68,6 +90,9 @@ def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int) -> list[tuple[s
         linear(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd)
         linear(f"{p}.attn.o_proj", h, heads * hd, h)
         norm(f"{p}.mlp_norm")
+        if cfg.is_moe_layer(i):
+            moe(f"{p}.mlp")
+            continue
         if cfg.gated_mlp:
             linear(f"{p}.mlp.gate_proj", f, h, f)
         linear(f"{p}.mlp.up_proj", f, h, f)
@@ -86,31 +111,35 @@ class ParamSummary:
     per_layer: int  # elements of one layer
     layer_matmul_weights: int  # elements of the layers' matmul weights (all layers of the stage)
     head_matmul_weights: int  # the head's (or tied embedding's) weight, on the last stage
+    expert_numel: int = 0  # of `numel`, the routed experts' (MoE): reduced and ZeRO-sharded over expert-DP
+    expert_tensors: int = 0
 
 
 _SUMMARY_CACHE: dict = {}
 
 
-def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0) -> ParamSummary:
-    key = (repr(cfg), tp, pp, stage if pp > 1 else 0)
+def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0, ep: int = 1) -> ParamSummary:
+    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, ep)
     if key not in _SUMMARY_CACHE:
-        params = local_parameters(cfg, tp, pp, stage)
+        params = local_parameters(cfg, tp, pp, stage, ep=ep)
+        experts = [n for name, n, _ in params if is_expert(name)]
         layers = [p for p in params if p[0].startswith("layers.")]
         n_layers = len({p[0].split(".")[1] for p in layers}) or 1
         _SUMMARY_CACHE[key] = ParamSummary(
             sum(n for _, n, _ in params), len(params), sum(n for _, n, _ in layers) // n_layers,
             _matmul_weight_count(cfg, layers),
-            _matmul_weight_count(cfg, [p for p in params if not p[0].startswith("layers.")]))
+            _matmul_weight_count(cfg, [p for p in params if not p[0].startswith("layers.")]),
+            sum(experts), len(experts))
     return _SUMMARY_CACHE[key]
 
 
-def parameter_count(cfg, tp: int, pp: int = 1, stage: int = 0) -> int:
+def parameter_count(cfg, tp: int, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
     """Elements of the parameters one rank of `stage` holds (exactly `sum(p.numel() for p in model.parameters())`)."""
-    return sum(n for _, n, _ in local_parameters(cfg, tp, pp, stage))
+    return sum(n for _, n, _ in local_parameters(cfg, tp, pp, stage, ep=ep))
 
 
 def _matmul_weight_count(cfg, params) -> int:
-    """Elements of the weights that enter a matmul (for autocast's bf16 copies): every 2-D weight but
-    the positional table, and the embedding only when it is also the (tied) head."""
+    """Elements of the weights that enter a matmul (for autocast's bf16 copies): every 2-D weight (and the
+    stacked 3-D experts) but the positional table, and the embedding only when it is also the (tied) head."""
     skip = {"pos_embed"} | (set() if cfg.tie_embeddings else {"embed.weight"})
-    return sum(n for name, n, ndim in params if ndim == 2 and name not in skip)
+    return sum(n for name, n, ndim in params if ndim >= 2 and name not in skip)

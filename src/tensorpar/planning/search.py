@@ -30,7 +30,7 @@ class Plan:
     def to_dict(self) -> dict:
         lay = self.layout
         out = {
-            "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero, "sequence_parallel": lay.sp,
+            "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero, "sequence_parallel": lay.sp,
             "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute,
             "virtual_stages": lay.virtual_stages, "feasible": self.feasible, "reason": self.reason,
             "memory": self.memory.gib() if self.memory else None,
@@ -43,7 +43,7 @@ class Plan:
             out["num_micro_batches"] = t.num_micro_batches
             out["breakdown_s"] = {"compute": t.compute_s - t.recompute_s, "recompute": t.recompute_s,
                                   "tp_comm": t.tp_comm_s, "pp_comm": t.pp_comm_s, "cp_comm": t.cp_comm_s,
-                                  "bubble": t.bubble_s,
+                                  "ep_comm": t.ep_comm_s, "bubble": t.bubble_s,
                                   "dp_comm": t.dp_comm_s, "optimizer": t.optimizer_s}
             out["bubble_fraction"] = t.bubble_fraction
             out["hardware_tflops_per_gpu"] = t.hardware_flops_per_gpu_s / 1e12

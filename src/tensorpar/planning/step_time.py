@@ -8,6 +8,10 @@ Per micro-batch and pipeline stage (all FLOPs divided evenly over the stage's TP
   the alpha-beta model (the faster of ring and tree) on NVLink if the TP group fits in a node,
   and not overlapped: it sits on the critical path (the Playbook's point about TP).
 - PP: the point-to-point sends of the stage, also exposed.
+- EP (mixture-of-experts models): the all-to-alls of every MoE layer (dispatch and combine, forward and
+  backward, `communication.moe_collectives`) on the EP group's link, exposed: each waits for the router
+  before it and the experts wait for it. The compute counts a token's active parameters only (its top-k
+  experts, the router and the shared experts), with routing assumed balanced.
 
 The pipeline runs m micro-batches through p stages: ``(m + (p - 1)/v) * t_stage`` with
 t_stage the slowest stage's per-micro-batch time, i.e. a bubble of (p-1)/(m+p-1) of the step
@@ -58,13 +62,14 @@ class StepTime:
     mfu: float
     model_flops: float  # per step, the whole model (models.flops accounting)
     hardware_flops_per_gpu_s: float  # achieved, recomputation included
+    ep_comm_s: float = 0.0  # the expert-parallel all-to-alls (MoE), exposed
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm):
-    """(compute, recompute, tp comm, pp comm, exposed cp ring) seconds of one micro-batch on one stage: the
+    """(compute, recompute, tp comm, pp comm, exposed cp ring, ep all-to-alls) seconds of one micro-batch on one stage: the
     micro-batch's FLOPs are shared by the stage's tp x cp ranks; the context-parallel ring hides behind the
     attention it feeds, and what is longer than that attention is exposed."""
     rate = cluster.peak(prec.compute_dtype) * cluster.mfu_ceiling
@@ -77,8 +82,9 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm):
     sends = [c for c in colls if c.group == "pp" and c.op == "send"]
     ring = collectives_time([c for c in colls if c.group == "cp" and c.op == "send"], cluster, layout, algorithm)
     attention = 3.0 * stage_layers(cfg, layout, stage)[2] * 4.0 * b * s * s * cfg.hidden_size / ranks / rate
+    ep = collectives_time([c for c in colls if c.group == "ep"], cluster, layout, algorithm)
     return (train / ranks / rate, recompute / ranks / rate, collectives_time(tp, cluster, layout, algorithm),
-            collectives_time(sends, cluster, layout, algorithm), max(0.0, ring - attention))
+            collectives_time(sends, cluster, layout, algorithm), max(0.0, ring - attention), ep)
 
 
 def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: int,
@@ -90,8 +96,8 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     stages = sorted({0, pp - 1}) if pp > 1 else [None]
     per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm) for st in stages}
     slowest = max(per_stage, key=lambda st: sum(per_stage[st]))
-    comp, recomp, tp_c, pp_c, cp_c = per_stage[slowest]
-    t_stage = comp + recomp + tp_c + pp_c + cp_c
+    comp, recomp, tp_c, pp_c, cp_c, ep_c = per_stage[slowest]
+    t_stage = comp + recomp + tp_c + pp_c + cp_c + ep_c
     bubble = (pp - 1) / v * t_stage
     pipeline = m * t_stage + bubble
 
@@ -100,7 +106,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     colls = step_collectives(cfg, layout, s, m, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                              grad_bytes=prec.grad_bytes, param_bytes=prec.param_bytes, stage=dp_stage,
                              zero2_per_micro_batch=not prec.zero2_full_grads_at_peak)
-    replica_groups = ("dp", "dp_cp")
+    replica_groups = ("dp", "dp_cp", "edp")
     dp_colls = [c for c in colls if c.group in replica_groups + ("embed",)
                 or (c.phase == "step" and c.group not in replica_groups)]
     backward = (2.0 / 3.0) * comp + recomp  # one micro-batch's backward (and recomputation)
@@ -118,8 +124,10 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     dp_exposed += t - min(t * cluster.overlap, backward)
     dp_exposed += collectives_time(rest, cluster, layout, algorithm)
 
-    numel = parameter_summary(cfg, layout.tp, pp, 0).numel
-    opt_elems = numel / layout.replicas if (layout.zero >= 1 and layout.replicas > 1) else numel
+    summary = parameter_summary(cfg, layout.tp, pp, 0, layout.ep)
+    dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
+    sharded = layout.zero >= 1 and layout.replicas > 1
+    opt_elems = dense / layout.replicas + expert / layout.expert_dp if sharded else dense + expert
     optimizer = opt_elems * OPTIMIZER_BYTES_PER_ELEMENT / cluster.gpu.hbm_bandwidth
 
     step = pipeline + dp_exposed + optimizer
@@ -145,4 +153,5 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
         mfu=model_flops / (step * gpus * peak),
         model_flops=model_flops,
         hardware_flops_per_gpu_s=(model_flops + total_recompute) / (step * gpus),
+        ep_comm_s=m * ep_c,
     )
