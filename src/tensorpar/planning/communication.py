@@ -176,7 +176,7 @@ def model_collectives(
         if cfg.kv_heads < tp:  # replicated KV heads: one buffer with a slot per KV head, K and V separately
             kv = cfg.kv_heads * cfg.head_dim
             add("all_reduce", kv * h * grad_bytes, 2 * L, "backward", "replicated K/V weight gradients")
-            if cfg.bias:
+            if cfg.attention_qkv_bias:
                 add("all_reduce", kv * grad_bytes, 2 * L, "backward", "replicated K/V bias gradients")
         if last:
             if sp:

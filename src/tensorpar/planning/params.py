@@ -2,7 +2,7 @@
 
 These equal `model.named_parameters()` of the real model (tests/test_planning_communication.py builds it and
 compares): the vocabulary padded to a multiple of tp, KV heads replicated when fewer than tp, norms
-and row-parallel biases replicated, a tied embedding on the first stage and (as the head's copy) on
+and row-parallel biases replicated (q/k/v biases alone with `qkv_bias`), a tied embedding on the first stage and (as the head's copy) on
 the last. In a mixture-of-experts layer the MLP is a router (replicated), num_experts / ep routed experts
 held whole (expert-TP is 1; stacked [E / ep, ...] tensors, no biases) and the shared experts, a
 tensor-parallel MLP of num_shared_experts times the expert width (tensorpar.layers.moe).
@@ -61,13 +61,15 @@ def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int, ep: int) -> lis
         if cfg.norm == "layernorm":
             out.append((f"{prefix}.bias", h, 1))
 
-    def linear(prefix, rows, cols, bias_size):
+    def linear(prefix, rows, cols, bias_size, bias=cfg.bias):
         out.append((f"{prefix}.weight", rows * cols, 2))
-        if cfg.bias:
+        if bias:
             out.append((f"{prefix}.bias", bias_size, 1))
 
     def moe(prefix):
         local, fe = experts_per_rank(cfg.num_experts, ep), cfg.expert_ffn_size
+        if cfg.shared_expert_gate:  # Qwen2-MoE's gate, [1, H] replicated: the layer's own parameter comes first
+            out.append((f"{prefix}.shared_expert_gate", h, 2))
         out.append((f"{prefix}.router.weight", cfg.num_experts * h, 2))
         for proj in ("gate_proj", "up_proj", "down_proj") if cfg.gated_mlp else ("up_proj", "down_proj"):
             out.append((f"{prefix}.experts.{proj}", local * fe * h, 3))
@@ -85,9 +87,10 @@ def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int, ep: int) -> lis
     for i in layers:
         p = f"layers.{i}"
         norm(f"{p}.attn_norm")
-        linear(f"{p}.attn.q_proj", heads * hd, h, heads * hd)
-        linear(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd)
-        linear(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd)
+        qkv_bias = cfg.attention_qkv_bias
+        linear(f"{p}.attn.q_proj", heads * hd, h, heads * hd, qkv_bias)
+        linear(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
+        linear(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
         linear(f"{p}.attn.o_proj", h, heads * hd, h)
         norm(f"{p}.mlp_norm")
         if cfg.is_moe_layer(i):

@@ -133,8 +133,10 @@ class MoELayer(nn.Module):
                              groups)
         sent = self.dispatcher.dispatch(tokens, routing.experts, keep)
         out = self.dispatcher.combine(self.experts(sent.rows, sent.sizes), sent)
-        weights = routing.weights.flatten()[sent.choices].to(out.dtype)
-        y = torch.zeros_like(tokens).index_add(0, sent.choices // cfg.experts_per_token, out * weights[:, None])
+        # in the residual stream's dtype: under autocast the experts' matmuls return bf16 for fp32 tokens
+        weights = routing.weights.flatten()[sent.choices].to(tokens.dtype)
+        y = torch.zeros_like(tokens).index_add(0, sent.choices // cfg.experts_per_token,
+                                               out.to(tokens.dtype) * weights[:, None])
         if split:
             y = gather_from_sp(y, self.tp_group, dim=0, grad_is_partial=False)
         y = y.view_as(x)
