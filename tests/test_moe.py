@@ -74,7 +74,8 @@ LAYOUTS = [
     dict(pp=2, dp=2, ep=2),
     dict(dp=4, ep=2, expert_tp=2, micro_batch_size=2),  # expert-TP over DP ranks: the expert-DP groups are single
     dict(tp=2, expert_tp=2, sequence_parallel=True),  # each expert's width split over the TP ranks, ep 1
-]
+    dict(dp=2, ep=2, zero=3),  # ZeRO-3: the experts' expert-DP groups are single ranks, the dense weights sharded
+]  # dp 4 x ep 2 under ZeRO-3 (experts sharded over expert-DP pairs): `zero3_run`
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["-".join(f"{k}{v}" for k, v in lay.items()) for lay in LAYOUTS])
@@ -108,7 +109,30 @@ def test_tp2_dp2_with_ep2_expert_tp2_trains_like_one_process(reference, expert_t
         _assert_same(result, reference)
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(dp=4, ep=4, micro_batch_size=2)], ids=["ep1", "ep4"])
+@pytest.fixture(scope="module")
+def zero3_run(pools, model, tmp_path_factory):
+    """dp 4 x ep 2 under ZeRO-3: the dense weights sharded over the 4 DP ranks, the experts over their expert-DP
+    pairs; saving a checkpoint at step 10."""
+    save = str(tmp_path_factory.mktemp("moe") / "ckpt-zero3")
+    return save, pools(4).run(run, model=model, dp=4, ep=2, zero=3, micro_batch_size=2, save=save, save_every=10)
+
+
+def test_zero3_dp4_ep2_trains_like_one_process(reference, zero3_run):
+    for result in zero3_run[1]:
+        _assert_same(result, reference)
+
+
+def test_a_checkpoint_saved_under_zero3_resumes_at_ep2_expert_tp2(pools, model, reference, zero3_run):
+    step_dir = os.path.join(zero3_run[0], "step-000010")
+    resumed = pools(4).run(run, model=model, one_step=False, resume=step_dir, stop_after=13, tp=2, dp=2, ep=2,
+                           expert_tp=2)
+    for result in resumed:
+        _assert_same({"trajectory": result["trajectory"], "moe": result["moe"]},
+                     {"trajectory": reference["trajectory"][10:13], "moe": reference["moe"][10:13]})
+
+
+# ep 4 resumes under ZeRO-3: the checkpoint's experts cut into each rank's expert-DP shard
+@pytest.mark.parametrize("layout", [dict(), dict(dp=4, ep=4, micro_batch_size=2, zero=3)], ids=["ep1", "ep4-zero3"])
 def test_a_checkpoint_saved_at_ep2_expert_tp2_resumes_at_other_layouts(pools, model, reference, expert_tp_run,
                                                                         layout):
     save, _ = expert_tp_run
@@ -177,5 +201,3 @@ def test_bad_expert_layouts_are_refused_before_any_process_group():
         validate(TrainOptions(**{**BASE, "model": "tiny", "dp": 2, "expert_tp": 2}), world_size=2)
     with pytest.raises(LayoutError, match="--ep 2 needs a mixture-of-experts model"):
         validate(TrainOptions(**{**BASE, "model": "tiny", "dp": 2, "ep": 2}), world_size=2)
-    with pytest.raises(LayoutError, match="ZeRO-3 does not shard mixture-of-experts models yet"):
-        validate(TrainOptions(**{**BASE, "dp": 2, "ep": 2, "zero": 3}), world_size=2)

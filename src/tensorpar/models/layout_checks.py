@@ -34,7 +34,7 @@ def check_model_layout(cfg, tp: int, sequence_parallel: bool = False, seq_len: i
             )
 
 
-def check_moe_layout(cfg, tp: int, cp: int, dp: int, ep: int, *, zero: int = 0, sequence_parallel: bool = False,
+def check_moe_layout(cfg, tp: int, cp: int, dp: int, ep: int, *, sequence_parallel: bool = False,
                      micro_batch_size: int | None = None, seq_len: int | None = None, expert_tp: int = 1) -> None:
     """Refuse an expert-parallel layout that cannot work, before any process group exists (every rank runs it)."""
     if not cfg.is_moe:
@@ -47,8 +47,6 @@ def check_moe_layout(cfg, tp: int, cp: int, dp: int, ep: int, *, zero: int = 0, 
     check_expert_layout(tp, cp, dp, ep, expert_tp)
     experts_per_rank(cfg.num_experts, ep)
     expert_width_per_rank(cfg.expert_ffn_size, expert_tp)
-    if zero == 3:
-        raise LayoutError("ZeRO-3 does not shard mixture-of-experts models yet: use --zero 1 or 2")
     if cfg.num_shared_experts:
         divide(cfg.num_shared_experts * cfg.expert_ffn_size, tp, "the shared experts' width")
     if tp > 1 and not sequence_parallel and micro_batch_size and seq_len and (micro_batch_size * seq_len // cp) % tp:
