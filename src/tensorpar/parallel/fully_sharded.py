@@ -51,7 +51,8 @@ from tensorpar.parallel.shard_pieces import (BytesInUse, ReduceScatterQueue, add
 
 
 class _Unit:
-    """Parameters gathered and freed together; between uses each holds an empty tensor."""
+    """Parameters gathered and freed together; between uses each holds an empty tensor. Sharded over `dp_group`
+    (kept as `.dp`): DP x CP, or expert-DP for a block's routed experts."""
 
     def __init__(self, name: str, params: list[nn.Parameter], dp_group, root: bool, gathered: BytesInUse):
         self.name, self.params, self.root, self.dp, self.gathered = name, params, root, dp_group, gathered
