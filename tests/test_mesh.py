@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tensorpar
-from tensorpar.distributed.mesh import group_ranks, resolve_layout
+from tensorpar.distributed.mesh import check_expert_layout, group_ranks, resolve_layout
 from tensorpar.errors import LayoutError
 
 from harness import mesh
@@ -15,6 +15,18 @@ def test_megatron_rank_order_tp_fastest_then_dp_then_pp():
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_expert_groups_fold_expert_tp_fastest_then_ep_then_expert_dp():
+    groups = group_ranks(tp=2, pp=2, dp=4, ep=2, expert_tp=2)  # stages of 8 ranks: 0-7 and 8-15
+    assert groups["expert_tp"][:4] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["ep"][:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["edp"][:4] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["edp"][4:] == [[8, 12], [9, 13], [10, 14], [11, 15]]
+    plain = group_ranks(tp=2, pp=1, dp=2, ep=4)  # expert-TP 1: what it was before expert-TP
+    assert plain["ep"] == [[0, 1, 2, 3]] and plain["edp"] == [[0], [1], [2], [3]]
+    with pytest.raises(LayoutError, match=r"expert_tp=4 x ep=2 = 8 does not fold onto the 4 ranks.*\[1, 2\]"):
+        check_expert_layout(2, 1, 2, 2, expert_tp=4)
 
 
 @pytest.mark.parametrize(

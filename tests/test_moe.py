@@ -1,6 +1,7 @@
 """Mixture of experts end to end: tiny-moe (2 of its 4 layers, for time) trained at expert-parallel layouts (EP folded over DP, TP with and without
-SP, CP, PP; ZeRO-1/2) follows the single-device loss and grad-norm trajectory and has its weights after one step;
-with a capacity factor every layout drops the same tokens; a checkpoint saved at ep 4 resumes at ep 1 and ep 2."""
+SP, CP, PP; expert-TP; ZeRO-1/2/3) follows the single-device loss and grad-norm trajectory and has its weights after
+one step; with a capacity factor every layout drops the same tokens; a checkpoint saved at ep 4 resumes at ep 1 and
+ep 2, one saved at ep 2 x expert-TP 2 at ep 1 and ep 4."""
 
 import json
 import os
@@ -71,7 +72,10 @@ LAYOUTS = [
     dict(dp=4, ep=2, zero=1, micro_batch_size=2),  # EP inside DP: two expert-DP replicas of each expert
     dict(tp=2, dp=2, ep=4, zero=2),  # EP folded over TP and DP (expert-TP 1)
     dict(pp=2, dp=2, ep=2),
-]
+    dict(dp=4, ep=2, expert_tp=2, micro_batch_size=2),  # expert-TP over DP ranks: the expert-DP groups are single
+    dict(tp=2, expert_tp=2, sequence_parallel=True),  # each expert's width split over the TP ranks, ep 1
+    dict(dp=2, ep=2, zero=3),  # ZeRO-3: the experts' expert-DP groups are single ranks, the dense weights sharded
+]  # dp 4 x ep 2 under ZeRO-3 (experts sharded over expert-DP pairs): `zero3_run`
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["-".join(f"{k}{v}" for k, v in lay.items()) for lay in LAYOUTS])
@@ -90,6 +94,57 @@ def ep4_run(pools, model, tmp_path_factory):
 def test_ep4_trains_like_one_process(reference, ep4_run):
     for result in ep4_run[1]:
         _assert_same(result, reference)
+
+
+@pytest.fixture(scope="module")
+def expert_tp_run(pools, model, tmp_path_factory):
+    """tp 2 x dp 2 with ep 2 x expert-TP 2 (the expert-TP groups are the TP groups, EP runs over DP), saving a
+    checkpoint at step 10."""
+    save = str(tmp_path_factory.mktemp("moe") / "ckpt-etp")
+    return save, pools(4).run(run, model=model, tp=2, dp=2, ep=2, expert_tp=2, save=save, save_every=10)
+
+
+def test_tp2_dp2_with_ep2_expert_tp2_trains_like_one_process(reference, expert_tp_run):
+    for result in expert_tp_run[1]:
+        _assert_same(result, reference)
+
+
+@pytest.fixture(scope="module")
+def zero3_run(pools, model, tmp_path_factory):
+    """dp 4 x ep 2 under ZeRO-3: the dense weights sharded over the 4 DP ranks, the experts over their expert-DP
+    pairs; saving a checkpoint at step 10."""
+    save = str(tmp_path_factory.mktemp("moe") / "ckpt-zero3")
+    return save, pools(4).run(run, model=model, dp=4, ep=2, zero=3, micro_batch_size=2, save=save, save_every=10)
+
+
+def test_zero3_dp4_ep2_trains_like_one_process(reference, zero3_run):
+    for result in zero3_run[1]:
+        _assert_same(result, reference)
+
+
+def test_a_checkpoint_saved_under_zero3_resumes_at_ep2_expert_tp2(pools, model, reference, zero3_run):
+    step_dir = os.path.join(zero3_run[0], "step-000010")
+    resumed = pools(4).run(run, model=model, one_step=False, resume=step_dir, stop_after=13, tp=2, dp=2, ep=2,
+                           expert_tp=2)
+    for result in resumed:
+        _assert_same({"trajectory": result["trajectory"], "moe": result["moe"]},
+                     {"trajectory": reference["trajectory"][10:13], "moe": reference["moe"][10:13]})
+
+
+# ep 4 resumes under ZeRO-3: the checkpoint's experts cut into each rank's expert-DP shard
+@pytest.mark.parametrize("layout", [dict(), dict(dp=4, ep=4, micro_batch_size=2, zero=3)], ids=["ep1", "ep4-zero3"])
+def test_a_checkpoint_saved_at_ep2_expert_tp2_resumes_at_other_layouts(pools, model, reference, expert_tp_run,
+                                                                        layout):
+    save, _ = expert_tp_run
+    step_dir, meta = read_meta(os.path.join(save, "step-000010"))
+    assert (meta["layout"]["ep"], meta["layout"]["expert_tp"]) == (2, 2)
+    assert sorted(f for f in meta["files"] if f.startswith("experts-")) == \
+        [f"experts-ep{e:02d}-pp00.safetensors" for e in range(2)]  # whole experts: the width slices gathered
+    assert meta["tensors"]["layers.0.mlp.experts.up_proj"]["shape"] == [8, TINY_MOE2.expert_ffn_size, 64]
+    resumed = pools(_world(layout)).run(run, model=model, one_step=False, resume=step_dir, stop_after=13, **layout)
+    for result in resumed:
+        _assert_same({"trajectory": result["trajectory"], "moe": result["moe"]},
+                     {"trajectory": reference["trajectory"][10:13], "moe": reference["moe"][10:13]})
 
 
 @pytest.mark.parametrize("layout", [dict(), dict(dp=2, ep=2)], ids=["ep1", "ep2"])
@@ -136,10 +191,16 @@ def test_bad_expert_layouts_are_refused_before_any_process_group():
         validate(TrainOptions(**{**BASE, "dp": 3, "ep": 3, "global_batch_size": 6, "micro_batch_size": 2}), world_size=3)
     with pytest.raises(LayoutError, match=r"ep=4 does not fold onto the 2 ranks of a pipeline stage"):
         validate(TrainOptions(**{**BASE, "dp": 2, "ep": 4}), world_size=2)
+    with pytest.raises(LayoutError, match=r"expert_tp=2 x ep=2 = 4 does not fold onto the 2 ranks.*valid --expert-tp "
+                                          r"at ep=2: \[1\]"):
+        validate(TrainOptions(**{**BASE, "dp": 2, "ep": 2, "expert_tp": 2}), world_size=2)
+    with pytest.raises(LayoutError, match=r"expert_ffn_size = \d+ is not divisible by the expert-TP size 3"):
+        validate(TrainOptions(**{**BASE, "dp": 3, "expert_tp": 3, "global_batch_size": 6, "micro_batch_size": 2}),
+                 world_size=3)
+    with pytest.raises(LayoutError, match="--expert-tp 2 needs a mixture-of-experts model"):
+        validate(TrainOptions(**{**BASE, "model": "tiny", "dp": 2, "expert_tp": 2}), world_size=2)
     with pytest.raises(LayoutError, match="--ep 2 needs a mixture-of-experts model"):
         validate(TrainOptions(**{**BASE, "model": "tiny", "dp": 2, "ep": 2}), world_size=2)
-    with pytest.raises(LayoutError, match="ZeRO-3 does not shard mixture-of-experts models yet"):
-        validate(TrainOptions(**{**BASE, "dp": 2, "ep": 2, "zero": 3}), world_size=2)
 
 
 def test_bf16_experts_follow_the_fp32_trajectory(pools, model, reference):

@@ -47,6 +47,17 @@ def check_conjugates(tp):
         chunk(sum(xs), 1), torch.cat([cs[i].chunk(n, 1)[i] for i in range(n)], 1))
     run("scatter_to_sp", lambda x: ops.scatter_to_sp(x, g), xs[r], chunk(cs[r], 1),
         chunk(xs[r], 1), torch.cat([cs[i].chunk(n, 1)[i] for i in range(n)], 1))
+    # expert-TP's row collectives (any group): rank i holds sizes[i] rows, some none
+    sizes = [(3 * i) % 4 for i in range(n)] if n > 1 else [2]
+    total, start = sum(sizes), sum(sizes[:r])
+    rows = [_t(i, (sizes[i], 5), salt=2) for i in range(n)]
+    full_cs = [_t(i, (total, 5), salt=3) for i in range(n)]
+    run("gather_from_expert_tp", lambda x: ops.gather_from_expert_tp(x, sizes, g), rows[r], full_cs[r],
+        torch.cat(rows), sum(full_cs)[start : start + sizes[r]])
+    fulls = [_t(i, (total, 5), salt=4) for i in range(n)]
+    row_cs = [_t(i, (sizes[i], 5), salt=5) for i in range(n)]
+    run("reduce_scatter_to_expert_tp", lambda x: ops.reduce_scatter_to_expert_tp(x, sizes, g), fulls[r], row_cs[r],
+        sum(fulls)[start : start + sizes[r]], torch.cat(row_cs))
     return results
 
 

@@ -15,6 +15,7 @@ from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.communication import collective_time, model_collectives
 from tensorpar.planning.layout import Layout, enumerate_layouts, structural_problem
 from tensorpar.planning.memory import layout_memory
+from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.params import local_parameters, parameter_summary
 from tensorpar.planning.search import search
 from tensorpar.planning.step_time import predict_step_time
@@ -34,6 +35,7 @@ def _group(name: str, size: int) -> Group:
 class _Mesh:
     def __init__(self, tp: int, ep: int):
         self.tp_group, self.ep_group, self.cp_group = _group("tp", tp), _group("ep", ep), _group("cp", 1)
+        self.expert_tp_group = _group("expert_tp", 1)
         self.device = "meta"
 
 
@@ -110,7 +112,16 @@ def test_search_over_ep_and_structural_rules():
     assert "needs a mixture-of-experts model" in structural_problem(dense, Layout(tp=8, dp=8, ep=2), cluster, 4096, 256)
     assert "does not divide tp x cp x dp = 4" in structural_problem(cfg, Layout(tp=2, dp=2, pp=16, ep=8), cluster,
                                                                       4096, 256)
-    assert "ZeRO-3" in structural_problem(cfg, Layout(tp=1, dp=64, ep=8, zero=3), cluster, 4096, 256)
+    assert structural_problem(cfg, Layout(tp=1, dp=64, ep=8, zero=3), cluster, 4096, 256) == ""
+
+
+def test_zero3_shards_experts_over_expert_dp_and_the_rest_over_dp():
+    cfg = get_config("mixtral-8x7b")
+    summary = parameter_summary(cfg, 1, ep=8)
+    dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
+    mem = layout_memory(cfg, Layout(tp=1, dp=64, ep=8, zero=3), 4096, 64, "tensorpar-bf16")
+    bytes_per = get_precision("tensorpar-bf16").param_bytes
+    assert mem.parameters == -(-bytes_per * dense // 64) + -(-bytes_per * expert // 8)  # expert-DP = 64 / 8
 
 
 def _main(*args):

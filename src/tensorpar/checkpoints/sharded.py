@@ -16,8 +16,9 @@ shards and cuts this rank's shard for the current layout: any (tp, pp, dp, zero)
 Mixture-of-experts models: the routed experts' stacked weights (ShardSpec group "ep") are not in the
 model files but in one file per expert-parallel rank and stage (``experts-ep01-pp00.safetensors``,
 written by expert-DP rank 0): rank e's slice of the [num_experts, ...] tensors, i.e. the experts with
-global indices [e * E/ep, (e+1) * E/ep). Their meta entries say ``"group": "ep"``; loading concatenates
-the slices and cuts the current EP rank's, so any ep resumes any other.
+global indices [e * E/ep, (e+1) * E/ep), at their full width: under expert-TP the expert-TP ranks' F-slices
+are all-gathered before the write. Their meta entries say ``"group": "ep"``; loading concatenates the slices
+and cuts the current EP (and expert-TP) rank's, so any (ep, expert-TP) resumes any other.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import ShardSpec, group_for, shard_spec, shard_tensor
+from tensorpar.layers.sharding import ShardSpec, local_shard, shard_spec, tag
 from tensorpar.models.state import dense_shape
 
 FORMAT = "tensorpar-checkpoint"
@@ -107,11 +108,13 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
         saved = {n: p for n, p in params.items() if not getattr(p, "pipeline_duplicate", False)}  # the first
         dense = {n: p for n, p in saved.items() if not shard_spec(p).expert}  # stage saves the tied embedding
         experts = {n: p for n, p in saved.items() if shard_spec(p).expert}
+        if experts and mesh.expert_tp_size > 1:
+            experts, moments = _gather_expert_width(experts, moments, mesh.expert_tp_group)
         info = []
         if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # one writer per (tp, pp) position
             info.append(_write_shard(tmp, shard_file_name(mesh.tp_rank, mesh.pp_rank), dense, moments, step,
                                      {"tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank}))
-        if experts and mesh.expert_dp_group.rank == 0:  # one writer per (ep, pp) position
+        if experts and mesh.expert_dp_group.rank == 0 and mesh.expert_tp_rank == 0:  # one per (ep, pp) position
             info.append(_write_shard(tmp, expert_file_name(mesh.ep_rank, mesh.pp_rank), experts, moments, step,
                                      {"ep_rank": mesh.ep_rank, "pp_rank": mesh.pp_rank}))
     infos = [item for items in world.all_gather_object(info) for item in items]
@@ -133,6 +136,19 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
         rotate(root, keep_last, run_id, step)
     world.barrier()
     return final
+
+
+def _gather_expert_width(experts: dict, moments: dict, expert_tp_group) -> tuple[dict, dict]:
+    """The routed experts' weights and moments at their full width F: all-gathered over the expert-TP group (a
+    collective), each tagged with its ShardSpec less the expert-TP split."""
+    full, moments = {}, dict(moments)
+    for name, p in experts.items():
+        spec = shard_spec(p)
+        dim = spec.expert_tp_dim
+        full[name] = tag(expert_tp_group.all_gather(p.detach(), dim=dim),
+                         dataclasses.replace(spec, expert_tp_dim=None, expert_tp_full_size=None))
+        moments[name] = {k: expert_tp_group.all_gather(v, dim=dim) for k, v in moments[name].items()}
+    return full, moments
 
 
 def _spec_dict(spec: ShardSpec) -> dict:
@@ -339,13 +355,11 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
     moments = {}
     with torch.no_grad(), (optimizer.gathered() if optimizer is not None else contextlib.nullcontext()):
         for name, p in params.items():
-            spec = shard_spec(p)
-            g = group_for(spec, model)  # TP, or EP for the routed experts
-            p.copy_(shard_tensor(reader.dense(name), spec, g.rank, g.size))
+            spec = shard_spec(p)  # split over TP, or EP (and expert-TP) for the routed experts
+            p.copy_(local_shard(reader.dense(name), spec, model))
             if optimizer is not None:  # the moments, and the fp32 weights for the masters of bf16/fp16 training
-                moments[name] = {k: shard_tensor(reader.dense(name, k), spec, g.rank, g.size)
-                                 for k in ("exp_avg", "exp_avg_sq")}
-                moments[name]["master"] = shard_tensor(reader.dense(name).float(), spec, g.rank, g.size)
+                moments[name] = {k: local_shard(reader.dense(name, k), spec, model) for k in ("exp_avg", "exp_avg_sq")}
+                moments[name]["master"] = local_shard(reader.dense(name).float(), spec, model)
         if optimizer is not None:
             optimizer.reload_parameters()
     if optimizer is not None:

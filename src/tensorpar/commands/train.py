@@ -40,6 +40,7 @@ def print_summary(s: dict) -> None:
     print(f"\ntrained{resumed} {s['model']} ({s['parameters'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
           f"{s['tokens']:,} tokens: tp={lay['tp']}{' cp=' + str(lay['cp']) if lay['cp'] > 1 else ''} pp={lay['pp']} "
           f"dp={lay['dp']}{' ep=' + str(lay['ep']) if 'ep' in lay else ''}"
+          f"{' expert-tp=' + str(lay['expert_tp']) if lay.get('expert_tp', 1) > 1 else ''}"
           f"{' zero-' + str(lay['zero']) if lay['zero'] else ''}"
           f"{' ' + lay['schedule'] + (' v=' + str(lay['virtual_stages']) if lay['virtual_stages'] > 1 else '') if lay['schedule'] else ''}"
           f"{' +sequence-parallel' if lay['sequence_parallel'] else ''}, recompute={lay['recompute']}, {lay['dtype']}")

@@ -60,6 +60,9 @@ class TrainOptions(LaunchOptions):
     ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, the "
                         "tp x cp x dp ranks of a stage regrouped into ep x expert-DP for the MoE layers (needs no "
                         "more processes; ep must divide tp x cp x dp)", group=LAYOUT)
+    expert_tp: int = option(1, "expert tensor-parallel size (mixture-of-experts models): each expert's MLP split "
+                               "Megatron-style over this many ranks, folded fastest (expert-TP x EP x expert-DP); "
+                               "expert_tp x ep must divide tp x cp x dp", group=LAYOUT)
     zero: int = option(0, "ZeRO stage over the DP group: 1 shards optimizer states, 2 also gradients, 3 also "
                           "parameters (each block gathered just before use)", choices=ZERO_STAGES, group=LAYOUT)
     zero3_reshard_after_forward: bool = option(True, "ZeRO-3: keep a block's gathered parameters from its forward "

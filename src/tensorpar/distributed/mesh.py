@@ -10,11 +10,14 @@ gradients are averaged over DP x CP (`dp_cp_group`: the ranks that hold the same
 different tokens); with cp = 1 that group is the DP group itself.
 
 Mixture-of-experts runs fold the same tp x cp x dp ranks of a pipeline stage differently for their
-expert layers ("parallel folding", as Megatron-Core does): expert-TP (1) fastest, then EP, then
-expert-DP, so that the stage's n = tp * cp * dp ranks (in rank order) form n / ep expert-parallel
-groups of ep consecutive ranks, each holding all the experts between them, and ep expert-data-parallel
-groups (ranks ep apart), whose members hold the same experts and over which expert gradients are
-summed. EP may therefore exceed DP: at tp 2 x dp 2, ep 4 spans the TP and the DP ranks.
+expert layers ("parallel folding", as Megatron-Core does): expert-TP fastest, then EP, then
+expert-DP. In the stage's n = tp * cp * dp ranks (in rank order), an expert-TP group is etp
+consecutive ranks (which split each expert's MLP between them), an expert-parallel group is ep ranks
+etp apart within a block of etp * ep consecutive ranks (each holding its own experts: the block holds
+them all), and an expert-data-parallel group is the n / (etp * ep) ranks etp * ep apart, whose members
+hold the same expert shards and over which expert gradients are summed. EP may therefore exceed DP: at
+tp 2 x dp 2, ep 4 spans the TP and the DP ranks; at tp 2 x dp 2 with ep 2 x etp 2, the expert-TP
+groups are the TP groups and EP runs over DP.
 """
 
 from __future__ import annotations
@@ -65,15 +68,21 @@ def resolve_layout(world_size: int, tp: int, pp: int = 1, dp: int | None = None,
     return tp, pp, dp
 
 
-def check_expert_layout(tp: int, cp: int, dp: int, ep: int) -> None:
-    """Refuse an expert-parallel size that does not fold onto the tp x cp x dp ranks of a pipeline stage."""
-    if not isinstance(ep, int) or ep < 1:
-        raise LayoutError(f"ep must be a positive integer, got {ep!r}")
+def check_expert_layout(tp: int, cp: int, dp: int, ep: int, expert_tp: int = 1) -> None:
+    """Refuse expert-parallel and expert-TP sizes that do not fold onto the tp x cp x dp ranks of a pipeline stage."""
+    for name, value in (("ep", ep), ("expert_tp", expert_tp)):
+        if not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
     stage = tp * cp * dp
     if stage % ep:
         valid = [d for d in range(1, stage + 1) if stage % d == 0]
         raise LayoutError(f"ep={ep} does not fold onto the {stage} ranks of a pipeline stage (tp={tp} x cp={cp} x "
                           f"dp={dp}): expert parallelism regroups those ranks, so ep must divide {stage}; valid: {valid}")
+    if stage % (ep * expert_tp):
+        valid = [d for d in range(1, stage // ep + 1) if (stage // ep) % d == 0]
+        raise LayoutError(f"expert_tp={expert_tp} x ep={ep} = {ep * expert_tp} does not fold onto the {stage} ranks of "
+                          f"a pipeline stage (tp={tp} x cp={cp} x dp={dp}): expert-TP x EP must divide {stage}; "
+                          f"valid --expert-tp at ep={ep}: {valid}")
 
 
 def rank_grid(tp: int, pp: int, dp: int, cp: int = 1) -> torch.Tensor:
@@ -81,9 +90,10 @@ def rank_grid(tp: int, pp: int, dp: int, cp: int = 1) -> torch.Tensor:
     return torch.arange(tp * pp * dp * cp).reshape(pp, dp, cp, tp)
 
 
-def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int | None = None) -> dict[str, list[list[int]]]:
-    """Every group of each dimension, as lists of global ranks ("dp_cp" only when cp > 1; the expert groups "ep"
-    and "edp" only when `ep` is given, for a mixture-of-experts model)."""
+def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int | None = None,
+                expert_tp: int = 1) -> dict[str, list[list[int]]]:
+    """Every group of each dimension, as lists of global ranks ("dp_cp" only when cp > 1; the expert groups
+    "expert_tp", "ep" and "edp" only when `ep` is given, for a mixture-of-experts model)."""
     g = rank_grid(tp, pp, dp, cp)
     groups = {
         "tp": [g[p, d, c, :].tolist() for p in range(pp) for d in range(dp) for c in range(cp)],
@@ -98,8 +108,11 @@ def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int | None = None) -
         groups["dp_cp"] = [g[p, :, :, t].flatten().tolist() for p in range(pp) for t in range(tp)]
     if ep is not None:
         stages = [g[p].flatten().tolist() for p in range(pp)]  # a stage's ranks in rank order
-        groups["ep"] = [stage[i : i + ep] for stage in stages for i in range(0, len(stage), ep)]
-        groups["edp"] = [stage[j::ep] for stage in stages for j in range(ep)]
+        block = expert_tp * ep  # the ranks holding every expert once
+        groups["expert_tp"] = [stage[i : i + expert_tp] for stage in stages for i in range(0, len(stage), expert_tp)]
+        groups["ep"] = [stage[i + t : i + block : expert_tp] for stage in stages
+                        for i in range(0, len(stage), block) for t in range(expert_tp)]
+        groups["edp"] = [stage[j::block] for stage in stages for j in range(block)]
     return groups
 
 
@@ -122,6 +135,7 @@ class Mesh:
     dp_cp_group: Group | None = None  # None: the DP group
     ep_group: Group | None = None  # None: a group of this rank alone
     expert_dp_group: Group | None = None  # None: no expert groups (a dense model)
+    expert_tp_group: Group | None = None  # None: a group of this rank alone
 
     def __post_init__(self):
         if self.cp_group is None:
@@ -130,6 +144,8 @@ class Mesh:
             self.dp_cp_group = self.dp_group
         if self.ep_group is None:
             self.ep_group = Group("ep", [self.rank], None, self.stats, self.rank)
+        if self.expert_tp_group is None:
+            self.expert_tp_group = Group("expert_tp", [self.rank], None, self.stats, self.rank)
 
     tp_size = property(lambda self: self.tp_group.size)
     tp_rank = property(lambda self: self.tp_group.rank)
@@ -141,12 +157,14 @@ class Mesh:
     cp_rank = property(lambda self: self.cp_group.rank)
     ep_size = property(lambda self: self.ep_group.size)
     ep_rank = property(lambda self: self.ep_group.rank)
+    expert_tp_size = property(lambda self: self.expert_tp_group.size)
+    expert_tp_rank = property(lambda self: self.expert_tp_group.rank)
 
     def __repr__(self) -> str:
         return (
             f"Mesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
             f"cp={self.cp_rank}/{self.cp_size}, pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
-            f"ep={self.ep_rank}/{self.ep_size}, device={self.device})"
+            f"ep={self.ep_rank}/{self.ep_size}, expert_tp={self.expert_tp_rank}/{self.expert_tp_size}, device={self.device})"
         )
 
     def destroy(self) -> None:
@@ -158,7 +176,8 @@ class Mesh:
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             for group in (self.tp_group, self.cp_group, self.pp_group, self.dp_group, self.dp_cp_group,
-                          self.embed_group, self.world_group, self.ep_group, self.expert_dp_group):
+                          self.embed_group, self.world_group, self.ep_group, self.expert_dp_group,
+                          self.expert_tp_group):
                 if group is not None:
                     group.pg = None
             gc.collect()
@@ -180,6 +199,7 @@ def init_mesh(
     *,
     cp: int = 1,
     ep: int | None = None,
+    expert_tp: int = 1,
     device: str | torch.device | None = None,
     backend: str | None = None,
     timeout: float | timedelta | None = None,
@@ -193,12 +213,15 @@ def init_mesh(
     fails at once on every rank. The backend is NCCL for CUDA devices and gloo otherwise.
 
     `ep` (mixture-of-experts models only; None for dense ones, which then create no expert groups): the
-    expert-parallel size, folded onto each stage's tp x cp x dp ranks (see the module docstring).
+    expert-parallel size, folded onto each stage's tp x cp x dp ranks (see the module docstring), with
+    `expert_tp` ranks splitting each expert's MLP.
     """
     world, rank, local_rank = world_from_env()
     tp, pp, dp = resolve_layout(world, tp, pp, dp, cp)
     if ep is not None:
-        check_expert_layout(tp, cp, dp, ep)
+        check_expert_layout(tp, cp, dp, ep, expert_tp)
+    elif expert_tp != 1:
+        raise LayoutError(f"expert_tp={expert_tp} needs expert groups: pass ep= (a mixture-of-experts model)")
     device = _pick_device(local_rank, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -217,7 +240,7 @@ def init_mesh(
         backend = backend or dist.get_backend()
 
     groups = {}
-    for name, all_ranks in group_ranks(tp, pp, dp, cp, ep).items():
+    for name, all_ranks in group_ranks(tp, pp, dp, cp, ep, expert_tp).items():
         for ranks in all_ranks:
             # new_group is collective over the whole world: every rank creates every group, in the same order.
             pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
@@ -243,4 +266,5 @@ def init_mesh(
         dp_cp_group=groups.get("dp_cp"),
         ep_group=groups.get("ep"),
         expert_dp_group=groups.get("edp"),
+        expert_tp_group=groups.get("expert_tp"),
     )

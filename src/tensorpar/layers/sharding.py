@@ -30,6 +30,9 @@ class ShardSpec:
     - `group`: the mesh group the tensor is split over: "tp", or "ep" for the stacked weights of routed
       experts, split along dim 0 (the global expert index) over the expert-parallel group. Their
       gradients are summed over the expert-data-parallel group, not the DP group.
+    - `expert_tp_dim`, `expert_tp_full_size`: for a routed expert's weight, the dimension (the expert's width F)
+      it is further split along, evenly, over the expert-TP group (Megatron-style: gate/up column-parallel,
+      down row-parallel), and its dense size; None when unsplit. `local_shard` / `full_tensor` apply both splits.
 
     A norm over the dense parameter is the sum over TP ranks of each local squared norm divided by
     `effective_replicas(tp)`.
@@ -41,6 +44,8 @@ class ShardSpec:
     replicas: int = 1
     reduce_grad_across_tp: bool = False
     group: str = "tp"
+    expert_tp_dim: int | None = None
+    expert_tp_full_size: int | None = None
 
     @property
     def expert(self) -> bool:
@@ -64,6 +69,24 @@ def shard_spec(param: torch.Tensor) -> ShardSpec:
 def group_for(spec: ShardSpec, owner):
     """The group `spec` splits a tensor over, from `owner` (a model or mesh with `tp_group` and `ep_group`)."""
     return getattr(owner, f"{spec.group}_group")
+
+
+def local_shard(full: torch.Tensor, spec: ShardSpec, owner) -> torch.Tensor:
+    """This rank's part of the dense tensor `full`: split over `spec`'s group of `owner` (a model or mesh), and a
+    routed expert's weight then along `expert_tp_dim` over the owner's `expert_tp_group`."""
+    g = group_for(spec, owner)
+    local = shard_tensor(full, spec, g.rank, g.size)
+    if spec.expert and spec.expert_tp_dim is not None:
+        etp = owner.expert_tp_group
+        local = take_shard(local, spec.expert_tp_dim, etp.rank, etp.size)
+    return local
+
+
+def full_tensor(local: torch.Tensor, spec: ShardSpec, owner) -> torch.Tensor:
+    """The dense tensor, reassembled from every rank's part (a collective over the groups `spec` splits over)."""
+    if spec.expert and spec.expert_tp_dim is not None:
+        local = owner.expert_tp_group.all_gather(local.detach(), dim=spec.expert_tp_dim)
+    return unshard_tensor(local, spec, group_for(spec, owner))
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -14,7 +14,7 @@ import zlib
 import torch
 
 from tensorpar.layers.dropout import mix_seed
-from tensorpar.layers.sharding import group_for, shard_spec, shard_tensor
+from tensorpar.layers.sharding import local_shard, shard_spec
 from tensorpar.models.state import dense_shape
 
 RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "mlp.down_proj.weight", "experts.down_proj",
@@ -38,6 +38,5 @@ def full_init(name: str, shape: tuple[int, ...], cfg, seed: int) -> torch.Tensor
 def init_weights(model, seed: int) -> None:
     for name, param in model.named_parameters():
         spec = shard_spec(param)
-        group = group_for(spec, model)
         full = full_init(name, dense_shape(param, spec), model.cfg, seed)
-        param.copy_(shard_tensor(full, spec, group.rank, group.size))
+        param.copy_(local_shard(full, spec, model))

@@ -10,6 +10,7 @@ from tensorpar.distributed.mesh import check_expert_layout
 from tensorpar.errors import LayoutError
 from tensorpar.layers.attention import kv_layout
 from tensorpar.layers.moe import experts_per_rank
+from tensorpar.layers.moe.experts import expert_width_per_rank
 from tensorpar.layers.ring_attention import check_context_split
 from tensorpar.layers.sharding import divide
 
@@ -33,17 +34,19 @@ def check_model_layout(cfg, tp: int, sequence_parallel: bool = False, seq_len: i
             )
 
 
-def check_moe_layout(cfg, tp: int, cp: int, dp: int, ep: int, *, zero: int = 0, sequence_parallel: bool = False,
-                     micro_batch_size: int | None = None, seq_len: int | None = None) -> None:
+def check_moe_layout(cfg, tp: int, cp: int, dp: int, ep: int, *, sequence_parallel: bool = False,
+                     micro_batch_size: int | None = None, seq_len: int | None = None, expert_tp: int = 1) -> None:
     """Refuse an expert-parallel layout that cannot work, before any process group exists (every rank runs it)."""
     if not cfg.is_moe:
         if ep != 1:
             raise LayoutError(f"--ep {ep} needs a mixture-of-experts model (num_experts > 0); this one is dense")
+        if expert_tp != 1:
+            raise LayoutError(f"--expert-tp {expert_tp} needs a mixture-of-experts model (num_experts > 0); this one "
+                              f"is dense")
         return
-    check_expert_layout(tp, cp, dp, ep)
+    check_expert_layout(tp, cp, dp, ep, expert_tp)
     experts_per_rank(cfg.num_experts, ep)
-    if zero == 3:
-        raise LayoutError("ZeRO-3 does not shard mixture-of-experts models yet: use --zero 1 or 2")
+    expert_width_per_rank(cfg.expert_ffn_size, expert_tp)
     if cfg.num_shared_experts:
         divide(cfg.num_shared_experts * cfg.expert_ffn_size, tp, "the shared experts' width")
     if tp > 1 and not sequence_parallel and micro_batch_size and seq_len and (micro_batch_size * seq_len // cp) % tp:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import ShardSpec, group_for, shard_spec, shard_tensor, unshard_tensor
+from tensorpar.layers.sharding import ShardSpec, full_tensor, local_shard, shard_spec
 
 
 def dense_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
@@ -13,6 +13,8 @@ def dense_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
     shape = list(param.shape)
     if spec.dim is not None:
         shape[spec.dim] = spec.full_size
+    if spec.expert_tp_dim is not None:
+        shape[spec.expert_tp_dim] = spec.expert_tp_full_size
     return tuple(shape)
 
 
@@ -20,7 +22,7 @@ def dense_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
 def full_state_dict(model) -> dict[str, torch.Tensor]:
     """Every parameter as the dense tensor (a collective over the TP group, and the expert-parallel group for the
     routed experts: call on every rank of them)."""
-    return {name: unshard_tensor(p.detach(), shard_spec(p), group_for(shard_spec(p), model)).cpu()
+    return {name: full_tensor(p.detach(), shard_spec(p), model).cpu()
             for name, p in model.named_parameters()}
 
 
@@ -42,5 +44,4 @@ def load_full_state_dict(model, state: dict[str, torch.Tensor], source: str = "s
             raise TensorparError(
                 f"{source}: '{name}' has shape {tuple(full.shape)}, the model expects {dense_shape(param, spec)}"
             )
-        group = group_for(spec, model)
-        param.copy_(shard_tensor(full.to(param.dtype), spec, group.rank, group.size))
+        param.copy_(local_shard(full.to(param.dtype), spec, model))

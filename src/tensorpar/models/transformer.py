@@ -41,7 +41,7 @@ from tensorpar.models.init import init_weights
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, layer_index: int, device=None,
-                 ep_group=None, cp_group=None):
+                 ep_group=None, cp_group=None, expert_tp_group=None):
         super().__init__()
         self.layer_index, self.dropout = layer_index, cfg.dropout
         self.tp_group = tp_group
@@ -53,7 +53,7 @@ class TransformerBlock(nn.Module):
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:
             self.mlp = MoELayer(cfg, tp_group, as_group(ep_group, "ep"), as_group(cp_group, "cp"), sequence_parallel,
-                                device=device)
+                                device=device, expert_tp_group=as_group(expert_tp_group, "expert_tp"))
         else:
             self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device)
 
@@ -119,6 +119,7 @@ class Transformer(nn.Module):
         self.tp_group = as_group(mesh, "tp")
         self.cp_group = as_group(mesh, "cp")
         self.ep_group = as_group(mesh, "ep")
+        self.expert_tp_group = as_group(mesh, "expert_tp")
         self.cp_split, self.cp_impl = cp_split, cp_impl
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
         self.recompute = recompute
@@ -139,7 +140,8 @@ class Transformer(nn.Module):
             self.pos_embed = tag(nn.Parameter(torch.empty(cfg.max_seq_len, cfg.hidden_size, device=device)),
                                  ShardSpec(dim=None, reduce_grad_across_tp=sp))
         # Keyed by global layer index, so that a stage's parameter names are the dense model's.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, tp, sp, i, device, self.ep_group, self.cp_group)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, tp, sp, i, device, self.ep_group, self.cp_group,
+                                                              self.expert_tp_group)
                                      for i in layers})
         if last_stage:
             self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device)

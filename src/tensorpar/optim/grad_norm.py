@@ -21,7 +21,9 @@ would be counted once per stage; such a parameter needs its own accounting.
 Routed experts (mixture-of-experts models, ShardSpec group "ep"): each expert-parallel rank holds its own
 experts, identical on the expert-DP ranks after their gradient reduction, so their squares are summed over
 ``mesh.ep_group`` instead of the TP group (under ZeRO first over ``mesh.expert_dp_group``, whose ranks hold
-different slices): each expert counted once. Two more one-element all-reduces, only on meshes with expert groups.
+different slices, and over ``mesh.expert_tp_group``, whose ranks hold different width slices of them): each
+expert counted once. Up to three more one-element all-reduces, only on meshes with expert groups of more than
+one rank.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def _global_norm(params: list[torch.Tensor], mesh, sharded_over_dp: bool = False
     if expert_dp is not None:  # a mixture-of-experts run
         if sharded_over_dp:
             expert_dp.all_reduce(experts)  # ZeRO: the expert-DP ranks hold different slices of their experts
+        mesh.expert_tp_group.all_reduce(experts)  # each expert-TP rank holds its own width slice of them
         mesh.ep_group.all_reduce(experts)  # each EP rank holds its own experts
         total += experts
     mesh.pp_group.all_reduce(total)  # the layers of the other stages

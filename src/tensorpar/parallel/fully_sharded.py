@@ -4,6 +4,12 @@ Each DP (x CP) rank stores 1/dp of every parameter, gradient and optimizer state
 TP shard of its pipeline stage). Parameters are grouped into units that are gathered and freed together: one
 per transformer block, and a root unit with the rest of the stage (embedding, positions, final norm, head).
 
+Mixture-of-experts models: a block's routed experts (ShardSpec group "ep") form a unit of their own, sharded,
+gathered and reduce-scattered over the mesh's expert-data-parallel group (whose ranks hold the same experts)
+instead of DP x CP; it is gathered and freed with its block's dense unit. Its gradients are divided by the
+DP x CP size like the dense ones (every rank's token gradients carry that factor; the expert-DP ranks together
+saw every token once).
+
 Per micro-batch, for a block:
 
 =========  ==========================================================================================
@@ -45,7 +51,8 @@ from tensorpar.parallel.shard_pieces import (BytesInUse, ReduceScatterQueue, add
 
 
 class _Unit:
-    """Parameters gathered and freed together; between uses each holds an empty tensor."""
+    """Parameters gathered and freed together; between uses each holds an empty tensor. Sharded over `dp_group`
+    (kept as `.dp`): DP x CP, or expert-DP for a block's routed experts."""
 
     def __init__(self, name: str, params: list[nn.Parameter], dp_group, root: bool, gathered: BytesInUse):
         self.name, self.params, self.root, self.dp, self.gathered = name, params, root, dp_group, gathered
@@ -111,16 +118,24 @@ class FullyShardedOptimizer:
                  reduce_dtype: torch.dtype = torch.float32):
         self.mesh, self.dp, self.reduce_dtype = mesh, mesh.dp_cp_group, reduce_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        if any(shard_spec(p).expert for p in model.parameters()):
-            raise TensorparError("ZeRO-3 does not shard mixture-of-experts models yet: use --zero 1 or 2 (the "
-                                 "experts' optimizer states and gradients are then sharded over expert-DP)")
+        expert_dp = getattr(mesh, "expert_dp_group", None)
+        if any(shard_spec(p).expert for p in model.parameters()) and expert_dp is None:
+            raise TensorparError("the model has routed experts but the mesh no expert groups: "
+                                 "build it with init_mesh(..., ep=N)")
         layers = getattr(model, "layers", None)
         if not isinstance(layers, nn.ModuleDict):
             raise TensorparError("ZeRO-3 shards a tensorpar Transformer (its blocks are the units gathered together)")
         in_blocks = {id(p) for p in layers.parameters()}
         self.gathered_bytes, self.grad_bytes = BytesInUse(), BytesInUse()
-        self.units = [_Unit(f"layer {key}", [p for p in block.parameters() if p.requires_grad], self.dp, False,
-                            self.gathered_bytes) for key, block in layers.items()]
+        # Per block, the units gathered and freed together: its dense parameters (over DP x CP), and its routed
+        # experts' (over expert-DP) if it has any.
+        self.blocks: list[list[_Unit]] = []
+        for key, block in layers.items():
+            params = [p for p in block.parameters() if p.requires_grad]
+            kinds = ((f"layer {key}", [p for p in params if not shard_spec(p).expert], self.dp),
+                     (f"layer {key} experts", [p for p in params if shard_spec(p).expert], expert_dp))
+            self.blocks.append([_Unit(name, ps, group, False, self.gathered_bytes) for name, ps, group in kinds if ps])
+        self.units = [u for units in self.blocks for u in units]
         root_params = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
         self.root = _Unit("root", root_params, self.dp, True, self.gathered_bytes) if root_params else None
         self._all = self.units + ([self.root] if self.root else [])
@@ -146,7 +161,7 @@ class FullyShardedOptimizer:
         groups = [{"params": [], "weight_decay": weight_decay}, {"params": [], "weight_decay": 0.0}]
         self.slices = []
         for u in self._all:
-            lo, hi = slice_bounds(u.padded, self.dp.rank, self.dp.size)
+            lo, hi = slice_bounds(u.padded, u.dp.rank, u.dp.size)
             u.pieces = cut_pieces(u.params, u.shapes, u.offsets, lo, hi, u.master, u.grad_shard, groups)
             self.slices += [piece.opt_param for piece in u.pieces]
         groups = [g for g in groups if g["params"]] or [{"params": [nn.Parameter(torch.zeros(0))]}]
@@ -155,27 +170,31 @@ class FullyShardedOptimizer:
     # -- hooks: gather before use, free after, reduce-scatter the gradients ----------------------------------
 
     def _pre_forward(self, i: int, module, args) -> None:
-        unit = self.units[i]
-        unit.wait_gather()
-        if self.prefetch and not unit.in_backward and i + 1 < len(self.units):
-            self.units[i + 1].start_gather()
+        units = self.blocks[i]
+        for unit in units:
+            unit.wait_gather()
+        if self.prefetch and not units[0].in_backward and i + 1 < len(self.blocks):
+            for unit in self.blocks[i + 1]:
+                unit.start_gather()
 
     def _post_forward(self, i: int, module, args, output) -> None:
-        unit = self.units[i]
-        if unit.in_backward or self._pinned:  # a recomputation inside the backward, or everything pinned
+        units = self.blocks[i]
+        if units[0].in_backward or self._pinned:  # a recomputation inside the backward, or everything pinned
             return
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(functools.partial(self._pre_backward, i))
-            if not self.reshard_after_forward or i == len(self.units) - 1:
+            if not self.reshard_after_forward or i == len(self.blocks) - 1:
                 return  # the stage's last block is the first the backward needs: kept, not gathered again
-        unit.free()
+        for unit in units:
+            unit.free()
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        unit = self.units[i]
-        unit.in_backward = True
-        unit.wait_gather()
+        for unit in self.blocks[i]:
+            unit.in_backward = True
+            unit.wait_gather()
         if self.prefetch and i > 0:
-            self.units[i - 1].start_gather()
+            for unit in self.blocks[i - 1]:
+                unit.start_gather()
 
     def _full_grad(self, unit: _Unit) -> torch.Tensor:
         """The unit's full-size gradient buffer of this micro-batch (the root's: of the step), allocated when needed."""
@@ -190,7 +209,7 @@ class FullyShardedOptimizer:
         unit.ready += 1
         if unit.ready == len(unit.params) and not unit.root:
             unit.ready, unit.in_backward = 0, False
-            self.queue.push(unit, unit.full_grad)
+            self.queue.push(unit, unit.full_grad, unit.dp)
             unit.full_grad = None
             if not self._pinned:
                 unit.free()
@@ -203,7 +222,7 @@ class FullyShardedOptimizer:
         for u in self._all:
             u.ready, u.in_backward = 0, False
         if self.prefetch:  # what the first forward needs first, gathered side by side
-            for u in ([self.root] if self.root else []) + self.units[:1]:
+            for u in ([self.root] if self.root else []) + (self.blocks[0] if self.blocks else []):
                 u.start_gather()
 
     def finish_backward(self) -> None:
@@ -254,17 +273,21 @@ class FullyShardedOptimizer:
     def reload_parameters(self) -> None:
         """Inside `gathered()`, after the parameters were overwritten (a checkpoint load): take them as the shards."""
         for u in self._all:
-            lo, hi = slice_bounds(u.padded, self.dp.rank, self.dp.size)
+            lo, hi = slice_bounds(u.padded, u.dp.rank, u.dp.size)
             u.shard.copy_(u.full[lo:hi])
             if u.master is not u.shard:
                 u.master.copy_(u.shard)
 
     def local_state(self, names: dict[int, str]) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
-        """AdamW moments in the layout of the local (TP-sharded) parameters, all-gathered over DP (a collective)."""
+        """AdamW moments in the layout of the local (TP-sharded) parameters, all-gathered over DP x CP (the routed
+        experts': over expert-DP) (a collective)."""
         shapes = {id(p): s for u in self._all for p, s in zip(u.params, u.shapes)}
         mixed = any(u.master is not u.shard for u in self._all)
-        return (gather_moments(self._all, self.optimizer, self.dp, names, shapes, with_master=mixed),
-                adamw_step_count(self.optimizer))
+        out = {}
+        for group in dict.fromkeys(u.dp for u in self._all):  # the dense units', then the experts'
+            units = [u for u in self._all if u.dp is group]
+            out.update(gather_moments(units, self.optimizer, group, names, shapes, with_master=mixed))
+        return out, adamw_step_count(self.optimizer)
 
     def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
         load_moments(self._all, self.optimizer, states, step, names)

@@ -200,8 +200,6 @@ def _moe_problem(cfg, layout: Layout, seq_len: int) -> str:
         return f"ep = {ep} does not divide tp x cp x dp = {stage} (the ranks of a pipeline stage)"
     if cfg.num_experts % ep:
         return f"num_experts = {cfg.num_experts} is not divisible by ep = {ep}"
-    if layout.zero == 3:
-        return "ZeRO-3 does not shard mixture-of-experts models yet"
     try:  # what is left: the shared experts' width and the tokens an MoE layer splits over TP
         check_moe_layout(cfg, layout.tp, layout.cp, layout.dp, ep, sequence_parallel=layout.sp,
                          micro_batch_size=layout.micro_batch_size, seq_len=seq_len)

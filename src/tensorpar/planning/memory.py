@@ -311,8 +311,8 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     layer_params = summary.per_layer
     if zero >= 2 and prec.zero_buffers_in_flight:
         grad_mem += zero_gradients_in_flight(cfg, layout, stage if pp > 1 else 0, prec, bucket_bytes)
-    if zero == 3:
-        param_mem = math.ceil(param_mem / dp)
+    if zero == 3:  # parameters sharded like their gradients: routed experts over expert-DP, the rest over DP x CP
+        param_mem = math.ceil(prec.param_bytes * dense / dp) + math.ceil(prec.param_bytes * expert / edp)
         # Gathered: the layer being computed and the prefetched one, and the root (embedding, head) for the step.
         transient += (2 * layer_params + numel - n_layers * layer_params) * prec.param_bytes
     opt_mem = (adamw_bytes(dense, summary.tensors - summary.expert_tensors, prec, zero, dp)

@@ -65,7 +65,7 @@ class Session:
         """Save step `step`'s checkpoint (a collective: every rank calls it)."""
         o, mesh = self.options, self.mesh
         layout = {"tp": mesh.tp_size, "cp": mesh.cp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "ep": mesh.ep_size,
-                  "zero": o.zero,
+                  "expert_tp": mesh.expert_tp_size, "zero": o.zero,
                   "virtual_stages": o.virtual_stages, "schedule": o.schedule,
                   "sequence_parallel": self.model.sequence_parallel}
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",

@@ -80,6 +80,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
     }
     if s.run.cfg.is_moe:
         summary["layout"]["ep"] = mesh.ep_size
+        summary["layout"]["expert_tp"] = mesh.expert_tp_size
         if records:
             summary["moe"] = {
                 "final_aux_loss": records[-1]["moe_aux_loss"], "final_z_loss": records[-1]["moe_z_loss"],

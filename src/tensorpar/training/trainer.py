@@ -26,7 +26,8 @@ def run_training(run: PreparedRun, stop: GracefulStop | None = None) -> dict:
     """Train a validated run on every rank of the running world; returns the summary. With `stop` (a
     `GracefulStop` the caller installed), a SIGTERM or SIGINT ends the run early, saved."""
     o = run.options
-    mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, cp=o.cp, ep=o.ep if run.cfg.is_moe else None, device=o.device,
+    mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, cp=o.cp, ep=o.ep if run.cfg.is_moe else None,
+                     expert_tp=o.expert_tp if run.cfg.is_moe else 1, device=o.device,
                      timeout=o.timeout)
     try:
         session = build_session(run, mesh, stop)

@@ -106,8 +106,8 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     _, _, dp = resolve_layout(world, o.tp, o.pp, o.dp, o.cp)
     micro = o.micro_batch_size or o.global_batch_size // dp
     check_batch_layout(o.global_batch_size, dp, micro)
-    check_moe_layout(cfg, o.tp, o.cp, dp, o.ep, zero=o.zero, sequence_parallel=o.sequence_parallel,
-                     micro_batch_size=micro, seq_len=o.seq_len)
+    check_moe_layout(cfg, o.tp, o.cp, dp, o.ep, sequence_parallel=o.sequence_parallel,
+                     micro_batch_size=micro, seq_len=o.seq_len, expert_tp=o.expert_tp)
     if o.pp > 1 or o.virtual_stages > 1:
         stage_layers(cfg.num_layers, o.pp, o.virtual_stages)
         build_schedule(o.schedule, o.pp, o.global_batch_size // (dp * micro), o.virtual_stages)

@@ -5,6 +5,10 @@
 "ep" group), so a checkpoint stores every expert under its global index and any EP size reloads it.
 Each expert computes the dense MLP's function (act(x Wg^T) * (x Wu^T)) Wd^T, or act(x Wu^T) Wd^T
 ungated; routed experts have no biases. No communication here.
+
+Expert tensor parallelism (an expert-TP group of etp ranks): each rank holds the [F/etp] slice of every
+local expert's width, Megatron-style: gate_proj / up_proj column-parallel (rows F), down_proj row-parallel
+(columns F), so its outputs are partial sums over the width that the dispatcher reduce-scatters.
 """
 
 from __future__ import annotations
@@ -26,21 +30,34 @@ def experts_per_rank(num_experts: int, ep: int) -> int:
     return num_experts // ep
 
 
+def expert_width_per_rank(expert_ffn_size: int, expert_tp: int) -> int:
+    """expert_ffn_size / expert_tp, or a LayoutError naming the expert-TP sizes that divide it."""
+    if expert_ffn_size % expert_tp:
+        valid = [d for d in range(1, min(expert_ffn_size, 64) + 1) if expert_ffn_size % d == 0]
+        raise LayoutError(f"expert_ffn_size = {expert_ffn_size} is not divisible by the expert-TP size {expert_tp}: "
+                          f"each expert-TP rank holds a 1/expert_tp slice of every expert's width; expert-TP sizes "
+                          f"that divide it: {valid}")
+    return expert_ffn_size // expert_tp
+
+
 class GroupedExperts(nn.Module):
-    def __init__(self, cfg, ep_group, device=None):
+    def __init__(self, cfg, ep_group, expert_tp_group=None, device=None):
         super().__init__()
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
+        etp = expert_tp_group.size if expert_tp_group is not None else 1
         self.num_local = experts_per_rank(e, ep_group.size)
         self.first = ep_group.rank * self.num_local  # global index of the first local expert
         self.act = ACTIVATION_FNS[cfg.activation]
+        width = expert_width_per_rank(f, etp)
 
-        def stacked(*shape):
+        def stacked(*shape, width_dim):
+            split = dict(expert_tp_dim=width_dim, expert_tp_full_size=f) if etp > 1 else {}
             return tag(nn.Parameter(torch.empty(self.num_local, *shape, device=device)),
-                       ShardSpec(dim=0, full_size=e, padded_size=e, group="ep"))
+                       ShardSpec(dim=0, full_size=e, padded_size=e, group="ep", **split))
 
-        self.gate_proj = stacked(f, h) if cfg.gated_mlp else None
-        self.up_proj = stacked(f, h)
-        self.down_proj = stacked(h, f)
+        self.gate_proj = stacked(width, h, width_dim=1) if cfg.gated_mlp else None
+        self.up_proj = stacked(width, h, width_dim=1)
+        self.down_proj = stacked(h, width, width_dim=2)
 
     def forward(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """`x`: rows grouped by local expert, `sizes[i]` rows for local expert i; returns their outputs."""

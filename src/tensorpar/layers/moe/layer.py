@@ -5,7 +5,8 @@
 Tokens: each rank routes distinct tokens. Under sequence parallelism its sequence shard; without it, a TP
 group holds the same [B, S, H] activation, and each TP rank takes 1/tp of the B * S tokens (`scatter_to_sp`
 on the token dim: split / all-gather in backward) and all-gathers the outputs after (`gather_from_sp` with a
-plain split in backward), so that expert parallelism can fold over the TP ranks (expert-TP = 1). The
+plain split in backward), so that expert parallelism can fold over the TP ranks. Expert-TP (`expert_tp_group`:
+each expert's width split over it) is the dispatcher's and the experts' business. The
 router's weight is replicated on the TP ranks and its gradient summed over them (`copy_to_tp`). The shared
 experts are a tensor-parallel `ParallelMLP` of num_shared_experts times the expert width; with
 `shared_expert_gate` (Qwen2-MoE) their output is scaled per token by sigmoid(x w^T), w [1, H] replicated on
@@ -75,14 +76,15 @@ def _in_backward() -> bool:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg, tp_group, ep_group, cp_group, sequence_parallel: bool = False, device=None):
+    def __init__(self, cfg, tp_group, ep_group, cp_group, sequence_parallel: bool = False, device=None,
+                 expert_tp_group=None):
         super().__init__()
         self.cfg = cfg
         self.tp_group, self.ep_group, self.cp_group = tp_group, ep_group, cp_group
         self.sequence_parallel = sequence_parallel
         self.router = TopKRouter(cfg, tp_group, device=device)
-        self.experts = GroupedExperts(cfg, ep_group, device=device)
-        self.dispatcher = AllToAllDispatcher(ep_group, cfg.num_experts, self.experts.num_local)
+        self.experts = GroupedExperts(cfg, ep_group, expert_tp_group, device=device)
+        self.dispatcher = AllToAllDispatcher(ep_group, cfg.num_experts, self.experts.num_local, expert_tp_group)
         self.shared_experts = None
         if cfg.num_shared_experts:
             self.shared_experts = ParallelMLP(cfg.replace(ffn_hidden_size=cfg.num_shared_experts * cfg.expert_ffn_size),
