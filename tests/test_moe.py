@@ -17,7 +17,8 @@ from harness import mesh  # noqa: F401  (imported so workers share the harness m
 
 BASE = dict(model="tiny-moe", steps=20, seed=3, global_batch_size=8, micro_batch_size=4, seq_len=16, lr=3e-3,
             warmup_steps=2, val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu")
-MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_tokens", "moe_load_imbalance")
+MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_tokens", "moe_load_imbalance",
+            "moe_tokens_per_expert_mean")  # a count: routing choices counted twice would double it
 
 
 TINY_MOE2 = get_config("tiny-moe").replace(num_layers=2)
@@ -164,8 +165,10 @@ def test_a_checkpoint_saved_at_ep4_resumes_at_other_ep_sizes(pools, model, refer
 def test_the_reference_learns_and_reports_its_router(reference):
     losses = [loss for loss, _ in reference["trajectory"]]
     assert losses[-1] < losses[0] - 1.0
-    aux, z, dropped, imbalance = reference["moe"][0]
+    aux, z, dropped, imbalance, per_expert = reference["moe"][0]
     assert 2 * 0.01 * 0.9 < aux < 2 * 0.01 * 2 and z > 0 and dropped == 0 and imbalance >= 1.0
+    tokens = BASE["global_batch_size"] * BASE["seq_len"]  # of one step, each routed to experts_per_token experts
+    assert per_expert == tokens * TINY_MOE2.experts_per_token / TINY_MOE2.num_experts
     assert reference["summary_moe"]["dropped_tokens"] == 0
 
 
@@ -179,7 +182,7 @@ def capacity_config(tmp_path_factory):
 def test_a_capacity_drops_the_same_tokens_at_every_layout(pools, capacity_config):
     kw = dict(model=capacity_config, steps=6, one_step=False)
     reference = pools(1).run(run, **kw)[0]
-    assert all(dropped > 0 for _, _, dropped, _ in reference["moe"]), "capacity 1.0 dropped nothing"
+    assert all(dropped > 0 for _, _, dropped, _, _ in reference["moe"]), "capacity 1.0 dropped nothing"
     for layout in (dict(tp=2, ep=2), dict(tp=2, cp=2, ep=4, sequence_parallel=True)):
         for result in pools(_world(layout)).run(run, **kw, **layout):
             _assert_same(result, reference)

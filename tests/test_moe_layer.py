@@ -144,3 +144,13 @@ def test_a_moe_model_runs_under_bf16_autocast():
         with autocast(torch.device("cpu"), "bf16"):
             got = m(ids[:, :-1], ids[:, 1:]).item()
     assert abs(got - ref) <= 0.02 * ref
+
+
+def test_full_recomputation_counts_the_routing_statistics_once():
+    ids = torch.randint(0, CFG.vocab_size, (2, 9))
+    counts = {}
+    for recompute in ("none", "full"):
+        m = Transformer(CFG.replace(num_layers=2), None, seed=1, recompute=recompute).train()
+        m(ids[:, :-1], ids[:, 1:]).backward()  # "full" runs each layer's forward again in this backward
+        counts[recompute] = [layer.stats.vector for layer in m.moe_layers().values()]
+    assert all(torch.equal(a, b) for a, b in zip(counts["none"], counts["full"]))

@@ -65,13 +65,27 @@ class TransformerBlock(nn.Module):
         return seeded_dropout(x, self.dropout, mix_seed(dropout_seed, self.layer_index, site, shard), True)
 
     def forward(self, x, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
-                kv_cache=None, layer_key=None, context: ContextSplit | None = None, aux_scale: float = 1.0):
+                kv_cache=None, layer_key=None, context: ContextSplit | None = None, aux_scale: float = 1.0,
+                record_stats: bool = True):
         attn = self.attn(self.attn_norm(x), rope, dropout_seed, recompute_core, kv_cache=kv_cache, layer_key=layer_key,
                          context=context)
         x = x + self._drop(attn, 0, dropout_seed, context)
         h = self.mlp_norm(x)
-        h = self.mlp(h, context, aux_scale) if self.moe else self.mlp(h)
+        h = self.mlp(h, context, aux_scale, record_stats) if self.moe else self.mlp(h)
         return x + self._drop(h, 1, dropout_seed, context)
+
+
+def _recomputable(layer):
+    """`layer` as the function activation checkpointing calls twice: the forward, then its recomputation in
+    the backward, which is told so (`record_stats=False`: an MoE layer's routing statistics count once)."""
+    calls = 0
+
+    def run(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return layer(*args, record_stats=calls == 1, **kwargs)
+
+    return run
 
 
 def sequence_shard(tp_group, sequence_parallel: bool, context: ContextSplit | None) -> int:
@@ -248,7 +262,7 @@ class Transformer(nn.Module):
         for key in layer_keys:
             layer = self.layers[str(key)]
             if self.recompute == "full" and self.training:
-                h = checkpoint(layer, h, rope, dropout_seed, context=context, aux_scale=aux_scale,
+                h = checkpoint(_recomputable(layer), h, rope, dropout_seed, context=context, aux_scale=aux_scale,
                                use_reentrant=False)
             else:
                 h = layer(h, rope, dropout_seed, recompute_core=self.recompute == "selective" and self.training,

@@ -70,11 +70,6 @@ class MoEStats:
         self.vector = None
 
 
-def _in_backward() -> bool:
-    """Whether this forward is a recomputation inside the backward pass (full activation recomputation)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class MoELayer(nn.Module):
     def __init__(self, cfg, tp_group, ep_group, cp_group, sequence_parallel: bool = False, device=None,
                  expert_tp_group=None):
@@ -119,8 +114,10 @@ class MoELayer(nn.Module):
             seq_index, positions = (t.chunk(tp.size)[tp.rank] for t in (seq_index, positions))
         return tokens, seq_index, positions, split, seq_len
 
-    def forward(self, x: torch.Tensor, context=None, aux_scale: float = 1.0) -> torch.Tensor:
-        """`x`: [B, S(/cp)(/tp under SP), H], this rank's part of the layer's input; returns the same layout."""
+    def forward(self, x: torch.Tensor, context=None, aux_scale: float = 1.0, record_stats: bool = True) -> torch.Tensor:
+        """`x`: [B, S(/cp)(/tp under SP), H], this rank's part of the layer's input; returns the same layout.
+        `record_stats=False`: this call recomputes a forward (full activation recomputation, in the backward),
+        whose statistics were already counted."""
         cfg = self.cfg
         num_seqs = x.shape[0]
         tokens, seq_index, positions, split, seq_len = self._local_tokens(x, context)
@@ -143,7 +140,8 @@ class MoELayer(nn.Module):
             y = gather_from_sp(y, self.tp_group, dim=0, grad_is_partial=False)
         y = y.view_as(x)
         if self.training and torch.is_grad_enabled():
-            y = self._auxiliary_losses(y, routing, keep, seq_index, num_seqs, seq_len, groups, aux_scale)
+            y = self._auxiliary_losses(y, routing, keep, seq_index, num_seqs, seq_len, groups, aux_scale,
+                                       record_stats)
         if self.shared_experts is not None:
             y = y + self._shared(x)
         return y
@@ -157,7 +155,7 @@ class MoELayer(nn.Module):
             gate = copy_to_tp(gate, self.tp_group)
         return torch.sigmoid(F.linear(x, gate)) * out
 
-    def _auxiliary_losses(self, y, routing, keep, seq_index, num_seqs, seq_len, groups, aux_scale):
+    def _auxiliary_losses(self, y, routing, keep, seq_index, num_seqs, seq_len, groups, aux_scale, record_stats):
         cfg, cp = self.cfg, self.cp_group.size
         choices, local_probs, full_probs = balance_statistics(routing, seq_index, num_seqs, groups)
         share = choices / (seq_len * cfg.experts_per_token)
@@ -168,7 +166,7 @@ class MoELayer(nn.Module):
         loss = cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z
         if loss.requires_grad:
             y = _AddAuxLossGrad.apply(y, loss, aux_scale)
-        if not _in_backward():
+        if record_stats:
             first = all(g.rank == 0 for g in groups)  # one rank of those sharing the sequences reports them
             full_aux = cfg.num_experts * (share * full_probs / seq_len).sum(-1)  # [B]
             dropped = (~keep).sum() if keep is not None else torch.zeros((), device=y.device)
