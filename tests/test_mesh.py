@@ -1,5 +1,7 @@
 """The tp x pp x dp rank layout: coordinates, group membership, and layouts that cannot work."""
 
+import os
+
 import pytest
 import torch
 
@@ -77,3 +79,26 @@ def test_groups_hold_the_ranks_the_layout_says(pools, tp, pp, dp):
             assert group_rank == mine.index(rank) and size == len(mine)
         # coordinates agree with rank = pp*(dp*tp) + dp*tp + tp
         assert rank == seen["pp"][2] * dp * tp + seen["dp"][2] * tp + seen["tp"][2]
+
+
+def check_meshes_leave_no_threads(n: int):
+    import torch
+
+    import tensorpar
+
+    def threads():
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+    before = threads()
+    for _ in range(n):
+        m = tensorpar.init_mesh(tp=2, dp=1, timeout=30)
+        m.tp_group.all_reduce(torch.ones(3))
+        m.destroy()
+    return before, threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_a_mesh_in_a_running_world_destroys_the_groups_it_created(pools):
+    """Runs inside one set of processes (torchrun's caller, a test's process pool) must not pile up gloo threads."""
+    for before, after in pools(2).run(check_meshes_leave_no_threads, 5):
+        assert after <= before, f"{after - before} threads left behind by 5 meshes"

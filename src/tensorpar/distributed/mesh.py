@@ -131,6 +131,7 @@ class Mesh:
     backend: str | None
     stats: CommStats
     owns_process_group: bool = False
+    owns_subgroups: bool = False  # the per-dimension groups were created for this mesh (init_mesh)
     cp_group: Group | None = None  # None: a group of this rank alone (see __post_init__)
     dp_cp_group: Group | None = None  # None: the DP group
     ep_group: Group | None = None  # None: a group of this rank alone
@@ -168,20 +169,29 @@ class Mesh:
         )
 
     def destroy(self) -> None:
-        """Tear down the process groups if this mesh created them.
+        """Tear down the process groups this mesh created: all of them if it started the world, else its
+        per-dimension groups.
 
         The Groups drop their torch process groups here, so that gloo's worker threads are joined now rather
         than by the interpreter's final garbage collection, where a thread torn down mid-exit aborts the
         process (SIGABRT, "terminate called without an active exception") after a run that succeeded."""
+        groups = (self.tp_group, self.cp_group, self.pp_group, self.dp_group, self.dp_cp_group, self.embed_group,
+                  self.world_group, self.ep_group, self.expert_dp_group, self.expert_tp_group)
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
-            for group in (self.tp_group, self.cp_group, self.pp_group, self.dp_group, self.dp_cp_group,
-                          self.embed_group, self.world_group, self.ep_group, self.expert_dp_group,
-                          self.expert_tp_group):
-                if group is not None:
-                    group.pg = None
-            gc.collect()
-            self.owns_process_group = False
+        elif self.owns_subgroups and dist.is_initialized():
+            # The world was there before this mesh (torchrun's caller, a test's process pool): only the groups
+            # it created go, or every run in the same processes would leave gloo's threads and sockets behind.
+            for pg in {id(g.pg): g.pg for g in groups if g is not None and g.pg is not None}.values():
+                if pg is not dist.group.WORLD:
+                    dist.destroy_process_group(pg)
+        else:
+            return
+        for group in groups:
+            if group is not None:
+                group.pg = None
+        gc.collect()
+        self.owns_process_group = self.owns_subgroups = False
 
 
 def _pick_device(local_rank: int, device: str | torch.device | None) -> torch.device:
@@ -262,6 +272,7 @@ def init_mesh(
         backend=backend,
         stats=stats,
         owns_process_group=owns,
+        owns_subgroups=True,
         cp_group=groups["cp"],
         dp_cp_group=groups.get("dp_cp"),
         ep_group=groups.get("ep"),
