@@ -89,13 +89,14 @@ def full_tensor(local: torch.Tensor, spec: ShardSpec, owner) -> torch.Tensor:
     return unshard_tensor(local, spec, group_for(spec, owner))
 
 
-def divide(numerator: int, denominator: int, what: str) -> int:
-    """numerator / denominator, or a LayoutError that names `what` and the valid sizes."""
+def divide(numerator: int, denominator: int, what: str, dimension: str = "tensor-parallel",
+           short: str = "TP") -> int:
+    """numerator / denominator, or a LayoutError that names `what`, the `dimension` split over and its valid sizes."""
     if numerator % denominator:
         valid = [d for d in range(1, numerator + 1) if numerator % d == 0 and d <= 64]
         raise LayoutError(
-            f"{what} = {numerator} is not divisible by the tensor-parallel size {denominator}; "
-            f"TP sizes that divide it: {valid}"
+            f"{what} = {numerator} is not divisible by the {dimension} size {denominator}; "
+            f"{short} sizes that divide it: {valid}"
         )
     return numerator // denominator
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from tensorpar.errors import LayoutError
 from tensorpar.layers.mlp import ACTIVATION_FNS
-from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.layers.sharding import ShardSpec, divide, tag
 
 
 def experts_per_rank(num_experts: int, ep: int) -> int:
@@ -31,13 +31,9 @@ def experts_per_rank(num_experts: int, ep: int) -> int:
 
 
 def expert_width_per_rank(expert_ffn_size: int, expert_tp: int) -> int:
-    """expert_ffn_size / expert_tp, or a LayoutError naming the expert-TP sizes that divide it."""
-    if expert_ffn_size % expert_tp:
-        valid = [d for d in range(1, min(expert_ffn_size, 64) + 1) if expert_ffn_size % d == 0]
-        raise LayoutError(f"expert_ffn_size = {expert_ffn_size} is not divisible by the expert-TP size {expert_tp}: "
-                          f"each expert-TP rank holds a 1/expert_tp slice of every expert's width; expert-TP sizes "
-                          f"that divide it: {valid}")
-    return expert_ffn_size // expert_tp
+    """expert_ffn_size / expert_tp (each expert-TP rank holds that slice of every expert's width), or a LayoutError
+    naming the expert-TP sizes that divide it."""
+    return divide(expert_ffn_size, expert_tp, "expert_ffn_size", "expert-TP", "expert-TP")
 
 
 class GroupedExperts(nn.Module):
