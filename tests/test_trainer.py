@@ -137,6 +137,16 @@ def test_3d_layouts_train_like_one_process(pools, config_file, reference_3d, lay
     layout_runs.assert_same_training(pools(4).run(layout_runs.run, config_file, **layout), reference_3d)
 
 
+@pytest.mark.parametrize("layout", [dict(pipeline_layers="2,6", schedule="1f1b"),
+                                    dict(pipeline_layers="6,2", schedule="afab", zero=1),
+                                    dict(pipeline_layers="1,7", schedule="1f1b")],
+                         ids=["pp2-2,6-1f1b", "pp2-6,2-afab-zero1", "pp2-1,7-1f1b"])
+def test_uneven_pipeline_stages_train_like_one_process(pools, config_file, reference_3d, layout):
+    """--pipeline-layers: the stages hold different numbers of the 8 layers; training is unchanged."""
+    layout = {"tp": 1, "pp": 2, "dp": 2, **layout}
+    layout_runs.assert_same_training(pools(4).run(layout_runs.run, config_file, **layout), reference_3d)
+
+
 @pytest.mark.parametrize("layout", [dict(dp=4), dict(tp=2, dp=2, sequence_parallel=True), dict(pp=2, dp=2)],
                          ids=["dp4", "tp2-sp-dp2", "pp2-dp2"])
 def test_zero3_weights_after_a_step_are_the_single_device_weights(pools, config_file, layout):
