@@ -140,7 +140,7 @@ def test_3d_layouts_train_like_one_process(pools, config_file, reference_3d, lay
 @pytest.mark.parametrize("layout", [dict(pipeline_layers="2,6", schedule="1f1b"),
                                     dict(pipeline_layers="6,2", schedule="afab", zero=1),
                                     dict(pipeline_layers="1,7", schedule="1f1b")],
-                         ids=["pp2-2,6-1f1b", "pp2-6,2-afab-zero1", "pp2-1,7-1f1b"])
+                         ids=["pp2-2.6-1f1b", "pp2-6.2-afab-zero1", "pp2-1.7-1f1b"])
 def test_uneven_pipeline_stages_train_like_one_process(pools, config_file, reference_3d, layout):
     """--pipeline-layers: the stages hold different numbers of the 8 layers; training is unchanged."""
     layout = {"tp": 1, "pp": 2, "dp": 2, **layout}
