@@ -32,6 +32,7 @@ from tensorpar.config.choices import PLANNED_ZERO_STAGES, RECOMPUTE_MODES
 from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
+from tensorpar.parallel.pipeline import rank_layers
 from tensorpar.planning.cluster import Cluster
 
 
@@ -49,6 +50,7 @@ class Layout:
     virtual_stages: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
     ep: int = 1  # expert parallelism (MoE models): the experts split over ep of a stage's tp x cp x dp ranks
+    pipeline_layers: tuple[int, ...] | None = None  # layers of each pipeline stage (--pipeline-layers; None: even)
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "cp", "ep"):
@@ -88,6 +90,8 @@ class Layout:
             parts.append(f"ep={self.ep}")
         if self.virtual_stages > 1:
             parts.append(f"v={self.virtual_stages}")
+        if self.pipeline_layers is not None:
+            parts.append(f"layers={','.join(map(str, self.pipeline_layers))}")
         parts += [f"mbs={self.micro_batch_size}", f"sp={'on' if self.sp else 'off'}",
                   f"recompute={self.recompute}", f"zero={self.zero}"]
         return " ".join(parts)
@@ -99,6 +103,8 @@ def stage_layers(cfg, layout: Layout, stage: int | None) -> tuple[bool, bool, in
         return True, True, cfg.num_layers
     if not 0 <= stage < layout.pp:
         raise TensorparError(f"stage {stage} is outside the pipeline of {layout.pp} stages")
+    if layout.pipeline_layers is not None:
+        return stage == 0, stage == layout.pp - 1, len(stage_layer_indices(cfg, layout, stage))
     if cfg.num_layers % layout.pp:
         raise TensorparError(f"num_layers = {cfg.num_layers} is not divisible by the pipeline-parallel size "
                              f"{layout.pp}")
@@ -107,13 +113,15 @@ def stage_layers(cfg, layout: Layout, stage: int | None) -> tuple[bool, bool, in
 
 def stage_layer_indices(cfg, layout: Layout, stage: int | None) -> list[int]:
     """Global indices of the layers pipeline rank `stage` holds (None: the whole model); with v virtual stages
-    those of chunks stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers)."""
-    _, _, n = stage_layers(cfg, layout, stage)
+    those of chunks stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers, which also applies
+    the layout's --pipeline-layers split)."""
     if stage is None or layout.pp == 1:
         return list(range(cfg.num_layers))
-    v, pp = layout.virtual_stages, layout.pp
-    k = n // v
-    return [i for c in range(v) for i in range((c * pp + stage) * k, (c * pp + stage + 1) * k)]
+    if not 0 <= stage < layout.pp:
+        raise TensorparError(f"stage {stage} is outside the pipeline of {layout.pp} stages")
+    split = list(layout.pipeline_layers) if layout.pipeline_layers is not None else None
+    chunks = rank_layers(cfg.num_layers, layout.pp, stage, layout.virtual_stages, split)
+    return [i for chunk in chunks for i in chunk]
 
 
 def group_size(layout: Layout, group: str) -> int:
@@ -151,7 +159,12 @@ def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, glob
         check_model_layout(cfg, tp)
     except TensorparError as e:
         return str(e).split(";")[0]
-    if cfg.num_layers % pp:
+    if layout.pipeline_layers is not None:
+        try:
+            stage_layer_indices(cfg, layout, 0)
+        except TensorparError as e:
+            return str(e)
+    elif cfg.num_layers % pp:
         return f"num_layers = {cfg.num_layers} is not divisible by pp = {pp}"
     if global_batch % dp:
         return f"global batch {global_batch} is not divisible by dp = {dp}"

@@ -124,7 +124,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     dp_exposed += t - min(t * cluster.overlap, backward)
     dp_exposed += collectives_time(rest, cluster, layout, algorithm)
 
-    summary = parameter_summary(cfg, layout.tp, pp, 0, layout.ep)
+    summary = parameter_summary(cfg, layout.tp, pp, 0, layout.ep, layout.pipeline_layers)
     dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
     sharded = layout.zero >= 1 and layout.replicas > 1
     opt_elems = dense / layout.replicas + expert / layout.expert_dp if sharded else dense + expert
