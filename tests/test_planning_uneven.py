@@ -3,7 +3,8 @@
 from tensorpar.models.transformer import Transformer
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers, structural_problem
-from tensorpar.planning.memory import stage_memory
+from tensorpar.planning.memory import layout_memory, stage_memory
+from tensorpar.planning.step_time import predict_step_time
 from tensorpar.planning.params import local_parameters
 
 from conftest import TINY8
@@ -29,3 +30,12 @@ def test_the_planner_refuses_a_bad_split():
     assert "sums to 7 layers" in structural_problem(TINY8, Layout(pp=2, pipeline_layers=(3, 4)), cluster, 16, 8)
     assert "--virtual-stages 1" in structural_problem(TINY8, Layout(pp=2, virtual_stages=2, pipeline_layers=(2, 6)),
                                                       cluster, 16, 8)
+
+
+def test_the_most_loaded_stage_may_be_a_middle_one():
+    layout = Layout(pp=4, pipeline_layers=(1, 1, 5, 1))
+    per_stage = [stage_memory(TINY8, layout, 16, 8, "tensorpar-fp32", stage=s).total for s in range(4)]
+    assert max(per_stage) == per_stage[2] == layout_memory(TINY8, layout, 16, 8, "tensorpar-fp32").total
+    even = predict_step_time(TINY8, Layout(pp=4), make_cluster("h100-80gb", 4), 16, 8, "tensorpar-fp32")
+    uneven = predict_step_time(TINY8, layout, make_cluster("h100-80gb", 4), 16, 8, "tensorpar-fp32")
+    assert uneven.compute_s > even.compute_s  # the 5-layer stage is the slowest

@@ -364,7 +364,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
 
 def layout_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
                   flash_attention: bool = True) -> MemoryBreakdown:
-    """The most loaded GPU's breakdown (the first or the last pipeline stage)."""
-    stages = {0, layout.pp - 1}
+    """The most loaded GPU's breakdown (the first or the last pipeline stage; any stage with uneven stages)."""
+    stages = range(layout.pp) if layout.pipeline_layers is not None else {0, layout.pp - 1}
     return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention) for st in stages),
                key=lambda mb: mb.total)

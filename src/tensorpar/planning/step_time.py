@@ -93,7 +93,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     b, s = layout.micro_batch_size, seq_len
     m = max(layout.num_micro_batches(global_batch), 1)
     pp, v = layout.pp, layout.virtual_stages
-    stages = sorted({0, pp - 1}) if pp > 1 else [None]
+    stages = (list(range(pp)) if layout.pipeline_layers is not None else sorted({0, pp - 1})) if pp > 1 else [None]
     per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm) for st in stages}
     slowest = max(per_stage, key=lambda st: sum(per_stage[st]))
     comp, recomp, tp_c, pp_c, cp_c, ep_c = per_stage[slowest]
