@@ -39,3 +39,19 @@ def test_the_most_loaded_stage_may_be_a_middle_one():
     even = predict_step_time(TINY8, Layout(pp=4), make_cluster("h100-80gb", 4), 16, 8, "tensorpar-fp32")
     uneven = predict_step_time(TINY8, layout, make_cluster("h100-80gb", 4), 16, 8, "tensorpar-fp32")
     assert uneven.compute_s > even.compute_s  # the 5-layer stage is the slowest
+
+
+def test_tensorpar_plan_takes_pipeline_layers():
+    import pytest
+
+    from tensorpar.commands.plan import plan_layouts
+    from tensorpar.config.options import PlanOptions
+    from tensorpar.errors import LayoutError
+
+    base = dict(model="llama-8b", gpus=16, gpu="h100-80gb", seq_len=4096, global_batch_size=64,
+                recompute=["none"], zero=[1])
+    _, _, plans = plan_layouts(PlanOptions(**base, pipeline_layers="6,10,10,6"))
+    assert plans and all(p.layout.pp == 4 and p.layout.pipeline_layers == (6, 10, 10, 6) for p in plans)
+    assert any(p.feasible for p in plans)
+    with pytest.raises(LayoutError, match="sums to 31 layers but the model has 32"):
+        plan_layouts(PlanOptions(**base, pipeline_layers="6,10,10,5"))

@@ -223,6 +223,9 @@ class PlanOptions:
     microbatches: int | None = option(None, "micro-batches per step (schedule mode)", group="schedule mode")
     virtual_stages: int = option(1, "model chunks per pipeline rank (schedule mode; in layout mode: try "
                                     "interleaving up to this)", group="schedule mode")
+    pipeline_layers: str | None = option(None, "layout mode: plan uneven pipeline stages with these comma-separated "
+                                               "layer counts (as train --pipeline-layers; pp = their number)",
+                                         metavar="N,N,...", group="layout mode")
     json: bool = option(False, "print JSON instead of a table")
     png: str | None = option(None, "write a picture (layout mode: memory bars + PATH-heatmap.png)")
 

@@ -223,9 +223,13 @@ def _moe_problem(cfg, layout: Layout, seq_len: int) -> str:
 
 def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=None, zero=PLANNED_ZERO_STAGES,
                       recompute=RECOMPUTE_MODES, sequence_parallel=(False, True), virtual_stages=(1,),
-                      max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,), ep=None) -> list[Layout]:
+                      max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,), ep=None,
+                      pipeline_layers: tuple[int, ...] | None = None) -> list[Layout]:
     """`ep`: the expert-parallel sizes to try (None: for an MoE model every divisor of num_experts that divides
-    the layout's tp x cp x dp, for a dense one 1; given sizes that do not divide are kept, infeasible)."""
+    the layout's tp x cp x dp, for a dense one 1; given sizes that do not divide are kept, infeasible).
+    `pipeline_layers`: uneven stages of these layer counts (pp = their number, no interleaving)."""
+    if pipeline_layers is not None:
+        pp, virtual_stages = (len(pipeline_layers),), (1,)
     gpus = cluster.gpus
     tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16, 32, 64)
                                            if t <= min(gpus, cluster.gpus_per_node) and gpus % t == 0]
@@ -251,5 +255,6 @@ def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=N
                             for z in (zero if d * c > 1 else (0,)):
                                 for v in (virtual_stages if p > 1 else (1,)):
                                     for e in expert_parallel_sizes(cfg, t * c * d, ep):
-                                        out.append(Layout(t, p, d, sp, mbs, rc, z, v, c, e))
+                                        out.append(Layout(t, p, d, sp, mbs, rc, z, v, c, e,
+                                                          pipeline_layers if p > 1 else None))
     return out
