@@ -78,6 +78,9 @@ def test_under_torchrun_the_demo_uses_the_launchers_processes():
         (["train", "--data", "/no/such/file.txt"], "data file '/no/such/file.txt' does not exist"),
         (["train", "--tp", "2", "--sequence-parallel", "--seq-len", "33"], "sequence length 33 is not divisible"),
         (["train", "--pp", "3"], "4 layers cannot be split evenly into pp=3 x virtual stages=1"),
+        (["train", "--pp", "3"], "or give uneven stages with --pipeline-layers 1,2,1"),
+        (["train", "--pp", "2", "--pipeline-layers", "1,2"], "--pipeline-layers 1,2 sums to 3 layers but the model "
+                                                             "has 4"),
         (["train", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--global-batch-size", "3",
           "--micro-batch-size", "1"], "multiple of the pipeline-parallel size 2"),
         (["train", "--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "4"],
@@ -87,7 +90,7 @@ def test_under_torchrun_the_demo_uses_the_launchers_processes():
         (["train", "--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "12"],
          "sequence length 12 / cp 2 = 6 is not divisible by the tensor-parallel size"),
     ],
-    ids=["heads", "preset", "data", "sp-seq", "pp-layers", "interleaved-microbatches", "dp-batch", "checkpoint",
+    ids=["heads", "preset", "data", "sp-seq", "pp-layers", "pp-layers-proposal", "pipeline-layers-sum", "interleaved-microbatches", "dp-batch", "checkpoint",
          "cp-seq", "cp-sp-seq"],
 )
 def test_bad_input_fails_in_seconds_with_one_line(args, needle):

@@ -48,10 +48,12 @@ def _layout(tp, pp, dp, **extra):
         (_layout(1, 1, 2, zero=3), _layout(1, 1, 2, zero=3)),
         (_layout(1, 1, 4, zero=3), _layout(2, 1, 2, zero=1)),
         (_layout(2, 1, 2, zero=1), _layout(1, 2, 2, zero=3)),
+        (_layout(1, 2, 2, pipeline_layers="2,6"), _layout(1, 2, 2)),
+        (_layout(1, 2, 1, pipeline_layers="6,2"), _layout(2, 2, 1, pipeline_layers="1,7")),
     ],
     ids=["same", "tp2-to-tp1", "tp1-to-tp4", "tp2-to-dp2-zero1", "tp2pp2-to-dp4-zero1", "pp2dp2zero1-to-tp2pp2v2",
          "cp4-to-tp2-cp1", "tp2-to-cp2dp2-zero1", "dp2zero3-same", "dp4zero3-to-tp2dp2zero1",
-         "tp2dp2zero1-to-pp2dp2zero3"],
+         "tp2dp2zero1-to-pp2dp2zero3", "pp2-2.6-to-pp2-even", "pp2-6.2-to-tp2pp2-1.7"],
 )
 def test_resume_continues_exactly_at_any_layout(pools, config_file, straight, tmp_path, before, after):
     save = str(tmp_path / "ckpt")

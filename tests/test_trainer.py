@@ -137,6 +137,26 @@ def test_3d_layouts_train_like_one_process(pools, config_file, reference_3d, lay
     layout_runs.assert_same_training(pools(4).run(layout_runs.run, config_file, **layout), reference_3d)
 
 
+@pytest.mark.parametrize("layout", [dict(pipeline_layers="2,6", schedule="1f1b"),
+                                    dict(pipeline_layers="6,2", schedule="afab", zero=1),
+                                    dict(pipeline_layers="1,7", schedule="1f1b")],
+                         ids=["pp2-2.6-1f1b", "pp2-6.2-afab-zero1", "pp2-1.7-1f1b"])
+def test_uneven_pipeline_stages_train_like_one_process(pools, config_file, reference_3d, layout):
+    """--pipeline-layers: the stages hold different numbers of the 8 layers; training is unchanged."""
+    from tensorpar.parallel.pipeline import parse_pipeline_layers
+    from tensorpar.planning.params import local_parameters
+
+    layout = {"tp": 1, "pp": 2, "dp": 2, **layout}
+    results = pools(4).run(layout_runs.run, config_file, **layout)
+    layout_runs.assert_same_training(results, reference_3d)
+    # The split is real: the stages' optimizer states are in the ratio of their planned parameters.
+    split = tuple(parse_pipeline_layers(layout["pipeline_layers"]))
+    planned = [sum(n for _, n, _ in local_parameters(layout_runs.CONFIG, 1, 2, s, pipeline_layers=split))
+               for s in (0, 1)]
+    small, large = sorted({r["optimizer_state_bytes"] for r in results})
+    assert small / large == pytest.approx(min(planned) / max(planned), rel=1e-3)
+
+
 @pytest.mark.parametrize("layout", [dict(dp=4), dict(tp=2, dp=2, sequence_parallel=True), dict(pp=2, dp=2)],
                          ids=["dp4", "tp2-sp-dp2", "pp2-dp2"])
 def test_zero3_weights_after_a_step_are_the_single_device_weights(pools, config_file, layout):

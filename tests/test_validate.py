@@ -24,6 +24,38 @@ def test_bad_pipeline_layouts_are_refused(config_file):
             validate(args)
 
 
+def test_bad_pipeline_layer_splits_are_refused(config_file):
+    from tensorpar.errors import LayoutError
+    from tensorpar.training import validate
+
+    bad = [
+        (dict(pp=2, dp=1, pipeline_layers="3,4"), "sums to 7 layers but the model has 8"),
+        (dict(pp=2, dp=1, pipeline_layers="2,3,3"), "has 3 entries; it needs one per pipeline stage"),
+        (dict(pp=2, dp=1, pipeline_layers="0,8"), "every pipeline stage needs at least one layer"),
+        (dict(pp=2, dp=1, pipeline_layers="4;4"), "comma-separated layer counts"),
+        (dict(pp=2, dp=1, pipeline_layers="2,6", schedule="interleaved", virtual_stages=2), "--virtual-stages 1"),
+        (dict(pp=3, dp=1), r"--pipeline-layers 3,3,2"),
+    ]
+    for overrides, needle in bad:
+        with pytest.raises(LayoutError, match=needle):
+            validate(TrainOptions(model=config_file, **{**BASE, **overrides}))
+    run = validate(TrainOptions(model=config_file, **{**BASE, "pp": 2, "dp": 1, "pipeline_layers": "1,7"}))
+    assert run.options.pipeline_layers == "1,7"
+
+
+def test_the_proposed_split_is_the_most_balanced_with_light_end_stages():
+    from tensorpar.errors import LayoutError
+    from tensorpar.parallel.pipeline import balanced_split, rank_layers, stage_layers
+
+    assert balanced_split(70, 12) == [5] + [6] * 10 + [5]
+    with pytest.raises(LayoutError, match="--pipeline-layers 5,6,6,6,6,6,6,6,6,6,6,5"):
+        stage_layers(70, 12)
+    assert stage_layers(20, 4, pipeline_layers=[4, 6, 6, 4]) == [
+        list(range(0, 4)), list(range(4, 10)), list(range(10, 16)), list(range(16, 20))]
+    assert rank_layers(8, 2, 1, pipeline_layers=[1, 7]) == [list(range(1, 8))]
+    assert stage_layers(8, 2) == [list(range(4)), list(range(4, 8))]
+
+
 def test_resume_from_a_folder_without_a_checkpoint_starts_from_scratch_and_says_so(config_file, tmp_path):
     from tensorpar.training import validate
 

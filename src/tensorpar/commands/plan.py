@@ -33,6 +33,7 @@ from tensorpar.config.hardware import GiB
 from tensorpar.config.options import PlanOptions
 from tensorpar.errors import TensorparError
 from tensorpar.models import get_config
+from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
 from tensorpar.parallel.pipeline_schedules import build_schedule, peak_in_flight, simulate, theoretical_bubble
 from tensorpar.parallel.pipeline_view import render_png, render_text as render_schedule_text
 from tensorpar.planning.cluster import make_cluster
@@ -123,6 +124,13 @@ def plan_layouts(options):
         space["pp"] = (options.pp,)
     if options.ep is not None:
         space["ep"] = (options.ep,)
+    if options.pipeline_layers is not None:
+        split = parse_pipeline_layers(options.pipeline_layers)
+        if options.pp is not None and options.pp != len(split):
+            raise TensorparError(f"--pipeline-layers {options.pipeline_layers} has {len(split)} entries but --pp is "
+                                 f"{options.pp}")
+        stage_layers(cfg.num_layers, len(split), 1, split)  # a bad split is refused here, not per layout
+        space["pipeline_layers"] = tuple(split)
     plans = search(cfg, cluster, options.seq_len, options.global_batch_size, options.precision,
                    flash_attention=options.flash_attention, **space)
     return cfg, cluster, plans

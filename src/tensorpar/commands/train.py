@@ -43,6 +43,7 @@ def print_summary(s: dict) -> None:
           f"{' expert-tp=' + str(lay['expert_tp']) if lay.get('expert_tp', 1) > 1 else ''}"
           f"{' zero-' + str(lay['zero']) if lay['zero'] else ''}"
           f"{' ' + lay['schedule'] + (' v=' + str(lay['virtual_stages']) if lay['virtual_stages'] > 1 else '') if lay['schedule'] else ''}"
+          f"{' layers=' + lay['pipeline_layers'] if lay.get('pipeline_layers') else ''}"
           f"{' +sequence-parallel' if lay['sequence_parallel'] else ''}, recompute={lay['recompute']}, {lay['dtype']}")
     val = f", validation {s['final_val_loss']:.4f}" if s.get("final_val_loss") is not None else ""
     print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{val}")

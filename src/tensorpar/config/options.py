@@ -73,6 +73,10 @@ class TrainOptions(LaunchOptions):
                                     "each)", group=LAYOUT)
     schedule: str = option("1f1b", "pipeline schedule when --pp > 1", choices=PIPELINE_SCHEDULES, group=LAYOUT)
     virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved)", group=LAYOUT)
+    pipeline_layers: str | None = option(None, "comma-separated layer counts of the pipeline stages, summing to "
+                                               "the model's layers, e.g. 4,6,6,4 to give the stages holding the "
+                                               "embedding and the LM head fewer blocks (default: an even split; "
+                                               "--virtual-stages 1 only)", metavar="N,N,...", group=LAYOUT)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE_MODES, group=LAYOUT)
     dtype: str = option("fp32", "bf16/fp16: parameters, activations and gradients in bf16/fp16 with fp32 master "
                                 "weights in the optimizer (fp16 with dynamic loss scaling)", choices=TRAIN_DTYPES,
@@ -219,6 +223,9 @@ class PlanOptions:
     microbatches: int | None = option(None, "micro-batches per step (schedule mode)", group="schedule mode")
     virtual_stages: int = option(1, "model chunks per pipeline rank (schedule mode; in layout mode: try "
                                     "interleaving up to this)", group="schedule mode")
+    pipeline_layers: str | None = option(None, "layout mode: plan uneven pipeline stages with these comma-separated "
+                                               "layer counts (as train --pipeline-layers; pp = their number)",
+                                         metavar="N,N,...", group="layout mode")
     json: bool = option(False, "print JSON instead of a table")
     png: str | None = option(None, "write a picture (layout mode: memory bars + PATH-heatmap.png)")
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism: run a schedule's actions (parallel/schedules.py) with real point-to-point transfers.
 
-The model's layers are split into pp x v virtual stages of equal size; rank r holds stages
+The model's layers are split into pp x v virtual stages of equal size (or, with v = 1, of the
+sizes of --pipeline-layers); rank r holds stages
 r, r + pp, ... (its chunks 0..v-1) in one `Transformer` whose parameter names keep the global
 layer indices. Stage 0 also embeds, the last stage also computes the head and the loss.
 
@@ -24,21 +25,65 @@ from tensorpar.errors import LayoutError
 from tensorpar.parallel.pipeline_schedules import build_schedule
 
 
-def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1) -> list[list[int]]:
-    """Layer indices of each virtual stage (pp x v stages of equal size)."""
+def parse_pipeline_layers(text: str | None) -> list[int] | None:
+    """The layer counts of `--pipeline-layers` ("4,6,6,4"), or None when it is not given."""
+    if text is None or str(text).strip() == "":
+        return None
+    try:
+        return [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise LayoutError(f"--pipeline-layers must be comma-separated layer counts such as 4,6,6,4, "
+                          f"got '{text}'") from None
+
+
+def balanced_split(num_layers: int, stages: int) -> list[int]:
+    """The most balanced layer counts of `stages` stages: the extra layers go to the middle stages, so the
+    first and the last stage (embedding, LM head) hold fewer when the split cannot be even."""
+    base, extra = divmod(num_layers, stages)
+    middle_first = sorted(range(stages), key=lambda s: abs(2 * s - (stages - 1)))
+    bigger = set(middle_first[:extra])
+    return [base + (s in bigger) for s in range(stages)]
+
+
+def _check_pipeline_layers(num_layers: int, pp: int, virtual_stages: int, counts: list[int]) -> None:
+    given = ",".join(map(str, counts))
+    if virtual_stages > 1:
+        raise LayoutError(f"--pipeline-layers {given} needs --virtual-stages 1 (interleaved schedules split the "
+                          f"layers evenly), got --virtual-stages {virtual_stages}")
+    if len(counts) != pp:
+        raise LayoutError(f"--pipeline-layers {given} has {len(counts)} entries; it needs one per pipeline stage "
+                          f"(--pp {pp}), e.g. {','.join(map(str, balanced_split(num_layers, pp)))}")
+    if min(counts) <= 0:
+        raise LayoutError(f"--pipeline-layers {given}: every pipeline stage needs at least one layer")
+    if sum(counts) != num_layers:
+        raise LayoutError(f"--pipeline-layers {given} sums to {sum(counts)} layers but the model has {num_layers}")
+
+
+def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1,
+                 pipeline_layers: list[int] | None = None) -> list[list[int]]:
+    """Layer indices of each virtual stage: pp x v stages of equal size, or the counts of `pipeline_layers`
+    (one per stage, --virtual-stages 1)."""
     stages = pp * virtual_stages
-    if num_layers % stages:
+    if pipeline_layers is not None:
+        _check_pipeline_layers(num_layers, pp, virtual_stages, pipeline_layers)
+        counts = list(pipeline_layers)
+    elif num_layers % stages:
+        hint = (f"; or give uneven stages with --pipeline-layers {','.join(map(str, balanced_split(num_layers, pp)))}"
+                if virtual_stages == 1 and num_layers >= pp else "")
         raise LayoutError(
             f"{num_layers} layers cannot be split evenly into pp={pp} x virtual stages={virtual_stages} = {stages} "
-            f"pipeline stages; use a layout whose pp x virtual stages divides {num_layers}"
+            f"pipeline stages; use a layout whose pp x virtual stages divides {num_layers}{hint}"
         )
-    per = num_layers // stages
-    return [list(range(s * per, (s + 1) * per)) for s in range(stages)]
+    else:
+        counts = [num_layers // stages] * stages
+    starts = [sum(counts[:s]) for s in range(stages)]
+    return [list(range(start, start + n)) for start, n in zip(starts, counts)]
 
 
-def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[list[int]]:
+def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1,
+                pipeline_layers: list[int] | None = None) -> list[list[int]]:
     """The layers of each of this rank's chunks (chunk c is virtual stage c * pp + pp_rank)."""
-    stages = stage_layers(num_layers, pp, virtual_stages)
+    stages = stage_layers(num_layers, pp, virtual_stages, pipeline_layers)
     return [stages[c * pp + pp_rank] for c in range(virtual_stages)]
 
 
@@ -47,13 +92,13 @@ class PipelineRunner:
 
     def __init__(self, model, mesh, schedule: str, virtual_stages: int, num_microbatches: int,
                  activation_shape: tuple[int, ...], autocast=contextlib.nullcontext,
-                 activation_dtype: torch.dtype = torch.float32):
+                 activation_dtype: torch.dtype = torch.float32, pipeline_layers: list[int] | None = None):
         self.model, self.mesh = model, mesh
         self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, virtual_stages
         self.stages = self.pp * self.v
         self.last = self.stages - 1
         self.prev, self.next = (self.rank - 1) % self.pp, (self.rank + 1) % self.pp
-        self.chunks = rank_layers(model.cfg.num_layers, self.pp, self.rank, virtual_stages)
+        self.chunks = rank_layers(model.cfg.num_layers, self.pp, self.rank, virtual_stages, pipeline_layers)
         self.actions = build_schedule(schedule, self.pp, num_microbatches, virtual_stages)[self.rank]
         self.num_microbatches = num_microbatches
         self.activation_shape = activation_shape

@@ -385,7 +385,8 @@ def _gradient_traffic(sizes: dict[int, int], group: str, zero: int, m: int, zero
 
 
 def params_of(cfg, layout: Layout, stage: int | None) -> list[tuple[str, int, int]]:
-    return local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, layout.ep)
+    return local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, layout.ep,
+                            layout.pipeline_layers)
 
 
 def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[int, int], int]:

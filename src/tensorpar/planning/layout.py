@@ -32,6 +32,7 @@ from tensorpar.config.choices import PLANNED_ZERO_STAGES, RECOMPUTE_MODES
 from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
+from tensorpar.parallel.pipeline import rank_layers
 from tensorpar.planning.cluster import Cluster
 
 
@@ -49,6 +50,7 @@ class Layout:
     virtual_stages: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
     ep: int = 1  # expert parallelism (MoE models): the experts split over ep of a stage's tp x cp x dp ranks
+    pipeline_layers: tuple[int, ...] | None = None  # layers of each pipeline stage (--pipeline-layers; None: even)
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "cp", "ep"):
@@ -88,6 +90,8 @@ class Layout:
             parts.append(f"ep={self.ep}")
         if self.virtual_stages > 1:
             parts.append(f"v={self.virtual_stages}")
+        if self.pipeline_layers is not None:
+            parts.append(f"layers={','.join(map(str, self.pipeline_layers))}")
         parts += [f"mbs={self.micro_batch_size}", f"sp={'on' if self.sp else 'off'}",
                   f"recompute={self.recompute}", f"zero={self.zero}"]
         return " ".join(parts)
@@ -99,6 +103,8 @@ def stage_layers(cfg, layout: Layout, stage: int | None) -> tuple[bool, bool, in
         return True, True, cfg.num_layers
     if not 0 <= stage < layout.pp:
         raise TensorparError(f"stage {stage} is outside the pipeline of {layout.pp} stages")
+    if layout.pipeline_layers is not None:
+        return stage == 0, stage == layout.pp - 1, len(stage_layer_indices(cfg, layout, stage))
     if cfg.num_layers % layout.pp:
         raise TensorparError(f"num_layers = {cfg.num_layers} is not divisible by the pipeline-parallel size "
                              f"{layout.pp}")
@@ -107,13 +113,15 @@ def stage_layers(cfg, layout: Layout, stage: int | None) -> tuple[bool, bool, in
 
 def stage_layer_indices(cfg, layout: Layout, stage: int | None) -> list[int]:
     """Global indices of the layers pipeline rank `stage` holds (None: the whole model); with v virtual stages
-    those of chunks stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers)."""
-    _, _, n = stage_layers(cfg, layout, stage)
+    those of chunks stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers, which also applies
+    the layout's --pipeline-layers split)."""
     if stage is None or layout.pp == 1:
         return list(range(cfg.num_layers))
-    v, pp = layout.virtual_stages, layout.pp
-    k = n // v
-    return [i for c in range(v) for i in range((c * pp + stage) * k, (c * pp + stage + 1) * k)]
+    if not 0 <= stage < layout.pp:
+        raise TensorparError(f"stage {stage} is outside the pipeline of {layout.pp} stages")
+    split = list(layout.pipeline_layers) if layout.pipeline_layers is not None else None
+    chunks = rank_layers(cfg.num_layers, layout.pp, stage, layout.virtual_stages, split)
+    return [i for chunk in chunks for i in chunk]
 
 
 def group_size(layout: Layout, group: str) -> int:
@@ -151,7 +159,12 @@ def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, glob
         check_model_layout(cfg, tp)
     except TensorparError as e:
         return str(e).split(";")[0]
-    if cfg.num_layers % pp:
+    if layout.pipeline_layers is not None:
+        try:
+            stage_layer_indices(cfg, layout, 0)
+        except TensorparError as e:
+            return str(e)
+    elif cfg.num_layers % pp:
         return f"num_layers = {cfg.num_layers} is not divisible by pp = {pp}"
     if global_batch % dp:
         return f"global batch {global_batch} is not divisible by dp = {dp}"
@@ -210,9 +223,13 @@ def _moe_problem(cfg, layout: Layout, seq_len: int) -> str:
 
 def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=None, zero=PLANNED_ZERO_STAGES,
                       recompute=RECOMPUTE_MODES, sequence_parallel=(False, True), virtual_stages=(1,),
-                      max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,), ep=None) -> list[Layout]:
+                      max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,), ep=None,
+                      pipeline_layers: tuple[int, ...] | None = None) -> list[Layout]:
     """`ep`: the expert-parallel sizes to try (None: for an MoE model every divisor of num_experts that divides
-    the layout's tp x cp x dp, for a dense one 1; given sizes that do not divide are kept, infeasible)."""
+    the layout's tp x cp x dp, for a dense one 1; given sizes that do not divide are kept, infeasible).
+    `pipeline_layers`: uneven stages of these layer counts (pp = their number, no interleaving)."""
+    if pipeline_layers is not None:
+        pp, virtual_stages = (len(pipeline_layers),), (1,)
     gpus = cluster.gpus
     tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16, 32, 64)
                                            if t <= min(gpus, cluster.gpus_per_node) and gpus % t == 0]
@@ -238,5 +255,6 @@ def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=N
                             for z in (zero if d * c > 1 else (0,)):
                                 for v in (virtual_stages if p > 1 else (1,)):
                                     for e in expert_parallel_sizes(cfg, t * c * d, ep):
-                                        out.append(Layout(t, p, d, sp, mbs, rc, z, v, c, e))
+                                        out.append(Layout(t, p, d, sp, mbs, rc, z, v, c, e,
+                                                          pipeline_layers if p > 1 else None))
     return out

@@ -266,12 +266,13 @@ def zero_gradients_in_flight(cfg, layout: Layout, stage: int, prec: Precision, b
     bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' and one block's slice)."""
     dp = layout.replicas
     if layout.zero == 3:
-        summary = parameter_summary(cfg, layout.tp, layout.pp, stage)
+        summary = parameter_summary(cfg, layout.tp, layout.pp, stage, pipeline_layers=layout.pipeline_layers)
         _, _, n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)
         root = summary.numel - n_layers * summary.per_layer
         layer = math.ceil(summary.per_layer / dp) * dp
         return 4 * (root + min(2, n_layers) * layer + layer // dp)
-    params = local_parameters(cfg, layout.tp, layout.pp, stage, layout.virtual_stages, layout.ep)
+    params = local_parameters(cfg, layout.tp, layout.pp, stage, layout.virtual_stages, layout.ep,
+                              layout.pipeline_layers)
     sizes = [math.ceil(n / dp) * dp for n in bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)]
     pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
     return 4 * (max(pairs) + max(sizes) // dp)
@@ -295,7 +296,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     prec = get_precision(precision)
     # ZeRO shards over every replica of the parameters (DP x CP); each rank holds seq_len / cp tokens of a sequence.
     pp, dp, tp = layout.pp, layout.replicas, layout.tp
-    summary = parameter_summary(cfg, tp, pp, stage, layout.ep)
+    summary = parameter_summary(cfg, tp, pp, stage, layout.ep, layout.pipeline_layers)
     numel = summary.numel
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
     b, s = layout.micro_batch_size, seq_len // layout.cp
@@ -363,7 +364,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
 
 def layout_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
                   flash_attention: bool = True) -> MemoryBreakdown:
-    """The most loaded GPU's breakdown (the first or the last pipeline stage)."""
-    stages = {0, layout.pp - 1}
+    """The most loaded GPU's breakdown (the first or the last pipeline stage; any stage with uneven stages)."""
+    stages = range(layout.pp) if layout.pipeline_layers is not None else {0, layout.pp - 1}
     return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention) for st in stages),
                key=lambda mb: mb.total)

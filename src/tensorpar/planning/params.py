@@ -17,22 +17,24 @@ from tensorpar.layers.attention import kv_layout
 from tensorpar.layers.moe import experts_per_rank
 from tensorpar.layers.sharding import divide, padded
 from tensorpar.models.layout_checks import check_model_layout
-from tensorpar.planning.layout import Layout, stage_layers
+from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers
 
 _PARAM_CACHE: dict = {}
 
 
 def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: int = 1,
-                     ep: int = 1) -> list[tuple[str, int, int]]:
+                     ep: int = 1, pipeline_layers: tuple[int, ...] | None = None) -> list[tuple[str, int, int]]:
     """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline
     stage `stage`, in `named_parameters()` order: vocabulary padded to a multiple of tp, KV heads
     replicated when fewer than tp, norms and row-parallel biases replicated. A tied embedding is
     held by the first stage and, as the head's copy, by the last. With `virtual_stages` v > 1 the rank
     holds the layers of virtual stages stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers).
-    `ep`: the expert-parallel size (MoE models)."""
-    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1, ep)
+    `ep`: the expert-parallel size (MoE models); `pipeline_layers`: the layers of each stage (--pipeline-layers;
+    None: an even split)."""
+    split = tuple(pipeline_layers) if pipeline_layers is not None and pp > 1 else None
+    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1, ep, split)
     if key not in _PARAM_CACHE:
-        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage, virtual_stages if pp > 1 else 1, ep)
+        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage, virtual_stages if pp > 1 else 1, ep, split)
     return _PARAM_CACHE[key]
 
 
@@ -41,19 +43,19 @@ def is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int, ep: int) -> list[tuple[str, int, int]]:
+def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int, ep: int,
+                      split: tuple[int, ...] | None) -> list[tuple[str, int, int]]:
     check_model_layout(cfg, tp)
     h, hd = cfg.hidden_size, cfg.head_dim
     heads = cfg.num_heads // tp
     kv_local, _ = kv_layout(cfg.kv_heads, tp)
     f = cfg.ffn_hidden_size // tp
     vocab = padded(cfg.vocab_size, tp) // tp
-    first, last, n = stage_layers(cfg, Layout(tp=tp, pp=pp), stage if pp > 1 else None)
+    layout = Layout(tp=tp, pp=pp, pipeline_layers=split)
+    first, last, n = stage_layers(cfg, layout, stage if pp > 1 else None)
     if n % v:
         raise TensorparError(f"{n} layers per pipeline rank do not split into {v} virtual stages")
-    k = n // v
-    layers = [i for c in range(v) for i in range((c * pp + (stage if pp > 1 else 0)) * k,
-                                                  (c * pp + (stage if pp > 1 else 0) + 1) * k)]
+    layers = stage_layer_indices(cfg, dataclasses.replace(layout, virtual_stages=v), stage if pp > 1 else None)
     out: list[tuple[str, int, int]] = []
 
     def norm(prefix):
@@ -121,10 +123,11 @@ class ParamSummary:
 _SUMMARY_CACHE: dict = {}
 
 
-def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0, ep: int = 1) -> ParamSummary:
-    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, ep)
+def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0, ep: int = 1,
+                      pipeline_layers: tuple[int, ...] | None = None) -> ParamSummary:
+    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, ep, pipeline_layers)
     if key not in _SUMMARY_CACHE:
-        params = local_parameters(cfg, tp, pp, stage, ep=ep)
+        params = local_parameters(cfg, tp, pp, stage, ep=ep, pipeline_layers=pipeline_layers)
         experts = [n for name, n, _ in params if is_expert(name)]
         layers = [p for p in params if p[0].startswith("layers.")]
         n_layers = len({p[0].split(".")[1] for p in layers}) or 1

@@ -87,13 +87,21 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm):
             collectives_time(sends, cluster, layout, algorithm), max(0.0, ring - attention), ep)
 
 
+def _busiest_dp_stage(cfg, layout: Layout) -> int:
+    """The pipeline stage with the most parameters to reduce and update (stage 0 when the stages are even)."""
+    if layout.pipeline_layers is None:
+        return 0
+    return max(range(layout.pp), key=lambda st: parameter_summary(cfg, layout.tp, layout.pp, st, layout.ep,
+                                                                  layout.pipeline_layers).numel)
+
+
 def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: int,
                       precision: Precision | str = "tensorpar-bf16", *, algorithm: str = "best") -> StepTime:
     prec = get_precision(precision)
     b, s = layout.micro_batch_size, seq_len
     m = max(layout.num_micro_batches(global_batch), 1)
     pp, v = layout.pp, layout.virtual_stages
-    stages = sorted({0, pp - 1}) if pp > 1 else [None]
+    stages = (list(range(pp)) if layout.pipeline_layers is not None else sorted({0, pp - 1})) if pp > 1 else [None]
     per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm) for st in stages}
     slowest = max(per_stage, key=lambda st: sum(per_stage[st]))
     comp, recomp, tp_c, pp_c, cp_c, ep_c = per_stage[slowest]
@@ -102,7 +110,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     pipeline = m * t_stage + bubble
 
     # Data-parallel traffic of the busiest stage, and how much of it hides behind backward compute.
-    dp_stage = 0 if pp > 1 else None
+    dp_stage = _busiest_dp_stage(cfg, layout) if pp > 1 else None
     colls = step_collectives(cfg, layout, s, m, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                              grad_bytes=prec.grad_bytes, param_bytes=prec.param_bytes, stage=dp_stage,
                              zero2_per_micro_batch=not prec.zero2_full_grads_at_peak)
@@ -124,7 +132,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     dp_exposed += t - min(t * cluster.overlap, backward)
     dp_exposed += collectives_time(rest, cluster, layout, algorithm)
 
-    summary = parameter_summary(cfg, layout.tp, pp, 0, layout.ep)
+    summary = parameter_summary(cfg, layout.tp, pp, dp_stage or 0, layout.ep, layout.pipeline_layers)
     dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
     sharded = layout.zero >= 1 and layout.replicas > 1
     opt_elems = dense / layout.replicas + expert / layout.expert_dp if sharded else dense + expert
@@ -133,8 +141,11 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     step = pipeline + dp_exposed + optimizer
     tokens = global_batch * seq_len
     model_flops = train_flops_per_token(cfg, seq_len) * tokens
-    # Every stage holds as many layers and the head is never recomputed: pp x one stage's recomputation.
-    total_recompute = pp * stage_flops(cfg, layout, b, s, 0 if pp > 1 else None, prec)[1] * m * layout.dp
+    # The head is never recomputed: the stages' recomputation (pp x one stage's when they hold as many layers).
+    if layout.pipeline_layers is not None and pp > 1:
+        total_recompute = sum(stage_flops(cfg, layout, b, s, st, prec)[1] for st in range(pp)) * m * layout.dp
+    else:
+        total_recompute = pp * stage_flops(cfg, layout, b, s, 0 if pp > 1 else None, prec)[1] * m * layout.dp
     peak = cluster.peak(prec.compute_dtype)
     gpus = layout.world
     return StepTime(

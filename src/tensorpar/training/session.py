@@ -20,7 +20,7 @@ from tensorpar.optim.loss_scaler import DynamicLossScaler
 from tensorpar.optim.precision import param_dtype
 from tensorpar.parallel.data_parallel import DistributedOptimizer
 from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
-from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
+from tensorpar.parallel.pipeline import PipelineRunner, parse_pipeline_layers, rank_layers
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
@@ -67,6 +67,7 @@ class Session:
         layout = {"tp": mesh.tp_size, "cp": mesh.cp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "ep": mesh.ep_size,
                   "expert_tp": mesh.expert_tp_size, "zero": o.zero,
                   "virtual_stages": o.virtual_stages, "schedule": o.schedule,
+                  "pipeline_layers": o.pipeline_layers,
                   "sequence_parallel": self.model.sequence_parallel}
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                                             "steps", "weight_decay", "grad_clip", "data")}
@@ -83,7 +84,8 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
     o, cfg = run.options, run.cfg
     stage = {}
     if mesh.pp_size > 1:
-        chunks = rank_layers(cfg.num_layers, mesh.pp_size, mesh.pp_rank, o.virtual_stages)
+        chunks = rank_layers(cfg.num_layers, mesh.pp_size, mesh.pp_rank, o.virtual_stages,
+                             parse_pipeline_layers(o.pipeline_layers))
         stage = dict(layers=[i for chunk in chunks for i in chunk], first_stage=mesh.pp_rank == 0,
                      last_stage=mesh.pp_rank == mesh.pp_size - 1)
     torch.manual_seed(o.seed)
@@ -166,7 +168,8 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
         seq_shard = o.seq_len // mesh.cp_size // (mesh.tp_size if model.sequence_parallel else 1)
         runner = PipelineRunner(model, mesh, o.schedule, o.virtual_stages, run.num_micro_batches,
                                 (o.micro_batch_size, seq_shard, run.cfg.hidden_size),
-                                activation_dtype=param_dtype(o.dtype))
+                                activation_dtype=param_dtype(o.dtype),
+                                pipeline_layers=parse_pipeline_layers(o.pipeline_layers))
         if val_windows is not None:
             val_windows = val_windows[: (len(val_windows) // o.micro_batch_size) * o.micro_batch_size]
     if mesh.rank == 0 and o.out_dir:

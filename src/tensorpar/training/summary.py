@@ -60,6 +60,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
         "parameters": s.run.cfg.num_parameters(),
         "layout": {"tp": mesh.tp_size, "cp": mesh.cp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": o.zero,
                    "schedule": o.schedule if runner is not None else None, "virtual_stages": o.virtual_stages,
+                   "pipeline_layers": o.pipeline_layers if runner is not None else None,
                    "sequence_parallel": s.model.sequence_parallel, "recompute": o.recompute, "dtype": o.dtype},
         "steps": o.steps,
         "start_step": s.start_step,

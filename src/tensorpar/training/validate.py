@@ -20,7 +20,7 @@ from tensorpar.distributed.mesh import resolve_layout
 from tensorpar.errors import TensorparError
 from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
-from tensorpar.parallel.pipeline import stage_layers
+from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
 from tensorpar.parallel.pipeline_schedules import build_schedule
 
 
@@ -108,8 +108,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     check_batch_layout(o.global_batch_size, dp, micro)
     check_moe_layout(cfg, o.tp, o.cp, dp, o.ep, sequence_parallel=o.sequence_parallel,
                      micro_batch_size=micro, seq_len=o.seq_len, expert_tp=o.expert_tp)
-    if o.pp > 1 or o.virtual_stages > 1:
-        stage_layers(cfg.num_layers, o.pp, o.virtual_stages)
+    pipeline_layers = parse_pipeline_layers(o.pipeline_layers)
+    if o.pp > 1 or o.virtual_stages > 1 or pipeline_layers is not None:
+        stage_layers(cfg.num_layers, o.pp, o.virtual_stages, pipeline_layers)
         build_schedule(o.schedule, o.pp, o.global_batch_size // (dp * micro), o.virtual_stages)
     # Document sources are tokenized here, once (the ranks then open the cache).
     prepare_sources(o.data, o.val_data, tokenizer=tokenizer_from(o.tokenizer, o.init_from), text_field=o.text_field,
