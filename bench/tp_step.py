@@ -14,6 +14,13 @@ One command does everything (it starts its own worker processes):
 
     .venv/bin/python bench/tp_step.py                       # the default model, ~ minutes on 2 cores
     .venv/bin/python bench/tp_step.py --hidden 128 --layers 2 --steps 3   # a quick check
+    python bench/tp_step.py --device cuda --dtype bf16 --hidden 2048 --layers 16 --seq-len 2048
+        # on GPUs: one GPU per process, NCCL; the TP=2 variants need 2 GPUs and are skipped with one
+
+With `--device cuda` every process uses the GPU of its local rank and NCCL; timings wait for the GPU
+(torch.cuda.synchronize) and the table adds each variant's MFU against the GPU's datasheet peak.
+`--dtype bf16` runs every variant in bf16 (parameters, activations, AdamW state): a speed figure, not
+tensorpar's bf16 recipe (which keeps fp32 master weights); the initial losses are then compared to 2e-2.
 
 Each variant runs `--warmup` untimed steps, then `--steps` timed ones; the median step time of
 rank 0 is reported (multi-process variants pass a barrier before every step, outside the timing).
@@ -202,28 +209,36 @@ def worker(args) -> None:
     variant = args.worker
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(args.seed)
     cfg = model_config(args)
-    state = torch.load(args.state, weights_only=True)
-    ids, targets = make_batch(args)
+    state = {k: v.to(dtype) for k, v in torch.load(args.state, weights_only=True).items()}
+    ids, targets = (t.to(device) for t in make_batch(args))
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     mesh = None
     if variant in ("single", "tensorpar", "tensorpar-sp"):
-        mesh = tensorpar.init_mesh(tp=world)  # world of 1 for "single": no process group at all
-        model = Transformer(cfg, mesh, init=False, sequence_parallel=variant == "tensorpar-sp")
+        mesh = tensorpar.init_mesh(tp=world, device=device)  # world of 1 for "single": no process group at all
+        model = Transformer(cfg, mesh, init=False, sequence_parallel=variant == "tensorpar-sp").to(dtype)
         load_full_state_dict(model, to_tensorpar_names(state), source="dense weights")
         barrier = mesh.tp_group.barrier
     elif variant == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
 
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        device_mesh = init_device_mesh("cpu", (world,))
-        model = PlainGPT(cfg)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+        device_mesh = init_device_mesh(device.type, (world,))
+        model = PlainGPT(cfg).to(device=device, dtype=dtype)
         model.load_state_dict(state)
         parallelize_dtensor(model, device_mesh)
         barrier = dist.barrier
     else:  # plain
-        model = PlainGPT(cfg)
+        model = PlainGPT(cfg).to(device=device, dtype=dtype)
         model.load_state_dict(state)
         barrier = lambda: None  # noqa: E731
     model.train()
@@ -234,12 +249,16 @@ def worker(args) -> None:
 
     def step():
         optimizer.zero_grad(set_to_none=True)
+        synchronize()
         t0 = time.perf_counter()
         loss = model(ids, targets)
+        synchronize()
         t1 = time.perf_counter()
         loss.backward()
+        synchronize()
         t2 = time.perf_counter()
         optimizer.step()
+        synchronize()
         t3 = time.perf_counter()
         return loss.item(), (t3 - t0, t1 - t0, t2 - t1, t3 - t2)
 
@@ -316,7 +335,7 @@ def worker_argv(args, variant: str, state_path: str, result_path: str) -> list[s
     argv = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--state", state_path,
             "--result", result_path]
     for flag in ("hidden", "layers", "heads", "ffn", "vocab", "batch", "seq_len", "steps", "warmup", "seed",
-                 "lr", "comm_steps", "profile", "profile_rows"):
+                 "lr", "comm_steps", "profile", "profile_rows", "device", "dtype"):
         value = getattr(args, flag)
         if value is not None:
             argv += ["--" + flag.replace("_", "-"), str(value)]
@@ -400,6 +419,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: one GPU per process (local rank), NCCL; variants needing more GPUs are skipped")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="parameters, activations and optimizer state of every variant")
     p.add_argument("--comm-steps", type=int, default=3,
                    help="extra tensorpar TP=2 steps with collective timing on (0: skip)")
     p.add_argument("--profile", type=int, default=0,
@@ -407,7 +430,7 @@ def parse_args(argv=None):
     p.add_argument("--profile-rows", type=int, default=15)
     p.add_argument("--variants", default="single,tensorpar,dtensor",
                    help="comma-separated subset of: " + ", ".join(VARIANTS))
-    p.add_argument("--loss-rtol", type=float, default=1e-4)
+    p.add_argument("--loss-rtol", type=float, default=None, help="default 1e-4 (fp32), 2e-2 (bf16)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant")
     # internal: run as one worker process
     p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -427,13 +450,27 @@ def main(argv=None) -> int:
         sys.exit(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
 
     torch.set_num_threads(2)
+    if args.loss_rtol is None:
+        args.loss_rtol = 1e-4 if args.dtype == "fp32" else 2e-2
+    gpus = 0
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: no CUDA device visible to PyTorch")
+        gpus = torch.cuda.device_count()
+        skipped = [v for v in variants if VARIANTS[v][1] > gpus]
+        for v in skipped:
+            print(f"skipping {VARIANTS[v][0]}: it needs {VARIANTS[v][1]} GPUs, {gpus} visible")
+        variants = [v for v in variants if v not in skipped]
+        if not variants:
+            sys.exit("no variant fits the visible GPUs")
     cfg = model_config(args)
     tokens = args.batch * args.seq_len
     print(f"model: gpt2-style hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
           f"ffn {cfg.ffn_hidden_size}, vocab {cfg.vocab_size}, max_seq_len {cfg.max_seq_len}, tied embeddings, "
           f"no dropout; {cfg.num_parameters() / 1e6:.2f}M parameters")
-    print(f"step: forward + backward + AdamW, fp32; batch {args.batch} x seq {args.seq_len} = {tokens} tokens; "
-          f"{args.warmup} warmup + {args.steps} timed steps; torch {torch.__version__}, {os.cpu_count()} CPUs")
+    where = (f"{gpus} x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else f"{os.cpu_count()} CPUs")
+    print(f"step: forward + backward + AdamW, {args.dtype}; batch {args.batch} x seq {args.seq_len} = {tokens} tokens; "
+          f"{args.warmup} warmup + {args.steps} timed steps; torch {torch.__version__}, {where}")
     print("DTensor TP=2: blocks split (q/k/v/fc1 ColwiseParallel, o_proj/fc2 RowwiseParallel); "
           "embedding, tied head and loss replicated")
 
@@ -442,8 +479,12 @@ def main(argv=None) -> int:
     dense = PlainGPT(cfg)
     dense.init_gpt2(cfg.init_std, cfg.num_layers)
     ids, targets = make_batch(args)
-    with torch.no_grad():
-        dense_loss = dense(ids, targets).item()
+    with torch.no_grad():  # fp32, on the benchmark's device (a large model on the CPU would take minutes)
+        device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+        dense_loss = dense.to(device)(ids.to(device), targets.to(device)).item()
+        dense.cpu()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="tp_step_") as workdir:
@@ -457,9 +498,18 @@ def main(argv=None) -> int:
     def median(variant, key="step_s"):
         return statistics.median(results[variant][key])
 
+    peak = None
+    if args.device == "cuda":
+        from tensorpar.models.flops import train_flops_per_token
+        from tensorpar.training.mfu import peak_flops
+
+        peak, peak_source = peak_flops(torch.device("cuda", 0), args.dtype)
+        flops_per_step = train_flops_per_token(cfg, args.seq_len) * tokens
+
     print()
     print(f"{'variant':<26}{'procs x thr':>12}{'median s/step':>15}{'tokens/s':>10}"
-          f"{'fwd s':>8}{'bwd s':>8}{'opt s':>8}{'min s':>8}{'max s':>8}{'other load':>12}")
+          f"{'fwd s':>8}{'bwd s':>8}{'opt s':>8}{'min s':>8}{'max s':>8}{'other load':>12}"
+          + (f"{'MFU':>7}" if peak else ""))
     for variant in variants:
         label, nprocs, threads = VARIANTS[variant]
         r = results[variant]
@@ -467,9 +517,13 @@ def main(argv=None) -> int:
         print(f"{label:<26}{f'{nprocs} x {threads}':>12}{m:>15.4f}{tokens / m:>10.0f}"
               f"{median(variant, 'fwd_s'):>8.3f}{median(variant, 'bwd_s'):>8.3f}{median(variant, 'opt_s'):>8.3f}"
               f"{min(r['step_s']):>8.3f}{max(r['step_s']):>8.3f}"
-              f"{'n/a' if r['other_load'] is None else format(r['other_load'], '.0%'):>12}")
+              f"{'n/a' if r['other_load'] is None else format(r['other_load'], '.0%'):>12}"
+              + (f"{flops_per_step / m / (peak * nprocs):>7.1%}" if peak else ""))
     print("(rank 0's medians; fwd/bwd/opt are the medians of each phase, so they need not add up exactly;\n"
           " other load: share of the machine's CPU time used by other processes while the variant ran)")
+    if peak:
+        print(f"(MFU: {train_flops_per_token(cfg, args.seq_len):.3g} model FLOPs per token (6N + attention) x tokens / "
+              f"step time / (GPUs x {peak / 1e12:.0f} TFLOP/s peak, {peak_source}))")
     noisy = [v for v in variants if (results[v]["other_load"] or 0) > 0.05]
     if noisy:
         print(f"WARNING: other processes used > 5% of the CPUs during {', '.join(noisy)}: timings are disturbed")

@@ -1,6 +1,14 @@
 import json
+import os
 
 import pytest
+
+# The suite is the CPU/gloo suite, whatever the machine: on a GPU machine its many-process checks would
+# otherwise put several ranks on one GPU. The checks that need a GPU are tests/test_cuda.py, run with
+# TENSORPAR_TEST_CUDA=1 (they skip without it). Set before torch first looks for CUDA, and inherited by
+# every process the tests start.
+if os.environ.get("TENSORPAR_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 from tensorpar.models import get_config
 

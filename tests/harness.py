@@ -28,7 +28,7 @@ def mesh(tp: int, pp: int = 1, dp: int | None = None, cp: int = 1):
 
     key = (tp, pp, dp, cp)
     if key not in _meshes:
-        _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp, timeout=60)
+        _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp, device="cpu", timeout=60)
     m = _meshes[key]
     m.stats.reset()
     return m

@@ -60,6 +60,18 @@ def test_world_of_one_without_a_launcher():
         tensorpar.init_mesh(tp=2)
 
 
+def test_more_ranks_than_gpus_on_a_node_is_refused_before_the_rendezvous(monkeypatch):
+    # NCCL would refuse two ranks on one GPU only once every rank has reached init_process_group.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(LayoutError, match="2 processes on this node but 1 GPU visible: NCCL needs one GPU per "
+                                          "process. Run at most 1 process per node, or pass --device cpu"):
+        tensorpar.init_mesh(tp=2, device="cuda")
+
+
 def check_membership(tp, pp, dp):
     m = mesh(tp=tp, pp=pp, dp=dp)
     seen = {}

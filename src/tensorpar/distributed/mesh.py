@@ -196,10 +196,27 @@ class Mesh:
 
 def _pick_device(local_rank: int, device: str | torch.device | None) -> torch.device:
     if device is not None:
-        return torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def check_gpus_per_process(device: torch.device, backend: str | None, world: int) -> None:
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and only after every rank has
+    reached the rendezvous: say so before it, naming the counts and the ways out."""
+    if device.type != "cuda" or world == 1 or (backend is not None and backend != "nccl"):
+        return
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    gpus = torch.cuda.device_count()
+    if local_world > gpus:
+        raise LayoutError(
+            f"{local_world} processes on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible: NCCL needs "
+            f"one GPU per process. Run at most {gpus} process{'es' if gpus != 1 else ''} per node, or pass "
+            f"--device cpu (gloo)")
 
 
 def init_mesh(
@@ -233,6 +250,8 @@ def init_mesh(
     elif expert_tp != 1:
         raise LayoutError(f"expert_tp={expert_tp} needs expert groups: pass ep= (a mixture-of-experts model)")
     device = _pick_device(local_rank, device)
+    if not dist.is_initialized():
+        check_gpus_per_process(device, backend, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if timeout is None:

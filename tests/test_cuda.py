@@ -1,0 +1,78 @@
+"""Checks that need CUDA GPUs: run with TENSORPAR_TEST_CUDA=1 on a GPU machine (conftest.py hides GPUs from
+the rest of the suite, which is the CPU/gloo suite); they skip elsewhere.
+
+    TENSORPAR_TEST_CUDA=1 python -m pytest -q tests/test_cuda.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from layout_runs import assert_same_training, run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (TENSORPAR_TEST_CUDA=1)")
+
+
+def _on_cpu(result):
+    return {**result, "state": {k: v.float().cpu() for k, v in result["state"].items()}}
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(config_file):
+    return run(config_file, device="cpu")
+
+
+def test_one_gpu_trains_what_the_cpu_trains(config_file, cpu_reference):
+    # fp32 without TF32 (PyTorch's default for matmuls): the same trajectory and weights as the CPU run.
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert_same_training([_on_cpu(run(config_file, device="cuda"))], cpu_reference)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_on_a_gpu_follows_fp32(config_file, cpu_reference, dtype):
+    result = run(config_file, device="cuda", dtype=dtype)
+    for step, ((loss, _), (ref, _)) in enumerate(zip(result["trajectory"], cpu_reference["trajectory"]), 1):
+        assert abs(loss - ref) <= 3e-2 * ref, f"{dtype} step {step}: loss {loss} vs fp32 {ref}"
+
+
+def test_mfu_divides_by_the_datasheet_peak_of_a_known_gpu():
+    from tensorpar.training.mfu import peak_flops
+
+    name = torch.cuda.get_device_name(0)
+    peak, source = peak_flops(torch.device("cuda", 0), "bf16")
+    if not any(k in name for k in ("H100", "H200", "A100", "B200")):
+        pytest.skip(f"{name} is not in the catalog: its peak is measured")
+    assert source.endswith("datasheet") and peak > 1e14
+
+
+def _train(config_file, tmp_path, name, *args):
+    metrics = tmp_path / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "tensorpar", "train", "--model", config_file, "--device", "cuda", "--steps", "6",
+           "--seed", "5", "--global-batch-size", "8", "--micro-batch-size", "2", "--seq-len", "16",
+           "--metrics", str(metrics), "--out-dir", str(tmp_path / name), "--no-progress", "--sample-tokens", "0",
+           *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    return proc, metrics
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL puts one rank per GPU)")
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "2", "--sequence-parallel"], ["--pp", "2"],
+                                    ["--dp", "2", "--zero", "1"]], ids=["tp2", "tp2-sp", "pp2", "dp2-zero1"])
+def test_nccl_layouts_train_what_one_gpu_trains(config_file, tmp_path, layout):
+    ref, ref_metrics = _train(config_file, tmp_path, "one", "--tp", "1")
+    assert ref.returncode == 0, ref.stderr
+    proc, metrics = _train(config_file, tmp_path, "many", *layout)
+    assert proc.returncode == 0, proc.stderr
+    for a, b in zip(map(json.loads, metrics.read_text().splitlines()), map(json.loads, ref_metrics.read_text().splitlines())):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (a, b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="checks the one-GPU refusal")
+def test_two_ranks_on_one_gpu_fail_fast_with_a_clear_message(config_file, tmp_path):
+    proc, _ = _train(config_file, tmp_path, "two", "--tp", "2")
+    assert proc.returncode != 0
+    assert "2 processes on this node but 1 GPU visible" in proc.stderr, proc.stderr
