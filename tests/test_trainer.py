@@ -2,6 +2,8 @@
 (and, for 3D layouts, ends with the same weights); recomputation exact, dropout reproducible, bf16 close.
 """
 
+import json
+
 import pytest
 
 from tensorpar.training import TrainOptions, train
@@ -155,6 +157,37 @@ def test_uneven_pipeline_stages_train_like_one_process(pools, config_file, refer
                for s in (0, 1)]
     small, large = sorted({r["optimizer_state_bytes"] for r in results})
     assert small / large == pytest.approx(min(planned) / max(planned), rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def four_layers(pools, tmp_path_factory):
+    """A 4-layer TINY8 (for --pipeline-layers 1,3 and 3,1) and its one-process training, 20 steps."""
+    config = layout_runs.CONFIG.replace(num_layers=4)
+    path = tmp_path_factory.mktemp("cfg4") / "tiny4.json"
+    path.write_text(json.dumps(config.to_dict()))
+    return config, str(path), pools(1).run(layout_runs.run, str(path), steps=20)[0]
+
+
+@pytest.mark.parametrize("layout", [dict(pipeline_layers="1,3", schedule="1f1b", tp=2),
+                                    dict(pipeline_layers="3,1", schedule="afab", dp=2, zero=1)],
+                         ids=["pp2-1.3-1f1b-tp2", "pp2-3.1-afab-dp2-zero1"])
+def test_one_and_three_layers_per_stage_train_like_one_process(pools, four_layers, layout):
+    from tensorpar.parallel.pipeline import parse_pipeline_layers
+    from tensorpar.planning.params import local_parameters
+
+    config, path, reference = four_layers
+    layout = {"tp": 1, "pp": 2, "dp": 1, **layout}
+    results = pools(4).run(layout_runs.run, path, steps=20, **layout)
+    assert len(results[0]["trajectory"]) == 20
+    layout_runs.assert_same_training(results, reference)
+    split = tuple(parse_pipeline_layers(layout["pipeline_layers"]))
+    planned = [sum(n for _, n, _ in local_parameters(config, layout["tp"], 2, s, pipeline_layers=split))
+               for s in (0, 1)]
+    by_stage = {}
+    for rank, r in enumerate(results):
+        by_stage.setdefault(rank // (layout["tp"] * layout["dp"]), set()).add(r["optimizer_state_bytes"])
+    per_stage = [by_stage[0].pop(), by_stage[1].pop()]
+    assert per_stage[0] / per_stage[1] == pytest.approx(planned[0] / planned[1], rel=1e-3)
 
 
 @pytest.mark.parametrize("layout", [dict(dp=4), dict(tp=2, dp=2, sequence_parallel=True), dict(pp=2, dp=2)],
