@@ -41,7 +41,7 @@ from tensorpar.config.choices import ZERO_STAGES
 from tensorpar.distributed.comm import Group
 from tensorpar.errors import TensorparError
 from tensorpar.layers.sharding import shard_spec
-from tensorpar.optim.adamw import takes_weight_decay
+from tensorpar.optim.adamw import adamw, takes_weight_decay
 from tensorpar.optim.grad_norm import unscale_and_clip
 from tensorpar.parallel.shard_pieces import (MOMENTS, BytesInUse, ReduceScatterQueue, adamw_step_count, add_to_flat,
                                              cut_pieces, gather_moments, load_moments, nbytes, slice_bounds,
@@ -151,7 +151,7 @@ class DistributedOptimizer:
         else:
             for p in params:
                 groups[0 if takes_weight_decay(p) else 1]["params"].append(p)
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True, fused=False)
+        self.optimizer = adamw(groups, lr=lr, betas=betas, eps=eps)
 
     # -- ZeRO bookkeeping ---------------------------------------------------------------------
 

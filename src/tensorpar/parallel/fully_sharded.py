@@ -44,6 +44,7 @@ from torch import nn
 
 from tensorpar.errors import TensorparError
 from tensorpar.layers.sharding import shard_spec
+from tensorpar.optim.adamw import adamw
 from tensorpar.optim.grad_norm import unscale_and_clip
 from tensorpar.parallel.shard_pieces import (BytesInUse, ReduceScatterQueue, add_to_flat, adamw_step_count,
                                              cut_pieces, gather_moments, load_moments, nbytes, slice_bounds,
@@ -165,7 +166,7 @@ class FullyShardedOptimizer:
             u.pieces = cut_pieces(u.params, u.shapes, u.offsets, lo, hi, u.master, u.grad_shard, groups)
             self.slices += [piece.opt_param for piece in u.pieces]
         groups = [g for g in groups if g["params"]] or [{"params": [nn.Parameter(torch.zeros(0))]}]
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True, fused=False)
+        self.optimizer = adamw(groups, lr=lr, betas=betas, eps=eps)
 
     # -- hooks: gather before use, free after, reduce-scatter the gradients ----------------------------------
 
