@@ -12,7 +12,9 @@ from tensorpar.parallel.pipeline_schedules import (
     interleaved,
     one_f_one_b,
     peak_in_flight,
+    rank_of,
     simulate,
+    stage_of,
     theoretical_bubble,
 )
 
@@ -131,8 +133,12 @@ def test_interleaved_needs_microbatches_multiple_of_pp():
 
 
 def test_build_schedule_errors():
-    with pytest.raises(TensorparError, match="afab, 1f1b, interleaved"):
-        build_schedule("zb-h1", 4, 8)
+    with pytest.raises(TensorparError, match="afab, 1f1b, interleaved, zb-h1, zbv"):
+        build_schedule("zb-h2", 4, 8)
+    with pytest.raises(LayoutError, match="two model chunks"):
+        build_schedule("zbv", 4, 8, 3)
+    with pytest.raises(LayoutError, match="at least 2 \\* pp - 1 = 7 micro-batches"):
+        build_schedule("zbv", 4, 6)
     with pytest.raises(LayoutError, match="interleaved"):
         build_schedule("1f1b", 4, 8, 2)
     with pytest.raises(LayoutError, match="pp"):
@@ -166,3 +172,74 @@ def test_deadlock_is_detected():
         simulate([[F(0), F(1), B(0)]])
     with pytest.raises(TensorparError, match="twice"):
         simulate([[F(0), F(0), B(0)]])
+
+
+# --------------------------------------------------------------------------- zero-bubble schedules
+
+
+def W(mb, c=0):
+    return Action("W", mb, c)
+
+
+def _zero_bubble_cases():
+    for pp in range(1, 7):
+        for m in range(1, 13):
+            yield "zb-h1", pp, m
+            if m >= 2 * pp - 1:
+                yield "zbv", pp, m
+
+
+def test_zero_bubble_schedules_run_every_f_b_w_once_without_deadlock():
+    for name, pp, m in _zero_bubble_cases():
+        sched = build_schedule(name, pp, m)
+        v = 2 if name == "zbv" else 1
+        want = sorted((k, mb, c) for k in "FBW" for mb in range(m) for c in range(v))
+        for acts in sched:
+            assert sorted((a.kind, a.microbatch, a.chunk) for a in acts) == want, (name, pp, m)
+            for i, a in enumerate(acts):  # a W after its own B
+                if a.kind == "W":
+                    assert B(a.microbatch, a.chunk) in acts[:i]
+        tl = simulate(sched)
+        assert [len(e) for e in tl.events] == [3 * m * v] * pp
+
+
+def test_v_shape_places_both_ends_on_rank_0():
+    assert [stage_of(r, c, 4, v_shape=True) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    assert all(rank_of(stage_of(r, c, 3, True), 3, True) == (r, c) for r in range(3) for c in (0, 1))
+    assert all(rank_of(stage_of(r, c, 3), 3) == (r, c) for r in range(3) for c in range(4))
+    sched = build_schedule("zbv", 2, 4)
+    assert sched.v_shape and not build_schedule("1f1b", 2, 4).v_shape
+    assert sched[0][:3] == [F(0), F(1), F(2)]  # rank 0: 2 * (pp - 0) - 1 chunk-0 forwards first
+    assert sched[1][:5] == [F(0), F(0, 1), F(1), F(1, 1), B(0, 1)]  # the turn of the V stays on the last rank
+
+
+def test_zero_bubble_simulated_bubble_and_memory():
+    # t_F = t_B = t_W: zb-h1 reaches (p-1)/(3m+p-1) at pp 2 and 4 and zbv (p-1)/(6m+p-1) at every shape
+    for pp, m in [(2, 4), (2, 8), (4, 8), (4, 12), (4, 16)]:
+        tl = simulate(build_schedule("zb-h1", pp, m), forward_time=1.0, backward_time=2.0)
+        assert tl.bubble_fraction == pytest.approx(theoretical_bubble("zb-h1", pp, m), abs=1e-12), (pp, m)
+    for name, pp, m in _zero_bubble_cases():
+        tl = simulate(build_schedule(name, pp, m), forward_time=1.0, backward_time=2.0)
+        if name == "zbv":
+            assert tl.bubble_fraction == pytest.approx(theoretical_bubble(name, pp, m), abs=1e-12), (pp, m)
+        assert tl.bubble_fraction <= theoretical_bubble("1f1b", pp, m) + 1e-12, (name, pp, m)
+    assert theoretical_bubble("zb-h1", 4, 8) == 3 / 27
+    assert theoretical_bubble("zbv", 4, 8) == 3 / 51
+    # the Done-when shape: zb-h1 at most 0.45x 1F1B's idle share, zbv at most zb-h1's
+    one, h1, v = (simulate(build_schedule(n, 4, 8), 1.0, 2.0).bubble_fraction for n in ("1f1b", "zb-h1", "zbv"))
+    assert h1 <= 0.45 * one and v <= h1
+    # memory: zb-h1 keeps 1F1B's activations in flight; zbv holds pp micro-batches of half-stages on every rank
+    for pp, m in [(4, 8), (3, 9), (2, 8)]:
+        assert peak_in_flight(build_schedule("zb-h1", pp, m)) == peak_in_flight(one_f_one_b(pp, m))
+        assert peak_in_flight(build_schedule("zbv", pp, m)) == [2 * pp] * pp
+
+
+def test_split_schedules_simulate_w_after_b():
+    tl = simulate(build_schedule("zb-h1", 2, 2), forward_time=1.0, backward_time=3.0, weight_time=1.0)
+    ends = {(a.kind, a.microbatch, r): (s, e) for r, evs in enumerate(tl.events) for a, s, e in evs}
+    assert ends[("B", 0, 1)] == (2.0, 4.0)  # B takes backward - weight = 2
+    assert ends[("W", 0, 1)][1] - ends[("W", 0, 1)][0] == 1.0
+    with pytest.raises(TensorparError, match="weight_time"):
+        simulate(build_schedule("zb-h1", 2, 2), backward_time=2.0, weight_time=2.0)
+    with pytest.raises(TensorparError, match="misses"):  # a split schedule with a W missing
+        simulate([[F(0), B(0), W(0), F(1), B(1)]])

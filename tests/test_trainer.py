@@ -203,3 +203,34 @@ def test_zero3_weights_after_a_step_are_the_single_device_weights(pools, config_
 def test_reference_learns(reference_3d):
     losses = [loss for loss, _ in reference_3d["trajectory"]]
     assert losses[-1] < losses[0] - 0.5
+
+
+@pytest.fixture(scope="module")
+def reference_20_steps(pools, config_file):
+    """One process, 20 steps, at the two global batches the zero-bubble layouts use (8 micro-batches per rank)."""
+    return {gb: pools(1).run(layout_runs.run, config_file, steps=20, global_batch_size=gb)[0] for gb in (8, 16)}
+
+
+ZERO_BUBBLE_LAYOUTS = [
+    dict(tp=2, pp=2, schedule="zb-h1"),
+    dict(tp=2, pp=2, schedule="zbv", sequence_parallel=True),
+    dict(pp=2, dp=2, schedule="zb-h1", zero=1),
+    dict(pp=2, dp=2, schedule="zbv", zero=2),
+    dict(tp=2, pp=4, schedule="zb-h1"),
+    dict(tp=2, pp=4, schedule="zbv"),
+    dict(pp=4, dp=2, schedule="zb-h1", zero=0),
+    dict(pp=4, dp=2, schedule="zbv", zero=1),
+]
+
+
+@pytest.mark.parametrize("layout", ZERO_BUBBLE_LAYOUTS, ids=[_id(lay) for lay in ZERO_BUBBLE_LAYOUTS])
+def test_zero_bubble_schedules_train_like_one_process(pools, config_file, reference_20_steps, layout):
+    """zb-h1 and zbv (backward split into B and W, W run later by the schedule) at pp 2 and 4 with 8 micro-batches
+    per step, with TP 2 and with DP 2 (ZeRO 0/1/2 reduce only after every deferred W): 20 steps equal to one
+    process's."""
+    dp = layout.get("dp", 1)
+    layout = {"tp": 1, **layout, "steps": 20, "global_batch_size": 8 * dp}
+    world = layout["tp"] * layout["pp"] * dp
+    results = pools(world).run(layout_runs.run, config_file, **layout)
+    assert results[0]["peak_in_flight"] is not None
+    layout_runs.assert_same_training(results, reference_20_steps[8 * dp])

@@ -16,7 +16,7 @@ per-GPU memory breakdown, step time and MFU, and why the others fail. ``--png PA
 memory breakdown of the top layouts (stacked bars) to PATH and the Playbook-style heatmap (tp x
 pp, coloured by the best tokens/s) next to it (``PATH-heatmap.png``). No processes are started.
 
-Schedule mode (``--schedule afab|1f1b|interleaved --pp P --microbatches M [--virtual-stages V]``)
+Schedule mode (``--schedule afab|1f1b|interleaved|zb-h1|zbv --pp P --microbatches M [--virtual-stages V]``)
 draws a pipeline schedule instead (`run_schedule_command`, below).
 """
 
@@ -34,7 +34,8 @@ from tensorpar.config.options import PlanOptions
 from tensorpar.errors import TensorparError
 from tensorpar.models import get_config
 from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
-from tensorpar.parallel.pipeline_schedules import build_schedule, peak_in_flight, simulate, theoretical_bubble
+from tensorpar.parallel.pipeline_schedules import (build_schedule, chunks_per_rank, peak_in_flight, simulate,
+                                                   theoretical_bubble)
 from tensorpar.parallel.pipeline_view import render_png, render_text as render_schedule_text
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.memory import MemoryBreakdown
@@ -320,7 +321,7 @@ def run_schedule_command(options) -> int:
     different schedules for the same model are then comparable."""
     name = str(options.schedule).lower()
     pp, m = options.pp, options.microbatches
-    v = getattr(options, "virtual_stages", None) or 1
+    v = chunks_per_rank(name, getattr(options, "virtual_stages", None) or 1)  # zbv: always 2 (a V)
     schedule = build_schedule(name, pp, m, v)
     tl = simulate(schedule, forward_time=1.0 / v, backward_time=2.0 / v, name=name)
     theory = theoretical_bubble(name, pp, m, v)

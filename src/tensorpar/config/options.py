@@ -72,7 +72,7 @@ class TrainOptions(LaunchOptions):
     bucket_mb: float = option(25.0, "MiB of gradients per DP bucket (one all-reduce, or ZeRO-1/2 reduce-scatter, "
                                     "each)", group=LAYOUT)
     schedule: str = option("1f1b", "pipeline schedule when --pp > 1", choices=PIPELINE_SCHEDULES, group=LAYOUT)
-    virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved)", group=LAYOUT)
+    virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved; zbv always runs 2)", group=LAYOUT)
     pipeline_layers: str | None = option(None, "comma-separated layer counts of the pipeline stages, summing to "
                                                "the model's layers, e.g. 4,6,6,4 to give the stages holding the "
                                                "embedding and the LM head fewer blocks (default: an even split; "

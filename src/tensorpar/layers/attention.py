@@ -9,6 +9,8 @@ row-parallel: one all-reduce (or reduce-scatter under sequence parallelism) per 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,7 @@ from tensorpar.distributed.comm import Group, as_group
 from tensorpar.distributed.ops import copy_to_tp, gather_from_sp
 from tensorpar.errors import LayoutError
 from tensorpar.layers.dropout import fork_rng_seeded, mix_seed
+from tensorpar.layers import weight_grad
 from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.layers.ring_attention import ContextSplit, context_attention
 from tensorpar.layers.rope import apply_rope
@@ -46,12 +49,16 @@ class _SumOverReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        group, replicas = ctx.group, ctx.replicas
-        slot = group.rank // replicas
-        buffer = grad.new_zeros((group.size // replicas,) + tuple(grad.shape))
-        buffer[slot] = grad
-        group.all_reduce(buffer)
-        return buffer[slot], None, None
+        return _sum_over_replicas(grad, ctx.group, ctx.replicas), None, None
+
+
+def _sum_over_replicas(grad: torch.Tensor, group: Group, replicas: int) -> torch.Tensor:
+    """All-reduce over `group` of a buffer with one slot per distinct shard: the sum over the ranks holding this one."""
+    slot = group.rank // replicas
+    buffer = grad.new_zeros((group.size // replicas,) + tuple(grad.shape))
+    buffer[slot] = grad
+    group.all_reduce(buffer)
+    return buffer[slot]
 
 
 class KVParallelLinear(nn.Module):
@@ -72,8 +79,14 @@ class KVParallelLinear(nn.Module):
         self.weight = tag(nn.Parameter(torch.empty(rows, in_features, device=device)), spec)
         self.bias = tag(nn.Parameter(torch.empty(rows, device=device)), spec) if bias else None
 
+    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
+        if self.weight_grad_queue is not None:
+            reduce = functools.partial(_sum_over_replicas, group=self.tp_group, replicas=self.replicas)
+            return weight_grad.linear(x, weight, bias, self.weight_grad_queue,
+                                      reduce=reduce if self.replicas > 1 else None)
         if self.replicas > 1:
             weight = _SumOverReplicas.apply(weight, self.tp_group, self.replicas)
             bias = None if bias is None else _SumOverReplicas.apply(bias, self.tp_group, self.replicas)

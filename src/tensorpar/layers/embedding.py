@@ -10,6 +10,7 @@ from torch import nn
 
 from tensorpar.distributed.comm import Group, as_group
 from tensorpar.distributed.ops import reduce_from_tp, reduce_scatter_to_sp, scatter_to_sp
+from tensorpar.layers import weight_grad
 from tensorpar.layers.sharding import ShardSpec, make_generator, padded, tag, take_shard
 
 
@@ -35,8 +36,11 @@ class _LookupWithWideGrad(torch.autograd.Function):
         return None, wide.to(ctx.weight_dtype)
 
 
-def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.embedding(ids, weight)`, with the weight gradient accumulated in fp32 when the table is bf16/fp16."""
+def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor, weight_grad_queue=None) -> torch.Tensor:
+    """`F.embedding(ids, weight)`, with the weight gradient accumulated in fp32 when the table is bf16/fp16
+    (and left in `weight_grad_queue` for later when one is given: layers/weight_grad.py)."""
+    if weight_grad_queue is not None:
+        return weight_grad.embedding(ids, weight, weight_grad_queue)
     if weight.dtype in (torch.bfloat16, torch.float16) and weight.requires_grad and torch.is_grad_enabled():
         return _LookupWithWideGrad.apply(ids, weight)
     return F.embedding(ids, weight)
@@ -128,13 +132,15 @@ class VocabParallelEmbedding(nn.Module):
         layer._load_full(module.weight.detach())
         return layer
 
+    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradient in it (layers/weight_grad.py)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.replicated or self.tp_group.size == 1:
-            out = embedding_lookup(ids, self.weight)
+            out = embedding_lookup(ids, self.weight, self.weight_grad_queue)
             return scatter_to_sp(out, self.tp_group) if self.sequence_parallel else out
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = embedding_lookup(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = embedding_lookup(local_ids, self.weight, self.weight_grad_queue).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sp(out, self.tp_group)
         return reduce_from_tp(out, self.tp_group)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tensorpar.distributed.comm import Group, as_group
@@ -37,6 +36,7 @@ from tensorpar.layers.sharding import (
     tag,
     take_shard,
 )
+from tensorpar.layers import weight_grad
 
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
 
@@ -55,6 +55,7 @@ def full_linear_params(in_features, out_features, bias, init_method, seed):
 
 class _ParallelLinear(nn.Module):
     split_dim: int  # 0 for column-parallel, 1 for row-parallel
+    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
 
     def __init__(self, in_features, out_features, tp_group, bias, sequence_parallel, device, dtype):
         super().__init__()
@@ -155,7 +156,7 @@ class ColumnParallelLinear(_ParallelLinear):
             x = gather_from_sp(x, self.tp_group)
         else:
             x = copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = weight_grad.linear(x, self.weight, self.bias, self.weight_grad_queue)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -209,13 +210,16 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = weight_grad.linear(x, self.weight, None, self.weight_grad_queue)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(y, self.tp_group)
         else:
             y = reduce_from_tp(y, self.tp_group)
         if self.bias is None:
             return y
+        if self.weight_grad_queue is not None:  # split backward: the bias gradient (summed across TP under SP) in W
+            reduce = weight_grad.summed_over(self.tp_group) if self.sequence_parallel else None
+            return weight_grad.affine(y, None, self.bias, self.weight_grad_queue, reduce=reduce)
         # Under SP the bias gradient on each rank covers only its sequence shard: copy_to_tp sums it across TP.
         bias = copy_to_tp(self.bias, self.tp_group) if self.sequence_parallel else self.bias
         return y + bias

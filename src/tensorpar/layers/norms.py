@@ -15,11 +15,14 @@ from torch import nn
 
 from tensorpar.distributed.comm import as_group
 from tensorpar.distributed.ops import copy_to_tp
+from tensorpar.layers import weight_grad
 from tensorpar.layers.sharding import ShardSpec, tag
 
 
 class Norm(nn.Module):
     """``kind="layernorm"`` (weight and bias) or ``"rmsnorm"`` (weight only, computed in fp32 like Llama's)."""
+
+    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
 
     def __init__(self, hidden_size: int, kind: str, eps: float, tp_group=None, sequence_parallel: bool = False,
                  device=None):
@@ -34,6 +37,8 @@ class Norm(nn.Module):
         return copy_to_tp(p, self.tp_group) if self.sequence_parallel and p is not None else p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_grad_queue is not None:
+            return self._forward_split(x)
         weight = self._param(self.weight)
         if self.kind == "layernorm":
             return F.layer_norm(x, (x.shape[-1],), weight, self._param(self.bias), self.eps)
@@ -41,6 +46,17 @@ class Norm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * x.to(dtype)
+
+    def _forward_split(self, x: torch.Tensor) -> torch.Tensor:
+        """The same function, its weight gradients (summed across TP under SP) left in the queue."""
+        reduce = weight_grad.summed_over(self.tp_group) if self.sequence_parallel else None
+        if self.kind == "layernorm":
+            normed = F.layer_norm(x, (x.shape[-1],), None, None, self.eps)
+            return weight_grad.affine(normed, self.weight, self.bias, self.weight_grad_queue, reduce=reduce)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight_grad.affine(x.to(dtype), self.weight, None, self.weight_grad_queue, reduce=reduce)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

@@ -16,7 +16,6 @@ The sequence length must then divide by TP: it is refused with a clear error oth
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -34,6 +33,7 @@ from tensorpar.layers.moe import MoELayer
 from tensorpar.layers.norms import Norm
 from tensorpar.layers.ring_attention import ContextSplit, check_context_split
 from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
+from tensorpar.layers import weight_grad
 from tensorpar.layers.sharding import ShardSpec, tag
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.init import init_weights
@@ -109,6 +109,8 @@ class Transformer(nn.Module):
     returns hidden states. With tied embeddings the last stage holds a copy of the embedding
     (`pipeline_duplicate`), kept equal to the first stage's by summing their gradients.
     """
+
+    weight_grad_queue = None  # a WeightGradQueue for the head's and positions' weight gradients (layers/weight_grad.py)
 
     def __init__(
         self,
@@ -198,7 +200,7 @@ class Transformer(nn.Module):
         h = self.embed(ids)
         if self.pos_embed is not None:
             seq_len = context.seq_len if context is not None else ids.shape[1]
-            pos = embedding_lookup(self.positions(seq_len, context, ids.device), self.pos_embed)
+            pos = embedding_lookup(self.positions(seq_len, context, ids.device), self.pos_embed, self.weight_grad_queue)
             if self.sequence_parallel:
                 # Each rank adds the positions of its shard; the gradient of the [S, H] slice is summed across TP.
                 pos = copy_to_tp(pos, self.tp_group).chunk(self.tp_group.size, 0)[self.tp_group.rank]
@@ -218,7 +220,7 @@ class Transformer(nn.Module):
         """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp]."""
         h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
         weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(h, weight)
+        return weight_grad.linear(h, weight, None, self.weight_grad_queue)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss over the targets that are not -100 (under context parallelism, of every CP rank)."""

@@ -69,6 +69,7 @@ class _Bucket:
         self.grad_buffer: torch.Tensor | None = None
         self.pending = None
         self.ready = 0
+        self.arrivals = len(params)  # gradient arrivals per micro-batch (begin_step counts them)
         self.deferred = False
 
     def attach_grads(self) -> None:
@@ -174,12 +175,14 @@ class DistributedOptimizer:
     # -- the step ------------------------------------------------------------------------------
 
     def begin_step(self, num_microbatches: int) -> None:
-        """Gradients are communicated after this many backward passes through each parameter."""
+        """Gradients are communicated after this many backward passes through each parameter (times its
+        ``backward_passes`` per micro-batch: 2 for a tied embedding whose lookup and head run in two chunks)."""
         self._expected = num_microbatches
         self.grad_bytes.reset_peak()
         for b in self.buckets:
             b.ready = 0
             b.pending = None
+            b.arrivals = sum(getattr(p, "backward_passes", 1) for p in b.params)  # per micro-batch
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         bucket = self._bucket_of[id(param)]
@@ -188,7 +191,7 @@ class DistributedOptimizer:
             return self._gather_grad(bucket, param)
         if self.mixed:
             add_to_flat(bucket.grad_buffer, param, bucket.offset_of[id(param)])
-        if bucket.ready == len(bucket.params) * self._expected and not bucket.deferred:
+        if bucket.ready == bucket.arrivals * self._expected and not bucket.deferred:
             self._launch(bucket)
 
     def _ensure_grad_buffer(self, b: _Bucket) -> torch.Tensor:
@@ -201,7 +204,7 @@ class DistributedOptimizer:
     def _gather_grad(self, b: _Bucket, param: torch.Tensor) -> None:
         """ZeRO-2: move the gradient into its bucket (allocated now if needed); hand a full bucket to the queue."""
         add_to_flat(self._ensure_grad_buffer(b), param, b.offset_of[id(param)])
-        if b.ready % len(b.params) == 0 and not b.deferred:
+        if b.ready % b.arrivals == 0 and not b.deferred:
             self.queue.push(b, b.grad_buffer, b.group)
             b.grad_buffer = None
 

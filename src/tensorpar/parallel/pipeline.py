@@ -8,7 +8,12 @@ layer indices. Stage 0 also embeds, the last stage also computes the head and th
 A forward action receives the previous stage's activations (unless it is stage 0), runs the
 chunk and sends its output on (unless it is the last stage, which keeps the loss). A backward
 action receives the gradient of its output (unless it is the last stage, which starts from the
-loss), back-propagates and sends the input's gradient to the previous stage. Sends are
+loss), back-propagates and sends the input's gradient to the previous stage. In the zero-bubble
+schedules (zb-h1, zbv) that backward computes only input gradients: the model's layers leave their
+weight gradients in the runner's `WeightGradQueue`, and the schedule's W action for the same
+micro-batch and chunk computes them (layers/weight_grad.py). In a V (zbv) rank 0 holds the first and
+the last stage, and the two middle stages share the last rank, which hands their tensors over
+without a message. Sends are
 asynchronous and receives block, so a schedule whose order respects its dependencies cannot
 deadlock; messages carry tags naming (micro-batch, stage, direction) — gloo matches on them,
 NCCL matches in issue order, which these schedules keep consistent per pair of ranks.
@@ -21,8 +26,13 @@ import time
 
 import torch
 
+from torch import nn
+
+from tensorpar.config.choices import V_SHAPED_SCHEDULES
 from tensorpar.errors import LayoutError
-from tensorpar.parallel.pipeline_schedules import build_schedule
+from tensorpar.layers.weight_grad import WeightGradQueue, attach_weight_grad_queue
+from tensorpar.parallel.pipeline_schedules import (build_schedule, chunks_per_rank, is_v_shaped, rank_of,
+                                                   splits_backward, stage_of)
 
 
 def parse_pipeline_layers(text: str | None) -> list[int] | None:
@@ -81,10 +91,16 @@ def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1,
 
 
 def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1,
-                pipeline_layers: list[int] | None = None) -> list[list[int]]:
-    """The layers of each of this rank's chunks (chunk c is virtual stage c * pp + pp_rank)."""
+                pipeline_layers: list[int] | None = None, v_shape: bool = False) -> list[list[int]]:
+    """The layers of each of this rank's chunks (chunk c is virtual stage c * pp + pp_rank; in a V, stages
+    pp_rank and 2 * pp - 1 - pp_rank)."""
     stages = stage_layers(num_layers, pp, virtual_stages, pipeline_layers)
-    return [stages[c * pp + pp_rank] for c in range(virtual_stages)]
+    return [stages[stage_of(pp_rank, c, pp, v_shape)] for c in range(virtual_stages)]
+
+
+def holds_ends(pp: int, pp_rank: int, schedule: str) -> tuple[bool, bool]:
+    """(whether this rank holds the first stage, whether it holds the last) under `schedule`."""
+    return pp_rank == 0, pp_rank == (0 if str(schedule).lower() in V_SHAPED_SCHEDULES else pp - 1)
 
 
 class PipelineRunner:
@@ -94,12 +110,23 @@ class PipelineRunner:
                  activation_shape: tuple[int, ...], autocast=contextlib.nullcontext,
                  activation_dtype: torch.dtype = torch.float32, pipeline_layers: list[int] | None = None):
         self.model, self.mesh = model, mesh
-        self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, virtual_stages
+        self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, chunks_per_rank(schedule, virtual_stages)
         self.stages = self.pp * self.v
         self.last = self.stages - 1
-        self.prev, self.next = (self.rank - 1) % self.pp, (self.rank + 1) % self.pp
-        self.chunks = rank_layers(model.cfg.num_layers, self.pp, self.rank, virtual_stages, pipeline_layers)
-        self.actions = build_schedule(schedule, self.pp, num_microbatches, virtual_stages)[self.rank]
+        plan = build_schedule(schedule, self.pp, num_microbatches, virtual_stages)
+        self.v_shape = is_v_shaped(plan)
+        self.chunks = rank_layers(model.cfg.num_layers, self.pp, self.rank, self.v, pipeline_layers, self.v_shape)
+        self.actions = plan[self.rank]
+        # Split backward: the layers leave their weight gradients here until the schedule's W actions.
+        self.weight_grads = WeightGradQueue(mesh.device) if splits_backward(schedule) else None
+        if isinstance(model, nn.Module):
+            attach_weight_grad_queue(model, self.weight_grads)
+        embed = getattr(model, "embed", None)
+        if self.v_shape and embed is not None and getattr(model, "head", 1) is None and self.v > 1:
+            # A tied embedding on the rank holding both ends: the first chunk's lookup and the last chunk's head
+            # are two backward passes per micro-batch (data parallelism counts its gradient's arrivals).
+            embed.weight.backward_passes = 2
+        self._local: dict[int, torch.Tensor] = {}  # tensors handed between two stages on this rank
         self.num_microbatches = num_microbatches
         self.activation_shape = activation_shape
         self.autocast = autocast
@@ -108,7 +135,18 @@ class PipelineRunner:
         self.peak_in_flight = 0
 
     def _stage(self, chunk: int) -> int:
-        return chunk * self.pp + self.rank
+        return stage_of(self.rank, chunk, self.pp, self.v_shape)
+
+    def _rank_of(self, stage: int) -> int:
+        return rank_of(stage, self.pp, self.v_shape)[0]
+
+    def _send(self, tensor: torch.Tensor, stage: int, tag: int, sends: list) -> None:
+        """Send `tensor` to the rank holding `stage` (or keep it, when that is this rank)."""
+        dst = self._rank_of(stage)
+        if dst == self.rank:
+            self._local[tag] = tensor
+        else:
+            sends.append((self.mesh.pp_group.isend(tensor, dst, tag=tag), tensor))
 
     def _tag(self, microbatch: int, stage: int, backward: bool) -> int:
         return 2 * (microbatch * self.stages + stage) + int(backward)
@@ -119,7 +157,11 @@ class PipelineRunner:
             return self.model.forward_layers(x, self.chunks[chunk], targets, dropout_seed,
                                              embed=stage == 0, head=stage == self.stages - 1, aux_scale=aux_scale)
 
-    def _recv(self, tag: int, src: int) -> torch.Tensor:
+    def _recv(self, tag: int, stage: int) -> torch.Tensor:
+        """What the rank holding `stage` sent with `tag`."""
+        src = self._rank_of(stage)
+        if src == self.rank:
+            return self._local.pop(tag).detach().clone()
         buf = torch.empty(self.activation_shape, device=self.mesh.device, dtype=self.activation_dtype)
         self.mesh.pp_group.irecv(buf, src, tag=tag).wait()
         return buf
@@ -130,14 +172,14 @@ class PipelineRunner:
         Returns (input, output, start of compute); on the last stage the output is the loss. `aux_scale`: what the
         loss's backward is scaled by (MoE router losses take it too)."""
         stage = self._stage(chunk)
-        x = batch[:, :-1] if stage == 0 else self._recv(self._tag(mb, stage, False), self.prev)
+        x = batch[:, :-1] if stage == 0 else self._recv(self._tag(mb, stage, False), stage - 1)
         if stage > 0 and torch.is_grad_enabled():
             x.requires_grad_()
         t0 = time.perf_counter()
         out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == self.last else None, dropout_seed, aux_scale)
         if stage != self.last:
             out = out.to(self.activation_dtype)
-            sends.append((self.mesh.pp_group.isend(out.detach(), self.next, tag=self._tag(mb, stage + 1, False)), out))
+            self._send(out.detach(), stage + 1, self._tag(mb, stage + 1, False), sends)
         return x, out, t0
 
     def _finish(self, sends: list, loss_sum: torch.Tensor, count: int) -> float:
@@ -165,14 +207,18 @@ class PipelineRunner:
                     out = out * (loss_scale / self.num_microbatches)
                 saved[(mb, chunk)] = (x if stage > 0 else None, out)
                 self.peak_in_flight = max(self.peak_in_flight, len(saved))
-            else:
+            elif action.kind == "B":
                 x, out = saved.pop((mb, chunk))
-                grad = None if stage == self.last else self._recv(self._tag(mb, stage, True), self.next)
+                grad = None if stage == self.last else self._recv(self._tag(mb, stage, True), stage + 1)
                 t0 = time.perf_counter()
                 torch.autograd.backward(out, grad)
+                if self.weight_grads is not None:
+                    self.weight_grads.close((mb, chunk))
                 if stage > 0:
-                    sends.append((self.mesh.pp_group.isend(x.grad, self.prev, tag=self._tag(mb, stage - 1, True)),
-                                  x.grad))
+                    self._send(x.grad, stage - 1, self._tag(mb, stage - 1, True), sends)
+            else:  # "W": the weight gradients that B left in the queue
+                t0 = time.perf_counter()
+                self.weight_grads.run((mb, chunk))
             self.timeline.append((action.kind, mb, chunk, t0, time.perf_counter()))
         return self._finish(sends, loss_sum, self.num_microbatches)
 

@@ -5,19 +5,29 @@ its actions. Nothing here communicates; the executor runs these lists with real 
 
 The contract (the executor relies on it)
 -----------------------------------------
-- ``Action(kind, microbatch, chunk)``: ``kind`` is ``"F"`` (forward) or ``"B"`` (backward),
-  ``microbatch`` is 0-based, ``chunk`` is the model chunk on this rank (0-based, 0 unless
-  interleaved).
+- ``Action(kind, microbatch, chunk)``: ``kind`` is ``"F"`` (forward), ``"B"`` (backward) or
+  ``"W"`` (weight gradients), ``microbatch`` is 0-based, ``chunk`` is the model chunk on this
+  rank (0-based, 0 unless interleaved or V-shaped).
+- In schedules without ``W`` actions, ``B`` is the whole backward. The zero-bubble schedules
+  split it: ``B`` computes only the gradient of the stage's input (what the previous stage waits
+  for) and queues the weight gradients, which ``W`` computes later
+  (:mod:`tensorpar.layers.weight_grad`).
 - With ``pp`` ranks and ``v`` chunks per rank the model's layers are cut into ``S = pp * v``
   virtual stages in model order; rank ``r`` holds virtual stages ``r, r + pp, r + 2*pp, ...`` as
   chunks ``0, 1, ..., v - 1``: chunk ``c`` of rank ``r`` is stage ``s = c * pp + r``
-  (:func:`stage_of`).
+  (:func:`stage_of`). V-shaped schedules (``zbv``: ``v = 2``) place the chunks the other way
+  back: chunk 0 of rank ``r`` is stage ``r`` and chunk 1 is stage ``2 * pp - 1 - r``, so rank 0
+  holds the first and the last stage, and the turn (stage ``pp - 1`` to ``pp``) stays on rank
+  ``pp - 1``. A schedule built by :func:`build_schedule` is a :class:`Schedule` (a list) that
+  says which placement it uses.
 - Dependencies: ``F(mb, s)`` needs ``F(mb, s - 1)`` (for ``s > 0``); ``B(mb, s)`` needs
   ``F(mb, s)`` and, for ``s < S - 1``, ``B(mb, s + 1)``; on the last stage ``B(mb, S - 1)``
-  needs only ``F(mb, S - 1)`` (the loss is computed there). A dependency on a stage of another
-  rank is a point-to-point transfer: an activation forward, an activation gradient backward.
+  needs only ``F(mb, S - 1)`` (the loss is computed there); ``W(mb, s)`` needs ``B(mb, s)``.
+  A dependency on a stage of another rank is a point-to-point transfer: an activation forward,
+  an activation gradient backward.
 - Every rank's list holds each ``F(mb, c)`` and each ``B(mb, c)`` exactly once, for every
-  microbatch ``mb < m`` and chunk ``c < v`` (:func:`validate_schedule`).
+  microbatch ``mb < m`` and chunk ``c < v``, and, in a split schedule, each ``W(mb, c)`` once
+  too (:func:`validate_schedule`).
 
 Schedules
 ---------
@@ -35,6 +45,19 @@ Schedules
   ``min(2 * (pp - r - 1) + (v - 1) * pp, m * v)``; then steady-state pairs (forward step
   ``warmup + i``, backward step ``i``), then the remaining backwards. ``m`` must be a multiple
   of ``pp`` (as Megatron-LM requires).
+- :func:`zb_h1` (Qi et al., 2024, "Zero Bubble (Almost) Pipeline Parallelism", ZB-H1): the
+  backward split into ``B`` and ``W``; ``F`` and ``B`` keep 1F1B's memory bound (at most
+  ``pp - r`` micro-batches between their forward and their ``B`` on rank ``r``) and the ``W``
+  passes wait for idle time, mostly the cool-down bubble. The order is list scheduling on an
+  ideal machine (every action one time unit): a free rank runs a ready ``B``, else a ready
+  ``F`` (if the bound allows, and if at most ``pp`` micro-batches then wait for their ``W``),
+  else its oldest pending ``W``.
+- :func:`zbv` (ZB-V of the same paper; the construction of PyTorch's
+  ``ScheduleZBVZeroBubble``, which torchtitan runs): two chunks per rank in a V
+  (see above); rank ``r`` runs ``2 * (pp - r) - 1`` chunk-0 forwards, then ``r`` pairs
+  (chunk-1 forward, chunk-0 forward), then ``pp - r`` chunk-1 (F, B, W) triples, then steady
+  state (chunk-0 F, B, W, chunk-1 F, B, W) until every forward ran; the cool-down runs the
+  remaining ``B`` s with ``W`` s filling the gaps. Needs ``m >= 2 * pp - 1``.
 
 Ideal bubble (:func:`theoretical_bubble`)
 -----------------------------------------
@@ -51,6 +74,16 @@ share of the model, and no communication time:
   Training on GPU Clusters Using Megatron-LM", section 2.2.2: the bubble time shrinks by ``v``):
   ``bubble = ((pp - 1) / v) / (m + (pp - 1) / v) = (pp - 1) / (v * m + pp - 1)``.
 
+- ZB-H1 with ``t_F = t_B = t_W`` (``B`` and ``W`` each half of a backward twice as long as the
+  forward): the cool-down bubble is filled with ``W`` passes and what stays idle is
+  ``(pp - 1) * (t_F + t_B - t_W)`` per rank (the paper's section 3.1), against
+  ``m * (t_F + t_B + t_W)`` of work: ``bubble = (pp - 1) / (3 * m + pp - 1)``, a third of
+  1F1B's idle time. The list schedule reaches it at ``pp`` 2 and 4 (the shapes the tests pin);
+  at other ``pp`` it stays within a unit or two of it.
+- ZB-V with chunk times ``t_F = t_B = t_W``: rank ``r`` waits ``r`` chunk forwards for its first
+  micro-batch and finishes ``pp - 1 - r`` chunk steps before rank 0 does, so each rank idles
+  ``(pp - 1)`` chunk steps against ``6 * m`` of work: ``bubble = (pp - 1) / (6 * m + pp - 1)``.
+
 ``bubble`` here is the fraction of the pipeline's rank-time that is idle:
 ``1 - busy / (pp * makespan)``, the quantity :func:`simulate` reports.
 :func:`simulate` reproduces these values exactly with ``forward_time=1, backward_time=2``
@@ -62,15 +95,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tensorpar.config.choices import PIPELINE_SCHEDULES
+from tensorpar.config.choices import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES
 from tensorpar.errors import LayoutError, TensorparError
+
+
+ACTION_KINDS = ("F", "B", "W")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one pipeline rank: ``kind`` "F" (forward) or "B" (backward) of ``microbatch``
-    (0-based) on model chunk ``chunk`` of this rank (0-based; the virtual stage is
-    ``chunk * pp + rank``)."""
+    """One step of one pipeline rank: ``kind`` "F" (forward), "B" (backward; in a split schedule only
+    the input gradient) or "W" (the weight gradients queued by that B) of ``microbatch`` (0-based) on
+    model chunk ``chunk`` of this rank (0-based; its virtual stage: :func:`stage_of`)."""
 
     kind: str
     microbatch: int
@@ -80,9 +116,43 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f"/chunk {self.chunk}" if self.chunk else "")
 
 
-def stage_of(rank: int, chunk: int, pp: int) -> int:
-    """The virtual stage of chunk ``chunk`` on rank ``rank``: ``chunk * pp + rank``."""
+class Schedule(list):
+    """A schedule: one list of Actions per rank, plus how the chunks sit on the ranks (``v_shape``:
+    chunk 0 of rank r is stage r, chunk 1 is stage 2 * pp - 1 - r; else chunk c is stage c * pp + r)."""
+
+    def __init__(self, ranks=(), *, v_shape: bool = False):
+        super().__init__(ranks)
+        self.v_shape = v_shape
+
+
+def is_v_shaped(schedule) -> bool:
+    """Whether ``schedule`` places its two chunks per rank in a V (see :class:`Schedule`)."""
+    return bool(getattr(schedule, "v_shape", False))
+
+
+def stage_of(rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
+    """The virtual stage of chunk ``chunk`` on rank ``rank``: ``chunk * pp + rank``, or in a V
+    (``v_shape``, two chunks) ``rank`` for chunk 0 and ``2 * pp - 1 - rank`` for chunk 1."""
+    if v_shape:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
     return chunk * pp + rank
+
+
+def rank_of(stage: int, pp: int, v_shape: bool = False) -> tuple[int, int]:
+    """(rank, chunk) that holds virtual stage ``stage``: the inverse of :func:`stage_of`."""
+    if v_shape:
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule ``name`` splits each backward into B (input gradient) and W (weight gradients)."""
+    return str(name).lower() in SPLIT_BACKWARD_SCHEDULES
+
+
+def chunks_per_rank(name: str, virtual_stages: int | None = 1) -> int:
+    """Model chunks per rank that schedule ``name`` runs: 2 for "zbv" (a V), else ``virtual_stages``."""
+    return 2 if str(name).lower() in V_SHAPED_SCHEDULES else (virtual_stages or 1)
 
 
 def _check_int(name: str, value, minimum: int = 1) -> None:
@@ -161,37 +231,123 @@ def interleaved(pp: int, microbatches: int, virtual_stages: int) -> list[list[Ac
     return out
 
 
-def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """The schedule called ``name``: "afab", "1f1b" or "interleaved" (``virtual_stages`` chunks
-    per rank; the other two take only ``virtual_stages=1``)."""
+def zb_h1(pp: int, microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2024): 1F1B's forwards and input-gradient backwards (B), the weight-gradient
+    passes (W) put off into idle time; list scheduling with unit times (see the module docstring)."""
+    _check_int("pp", pp)
+    _check_int("microbatches", microbatches)
+    m = microbatches
+    done: dict[tuple[str, int, int], int] = {}  # (kind, microbatch, rank) -> end time
+    free, counts = [0] * pp, [{"F": 0, "B": 0, "W": 0} for _ in range(pp)]
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    for _ in range(3 * m * pp):
+        best = None  # (start, priority, rank, kind)
+        for r in range(pp):
+            n = counts[r]
+            options = []
+            if n["B"] < n["F"]:
+                needs = [("F", n["B"], r)] + ([("B", n["B"], r + 1)] if r < pp - 1 else [])
+                if all(d in done for d in needs):
+                    options.append((max([free[r]] + [done[d] for d in needs]), 0, r, "B"))
+            if n["F"] < m and n["F"] - n["B"] < pp - r and n["F"] - n["W"] <= pp:
+                needs = [("F", n["F"], r - 1)] if r > 0 else []
+                if all(d in done for d in needs):
+                    options.append((max([free[r]] + [done[d] for d in needs]), 1, r, "F"))
+            if n["W"] < n["B"]:
+                options.append((free[r], 2, r, "W"))
+            if options:
+                start = min(o[0] for o in options)
+                pick = min(o for o in options if o[0] == start)
+                best = pick if best is None or (pick[0], pick[2]) < (best[0], best[2]) else best
+        start, _, r, kind = best
+        mb = counts[r][kind]
+        counts[r][kind] += 1
+        done[(kind, mb, r)] = free[r] = start + 1
+        out[r].append(Action(kind, mb))
+    return out
+
+
+def zbv(pp: int, microbatches: int) -> list[list[Action]]:
+    """ZB-V: two chunks per rank in a V (chunk 0 = stage r, chunk 1 = stage 2 * pp - 1 - r), backward
+    split into B and W; PyTorch's ``ScheduleZBVZeroBubble`` order (see the module docstring). Raises
+    LayoutError unless ``microbatches >= 2 * pp - 1``."""
+    _check_int("pp", pp)
+    _check_int("microbatches", microbatches)
+    m = microbatches
+    if m < 2 * pp - 1:
+        raise LayoutError(f"the zbv schedule needs at least 2 * pp - 1 = {2 * pp - 1} micro-batches per step "
+                          f"(pp {pp}), got {m}: raise the global batch size or lower the micro-batch size")
+    out = []
+    for r in range(pp):
+        acts: list[Action] = []
+        n = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0, ("W", 0): 0, ("W", 1): 0}
+
+        def run(*steps):
+            for kind, chunk in steps:
+                acts.append(Action(kind, n[(kind, chunk)], chunk))
+                n[(kind, chunk)] += 1
+
+        run(*[("F", 0)] * (2 * (pp - r) - 1))
+        for _ in range(r):
+            run(("F", 1), ("F", 0))
+        for _ in range(pp - r):
+            run(("F", 1), ("B", 1), ("W", 1))
+        while n[("F", 1)] < n[("F", 0)] or n[("F", 0)] < m:
+            if n[("F", 0)] < m:
+                run(("F", 0))
+            run(("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+        for _ in range(r):
+            run(("B", 0), ("B", 1))
+        for _ in range(pp - r):
+            run(("B", 0), ("W", 0))
+        run(*[("W", 1)] * (m - n[("W", 1)]), *[("W", 0)] * (m - n[("W", 0)]))
+        out.append(acts)
+    return out
+
+
+def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule called ``name``: "afab", "1f1b", "zb-h1" (one chunk per rank), "interleaved"
+    (``virtual_stages`` chunks per rank) or "zbv" (two chunks per rank in a V; ``virtual_stages``
+    1 or 2 both mean that)."""
     if virtual_stages is None:
         virtual_stages = 1
     key = str(name).lower()
     if key not in PIPELINE_SCHEDULES:
         raise TensorparError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(PIPELINE_SCHEDULES)}")
     if key == "interleaved":
-        return interleaved(pp, microbatches, virtual_stages)
+        return Schedule(interleaved(pp, microbatches, virtual_stages))
     _check_int("virtual_stages", virtual_stages)
+    if key == "zbv":
+        if virtual_stages not in (1, 2):
+            raise LayoutError(f"schedule 'zbv' runs two model chunks per rank (a V); virtual_stages="
+                              f"{virtual_stages} is not 2")
+        return Schedule(zbv(pp, microbatches), v_shape=True)
     if virtual_stages != 1:
         raise LayoutError(
             f"schedule {key!r} has one model chunk per rank; virtual_stages={virtual_stages} "
             "needs the 'interleaved' schedule"
         )
-    return afab(pp, microbatches) if key == "afab" else one_f_one_b(pp, microbatches)
+    build = {"afab": afab, "1f1b": one_f_one_b, "zb-h1": zb_h1}[key]
+    return Schedule(build(pp, microbatches))
 
 
-def theoretical_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
-    """Ideal bubble fraction: (pp-1)/(m+pp-1) for "afab" and "1f1b"; (pp-1)/(v*m+pp-1) for
-    "interleaved" (Narayanan et al. 2021). See the module docstring for the derivation."""
+def bubble_formula(name: str, pp: int, m: int, v: int = 1) -> tuple[str, float]:
+    """(the published ideal bubble's formula with this shape's numbers, its value): (p-1)/(m+p-1) for
+    "afab" and "1f1b"; (p-1)/(v*m+p-1) for "interleaved" (Narayanan et al. 2021); (p-1)/(3m+p-1) for
+    "zb-h1" and (p-1)/(6m+p-1) for "zbv" at t_F = t_B = t_W (Qi et al. 2024). See the module docstring."""
     key = str(name).lower()
     if key not in PIPELINE_SCHEDULES:
         raise TensorparError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(PIPELINE_SCHEDULES)}")
     _check_int("pp", pp)
     _check_int("microbatches", m)
     _check_int("virtual_stages", v)
-    if key == "interleaved":
-        return (pp - 1) / (v * m + pp - 1)
-    return (pp - 1) / (m + pp - 1)
+    factor, text = {"interleaved": (v, "v*m"), "zb-h1": (3, "3m"), "zbv": (6, "6m")}.get(key, (1, "m"))
+    return f"(p-1)/({text}+p-1) = {pp - 1}/{factor * m + pp - 1}", (pp - 1) / (factor * m + pp - 1)
+
+
+def theoretical_bubble(name: str, pp: int, m: int, v: int = 1) -> float:
+    """Ideal bubble fraction of schedule ``name`` (:func:`bubble_formula`'s value)."""
+    return bubble_formula(name, pp, m, v)[1]
 
 
 # --------------------------------------------------------------------------- checks
@@ -209,15 +365,19 @@ def schedule_shape(schedule: list[list[Action]]) -> tuple[int, int, int]:
 
 
 def validate_schedule(schedule: list[list[Action]]) -> tuple[int, int, int]:
-    """Check that every rank runs each F(mb, chunk) and B(mb, chunk) exactly once and nothing
-    else; returns (pp, microbatches, virtual_stages). Raises TensorparError naming the first
-    problem. Says nothing about order (see :func:`simulate` for deadlocks)."""
+    """Check that every rank runs each F(mb, chunk) and B(mb, chunk) exactly once, and each W(mb, chunk)
+    once if the schedule has W actions at all, and nothing else; returns (pp, microbatches,
+    virtual_stages). Raises TensorparError naming the first problem. Says nothing about order (see
+    :func:`simulate` for deadlocks)."""
     pp, m, v = schedule_shape(schedule)
+    kinds = ACTION_KINDS if any(a.kind == "W" for acts in schedule for a in acts) else ("F", "B")
+    if is_v_shaped(schedule) and v != 2:
+        raise TensorparError(f"a V-shaped schedule has two chunks per rank, this one {v}")
     for r, acts in enumerate(schedule):
         seen = set()
         for i, a in enumerate(acts):
-            if not isinstance(a, Action) or a.kind not in ("F", "B"):
-                raise TensorparError(f"rank {r}, position {i}: {a!r} is not an Action of kind 'F' or 'B'")
+            if not isinstance(a, Action) or a.kind not in ACTION_KINDS:
+                raise TensorparError(f"rank {r}, position {i}: {a!r} is not an Action of kind 'F', 'B' or 'W'")
             for fname in ("microbatch", "chunk"):
                 val = getattr(a, fname)
                 if isinstance(val, bool) or not isinstance(val, int) or val < 0:
@@ -226,10 +386,10 @@ def validate_schedule(schedule: list[list[Action]]) -> tuple[int, int, int]:
             if key in seen:
                 raise TensorparError(f"rank {r} runs {a} twice (second time at position {i})")
             seen.add(key)
-        want = 2 * m * v
+        want = len(kinds) * m * v
         if len(seen) != want:
             missing = [
-                Action(k, mb, c) for c in range(v) for mb in range(m) for k in ("F", "B") if (k, mb, c) not in seen
+                Action(k, mb, c) for c in range(v) for mb in range(m) for k in kinds if (k, mb, c) not in seen
             ]
             raise TensorparError(
                 f"rank {r} misses {len(missing)} of its {want} actions (microbatches 0..{m - 1}, "
@@ -238,19 +398,22 @@ def validate_schedule(schedule: list[list[Action]]) -> tuple[int, int, int]:
     return pp, m, v
 
 
-def _deps(a: Action, rank: int, pp: int, n_stages: int) -> list[tuple[str, int, int]]:
+def _deps(a: Action, rank: int, pp: int, n_stages: int, v_shape: bool = False) -> list[tuple[str, int, int]]:
     """(kind, microbatch, stage) of what ``a`` on ``rank`` waits for."""
-    s = stage_of(rank, a.chunk, pp)
+    s = stage_of(rank, a.chunk, pp, v_shape)
     if a.kind == "F":
         return [("F", a.microbatch, s - 1)] if s > 0 else []
+    if a.kind == "W":
+        return [("B", a.microbatch, s)]
     deps = [("F", a.microbatch, s)]
     if s < n_stages - 1:
         deps.append(("B", a.microbatch, s + 1))
     return deps
 
 
-def _name(kind: str, mb: int, stage: int, pp: int) -> str:
-    return f"{kind}{mb} of stage {stage} (rank {stage % pp}, chunk {stage // pp})"
+def _name(kind: str, mb: int, stage: int, pp: int, v_shape: bool = False) -> str:
+    rank, chunk = rank_of(stage, pp, v_shape)
+    return f"{kind}{mb} of stage {stage} (rank {rank}, chunk {chunk})"
 
 
 # --------------------------------------------------------------------------- simulation
@@ -275,6 +438,8 @@ class Timeline:
     p2p_time: float = 0.0
     name: str | None = None
     busy: list[float] = field(default_factory=list)  # per rank
+    weight_time: float | None = None  # the W share of backward_time in a split schedule, else None
+    v_shape: bool = False
 
 
 def simulate(
@@ -284,11 +449,14 @@ def simulate(
     p2p_time: float = 0.0,
     *,
     name: str | None = None,
+    weight_time: float | None = None,
 ) -> Timeline:
     """Run ``schedule`` on an ideal machine: each rank executes its actions strictly in list order,
     one at a time; an action starts when its rank is free and each dependency has ended
     (+ ``p2p_time`` when the dependency ran on another rank). Times are per action (per chunk for
-    interleaved schedules). ``name`` (optional) is kept in the Timeline for pictures.
+    interleaved and V-shaped schedules). ``name`` (optional) is kept in the Timeline for pictures.
+    ``backward_time`` is a whole backward; in a schedule with W actions, W takes ``weight_time``
+    (default: half of it) and B the rest, so that schedules of the same model compare.
 
     Raises TensorparError for a malformed schedule and for an order that deadlocks, naming what
     each stuck rank waits for.
@@ -299,6 +467,14 @@ def simulate(
     if not p2p_time >= 0:
         raise TensorparError(f"simulate: p2p_time must be >= 0, got {p2p_time!r}")
     pp, m, v = validate_schedule(schedule)
+    v_shape = is_v_shaped(schedule)
+    split = any(a.kind == "W" for acts in schedule for a in acts)
+    if split:
+        weight_time = backward_time / 2 if weight_time is None else weight_time
+        if not 0 < weight_time < backward_time:
+            raise TensorparError(f"simulate: weight_time must be between 0 and backward_time ({backward_time}), "
+                                 f"got {weight_time!r}")
+    duration = {"F": forward_time, "B": backward_time - weight_time if split else backward_time, "W": weight_time}
     n_stages = pp * v
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, stage) -> end time
     events: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
@@ -313,54 +489,54 @@ def simulate(
                 a = acts[pos[r]]
                 start = free[r]
                 ready = True
-                for dep in _deps(a, r, pp, n_stages):
+                for dep in _deps(a, r, pp, n_stages, v_shape):
                     end = done.get(dep)
                     if end is None:
                         ready = False
                         break
-                    if dep[2] % pp != r:
+                    if rank_of(dep[2], pp, v_shape)[0] != r:
                         end += p2p_time
                     start = max(start, end)
                 if not ready:
                     break
-                end = start + (forward_time if a.kind == "F" else backward_time)
-                done[(a.kind, a.microbatch, stage_of(r, a.chunk, pp))] = end
+                end = start + duration[a.kind]
+                done[(a.kind, a.microbatch, stage_of(r, a.chunk, pp, v_shape))] = end
                 events[r].append((a, start, end))
                 free[r] = end
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise TensorparError(_deadlock_message(schedule, pos, done, pp, n_stages))
+            raise TensorparError(_deadlock_message(schedule, pos, done, pp, n_stages, v_shape))
     makespan = max(free)
     busy = [sum(e - s for _, s, e in evs) for evs in events]
     bubble = 1.0 - sum(busy) / (pp * makespan)
     return Timeline(
         pp=pp, microbatches=m, virtual_stages=v, events=events, makespan=makespan,
         bubble_fraction=bubble, forward_time=forward_time, backward_time=backward_time,
-        p2p_time=p2p_time, name=name, busy=busy,
+        p2p_time=p2p_time, name=name, busy=busy, weight_time=weight_time if split else None, v_shape=v_shape,
     )
 
 
-def _deadlock_message(schedule, pos, done, pp, n_stages) -> str:
+def _deadlock_message(schedule, pos, done, pp, n_stages, v_shape=False) -> str:
     where = {}
     for r, acts in enumerate(schedule):
         for i, a in enumerate(acts):
-            where[(a.kind, a.microbatch, stage_of(r, a.chunk, pp))] = (r, i)
+            where[(a.kind, a.microbatch, stage_of(r, a.chunk, pp, v_shape))] = (r, i)
     lines = []
     for r, acts in enumerate(schedule):
         if pos[r] >= len(acts):
             continue
         a = acts[pos[r]]
         waits = []
-        for dep in _deps(a, r, pp, n_stages):
+        for dep in _deps(a, r, pp, n_stages, v_shape):
             if dep in done:
                 continue
             dr, di = where[dep]
             if dr == r:
-                waits.append(f"{_name(*dep, pp)}, which comes later in its own order (position {di})")
+                waits.append(f"{_name(*dep, pp, v_shape)}, which comes later in its own order (position {di})")
             else:
-                waits.append(f"{_name(*dep, pp)} (position {di} of rank {dr}, which is stuck at {pos[dr]})")
+                waits.append(f"{_name(*dep, pp, v_shape)} (position {di} of rank {dr}, which is stuck at {pos[dr]})")
         lines.append(f"rank {r} at position {pos[r]} ({a}) waits for " + " and ".join(waits))
     return "pipeline schedule deadlocks: " + "; ".join(lines)
 
@@ -371,7 +547,9 @@ def _deadlock_message(schedule, pos, done, pp, n_stages) -> str:
 def peak_in_flight(schedule: list[list[Action]]) -> list[int]:
     """Per rank, the largest number of (microbatch, chunk) pairs whose forward has run and whose
     backward has not started yet: the activations a rank holds at its worst moment (for
-    interleaved schedules each unit is one chunk, 1/v of the rank's layers)."""
+    interleaved schedules each unit is one chunk, 1/v of the rank's layers). In split schedules a
+    pair whose B ran still holds what its W needs (each linear's input and output gradient) until
+    its W runs; that is not counted here."""
     validate_schedule(schedule)
     peaks = []
     for acts in schedule:
@@ -380,7 +558,7 @@ def peak_in_flight(schedule: list[list[Action]]) -> list[int]:
             if a.kind == "F":
                 live += 1
                 peak = max(peak, live)
-            else:
+            elif a.kind == "B":
                 live -= 1
         peaks.append(peak)
     return peaks

@@ -1,8 +1,10 @@
 """Pictures of pipeline schedules: a terminal drawing and a Gantt chart (PNG), from a simulated
 Timeline or from a training run's measured per-rank timings.
 
-Text cells read ``F3`` (forward of microbatch 3) and ``B3`` (its backward); with several model
-chunks per rank a letter names the chunk (``F3a`` chunk 0, ``F3b`` chunk 1, ...); ``.`` is idle.
+Text cells read ``F3`` (forward of microbatch 3) and ``B3`` (its backward; in the zero-bubble
+schedules only the input gradient) and ``W3`` (its weight gradients, zero-bubble schedules); with
+several model chunks per rank a letter names the chunk (``F3a`` chunk 0, ``F3b`` chunk 1, ...);
+``.`` is idle.
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ import math
 import os
 
 from tensorpar.errors import TensorparError
-from tensorpar.parallel.pipeline_schedules import (
-    Timeline,
-)
+from tensorpar.parallel.pipeline_schedules import ACTION_KINDS, Timeline, bubble_formula
 
 _PREFIX = "rank {r:>{w}} |"
 
@@ -28,10 +28,22 @@ def _label(kind: str, mb: int, chunk: int, v: int) -> str:
     return f"{kind}{mb}{_chunk_tag(chunk, v)}"
 
 
-def _formula(pp: int, m: int, v: int) -> tuple[str, float]:
-    if v > 1:
-        return f"(p-1)/(v*m+p-1) = {pp - 1}/{v * m + pp - 1}", (pp - 1) / (v * m + pp - 1)
-    return f"(p-1)/(m+p-1) = {pp - 1}/{m + pp - 1}", (pp - 1) / (m + pp - 1)
+def _formula(tl: Timeline) -> tuple[str, float]:
+    """The published bubble of the timeline's schedule (its name's; unnamed: 1F1B's, or interleaved's with chunks)."""
+    name = tl.name if tl.name in _NAMED else ("interleaved" if tl.virtual_stages > 1 else "1f1b")
+    return bubble_formula(name, tl.pp, tl.microbatches, tl.virtual_stages)
+
+
+_NAMED = ("afab", "1f1b", "interleaved", "zb-h1", "zbv")
+
+
+def _chunk_legend(tl: Timeline) -> str:
+    pp, v = tl.pp, tl.virtual_stages
+    if tl.v_shape:
+        return f"letter = chunk (a: stages 0..{pp - 1}, b: stages {2 * pp - 1}..{pp} in a V; rank 0 holds both ends)"
+    return "letter = chunk (" + ", ".join(
+        f"{_chunk_tag(c, v)}: stages {c * pp}..{c * pp + pp - 1}" for c in range(min(v, 3))
+    ) + (", ..." if v > 3 else "") + "; stage = chunk*pp + rank)"
 
 
 def _fmt_time(t: float) -> str:
@@ -77,17 +89,20 @@ def render_text(timeline: Timeline, width: int | None = None) -> str:
     if v > 1:
         title += f", virtual stages per rank={v}"
     per = " per chunk" if v > 1 else ""
+    backward = _fmt_time(tl.backward_time)
+    if tl.weight_time is not None:
+        backward += f" (B {_fmt_time(tl.backward_time - tl.weight_time)} + W {_fmt_time(tl.weight_time)})"
     title += (
-        f"; forward {_fmt_time(tl.forward_time)}, backward {_fmt_time(tl.backward_time)}{per}"
+        f"; forward {_fmt_time(tl.forward_time)}, backward {backward}{per}"
         f", p2p {_fmt_time(tl.p2p_time)} time units; makespan {_fmt_time(tl.makespan)}"
     )
-    legend = "F3 = forward of microbatch 3, B3 = its backward"
+    split = tl.weight_time is not None
+    legend = "F3 = forward of microbatch 3, " + ("B3 = its input gradient, W3 = its weight gradients"
+                                                   if split else "B3 = its backward")
     if v > 1:
-        legend += ", letter = chunk (" + ", ".join(
-            f"{_chunk_tag(c, v)}: stages {c * pp}..{c * pp + pp - 1}" for c in range(min(v, 3))
-        ) + (", ..." if v > 3 else "") + "; stage = chunk*pp + rank)"
+        legend += ", " + _chunk_legend(tl)
     legend += f"; . = idle; one column = {_fmt_time(round(1 / scale, 4))} time units"
-    text, value = _formula(pp, m, v)
+    text, value = _formula(tl)
     ideal = "" if tl.p2p_time == 0 else " (ideal, without p2p time)"
     bubble = (
         f"bubble fraction: simulated {tl.bubble_fraction:.4f} ({100 * tl.bubble_fraction:.2f}%); "
@@ -117,11 +132,11 @@ def _gantt(rows, path: str, title: str, xlabel: str, subtitle: str) -> str:
     fig_w = min(max(8.0, 0.22 * n_per_row + 2), 26.0)
     fig = Figure(figsize=(fig_w, 1.0 + 0.55 * pp + 0.6), dpi=110)
     ax = fig.add_subplot(1, 1, 1)
-    blues, oranges = colormaps["Blues"], colormaps["Oranges"]
+    maps = {"F": colormaps["Blues"], "B": colormaps["Oranges"], "W": colormaps["Greens"]}
 
     def colour(kind, chunk):
         shade = 0.45 + (0.4 * chunk / (v - 1) if v > 1 else 0.0)
-        return (blues if kind == "F" else oranges)(shade)
+        return maps[kind](shade)
 
     fontsize = 7 if n_per_row <= 80 else 5
     for r, evs in enumerate(rows):
@@ -137,7 +152,10 @@ def _gantt(rows, path: str, title: str, xlabel: str, subtitle: str) -> str:
     ax.set_xlabel(xlabel)
     ax.set_title(f"{title}\n{subtitle}", fontsize=10)
     handles = []
-    for kind, word in (("F", "forward"), ("B", "backward")):
+    split = any(ev[0] == "W" for ev in all_ev)
+    words = (("F", "forward"), ("B", "input gradient"), ("W", "weight gradients")) if split else \
+        (("F", "forward"), ("B", "backward"))
+    for kind, word in words:
         for c in range(v):
             handles.append(Patch(color=colour(kind, c), label=word + (f" chunk {c}" if v > 1 else "")))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 if pp > 2 else -0.4),
@@ -150,11 +168,11 @@ def _gantt(rows, path: str, title: str, xlabel: str, subtitle: str) -> str:
 
 
 def render_png(timeline: Timeline, path: str, title: str) -> str:
-    """Gantt chart of a simulated timeline (forwards in blues, backwards in oranges, darker for
-    later chunks, microbatch numbers in the boxes); returns ``path``."""
+    """Gantt chart of a simulated timeline (forwards in blues, backwards in oranges, weight gradients in
+    greens, darker for later chunks, microbatch numbers in the boxes); returns ``path``."""
     tl = timeline
     rows = [[(a.kind, a.microbatch, a.chunk, s, e) for a, s, e in evs] for evs in tl.events]
-    text, value = _formula(tl.pp, tl.microbatches, tl.virtual_stages)
+    text, value = _formula(tl)
     sub = f"bubble {100 * tl.bubble_fraction:.1f}% simulated, formula {text} = {100 * value:.1f}%"
     per = " per chunk" if tl.virtual_stages > 1 else ""
     xlabel = f"time (forward = {tl.forward_time:.4g}, backward = {tl.backward_time:.4g}{per})"
@@ -170,8 +188,8 @@ def _measured_rows(per_rank_events):
         row = []
         for ev in evs:
             kind, mb, chunk, s, e = ev
-            if kind not in ("F", "B") or e < s:
-                raise TensorparError(f"measured timeline, rank {r}: bad event {ev!r} (kind F/B, end >= start)")
+            if kind not in ACTION_KINDS or e < s:
+                raise TensorparError(f"measured timeline, rank {r}: bad event {ev!r} (kind F/B/W, end >= start)")
             row.append((kind, int(mb), int(chunk), float(s) - t0, float(e) - t0))
         rows.append(row)
     return rows

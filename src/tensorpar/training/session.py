@@ -20,7 +20,8 @@ from tensorpar.optim.loss_scaler import DynamicLossScaler
 from tensorpar.optim.precision import param_dtype
 from tensorpar.parallel.data_parallel import DistributedOptimizer
 from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
-from tensorpar.parallel.pipeline import PipelineRunner, parse_pipeline_layers, rank_layers
+from tensorpar.config.choices import V_SHAPED_SCHEDULES
+from tensorpar.parallel.pipeline import PipelineRunner, holds_ends, parse_pipeline_layers, rank_layers
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
@@ -85,9 +86,9 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
     stage = {}
     if mesh.pp_size > 1:
         chunks = rank_layers(cfg.num_layers, mesh.pp_size, mesh.pp_rank, o.virtual_stages,
-                             parse_pipeline_layers(o.pipeline_layers))
-        stage = dict(layers=[i for chunk in chunks for i in chunk], first_stage=mesh.pp_rank == 0,
-                     last_stage=mesh.pp_rank == mesh.pp_size - 1)
+                             parse_pipeline_layers(o.pipeline_layers), v_shape=o.schedule in V_SHAPED_SCHEDULES)
+        first, last = holds_ends(mesh.pp_size, mesh.pp_rank, o.schedule)
+        stage = dict(layers=[i for chunk in chunks for i in chunk], first_stage=first, last_stage=last)
     torch.manual_seed(o.seed)
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
                         init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, **stage)

@@ -33,7 +33,7 @@ def _pipeline(s: Session, summary: dict) -> None:
     summary["pipeline_bubble"] = measured_bubble(timelines)
     if s.is_main and o.out_dir:
         title = (f"measured {o.schedule} timeline, last step: pp={mesh.pp_size}, "
-                 f"{len(timelines[0]) // 2 // o.virtual_stages} micro-batches")
+                 f"{1 + max(mb for _, mb, _, _, _ in timelines[0])} micro-batches")
         summary["pipeline_plot"] = draw_or_warn("the pipeline timeline", render_measured, timelines,
                                                 os.path.join(o.out_dir, "pipeline.png"), title)
 

@@ -21,7 +21,7 @@ from tensorpar.errors import TensorparError
 from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
 from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
-from tensorpar.parallel.pipeline_schedules import build_schedule
+from tensorpar.parallel.pipeline_schedules import build_schedule, chunks_per_rank, splits_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,14 +109,18 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     check_moe_layout(cfg, o.tp, o.cp, dp, o.ep, sequence_parallel=o.sequence_parallel,
                      micro_batch_size=micro, seq_len=o.seq_len, expert_tp=o.expert_tp)
     pipeline_layers = parse_pipeline_layers(o.pipeline_layers)
+    virtual_stages = chunks_per_rank(o.schedule, o.virtual_stages) if o.pp > 1 else o.virtual_stages
+    if o.pp > 1 and splits_backward(o.schedule) and o.zero == 3:
+        raise TensorparError(f"--schedule {o.schedule} leaves weight gradients for later, which ZeRO-3's per-layer "
+                             f"gather and free do not allow: use --zero 0, 1 or 2 with it, or another schedule")
     if o.pp > 1 or o.virtual_stages > 1 or pipeline_layers is not None:
-        stage_layers(cfg.num_layers, o.pp, o.virtual_stages, pipeline_layers)
         build_schedule(o.schedule, o.pp, o.global_batch_size // (dp * micro), o.virtual_stages)
+        stage_layers(cfg.num_layers, o.pp, virtual_stages, pipeline_layers)
     # Document sources are tokenized here, once (the ranks then open the cache).
     prepare_sources(o.data, o.val_data, tokenizer=tokenizer_from(o.tokenizer, o.init_from), text_field=o.text_field,
                     cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
     resolved = dataclasses.replace(
-        o, dp=dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
+        o, dp=dp, micro_batch_size=micro, virtual_stages=virtual_stages, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
         val_every=o.val_every if o.eval_every is None else o.eval_every,
         warmup_steps=min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps)
     return PreparedRun(resolved, options, cfg, resume_meta, world, tuple(notes))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tensorpar.errors import LayoutError
+from tensorpar.layers import weight_grad
 from tensorpar.layers.mlp import ACTIVATION_FNS
 from tensorpar.layers.sharding import ShardSpec, divide, tag
 
@@ -55,8 +56,12 @@ class GroupedExperts(nn.Module):
         self.up_proj = stacked(width, h, width_dim=1)
         self.down_proj = stacked(h, width, width_dim=2)
 
+    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
+
     def forward(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """`x`: rows grouped by local expert, `sizes[i]` rows for local expert i; returns their outputs."""
+        if self.weight_grad_queue is not None:
+            return self._forward_split(x, sizes)
         # unbind once (its backward stacks the experts' gradients in one op; indexing each would allocate a
         # whole zero gradient per expert)
         up, down = self.up_proj.unbind(0), self.down_proj.unbind(0)
@@ -66,4 +71,16 @@ class GroupedExperts(nn.Module):
             h = rows @ up[i].t()
             h = self.act(rows @ gate[i].t()) * h if gate is not None else self.act(h)
             outs.append(h @ down[i].t())
+        return torch.cat(outs, 0)
+
+    def _forward_split(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """The same function, each expert's weight gradients left in the queue (as slices of the stacked weights)."""
+        queue, outs = self.weight_grad_queue, []
+        for i, rows in enumerate(x.split(sizes, 0)):
+            h = weight_grad.linear(rows, self.up_proj, None, queue, index=i)
+            if self.gate_proj is not None:
+                h = self.act(weight_grad.linear(rows, self.gate_proj, None, queue, index=i)) * h
+            else:
+                h = self.act(h)
+            outs.append(weight_grad.linear(h, self.down_proj, None, queue, index=i))
         return torch.cat(outs, 0)

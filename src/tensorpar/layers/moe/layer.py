@@ -32,6 +32,7 @@ from torch import nn
 
 from tensorpar.distributed.ops import copy_to_tp, gather_from_sp, scatter_to_sp
 from tensorpar.errors import LayoutError
+from tensorpar.layers import weight_grad
 from tensorpar.layers.mlp import ParallelMLP
 from tensorpar.layers.moe.dispatch import AllToAllDispatcher
 from tensorpar.layers.moe.experts import GroupedExperts
@@ -71,6 +72,8 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
+    weight_grad_queue = None  # a WeightGradQueue for the shared-expert gate's gradient (layers/weight_grad.py)
+
     def __init__(self, cfg, tp_group, ep_group, cp_group, sequence_parallel: bool = False, device=None,
                  expert_tp_group=None):
         super().__init__()
@@ -151,6 +154,9 @@ class MoELayer(nn.Module):
         if self.shared_expert_gate is None:
             return out
         gate = self.shared_expert_gate
+        if self.weight_grad_queue is not None:
+            reduce = weight_grad.summed_over(self.tp_group) if self.sequence_parallel else None
+            return torch.sigmoid(weight_grad.linear(x, gate, None, self.weight_grad_queue, reduce=reduce)) * out
         if self.sequence_parallel:
             gate = copy_to_tp(gate, self.tp_group)
         return torch.sigmoid(F.linear(x, gate)) * out

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar.distributed.ops import copy_to_tp
+from tensorpar.layers import weight_grad
 from tensorpar.layers.sharding import ShardSpec, tag
 
 
@@ -51,9 +52,14 @@ class TopKRouter(nn.Module):
         self.weight = tag(nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device)),
                           ShardSpec(dim=None, reduce_grad_across_tp=tp_group.size > 1))
 
+    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradient in it (layers/weight_grad.py)
+
     def forward(self, tokens: torch.Tensor) -> Routing:
-        weight = copy_to_tp(self.weight, self.tp_group)
-        logits = F.linear(tokens, weight).float()
+        if self.weight_grad_queue is not None:
+            reduce = weight_grad.summed_over(self.tp_group) if self.tp_group.size > 1 else None
+            logits = weight_grad.linear(tokens, self.weight, None, self.weight_grad_queue, reduce=reduce).float()
+        else:
+            logits = F.linear(tokens, copy_to_tp(self.weight, self.tp_group)).float()
         if self.score == "softmax":
             probs = logits.softmax(-1)
             weights, experts = probs.topk(self.k, dim=-1)

@@ -1,0 +1,152 @@
+"""The split backward (layers/weight_grad.py): with a WeightGradQueue every layer kind leaves all of its weight
+gradients for W, and W gives the gradients of the plain backward; the queue's bookkeeping."""
+
+import pytest
+import torch
+from torch import nn
+
+from tensorpar.errors import TensorparError
+from tensorpar.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
+from tensorpar.layers.moe.experts import GroupedExperts
+from tensorpar.layers.norms import Norm
+from tensorpar.layers.weight_grad import WeightGradQueue, attach_weight_grad_queue
+from tensorpar.models import Transformer, get_config
+
+from conftest import TINY8
+from harness import mesh
+
+
+def _grads(module):
+    return {name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()}
+
+
+def _compare_split(build, inputs, seed=0, tol=1e-6):
+    """Backward through `build()` plainly and with a queue: with the queue no gradient exists until W runs, then
+    every parameter's equals the plain one; the input gradients are equal too."""
+    torch.manual_seed(seed)
+    plain, split = build(), build()
+    split.load_state_dict(plain.state_dict())
+    outs, given = {}, inputs()
+    for module, queue in ((plain, None), (split, WeightGradQueue())):
+        assert attach_weight_grad_queue(module, queue) >= 1
+        args = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in given]
+        fired = []
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in module.parameters()]
+        out = module(*args)
+        out = out if out.dim() == 0 else (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+        out.backward()
+        if queue is not None:
+            assert all(p.grad is None for p in module.parameters()) and not fired, "a weight gradient in B"
+            queue.close("mb0")
+            assert queue.pending == ["mb0"]
+            queue.run("mb0")
+            assert len(queue) == 0
+        assert len(fired) == len(list(module.parameters()))  # each parameter's hook once, as data parallelism expects
+        for h in hooks:
+            h.remove()
+        outs[queue is None] = [a.grad for a in args if a.is_floating_point()]
+    for a, b in zip(outs[True], outs[False]):
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+    want, got = _grads(plain), _grads(split)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert want[name] is not None and got[name] is not None, name
+        torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol, msg=name)
+
+
+x3 = lambda *shape: lambda: [torch.randn(*shape)]  # noqa: E731
+LAYERS = {
+    "column": (lambda: ColumnParallelLinear(16, 24, bias=True), x3(2, 5, 16)),
+    "row": (lambda: RowParallelLinear(24, 16, bias=True), x3(2, 5, 24)),
+    "embedding": (lambda: VocabParallelEmbedding(40, 8), lambda: [torch.randint(0, 40, (3, 7))]),
+    "lm_head": (lambda: VocabParallelLMHead(16, 37), x3(2, 5, 16)),
+    "layernorm": (lambda: _randomised(Norm(16, "layernorm", 1e-5)), x3(2, 5, 16)),
+    "rmsnorm": (lambda: _randomised(Norm(16, "rmsnorm", 1e-6)), x3(2, 5, 16)),
+}
+
+
+def _randomised(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_each_layer_kind_defers_its_weight_gradients(kind):
+    build, inputs = LAYERS[kind]
+    _compare_split(build, inputs)
+
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        cfg = get_config("tiny-moe")
+        self.experts = _randomised(GroupedExperts(cfg, _single("ep")))
+        self.sizes = [3, 0, 5, 2][: self.experts.num_local] + [1] * max(0, self.experts.num_local - 4)
+
+    def forward(self, x):
+        return self.experts(x[: sum(self.sizes)], self.sizes)
+
+
+def _single(name):
+    from tensorpar.distributed.comm import Group
+
+    return Group.single(name)
+
+
+def test_moe_experts_defer_their_stacked_weight_gradients():
+    h = get_config("tiny-moe").hidden_size
+    _compare_split(_Experts, x3(16, h))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-gpt2", "tiny-moe"])
+def test_whole_model_defers_every_weight_gradient(model):
+    """Every parameter of a model (Llama, GPT-2 with tied embedding and learned positions, MoE with router and
+    shared experts) gets its gradient only from W, and the same gradient as the plain backward."""
+    cfg = get_config(model).replace(num_layers=2, dropout=0.0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17))
+    _compare_split(lambda: Transformer(cfg, seed=3), lambda: [ids[:, :-1], ids[:, 1:]], tol=1e-5)
+
+
+def check_tensor_parallel_split(tp, sequence_parallel, model):
+    """On a TP group: the reductions of replicated weights (norms and row bias under SP, KV heads fewer than
+    ranks) happen in W and give the plain gradients."""
+    m = mesh(tp=tp)
+    cfg = (TINY8 if model == "tiny8" else get_config(model)).replace(num_layers=2, dropout=0.0)
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17))
+    build = lambda: Transformer(cfg, m, sequence_parallel=sequence_parallel, seed=3)  # noqa: E731
+    _compare_split(build, lambda: [ids[:, :-1], ids[:, 1:]], tol=1e-5)
+    return m.stats.calls()
+
+
+@pytest.mark.parametrize("tp,sequence_parallel,model", [(2, True, "tiny-gpt2"), (4, False, "tiny8")])
+def test_tensor_parallel_weight_reductions_run_in_w(pools, tp, sequence_parallel, model):
+    calls = pools(tp).run(check_tensor_parallel_split, tp, sequence_parallel, model)
+    assert len(set(calls)) == 1  # every rank ran the same collectives
+
+
+def test_queue_bookkeeping_and_errors():
+    queue = WeightGradQueue()
+    lin = ColumnParallelLinear(4, 6)
+    attach_weight_grad_queue(lin, queue)
+    for key in ("a", "b"):
+        lin(torch.randn(3, 4)).sum().backward()
+        queue.close(key)
+    assert queue.pending == ["a", "b"] and lin.weight.grad is None
+    fired = []
+    lin.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    queue.run("b")
+    assert len(fired) == 1  # one accumulation per parameter per backward pass, as after a plain backward
+    with pytest.raises(TensorparError, match="no weight-gradient work queued for 'b'"):
+        queue.run("b")
+    lin(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(TensorparError, match="already queued"):
+        queue.close("a")
+    queue.run_all()  # "a", then the pass not yet closed
+    assert len(queue) == 0 and len(fired) == 3
+    attach_weight_grad_queue(lin, None)
+    lin.weight.grad = None
+    lin(torch.randn(3, 4)).sum().backward()
+    assert lin.weight.grad is not None  # back to the plain backward
