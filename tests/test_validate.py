@@ -14,7 +14,8 @@ def test_bad_pipeline_layouts_are_refused(config_file):
 
     bad = [
         (dict(pp=3, dp=1), "8 layers cannot be split evenly into pp=3"),
-        (dict(pp=2, virtual_stages=3, dp=1), "pp=2 x virtual stages=3"),
+        (dict(pp=2, schedule="interleaved", virtual_stages=3, dp=1), "pp=2 x virtual stages=3"),
+        (dict(pp=2, virtual_stages=3, dp=1), "virtual_stages=3 needs the 'interleaved' schedule"),
         (dict(pp=2, schedule="interleaved", virtual_stages=2, dp=1, global_batch_size=3, micro_batch_size=1),
          "multiple of the pipeline-parallel size 2"),
     ]
