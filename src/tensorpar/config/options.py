@@ -80,6 +80,9 @@ class TrainOptions(LaunchOptions):
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE_MODES, group=LAYOUT)
     compile: bool = option(False, "torch.compile each transformer block (where the backend cannot compile, a "
                                   "warning and an uncompiled run)", group=LAYOUT)
+    tp_overlap: bool = option(True, "issue the TP collectives as plain blocking ones, not overlapped with the "
+                                    "GEMMs beside them (the same results; to measure the difference; in a config "
+                                    "file: tp_overlap = false)", flag="--no-tp-overlap", group=LAYOUT)
     dtype: str = option("fp32", "bf16/fp16: parameters, activations and gradients in bf16/fp16 with fp32 master "
                                 "weights in the optimizer (fp16 with dynamic loss scaling)", choices=TRAIN_DTYPES,
                         group=LAYOUT)

@@ -35,27 +35,29 @@ from tensorpar.layers.norms import Norm
 from tensorpar.layers.ring_attention import ContextSplit, check_context_split
 from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
 from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.layers.tp_overlap import column_parallel_in
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.init import init_weights
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, layer_index: int, device=None,
-                 ep_group=None, cp_group=None, expert_tp_group=None):
+                 ep_group=None, cp_group=None, expert_tp_group=None, tp_overlap: bool = False):
         super().__init__()
         self.layer_index, self.dropout = layer_index, cfg.dropout
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         norm = dict(kind=cfg.norm, eps=cfg.norm_eps, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device)
         self.attn_norm = Norm(cfg.hidden_size, **norm)
-        self.attn = ParallelAttention(cfg, tp_group, sequence_parallel, layer_index, device=device)
+        self.attn = ParallelAttention(cfg, tp_group, sequence_parallel, layer_index, device=device,
+                                      tp_overlap=tp_overlap)
         self.mlp_norm = Norm(cfg.hidden_size, **norm)
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:
             self.mlp = MoELayer(cfg, tp_group, as_group(ep_group, "ep"), as_group(cp_group, "cp"), sequence_parallel,
                                 device=device, expert_tp_group=as_group(expert_tp_group, "expert_tp"))
         else:
-            self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device)
+            self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device, tp_overlap=tp_overlap)
 
     def _drop(self, x, site: int, dropout_seed, context):
         """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
@@ -108,6 +110,10 @@ class Transformer(nn.Module):
     `first_stage`, and the final norm and head when `last_stage`; its forward then takes and/or
     returns hidden states. With tied embeddings the last stage holds a copy of the embedding
     (`pipeline_duplicate`), kept equal to the first stage's by summing their gradients.
+
+    ``tp_overlap`` (the default) hides the TP collectives at the edges of each TP region behind the
+    GEMMs beside them (tensorpar.layers.tp_overlap); ``tp_overlap=False`` issues them as plain
+    blocking collectives (the same function, the same bytes), to measure the difference.
     """
 
     def __init__(
@@ -125,6 +131,7 @@ class Transformer(nn.Module):
         last_stage: bool = True,
         cp_impl: str = "ring",
         cp_split: str = "zigzag",
+        tp_overlap: bool = True,
     ):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
@@ -136,7 +143,7 @@ class Transformer(nn.Module):
         self.expert_tp_group = as_group(mesh, "expert_tp")
         self.cp_split, self.cp_impl = cp_split, cp_impl
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
-        self.recompute = recompute
+        self.recompute, self.tp_overlap = recompute, tp_overlap
         device = device if device is not None else getattr(mesh, "device", None)
         tp, sp = self.tp_group, self.sequence_parallel
 
@@ -155,7 +162,7 @@ class Transformer(nn.Module):
                                  ShardSpec(dim=None, reduce_grad_across_tp=sp))
         # Keyed by global layer index, so that a stage's parameter names are the dense model's.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, tp, sp, i, device, self.ep_group, self.cp_group,
-                                                              self.expert_tp_group)
+                                                              self.expert_tp_group, tp_overlap)
                                      for i in layers})
         if last_stage:
             self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device)
@@ -216,8 +223,10 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp]."""
-        h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
         weight = self.embed.weight if self.head is None else self.head.weight
+        if self.tp_overlap:  # the backward reduction of h's gradient hidden behind the head's weight gradient
+            return column_parallel_in(h, [(weight, None)], self.tp_group, self.sequence_parallel)[0]
+        h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
         return F.linear(h, weight)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

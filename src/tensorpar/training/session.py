@@ -91,7 +91,8 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
                      last_stage=mesh.pp_rank == mesh.pp_size - 1)
     torch.manual_seed(o.seed)
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
-                        init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, **stage)
+                        init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, tp_overlap=o.tp_overlap,
+                        **stage)
     if o.init_from:
         _, state = load_model_source(o.init_from)
         names = dict(model.named_parameters())
