@@ -224,8 +224,8 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
         if self.tp_overlap:
-            y = row_parallel_out(x, self.weight, self.tp_group, self.sequence_parallel)
-        elif self.sequence_parallel:
+            return row_parallel_out(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
+        if self.sequence_parallel:
             y = reduce_scatter_to_sp(F.linear(x, self.weight), self.tp_group)
         else:
             y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)

@@ -4,7 +4,8 @@ The norm weights are replicated on every TP rank. Without sequence parallelism e
 the whole sequence and computes the whole gradient. With it, each rank normalises only its
 sequence shard, so its weight gradient is partial: the weights enter through `copy_to_tp`
 (forward identity, backward all-reduce), which sums the gradient across TP ranks (a known
-peer bug is to forget this).
+peer bug is to forget this). With ``tp_overlap`` the weight and bias enter together
+(`copy_params_to_tp`): one all-reduce of both gradients instead of one each.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from torch import nn
 from tensorpar.distributed.comm import as_group
 from tensorpar.distributed.ops import copy_to_tp
 from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.layers.tp_overlap import copy_params_to_tp
 
 
 class Norm(nn.Module):
     """``kind="layernorm"`` (weight and bias) or ``"rmsnorm"`` (weight only, computed in fp32 like Llama's)."""
 
     def __init__(self, hidden_size: int, kind: str, eps: float, tp_group=None, sequence_parallel: bool = False,
-                 device=None):
+                 device=None, tp_overlap: bool = False):
         super().__init__()
-        self.kind, self.eps, self.sequence_parallel = kind, eps, sequence_parallel
+        self.kind, self.eps, self.sequence_parallel, self.tp_overlap = kind, eps, sequence_parallel, tp_overlap
         self.tp_group = as_group(tp_group)
         spec = ShardSpec(dim=None, reduce_grad_across_tp=sequence_parallel)
         self.weight = tag(nn.Parameter(torch.ones(hidden_size, device=device)), spec)
@@ -34,9 +36,13 @@ class Norm(nn.Module):
         return copy_to_tp(p, self.tp_group) if self.sequence_parallel and p is not None else p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._param(self.weight)
+        if self.sequence_parallel and self.tp_overlap:
+            weight, *bias = copy_params_to_tp([p for p in (self.weight, self.bias) if p is not None], self.tp_group)
+            bias = bias[0] if bias else None
+        else:
+            weight, bias = self._param(self.weight), self._param(self.bias)
         if self.kind == "layernorm":
-            return F.layer_norm(x, (x.shape[-1],), weight, self._param(self.bias), self.eps)
+            return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

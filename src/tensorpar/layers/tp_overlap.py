@@ -15,9 +15,12 @@ column-parallel linears that  GEMMs start as soon as it has arrived,       input
 share its input)              while the next pieces travel                 gradient GEMMs run while it travels
 row_parallel_out              all-reduce (g) (SP: reduce-scatter along     none (SP: all-gather of the output gradient
 (the row-parallel linear,     the sequence) in `chunks` pieces of the      in `chunks` pieces: each piece's input- and
-then leave the region)        tokens: each piece's collective starts as    weight-gradient GEMMs run as soon as it
-                              soon as its GEMM is done, while the next     has arrived, while the next travel)
-                              piece's GEMM runs
+then leave the region, then   tokens: each piece's collective starts as    weight-gradient GEMMs run as soon as it
+add the replicated bias)      soon as its GEMM is done, while the next     has arrived, while the next travel; the
+                              piece's GEMM runs                            bias gradient's all-reduce travels beside)
+copy_params_to_tp             identity                                     one all-reduce of all the parameters'
+(replicated parameters used                                                gradients, flattened together (coalesced)
+on a sequence shard)
 ============================  ===========================================  ===========================================
 
 Both compute what `copy_to_tp` / `gather_from_sp` followed by `F.linear`, and `F.linear` followed by
@@ -107,43 +110,54 @@ class _ColumnParallelIn(torch.autograd.Function):
         return (grad_x, None, None, None, *params_grads)
 
 
-class _RowParallelOut(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, group: Group, sequence_parallel: bool, chunks: int):
-        ctx.group, ctx.sequence_parallel, ctx.chunks = group, sequence_parallel, chunks
-        ctx.save_for_backward(x, weight)
-        if sequence_parallel:
-            b, seq, n_in = x.shape
-            tp = group.size
-            k = _pieces(seq // tp, chunks)
-            c = seq // tp // k
-            pieces = x.view(b, tp, k, c, n_in)
-            partial, outs, pending = [], [], []
-            for j in range(k):
-                # Piece j of every rank's sequence shard, rank-major: rank r's block is its own piece j.
-                partial.append(torch.matmul(pieces[:, :, j].transpose(0, 1), weight.t()).reshape(tp * b, c, -1))
-                outs.append(x.new_empty((b, c, weight.shape[0])))
-                pending.append(group.reduce_scatter_async(outs[j], partial[j]))
-            for p in pending:
-                p.wait()
-            return torch.cat(outs, 1)
-        x2 = _flat(x)
-        y = x2.new_empty((x2.shape[0], weight.shape[0]))
-        pending = []
-        n, k = x2.shape[0], max(1, min(chunks, x2.shape[0]))
-        for lo, hi in ((n * j // k, n * (j + 1) // k) for j in range(k)):
-            torch.mm(x2[lo:hi], weight.t(), out=y[lo:hi])
-            pending.append(group.all_reduce_async(y[lo:hi]))
+def _reduced_product(x, weight, group: Group, sequence_parallel: bool, chunks: int):
+    """x W^T summed over the group (SP: reduce-scattered along the sequence), in pieces whose collectives start
+    as soon as each piece's GEMM is done."""
+    if sequence_parallel:
+        b, seq, n_in = x.shape
+        tp = group.size
+        k = _pieces(seq // tp, chunks)
+        c = seq // tp // k
+        pieces = x.view(b, tp, k, c, n_in)
+        partial, outs, pending = [], [], []
+        for j in range(k):
+            # Piece j of every rank's sequence shard, rank-major: rank r's block is its own piece j.
+            partial.append(torch.matmul(pieces[:, :, j].transpose(0, 1), weight.t()).reshape(tp * b, c, -1))
+            outs.append(x.new_empty((b, c, weight.shape[0])))
+            pending.append(group.reduce_scatter_async(outs[j], partial[j]))
         for p in pending:
             p.wait()
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return torch.cat(outs, 1)
+    x2 = _flat(x)
+    y = x2.new_empty((x2.shape[0], weight.shape[0]))
+    pending = []
+    n, k = x2.shape[0], max(1, min(chunks, x2.shape[0]))
+    for lo, hi in ((n * j // k, n * (j + 1) // k) for j in range(k)):
+        torch.mm(x2[lo:hi], weight.t(), out=y[lo:hi])
+        pending.append(group.all_reduce_async(y[lo:hi]))
+    for p in pending:
+        p.wait()
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class _RowParallelOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group: Group, sequence_parallel: bool, chunks: int):
+        ctx.group, ctx.sequence_parallel, ctx.chunks, ctx.has_bias = group, sequence_parallel, chunks, bias is not None
+        ctx.save_for_backward(x, weight)
+        y = _reduced_product(x, weight, group, sequence_parallel, chunks)
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        db = _flat(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if not ctx.sequence_parallel:
-            return torch.matmul(dy, weight), _flat(dy).t().mm(_flat(x)), None, None, None
+            return torch.matmul(dy, weight), _flat(dy).t().mm(_flat(x)), db, None, None, None
         group, tp = ctx.group, ctx.group.size
+        # Each rank saw its sequence shard only: the replicated bias's gradient is summed over the ranks,
+        # travelling while the all-gather and the GEMMs below run.
+        bias_pending = group.all_reduce_async(db) if db is not None else None
         b, seq, n_in = x.shape
         s = seq // tp
         k = _pieces(s, ctx.chunks)
@@ -160,7 +174,24 @@ class _RowParallelOut(torch.autograd.Function):
             dx[:, :, j] = torch.matmul(g, weight).transpose(0, 1)
             part = _flat(g).t().mm(_flat(x_pieces[:, :, j].transpose(0, 1)))
             dw = part if dw is None else dw.add_(part)
-        return dx.view(b, seq, n_in), dw, None, None, None
+        if bias_pending is not None:
+            bias_pending.wait()
+        return dx.view(b, seq, n_in), dw, db, None, None, None
+
+
+class _CopyParamsToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group: Group, *params):
+        ctx.group = group
+        ctx.shapes = [p.shape for p in params]
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ref = next(g for g in grads if g is not None)
+        flat = torch.cat([(g if g is not None else ref.new_zeros(s)).reshape(-1) for g, s in zip(grads, ctx.shapes)])
+        ctx.group.all_reduce(flat)
+        return (None, *(part.view(s) for part, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes)))
 
 
 def column_parallel_in(x: torch.Tensor, params, group: Group, sequence_parallel: bool,
@@ -175,11 +206,22 @@ def column_parallel_in(x: torch.Tensor, params, group: Group, sequence_parallel:
     return list(_ColumnParallelIn.apply(x, group, sequence_parallel, chunks, *flat))
 
 
-def row_parallel_out(x: torch.Tensor, weight: torch.Tensor, group: Group, sequence_parallel: bool,
-                     chunks: int = DEFAULT_CHUNKS) -> torch.Tensor:
+def row_parallel_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                     sequence_parallel: bool, chunks: int = DEFAULT_CHUNKS) -> torch.Tensor:
     """The row-parallel product x W^T summed over the TP group (SP: and split along the sequence), leaving the TP
-    region. Forward all-reduce (SP: reduce-scatter) in chunks overlapped with the GEMM's next chunk; backward
-    no communication (SP: chunked all-gather of the output gradient, overlapped with the GEMMs)."""
+    region, plus the replicated `bias`. Forward all-reduce (SP: reduce-scatter) in chunks overlapped with the
+    GEMM's next chunk; backward no communication (SP: chunked all-gather of the output gradient overlapped with
+    the GEMMs, and the all-reduce of the bias gradient, which each rank computed from its shard only)."""
     if group.size == 1:
-        return F.linear(x, weight)
-    return _RowParallelOut.apply(x, weight, group, sequence_parallel, chunks)
+        return F.linear(x, weight, bias)
+    return _RowParallelOut.apply(x, weight, bias, group, sequence_parallel, chunks)
+
+
+def copy_params_to_tp(params, group: Group) -> list[torch.Tensor]:
+    """Replicated parameters (a norm's weight and bias) entering a sequence-parallel region: forward identity;
+    backward one all-reduce of all their gradients together, each rank having computed them from its sequence
+    shard (rather than one small all-reduce per parameter)."""
+    params = list(params)
+    if group.size == 1:
+        return params
+    return list(_CopyParamsToTP.apply(group, *params))

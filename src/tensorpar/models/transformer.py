@@ -47,7 +47,8 @@ class TransformerBlock(nn.Module):
         self.layer_index, self.dropout = layer_index, cfg.dropout
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
-        norm = dict(kind=cfg.norm, eps=cfg.norm_eps, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device)
+        norm = dict(kind=cfg.norm, eps=cfg.norm_eps, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device,
+                    tp_overlap=tp_overlap)
         self.attn_norm = Norm(cfg.hidden_size, **norm)
         self.attn = ParallelAttention(cfg, tp_group, sequence_parallel, layer_index, device=device,
                                       tp_overlap=tp_overlap)
@@ -165,7 +166,7 @@ class Transformer(nn.Module):
                                                               self.expert_tp_group, tp_overlap)
                                      for i in layers})
         if last_stage:
-            self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device)
+            self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device, tp_overlap=tp_overlap)
         if last_stage and not cfg.tie_embeddings:
             self.head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp, bias=False, sequence_parallel=sp,
                                             skip_input_comm=True, device=device, init=False)
