@@ -168,6 +168,8 @@ class Group:
 
     # -- plumbing ---------------------------------------------------------------------------
 
+    # torch.compile (--compile) leaves every collective to run eagerly, as a graph break: never traced into a graph.
+    @torch.compiler.disable
     def _run(self, op: str, count_tensor: torch.Tensor, fn, elements: int | None = None):
         timing = self.stats.timing
         if timing and count_tensor.is_cuda:
@@ -188,6 +190,7 @@ class Group:
         self.stats.record(op, self.name, n, n * count_tensor.element_size(), seconds)
         return result
 
+    @torch.compiler.disable
     def _launch(self, op: str, count_tensor: torch.Tensor, fn) -> "Pending":
         """Start an asynchronous collective; count it now, explain its failure at `wait()`. With timing on, the
         seconds recorded are those this process is blocked: starting it here, and in `Pending.wait()`."""
@@ -384,6 +387,7 @@ class Pending:
     def __init__(self, work, group: Group, op: str, device=None):
         self.work, self.group, self.op, self.device = work, group, op, device
 
+    @torch.compiler.disable
     def wait(self) -> None:
         if self.work is None:
             return
