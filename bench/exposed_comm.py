@@ -1,8 +1,8 @@
 """Exposed TP communication: the seconds of a tensorpar TP step that compute does not cover, with the TP overlap
 (tensorpar.layers.tp_overlap) on and off, measured in the same processes on the same model and batch.
 
-    exposed = median step time with the real collectives
-              - median step time of the same step with every collective replaced by a no-op
+    exposed = median over rounds of (step time with the real collectives
+                                     - step time of the same step with every collective replaced by a no-op)
 
 The no-op collectives return at once and touch only this rank's memory: an all-reduce leaves its input as it
 is, an all-gather fills every rank's slot with this rank's tensor, a reduce-scatter keeps this rank's own
@@ -11,7 +11,9 @@ so the difference is what the collectives add to the step: their own time where 
 the time a rank waits for its slower peer, and what a collective running in the background takes from the
 compute beside it (on a 2-core machine the gloo threads share the cores with the GEMMs). Each round runs the
 four configurations (overlap on/off x real/no-op collectives) once, in alternating order, so that a change of
-machine load hits them alike; a first round warms them up, untimed. Ranks pass a barrier before every step.
+machine load hits them alike, and the difference is taken within each round (between steps run seconds
+apart); a first round warms them up, untimed. Ranks pass a barrier before every step. Rank 0's times are
+reported.
 
 Also reported, for the real steps: `blocked`, the seconds per step the ranks spent inside a blocking
 collective or waiting for an asynchronous one (tensorpar's CommStats timing), which leaves out that last
@@ -80,8 +82,8 @@ def set_tp_overlap(model, on: bool) -> None:
 
 def measure(model, step, barrier, stats, rounds: int) -> dict:
     """{"overlap": {...}, "no_overlap": {...}}, each with the median `step_s` (real collectives), `compute_s`
-    (no-op collectives), `exposed_s` (their difference) and `blocked_s` (median seconds per step inside
-    collectives); `step` runs one training step. Leaves the model with the overlap on."""
+    (no-op collectives), `exposed_s` (the median of their differences within a round) and `blocked_s` (median
+    seconds per step inside collectives); `step` runs one training step. Leaves the model with the overlap on."""
     configs = [(on, real) for on in (True, False) for real in (True, False)]
     times = {c: [] for c in configs}
     blocked = {on: [] for on in (True, False)}
@@ -110,7 +112,7 @@ def measure(model, step, barrier, stats, rounds: int) -> dict:
     out = {}
     for on in (True, False):
         step_s, compute_s = statistics.median(times[(on, True)]), statistics.median(times[(on, False)])
-        out["overlap" if on else "no_overlap"] = {"step_s": step_s, "compute_s": compute_s,
-                                                  "exposed_s": step_s - compute_s,
+        exposed_s = statistics.median(a - b for a, b in zip(times[(on, True)], times[(on, False)]))
+        out["overlap" if on else "no_overlap"] = {"step_s": step_s, "compute_s": compute_s, "exposed_s": exposed_s,
                                                   "blocked_s": statistics.median(blocked[on])}
     return out

@@ -537,8 +537,8 @@ def print_exposed(results: dict, variants: list, args) -> str | None:
             continue
         print()
         print(f"{VARIANTS[variant][0]}: exposed communication per step ({args.exposed_rounds} rounds; rank 0's "
-              f"median step with the real collectives minus with no-op ones; blocked: seconds inside collectives, "
-              f"mean of the ranks)")
+              f"medians; exposed: step with the real collectives minus the same step with no-op ones, per round; "
+              f"blocked: seconds inside collectives, mean of the ranks)")
         for mode, label in (("overlap", "TP overlap on"), ("no_overlap", "--no-tp-overlap")):
             r = by_rank[0][mode]
             blocked = statistics.mean(e[mode]["blocked_s"] for e in by_rank)
