@@ -50,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import exposed_comm  # bench/exposed_comm.py: the exposed-communication measurement
+
 VARIANTS = {
     # name: (label, processes, threads per process)
     "single": ("single (tensorpar TP=1)", 1, 2),
@@ -288,6 +290,10 @@ def worker(args) -> None:
             },
         }
 
+    exposed = None
+    if variant.startswith("tensorpar") and world > 1 and args.exposed_rounds > 0:
+        exposed = exposed_comm.measure(model, step, barrier, mesh.stats, args.exposed_rounds)
+
     profile = None
     if args.profile > 0:
         from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -310,6 +316,7 @@ def worker(args) -> None:
         "bwd_s": [t[2] for t in times],
         "opt_s": [t[3] for t in times],
         "comm": comm,
+        "exposed": exposed,
         "profile": profile,
     }
     with open(f"{args.result}.{rank}", "w") as f:
@@ -335,7 +342,7 @@ def worker_argv(args, variant: str, state_path: str, result_path: str) -> list[s
     argv = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--state", state_path,
             "--result", result_path]
     for flag in ("hidden", "layers", "heads", "ffn", "vocab", "batch", "seq_len", "steps", "warmup", "seed",
-                 "lr", "comm_steps", "profile", "profile_rows", "device", "dtype"):
+                 "lr", "comm_steps", "exposed_rounds", "profile", "profile_rows", "device", "dtype"):
         value = getattr(args, flag)
         if value is not None:
             argv += ["--" + flag.replace("_", "-"), str(value)]
@@ -399,6 +406,7 @@ def launch(args, variant: str, state_path: str, workdir: str) -> dict:
             ranks.append(json.load(f))
     result = ranks[0]
     result["comm_by_rank"] = [r["comm"] for r in ranks]
+    result["exposed_by_rank"] = [r.get("exposed") for r in ranks]
     result["other_load"] = None
     if cpu0 and cpu1 and cpu1[1] > cpu0[1]:
         foreign = (cpu1[0] - cpu0[0]) - (own1 - own0)
@@ -425,10 +433,13 @@ def parse_args(argv=None):
                    help="parameters, activations and optimizer state of every variant")
     p.add_argument("--comm-steps", type=int, default=3,
                    help="extra tensorpar TP=2 steps with collective timing on (0: skip)")
+    p.add_argument("--exposed-rounds", type=int, default=5,
+                   help="rounds of the exposed-communication measurement of the tensorpar TP=2 variants, TP overlap\n"
+                        "on and off, real and no-op collectives (4 extra steps per round; 0: skip)")
     p.add_argument("--profile", type=int, default=0,
                    help="after timing, profile this many extra steps per variant (torch.profiler, rank 0)")
     p.add_argument("--profile-rows", type=int, default=15)
-    p.add_argument("--variants", default="single,tensorpar,dtensor",
+    p.add_argument("--variants", default="single,tensorpar,tensorpar-sp,dtensor",
                    help="comma-separated subset of: " + ", ".join(VARIANTS))
     p.add_argument("--loss-rtol", type=float, default=None, help="default 1e-4 (fp32), 2e-2 (bf16)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant")
@@ -564,8 +575,36 @@ def main(argv=None) -> int:
     def ratio(a, b):
         return f"{median(a) / median(b):.2f}" if a in results and b in results else "n/a"
 
+    exposed_line = print_exposed(results, variants, args)
+    if exposed_line:
+        print(exposed_line)
     print(f"tp2/single={ratio('tensorpar', 'single')} tp2/dtensor={ratio('tensorpar', 'dtensor')}")
     return 0 if ok else 1
+
+
+def print_exposed(results: dict, variants: list, args) -> str | None:
+    """Print the exposed-communication table of the tensorpar TP=2 variants; the `exposed_comm` line of TP=2."""
+    line = None
+    for variant in variants:
+        by_rank = results[variant].get("exposed_by_rank") or []
+        if not by_rank or not by_rank[0]:
+            continue
+        print()
+        print(f"{VARIANTS[variant][0]}: exposed communication per step ({args.exposed_rounds} rounds; rank 0's "
+              f"medians; exposed: step with the real collectives minus the same step with no-op ones, per round; "
+              f"blocked: seconds inside collectives, mean of the ranks)")
+        for mode, label in (("overlap", "TP overlap on"), ("no_overlap", "--no-tp-overlap")):
+            r = by_rank[0][mode]
+            blocked = statistics.mean(e[mode]["blocked_s"] for e in by_rank)
+            print(f"  {label:<16} step {r['step_s']:.4f} s   no-op collectives {r['compute_s']:.4f} s   "
+                  f"exposed {r['exposed_s']:.4f} s   blocked {blocked:.4f} s")
+        if variant == "tensorpar":
+            e = by_rank[0]
+            line = f"exposed_comm overlap={e['overlap']['exposed_s']:.3f} no_overlap={e['no_overlap']['exposed_s']:.3f}"
+    if "tensorpar" in results and "tensorpar-sp" in results:
+        sp = statistics.median(results["tensorpar-sp"]["step_s"]) / statistics.median(results["tensorpar"]["step_s"])
+        print(f"\ntp2+sp/tp2={sp:.3f}")
+    return line
 
 
 if __name__ == "__main__":

@@ -103,13 +103,19 @@ def check_timeout_names_rank_op_and_group():
 
     pg = dist.new_group([0, 1], timeout=timedelta(seconds=2))
     g = Group("tp", [0, 1], pg, global_rank=dist.get_rank(), timeout=timedelta(seconds=2))
-    message = None
+    pg_async = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    g_async = Group("tp", [0, 1], pg_async, global_rank=dist.get_rank(), timeout=timedelta(seconds=2))
+    messages = [None, None]
     if dist.get_rank() == 0:
         try:
             g.all_reduce(torch.ones(4))
         except CollectiveError as e:
-            message = str(e)
-    return message
+            messages[0] = str(e)
+        try:  # started asynchronously (as the TP overlap does): the error comes from wait()
+            g_async.reduce_scatter_async(torch.empty(2), torch.ones(4)).wait()
+        except CollectiveError as e:
+            messages[1] = str(e)
+    return messages
 
 
 def test_timeout_error_names_rank_operation_and_group():
@@ -118,8 +124,9 @@ def test_timeout_error_names_rank_operation_and_group():
 
     pool = WorkerPool(2)
     try:
-        message = pool.run(check_timeout_names_rank_op_and_group, timeout=60)[0]
+        messages = pool.run(check_timeout_names_rank_op_and_group, timeout=60)[0]
     finally:
         pool.close()
-    assert message is not None, "the all-reduce did not fail"
-    assert "rank 0" in message and "all_reduce" in message and "'tp'" in message and "[0, 1]" in message
+    for message, op in zip(messages, ("all_reduce", "reduce_scatter")):
+        assert message is not None, f"the {op} did not fail"
+        assert "rank 0" in message and op in message and "'tp'" in message and "[0, 1]" in message, message

@@ -26,7 +26,7 @@ def _errors(pairs):
     return {name: rel_err(a, b) for name, (a, b) in pairs.items()}
 
 
-def check_mlp(tp, sequence_parallel):
+def check_mlp(tp, sequence_parallel, tp_overlap=False):
     """Column -> gelu -> Row against nn.Linear -> gelu -> nn.Linear, and what was communicated."""
     m = mesh(tp=tp)
     g = m.tp_group
@@ -37,8 +37,8 @@ def check_mlp(tp, sequence_parallel):
     y = fc2(F.gelu(fc1(x)))
     (y * probe).sum().backward()
 
-    col = ColumnParallelLinear.from_dense(fc1, m, sequence_parallel=sequence_parallel)
-    row = RowParallelLinear.from_dense(fc2, m, sequence_parallel=sequence_parallel)
+    col = ColumnParallelLinear.from_dense(fc1, m, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
+    row = RowParallelLinear.from_dense(fc2, m, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
     if sequence_parallel:
         x_local = x.detach().chunk(tp, 1)[g.rank].clone().requires_grad_()
         probe_local, y_expected, dx_expected = probe.chunk(tp, 1)[g.rank], y.chunk(tp, 1)[g.rank], x.grad.chunk(tp, 1)[g.rank]

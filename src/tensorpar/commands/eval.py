@@ -19,6 +19,7 @@ from tensorpar.data import check_vocab, eval_windows, load_tokenizer, open_strea
 from tensorpar.distributed.mesh import init_mesh
 from tensorpar.errors import TensorparError
 from tensorpar.models import Transformer, load_full_state_dict
+from tensorpar.models.compile import compile_blocks
 from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.training.evaluate import evaluate
 
@@ -55,6 +56,8 @@ def evaluate_checkpoint(options: EvalOptions) -> dict:
         model = Transformer(cfg, mesh, sequence_parallel=options.sequence_parallel, init=False,
                             cp_impl=options.cp_impl)
         load_full_state_dict(model, state, source=options.checkpoint)
+        if options.compile:
+            compile_blocks(model)
         loss = evaluate(model, windows, options.batch_size, mesh.device, options.dtype, dp_group=mesh.dp_group)
         return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(windows[:, 1:].numel())}
     finally:

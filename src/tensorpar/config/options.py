@@ -78,6 +78,11 @@ class TrainOptions(LaunchOptions):
                                                "embedding and the LM head fewer blocks (default: an even split; "
                                                "--virtual-stages 1 only)", metavar="N,N,...", group=LAYOUT)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE_MODES, group=LAYOUT)
+    compile: bool = option(False, "torch.compile each transformer block (where the backend cannot compile, a "
+                                  "warning and an uncompiled run)", group=LAYOUT)
+    tp_overlap: bool = option(True, "issue the TP collectives as plain blocking ones, not overlapped with the "
+                                    "GEMMs beside them (the same results; to measure the difference; in a config "
+                                    "file: tp_overlap = false)", flag="--no-tp-overlap", group=LAYOUT)
     dtype: str = option("fp32", "bf16/fp16: parameters, activations and gradients in bf16/fp16 with fp32 master "
                                 "weights in the optimizer (fp16 with dynamic loss scaling)", choices=TRAIN_DTYPES,
                         group=LAYOUT)
@@ -153,6 +158,8 @@ class EvalOptions(LaunchOptions):
                         "onto the tp x cp x dp ranks; without --dp, ep / gcd(tp x cp, ep) data-parallel groups are "
                         "started so that it folds (they split the windows)", group=LAYOUT)
     dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
+    compile: bool = option(False, "torch.compile each transformer block (where the backend cannot compile, a "
+                                  "warning and an uncompiled run)", group=LAYOUT)
     cp_impl: str = option("ring", "context-parallel attention: K/V passed round a ring, or all-gathered",
                           choices=CP_IMPLS, group=LAYOUT)
 

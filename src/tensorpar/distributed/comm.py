@@ -50,7 +50,9 @@ class CommStats:
     """Counts collectives per (operation, group name): calls, elements, bytes and optionally time.
 
     ``timing=True`` synchronises the device around each call so that the seconds recorded are
-    the collective's own; leave it off on the hot path.
+    the collective's own; leave it off on the hot path. For an asynchronous collective the seconds
+    are those the process was blocked by it (starting it, and waiting for it to complete): the
+    part of its time that compute did not cover.
     """
 
     def __init__(self, timing: bool = False):
@@ -63,6 +65,10 @@ class CommStats:
         c.elements += elements
         c.bytes += nbytes
         c.seconds += seconds
+
+    def add_seconds(self, op: str, group: str, seconds: float) -> None:
+        """Time spent waiting for an asynchronous (op, group) collective counted earlier."""
+        self._counts[(op, group)].seconds += seconds
 
     def reset(self) -> None:
         self._counts.clear()
@@ -162,6 +168,8 @@ class Group:
 
     # -- plumbing ---------------------------------------------------------------------------
 
+    # torch.compile (--compile) leaves every collective to run eagerly, as a graph break: never traced into a graph.
+    @torch.compiler.disable
     def _run(self, op: str, count_tensor: torch.Tensor, fn, elements: int | None = None):
         timing = self.stats.timing
         if timing and count_tensor.is_cuda:
@@ -182,14 +190,18 @@ class Group:
         self.stats.record(op, self.name, n, n * count_tensor.element_size(), seconds)
         return result
 
+    @torch.compiler.disable
     def _launch(self, op: str, count_tensor: torch.Tensor, fn) -> "Pending":
-        """Start an asynchronous collective; count it now, explain its failure at `wait()`."""
+        """Start an asynchronous collective; count it now, explain its failure at `wait()`. With timing on, the
+        seconds recorded are those this process is blocked: starting it here, and in `Pending.wait()`."""
+        t0 = time.perf_counter()
         try:
             work = fn()
         except Exception as e:
             raise self.failure(op, f"could not start: {_cause(e)}") from e
-        self.stats.record(op, self.name, count_tensor.numel(), _nbytes(count_tensor))
-        return Pending(work, self, op)
+        seconds = time.perf_counter() - t0 if self.stats.timing else 0.0
+        self.stats.record(op, self.name, count_tensor.numel(), _nbytes(count_tensor), seconds)
+        return Pending(work, self, op, count_tensor.device)
 
     def failure(self, op: str, what: str) -> CollectiveError:
         """The error for `op` on this group: which rank, which operation, which group and members, and `what`."""
@@ -368,20 +380,29 @@ class Group:
 
 
 class Pending:
-    """A started collective: `wait()` blocks until it completes, turning failures into CollectiveError."""
+    """A started collective: `wait()` blocks until it completes, turning failures into CollectiveError (naming the
+    rank, the operation and the group, as the blocking collectives do). With the stats' timing on, the seconds
+    spent blocked in `wait()` are added to the operation's (its call was counted when it started)."""
 
-    def __init__(self, work, group: Group, op: str):
-        self.work, self.group, self.op = work, group, op
+    def __init__(self, work, group: Group, op: str, device=None):
+        self.work, self.group, self.op, self.device = work, group, op, device
 
+    @torch.compiler.disable
     def wait(self) -> None:
         if self.work is None:
             return
+        stats = self.group.stats
+        cuda = stats.timing and self.device is not None and self.device.type == "cuda"
         t0 = time.perf_counter()
         try:
             self.work.wait()
         except Exception as e:
             raise self.group.failure(self.op, f"failed after waiting {time.perf_counter() - t0:.1f}s: a peer never "
                                               f"arrived or broke off. Cause: {_cause(e)}") from e
+        if stats.timing:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            stats.add_seconds(self.op, self.group.name, time.perf_counter() - t0)
         self.work = None
 
 

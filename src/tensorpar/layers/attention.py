@@ -24,6 +24,7 @@ from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.layers.ring_attention import ContextSplit, context_attention
 from tensorpar.layers.rope import apply_rope
 from tensorpar.layers.sharding import ShardSpec, divide, tag
+from tensorpar.layers.tp_overlap import column_parallel_in
 
 
 def kv_layout(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
@@ -81,16 +82,20 @@ class KVParallelLinear(nn.Module):
 
     weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias the product uses (replicated heads: their gradients summed over the copies)."""
         weight, bias = self.weight, self.bias
-        if self.weight_grad_queue is not None:
-            reduce = functools.partial(_sum_over_replicas, group=self.tp_group, replicas=self.replicas)
-            return weight_grad.linear(x, weight, bias, self.weight_grad_queue,
-                                      reduce=reduce if self.replicas > 1 else None)
         if self.replicas > 1:
             weight = _SumOverReplicas.apply(weight, self.tp_group, self.replicas)
             bias = None if bias is None else _SumOverReplicas.apply(bias, self.tp_group, self.replicas)
-        return F.linear(x, weight, bias)
+        return weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_grad_queue is not None:
+            reduce = functools.partial(_sum_over_replicas, group=self.tp_group, replicas=self.replicas)
+            return weight_grad.linear(x, self.weight, self.bias, self.weight_grad_queue,
+                                      reduce=reduce if self.replicas > 1 else None)
+        return F.linear(x, *self.weight_and_bias())
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, local_heads={self.local_heads}, replicas={self.replicas}"
@@ -99,11 +104,12 @@ class KVParallelLinear(nn.Module):
 class ParallelAttention(nn.Module):
     """Causal self-attention: [B, S, H] (or [B, S/tp, H] under sequence parallelism) in and out."""
 
-    def __init__(self, cfg, tp_group=None, sequence_parallel: bool = False, layer_index: int = 0, device=None):
+    def __init__(self, cfg, tp_group=None, sequence_parallel: bool = False, layer_index: int = 0, device=None,
+                 tp_overlap: bool = False):
         super().__init__()
         self.tp_group = as_group(tp_group)
         tp = self.tp_group.size
-        self.sequence_parallel, self.layer_index = sequence_parallel, layer_index
+        self.sequence_parallel, self.layer_index, self.tp_overlap = sequence_parallel, layer_index, tp_overlap
         self.head_dim = cfg.head_dim
         self.local_heads = divide(cfg.num_heads, tp, "num_heads")
         self.local_kv_heads, self.kv_replicas = kv_layout(cfg.kv_heads, tp)
@@ -115,7 +121,8 @@ class ParallelAttention(nn.Module):
         self.k_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device=device)
         self.v_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device=device)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, self.tp_group, cfg.bias,
-                                        sequence_parallel=sequence_parallel, device=device, init=False)
+                                        sequence_parallel=sequence_parallel, device=device, init=False,
+                                        tp_overlap=tp_overlap)
 
     def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None):
         """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes); with
@@ -148,11 +155,18 @@ class ParallelAttention(nn.Module):
         their keys and values are appended to the cache under `layer_key` and attention spans all cached ones."""
         if kv_cache is not None and self.sequence_parallel:
             raise LayoutError("the KV-cache path runs without sequence parallelism")
-        x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        # The entry's collective hidden behind the q/k/v GEMMs (tensorpar.layers.tp_overlap); not under a split
+        # backward (a zero-bubble schedule), whose weight gradients are not computed in backward to hide it behind.
+        if self.tp_overlap and self.q_proj.weight_grad_queue is None:
+            q, k, v = column_parallel_in(x, [(self.q_proj.weight, self.q_proj.bias), self.k_proj.weight_and_bias(),
+                                             self.v_proj.weight_and_bias()], self.tp_group, self.sequence_parallel)
+        else:
+            x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, s = q.shape[:2]
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

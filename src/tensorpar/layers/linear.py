@@ -37,6 +37,7 @@ from tensorpar.layers.sharding import (
     take_shard,
 )
 from tensorpar.layers import weight_grad
+from tensorpar.layers.tp_overlap import column_parallel_in, row_parallel_out
 
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
 
@@ -57,9 +58,10 @@ class _ParallelLinear(nn.Module):
     split_dim: int  # 0 for column-parallel, 1 for row-parallel
     weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
 
-    def __init__(self, in_features, out_features, tp_group, bias, sequence_parallel, device, dtype):
+    def __init__(self, in_features, out_features, tp_group, bias, sequence_parallel, device, dtype, tp_overlap=False):
         super().__init__()
         self.tp_group: Group = as_group(tp_group)
+        self.tp_overlap = tp_overlap
         self.in_features = in_features
         self.out_features = out_features
         self.sequence_parallel = sequence_parallel
@@ -109,6 +111,10 @@ class ColumnParallelLinear(_ParallelLinear):
     ``skip_input_comm=True`` leaves out the entering op: for layers that share one input (q/k/v,
     gate/up), the caller applies `copy_to_tp` / `gather_from_sp` once, so that the backward
     all-reduce (or reduce-scatter) happens once for all of them instead of once per layer.
+
+    ``tp_overlap=True`` hides that communication behind compute (`tensorpar.layers.tp_overlap`): the
+    backward all-reduce (reduce-scatter) runs while the weight gradient is computed, and under SP the
+    forward all-gather arrives in chunks, each multiplied as soon as it is there.
     """
 
     split_dim = 0
@@ -128,8 +134,9 @@ class ColumnParallelLinear(_ParallelLinear):
         device=None,
         dtype=None,
         init: bool = True,
+        tp_overlap: bool = False,
     ):
-        super().__init__(in_features, out_features, tp_group, bias, sequence_parallel, device, dtype)
+        super().__init__(in_features, out_features, tp_group, bias, sequence_parallel, device, dtype, tp_overlap)
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True")
         tp = self.tp_group.size
@@ -150,6 +157,9 @@ class ColumnParallelLinear(_ParallelLinear):
             self._load_full(*full_linear_params(in_features, out_features, bias, init_method, seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_overlap and not self.skip_input_comm and self.weight_grad_queue is None:
+            (y,) = column_parallel_in(x, [(self.weight, self.bias)], self.tp_group, self.sequence_parallel)
+            return gather_from_tp(y, self.tp_group) if self.gather_output else y
         if self.skip_input_comm:
             pass
         elif self.sequence_parallel:
@@ -168,6 +178,9 @@ class RowParallelLinear(_ParallelLinear):
     `scatter_to_tp`), then the partial sums are combined by `reduce_from_tp` (g: all-reduce /
     identity in backward) or, with sequence parallelism, by `reduce_scatter_to_sp`
     (reduce-scatter / all-gather in backward). The bias is added once, after the reduction.
+
+    ``tp_overlap=True`` sends the reduction in chunks, each as soon as its part of the product is
+    computed (`tensorpar.layers.tp_overlap`); under SP the backward all-gather likewise.
     """
 
     split_dim = 1
@@ -186,8 +199,9 @@ class RowParallelLinear(_ParallelLinear):
         device=None,
         dtype=None,
         init: bool = True,
+        tp_overlap: bool = False,
     ):
-        super().__init__(in_features, out_features, tp_group, bias, sequence_parallel, device, dtype)
+        super().__init__(in_features, out_features, tp_group, bias, sequence_parallel, device, dtype, tp_overlap)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         tp = self.tp_group.size
@@ -210,6 +224,8 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
+        if self.tp_overlap and self.weight_grad_queue is None:
+            return row_parallel_out(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
         y = weight_grad.linear(x, self.weight, None, self.weight_grad_queue)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(y, self.tp_group)

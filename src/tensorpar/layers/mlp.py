@@ -14,6 +14,7 @@ from torch import nn
 from tensorpar.distributed.comm import as_group
 from tensorpar.distributed.ops import copy_to_tp, gather_from_sp
 from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.layers.tp_overlap import column_parallel_in
 
 ACTIVATION_FNS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -24,19 +25,26 @@ ACTIVATION_FNS = {
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg, tp_group=None, sequence_parallel: bool = False, device=None):
+    def __init__(self, cfg, tp_group=None, sequence_parallel: bool = False, device=None, tp_overlap: bool = False):
         super().__init__()
         self.tp_group = as_group(tp_group)
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.tp_overlap = sequence_parallel, tp_overlap
         self.act = ACTIVATION_FNS[cfg.activation]
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         column = dict(sequence_parallel=sequence_parallel, skip_input_comm=True, device=device, init=False)
         self.gate_proj = ColumnParallelLinear(h, f, self.tp_group, cfg.bias, **column) if cfg.gated_mlp else None
         self.up_proj = ColumnParallelLinear(h, f, self.tp_group, cfg.bias, **column)
         self.down_proj = RowParallelLinear(f, h, self.tp_group, cfg.bias, sequence_parallel=sequence_parallel,
-                                           device=device, init=False)
+                                           device=device, init=False, tp_overlap=tp_overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The entry's collective hidden behind the gate/up GEMMs (tensorpar.layers.tp_overlap), as in attention.
+        if self.tp_overlap and self.up_proj.weight_grad_queue is None:
+            projections = [p for p in (self.gate_proj, self.up_proj) if p is not None]
+            outs = column_parallel_in(x, [(p.weight, p.bias) for p in projections], self.tp_group,
+                                      self.sequence_parallel)
+            h = self.act(outs[0]) * outs[1] if self.gate_proj is not None else self.act(outs[0])
+            return self.down_proj(h)
         x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
         if self.gate_proj is not None:
             h = self.act(self.gate_proj(x)) * self.up_proj(x)

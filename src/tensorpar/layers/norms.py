@@ -4,7 +4,8 @@ The norm weights are replicated on every TP rank. Without sequence parallelism e
 the whole sequence and computes the whole gradient. With it, each rank normalises only its
 sequence shard, so its weight gradient is partial: the weights enter through `copy_to_tp`
 (forward identity, backward all-reduce), which sums the gradient across TP ranks (a known
-peer bug is to forget this).
+peer bug is to forget this). With ``tp_overlap`` the weight and bias enter together
+(`copy_params_to_tp`): one all-reduce of both gradients instead of one each.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tensorpar.distributed.comm import as_group
 from tensorpar.distributed.ops import copy_to_tp
 from tensorpar.layers import weight_grad
 from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.layers.tp_overlap import copy_params_to_tp
 
 
 class Norm(nn.Module):
@@ -25,9 +27,9 @@ class Norm(nn.Module):
     weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
 
     def __init__(self, hidden_size: int, kind: str, eps: float, tp_group=None, sequence_parallel: bool = False,
-                 device=None):
+                 device=None, tp_overlap: bool = False):
         super().__init__()
-        self.kind, self.eps, self.sequence_parallel = kind, eps, sequence_parallel
+        self.kind, self.eps, self.sequence_parallel, self.tp_overlap = kind, eps, sequence_parallel, tp_overlap
         self.tp_group = as_group(tp_group)
         spec = ShardSpec(dim=None, reduce_grad_across_tp=sequence_parallel)
         self.weight = tag(nn.Parameter(torch.ones(hidden_size, device=device)), spec)
@@ -39,9 +41,13 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_grad_queue is not None:
             return self._forward_split(x)
-        weight = self._param(self.weight)
+        if self.sequence_parallel and self.tp_overlap:
+            weight, *bias = copy_params_to_tp([p for p in (self.weight, self.bias) if p is not None], self.tp_group)
+            bias = bias[0] if bias else None
+        else:
+            weight, bias = self._param(self.weight), self._param(self.bias)
         if self.kind == "layernorm":
-            return F.layer_norm(x, (x.shape[-1],), weight, self._param(self.bias), self.eps)
+            return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

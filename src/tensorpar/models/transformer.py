@@ -35,27 +35,30 @@ from tensorpar.layers.ring_attention import ContextSplit, check_context_split
 from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
 from tensorpar.layers import weight_grad
 from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.layers.tp_overlap import column_parallel_in
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.init import init_weights
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, layer_index: int, device=None,
-                 ep_group=None, cp_group=None, expert_tp_group=None):
+                 ep_group=None, cp_group=None, expert_tp_group=None, tp_overlap: bool = False):
         super().__init__()
         self.layer_index, self.dropout = layer_index, cfg.dropout
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
-        norm = dict(kind=cfg.norm, eps=cfg.norm_eps, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device)
+        norm = dict(kind=cfg.norm, eps=cfg.norm_eps, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device,
+                    tp_overlap=tp_overlap)
         self.attn_norm = Norm(cfg.hidden_size, **norm)
-        self.attn = ParallelAttention(cfg, tp_group, sequence_parallel, layer_index, device=device)
+        self.attn = ParallelAttention(cfg, tp_group, sequence_parallel, layer_index, device=device,
+                                      tp_overlap=tp_overlap)
         self.mlp_norm = Norm(cfg.hidden_size, **norm)
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:
             self.mlp = MoELayer(cfg, tp_group, as_group(ep_group, "ep"), as_group(cp_group, "cp"), sequence_parallel,
                                 device=device, expert_tp_group=as_group(expert_tp_group, "expert_tp"))
         else:
-            self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device)
+            self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device, tp_overlap=tp_overlap)
 
     def _drop(self, x, site: int, dropout_seed, context):
         """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
@@ -108,6 +111,10 @@ class Transformer(nn.Module):
     `first_stage`, and the final norm and head when `last_stage`; its forward then takes and/or
     returns hidden states. With tied embeddings the last stage holds a copy of the embedding
     (`pipeline_duplicate`), kept equal to the first stage's by summing their gradients.
+
+    ``tp_overlap`` (the default) hides the TP collectives at the edges of each TP region behind the
+    GEMMs beside them (tensorpar.layers.tp_overlap); ``tp_overlap=False`` issues them as plain
+    blocking collectives (the same function, the same bytes), to measure the difference.
     """
 
     weight_grad_queue = None  # a WeightGradQueue for the head's and positions' weight gradients (layers/weight_grad.py)
@@ -127,6 +134,7 @@ class Transformer(nn.Module):
         last_stage: bool = True,
         cp_impl: str = "ring",
         cp_split: str = "zigzag",
+        tp_overlap: bool = True,
     ):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
@@ -138,7 +146,7 @@ class Transformer(nn.Module):
         self.expert_tp_group = as_group(mesh, "expert_tp")
         self.cp_split, self.cp_impl = cp_split, cp_impl
         self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
-        self.recompute = recompute
+        self.recompute, self.tp_overlap = recompute, tp_overlap
         device = device if device is not None else getattr(mesh, "device", None)
         tp, sp = self.tp_group, self.sequence_parallel
 
@@ -157,10 +165,10 @@ class Transformer(nn.Module):
                                  ShardSpec(dim=None, reduce_grad_across_tp=sp))
         # Keyed by global layer index, so that a stage's parameter names are the dense model's.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, tp, sp, i, device, self.ep_group, self.cp_group,
-                                                              self.expert_tp_group)
+                                                              self.expert_tp_group, tp_overlap)
                                      for i in layers})
         if last_stage:
-            self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device)
+            self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device, tp_overlap=tp_overlap)
         if last_stage and not cfg.tie_embeddings:
             self.head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp, bias=False, sequence_parallel=sp,
                                             skip_input_comm=True, device=device, init=False)
@@ -218,8 +226,10 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp]."""
-        h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
         weight = self.embed.weight if self.head is None else self.head.weight
+        if self.tp_overlap and self.weight_grad_queue is None:  # h's gradient reduced behind the head's W GEMM
+            return column_parallel_in(h, [(weight, None)], self.tp_group, self.sequence_parallel)[0]
+        h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
         return weight_grad.linear(h, weight, None, self.weight_grad_queue)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

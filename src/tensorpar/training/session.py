@@ -16,6 +16,7 @@ from tensorpar.config.fields import changed_options, to_dict, to_toml
 from tensorpar.data import build_dataset, describe_corpus, open_corpus, tokenizer_from, validation_windows
 from tensorpar.distributed.mesh import Mesh
 from tensorpar.models import Transformer, load_full_state_dict
+from tensorpar.models.compile import compile_blocks
 from tensorpar.optim.loss_scaler import DynamicLossScaler
 from tensorpar.optim.precision import param_dtype
 from tensorpar.parallel.data_parallel import DistributedOptimizer
@@ -91,7 +92,8 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
         stage = dict(layers=[i for chunk in chunks for i in chunk], first_stage=first, last_stage=last)
     torch.manual_seed(o.seed)
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
-                        init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, **stage)
+                        init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, tp_overlap=o.tp_overlap,
+                        **stage)
     if o.init_from:
         _, state = load_model_source(o.init_from)
         names = dict(model.named_parameters())
@@ -99,6 +101,8 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
     if o.dtype != "fp32":  # bf16/fp16 parameters; the optimizer keeps fp32 masters; buffers (RoPE) stay fp32
         for p in model.parameters():
             p.data = p.data.to(param_dtype(o.dtype))
+    if o.compile:
+        compile_blocks(model)
     model.train()
     return model, tokenizer_from(o.tokenizer, o.init_from)
 

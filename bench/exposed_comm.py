@@ -1,0 +1,118 @@
+"""Exposed TP communication: the seconds of a tensorpar TP step that compute does not cover, with the TP overlap
+(tensorpar.layers.tp_overlap) on and off, measured in the same processes on the same model and batch.
+
+    exposed = median over rounds of (step time with the real collectives
+                                     - step time of the same step with every collective replaced by a no-op)
+
+The no-op collectives return at once and touch only this rank's memory: an all-reduce leaves its input as it
+is, an all-gather fills every rank's slot with this rank's tensor, a reduce-scatter keeps this rank's own
+block. The values are then wrong (they are not used) but every shape, every GEMM and every copy is the same,
+so the difference is what the collectives add to the step: their own time where nothing runs beside them,
+the time a rank waits for its slower peer, and what a collective running in the background takes from the
+compute beside it (on a 2-core machine the gloo threads share the cores with the GEMMs). Each round runs the
+four configurations (overlap on/off x real/no-op collectives) once, in alternating order, so that a change of
+machine load hits them alike, and the difference is taken within each round (between steps run seconds
+apart); a first round warms them up, untimed. Ranks pass a barrier before every step. Rank 0's times are
+reported.
+
+Also reported, for the real steps: `blocked`, the seconds per step the ranks spent inside a blocking
+collective or waiting for an asynchronous one (tensorpar's CommStats timing), which leaves out that last
+cost (compute slowed by a background collective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+
+from tensorpar.distributed import comm
+
+
+class _Done:
+    """The handle of a no-op collective: already complete."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+
+class _NoCollectives:
+    """torch.distributed as tensorpar's comm module sees it, with all_reduce a no-op (barrier and the rest real)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @staticmethod
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return _Done() if async_op else None
+
+
+def _no_all_gather(out, tensor, group=None, async_op=False):
+    out.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1))
+    return _Done() if async_op else None
+
+
+def _no_reduce_scatter(out, tensor, op=None, group=None, async_op=False):
+    out.copy_(tensor.reshape(-1, out.numel())[0].view_as(out))
+    return _Done() if async_op else None
+
+
+@contextlib.contextmanager
+def no_collectives():
+    """Within: tensorpar's all-reduces, all-gathers and reduce-scatters are no-ops (barriers still synchronise)."""
+    saved = comm.dist, comm._all_gather_single, comm._reduce_scatter_single
+    comm.dist, comm._all_gather_single, comm._reduce_scatter_single = (_NoCollectives(saved[0]), _no_all_gather,
+                                                                       _no_reduce_scatter)
+    try:
+        yield
+    finally:
+        comm.dist, comm._all_gather_single, comm._reduce_scatter_single = saved
+
+
+def set_tp_overlap(model, on: bool) -> None:
+    """Switch the TP overlap of every module of a tensorpar model (the `tp_overlap` its layers were built with)."""
+    for module in model.modules():
+        if hasattr(module, "tp_overlap"):
+            module.tp_overlap = on
+
+
+def measure(model, step, barrier, stats, rounds: int) -> dict:
+    """{"overlap": {...}, "no_overlap": {...}}, each with the median `step_s` (real collectives), `compute_s`
+    (no-op collectives), `exposed_s` (the median of their differences within a round) and `blocked_s` (median
+    seconds per step inside collectives); `step` runs one training step. Leaves the model with the overlap on."""
+    configs = [(on, real) for on in (True, False) for real in (True, False)]
+    times = {c: [] for c in configs}
+    blocked = {on: [] for on in (True, False)}
+    timing = stats.timing
+    try:
+        for r in range(rounds + 1):
+            for on, real in configs if r % 2 else configs[::-1]:
+                set_tp_overlap(model, on)
+                barrier()
+                stats.reset()
+                stats.timing = real
+                t0 = time.perf_counter()
+                with contextlib.nullcontext() if real else no_collectives():
+                    step()
+                seconds = time.perf_counter() - t0
+                if os.environ.get("EXPOSED_DEBUG"):
+                    print(f"round {r} overlap={on} real={real}: {seconds:.4f} s", flush=True)
+                if r:
+                    times[(on, real)].append(seconds)
+                    if real:
+                        blocked[on].append(stats.seconds())
+    finally:
+        stats.timing = timing
+        stats.reset()
+        set_tp_overlap(model, True)
+    out = {}
+    for on in (True, False):
+        step_s, compute_s = statistics.median(times[(on, True)]), statistics.median(times[(on, False)])
+        exposed_s = statistics.median(a - b for a, b in zip(times[(on, True)], times[(on, False)]))
+        out["overlap" if on else "no_overlap"] = {"step_s": step_s, "compute_s": compute_s, "exposed_s": exposed_s,
+                                                  "blocked_s": statistics.median(blocked[on])}
+    return out
