@@ -36,6 +36,8 @@ from tensorpar.models import get_config
 from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
 from tensorpar.parallel.pipeline_schedules import build_schedule, peak_in_flight, simulate, theoretical_bubble
 from tensorpar.parallel.pipeline_view import render_png, render_text as render_schedule_text
+from tensorpar.config.choices import PLANNED_SCHEDULES
+from tensorpar.planning.calibration import load_profile
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.memory import MemoryBreakdown
 from tensorpar.planning.precision_recipes import get_precision
@@ -50,7 +52,7 @@ def add_parser(sub) -> None:
 
 def run(args, argv=None) -> int:
     options = options_from_args(PlanOptions, args, "plan")
-    if options.schedule:
+    if options.schedule and options.model is None:
         missing = [f for f, v in (("--pp", options.pp), ("--microbatches", options.microbatches)) if v is None]
         if missing:
             raise TensorparError(f"--schedule {options.schedule} needs {' and '.join(missing)}")
@@ -63,8 +65,13 @@ def run(args, argv=None) -> int:
 
 def _cluster(options):
     gb, us = 1e9, 1e-6
+    gpu, curve, link_eff = options.gpu, None, options.link_efficiency
+    if options.hardware is not None:  # a calibrated profile: its measured peaks, curve and (already real) links
+        gpu, curve = load_profile(options.hardware)
+        link_eff = 1.0 if link_eff is None else link_eff
     return make_cluster(
-        options.gpu, options.gpus, gpus_per_node=options.gpus_per_node, memory_gib=options.memory_gib,
+        gpu, options.gpus, gpus_per_node=options.gpus_per_node, memory_gib=options.memory_gib, curve=curve,
+        link_efficiency=link_eff, tp_overlap=options.tp_overlap,
         intra_bandwidth=None if options.intra_bandwidth is None else options.intra_bandwidth * gb,
         inter_bandwidth=None if options.inter_bandwidth is None else options.inter_bandwidth * gb,
         intra_latency=None if options.intra_latency is None else options.intra_latency * us,
@@ -75,7 +82,8 @@ def _cluster(options):
 
 
 def _check_args(options) -> None:
-    missing = [flag for flag, value in (("--model", options.model), ("--gpus", options.gpus), ("--gpu", options.gpu),
+    gpu = options.gpu if options.hardware is None else options.hardware
+    missing = [flag for flag, value in (("--model", options.model), ("--gpus", options.gpus), ("--gpu", gpu),
                                         ("--seq-len", options.seq_len), ("--global-batch-size", options.global_batch_size))
                if value is None]
     if missing:
@@ -124,6 +132,14 @@ def plan_layouts(options):
         space["pp"] = (options.pp,)
     if options.ep is not None:
         space["ep"] = (options.ep,)
+    if options.schedule is not None:  # layout mode: plan this schedule only
+        if options.schedule not in PLANNED_SCHEDULES:
+            raise TensorparError(f"plan --schedule {options.schedule}: the planner models {', '.join(PLANNED_SCHEDULES)}")
+        space["schedules"] = (options.schedule,)
+        if options.schedule == "interleaved" and options.virtual_stages < 2:
+            space["virtual_stages"] = (2,)
+    else:
+        space["schedules"] = ("1f1b", "interleaved", "zb-h1", "zbv")
     if options.pipeline_layers is not None:
         split = parse_pipeline_layers(options.pipeline_layers)
         if options.pp is not None and options.pp != len(split):
@@ -167,6 +183,8 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
     infeasible = [p for p in plans if not p.feasible]
     prec = get_precision(options.precision)
     tokens = options.global_batch_size * options.seq_len
+    compute_model = (f"flat MFU ceiling {cluster.mfu_ceiling:.2f}" if cluster.mfu_ceiling is not None else
+                     f"GEMMs by shape on the {cluster.curve.name} curve")
     size = f"{cfg.num_parameters() / 1e9:.2f}B parameters"
     if cfg.is_moe:
         size += (f", {cfg.num_parameters(active=True) / 1e9:.2f}B active: {cfg.num_experts} experts, "
@@ -175,7 +193,7 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
         f"plan: {options.model} ({size}) on {cluster.describe()}",
         f"      seq {options.seq_len}, global batch {options.global_batch_size} ({tokens:,} tokens/step), "
         f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.0f} TFLOP/s "
-        f"({prec.compute_dtype}) x MFU ceiling {cluster.mfu_ceiling:.2f}, DP overlap {cluster.overlap:.2f}",
+        f"({prec.compute_dtype}), {compute_model}, DP overlap {cluster.overlap:.2f}",
         f"searched {len(plans)} layouts: {len(feasible)} feasible, {len(infeasible)} infeasible",
         "",
     ]
