@@ -97,8 +97,6 @@ def fit_curve(name: str, points: list[dict], peak: float, hbm: float, units: int
 def _fit_link(samples: list[tuple[float, float, float]]) -> Link:
     """alpha, beta from (steps, bytes moved per rank, seconds) by least squares (beta > 0, alpha >= 0)."""
     n = len(samples)
-    sx = sum(s for s, _, _ in samples)
-    sy = sum(b for _, b, _ in samples)
     sxx = sum(s * s for s, _, _ in samples)
     syy = sum(b * b for _, b, _ in samples)
     sxy = sum(s * b for s, b, _ in samples)

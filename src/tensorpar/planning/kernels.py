@@ -16,8 +16,8 @@ chunk: under sequence parallelism the GEMMs see the gathered tokens too):
   write), the two residual adds (read 2, write 1; bias and dropout fused in, + a 1-byte mask with dropout)
   over h elements - per rank all h of them without SP (replicated over TP), h / t with SP -, RoPE on q and k,
   the activation (SwiGLU reads 2 f / t writes f / t; GeLU reads and writes f / t); backward twice the
-  forward traffic. fp8 GEMMs (``Precision.gemm_dtype`` = "fp8") add the casts of their inputs (read 2 bytes,
-  write 1) forward and of the output gradients backward.
+  forward traffic. fp8 GEMMs (``Precision.gemm_dtype`` = "fp8") add the fused cast-transposes of their inputs
+  (read 2 bytes, write 1 + 1) forward and of the output gradients backward.
 - the head on the last stage: (T, V / t, h) forward and its two backward GEMMs, and the loss's softmax.
 
 Recomputation: "full" runs every layer's forward again (tensorpar without dropout stops before the MLP's
@@ -48,9 +48,11 @@ def _gemms_time(gemms, cluster, dtype, nbytes) -> tuple[float, float]:
 
 
 def _cast_bytes(gemms) -> tuple[float, float]:
-    """fp8: bytes the input casts move, forward (inputs m x k) and backward (output gradients m x n)."""
-    fwd = sum(3.0 * m * k * c for m, n, k, c in gemms)
-    bwd = sum(3.0 * m * n * c for m, n, k, c in gemms)
+    """fp8: bytes Transformer Engine's fused cast-transpose moves (read 2, write the fp8 tensor and its transpose,
+    1 + 1), forward for the inputs (m x k, the transpose kept for the weight gradient) and backward for the
+    output gradients (m x n)."""
+    fwd = sum(4.0 * m * k * c for m, n, k, c in gemms)
+    bwd = sum(4.0 * m * n * c for m, n, k, c in gemms)
     return fwd, bwd
 
 

@@ -27,6 +27,7 @@ Enumerated by `enumerate_layouts`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tensorpar.config.choices import PLANNED_SCHEDULES, PLANNED_ZERO_STAGES, RECOMPUTE_MODES
 from tensorpar.config.hardware import Link
@@ -129,16 +130,22 @@ def stage_layer_indices(cfg, layout: Layout, stage: int | None) -> list[int]:
         return list(range(cfg.num_layers))
     if not 0 <= stage < layout.pp:
         raise TensorparError(f"stage {stage} is outside the pipeline of {layout.pp} stages")
-    split = list(layout.pipeline_layers) if layout.pipeline_layers is not None else None
-    v, pp = layout.virtual_stages, layout.pp
+    return list(_layer_indices(cfg.num_layers, layout.pp, layout.virtual_stages, layout.pipeline_layers, stage))
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_indices(num_layers: int, pp: int, v: int, pipeline_layers, stage: int) -> tuple[int, ...]:
+    """`stage_layer_indices`, cached: the search asks for the same split thousands of times."""
+    split = list(pipeline_layers) if pipeline_layers is not None else None
     if split is not None and v > 1 and len(split) == pp * v:  # planning only: uneven virtual stages (chunk c: c pp + rank)
-        if sum(split) != cfg.num_layers or min(split) < 1:
+        if sum(split) != num_layers or min(split) < 1:
             raise TensorparError(f"uneven interleaved stages need pp x v = {pp * v} positive counts summing to "
-                                 f"{cfg.num_layers}, got {','.join(map(str, split))}")
+                                 f"{num_layers}, got {','.join(map(str, split))}")
         starts = [sum(split[:i]) for i in range(pp * v)]
-        return [i for c in range(v) for i in range(starts[c * pp + stage], starts[c * pp + stage] + split[c * pp + stage])]
-    chunks = rank_layers(cfg.num_layers, pp, stage, v, split)
-    return [i for chunk in chunks for i in chunk]
+        return tuple(i for c in range(v)
+                     for i in range(starts[c * pp + stage], starts[c * pp + stage] + split[c * pp + stage]))
+    chunks = rank_layers(num_layers, pp, stage, v, split)
+    return tuple(i for chunk in chunks for i in chunk)
 
 
 def candidate_stages(cfg, layout: Layout) -> list[int]:
@@ -147,15 +154,20 @@ def candidate_stages(cfg, layout: Layout) -> list[int]:
     micro-batches in flight, so it dominates a later one of the same size)."""
     if layout.pp == 1:
         return [0]
-    out = {0, layout.pp - 1}
-    if layout.pipeline_layers is not None:
+    return list(_candidates(cfg.num_layers, layout.pp, layout.virtual_stages, layout.pipeline_layers))
+
+
+@functools.lru_cache(maxsize=65536)
+def _candidates(num_layers: int, pp: int, v: int, pipeline_layers) -> tuple[int, ...]:
+    out = {0, pp - 1}
+    if pipeline_layers is not None:
         seen = set()
-        for st in range(layout.pp):
-            n = len(stage_layer_indices(cfg, layout, st))
+        for st in range(pp):
+            n = len(_layer_indices(num_layers, pp, v, pipeline_layers, st))
             if n not in seen:
                 seen.add(n)
                 out.add(st)
-    return sorted(out)
+    return tuple(sorted(out))
 
 
 def group_size(layout: Layout, group: str) -> int:

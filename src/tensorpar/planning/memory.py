@@ -326,7 +326,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     mbs_in_flight = min(m, math.ceil(chunks / layout.virtual_stages)) if pp > 1 else 1
     # MoE models: the share of the layers whose MLP is a mixture of experts (every moe_layer_freq-th; the same
     # share on every stage, as tensorpar places them by global index)
-    moe_share = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / cfg.num_layers
+    moe_share = (sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / cfg.num_layers) if cfg.is_moe else 0.0
 
     def layer(mode):
         if prec.activations == "tensorpar":

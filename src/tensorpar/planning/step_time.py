@@ -144,7 +144,7 @@ def _busiest_dp_stage(cfg, layout: Layout) -> int:
         return parameter_summary(cfg, layout.tp, layout.pp, st, layout.ep, layout.pipeline_layers,
                                  layout.virtual_stages).numel
 
-    return max(range(layout.pp), key=numel)
+    return max(candidate_stages(cfg, layout), key=numel)
 
 
 def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: int,
@@ -153,7 +153,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     prec = get_precision(precision)
     b, s = layout.micro_batch_size, seq_len
     m = max(layout.num_micro_batches(global_batch), 1)
-    pp, v = layout.pp, layout.virtual_stages
+    pp = layout.pp
     stages = candidate_stages(cfg, layout) if pp > 1 else [None]
     per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm, flash) for st in stages}
     slowest = max(per_stage, key=lambda st: per_stage[st].total)
@@ -198,7 +198,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     tokens = global_batch * seq_len
     model_flops = train_flops_per_token(cfg, seq_len) * tokens
     # The head is never recomputed: the stages' recomputation (pp x one stage's when they hold as many layers).
-    if layout.pipeline_layers is not None and pp > 1:
+    if layout.pipeline_layers is not None and pp > 1 and layout.recompute != "none":
         total_recompute = sum(stage_flops(cfg, layout, b, s, st, prec)[1] for st in range(pp)) * m * layout.dp
     else:
         total_recompute = pp * stage_flops(cfg, layout, b, s, 0 if pp > 1 else None, prec)[1] * m * layout.dp
