@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import CalibrateOptions
 from tensorpar.errors import TensorparError
@@ -25,6 +27,10 @@ def run(args, argv=None) -> int:
     options = options_from_args(CalibrateOptions, args, "calibrate")
     if options.ranks < 1:
         raise TensorparError(f"--ranks must be a positive integer, got {options.ranks}")
+    if options.threads is not None:
+        if options.threads < 1:
+            raise TensorparError(f"--threads must be a positive integer, got {options.threads}")
+        torch.set_num_threads(options.threads)
     profile = calibrate(options.device, ranks=options.ranks, measure_comm=not options.no_collectives)
     with open(options.out, "w") as f:
         json.dump(profile, f, indent=1)

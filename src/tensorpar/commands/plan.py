@@ -200,7 +200,7 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
     moe = cfg.is_moe  # the ep column and the all-to-all share, for mixture-of-experts models only
     ep_head, a2a_head = (f" {'ep':>3}", f" {'a2a':>5}") if moe else ("", "")
     if shown:
-        head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
+        head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'sched':>5} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
                 f" {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'copies':>6} {'other':>6} {'total':>6} GiB |"
                 f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp+cp':>5} {'pp+bub':>6} {'dp':>5}"
                 f"{a2a_head} exposed")
@@ -210,7 +210,8 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
             other = mem["transient"] + mem["overhead"]
             pct = lambda x: f"{100 * x / t.step_time_s:4.1f}%"  # noqa: E731
             lines.append(
-                f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} {lay.micro_batch_size:>4} "
+                f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} "
+                f"{(lay.schedule[:5] if lay.pp > 1 else '-'):>5} {lay.micro_batch_size:>4} "
                 f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {lay.zero:>4} |"
                 f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
                 f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"

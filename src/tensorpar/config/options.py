@@ -248,6 +248,8 @@ class CalibrateOptions:
     out: str = option("profile.json", "where to write the profile (JSON; `tensorpar plan --hardware` reads it)")
     ranks: int = option(2, "processes (CPU: gloo) or GPUs (cuda: NCCL) the collectives are timed over")
     no_collectives: bool = option(False, "skip the collectives (GEMMs and bandwidth only)")
+    threads: int | None = option(None, "CPU: threads the GEMMs may use (default all; a rank of an N-process run "
+                                       "gets cores / N)")
 
 
 @dataclasses.dataclass

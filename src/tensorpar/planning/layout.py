@@ -55,8 +55,8 @@ class Layout:
     schedule: str = "1f1b"  # 1f1b | interleaved (virtual_stages > 1) | zb-h1 | zbv (zero-bubble, Qi et al.)
 
     def __post_init__(self):
-        if self.virtual_stages > 1 and self.schedule == "1f1b":
-            object.__setattr__(self, "schedule", "interleaved")  # v > 1 is Megatron-LM's interleaved 1F1B
+        if self.schedule in ("1f1b", "interleaved"):  # v > 1 is Megatron-LM's interleaved 1F1B, v = 1 plain 1F1B
+            object.__setattr__(self, "schedule", "interleaved" if self.virtual_stages > 1 else "1f1b")
         if self.schedule not in PLANNED_SCHEDULES:
             raise TensorparError(f"layout: schedule must be one of {PLANNED_SCHEDULES}, got {self.schedule!r}")
         if (self.schedule == "interleaved") != (self.virtual_stages > 1):
@@ -277,14 +277,16 @@ def _moe_problem(cfg, layout: Layout, seq_len: int) -> str:
 def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=None, zero=PLANNED_ZERO_STAGES,
                       recompute=RECOMPUTE_MODES, sequence_parallel=(False, True), virtual_stages=(1,),
                       max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,), ep=None,
-                      pipeline_layers: tuple[int, ...] | None = None, schedules=None) -> list[Layout]:
+                      pipeline_layers: tuple[int, ...] | None = None, schedules=None,
+                      uneven: bool = True) -> list[Layout]:
     """`ep`: the expert-parallel sizes to try (None: for an MoE model every divisor of num_experts that divides
     the layout's tp x cp x dp, for a dense one 1; given sizes that do not divide are kept, infeasible).
     `pipeline_layers`: uneven stages of these layer counts (pp = their number, no interleaving); without it, a pp
     (x v) that does not divide the layers gets the most balanced uneven split (`parallel.pipeline.balanced_split`:
     the first and last stages, which hold the embedding and the head, get the fewer layers - as Llama 3 did).
     `schedules`: the pipeline schedules to try with pp > 1 (None: 1f1b, and interleaved for each v > 1 of
-    `virtual_stages`; "interleaved" takes its v from `virtual_stages`, "zb-h1" and "zbv" have v = 1)."""
+    `virtual_stages`; "interleaved" takes its v from `virtual_stages`, "zb-h1" and "zbv" have v = 1).
+    `uneven=False`: no automatic uneven split (a pp x v that does not divide the layers stays infeasible)."""
     if pipeline_layers is not None:
         pp, virtual_stages = (len(pipeline_layers),), (1,)
     if schedules is None:
@@ -318,7 +320,7 @@ def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=N
                             for z in (zero if d * c > 1 else (0,)):
                                 for sched, v in (pipes if p > 1 else [("1f1b", 1)]):
                                     split = pipeline_layers if p > 1 else None
-                                    if split is None and p > 1 and cfg.num_layers % (p * v) \
+                                    if split is None and uneven and p > 1 and cfg.num_layers % (p * v) \
                                             and cfg.num_layers >= p * v and sched != "zbv":
                                         split = tuple(balanced_split(cfg.num_layers, p * v))
                                     for e in expert_parallel_sizes(cfg, t * c * d, ep):
