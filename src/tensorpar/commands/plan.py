@@ -192,7 +192,7 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
     lines = [
         f"plan: {options.model} ({size}) on {cluster.describe()}",
         f"      seq {options.seq_len}, global batch {options.global_batch_size} ({tokens:,} tokens/step), "
-        f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.0f} TFLOP/s "
+        f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.3g} TFLOP/s "
         f"({prec.compute_dtype}), {compute_model}, DP overlap {cluster.overlap:.2f}",
         f"searched {len(plans)} layouts: {len(feasible)} feasible, {len(infeasible)} infeasible",
         "",

@@ -79,6 +79,20 @@ def measure_bandwidth(device, nbytes: int) -> float:
     return 2.0 * nbytes / t
 
 
+def measure_attention(device, dtype: torch.dtype, peak: float) -> tuple[float, float]:
+    """(forward, backward) efficiency of causal scaled-dot-product attention against `peak`, at one shape (the
+    planner's flash-attention model: 2 b h s^2 d FLOPs forward, 2.5 x that backward)."""
+    b, heads, s, d = (1, 8, 1024, 64) if device.type == "cpu" else (2, 16, 4096, 128)
+    q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fwd = _time(lambda: sdpa(q, k, v, is_causal=True), device)
+    out = sdpa(q, k, v, is_causal=True)
+    grad = torch.ones_like(out)
+    both = _time(lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad), device)
+    flops = 2.0 * b * heads * s * s * d
+    return min(1.0, flops / fwd / peak), min(1.0, 2.5 * flops / max(both - fwd, 1e-9) / peak)
+
+
 def fit_curve(name: str, points: list[dict], peak: float, hbm: float, units: int, dtype: str) -> DeviceCurve:
     """The `DeviceCurve` whose `gemm_time` best matches the measured `points` (squared log error)."""
     best, best_err = None, math.inf
@@ -210,6 +224,7 @@ def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, 
         profile["peak_flops"][dt] = peak
         profile["curves"][dt] = {f.name: getattr(curve, f.name) for f in dataclasses.fields(curve)
                                  if f.name not in ("name", "gemm_efficiency", "source", "attention_efficiency")}
+        profile["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, torch_dtype[dt], peak))
     if measure_comm:
         backend = "nccl" if device == "cuda" else "gloo"
         world = min(ranks, torch.cuda.device_count()) if device == "cuda" else ranks
@@ -243,9 +258,8 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
             peaks[alias] = peaks[src]
     spec = GPUSpec(f"calibrated:{prof.get('name', path)}", int(prof["memory_bytes"]), peaks,
                    float(prof["hbm_bandwidth"]), link, link, f"tensorpar calibrate ({path})")
-    fields = {}
-    for dt, c in prof["curves"].items():
-        fields = c
-        break
+    fields = dict(next(iter(prof["curves"].values())))  # the first dtype measured (fp32 on CPU, bf16 on GPUs)
+    if "attention_efficiency" in fields:
+        fields["attention_efficiency"] = tuple(fields["attention_efficiency"])
     curve = DeviceCurve(f"calibrated:{prof.get('name', path)}", {dt: 1.0 for dt in peaks}, **fields)
     return spec, curve

@@ -97,15 +97,15 @@ def layer_parts(cfg, layout: Layout, b: int, s: int, prec, cluster, moe: bool, f
     down_fwd = _gemms_time(down, cluster, dtype, gemm_bytes)[0]
     spec, curve = cluster.gpu, cluster.curve
     hbm = spec.hbm_bandwidth
-    bf16_peak = spec.peak("bf16") if "bf16" in spec.peak_flops else spec.peak(prec.compute_dtype)
+    attn_peak = spec.peak(prec.compute_dtype)  # attention runs in the compute dtype (bf16 under fp8 recipes)
     if flash:
         # zigzag CP: each of the c ranks computes 1/c of the causal pairs of its b x heads sequences
-        fa_f, fa_b = flash_attention_time(b * heads, s, s, d, bf16_peak, curve)
+        fa_f, fa_b = flash_attention_time(b * heads, s, s, d, attn_peak, curve)
         a_fwd, a_bwd = fa_f / c, fa_b / c
     else:
         sq = s // c
         bmm = [(sq, s, d, b * heads), (sq, d, s, b * heads)]
-        a_fwd, a_dgrad, a_wgrad = _gemms_time(bmm, cluster, "bf16", nb)
+        a_fwd, a_dgrad, a_wgrad = _gemms_time(bmm, cluster, prec.compute_dtype, nb)
         a_bwd = a_dgrad + a_wgrad
         scores = b * heads * sq * s * nb
         a_fwd += memory_time(4 * scores, hbm, curve, 2)
