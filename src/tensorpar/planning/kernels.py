@@ -16,7 +16,8 @@ chunk: under sequence parallelism the GEMMs see the gathered tokens too):
   write), the two residual adds (read 2, write 1; bias and dropout fused in, + a 1-byte mask with dropout)
   over h elements - per rank all h of them without SP (replicated over TP), h / t with SP -, RoPE on q and k,
   the activation (SwiGLU reads 2 f / t writes f / t; GeLU reads and writes f / t); backward twice the
-  forward traffic. fp8 GEMMs (``Precision.gemm_dtype`` = "fp8") add the fused cast-transposes of their inputs
+  forward traffic. tensorpar's own layers are not fused: each of their operators (`OPS_PER_LAYER`, counted)
+  reads and writes about one activation, and pays one launch. fp8 GEMMs (``Precision.gemm_dtype`` = "fp8") add the fused cast-transposes of their inputs
   (read 2 bytes, write 1 + 1) forward and of the output gradients backward.
 - the head on the last stage: (T, V / t, h) forward and its two backward GEMMs, and the loss's softmax.
 
@@ -31,6 +32,12 @@ from tensorpar.planning.devices import flash_attention_time, gemm_time, memory_t
 from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers
 
 _CACHE: dict = {}
+
+# Kernels (operator calls) per layer besides the GEMMs and attention, forward and backward, each paying the device's
+# launch / dispatch time: tensorpar's layer runs 68 aten operators forward and 133 backward (counted with a
+# TorchDispatchMode over a Llama-style layer, no dropout); a fused framework (Megatron-Core / Transformer Engine:
+# fused norms, bias-dropout-add, SwiGLU, RoPE) about 10 and 20.
+OPS_PER_LAYER = {"tensorpar": (68, 133), "fused": (10, 20)}
 
 
 def _gemms_time(gemms, cluster, dtype, nbytes) -> tuple[float, float]:
@@ -119,9 +126,13 @@ def layer_parts(cfg, layout: Layout, b: int, s: int, prec, cluster, moe: bool, f
     cast_f = cast_b = 0.0
     if dtype == "fp8":
         cast_f, cast_b = _cast_bytes(attn_gemms + mlp_gemms)
-    kernels = 10
-    e_fwd = memory_time(elem + cast_f, hbm, curve, kernels)
-    e_bwd = memory_time(2 * elem + cast_b, hbm, curve, 2 * kernels)
+    k_fwd, k_bwd = OPS_PER_LAYER["tensorpar" if prec.activations == "tensorpar" else "fused"]
+    if prec.activations == "tensorpar":  # unfused: every operator reads and writes about one activation
+        elem_f, elem_b = max(elem, 2 * k_fwd * tok_h * A), max(2 * elem, 2 * k_bwd * tok_h * A)
+    else:
+        elem_f, elem_b = elem, 2 * elem
+    e_fwd = memory_time(elem_f + cast_f, hbm, curve, k_fwd)
+    e_bwd = memory_time(elem_b + cast_b, hbm, curve, k_bwd)
     out = {"gemm_fwd": g_fwd, "gemm_bwd": g_dgrad + g_wgrad, "wgrad": g_wgrad, "attn_fwd": a_fwd, "attn_bwd": a_bwd, "elem_fwd": e_fwd,
            "elem_bwd": e_bwd, "down_fwd": down_fwd}
     _CACHE[key] = (cfg, cluster, out)
