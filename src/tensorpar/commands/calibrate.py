@@ -31,7 +31,8 @@ def run(args, argv=None) -> int:
         if options.threads < 1:
             raise TensorparError(f"--threads must be a positive integer, got {options.threads}")
         torch.set_num_threads(options.threads)
-    profile = calibrate(options.device, ranks=options.ranks, measure_comm=not options.no_collectives)
+    profile = calibrate(options.device, ranks=options.ranks, measure_comm=not options.no_collectives,
+                        threads=options.threads)
     with open(options.out, "w") as f:
         json.dump(profile, f, indent=1)
     for dt, peak in profile["peak_flops"].items():

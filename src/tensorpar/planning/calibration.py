@@ -133,11 +133,18 @@ def _steps_and_bytes(op: str, nbytes: int, n: int) -> tuple[float, float]:
     return n - 1, (n - 1) * nbytes / n
 
 
-def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, queue) -> None:
+def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, queue, device_args=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    threads = device_args["threads"] if device_args else 1
+    torch.set_num_threads(threads)
     dist.init_process_group(backend, rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    measured = None
+    if device_args:  # every rank measures at once: what each rank of a `world`-process run gets of the machine
+        dist.barrier()
+        measured = _measure_device(device, device_args["dtypes"], device_args["shapes"], threads,
+                                   f"cpu ({threads} thread{'s' if threads > 1 else ''} x {world} processes)")
+        dist.barrier()
     results = []
     for op in COLLECTIVE_OPS:
         for nbytes in sizes:
@@ -177,19 +184,21 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, qu
                 samples.append((time.perf_counter() - t0) / reps)
             results.append({"op": op, "bytes": numel * 4, "ranks": world, "seconds": min(samples)})
     if rank == 0:
-        queue.put(results)
+        queue.put((results, measured))
     dist.destroy_process_group()
 
 
-def measure_collectives(world: int, backend: str, sizes=COLLECTIVE_SIZES) -> list[dict]:
+def measure_collectives(world: int, backend: str, sizes=COLLECTIVE_SIZES, device_args=None):
+    """(collective timings, and with `device_args` rank 0's device measurement taken while every rank measured)."""
     if world < 2:
-        return []
+        return [], None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, sizes, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, sizes, queue, device_args))
+             for r in range(world)]
     for p in procs:
         p.start()
     results = queue.get(timeout=600)
@@ -198,9 +207,31 @@ def measure_collectives(world: int, backend: str, sizes=COLLECTIVE_SIZES) -> lis
     return results
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _measure_device(dev, dtypes, shapes, units: int, name: str) -> dict:
+    """GEMMs, bandwidth, attention and the fitted curve of one device (or one rank's share of a CPU)."""
+    hbm = measure_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (64 << 20))
+    out = {"name": name, "units": units, "hbm_bandwidth": hbm, "gemms": {}, "peak_flops": {}, "curves": {}}
+    for dt in dtypes:
+        points = measure_gemms(dev, _DTYPES[dt], shapes)
+        peak = max(p["flops_per_s"] for p in points)
+        curve = fit_curve(f"calibrated {name}", points, peak, hbm, units, dt)
+        out["gemms"][dt] = points
+        out["peak_flops"][dt] = peak
+        out["curves"][dt] = {f.name: getattr(curve, f.name) for f in dataclasses.fields(curve)
+                             if f.name not in ("name", "gemm_efficiency", "source", "attention_efficiency")}
+        out["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, _DTYPES[dt], peak))
+    return out
+
+
 def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, collective_sizes=COLLECTIVE_SIZES,
-              measure_comm: bool = True) -> dict:
-    """Measure this machine: GEMMs, bandwidth, collectives, and the fitted curve and link (a JSON-able dict)."""
+              measure_comm: bool = True, threads: int | None = None) -> dict:
+    """Measure this machine: GEMMs, bandwidth, collectives, and the fitted curve and link (a JSON-able dict).
+
+    On CPU with collectives over `ranks` > 1 processes, the GEMMs and the bandwidth are measured in every one of
+    them at once (`threads` each): the share of the cores and the memory bus a rank of such a run gets."""
     if device not in ("cpu", "cuda"):
         raise TensorparError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -208,27 +239,22 @@ def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, 
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     dtypes = dtypes or (("bf16", "fp32") if device == "cuda" else ("fp32", "bf16"))
     shapes = shapes or (CUDA_SHAPES if device == "cuda" else CPU_SHAPES)
-    units = torch.cuda.get_device_properties(dev).multi_processor_count if device == "cuda" else torch.get_num_threads()
+    threads = threads or torch.get_num_threads()
     memory = torch.cuda.get_device_properties(dev).total_memory if device == "cuda" else os.sysconf("SC_PAGE_SIZE") * \
         os.sysconf("SC_PHYS_PAGES")
-    hbm = measure_bandwidth(dev, (1 << 30) if device == "cuda" else (64 << 20))
-    name = torch.cuda.get_device_name(dev) if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    profile = {"device": device, "name": name, "units": units, "memory_bytes": memory, "hbm_bandwidth": hbm,
-               "gemms": {}, "peak_flops": {}, "curves": {}}
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    for dt in dtypes:
-        points = measure_gemms(dev, torch_dtype[dt], shapes)
-        peak = max(p["flops_per_s"] for p in points)
-        curve = fit_curve(f"calibrated {name}", points, peak, hbm, units, dt)
-        profile["gemms"][dt] = points
-        profile["peak_flops"][dt] = peak
-        profile["curves"][dt] = {f.name: getattr(curve, f.name) for f in dataclasses.fields(curve)
-                                 if f.name not in ("name", "gemm_efficiency", "source", "attention_efficiency")}
-        profile["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, torch_dtype[dt], peak))
+    concurrent = device == "cpu" and measure_comm and ranks > 1
+    measured = None
     if measure_comm:
         backend = "nccl" if device == "cuda" else "gloo"
         world = min(ranks, torch.cuda.device_count()) if device == "cuda" else ranks
-        colls = measure_collectives(world, backend, collective_sizes)
+        args = {"threads": threads, "dtypes": dtypes, "shapes": shapes} if concurrent else None
+        colls, measured = measure_collectives(world, backend, collective_sizes, args)
+    if measured is None:
+        units = torch.cuda.get_device_properties(dev).multi_processor_count if device == "cuda" else threads
+        name = torch.cuda.get_device_name(dev) if device == "cuda" else f"cpu ({threads} threads)"
+        measured = _measure_device(dev, dtypes, shapes, units, name)
+    profile = {"device": device, "memory_bytes": memory, **measured}
+    if measure_comm:
         profile["collectives"] = colls
         if colls:
             samples = [(*_steps_and_bytes(c["op"], c["bytes"], c["ranks"]), c["seconds"]) for c in colls]
