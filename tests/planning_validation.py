@@ -78,8 +78,6 @@ class Run:
 
 
 RUNS = [
-    Run("GPT-3 175B", _gpt(12288, 96, 96), "a100-80gb", 1024, 2048, 1536, "megatron-2021",
-        dict(tp=8, pp=16, dp=8, cp=1, micro_batch_size=1), "megatron_tflops", 138e12, NARAYANAN),
     Run("GPT 1T", _gpt(25600, 128, 160), "a100-80gb", 3072, 2048, 3072, "megatron-2021",
         dict(tp=8, pp=64, dp=6, cp=1, micro_batch_size=1), "megatron_tflops", 163e12,
         NARAYANAN + " (abstract: 502 PFLOP/s on 3072 GPUs; layout 8 x 64 x 6)"),
