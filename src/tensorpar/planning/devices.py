@@ -36,8 +36,10 @@ Where the curves come from (`CURVES`):
   ``attention_efficiency`` (0.55, 0.45) on Hopper and Blackwell (FlashAttention-3 / cuDNN reach 60-75% of peak
   forward, FlashAttention-2 about 35%), (0.6, 0.5) on A100 (FlashAttention-2 reports 50-73% forward).
   These are round, documented global figures, the same for every model and layout.
-- ``cpu``: a 2-core x86 virtual machine (this project's test machine), fp32, from `tensorpar calibrate --device
-  cpu` on it; any other CPU should be calibrated.
+- ``cpu``: a placeholder shape for a small x86 machine (2 cores, 64 x 64 blocks, 20 us per operator); its
+  figures are rough, not measured - a CPU is planned with `tensorpar calibrate --device cpu` and
+  `plan --hardware`, which measure them (on this project's loaded 2-core VM the best fp32 GEMM measured
+  50-175 GFLOP/s and the memory bandwidth 6-26 GB/s, depending on the load).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ CURVES: dict[str, DeviceCurve] = {
                           source=f"{_MAMF} (MI300X 781.9/1300, ROCm 6.2); 304 CUs; fp8 assumed as bf16"),
     "cpu": DeviceCurve("cpu", {"bf16": 0.2, "fp32": 0.75}, units=2, tile_m=64, tile_n=64, k_overhead=32.0,
                        wave_quantization=1.0, launch_s=20e-6, hbm_efficiency=0.6, attention_efficiency=(0.3, 0.25),
-                       source="tensorpar calibrate --device cpu on a 2-core x86 VM (the project's test machine)"),
+                       source="placeholder for a 2-core x86 machine: calibrate ('tensorpar calibrate --device cpu')"),
 }
 
 _FAMILY = {"a100-80gb": "a100", "a100-40gb": "a100", "h100-80gb": "h100", "h200": "h200", "b200": "b200",
