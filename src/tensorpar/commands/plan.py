@@ -37,6 +37,8 @@ from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
 from tensorpar.parallel.pipeline_schedules import (build_schedule, chunks_per_rank, peak_in_flight, simulate,
                                                    theoretical_bubble)
 from tensorpar.parallel.pipeline_view import render_png, render_text as render_schedule_text
+from tensorpar.config.choices import PLANNED_SCHEDULES
+from tensorpar.planning.calibration import load_profile
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.memory import MemoryBreakdown
 from tensorpar.planning.precision_recipes import get_precision
@@ -51,7 +53,7 @@ def add_parser(sub) -> None:
 
 def run(args, argv=None) -> int:
     options = options_from_args(PlanOptions, args, "plan")
-    if options.schedule:
+    if options.schedule and options.model is None:
         missing = [f for f, v in (("--pp", options.pp), ("--microbatches", options.microbatches)) if v is None]
         if missing:
             raise TensorparError(f"--schedule {options.schedule} needs {' and '.join(missing)}")
@@ -64,8 +66,13 @@ def run(args, argv=None) -> int:
 
 def _cluster(options):
     gb, us = 1e9, 1e-6
+    gpu, curve, link_eff = options.gpu, None, options.link_efficiency
+    if options.hardware is not None:  # a calibrated profile: its measured peaks, curve and (already real) links
+        gpu, curve = load_profile(options.hardware)
+        link_eff = 1.0 if link_eff is None else link_eff
     return make_cluster(
-        options.gpu, options.gpus, gpus_per_node=options.gpus_per_node, memory_gib=options.memory_gib,
+        gpu, options.gpus, gpus_per_node=options.gpus_per_node, memory_gib=options.memory_gib, curve=curve,
+        link_efficiency=link_eff, tp_overlap=options.tp_overlap,
         intra_bandwidth=None if options.intra_bandwidth is None else options.intra_bandwidth * gb,
         inter_bandwidth=None if options.inter_bandwidth is None else options.inter_bandwidth * gb,
         intra_latency=None if options.intra_latency is None else options.intra_latency * us,
@@ -76,7 +83,8 @@ def _cluster(options):
 
 
 def _check_args(options) -> None:
-    missing = [flag for flag, value in (("--model", options.model), ("--gpus", options.gpus), ("--gpu", options.gpu),
+    gpu = options.gpu if options.hardware is None else options.hardware
+    missing = [flag for flag, value in (("--model", options.model), ("--gpus", options.gpus), ("--gpu", gpu),
                                         ("--seq-len", options.seq_len), ("--global-batch-size", options.global_batch_size))
                if value is None]
     if missing:
@@ -125,6 +133,14 @@ def plan_layouts(options):
         space["pp"] = (options.pp,)
     if options.ep is not None:
         space["ep"] = (options.ep,)
+    if options.schedule is not None:  # layout mode: plan this schedule only
+        if options.schedule not in PLANNED_SCHEDULES:
+            raise TensorparError(f"plan --schedule {options.schedule}: the planner models {', '.join(PLANNED_SCHEDULES)}")
+        space["schedules"] = (options.schedule,)
+        if options.schedule == "interleaved" and options.virtual_stages < 2:
+            space["virtual_stages"] = (2,)
+    else:
+        space["schedules"] = ("1f1b", "interleaved", "zb-h1", "zbv")
     if options.pipeline_layers is not None:
         split = parse_pipeline_layers(options.pipeline_layers)
         if options.pp is not None and options.pp != len(split):
@@ -168,6 +184,8 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
     infeasible = [p for p in plans if not p.feasible]
     prec = get_precision(options.precision)
     tokens = options.global_batch_size * options.seq_len
+    compute_model = (f"flat MFU ceiling {cluster.mfu_ceiling:.2f}" if cluster.mfu_ceiling is not None else
+                     f"GEMMs by shape on the {cluster.curve.name} curve")
     size = f"{cfg.num_parameters() / 1e9:.2f}B parameters"
     if cfg.is_moe:
         size += (f", {cfg.num_parameters(active=True) / 1e9:.2f}B active: {cfg.num_experts} experts, "
@@ -175,15 +193,15 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
     lines = [
         f"plan: {options.model} ({size}) on {cluster.describe()}",
         f"      seq {options.seq_len}, global batch {options.global_batch_size} ({tokens:,} tokens/step), "
-        f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.0f} TFLOP/s "
-        f"({prec.compute_dtype}) x MFU ceiling {cluster.mfu_ceiling:.2f}, DP overlap {cluster.overlap:.2f}",
+        f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.3g} TFLOP/s "
+        f"({prec.compute_dtype}), {compute_model}, DP overlap {cluster.overlap:.2f}",
         f"searched {len(plans)} layouts: {len(feasible)} feasible, {len(infeasible)} infeasible",
         "",
     ]
     moe = cfg.is_moe  # the ep column and the all-to-all share, for mixture-of-experts models only
     ep_head, a2a_head = (f" {'ep':>3}", f" {'a2a':>5}") if moe else ("", "")
     if shown:
-        head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
+        head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'sched':>5} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
                 f" {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'copies':>6} {'other':>6} {'total':>6} GiB |"
                 f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp+cp':>5} {'pp+bub':>6} {'dp':>5}"
                 f"{a2a_head} exposed")
@@ -193,7 +211,8 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
             other = mem["transient"] + mem["overhead"]
             pct = lambda x: f"{100 * x / t.step_time_s:4.1f}%"  # noqa: E731
             lines.append(
-                f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} {lay.micro_batch_size:>4} "
+                f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} "
+                f"{(lay.schedule[:5] if lay.pp > 1 else '-'):>5} {lay.micro_batch_size:>4} "
                 f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {lay.zero:>4} |"
                 f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
                 f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"

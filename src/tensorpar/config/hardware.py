@@ -60,11 +60,11 @@ _HDR = Link(25e9, 6e-6)  # 200 Gb/s per GPU
 
 GPUS: dict[str, GPUSpec] = {
     "h100-80gb": GPUSpec(
-        "h100-80gb", 80 * GiB, {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}, 3.35e12, _NVLINK4, _NDR,
+        "h100-80gb", 80 * GiB, {"bf16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12}, 3.35e12, _NVLINK4, _NDR,
         "NVIDIA H100 SXM5 80GB datasheet; DGX H100 (8 x ConnectX-7 400 Gb/s)",
     ),
     "h200": GPUSpec(
-        "h200", 141 * GiB, {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}, 4.8e12, _NVLINK4, _NDR,
+        "h200", 141 * GiB, {"bf16": 989.4e12, "fp8": 1978.9e12, "tf32": 494.7e12, "fp32": 66.9e12}, 4.8e12, _NVLINK4, _NDR,
         "NVIDIA H200 SXM 141GB datasheet; HGX H200 (8 x 400 Gb/s)",
     ),
     "a100-80gb": GPUSpec(
@@ -76,8 +76,13 @@ GPUS: dict[str, GPUSpec] = {
         "NVIDIA A100 SXM4 40GB datasheet; DGX A100 (8 x HDR 200 Gb/s)",
     ),
     "b200": GPUSpec(
-        "b200", 180 * GiB, {"bf16": 2250e12, "tf32": 1100e12, "fp32": 75e12}, 8.0e12, _NVLINK5, _NDR,
+        "b200", 180 * GiB, {"bf16": 2250e12, "fp8": 4500e12, "tf32": 1100e12, "fp32": 75e12}, 8.0e12, _NVLINK5, _NDR,
         "NVIDIA DGX B200 (approximate: 180 GB usable HBM3e, 2.25 PFLOP/s dense bf16)",
+    ),
+    "mi300x": GPUSpec(
+        "mi300x", 192 * GiB, {"bf16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12}, 5.3e12,
+        Link(448e9, 3e-6), _NDR,
+        "AMD Instinct MI300X datasheet (dense); 7 Infinity Fabric links x 64 GB/s per direction; 400 Gb/s NIC per GPU",
     ),
 }
 

@@ -17,6 +17,7 @@ from tensorpar.config.choices import (
     DTYPES,
     GRAD_REDUCE_DTYPES,
     PIPELINE_SCHEDULES,
+    PLANNED_SCHEDULES,
     PLAN_PRECISIONS,
     PLANNED_ZERO_STAGES,
     RECOMPUTE_MODES,
@@ -223,8 +224,10 @@ class PlanOptions:
     flash_attention: bool = option(True, "Playbook precisions: attention stores its s x s scores (no flash "
                                          "attention)", flag="--no-flash-attention", group="layout mode")
     max_micro_batch: int = option(64, "largest micro-batch size tried", group="layout mode")
-    schedule: str | None = option(None, "draw this pipeline schedule instead of planning layouts",
-                                  choices=PIPELINE_SCHEDULES, group="schedule mode")
+    schedule: str | None = option(None, "without --model: draw this pipeline schedule; with --model: plan only "
+                                        "layouts of this schedule (default: 1f1b, interleaved, zb-h1 and zbv)",
+                                  choices=tuple(dict.fromkeys(PIPELINE_SCHEDULES + PLANNED_SCHEDULES)),
+                                  group="schedule mode")
     pp: int | None = option(None, "pipeline stages (schedule mode; in layout mode: consider only this pp)",
                             group="schedule mode")
     microbatches: int | None = option(None, "micro-batches per step (schedule mode)", group="schedule mode")
@@ -233,8 +236,27 @@ class PlanOptions:
     pipeline_layers: str | None = option(None, "layout mode: plan uneven pipeline stages with these comma-separated "
                                                "layer counts (as train --pipeline-layers; pp = their number)",
                                          metavar="N,N,...", group="layout mode")
+    hardware: str | None = option(None, "layout mode: a `tensorpar calibrate` profile (JSON) to plan for instead of "
+                                        "--gpu's catalog figures and compute curve", metavar="PROFILE.json",
+                                  group="layout mode")
+    tp_overlap: float | None = option(None, "fraction of TP/SP communication hidden behind GEMMs (Megatron "
+                                            "--tp-comm-overlap; default 0)", group="layout mode")
+    link_efficiency: float | None = option(None, "fraction of the nominal link bandwidths collectives reach "
+                                                 "(default 0.8; 1 with --hardware)", group="layout mode")
     json: bool = option(False, "print JSON instead of a table")
     png: str | None = option(None, "write a picture (layout mode: memory bars + PATH-heatmap.png)")
+
+
+@dataclasses.dataclass
+class CalibrateOptions:
+    """`tensorpar calibrate`: measure this machine's GEMMs, memory bandwidth and collectives for the planner."""
+
+    device: str = option("cpu", "the device to measure", choices=("cpu", "cuda"))
+    out: str = option("profile.json", "where to write the profile (JSON; `tensorpar plan --hardware` reads it)")
+    ranks: int = option(2, "processes (CPU: gloo) or GPUs (cuda: NCCL) the collectives are timed over")
+    no_collectives: bool = option(False, "skip the collectives (GEMMs and bandwidth only)")
+    threads: int | None = option(None, "CPU: threads the GEMMs may use (default all; a rank of an N-process run "
+                                       "gets cores / N)")
 
 
 @dataclasses.dataclass

@@ -1,15 +1,17 @@
 """Clusters for the planner: GPUs of one catalog kind in nodes, every figure overridable.
 
 A `Cluster` is ``gpus`` of them in nodes of ``gpus_per_node`` (8 by default) with an intra-node link (NVLink / NVSwitch) and an inter-node
-link (InfiniBand, per GPU), plus the two efficiency knobs of the step-time model:
+link (InfiniBand, per GPU), the device's compute curve (`tensorpar.planning.devices`: GEMM efficiency by
+shape, attention, memory bandwidth) and the efficiency knobs of the step-time model:
 
-- ``mfu_ceiling``: the fraction of the dense peak that the model's own arithmetic reaches when
-  nothing else gets in the way (no communication, no pipeline bubble). Default 0.55 for every
-  dtype. Source: Narayanan et al. 2021 (SC21, "Efficient Large-Scale Language Model Training on
-  GPU Clusters Using Megatron-LM") reach 52% of the A100's bf16/fp16 peak end to end for their
-  1T-parameter model *including* communication and an ~6-11% pipeline bubble, i.e. about 55-58%
-  for the arithmetic alone; the Llama 3 report (2024) gives 38-43% MFU at 8-16k H100s with far
-  more communication. 0.55 is the round figure between these; change it with ``--mfu-ceiling``.
+- ``mfu_ceiling``: None (the default) times every kernel through the device curve. A number instead
+  (``--mfu-ceiling``) restores the old flat model: all FLOPs at that fraction of the peak, whatever
+  their shapes.
+- ``link_efficiency``: the fraction of the nominal link bandwidths that collectives reach. Default 0.8
+  (NCCL-tests bus bandwidths on DGX/HGX systems are 70-90% of the nominal NVLink / InfiniBand figures);
+  a calibrated profile's links are measured, so `plan --hardware` uses 1.
+- ``tp_overlap``: the fraction of TP/SP collectives hidden behind the GEMMs they feed (Megatron-LM's
+  ``--tp-comm-overlap``, userbuffers); default 0 (tensorpar, and Megatron-LM before 2023, overlap none).
 - ``overlap``: the fraction of the data-parallel (and ZeRO) communication that can hide behind
   the backward computation it overlaps with (see `step_time`). Default 0.5: bucketed overlap as in
   PyTorch DDP / tensorpar's `DistributedOptimizer` starts a bucket's collective as soon as the
@@ -26,9 +28,11 @@ import dataclasses
 
 from tensorpar.config.hardware import GiB, GPUSpec, Link, get_gpu
 from tensorpar.errors import TensorparError
+from tensorpar.planning.devices import DeviceCurve, curve_for
 
-DEFAULT_MFU_CEILING = 0.55
+DEFAULT_MFU_CEILING = None
 DEFAULT_OVERLAP = 0.5
+DEFAULT_LINK_EFFICIENCY = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +44,11 @@ class Cluster:
     gpus_per_node: int = 8
     intra: Link | None = None
     inter: Link | None = None
-    mfu_ceiling: float = DEFAULT_MFU_CEILING
+    mfu_ceiling: float | None = DEFAULT_MFU_CEILING
     overlap: float = DEFAULT_OVERLAP
+    curve: DeviceCurve | None = None
+    link_efficiency: float = DEFAULT_LINK_EFFICIENCY
+    tp_overlap: float = 0.0
 
     def __post_init__(self):
         problems = []
@@ -51,16 +58,25 @@ class Cluster:
             problems.append(f"GPUs per node must be positive, got {self.gpus_per_node}")
         elif self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             problems.append(f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}")
-        if not 0 < self.mfu_ceiling <= 1:
+        if self.mfu_ceiling is not None and not 0 < self.mfu_ceiling <= 1:
             problems.append(f"the MFU ceiling must be in (0, 1], got {self.mfu_ceiling}")
         if not 0 <= self.overlap <= 1:
             problems.append(f"the overlap efficiency must be in [0, 1], got {self.overlap}")
+        if not 0 < self.link_efficiency <= 1:
+            problems.append(f"the link efficiency must be in (0, 1], got {self.link_efficiency}")
+        if not 0 <= self.tp_overlap <= 1:
+            problems.append(f"the TP overlap must be in [0, 1], got {self.tp_overlap}")
         if problems:
             raise TensorparError("invalid cluster: " + "; ".join(problems))
         if self.intra is None:
             object.__setattr__(self, "intra", self.gpu.intra_node)
         if self.inter is None:
             object.__setattr__(self, "inter", self.gpu.inter_node)
+        if self.curve is None:
+            object.__setattr__(self, "curve", curve_for(self.gpu.name))
+        eff = self.link_efficiency
+        object.__setattr__(self, "_links", (Link(self.intra.bandwidth * eff, self.intra.latency),
+                                            Link(self.inter.bandwidth * eff, self.inter.latency)))
 
     @property
     def nodes(self) -> int:
@@ -74,8 +90,9 @@ class Cluster:
         return self.gpu.peak(dtype)
 
     def link_for_span(self, span: int) -> Link:
-        """The link of a group whose members lie within `span` consecutive ranks: NVLink if they fit in a node."""
-        return self.intra if span <= self.gpus_per_node else self.inter
+        """The link of a group whose members lie within `span` consecutive ranks: NVLink if they fit in a node
+        (bandwidths as collectives reach them: the nominal figure x ``link_efficiency``)."""
+        return self._links[0] if span <= self.gpus_per_node else self._links[1]
 
     def describe(self) -> str:
         return (f"{self.gpus} x {self.gpu.name} ({self.nodes} node{'s' if self.nodes > 1 else ''} of "
@@ -96,8 +113,12 @@ def make_cluster(
     peak_bf16: float | None = None,
     mfu_ceiling: float | None = None,
     overlap: float | None = None,
+    curve: DeviceCurve | None = None,
+    link_efficiency: float | None = None,
+    tp_overlap: float | None = None,
 ) -> Cluster:
-    """A Cluster from a catalog name with any figure overridden (bandwidths in bytes/s, latencies in s)."""
+    """A Cluster from a catalog name (or a `GPUSpec`, e.g. a calibrated profile's, with its `curve`) with any
+    figure overridden (bandwidths in bytes/s, latencies in s)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if memory_gib is not None:
         spec = dataclasses.replace(spec, memory_bytes=int(memory_gib * GiB))
@@ -108,7 +129,8 @@ def make_cluster(
     inter = Link(inter_bandwidth if inter_bandwidth is not None else spec.inter_node.bandwidth,
                  inter_latency if inter_latency is not None else spec.inter_node.latency)
     return Cluster(
-        spec, gpus, gpus_per_node, intra, inter,
-        DEFAULT_MFU_CEILING if mfu_ceiling is None else mfu_ceiling,
-        DEFAULT_OVERLAP if overlap is None else overlap,
+        spec, gpus, gpus_per_node, intra, inter, mfu_ceiling,
+        DEFAULT_OVERLAP if overlap is None else overlap, curve,
+        DEFAULT_LINK_EFFICIENCY if link_efficiency is None else link_efficiency,
+        0.0 if tp_overlap is None else tp_overlap,
     )

@@ -17,11 +17,19 @@ from tensorpar.planning.layout import Layout, stage_layers
 from tensorpar.planning.precision_recipes import Precision
 
 
+_PARTS: dict = {}
+
+
 def flop_parts(cfg) -> tuple[float, float]:
     """(parameters in matmuls per layer, parameters of the head incl. the final norm), dense counts."""
+    hit = _PARTS.get(id(cfg))
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
     norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
     head = cfg.vocab_size * cfg.hidden_size + norm
-    return (matmul_params(cfg) - head) / cfg.num_layers, head
+    out = (matmul_params(cfg) - head) / cfg.num_layers, head
+    _PARTS[id(cfg)] = (cfg, out)
+    return out
 
 
 def down_proj_params(cfg) -> float:

@@ -27,12 +27,13 @@ Enumerated by `enumerate_layouts`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from tensorpar.config.choices import PLANNED_ZERO_STAGES, RECOMPUTE_MODES
+from tensorpar.config.choices import PLANNED_SCHEDULES, PLANNED_ZERO_STAGES, RECOMPUTE_MODES
 from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
-from tensorpar.parallel.pipeline import rank_layers
+from tensorpar.parallel.pipeline import balanced_split, rank_layers
 from tensorpar.planning.cluster import Cluster
 
 
@@ -51,8 +52,16 @@ class Layout:
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
     ep: int = 1  # expert parallelism (MoE models): the experts split over ep of a stage's tp x cp x dp ranks
     pipeline_layers: tuple[int, ...] | None = None  # layers of each pipeline stage (--pipeline-layers; None: even)
+    schedule: str = "1f1b"  # 1f1b | interleaved (virtual_stages > 1) | zb-h1 | zbv (zero-bubble, Qi et al.)
 
     def __post_init__(self):
+        if self.schedule in ("1f1b", "interleaved"):  # v > 1 is Megatron-LM's interleaved 1F1B, v = 1 plain 1F1B
+            object.__setattr__(self, "schedule", "interleaved" if self.virtual_stages > 1 else "1f1b")
+        if self.schedule not in PLANNED_SCHEDULES:
+            raise TensorparError(f"layout: schedule must be one of {PLANNED_SCHEDULES}, got {self.schedule!r}")
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise TensorparError(f"layout: the interleaved schedule and only it has virtual_stages > 1 "
+                                 f"(schedule {self.schedule!r}, virtual_stages {self.virtual_stages})")
         for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "cp", "ep"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise TensorparError(f"layout: {name} must be a positive integer, got {getattr(self, name)!r}")
@@ -90,6 +99,8 @@ class Layout:
             parts.append(f"ep={self.ep}")
         if self.virtual_stages > 1:
             parts.append(f"v={self.virtual_stages}")
+        if self.schedule in ("zb-h1", "zbv"):
+            parts.append(f"schedule={self.schedule}")
         if self.pipeline_layers is not None:
             parts.append(f"layers={','.join(map(str, self.pipeline_layers))}")
         parts += [f"mbs={self.micro_batch_size}", f"sp={'on' if self.sp else 'off'}",
@@ -119,9 +130,44 @@ def stage_layer_indices(cfg, layout: Layout, stage: int | None) -> list[int]:
         return list(range(cfg.num_layers))
     if not 0 <= stage < layout.pp:
         raise TensorparError(f"stage {stage} is outside the pipeline of {layout.pp} stages")
-    split = list(layout.pipeline_layers) if layout.pipeline_layers is not None else None
-    chunks = rank_layers(cfg.num_layers, layout.pp, stage, layout.virtual_stages, split)
-    return [i for chunk in chunks for i in chunk]
+    return list(_layer_indices(cfg.num_layers, layout.pp, layout.virtual_stages, layout.pipeline_layers, stage))
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_indices(num_layers: int, pp: int, v: int, pipeline_layers, stage: int) -> tuple[int, ...]:
+    """`stage_layer_indices`, cached: the search asks for the same split thousands of times."""
+    split = list(pipeline_layers) if pipeline_layers is not None else None
+    if split is not None and v > 1 and len(split) == pp * v:  # planning only: uneven virtual stages (chunk c: c pp + rank)
+        if sum(split) != num_layers or min(split) < 1:
+            raise TensorparError(f"uneven interleaved stages need pp x v = {pp * v} positive counts summing to "
+                                 f"{num_layers}, got {','.join(map(str, split))}")
+        starts = [sum(split[:i]) for i in range(pp * v)]
+        return tuple(i for c in range(v)
+                     for i in range(starts[c * pp + stage], starts[c * pp + stage] + split[c * pp + stage]))
+    chunks = rank_layers(num_layers, pp, stage, v, split)
+    return tuple(i for chunk in chunks for i in chunk)
+
+
+def candidate_stages(cfg, layout: Layout) -> list[int]:
+    """The pipeline ranks that can be the most loaded (in memory or time): the first and the last, and with
+    uneven stages the first rank holding each distinct layer count (an earlier rank holds at least as many
+    micro-batches in flight, so it dominates a later one of the same size)."""
+    if layout.pp == 1:
+        return [0]
+    return list(_candidates(cfg.num_layers, layout.pp, layout.virtual_stages, layout.pipeline_layers))
+
+
+@functools.lru_cache(maxsize=65536)
+def _candidates(num_layers: int, pp: int, v: int, pipeline_layers) -> tuple[int, ...]:
+    out = {0, pp - 1}
+    if pipeline_layers is not None:
+        seen = set()
+        for st in range(pp):
+            n = len(_layer_indices(num_layers, pp, v, pipeline_layers, st))
+            if n not in seen:
+                seen.add(n)
+                out.add(st)
+    return tuple(sorted(out))
 
 
 def group_size(layout: Layout, group: str) -> int:
@@ -180,11 +226,18 @@ def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, glob
         reason = _moe_problem(cfg, layout, seq_len)
         if reason:
             return reason
+    if layout.schedule in ("zb-h1", "zbv") and pp == 1:
+        return f"the {layout.schedule} schedule needs pp > 1"
+    if layout.schedule == "zbv":
+        if layout.pipeline_layers is not None:
+            return "zbv places two chunks per rank in a V: uneven stages are not modelled with it"
+        if cfg.num_layers % (2 * pp):
+            return f"num_layers = {cfg.num_layers} is not divisible by 2 x pp = {2 * pp} (zbv: two chunks per rank)"
     v = layout.virtual_stages
     if v > 1:
         if pp == 1:
             return "interleaving needs pp > 1"
-        if cfg.num_layers % (pp * v):
+        if cfg.num_layers % (pp * v) and layout.pipeline_layers is None:
             return f"num_layers = {cfg.num_layers} is not divisible by pp x v = {pp * v}"
         if layout.num_micro_batches(global_batch) % pp:
             m = layout.num_micro_batches(global_batch)
@@ -224,12 +277,24 @@ def _moe_problem(cfg, layout: Layout, seq_len: int) -> str:
 def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=None, zero=PLANNED_ZERO_STAGES,
                       recompute=RECOMPUTE_MODES, sequence_parallel=(False, True), virtual_stages=(1,),
                       max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,), ep=None,
-                      pipeline_layers: tuple[int, ...] | None = None) -> list[Layout]:
+                      pipeline_layers: tuple[int, ...] | None = None, schedules=None,
+                      uneven: bool = True) -> list[Layout]:
     """`ep`: the expert-parallel sizes to try (None: for an MoE model every divisor of num_experts that divides
     the layout's tp x cp x dp, for a dense one 1; given sizes that do not divide are kept, infeasible).
-    `pipeline_layers`: uneven stages of these layer counts (pp = their number, no interleaving)."""
+    `pipeline_layers`: uneven stages of these layer counts (pp = their number, no interleaving); without it, a pp
+    (x v) that does not divide the layers gets the most balanced uneven split (`parallel.pipeline.balanced_split`:
+    the first and last stages, which hold the embedding and the head, get the fewer layers - as Llama 3 did).
+    `schedules`: the pipeline schedules to try with pp > 1 (None: 1f1b, and interleaved for each v > 1 of
+    `virtual_stages`; "interleaved" takes its v from `virtual_stages`, "zb-h1" and "zbv" have v = 1).
+    `uneven=False`: no automatic uneven split (a pp x v that does not divide the layers stays infeasible)."""
     if pipeline_layers is not None:
         pp, virtual_stages = (len(pipeline_layers),), (1,)
+    if schedules is None:
+        pipes = [("1f1b" if v == 1 else "interleaved", v) for v in virtual_stages]
+    else:
+        pipes = ([("1f1b", 1)] if "1f1b" in schedules else [])
+        pipes += [("interleaved", v) for v in virtual_stages if v > 1 and "interleaved" in schedules]
+        pipes += [(sc, 1) for sc in ("zb-h1", "zbv") if sc in schedules]
     gpus = cluster.gpus
     tps = list(tp) if tp is not None else [t for t in (1, 2, 4, 8, 16, 32, 64)
                                            if t <= min(gpus, cluster.gpus_per_node) and gpus % t == 0]
@@ -253,8 +318,11 @@ def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=N
                     for sp in (sequence_parallel if t > 1 else (False,)):
                         for rc in recompute:
                             for z in (zero if d * c > 1 else (0,)):
-                                for v in (virtual_stages if p > 1 else (1,)):
+                                for sched, v in (pipes if p > 1 else [("1f1b", 1)]):
+                                    split = pipeline_layers if p > 1 else None
+                                    if split is None and uneven and p > 1 and cfg.num_layers % (p * v) \
+                                            and cfg.num_layers >= p * v and sched != "zbv":
+                                        split = tuple(balanced_split(cfg.num_layers, p * v))
                                     for e in expert_parallel_sizes(cfg, t * c * d, ep):
-                                        out.append(Layout(t, p, d, sp, mbs, rc, z, v, c, e,
-                                                          pipeline_layers if p > 1 else None))
+                                        out.append(Layout(t, p, d, sp, mbs, rc, z, v, c, e, split, sched))
     return out

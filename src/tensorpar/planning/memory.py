@@ -60,7 +60,7 @@ import math
 from tensorpar.config.hardware import GiB
 from tensorpar.layers.sharding import padded
 from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
-from tensorpar.planning.layout import Layout, stage_layers
+from tensorpar.planning.layout import Layout, candidate_stages, stage_layers
 from tensorpar.planning.params import ParamSummary, local_parameters, parameter_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
 
@@ -266,7 +266,8 @@ def zero_gradients_in_flight(cfg, layout: Layout, stage: int, prec: Precision, b
     bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' and one block's slice)."""
     dp = layout.replicas
     if layout.zero == 3:
-        summary = parameter_summary(cfg, layout.tp, layout.pp, stage, pipeline_layers=layout.pipeline_layers)
+        summary = parameter_summary(cfg, layout.tp, layout.pp, stage, pipeline_layers=layout.pipeline_layers,
+                                    virtual_stages=layout.virtual_stages)
         _, _, n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)
         root = summary.numel - n_layers * summary.per_layer
         layer = math.ceil(summary.per_layer / dp) * dp
@@ -296,7 +297,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     prec = get_precision(precision)
     # ZeRO shards over every replica of the parameters (DP x CP); each rank holds seq_len / cp tokens of a sequence.
     pp, dp, tp = layout.pp, layout.replicas, layout.tp
-    summary = parameter_summary(cfg, tp, pp, stage, layout.ep, layout.pipeline_layers)
+    summary = parameter_summary(cfg, tp, pp, stage, layout.ep, layout.pipeline_layers, layout.virtual_stages)
     numel = summary.numel
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
     b, s = layout.micro_batch_size, seq_len // layout.cp
@@ -325,7 +326,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     mbs_in_flight = min(m, math.ceil(chunks / layout.virtual_stages)) if pp > 1 else 1
     # MoE models: the share of the layers whose MLP is a mixture of experts (every moe_layer_freq-th; the same
     # share on every stage, as tensorpar places them by global index)
-    moe_share = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / cfg.num_layers
+    moe_share = (sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / cfg.num_layers) if cfg.is_moe else 0.0
 
     def layer(mode):
         if prec.activations == "tensorpar":
@@ -365,6 +366,6 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
 def layout_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
                   flash_attention: bool = True) -> MemoryBreakdown:
     """The most loaded GPU's breakdown (the first or the last pipeline stage; any stage with uneven stages)."""
-    stages = range(layout.pp) if layout.pipeline_layers is not None else {0, layout.pp - 1}
+    stages = candidate_stages(cfg, layout)
     return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention) for st in stages),
                key=lambda mb: mb.total)

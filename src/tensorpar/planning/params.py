@@ -20,6 +20,15 @@ from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers
 
 _PARAM_CACHE: dict = {}
+_CFG_KEYS: dict = {}
+
+
+def _cfg_key(cfg) -> str:
+    """A cache key for a config (its repr, computed once per config object: the search asks thousands of times)."""
+    hit = _CFG_KEYS.get(id(cfg))
+    if hit is None or hit[0] is not cfg:
+        hit = _CFG_KEYS[id(cfg)] = (cfg, repr(cfg))
+    return hit[1]
 
 
 def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: int = 1,
@@ -32,7 +41,7 @@ def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: 
     `ep`: the expert-parallel size (MoE models); `pipeline_layers`: the layers of each stage (--pipeline-layers;
     None: an even split)."""
     split = tuple(pipeline_layers) if pipeline_layers is not None and pp > 1 else None
-    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1, ep, split)
+    key = (_cfg_key(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1, ep, split)
     if key not in _PARAM_CACHE:
         _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage, virtual_stages if pp > 1 else 1, ep, split)
     return _PARAM_CACHE[key]
@@ -51,11 +60,11 @@ def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int, ep: int,
     kv_local, _ = kv_layout(cfg.kv_heads, tp)
     f = cfg.ffn_hidden_size // tp
     vocab = padded(cfg.vocab_size, tp) // tp
-    layout = Layout(tp=tp, pp=pp, pipeline_layers=split)
+    layout = Layout(tp=tp, pp=pp, pipeline_layers=split, virtual_stages=v)
     first, last, n = stage_layers(cfg, layout, stage if pp > 1 else None)
-    if n % v:
+    if n % v and split is None:
         raise TensorparError(f"{n} layers per pipeline rank do not split into {v} virtual stages")
-    layers = stage_layer_indices(cfg, dataclasses.replace(layout, virtual_stages=v), stage if pp > 1 else None)
+    layers = stage_layer_indices(cfg, layout, stage if pp > 1 else None)
     out: list[tuple[str, int, int]] = []
 
     def norm(prefix):
@@ -124,10 +133,13 @@ _SUMMARY_CACHE: dict = {}
 
 
 def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0, ep: int = 1,
-                      pipeline_layers: tuple[int, ...] | None = None) -> ParamSummary:
-    key = (repr(cfg), tp, pp, stage if pp > 1 else 0, ep, pipeline_layers)
+                      pipeline_layers: tuple[int, ...] | None = None, virtual_stages: int = 1) -> ParamSummary:
+    """Totals of `local_parameters` (with uneven interleaved stages, `pipeline_layers` has pp x v counts and
+    `virtual_stages` must be v; otherwise the rank's chunks together hold the same parameters whatever v is)."""
+    v = virtual_stages if pipeline_layers is not None and len(pipeline_layers) != pp else 1
+    key = (_cfg_key(cfg), tp, pp, stage if pp > 1 else 0, ep, pipeline_layers, v)
     if key not in _SUMMARY_CACHE:
-        params = local_parameters(cfg, tp, pp, stage, ep=ep, pipeline_layers=pipeline_layers)
+        params = local_parameters(cfg, tp, pp, stage, v, ep=ep, pipeline_layers=pipeline_layers)
         experts = [n for name, n, _ in params if is_expert(name)]
         layers = [p for p in params if p[0].startswith("layers.")]
         n_layers = len({p[0].split(".")[1] for p in layers}) or 1

@@ -18,6 +18,8 @@ mixed-bf16          2      2      4       8    the Playbook's mixed precision (M
                                                AdamW states): 16 bytes per parameter
 megatron-bf16       2      4      4       8    Megatron-LM's bf16 default: gradients accumulated
                                                and reduced in fp32 ("main_grad"): 18 bytes
+megatron-fp8        2      4      4       8    as megatron-bf16, with the linear layers' GEMMs in
+                                               fp8 (Transformer Engine; `gemm_dtype`)
 ================  =====  =====  ======  =====  ==================================================
 
 AdamW keeps two fp32 states per parameter (exp_avg, exp_avg_sq) plus a one-element fp32
@@ -47,6 +49,11 @@ class Precision:
     zero2_full_grads_at_peak: bool = False  # a ZeRO-2 that holds full gradient buckets during backward
     zero_buffers_in_flight: bool = False  # count tensorpar's ZeRO-2/3 full gradient buffers in flight
     description: str = ""
+    gemm_dtype: str = ""  # the dtype the GEMMs run in ("" : compute_dtype; "fp8": Transformer Engine's fp8 GEMMs)
+
+    def __post_init__(self):
+        if not self.gemm_dtype:
+            object.__setattr__(self, "gemm_dtype", self.compute_dtype)
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -66,6 +73,10 @@ PRECISIONS: dict[str, Precision] = {
     "megatron-bf16": Precision("megatron-bf16", "bf16", 2, 4, 4, 8, "playbook", 2, 2, False,
                                description="Megatron-LM bf16: bf16 parameters, fp32 main gradients, "
                                            "fp32 master + AdamW"),
+    "megatron-fp8": Precision("megatron-fp8", "bf16", 2, 4, 4, 8, "playbook", 2, 2, False,
+                              description="Megatron-LM / NeMo with Transformer Engine fp8: the linear layers' GEMMs "
+                                          "in fp8 (inputs cast per step), attention and the rest in bf16; memory "
+                                          "as megatron-bf16", gemm_dtype="fp8"),
 }
 
 

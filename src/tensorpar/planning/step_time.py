@@ -38,7 +38,8 @@ from tensorpar.planning.communication import (
     step_collectives,
 )
 from tensorpar.planning.compute import stage_flops
-from tensorpar.planning.layout import Layout, stage_layers
+from tensorpar.planning.kernels import optimizer_time, stage_compute_time
+from tensorpar.planning.layout import Layout, candidate_stages, stage_layers
 from tensorpar.planning.params import parameter_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
 
@@ -68,45 +69,99 @@ class StepTime:
         return dataclasses.asdict(self)
 
 
-def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm):
-    """(compute, recompute, tp comm, pp comm, exposed cp ring, ep all-to-alls) seconds of one micro-batch on one stage: the
-    micro-batch's FLOPs are shared by the stage's tp x cp ranks; the context-parallel ring hides behind the
-    attention it feeds, and what is longer than that attention is exposed."""
-    rate = cluster.peak(prec.compute_dtype) * cluster.mfu_ceiling
+def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True):
+    """(forward, backward, weight-gradient part of backward, recompute, tp comm, pp comm, exposed cp ring, ep
+    all-to-alls) seconds of one micro-batch on one stage. Compute: every kernel timed on the device
+    (`kernels.stage_compute_time`), or with a flat ``cluster.mfu_ceiling`` all FLOPs at that fraction of peak,
+    shared by the stage's tp x cp ranks. The context-parallel ring hides behind the attention it feeds; what is
+    longer than that attention is exposed. TP collectives are exposed but for ``cluster.tp_overlap``."""
     ranks = layout.tp * layout.cp
-    train, recompute = stage_flops(cfg, layout, b, s, stage, prec)
+    if cluster.mfu_ceiling is not None:
+        rate = cluster.peak(prec.compute_dtype) * cluster.mfu_ceiling
+        train, recompute = stage_flops(cfg, layout, b, s, stage, prec)
+        train, recompute = train / ranks / rate, recompute / ranks / rate
+        attention = 3.0 * stage_layers(cfg, layout, stage)[2] * 4.0 * b * s * s * cfg.hidden_size / ranks / rate
+        fwd, bwd, wgrad = train / 3.0, train * 2.0 / 3.0, train / 3.0
+    else:
+        fwd, bwd, wgrad, recompute, attention = stage_compute_time(cfg, layout, b, s, stage, prec, cluster, flash)
     colls = model_collectives(cfg, layout, b, s, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                               grad_bytes=prec.grad_bytes, stage=stage if layout.pp > 1 else None,
                               scatter_gather=prec.activations == "playbook")
     tp = [c for c in colls if c.group == "tp"]
     sends = [c for c in colls if c.group == "pp" and c.op == "send"]
     ring = collectives_time([c for c in colls if c.group == "cp" and c.op == "send"], cluster, layout, algorithm)
-    attention = 3.0 * stage_layers(cfg, layout, stage)[2] * 4.0 * b * s * s * cfg.hidden_size / ranks / rate
     ep = collectives_time([c for c in colls if c.group == "ep"], cluster, layout, algorithm)
-    return (train / ranks / rate, recompute / ranks / rate, collectives_time(tp, cluster, layout, algorithm),
-            collectives_time(sends, cluster, layout, algorithm), max(0.0, ring - attention), ep)
+    tp_time = collectives_time(tp, cluster, layout, algorithm) * (1.0 - cluster.tp_overlap)
+    pp_time = collectives_time(sends, cluster, layout, algorithm) * (2 if layout.schedule == "zbv" else 1)
+    return StageTime(fwd, bwd, wgrad, recompute, tp_time, pp_time,
+                     max(0.0, ring - attention), ep)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTime:
+    """Seconds of one micro-batch on one rank of a stage (backward includes its weight-gradient part)."""
+
+    forward: float
+    backward: float
+    wgrad: float
+    recompute: float
+    tp: float
+    pp: float
+    cp: float
+    ep: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.recompute + self.tp + self.pp + self.cp + self.ep
+
+
+def pipeline_bubble(layout: Layout, st: StageTime) -> float:
+    """Seconds the pipeline's fill and drain leave idle, from each schedule's published bubble: 1F1B (p - 1) x
+    the stage time, interleaved (p - 1) / v of it (Narayanan et al. 2021); ZB-H1 (p - 1)(T_F + T_B - T_W) and
+    ZB-V (p - 1)(T_F + T_B - 2 T_W) / 2 (each rank holds two half-size chunks) with T_W the weight-gradient part
+    of the backward, T_B the rest (recomputation included) and T_F the forward (Qi et al. 2024, "Zero Bubble
+    Pipeline Parallelism" and "Pipeline Parallelism with Controllable Memory"); communication counts with the
+    forward and backward it belongs to."""
+    p = layout.pp
+    if p == 1:
+        return 0.0
+    comm = st.tp + st.pp + st.cp + st.ep
+    t_f = st.forward + comm / 3.0
+    t_w = st.wgrad
+    t_b = st.backward - st.wgrad + st.recompute + comm * 2.0 / 3.0
+    if layout.schedule == "zb-h1":
+        return (p - 1) * max(t_f + t_b - t_w, 0.0)
+    if layout.schedule == "zbv":
+        return (p - 1) * max(t_f + t_b - 2.0 * t_w, 0.0) / 2.0
+    return (p - 1) / layout.virtual_stages * st.total
 
 
 def _busiest_dp_stage(cfg, layout: Layout) -> int:
     """The pipeline stage with the most parameters to reduce and update (stage 0 when the stages are even)."""
     if layout.pipeline_layers is None:
         return 0
-    return max(range(layout.pp), key=lambda st: parameter_summary(cfg, layout.tp, layout.pp, st, layout.ep,
-                                                                  layout.pipeline_layers).numel)
+    def numel(st):
+        return parameter_summary(cfg, layout.tp, layout.pp, st, layout.ep, layout.pipeline_layers,
+                                 layout.virtual_stages).numel
+
+    return max(candidate_stages(cfg, layout), key=numel)
 
 
 def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: int,
-                      precision: Precision | str = "tensorpar-bf16", *, algorithm: str = "best") -> StepTime:
+                      precision: Precision | str = "tensorpar-bf16", *, algorithm: str = "best",
+                      flash: bool = True) -> StepTime:
     prec = get_precision(precision)
     b, s = layout.micro_batch_size, seq_len
     m = max(layout.num_micro_batches(global_batch), 1)
-    pp, v = layout.pp, layout.virtual_stages
-    stages = (list(range(pp)) if layout.pipeline_layers is not None else sorted({0, pp - 1})) if pp > 1 else [None]
-    per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm) for st in stages}
-    slowest = max(per_stage, key=lambda st: sum(per_stage[st]))
-    comp, recomp, tp_c, pp_c, cp_c, ep_c = per_stage[slowest]
-    t_stage = comp + recomp + tp_c + pp_c + cp_c + ep_c
-    bubble = (pp - 1) / v * t_stage
+    pp = layout.pp
+    stages = candidate_stages(cfg, layout) if pp > 1 else [None]
+    per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm, flash) for st in stages}
+    slowest = max(per_stage, key=lambda st: per_stage[st].total)
+    st_time = per_stage[slowest]
+    comp, recomp = st_time.forward + st_time.backward, st_time.recompute
+    tp_c, pp_c, cp_c, ep_c = st_time.tp, st_time.pp, st_time.cp, st_time.ep
+    t_stage = st_time.total
+    bubble = pipeline_bubble(layout, st_time)
     pipeline = m * t_stage + bubble
 
     # Data-parallel traffic of the busiest stage, and how much of it hides behind backward compute.
@@ -117,7 +172,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     replica_groups = ("dp", "dp_cp", "edp")
     dp_colls = [c for c in colls if c.group in replica_groups + ("embed",)
                 or (c.phase == "step" and c.group not in replica_groups)]
-    backward = (2.0 / 3.0) * comp + recomp  # one micro-batch's backward (and recomputation)
+    backward = st_time.backward + recomp  # one micro-batch's backward (and recomputation)
     dp_exposed = 0.0
     per_mb = [c for c in dp_colls if c.phase in ("forward", "backward")]  # ZeRO-3 gathers, ZeRO-2 per micro-batch
     after = [c for c in dp_colls if c.phase == "step"]
@@ -132,17 +187,18 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     dp_exposed += t - min(t * cluster.overlap, backward)
     dp_exposed += collectives_time(rest, cluster, layout, algorithm)
 
-    summary = parameter_summary(cfg, layout.tp, pp, dp_stage or 0, layout.ep, layout.pipeline_layers)
+    summary = parameter_summary(cfg, layout.tp, pp, dp_stage or 0, layout.ep, layout.pipeline_layers,
+                                layout.virtual_stages)
     dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
     sharded = layout.zero >= 1 and layout.replicas > 1
     opt_elems = dense / layout.replicas + expert / layout.expert_dp if sharded else dense + expert
-    optimizer = opt_elems * OPTIMIZER_BYTES_PER_ELEMENT / cluster.gpu.hbm_bandwidth
+    optimizer = optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
 
     step = pipeline + dp_exposed + optimizer
     tokens = global_batch * seq_len
     model_flops = train_flops_per_token(cfg, seq_len) * tokens
     # The head is never recomputed: the stages' recomputation (pp x one stage's when they hold as many layers).
-    if layout.pipeline_layers is not None and pp > 1:
+    if layout.pipeline_layers is not None and pp > 1 and layout.recompute != "none":
         total_recompute = sum(stage_flops(cfg, layout, b, s, st, prec)[1] for st in range(pp)) * m * layout.dp
     else:
         total_recompute = pp * stage_flops(cfg, layout, b, s, 0 if pp > 1 else None, prec)[1] * m * layout.dp

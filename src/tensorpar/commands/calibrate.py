@@ -1,0 +1,47 @@
+"""`tensorpar calibrate [--device cpu|cuda] --out profile.json`: measure this machine for the planner.
+
+Times GEMMs over a sweep of shapes (per dtype), the memory bandwidth and the collectives by size and group
+(`tensorpar.planning.calibration`), fits the planner's compute curve and alpha-beta link to them and writes
+everything as JSON; ``tensorpar plan --hardware profile.json`` then plans for this machine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tensorpar.config.fields import add_options, options_from_args
+from tensorpar.config.options import CalibrateOptions
+from tensorpar.errors import TensorparError
+from tensorpar.planning.calibration import calibrate
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure GEMMs, bandwidth and collectives of this machine for `plan`")
+    add_options(p, CalibrateOptions)
+    p.set_defaults(run=run)
+
+
+def run(args, argv=None) -> int:
+    options = options_from_args(CalibrateOptions, args, "calibrate")
+    if options.ranks < 1:
+        raise TensorparError(f"--ranks must be a positive integer, got {options.ranks}")
+    if options.threads is not None:
+        if options.threads < 1:
+            raise TensorparError(f"--threads must be a positive integer, got {options.threads}")
+        torch.set_num_threads(options.threads)
+    profile = calibrate(options.device, ranks=options.ranks, measure_comm=not options.no_collectives,
+                        threads=options.threads)
+    with open(options.out, "w") as f:
+        json.dump(profile, f, indent=1)
+    for dt, peak in profile["peak_flops"].items():
+        c = profile["curves"][dt]
+        print(f"{dt}: best GEMM {peak / 1e12:.3f} TFLOP/s; curve tile {c['tile_m']}, k_overhead {c['k_overhead']:.0f}, "
+              f"wave quantization {c['wave_quantization']}, launch {c['launch_s'] * 1e6:.0f} us")
+    print(f"memory bandwidth {profile['hbm_bandwidth'] / 1e9:.1f} GB/s")
+    if "link" in profile:
+        print(f"collectives over {options.ranks} ranks: {profile['link']['bandwidth'] / 1e9:.2f} GB/s, "
+              f"latency {profile['link']['latency'] * 1e6:.0f} us")
+    print(f"wrote {options.out}")
+    return 0

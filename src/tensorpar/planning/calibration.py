@@ -1,0 +1,291 @@
+"""Calibration: measure the machine at hand so the planner predicts it (`tensorpar calibrate`, `plan --hardware`).
+
+`calibrate` times, on one device (cpu or cuda):
+
+- GEMMs ``torch.matmul(A[m, k], B[k, n])`` over a sweep of shapes (small to large, thin and square) per dtype;
+- memory bandwidth: a large ``copy_`` (bytes read + written per second);
+- collectives (all_reduce, all_gather, reduce_scatter, all_to_all, send/recv) by message size and group size,
+  with gloo on CPU processes (``--device cpu``) or NCCL across the GPUs of the node (``--device cuda`` with
+  more than one GPU);
+
+and fits the `DeviceCurve` of `tensorpar.planning.devices` to the GEMM times (a small grid search over
+k_overhead, wave_quantization, launch and the tile, minimising the squared log error; the peak is the best
+measured rate, so ``gemm_efficiency`` is 1 by construction) and an alpha-beta `Link` to each collective's
+times (least squares of time = alpha x steps + bytes-moved / beta). `load_profile` turns the JSON back into
+a `GPUSpec` and a `DeviceCurve` for the planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tensorpar.config.hardware import GPUSpec, Link
+from tensorpar.errors import TensorparError
+from tensorpar.planning.devices import DeviceCurve, gemm_time
+
+CPU_SHAPES = [(m, n, k) for m in (64, 256, 1024) for n in (64, 256, 1024) for k in (64, 256, 1024)]
+CUDA_SHAPES = [(m, n, k) for m in (128, 1024, 4096, 16384) for n in (128, 1024, 4096, 16384)
+               for k in (128, 1024, 4096, 16384)]
+COLLECTIVE_SIZES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device, min_s: float = 0.05, min_reps: int = 3) -> float:
+    """Median-of-batches seconds per call of `fn` (after a warm-up)."""
+    fn()
+    _sync(device)
+    reps, samples = 1, []
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    one = max(time.perf_counter() - t0, 1e-7)
+    reps = max(1, int(min_s / 3 / one))
+    for _ in range(min_reps):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / reps)
+    return sorted(samples)[len(samples) // 2]
+
+
+def measure_gemms(device, dtype: torch.dtype, shapes) -> list[dict]:
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        t = _time(lambda: torch.matmul(a, b), device)
+        out.append({"m": m, "n": n, "k": k, "seconds": t, "flops_per_s": 2.0 * m * n * k / t})
+    return out
+
+
+def measure_bandwidth(device, nbytes: int) -> float:
+    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), device)
+    return 2.0 * nbytes / t
+
+
+def measure_attention(device, dtype: torch.dtype, peak: float) -> tuple[float, float]:
+    """(forward, backward) efficiency of causal scaled-dot-product attention against `peak`, at one shape (the
+    planner's flash-attention model: 2 b h s^2 d FLOPs forward, 2.5 x that backward)."""
+    b, heads, s, d = (1, 8, 1024, 64) if device.type == "cpu" else (2, 16, 4096, 128)
+    q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fwd = _time(lambda: sdpa(q, k, v, is_causal=True), device)
+    out = sdpa(q, k, v, is_causal=True)
+    grad = torch.ones_like(out)
+    both = _time(lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad), device)
+    flops = 2.0 * b * heads * s * s * d
+    return min(1.0, flops / fwd / peak), min(1.0, 2.5 * flops / max(both - fwd, 1e-9) / peak)
+
+
+def fit_curve(name: str, points: list[dict], peak: float, hbm: float, units: int, dtype: str) -> DeviceCurve:
+    """The `DeviceCurve` whose `gemm_time` best matches the measured `points` (squared log error)."""
+    best, best_err = None, math.inf
+    for tile in (32, 64, 128):
+        for k_over in (0.0, 16.0, 64.0, 128.0, 256.0):
+            for wq in (0.0, 0.5, 1.0):
+                for launch in (1e-6, 5e-6, 20e-6, 50e-6):
+                    c = DeviceCurve(name, {dtype: 1.0, "bf16": 1.0}, units, tile, tile, k_over, wq, launch, 1.0)
+                    err = sum(math.log(gemm_time(p["m"], p["n"], p["k"], peak, hbm, c, dtype) / p["seconds"]) ** 2
+                              for p in points)
+                    if err < best_err:
+                        best, best_err = c, err
+    return best
+
+
+def _fit_link(samples: list[tuple[float, float, float]]) -> Link:
+    """alpha, beta from (steps, bytes moved per rank, seconds) by least squares (beta > 0, alpha >= 0)."""
+    n = len(samples)
+    sxx = sum(s * s for s, _, _ in samples)
+    syy = sum(b * b for _, b, _ in samples)
+    sxy = sum(s * b for s, b, _ in samples)
+    sxt = sum(s * t for s, _, t in samples)
+    syt = sum(b * t for _, b, t in samples)
+    det = sxx * syy - sxy * sxy
+    if n < 2 or abs(det) < 1e-30:
+        raise TensorparError("too few collective samples to fit a link")
+    alpha = (sxt * syy - syt * sxy) / det
+    inv_beta = (sxx * syt - sxy * sxt) / det
+    return Link(1.0 / max(inv_beta, 1e-15), max(alpha, 0.0))
+
+
+def _steps_and_bytes(op: str, nbytes: int, n: int) -> tuple[float, float]:
+    """(latency steps, bytes each rank moves) of the ring algorithm (`communication.collective_time`)."""
+    if op == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) * nbytes / n
+    if op == "send":
+        return 1, nbytes
+    return n - 1, (n - 1) * nbytes / n
+
+
+def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, queue, device_args=None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    threads = device_args["threads"] if device_args else 1
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    measured = None
+    if device_args:  # every rank measures at once: what each rank of a `world`-process run gets of the machine
+        dist.barrier()
+        measured = _measure_device(device, device_args["dtypes"], device_args["shapes"], threads,
+                                   f"cpu ({threads} thread{'s' if threads > 1 else ''} x {world} processes)")
+        dist.barrier()
+    results = []
+    for op in COLLECTIVE_OPS:
+        for nbytes in sizes:
+            numel = max(world, nbytes // 4 // world * world)
+            x = torch.ones(numel, device=device)
+            parts = list(x.chunk(world))
+            out = torch.empty(numel // world, device=device)
+            gathered = [torch.empty_like(out) for _ in range(world)]
+
+            def call():
+                if op == "all_reduce":
+                    dist.all_reduce(x)
+                elif op == "all_gather":
+                    dist.all_gather(gathered, out)
+                elif op == "reduce_scatter" and backend == "nccl":
+                    dist.reduce_scatter(out, parts)
+                elif op == "reduce_scatter":  # gloo has no reduce_scatter: what tensorpar's comm does instead
+                    dist.all_reduce(x)
+                elif op == "all_to_all" and backend == "nccl":
+                    dist.all_to_all_single(torch.empty_like(x), x)
+                elif op == "all_to_all":
+                    dist.all_to_all_single(torch.empty_like(x), x)
+                elif rank == 0:
+                    dist.send(x, 1)
+                elif rank == 1:
+                    dist.recv(x, 0)
+
+            reps = 20 if nbytes <= (1 << 20) else 5  # the same on every rank: each call is a collective
+            call()
+            samples = []
+            for _ in range(3):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    call()
+                _sync(device)
+                samples.append((time.perf_counter() - t0) / reps)
+            results.append({"op": op, "bytes": numel * 4, "ranks": world, "seconds": min(samples)})
+    if rank == 0:
+        queue.put((results, measured))
+    dist.destroy_process_group()
+
+
+def measure_collectives(world: int, backend: str, sizes=COLLECTIVE_SIZES, device_args=None):
+    """(collective timings, and with `device_args` rank 0's device measurement taken while every rank measured)."""
+    if world < 2:
+        return [], None
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, sizes, queue, device_args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = queue.get(timeout=600)
+    for p in procs:
+        p.join()
+    return results
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _measure_device(dev, dtypes, shapes, units: int, name: str) -> dict:
+    """GEMMs, bandwidth, attention and the fitted curve of one device (or one rank's share of a CPU)."""
+    hbm = measure_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (64 << 20))
+    out = {"name": name, "units": units, "hbm_bandwidth": hbm, "gemms": {}, "peak_flops": {}, "curves": {}}
+    for dt in dtypes:
+        points = measure_gemms(dev, _DTYPES[dt], shapes)
+        peak = max(p["flops_per_s"] for p in points)
+        curve = fit_curve(f"calibrated {name}", points, peak, hbm, units, dt)
+        out["gemms"][dt] = points
+        out["peak_flops"][dt] = peak
+        out["curves"][dt] = {f.name: getattr(curve, f.name) for f in dataclasses.fields(curve)
+                             if f.name not in ("name", "gemm_efficiency", "source", "attention_efficiency")}
+        out["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, _DTYPES[dt], peak))
+    return out
+
+
+def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, collective_sizes=COLLECTIVE_SIZES,
+              measure_comm: bool = True, threads: int | None = None) -> dict:
+    """Measure this machine: GEMMs, bandwidth, collectives, and the fitted curve and link (a JSON-able dict).
+
+    On CPU with collectives over `ranks` > 1 processes, the GEMMs and the bandwidth are measured in every one of
+    them at once (`threads` each): the share of the cores and the memory bus a rank of such a run gets."""
+    if device not in ("cpu", "cuda"):
+        raise TensorparError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TensorparError("--device cuda: no CUDA device is visible")
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    dtypes = dtypes or (("bf16", "fp32") if device == "cuda" else ("fp32", "bf16"))
+    shapes = shapes or (CUDA_SHAPES if device == "cuda" else CPU_SHAPES)
+    threads = threads or torch.get_num_threads()
+    memory = torch.cuda.get_device_properties(dev).total_memory if device == "cuda" else os.sysconf("SC_PAGE_SIZE") * \
+        os.sysconf("SC_PHYS_PAGES")
+    concurrent = device == "cpu" and measure_comm and ranks > 1
+    measured = None
+    if measure_comm:
+        backend = "nccl" if device == "cuda" else "gloo"
+        world = min(ranks, torch.cuda.device_count()) if device == "cuda" else ranks
+        args = {"threads": threads, "dtypes": dtypes, "shapes": shapes} if concurrent else None
+        colls, measured = measure_collectives(world, backend, collective_sizes, args)
+    if measured is None:
+        units = torch.cuda.get_device_properties(dev).multi_processor_count if device == "cuda" else threads
+        name = torch.cuda.get_device_name(dev) if device == "cuda" else f"cpu ({threads} threads)"
+        measured = _measure_device(dev, dtypes, shapes, units, name)
+    profile = {"device": device, "memory_bytes": memory, **measured}
+    if measure_comm:
+        profile["collectives"] = colls
+        if colls:
+            samples = [(*_steps_and_bytes(c["op"], c["bytes"], c["ranks"]), c["seconds"]) for c in colls]
+            link = _fit_link(samples)
+            profile["link"] = {"bandwidth": link.bandwidth, "latency": link.latency}
+    return profile
+
+
+def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
+    """(GPUSpec, DeviceCurve) of a `tensorpar calibrate` profile: peaks are the best measured rates, so MFU is
+    reported against what the device reached, and the links are the fitted alpha-beta (intra and inter alike)."""
+    try:
+        with open(path) as f:
+            prof = json.load(f)
+    except FileNotFoundError:
+        raise TensorparError(f"hardware profile '{path}' does not exist (write one with 'tensorpar calibrate "
+                             f"--out {path}')") from None
+    except json.JSONDecodeError as e:
+        raise TensorparError(f"hardware profile '{path}' is not JSON: {e}") from None
+    missing = [k for k in ("peak_flops", "hbm_bandwidth", "curves", "memory_bytes") if k not in prof]
+    if missing:
+        raise TensorparError(f"hardware profile '{path}' lacks {', '.join(missing)}: not a tensorpar calibrate output")
+    link = Link(**prof["link"]) if "link" in prof else Link(10e9, 20e-6)
+    peaks = dict(prof["peak_flops"])
+    for alias, src in (("bf16", "fp32"), ("fp32", "bf16"), ("tf32", "fp32"), ("fp8", "bf16")):
+        if alias not in peaks and src in peaks:
+            peaks[alias] = peaks[src]
+    spec = GPUSpec(f"calibrated:{prof.get('name', path)}", int(prof["memory_bytes"]), peaks,
+                   float(prof["hbm_bandwidth"]), link, link, f"tensorpar calibrate ({path})")
+    fields = dict(next(iter(prof["curves"].values())))  # the first dtype measured (fp32 on CPU, bf16 on GPUs)
+    if "attention_efficiency" in fields:
+        fields["attention_efficiency"] = tuple(fields["attention_efficiency"])
+    curve = DeviceCurve(f"calibrated:{prof.get('name', path)}", {dt: 1.0 for dt in peaks}, **fields)
+    return spec, curve

@@ -1,0 +1,187 @@
+"""The kernels of one micro-batch through one pipeline stage, timed on the cluster's device.
+
+One rank of a stage (TP size t, CP size c) runs, per layer, for its T = b s / c tokens (the full sequence
+chunk: under sequence parallelism the GEMMs see the gathered tokens too):
+
+- the GEMMs, each ``(m, n, k)`` = (rows, output columns, reduction) timed by `devices.gemm_time`:
+  forward QKV (T, (a + 2 kv) d / t, h) - KV heads replicated when fewer than t -, output (T, h, a d / t),
+  MLP up (T, f / t, h; gate and up fused: 2 f / t) and down (T, h, f / t); backward, for each, the input
+  gradient (m, k, n) and the weight gradient (n, k, m). A mixture-of-experts MLP: the router (T / t, E, h),
+  the shared experts as a TP MLP, and the local experts as E / ep grouped GEMMs of ``T k ep / (t E)`` rows each
+  (balanced routing) plus the permutation (reading and writing the routed rows twice).
+- attention: flash-style (`devices.flash_attention_time`: causal, the c ranks of a zigzag ring each doing
+  1/c of the causal pairs), or without flash attention the two batched GEMMs (QK^T and PV) and ten passes of
+  the bf16 score matrix (scale-mask-softmax, dropout and their backward) through memory.
+- element-wise and norm kernels, bounded by memory bandwidth: per layer and token, the two norms (read +
+  write), the two residual adds (read 2, write 1; bias and dropout fused in, + a 1-byte mask with dropout)
+  over h elements - per rank all h of them without SP (replicated over TP), h / t with SP -, RoPE on q and k,
+  the activation (SwiGLU reads 2 f / t writes f / t; GeLU reads and writes f / t); backward twice the
+  forward traffic. tensorpar's own layers are not fused: each of their operators (`OPS_PER_LAYER`, counted)
+  reads and writes about one activation, and pays one launch. fp8 GEMMs (``Precision.gemm_dtype`` = "fp8") add the fused cast-transposes of their inputs
+  (read 2 bytes, write 1 + 1) forward and of the output gradients backward.
+- the head on the last stage: (T, V / t, h) forward and its two backward GEMMs, and the loss's softmax.
+
+Recomputation: "full" runs every layer's forward again (tensorpar without dropout stops before the MLP's
+down projection, `compute.stage_flops`), "selective" the attention core's forward.
+"""
+
+from __future__ import annotations
+
+from tensorpar.layers.sharding import padded
+from tensorpar.planning.devices import flash_attention_time, gemm_time, memory_time
+from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers
+
+_CACHE: dict = {}
+
+# Kernels (operator calls) per layer besides the GEMMs and attention, forward and backward, each paying the device's
+# launch / dispatch time: tensorpar's layer runs 68 aten operators forward and 133 backward (counted with a
+# TorchDispatchMode over a Llama-style layer, no dropout); a fused framework (Megatron-Core / Transformer Engine:
+# fused norms, bias-dropout-add, SwiGLU, RoPE) about 10 and 20.
+OPS_PER_LAYER = {"tensorpar": (68, 133), "fused": (10, 20)}
+
+
+def _gemms_time(gemms, cluster, dtype, nbytes) -> tuple[float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of GEMMs given as forward (m, n, k, count)."""
+    spec, curve = cluster.gpu, cluster.curve
+    peak, hbm = spec.peak(dtype if dtype in spec.peak_flops else "bf16"), spec.hbm_bandwidth
+    fwd = dgrad = wgrad = 0.0
+    for m, n, k, count in gemms:
+        if count <= 0:
+            continue
+        fwd += count * gemm_time(m, n, k, peak, hbm, curve, dtype, nbytes)
+        dgrad += count * gemm_time(m, k, n, peak, hbm, curve, dtype, nbytes)
+        wgrad += count * gemm_time(n, k, m, peak, hbm, curve, dtype, nbytes)
+    return fwd, dgrad, wgrad
+
+
+def _cast_bytes(gemms) -> tuple[float, float]:
+    """fp8: bytes Transformer Engine's fused cast-transpose moves (read 2, write the fp8 tensor and its transpose,
+    1 + 1), forward for the inputs (m x k, the transpose kept for the weight gradient) and backward for the
+    output gradients (m x n)."""
+    fwd = sum(4.0 * m * k * c for m, n, k, c in gemms)
+    bwd = sum(4.0 * m * n * c for m, n, k, c in gemms)
+    return fwd, bwd
+
+
+def layer_parts(cfg, layout: Layout, b: int, s: int, prec, cluster, moe: bool, flash: bool = True) -> dict:
+    """Seconds of one layer's parts for one micro-batch on one rank: gemm_fwd/bwd, attn_fwd/bwd, elem_fwd/bwd,
+    and down_fwd (the MLP's output projection, which tensorpar's full recomputation skips)."""
+    key = (id(cfg), layout.tp, layout.cp, layout.ep, layout.sp, b, s, prec.name, id(cluster), moe, flash)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is cfg and hit[1] is cluster:
+        return hit[2]
+    if len(_CACHE) > 100_000:
+        _CACHE.clear()
+    t, c = layout.tp, layout.cp
+    h, d, a = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    T = b * s // c
+    heads = a // t
+    kv = max(cfg.kv_heads // t, 1)
+    dtype, nb = prec.gemm_dtype, prec.matmul_bytes
+    gemm_bytes = 1 if dtype == "fp8" else nb
+    attn_gemms = [(T, (heads + 2 * kv) * d, h, 1), (T, h, heads * d, 1)]
+    if moe:
+        e, k_top, fe = cfg.num_experts, cfg.experts_per_token, cfg.expert_ffn_size
+        rows = T * k_top / t  # rows this rank routes; balanced: also the rows its local experts receive
+        local = e // layout.ep
+        per_expert = rows / local
+        up = (2 if cfg.gated_mlp else 1) * fe
+        mlp_gemms = [(T / t, e, h, 1), (per_expert, up, h, local), (per_expert, h, fe, local)]
+        down = [(per_expert, h, fe, local)]
+        if cfg.num_shared_experts:
+            fs = cfg.num_shared_experts * fe // t
+            mlp_gemms += [(T, (2 if cfg.gated_mlp else 1) * fs, h, 1), (T, h, fs, 1)]
+            down.append((T, h, fs, 1))
+        mlp_act = rows * fe + (T * cfg.num_shared_experts * fe / t)
+        permute = 4.0 * rows * h * nb
+    else:
+        f = cfg.ffn_hidden_size // t
+        mlp_gemms = [(T, (2 if cfg.gated_mlp else 1) * f, h, 1), (T, h, f, 1)]
+        down = [(T, h, f, 1)]
+        mlp_act = T * f
+        permute = 0.0
+    g_fwd, g_dgrad, g_wgrad = _gemms_time(attn_gemms + mlp_gemms, cluster, dtype, gemm_bytes)
+    down_fwd = _gemms_time(down, cluster, dtype, gemm_bytes)[0]
+    spec, curve = cluster.gpu, cluster.curve
+    hbm = spec.hbm_bandwidth
+    attn_peak = spec.peak(prec.compute_dtype)  # attention runs in the compute dtype (bf16 under fp8 recipes)
+    if flash:
+        # zigzag CP: each of the c ranks computes 1/c of the causal pairs of its b x heads sequences
+        fa_f, fa_b = flash_attention_time(b * heads, s, s, d, attn_peak, curve)
+        a_fwd, a_bwd = fa_f / c, fa_b / c
+    else:
+        sq = s // c
+        bmm = [(sq, s, d, b * heads), (sq, d, s, b * heads)]
+        a_fwd, a_dgrad, a_wgrad = _gemms_time(bmm, cluster, prec.compute_dtype, nb)
+        a_bwd = a_dgrad + a_wgrad
+        scores = b * heads * sq * s * nb
+        a_fwd += memory_time(4 * scores, hbm, curve, 2)
+        a_bwd += memory_time(6 * scores, hbm, curve, 2)
+    A = prec.act_bytes
+    tok_h = T * h / (t if layout.sp else 1)
+    passes = 4 + 6 + (1 if cfg.dropout > 0 else 0)  # norms, residual adds (+ masks)
+    rope = 2 * T * (heads + kv) * d * nb if cfg.position == "rope" else 0
+    act = (3 if cfg.gated_mlp else 2) * mlp_act * nb
+    elem = passes * tok_h * A + rope + act + permute
+    cast_f = cast_b = 0.0
+    if dtype == "fp8":
+        cast_f, cast_b = _cast_bytes(attn_gemms + mlp_gemms)
+    k_fwd, k_bwd = OPS_PER_LAYER["tensorpar" if prec.activations == "tensorpar" else "fused"]
+    if prec.activations == "tensorpar":  # unfused: every operator reads and writes about one activation
+        elem_f, elem_b = max(elem, 2 * k_fwd * tok_h * A), max(2 * elem, 2 * k_bwd * tok_h * A)
+    else:
+        elem_f, elem_b = elem, 2 * elem
+    e_fwd = memory_time(elem_f + cast_f, hbm, curve, k_fwd)
+    e_bwd = memory_time(elem_b + cast_b, hbm, curve, k_bwd)
+    out = {"gemm_fwd": g_fwd, "gemm_bwd": g_dgrad + g_wgrad, "wgrad": g_wgrad, "attn_fwd": a_fwd, "attn_bwd": a_bwd, "elem_fwd": e_fwd,
+           "elem_bwd": e_bwd, "down_fwd": down_fwd}
+    _CACHE[key] = (cfg, cluster, out)
+    return out
+
+
+def head_time(cfg, layout: Layout, b: int, s: int, prec, cluster) -> tuple[float, float, float]:
+    """(forward, backward, weight-gradient) seconds of the LM head and loss on the last stage (one micro-batch,
+    one rank)."""
+    t = layout.tp
+    T = b * s // layout.cp
+    vocab = padded(cfg.vocab_size, t) // t
+    dtype = prec.gemm_dtype
+    f, dg, wg = _gemms_time([(T, vocab, cfg.hidden_size, 1)], cluster, "bf16" if dtype == "fp8" else dtype,
+                            prec.matmul_bytes)
+    softmax = memory_time(4.0 * T * vocab * 4, cluster.gpu.hbm_bandwidth, cluster.curve, 4)
+    return f + softmax / 2, dg + wg + softmax / 2, wg
+
+
+def stage_compute_time(cfg, layout: Layout, b: int, s: int, stage, prec, cluster,
+                       flash: bool = True) -> tuple[float, float, float, float, float]:
+    """(forward, backward, weight-gradient part of the backward, recomputation, attention) seconds of one
+    micro-batch on one rank of `stage`."""
+    first, last, n = stage_layers(cfg, layout, stage)
+    if cfg.is_moe:
+        n_moe = sum(cfg.is_moe_layer(i) for i in stage_layer_indices(cfg, layout, stage))
+    else:
+        n_moe = 0
+    fwd = bwd = wgrad = recompute = attention = 0.0
+    for count, moe in ((n - n_moe, False), (n_moe, True)):
+        if count <= 0:
+            continue
+        p = layer_parts(cfg, layout, b, s, prec, cluster, moe, flash)
+        f = p["gemm_fwd"] + p["attn_fwd"] + p["elem_fwd"]
+        fwd += count * f
+        bwd += count * (p["gemm_bwd"] + p["attn_bwd"] + p["elem_bwd"])
+        wgrad += count * p["wgrad"]
+        attention += count * (p["attn_fwd"] + p["attn_bwd"])
+        if layout.recompute == "full":
+            again = f - (p["down_fwd"] if prec.activations == "tensorpar" and cfg.dropout == 0 else 0.0)
+            recompute += count * again
+        elif layout.recompute == "selective":
+            recompute += count * p["attn_fwd"]
+    if last:
+        hf, hb, hw = head_time(cfg, layout, b, s, prec, cluster)
+        fwd, bwd, wgrad = fwd + hf, bwd + hb, wgrad + hw
+    return fwd, bwd, wgrad, recompute, attention
+
+
+def optimizer_time(elements: float, cluster, bytes_per_element: float) -> float:
+    """The optimizer step: memory-bound, `bytes_per_element` of HBM traffic per local element."""
+    return memory_time(elements * bytes_per_element, cluster.gpu.hbm_bandwidth, cluster.curve) if elements else 0.0

@@ -1,0 +1,228 @@
+"""The planner against published training runs: the runs (with the source of every number), the prediction of
+each and the rank of its published layout. `python tests/planning_validation.py` prints the table of
+docs/validation.md; tests/test_planning_validation.py recomputes it.
+
+How a run is predicted: the published layout's fields (tp, cp, pp, dp and whatever else the source states) are
+fixed; what the source does not state (micro-batch size, recomputation, interleaving, ZeRO stage) is left to the
+planner, which takes its best feasible choice - frameworks tune those knobs too. The cluster is the catalog GPU
+with the global defaults of `planning.cluster` and the documented features of the software that ran
+(`SOFTWARE`), the same for every run of that software; nothing is set per run.
+
+Rank: the published mesh (tp, cp, pp) among every mesh of the same GPUs (each at its best choice of the free
+knobs, the software's features fixed), by predicted throughput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorpar.models.config import ModelConfig, get_config
+from tensorpar.planning import compute
+from tensorpar.planning import search as search_mod
+from tensorpar.planning.cluster import make_cluster
+
+
+def _gpt(hidden, layers, heads, dropout=0.1):
+    # Narayanan et al. 2021 / MT-NLG: GPT blocks, vocabulary 51,200 (padded), sequence 2048, tied embeddings
+    return ModelConfig(family="gpt2", vocab_size=51200, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                       ffn_hidden_size=4 * hidden, max_seq_len=2048, dropout=dropout)
+
+
+LLAMA2_7B = get_config("llama-8b").replace(vocab_size=32000, num_kv_heads=32, ffn_hidden_size=11008, max_seq_len=4096,
+                                           rope_scaling=None)
+LLAMA2_13B = LLAMA2_7B.replace(hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=40, ffn_hidden_size=13824)
+LLAMA2_70B = get_config("llama-70b").replace(vocab_size=32000, max_seq_len=4096, rope_scaling=None)
+
+# The features of the software that ran, as its documentation states them (not fitted to any run):
+SOFTWARE = {
+    # Megatron-LM 2021-22: fp16/bf16 + fp32 master, no flash attention, DP all-reduce after the pipeline flush,
+    # no TP overlap, no sequence parallelism or distributed optimizer yet.
+    "megatron-2021": dict(precision="mixed-bf16", flash=False, overlap=0.0, tp_overlap=0.0,
+                          space=dict(sequence_parallel=(False,), zero=(0,), recompute=("full",))),
+    # Llama 3 (Meta, 2024): bf16, flash attention, FSDP-style sharding overlapped with compute; TP overlap not
+    # stated.
+    "llama3": dict(precision="mixed-bf16", flash=True, overlap=1.0, tp_overlap=0.0,
+                   space=dict(sequence_parallel=(True,), zero=(1,))),
+    # NeMo 24.12 / Megatron-Core with Transformer Engine fp8: --tp-comm-overlap, --overlap-grad-reduce,
+    # --overlap-param-gather, the distributed optimizer, sequence parallelism with TP.
+    "nemo-fp8": dict(precision="megatron-fp8", flash=True, overlap=1.0, tp_overlap=0.8,
+                     space=dict(zero=(1,), sequence_parallel=(True,))),
+    # torchtitan (2024) FSDP2: bf16 parameters, fp32 gradient reduction, all-gathers prefetched behind compute.
+    "torchtitan": dict(precision="megatron-bf16", flash=True, overlap=1.0, tp_overlap=0.0,
+                       space=dict(zero=(3,))),
+}
+
+NARAYANAN = "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM'"
+MTNLG = ("Smith et al. 2022, 'Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B', section 2.4 "
+         "(quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md)")
+LLAMA3 = ("Llama Team 2024, 'The Llama 3 Herd of Models', Table 4 (also Balaji, SC'24 slide, quoted at "
+          "glennklockwood.com/garden/llama-3.1)")
+NEMO = ("NVIDIA NeMo Framework 24.12 performance summary, pre-training table (FP8, H100) "
+        "docs.nvidia.com/nemo-framework/user-guide/24.12/performance/performance_summary.html")
+TITAN = "pytorch/torchtitan docs/performance.md, 'Llama 3 performance numbers' (64 A100 80GB, FSDP2)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    name: str
+    cfg: ModelConfig
+    gpu: str
+    gpus: int
+    seq_len: int
+    global_batch: int
+    software: str
+    layout: dict  # published fields of the layout (tp, cp, pp, dp, and any stated knob)
+    metric: str  # megatron_tflops | step_s | mfu | tokens_per_gpu
+    published: float
+    source: str
+
+
+RUNS = [
+    Run("GPT 1T", _gpt(25600, 128, 160), "a100-80gb", 3072, 2048, 3072, "megatron-2021",
+        dict(tp=8, pp=64, dp=6, cp=1, micro_batch_size=1), "megatron_tflops", 163e12,
+        NARAYANAN + " (abstract: 502 PFLOP/s on 3072 GPUs; layout 8 x 64 x 6)"),
+    Run("MT-NLG 530B, 2240 GPUs", _gpt(20480, 105, 128), "a100-80gb", 2240, 2048, 1920, "megatron-2021",
+        dict(tp=8, pp=35, dp=8, cp=1), "step_s", 60.1, MTNLG),
+    Run("MT-NLG 530B, 2800 GPUs", _gpt(20480, 105, 128), "a100-80gb", 2800, 2048, 1920, "megatron-2021",
+        dict(tp=8, pp=35, dp=10, cp=1), "step_s", 50.2, MTNLG),
+    Run("MT-NLG 530B, 3360 GPUs", _gpt(20480, 105, 128), "a100-80gb", 3360, 2048, 1920, "megatron-2021",
+        dict(tp=8, pp=35, dp=12, cp=1), "step_s", 44.4, MTNLG),
+    Run("Llama 3 405B, 8192 GPUs", get_config("llama-405b"), "h100-80gb", 8192, 8192, 2048, "llama3",
+        dict(tp=8, cp=1, pp=16, dp=64), "mfu", 430 / 989.4, LLAMA3),
+    Run("Llama 3 405B, 16384 GPUs", get_config("llama-405b"), "h100-80gb", 16384, 8192, 2048, "llama3",
+        dict(tp=8, cp=1, pp=16, dp=128), "mfu", 400 / 989.4, LLAMA3),
+    Run("Llama 3 405B, 16384 GPUs, 128K", get_config("llama-405b"), "h100-80gb", 16384, 131072, 128, "llama3",
+        dict(tp=8, cp=16, pp=16, dp=8), "mfu", 380 / 989.4, LLAMA3),
+    Run("NeMo GPT-3 175B, 128 H100", _gpt(12288, 96, 96, 0.0), "h100-80gb", 128, 2048, 256, "nemo-fp8",
+        dict(tp=4, pp=8, cp=1, dp=4, micro_batch_size=1, virtual_stages=6), "tokens_per_gpu", 716, NEMO),
+    Run("NeMo GPT-3 175B, 512 H100", _gpt(12288, 96, 96, 0.0), "h100-80gb", 512, 2048, 2048, "nemo-fp8",
+        dict(tp=4, pp=8, cp=1, dp=16, micro_batch_size=2, virtual_stages=6), "tokens_per_gpu", 825, NEMO),
+    Run("NeMo Llama 3 8B, 8 H100", get_config("llama-8b"), "h100-80gb", 8, 8192, 128, "nemo-fp8",
+        dict(tp=1, pp=1, cp=2, dp=4, micro_batch_size=1), "tokens_per_gpu", 12273, NEMO),
+    Run("NeMo Llama 3 70B, 64 H100", get_config("llama-70b"), "h100-80gb", 64, 8192, 128, "nemo-fp8",
+        dict(tp=4, pp=4, cp=2, dp=2, micro_batch_size=1, virtual_stages=5), "tokens_per_gpu", 1524, NEMO),
+    Run("NeMo Llama 2 7B, 8 H100", LLAMA2_7B, "h100-80gb", 8, 4096, 128, "nemo-fp8",
+        dict(tp=1, pp=1, cp=1, dp=8, micro_batch_size=1), "tokens_per_gpu", 16934, NEMO),
+    Run("NeMo Llama 2 13B, 16 H100", LLAMA2_13B, "h100-80gb", 16, 4096, 128, "nemo-fp8",
+        dict(tp=1, pp=4, cp=1, dp=4, micro_batch_size=1, virtual_stages=10), "tokens_per_gpu", 8715, NEMO),
+    Run("NeMo Llama 2 70B, 64 H100", LLAMA2_70B, "h100-80gb", 64, 4096, 128, "nemo-fp8",
+        dict(tp=4, pp=4, cp=1, dp=4, micro_batch_size=1, virtual_stages=20), "tokens_per_gpu", 1728, NEMO),
+    Run("torchtitan Llama 3 8B, 64 A100", get_config("llama-8b"), "a100-80gb", 64, 8192, 64, "torchtitan",
+        dict(tp=1, pp=1, cp=1, dp=64, micro_batch_size=1, recompute="selective"), "tokens_per_gpu", 2973, TITAN),
+    Run("torchtitan Llama 3 70B, 64 A100", get_config("llama-70b"), "a100-80gb", 64, 8192, 64, "torchtitan",
+        dict(tp=1, pp=1, cp=1, dp=64, micro_batch_size=1, recompute="full"), "tokens_per_gpu", 331, TITAN),
+]
+
+
+def cluster_for(run: Run):
+    sw = SOFTWARE[run.software]
+    return make_cluster(run.gpu, run.gpus, overlap=sw["overlap"], tp_overlap=sw["tp_overlap"])
+
+
+def _space(run: Run, mesh_fixed: bool) -> dict:
+    sw = SOFTWARE[run.software]
+    lay = run.layout
+    space = dict(sw["space"])
+    space.setdefault("recompute", ("none", "selective", "full"))
+    if "recompute" in lay:
+        space["recompute"] = (lay["recompute"],)
+    v = lay.get("virtual_stages")
+    space["virtual_stages"] = (v,) if v else (1, 2, 3, 4)
+    space["schedules"] = ("interleaved",) if v and v > 1 else ("1f1b", "interleaved")
+    if "micro_batch_size" in lay:
+        space["micro_batch_sizes"] = (lay["micro_batch_size"],)
+    else:
+        space["max_micro_batch"] = 4
+    if mesh_fixed:
+        space.update(tp=(lay["tp"],), pp=(lay["pp"],), cp=(lay.get("cp", 1),))
+    else:
+        space["cp"] = tuple(c for c in (1, 2, 4, 8, 16) if c <= max(1, run.seq_len // 4096) or c == lay.get("cp", 1))
+    return space
+
+
+def _search(run: Run, mesh_fixed: bool):
+    sw = SOFTWARE[run.software]
+    return search_mod.search(run.cfg, cluster_for(run), run.seq_len, run.global_batch, sw["precision"],
+                             flash_attention=sw["flash"], **_space(run, mesh_fixed))
+
+
+def predicted_metric(run: Run, plan) -> float:
+    t = plan.time
+    if run.metric == "megatron_tflops":
+        return compute.megatron_flops_per_step(run.cfg, run.global_batch, run.seq_len) / (run.gpus * t.step_time_s)
+    if run.metric == "step_s":
+        return t.step_time_s
+    if run.metric == "mfu":
+        return t.mfu
+    return t.tokens_per_s / run.gpus
+
+
+def predict(run: Run):
+    """(plan of the published layout at the planner's best free knobs, predicted metric, relative error)."""
+    plans = [p for p in _search(run, True) if p.layout.dp == run.layout["dp"]]
+    feasible = [p for p in plans if p.feasible]
+    best = (feasible or plans)[0]
+    pred = predicted_metric(run, best)
+    # a shorter step is a better metric for all but step_s; error = predicted / published - 1
+    return best, pred, pred / run.published - 1
+
+
+def mesh_rank(run: Run) -> tuple[int, int]:
+    """(1-based rank of the published (tp, cp, pp) among meshes by best predicted throughput, meshes ranked)."""
+    best: dict = {}
+    for p in _search(run, False):
+        if p.feasible:
+            key = (p.layout.tp, p.layout.cp, p.layout.pp)
+            if key not in best or p.time.tokens_per_s > best[key]:
+                best[key] = p.time.tokens_per_s
+    order = sorted(best, key=lambda k: -best[k])
+    key = (run.layout["tp"], run.layout.get("cp", 1), run.layout["pp"])
+    return (order.index(key) + 1 if key in order else 0), len(order)
+
+
+def _fmt(run: Run, value: float) -> str:
+    if run.metric == "megatron_tflops":
+        return f"{value / 1e12:.0f} TFLOP/s/GPU"
+    if run.metric == "step_s":
+        return f"{value:.1f} s/step"
+    if run.metric == "mfu":
+        return f"{100 * value:.1f}% MFU"
+    return f"{value:,.0f} tokens/s/GPU"
+
+
+def table(rank: bool = True) -> list[dict]:
+    rows = []
+    for run in RUNS:
+        plan, pred, err = predict(run)
+        row = {"run": run.name, "gpus": f"{run.gpus} x {run.gpu}", "published layout": run.layout,
+               "published": _fmt(run, run.published), "predicted": _fmt(run, pred), "error": err,
+               "predicted layout": plan.layout.label(), "feasible": plan.feasible, "source": run.source}
+        if rank:
+            row["rank"] = mesh_rank(run)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows) -> str:
+    lines = ["| run | GPUs | published layout | published | predicted | error | rank of mesh | planner's choice of "
+             "the free knobs |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lay = " ".join(f"{k}={v}" for k, v in r["published layout"].items())
+        rank = f"{r['rank'][0]} of {r['rank'][1]}" if "rank" in r else ""
+        lines.append(f"| {r['run']} | {r['gpus']} | {lay} | {r['published']} | {r['predicted']} | "
+                     f"{100 * r['error']:+.1f}% | {rank} | {r['predicted layout']}"
+                     f"{'' if r['feasible'] else ' (over memory)'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+    import time
+
+    t0 = time.perf_counter()
+    rows = table(rank="--no-rank" not in sys.argv)
+    print(markdown(rows))
+    errs = [abs(r["error"]) for r in rows]
+    print(f"\n{sum(e <= 0.10 for e in errs)} of {len(rows)} within 10%; median |error| "
+          f"{100 * sorted(errs)[len(errs) // 2]:.1f}%; top-3 mesh: {sum(1 <= r.get('rank', (0,))[0] <= 3 for r in rows)}"
+          f" ({time.perf_counter() - t0:.0f} s)")

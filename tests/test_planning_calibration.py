@@ -1,0 +1,62 @@
+"""The device curves (GEMM efficiency by shape) and `tensorpar calibrate` / `plan --hardware`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tensorpar.config.hardware import get_gpu
+from tensorpar.errors import TensorparError
+from tensorpar.planning import calibration
+from tensorpar.planning.devices import CURVES, curve_for, gemm_time
+
+
+@pytest.mark.parametrize("gpu", ["a100-80gb", "h100-80gb", "h200", "b200", "mi300x"])
+def test_gemm_curve_large_gemms_reach_the_devices_best_and_small_ones_fall_far_below(gpu):
+    spec, curve = get_gpu(gpu), curve_for(gpu)
+    peak, hbm = spec.peak("bf16"), spec.hbm_bandwidth
+
+    def eff(m, n, k):
+        return 2.0 * m * n * k / gemm_time(m, n, k, peak, hbm, curve) / peak
+
+    big = eff(16384, 16384, 16384)
+    assert curve.efficiency("bf16") * 0.9 < big <= curve.efficiency("bf16")
+    assert eff(4096, 4096, 128) < 0.6 * big  # short k: every tile's prologue and epilogue
+    assert eff(128, 128, 4096) < 0.1 * big  # one wave of a few tiles: most SMs idle
+    assert eff(16, 16384, 16384) < 0.2 * big  # skinny: memory-bound
+    assert curve.source  # every curve says where it came from
+
+
+def test_every_curve_names_its_source_and_unknown_devices_are_refused():
+    assert all(c.source for c in CURVES.values())
+    with pytest.raises(TensorparError, match="tensorpar calibrate"):
+        curve_for("tpu-v5")
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    alpha, beta = 30e-6, 2e9
+    samples = [(s, b, s * alpha + b / beta) for s in (1, 2, 6) for b in (1e3, 1e5, 1e7)]
+    link = calibration._fit_link(samples)
+    assert link.latency == pytest.approx(alpha, rel=1e-6) and link.bandwidth == pytest.approx(beta, rel=1e-6)
+
+
+def test_calibrate_writes_a_profile_that_plan_hardware_uses(tmp_path, capsys):
+    prof = calibration.calibrate("cpu", dtypes=("fp32",), shapes=[(32, 32, 32), (128, 128, 128), (256, 64, 128)],
+                                 measure_comm=False)
+    assert prof["peak_flops"]["fp32"] > 0 and prof["hbm_bandwidth"] > 0 and len(prof["gemms"]["fp32"]) == 3
+    assert len(prof["curves"]["fp32"]["attention_efficiency"]) == 2
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    spec, curve = calibration.load_profile(str(path))
+    assert spec.peak("fp32") == prof["peak_flops"]["fp32"] and curve.efficiency("fp32") == 1.0
+    from tensorpar.cli import main
+
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(path),
+                 "--seq-len", "64", "--global-batch-size", "4", "--precision", "tensorpar-fp32", "--json",
+                 "--top", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["feasible"] and rows[0]["step_time_s"] > 0
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--hardware", str(tmp_path / "missing.json"),
+                 "--seq-len", "64", "--global-batch-size", "4"]) == 2
+    assert "tensorpar calibrate --out" in capsys.readouterr().err
