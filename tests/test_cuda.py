@@ -39,6 +39,12 @@ def test_half_precision_on_a_gpu_follows_fp32(config_file, cpu_reference, dtype)
         assert abs(loss - ref) <= 3e-2 * ref, f"{dtype} step {step}: loss {loss} vs fp32 {ref}"
 
 
+def test_compiled_blocks_on_a_gpu_train_what_eager_blocks_train(config_file):
+    # --compile: each block through inductor's GPU kernels (fused elementwise chains, reordered reductions).
+    eager = _on_cpu(run(config_file, device="cuda"))
+    assert_same_training([_on_cpu(run(config_file, device="cuda", compile=True))], eager)
+
+
 def test_mfu_divides_by_the_datasheet_peak_of_a_known_gpu():
     from tensorpar.training.mfu import peak_flops
 
