@@ -79,19 +79,33 @@ def mesh_rank(plans, layout) -> tuple[int, int]:
     return [(p.layout.tp, p.layout.pp) for p in meshes].index((layout.tp, layout.pp)), len(meshes)
 
 
-@pytest.mark.parametrize("name,cfg,gpus,batch,published,layout", PUBLISHED, ids=[p[0] for p in PUBLISHED])
-def test_published_layout_ranks_among_the_top_choices(name, cfg, gpus, batch, published, layout):
-    """"Top choices": (1) among what Megatron-LM could run in 2021 (no SP, no selective recomputation, no
-    distributed optimizer, no uneven stages) their exact configuration is in the planner's top 10 (top 5 under
-    planner v1's flat compute model; under v2 GPT-3 175B ranks 7th: behind two layouts without recomputation
-    that fit within 11 GiB of the 80 - as in v1 - and four TP 4 / PP 8 variants with full recomputation 0.1-6%
-    faster, v2 timing TP 8's thinner GEMMs below TP 4's); (2) their mesh shape (tp, pp)
-    - the Playbook heatmap's cell, each shape at its best micro-batch / recomputation / ZeRO / SP - is among
-    the 5 best shapes, both in the 2021 space and with every feature the planner knows."""
+GPT3_BELOW_TOP_5 = pytest.mark.xfail(strict=True, reason=(
+    "planner v2 ranks GPT-3 175B's exact 2021 layout 7th (top 5 under v1's flat compute model): behind two "
+    "layouts without recomputation that fit within 11 GiB of the 80 (as in v1) and four TP 4 / PP 8 variants with "
+    "full recomputation 0.1-6% faster, v2 timing TP 8's thinner GEMMs below TP 4's"))
+EXACT = [pytest.param(*p, id=p[0], marks=GPT3_BELOW_TOP_5 if p[0] == "gpt3-175b" else ()) for p in PUBLISHED]
+
+
+def era_search(cfg, gpus, batch, layout):
     _, _, cl = published_prediction(cfg, gpus, batch, layout)
-    era = search_mod.search(cfg, cl, 2048, batch, "mixed-bf16", flash_attention=False, **ERA_SPACE)
+    return cl, search_mod.search(cfg, cl, 2048, batch, "mixed-bf16", flash_attention=False, **ERA_SPACE)
+
+
+@pytest.mark.parametrize("name,cfg,gpus,batch,published,layout", EXACT)
+def test_published_exact_layout_is_among_the_top_5_of_its_era(name, cfg, gpus, batch, published, layout):
+    """Among what Megatron-LM could run in 2021 (no SP, no selective recomputation, no distributed optimizer,
+    no uneven stages) their exact configuration is in the planner's top 5."""
+    _, era = era_search(cfg, gpus, batch, layout)
     rank, _ = search_mod.find(era, **dataclasses.asdict(layout))
-    assert rank < 10, f"{name}: their layout ranks {rank + 1} among {sum(p.feasible for p in era)} feasible"
+    assert rank < 5, f"{name}: their layout ranks {rank + 1} among {sum(p.feasible for p in era)} feasible"
+
+
+@pytest.mark.parametrize("name,cfg,gpus,batch,published,layout", PUBLISHED, ids=[p[0] for p in PUBLISHED])
+def test_published_mesh_shape_is_among_the_5_best(name, cfg, gpus, batch, published, layout):
+    """Their mesh shape (tp, pp) - the Playbook heatmap's cell, each shape at its best micro-batch /
+    recomputation / ZeRO / SP - is among the 5 best shapes, both in the 2021 space and with every feature the
+    planner knows."""
+    cl, era = era_search(cfg, gpus, batch, layout)
     full = search_mod.search(cfg, cl, 2048, batch, "mixed-bf16", flash_attention=False, **FULL_SPACE)
     for space, plans in (("2021", era), ("full", full)):
         shape, count = mesh_rank(plans, layout)
