@@ -130,3 +130,4 @@ def test_timeout_error_names_rank_operation_and_group():
     for message, op in zip(messages, ("all_reduce", "reduce_scatter")):
         assert message is not None, f"the {op} did not fail"
         assert "rank 0" in message and op in message and "'tp'" in message and "[0, 1]" in message, message
+        assert "(timeout 2s)" in message, message

@@ -397,8 +397,10 @@ class Pending:
         try:
             self.work.wait()
         except Exception as e:
-            raise self.group.failure(self.op, f"failed after waiting {time.perf_counter() - t0:.1f}s: a peer never "
-                                              f"arrived or broke off. Cause: {_cause(e)}") from e
+            timeout = self.group.timeout
+            limit = f" (timeout {timeout.total_seconds():.0f}s)" if timeout else ""
+            raise self.group.failure(self.op, f"failed after waiting {time.perf_counter() - t0:.1f}s{limit}: a peer "
+                                              f"never arrived or broke off. Cause: {_cause(e)}") from e
         if stats.timing:
             if cuda:
                 torch.cuda.synchronize(self.device)

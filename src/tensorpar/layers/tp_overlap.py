@@ -43,6 +43,17 @@ def _pieces(length: int, chunks: int) -> int:
     return max(k for k in range(1, max(1, min(chunks, length)) + 1) if length % k == 0)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the GEMMs run in: autocast's where it is on (as F.linear's would), else x's. Collectives keep the
+    dtypes the plain path sends (the activation's and its gradient's), so the bytes are the same."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def _cast(t, dtype):
+    return None if t is None else t.to(dtype)
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -57,7 +68,7 @@ def _weight_grads(dys, x, needs) -> list:
     return out
 
 
-def _gathered_linears(x, group: Group, chunks: int, weights, biases):
+def _gathered_linears(x, group: Group, chunks: int, weights, biases, dtype):
     """All-gather the sequence shards `x` [B, s, H] in pieces, computing each piece's linears as it arrives.
     Returns (the gathered [B, tp*s, H] input, the outputs [B, tp*s, out_i])."""
     b, s, h = x.shape
@@ -66,11 +77,11 @@ def _gathered_linears(x, group: Group, chunks: int, weights, biases):
     pieces = [x[:, j * c:(j + 1) * c].contiguous() for j in range(k)]
     received = [x.new_empty((tp * b, c, h)) for _ in range(k)]
     pending = [group.all_gather_async(received[j], pieces[j]) for j in range(k)]
-    full = x.new_empty((b, tp, k, c, h))  # position r*s + j*c + t is full[:, r, j, t]
-    outs = [x.new_empty((b, tp, k, c, w.shape[0])) for w in weights]
+    full = x.new_empty((b, tp, k, c, h), dtype=dtype)  # position r*s + j*c + t is full[:, r, j, t]
+    outs = [x.new_empty((b, tp, k, c, w.shape[0]), dtype=dtype) for w in weights]
     for j in range(k):
         pending[j].wait()
-        piece = received[j].view(tp, b, c, h)  # rank r's piece j, rank-major
+        piece = received[j].view(tp, b, c, h).to(dtype)  # rank r's piece j, rank-major
         full[:, :, j] = piece.transpose(0, 1)
         for out, w, bias in zip(outs, weights, biases):
             out[:, :, j] = F.linear(piece, w, bias).transpose(0, 1)
@@ -80,12 +91,15 @@ def _gathered_linears(x, group: Group, chunks: int, weights, biases):
 class _ColumnParallelIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group: Group, sequence_parallel: bool, chunks: int, *params):
-        weights, biases = params[0::2], params[1::2]
+        dtype = _compute_dtype(x)
+        weights, biases = [_cast(w, dtype) for w in params[0::2]], [_cast(b, dtype) for b in params[1::2]]
         if sequence_parallel:
-            full, outs = _gathered_linears(x, group, chunks, weights, biases)
+            full, outs = _gathered_linears(x, group, chunks, weights, biases, dtype)
         else:
-            full, outs = x, [F.linear(x, w, bias) for w, bias in zip(weights, biases)]
+            full = x.to(dtype)
+            outs = [F.linear(full, w, bias) for w, bias in zip(weights, biases)]
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.x_dtype, ctx.param_dtypes = x.dtype, [None if p is None else p.dtype for p in params]
         ctx.save_for_backward(full, *weights)
         return tuple(outs)
 
@@ -98,14 +112,16 @@ class _ColumnParallelIn(torch.autograd.Function):
         if ctx.sequence_parallel:
             b, seq, h = full.shape
             # Rank-major [tp, B, S/tp, H], so that each rank's block of the reduce-scatter is contiguous.
-            dx = sum(torch.matmul(dy.reshape(b, tp, seq // tp, -1).transpose(0, 1), w) for dy, w in used)
-            grad_x = full.new_empty((b, seq // tp, h))
-            pending = group.reduce_scatter_async(grad_x, dx.reshape(tp * b, seq // tp, h))
+            dx = sum(torch.matmul(dy.to(w.dtype).reshape(b, tp, seq // tp, -1).transpose(0, 1), w) for dy, w in used)
+            dx = dx.to(ctx.x_dtype).reshape(tp * b, seq // tp, h)
+            grad_x = dx.new_empty((b, seq // tp, h))
+            pending = group.reduce_scatter_async(grad_x, dx)
         else:
-            grad_x = sum(torch.matmul(dy, w) for dy, w in used).contiguous()
+            grad_x = sum(torch.matmul(dy.to(w.dtype), w) for dy, w in used).to(ctx.x_dtype).contiguous()
             pending = group.all_reduce_async(grad_x)
         # W: the weight gradients while it travels.
-        params_grads = _weight_grads(dys, full, ctx.needs_input_grad[4:])
+        params_grads = [_cast(g, dtype) for g, dtype in zip(
+            _weight_grads([_cast(dy, full.dtype) for dy in dys], full, ctx.needs_input_grad[4:]), ctx.param_dtypes)]
         pending.wait()
         return (grad_x, None, None, None, *params_grads)
 
@@ -144,6 +160,9 @@ class _RowParallelOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group: Group, sequence_parallel: bool, chunks: int):
         ctx.group, ctx.sequence_parallel, ctx.chunks, ctx.has_bias = group, sequence_parallel, chunks, bias is not None
+        ctx.dtypes = x.dtype, weight.dtype
+        dtype = _compute_dtype(x)
+        x, weight = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(x, weight)
         y = _reduced_product(x, weight, group, sequence_parallel, chunks)
         return y if bias is None else y + bias
@@ -151,9 +170,12 @@ class _RowParallelOut(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
         db = _flat(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dy = dy.to(x.dtype)  # the product's gradient, in the dtype the product (and its reduction) had
         if not ctx.sequence_parallel:
-            return torch.matmul(dy, weight), _flat(dy).t().mm(_flat(x)), db, None, None, None
+            return (torch.matmul(dy, weight).to(x_dtype), _flat(dy).t().mm(_flat(x)).to(w_dtype), db,
+                    None, None, None)
         group, tp = ctx.group, ctx.group.size
         # Each rank saw its sequence shard only: the replicated bias's gradient is summed over the ranks,
         # travelling while the all-gather and the GEMMs below run.
@@ -176,7 +198,7 @@ class _RowParallelOut(torch.autograd.Function):
             dw = part if dw is None else dw.add_(part)
         if bias_pending is not None:
             bias_pending.wait()
-        return dx.view(b, seq, n_in), dw, db, None, None, None
+        return dx.view(b, seq, n_in).to(x_dtype), dw.to(w_dtype), db, None, None, None
 
 
 class _CopyParamsToTP(torch.autograd.Function):

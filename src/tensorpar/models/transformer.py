@@ -27,6 +27,7 @@ from tensorpar.layers.attention import ParallelAttention
 from tensorpar.layers.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.layers.dropout import mix_seed, seeded_dropout
 from tensorpar.layers.embedding import VocabParallelEmbedding, embedding_lookup
+from tensorpar.layers.linear import RowParallelLinear
 from tensorpar.layers.lm_head import VocabParallelLMHead
 from tensorpar.layers.mlp import ParallelMLP
 from tensorpar.layers.moe import MoELayer
@@ -167,6 +168,13 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, tp, sp, i, device, self.ep_group, self.cp_group,
                                                               self.expert_tp_group, tp_overlap)
                                      for i in layers})
+        if recompute == "full":
+            # Full recomputation stops re-running a block's forward once every tensor its backward saved is back, so
+            # a plain row-parallel exit's reduction is not repeated; in the overlap exit that reduction runs inside
+            # the op that saves them, and would be. The block's last exit therefore stays plain.
+            for block in self.layers.values():
+                if isinstance(getattr(block.mlp, "down_proj", None), RowParallelLinear):
+                    block.mlp.down_proj.tp_overlap = False
         if last_stage:
             self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device, tp_overlap=tp_overlap)
         if last_stage and not cfg.tie_embeddings:
