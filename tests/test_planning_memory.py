@@ -103,7 +103,7 @@ def measure_saved_bytes(model, ids, targets, bf16: bool, method: str) -> int:
     return sum(n for k, (ref, n) in mode.storages.items() if not ref.expired() and k not in params and k != keep)
 
 
-def check_activations(tp, config, sp, recompute, dtype, method):
+def check_activations(tp, config, sp, recompute, dtype, method, tp_overlap=True):
     """`dtype`: "fp32", "bf16" (parameters cast, as training does) or "bf16-autocast" (as eval does)."""
     from tensorpar.models import Transformer
 
@@ -113,7 +113,7 @@ def check_activations(tp, config, sp, recompute, dtype, method):
     B, S = 2, 32
     ids = torch.randint(0, cfg.vocab_size, (B, S))
     targets = torch.randint(0, cfg.vocab_size, (B, S))
-    model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1)
+    model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1, tp_overlap=tp_overlap)
     if dtype == "bf16":
         for p in model.parameters():
             p.data = p.data.bfloat16()
@@ -190,3 +190,16 @@ def test_zero_memory_measured_by_a_run_matches_the_planner(pools, config_file, d
             assert abs(mb.transient / 2**20 - per_rank[0]["gathered"]) <= 0.10 * per_rank[0]["gathered"]
     assert measured[2][0]["gradients"] <= 0.6 * measured[1][0]["gradients"]
     assert measured[3][0]["parameters"] <= 1.01 * measured[0][0]["parameters"] / dp
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_activation_memory_without_tp_overlap_matches_saved_tensors(pools, sp):
+    """--no-tp-overlap under autocast: one bf16 copy of the shared input per linear (3 for q/k/v, 2 for gate/up)."""
+    cfg = CONFIGS["tiny"]
+    layout = Layout(tp=2, sequence_parallel=sp, micro_batch_size=2)
+    off = memory.stage_memory(cfg, layout, 32, 2, "tensorpar-bf16-autocast", tp_overlap=False)
+    on = memory.stage_memory(cfg, layout, 32, 2, "tensorpar-bf16-autocast")
+    assert off.activations > on.activations
+    for rank, got in enumerate(pools(WORLD).run(check_activations, 2, "tiny", sp, "none", "bf16-autocast", "hooks",
+                                                False)):
+        assert abs(off.activations + off.weight_copies - got) <= 1024, f"rank {rank}: predicted {off} vs measured {got}"

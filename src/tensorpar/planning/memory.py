@@ -24,7 +24,7 @@ Activations, two models:
   and the inverse RMS (4 b s_n), LayerNorm its mean and rstd (8 b s_n); the linears after a
   norm save their input: one fp32 tensor [b, s, h] shared by q/k/v (gate/up) in fp32 - the
   *gathered* full sequence under SP - and one bf16 copy per consuming linear under autocast
-  (3 for q/k/v, 2 for gate/up); attention saves q, k, v (KV heads repeated to the local query
+  (3 for q/k/v, 2 for gate/up; one, shared, at TP > 1 with tensorpar's TP overlap); attention saves q, k, v (KV heads repeated to the local query
   heads) and its output, 4 M b s h/t, and the fp32 log-sum-exp (4 b s a/t; flash attention,
   no s^2 term); the MLP saves 4 M b s f/t (SwiGLU: gate, silu(gate), up, product), 2 (GeLU)
   or 1 (ReLU). Selective recomputation keeps the attention core's inputs (q, k before the KV
@@ -78,10 +78,11 @@ def _mlp_saved(cfg) -> int:
 
 
 def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, autocast: bool,
-                                act_bytes: int = 4, moe: bool = False) -> int:
+                                act_bytes: int = 4, moe: bool = False, tp_overlap: bool = True) -> int:
     """Bytes one transformer layer of tensorpar saves for backward, for one micro-batch (see module docstring).
     `act_bytes`: 2 when the parameters and activations are bf16/fp16 (then M = 2 too). `moe`: the layer's MLP
-    is a mixture of experts (`tensorpar_moe_activations` instead of the dense MLP's)."""
+    is a mixture of experts (`tensorpar_moe_activations` instead of the dense MLP's). `tp_overlap` (at TP > 1):
+    the overlapped entry casts the input shared by q/k/v (gate/up) once under autocast, not once per linear."""
     A, M = act_bytes, (2 if autocast or act_bytes == 2 else 4)
     t = tp
     sp = sp and tp > 1
@@ -97,8 +98,9 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
     else:
         norm = A * b * sn * h + 8 * b * sn
     if autocast:
-        attn_in = 3 * 2 * b * s * h
-        mlp_in = (2 if cfg.gated_mlp else 1) * 2 * b * s * h
+        shared = tp_overlap and t > 1
+        attn_in = (1 if shared else 3) * 2 * b * s * h
+        mlp_in = (1 if shared or not cfg.gated_mlp else 2) * 2 * b * s * h
     else:
         attn_in = mlp_in = A * b * s * h
     local = b * s * heads * hd
@@ -292,8 +294,9 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
 
 def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
                  stage: int = 0, flash_attention: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> MemoryBreakdown:
-    """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size)."""
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_overlap: bool = True) -> MemoryBreakdown:
+    """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size; `tp_overlap`:
+    tensorpar's TP overlap, its default, on as in training)."""
     prec = get_precision(precision)
     # ZeRO shards over every replica of the parameters (DP x CP); each rank holds seq_len / cp tokens of a sequence.
     pp, dp, tp = layout.pp, layout.replicas, layout.tp
@@ -331,7 +334,8 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     def layer(mode):
         if prec.activations == "tensorpar":
             def one(moe):
-                return tensorpar_layer_activations(cfg, tp, layout.sp, b, s, mode, prec.autocast, prec.act_bytes, moe)
+                return tensorpar_layer_activations(cfg, tp, layout.sp, b, s, mode, prec.autocast, prec.act_bytes, moe,
+                                                   tp_overlap)
         else:
             def one(moe):
                 return playbook_layer_activations(cfg, tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes, moe)
