@@ -155,9 +155,7 @@ class ParallelAttention(nn.Module):
         their keys and values are appended to the cache under `layer_key` and attention spans all cached ones."""
         if kv_cache is not None and self.sequence_parallel:
             raise LayoutError("the KV-cache path runs without sequence parallelism")
-        # The entry's collective hidden behind the q/k/v GEMMs (tensorpar.layers.tp_overlap); not under a split
-        # backward (a zero-bubble schedule), whose weight gradients are not computed in backward to hide it behind.
-        if self.tp_overlap and self.q_proj.weight_grad_queue is None:
+        if self.tp_overlap:  # the entry's collective hidden behind the q/k/v GEMMs (tensorpar.layers.tp_overlap)
             q, k, v = column_parallel_in(x, [(self.q_proj.weight, self.q_proj.bias), self.k_proj.weight_and_bias(),
                                              self.v_proj.weight_and_bias()], self.tp_group, self.sequence_parallel)
         else:

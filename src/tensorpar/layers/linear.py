@@ -157,7 +157,7 @@ class ColumnParallelLinear(_ParallelLinear):
             self._load_full(*full_linear_params(in_features, out_features, bias, init_method, seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_overlap and not self.skip_input_comm and self.weight_grad_queue is None:
+        if self.tp_overlap and not self.skip_input_comm:
             (y,) = column_parallel_in(x, [(self.weight, self.bias)], self.tp_group, self.sequence_parallel)
             return gather_from_tp(y, self.tp_group) if self.gather_output else y
         if self.skip_input_comm:
@@ -224,7 +224,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        if self.tp_overlap and self.weight_grad_queue is None:
+        if self.tp_overlap:
             return row_parallel_out(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
         y = weight_grad.linear(x, self.weight, None, self.weight_grad_queue)
         if self.sequence_parallel:

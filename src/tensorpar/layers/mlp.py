@@ -38,8 +38,7 @@ class ParallelMLP(nn.Module):
                                            device=device, init=False, tp_overlap=tp_overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The entry's collective hidden behind the gate/up GEMMs (tensorpar.layers.tp_overlap), as in attention.
-        if self.tp_overlap and self.up_proj.weight_grad_queue is None:
+        if self.tp_overlap:  # the entry's collective hidden behind the gate/up GEMMs (tensorpar.layers.tp_overlap)
             projections = [p for p in (self.gate_proj, self.up_proj) if p is not None]
             outs = column_parallel_in(x, [(p.weight, p.bias) for p in projections], self.tp_group,
                                       self.sequence_parallel)

@@ -115,12 +115,18 @@ class WeightGradQueue:
 
 def attach_weight_grad_queue(model: nn.Module, queue: WeightGradQueue | None) -> int:
     """Give every layer of `model` that can defer its weight gradients the queue (None: back to the plain
-    backward); returns how many layers took it."""
+    backward); returns how many layers took it.
+
+    A queue also turns TP overlap off (`tp_overlap`, tensorpar.layers.tp_overlap) in every module that has it:
+    the overlap hides a TP collective behind the weight-gradient GEMMs of the same backward, which a split
+    backward defers, so the layers take their plain entry and exit collectives instead. (None leaves it off.)"""
     count = 0
     for module in model.modules():
         if hasattr(module, "weight_grad_queue"):
             module.weight_grad_queue = queue
             count += 1
+        if queue is not None and getattr(module, "tp_overlap", False):
+            module.tp_overlap = False
     return count
 
 

@@ -235,7 +235,7 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp]."""
         weight = self.embed.weight if self.head is None else self.head.weight
-        if self.tp_overlap and self.weight_grad_queue is None:  # h's gradient reduced behind the head's W GEMM
+        if self.tp_overlap:  # the backward reduction of h's gradient hidden behind the head's weight gradient
             return column_parallel_in(h, [(weight, None)], self.tp_group, self.sequence_parallel)[0]
         h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
         return weight_grad.linear(h, weight, None, self.weight_grad_queue)
