@@ -15,6 +15,14 @@ machine load hits them alike, and the difference is taken within each round (bet
 apart); a first round warms them up, untimed. Ranks pass a barrier before every step. Rank 0's times are
 reported.
 
+Also measured, `cpu_share`: one all-reduce of the step's activation size run alone (nothing computing beside it),
+its wall time and the CPU time this process spent on it (the gloo worker thread's copies through the kernel's TCP
+stack and the reduction). Overlap hides a collective by running compute while it travels; on a machine where
+every core is already computing (2 ranks x 1 thread on 2 cores), the collective's CPU time cannot be hidden,
+only the rest of its wall time (waiting on the peer and the network). So `cpu_s / wall_s` bounds from below what
+overlap can achieve here: exposed(overlap) / exposed(no overlap) >= about cpu_s / wall_s where the exposed time
+is the collectives' own. On a GPU with NCCL the collective runs on other SMs and the bound does not apply.
+
 Also reported, for the real steps: `blocked`, the seconds per step the ranks spent inside a blocking
 collective or waiting for an asynchronous one (tensorpar's CommStats timing), which leaves out that last
 cost (compute slowed by a background collective).
@@ -26,6 +34,8 @@ import contextlib
 import os
 import statistics
 import time
+
+import torch
 
 from tensorpar.distributed import comm
 
@@ -78,6 +88,22 @@ def set_tp_overlap(model, on: bool) -> None:
     for module in model.modules():
         if hasattr(module, "tp_overlap"):
             module.tp_overlap = on
+
+
+def cpu_share(group, numel: int, repeats: int = 10) -> dict:
+    """Blocking all-reduces of `numel` fp32 elements over `group`, alone: {"mbytes", "wall_s", "cpu_s"} per
+    all-reduce, the medians of `repeats` (wall time, and this process's CPU time over all its threads)."""
+    tensor = torch.ones(numel)
+    walls, cpus = [], []
+    for i in range(repeats + 2):
+        group.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        group.all_reduce(tensor)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if i >= 2:  # two warm-up rounds
+            walls.append(wall)
+            cpus.append(cpu)
+    return {"mbytes": numel * 4 / 1e6, "wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
 
 
 def measure(model, step, barrier, stats, rounds: int) -> dict:

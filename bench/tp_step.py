@@ -293,6 +293,7 @@ def worker(args) -> None:
     exposed = None
     if variant.startswith("tensorpar") and world > 1 and args.exposed_rounds > 0:
         exposed = exposed_comm.measure(model, step, barrier, mesh.stats, args.exposed_rounds)
+        exposed["cpu_share"] = exposed_comm.cpu_share(mesh.tp_group, args.batch * args.seq_len * args.hidden)
 
     profile = None
     if args.profile > 0:
@@ -598,6 +599,12 @@ def print_exposed(results: dict, variants: list, args) -> str | None:
             blocked = statistics.mean(e[mode]["blocked_s"] for e in by_rank)
             print(f"  {label:<16} step {r['step_s']:.4f} s   no-op collectives {r['compute_s']:.4f} s   "
                   f"exposed {r['exposed_s']:.4f} s   blocked {blocked:.4f} s")
+        share = by_rank[0].get("cpu_share")
+        if share:
+            print(f"  one all_reduce of {share['mbytes']:.1f} MB alone: {share['wall_s'] * 1e3:.1f} ms wall, "
+                  f"{share['cpu_s'] * 1e3:.1f} ms CPU of rank 0's process ({share['cpu_s'] / share['wall_s']:.0%}): "
+                  f"with every core computing, overlap can hide at most {1 - share['cpu_s'] / share['wall_s']:.0%} "
+                  f"of a collective's time (bench/exposed_comm.py)")
         if variant == "tensorpar":
             e = by_rank[0]
             line = f"exposed_comm overlap={e['overlap']['exposed_s']:.3f} no_overlap={e['no_overlap']['exposed_s']:.3f}"
