@@ -168,8 +168,8 @@ class Group:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    # torch.compile (--compile) leaves every collective to run eagerly, as a graph break: never traced into a graph.
-    @torch.compiler.disable
+    # Under torch.compile (--compile) _run, _launch and Pending.wait run eagerly, as graph breaks:
+    # `keep_collectives_eager` marks them when a model is compiled.
     def _run(self, op: str, count_tensor: torch.Tensor, fn, elements: int | None = None):
         timing = self.stats.timing
         if timing and count_tensor.is_cuda:
@@ -190,7 +190,6 @@ class Group:
         self.stats.record(op, self.name, n, n * count_tensor.element_size(), seconds)
         return result
 
-    @torch.compiler.disable
     def _launch(self, op: str, count_tensor: torch.Tensor, fn) -> "Pending":
         """Start an asynchronous collective; count it now, explain its failure at `wait()`. With timing on, the
         seconds recorded are those this process is blocked: starting it here, and in `Pending.wait()`."""
@@ -387,7 +386,6 @@ class Pending:
     def __init__(self, work, group: Group, op: str, device=None):
         self.work, self.group, self.op, self.device = work, group, op, device
 
-    @torch.compiler.disable
     def wait(self) -> None:
         if self.work is None:
             return
@@ -406,6 +404,19 @@ class Pending:
                 torch.cuda.synchronize(self.device)
             stats.add_seconds(self.op, self.group.name, time.perf_counter() - t0)
         self.work = None
+
+
+def keep_collectives_eager() -> None:
+    """Make torch.compile leave every collective of this module to run eagerly, as a graph break, never traced
+    into a compiled graph: wraps `Group._run`, `Group._launch` and `Pending.wait` in `torch.compiler.disable`.
+    Called by `tensorpar.models.compile` before compiling (idempotent). Not done at import: the decorator
+    imports torch._dynamo, which costs every process that never compiles 1.4 s of start-up here."""
+    for cls, name in ((Group, "_run"), (Group, "_launch"), (Pending, "wait")):
+        fn = cls.__dict__[name]
+        if not getattr(fn, "_tensorpar_eager", False):
+            eager = torch.compiler.disable(fn)
+            eager._tensorpar_eager = True
+            setattr(cls, name, eager)
 
 
 def as_group(x, name: str = "tp") -> Group:

@@ -4,7 +4,7 @@ Each block is compiled in place (`nn.Module.compile`), so parameter names, check
 and activation recomputation (which calls the block again in the backward) see the same modules as
 without it. The blocks share one code path, so the graphs are compiled once and reused by every
 block of the same shape. The collectives stay outside the compiled graphs: they run in tensorpar's
-autograd Functions, which torch.compile leaves as graph breaks (`Group` marks its calls so), and
+autograd Functions, which torch.compile leaves as graph breaks (`comm.keep_collectives_eager` marks them so), and
 the compiled pieces are the computations between them.
 
 Where the backend cannot compile (no C compiler for inductor, an unsupported platform), the model
@@ -17,6 +17,8 @@ from __future__ import annotations
 import warnings
 
 import torch
+
+from tensorpar.distributed.comm import keep_collectives_eager
 
 DEFAULT_BACKEND = "inductor"
 
@@ -46,6 +48,7 @@ def compile_blocks(model: torch.nn.Module, backend=DEFAULT_BACKEND) -> bool:
         warnings.warn(f"--compile: torch.compile (backend {name}) cannot compile on this machine ({problem}); "
                       f"running uncompiled", RuntimeWarning, stacklevel=2)
         return False
+    keep_collectives_eager()
     for block in model.layers.values():
         block.compile(backend=backend)
     return True
