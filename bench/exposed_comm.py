@@ -74,13 +74,15 @@ def _no_reduce_scatter(out, tensor, op=None, group=None, async_op=False):
 @contextlib.contextmanager
 def no_collectives():
     """Within: tensorpar's all-reduces, all-gathers and reduce-scatters are no-ops (barriers still synchronise)."""
-    saved = comm.dist, comm._all_gather_single, comm._reduce_scatter_single
-    comm.dist, comm._all_gather_single, comm._reduce_scatter_single = (_NoCollectives(saved[0]), _no_all_gather,
-                                                                       _no_reduce_scatter)
+    names = ("dist", "_all_gather_single", "_reduce_scatter_single", "_reduce_scatter_by_all_to_all")
+    saved = [getattr(comm, name) for name in names]
+    for name, fake in zip(names, (_NoCollectives(saved[0]), _no_all_gather, _no_reduce_scatter, _no_reduce_scatter)):
+        setattr(comm, name, fake)
     try:
         yield
     finally:
-        comm.dist, comm._all_gather_single, comm._reduce_scatter_single = saved
+        for name, real in zip(names, saved):
+            setattr(comm, name, real)
 
 
 def set_tp_overlap(model, on: bool) -> None:

@@ -27,6 +27,15 @@ def test_overlapped_column_row_mlp_matches_dense(pools, tp, sequence_parallel):
             assert fwd[("all_gather", "tp")][0] == 2, "the forward all-gather was not sent in pieces"
 
 
+@pytest.mark.parametrize("tp", [2, 3])
+def test_a_single_sequence_is_cut_along_the_sequence(pools, tp):
+    """Micro-batch of one sequence: the pieces are sequence slices (the batch cannot be cut), still exact."""
+    for rank, (errs, fwd, _) in enumerate(pools(tp).run(check_mlp, tp, True, tp_overlap=True, batch=1)):
+        bad = {k: v for k, v in errs.items() if v > 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+        assert fwd[("all_gather", "tp")][0] == 2, "the forward all-gather was not sent in pieces"
+
+
 def test_pieces_divide_the_shard():
     assert [_pieces(n, 2) for n in (1, 2, 3, 4, 6)] == [1, 2, 1, 2, 2]
     assert _pieces(12, 5) == 4 and _pieces(7, 4) == 1

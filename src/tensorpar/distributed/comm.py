@@ -121,6 +121,37 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _ThenSum:
+    """The handle of `_reduce_scatter_by_all_to_all`: waits for the all-to-all, then sums the received blocks."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+
+    def wait(self, *args, **kwargs) -> bool:
+        self.work.wait(*args, **kwargs)
+        self.finish()
+        return True
+
+
+def _reduce_scatter_by_all_to_all(output, tensor, op=None, group=None, async_op=False):
+    """Sum-reduce-scatter as an all-to-all of the ranks' blocks and a local sum over what arrived, for gloo.
+    ProcessGroupGloo's own reduce-scatter all-reduces a clone of the whole tensor and copies one block out:
+    on this project's 2-core machine at 2 ranks and 4.2 MB, 9.3-10.6 ms (8.3 ms of CPU) against 3.5-3.9 ms
+    (2.6 ms) this way, which moves (size-1)/size of the tensor per rank, as a ring reduce-scatter does. The
+    blocks are summed in group-rank order. Same signature as torch's reduce_scatter_tensor."""
+    size = dist.get_world_size(group)
+    received = torch.empty_like(tensor).view(-1)
+    work = dist.all_to_all_single(received, tensor.reshape(-1), group=group, async_op=async_op)
+
+    def finish():
+        torch.sum(received.view(size, -1), dim=0, out=output.view(-1))
+
+    if not async_op:
+        finish()
+        return None
+    return _ThenSum(work, finish)
+
+
 class Group:
     """A named process group whose collectives are counted, timed on request, and explained on failure.
 
@@ -150,6 +181,7 @@ class Group:
         self.timeout = timeout
         if self.size > 1 and pg is None:
             raise ValueError(f"group {name} has {self.size} ranks but no process group")
+        self._gloo = pg is not None and "gloo" in str(dist.get_backend(pg))
 
     @classmethod
     def single(cls, name: str = "tp", stats: CommStats | None = None) -> "Group":
@@ -202,6 +234,12 @@ class Group:
         self.stats.record(op, self.name, count_tensor.numel(), _nbytes(count_tensor), seconds)
         return Pending(work, self, op, count_tensor.device)
 
+    def _reduce_scatter_fn(self, tensor: torch.Tensor, op: str):
+        """torch's reduce-scatter, or on gloo (CPU tensors, sum) `_reduce_scatter_by_all_to_all`."""
+        if self._gloo and op == "sum" and not tensor.is_cuda:
+            return _reduce_scatter_by_all_to_all
+        return _reduce_scatter_single
+
     def failure(self, op: str, what: str) -> CollectiveError:
         """The error for `op` on this group: which rank, which operation, which group and members, and `what`."""
         return CollectiveError(f"rank {self.global_rank}: {op} on group '{self.name}' (ranks {self.ranks}) {what}")
@@ -230,7 +268,8 @@ class Group:
         if self.size == 1:
             output.copy_(tensor.view_as(output))
             return Pending(None, self, "reduce_scatter")
-        return self._launch("reduce_scatter", tensor, lambda: _reduce_scatter_single(
+        reduce_scatter = self._reduce_scatter_fn(tensor, op)
+        return self._launch("reduce_scatter", tensor, lambda: reduce_scatter(
             output, tensor, op=_REDUCE_OPS[op], group=self.pg, async_op=True))
 
     def all_gather_async(self, output: torch.Tensor, tensor: torch.Tensor) -> "Pending":
@@ -285,9 +324,8 @@ class Group:
             tensor = tensor.reshape(split).movedim(dim, 0).reshape([self.size * out_shape[0]] + out_shape[1:])
         tensor = tensor.contiguous()
         out = torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
-        self._run(
-            "reduce_scatter", tensor, lambda: _reduce_scatter_single(out, tensor, op=_REDUCE_OPS[op], group=self.pg)
-        )
+        reduce_scatter = self._reduce_scatter_fn(tensor, op)
+        self._run("reduce_scatter", tensor, lambda: reduce_scatter(out, tensor, op=_REDUCE_OPS[op], group=self.pg))
         return out
 
     def all_to_all(self, tensor: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
