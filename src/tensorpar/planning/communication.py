@@ -463,10 +463,17 @@ def comm_bytes_per_step(
 
 
 def collectives_time(collectives: list[Collective], cluster, layout: Layout, algorithm: str = "best") -> float:
-    """Seconds the listed collectives take back to back (one after another, nothing overlapped)."""
+    """Seconds the listed collectives take back to back (one after another, nothing overlapped).
+
+    On gloo (``cluster.gpu.collectives == "gloo"``: CPU processes) a reduce-scatter costs a whole all-reduce:
+    PyTorch's ProcessGroupGloo::reduce_scatter_tensor_coalesced clones the input, all-reduces all of it and copies
+    this rank's chunk out (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), so tensorpar's sequence-parallel
+    and ZeRO reduce-scatters move twice the bytes of a ring reduce-scatter there."""
+    gloo = getattr(cluster.gpu, "collectives", "nccl") == "gloo"
     total = 0.0
     for c in collectives:
         n = group_size(layout, c.group)
         link = group_link(cluster, layout, c.group)
-        total += c.calls * collective_time(c.op, c.nbytes, n, link, algorithm)
+        op = "all_reduce" if gloo and c.op == "reduce_scatter" else c.op
+        total += c.calls * collective_time(op, c.nbytes, n, link, algorithm)
     return total
