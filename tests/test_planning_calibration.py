@@ -87,3 +87,15 @@ def test_gloo_reduce_scatter_is_fitted_and_priced_as_the_all_reduce_it_runs():
         times[lib] = collectives_time(rs, cluster, layout), collectives_time(ar, cluster, layout)
     assert times["gloo"][0] == pytest.approx(times["gloo"][1])
     assert times["nccl"][0] == pytest.approx(times["nccl"][1] / 2)
+
+
+def test_gloo_collectives_do_not_hide_behind_compute_by_default():
+    # gloo's transfers and reductions run on the cores the ranks compute on: no data-parallel overlap unless asked
+    from tensorpar.config.hardware import GPUSpec, Link
+    from tensorpar.planning.cluster import DEFAULT_OVERLAP, make_cluster
+
+    link = Link(1e9, 1e-3)
+    specs = {lib: GPUSpec(f"cpu-{lib}", 1 << 30, {"fp32": 1e11}, 1e10, link, link, "test", lib) for lib in ("gloo", "nccl")}
+    assert make_cluster(specs["gloo"], 2, gpus_per_node=2, curve=curve_for("cpu")).overlap == 0.0
+    assert make_cluster(specs["gloo"], 2, gpus_per_node=2, curve=curve_for("cpu"), overlap=0.3).overlap == 0.3
+    assert make_cluster(specs["nccl"], 2, gpus_per_node=2, curve=curve_for("cpu")).overlap == DEFAULT_OVERLAP
