@@ -46,15 +46,10 @@ def test_calibrate_writes_a_profile_that_plan_hardware_uses(tmp_path, capsys):
                                  measure_comm=False)
     assert prof["peak_flops"]["fp32"] > 0 and prof["hbm_bandwidth"] > 0 and len(prof["gemms"]["fp32"]) == 3
     assert len(prof["curves"]["fp32"]["attention_efficiency"]) == 2
-    assert [size for size, _ in prof["bandwidth_by_size"]] == [2 * n for n in calibration.CPU_BANDWIDTH_SIZES]
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(prof))
     spec, curve = calibration.load_profile(str(path))
     assert spec.peak("fp32") == prof["peak_flops"]["fp32"] and curve.efficiency("fp32") == 1.0
-    assert spec.collectives == "gloo"
-    small, bw = prof["bandwidth_by_size"][0]
-    assert curve.bandwidth(spec.hbm_bandwidth, small) == bw  # a cache-resident working set: its measured bandwidth
-    assert curve.bandwidth(spec.hbm_bandwidth, 1 << 30) == spec.hbm_bandwidth  # larger than any: the large copy
     from tensorpar.cli import main
 
     assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(path),

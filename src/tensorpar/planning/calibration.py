@@ -3,8 +3,7 @@
 `calibrate` times, on one device (cpu or cuda):
 
 - GEMMs ``torch.matmul(A[m, k], B[k, n])`` over a sweep of shapes (small to large, thin and square) per dtype;
-- memory bandwidth: a large ``copy_`` (bytes read + written per second), and on CPU also copies of 512 KiB to
-  8 MiB (``bandwidth_by_size``: the bandwidth of tensors that stay in the caches);
+- memory bandwidth: a large ``copy_`` (bytes read + written per second);
 - collectives (all_reduce, all_gather, reduce_scatter, all_to_all, send/recv) by message size and group size,
   with gloo on CPU processes (``--device cpu``) or NCCL across the GPUs of the node (``--device cuda`` with
   more than one GPU);
@@ -46,10 +45,6 @@ CPU_SHAPES = [(m, n, k) for m in (64, 256, 1024) for n in (64, 256, 1024) for k 
 CUDA_SHAPES = [(m, n, k) for m in (128, 1024, 4096, 16384) for n in (128, 1024, 4096, 16384)
                for k in (128, 1024, 4096, 16384)]
 COLLECTIVE_SIZES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
-# CPU copy sizes (each copy's working set is twice as many bytes: read and written) for the bandwidth of tensors that
-# stay in the caches; the large copy (64 MiB) is ``hbm_bandwidth``. From 512 KiB up, a copy lasts far longer than
-# one operator's dispatch (``launch_s``, charged apart).
-CPU_BANDWIDTH_SIZES = (512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 # torch >= 2.12 names the tensor-to-tensor reduce-scatter reduce_scatter_single (tensorpar's comm calls the same)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -249,8 +244,6 @@ def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None) -
     every rank in step: `together`)."""
     hbm = measure_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (64 << 20), together)
     out = {"name": name, "units": units, "hbm_bandwidth": hbm, "gemms": {}, "peak_flops": {}, "curves": {}}
-    if dev.type == "cpu":  # [working-set bytes, bytes/s]: what a small model's element-wise operators reach
-        out["bandwidth_by_size"] = [[2 * n, measure_bandwidth(dev, n, together)] for n in CPU_BANDWIDTH_SIZES]
     for dt in dtypes:
         points = measure_gemms(dev, _DTYPES[dt], shapes, together)
         peak = max(p["flops_per_s"] for p in points)
@@ -326,6 +319,5 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
     fields = dict(next(iter(prof["curves"].values())))  # the first dtype measured (fp32 on CPU, bf16 on GPUs)
     if "attention_efficiency" in fields:
         fields["attention_efficiency"] = tuple(fields["attention_efficiency"])
-    fields["bandwidth_by_size"] = tuple((float(size), float(bw)) for size, bw in prof.get("bandwidth_by_size", ()))
     curve = DeviceCurve(f"calibrated:{prof.get('name', path)}", {dt: 1.0 for dt in peaks}, **fields)
     return spec, curve

@@ -32,16 +32,14 @@ Where the curves come from (`CURVES`):
   epilogue per tile), wave_quantization = 0.5 (cuBLAS's heuristics and stream-K recover about half of a
   partial wave), launch 4 us. ``tensorpar calibrate`` measures a device's own curve and
   `plan --hardware PROFILE` uses it instead.
-- ``hbm_efficiency`` 0.85 of the datasheet bandwidth (STREAM-like copy kernels reach 80-90% on A100/H100; the
-  catalog GPUs have no ``bandwidth_by_size``: a layer's tensors are far larger than their L2);
+- ``hbm_efficiency`` 0.85 of the datasheet bandwidth (STREAM-like copy kernels reach 80-90% on A100/H100);
   ``attention_efficiency`` (0.55, 0.45) on Hopper and Blackwell (FlashAttention-3 / cuDNN reach 60-75% of peak
   forward, FlashAttention-2 about 35%), (0.6, 0.5) on A100 (FlashAttention-2 reports 50-73% forward).
   These are round, documented global figures, the same for every model and layout.
 - ``cpu``: a placeholder shape for a small x86 machine (2 cores, 64 x 64 blocks, 20 us per operator); its
   figures are rough, not measured - a CPU is planned with `tensorpar calibrate --device cpu` and
   `plan --hardware`, which measure them (on this project's loaded 2-core VM the best fp32 GEMM measured
-  50-175 GFLOP/s and the memory bandwidth 6-26 GB/s, depending on the load), and the copy bandwidth by working
-  set, 256 KiB to 64 MiB (``bandwidth_by_size``): a small model's activations stay in the CPU's caches.
+  50-175 GFLOP/s and the memory bandwidth 6-26 GB/s, depending on the load).
 """
 
 from __future__ import annotations
@@ -67,18 +65,6 @@ class DeviceCurve:
     hbm_efficiency: float = 0.85
     attention_efficiency: tuple = (0.55, 0.45)  # flash attention forward, backward: fraction of the bf16 peak
     source: str = ""
-    # measured copy bandwidth by working set, ((bytes, bytes/s), ...) ascending (a calibrated CPU: tensors that fit
-    # its caches move faster than the large copy's ``hbm_bandwidth``); empty: every kernel at hbm x hbm_efficiency
-    bandwidth_by_size: tuple = ()
-
-    def bandwidth(self, hbm_bandwidth: float, working_set: float | None = None) -> float:
-        """Bytes/s a memory-bound kernel moving `working_set` bytes reaches: the measured bandwidth of the smallest
-        measured working set that holds it, else the large-copy figure ``hbm_bandwidth x hbm_efficiency``."""
-        if working_set is not None:
-            for size, bw in self.bandwidth_by_size:
-                if working_set <= size:
-                    return bw
-        return hbm_bandwidth * self.hbm_efficiency
 
     def efficiency(self, dtype: str) -> float:
         if dtype in self.gemm_efficiency:
@@ -132,11 +118,9 @@ def gemm_time(m: float, n: float, k: float, peak: float, hbm_bandwidth: float, c
     return max(t_math, t_mem) + curve.launch_s
 
 
-def memory_time(nbytes: float, hbm_bandwidth: float, curve: DeviceCurve, kernels: int = 0,
-                working_set: float | None = None) -> float:
-    """Seconds to stream `nbytes` through memory in `kernels` launches, each touching about `working_set` bytes
-    (`DeviceCurve.bandwidth`: cache-resident working sets at their measured bandwidth where the curve has one)."""
-    return nbytes / curve.bandwidth(hbm_bandwidth, working_set) + kernels * curve.launch_s
+def memory_time(nbytes: float, hbm_bandwidth: float, curve: DeviceCurve, kernels: int = 0) -> float:
+    """Seconds to stream `nbytes` through HBM in `kernels` launches."""
+    return nbytes / (hbm_bandwidth * curve.hbm_efficiency) + kernels * curve.launch_s
 
 
 def flash_attention_time(batch_heads: float, s_q: float, s_kv: float, head_dim: float, peak: float,

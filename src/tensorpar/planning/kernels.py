@@ -17,8 +17,7 @@ chunk: under sequence parallelism the GEMMs see the gathered tokens too):
   over h elements - per rank all h of them without SP (replicated over TP), h / t with SP -, RoPE on q and k,
   the activation (SwiGLU reads 2 f / t writes f / t; GeLU reads and writes f / t); backward twice the
   forward traffic. tensorpar's own layers are not fused: each of their operators (`OPS_PER_LAYER`, counted)
-  reads and writes about one activation, and pays one launch (on a calibrated CPU at the copy bandwidth measured for
-  that working set: a small model's activations stay in cache). fp8 GEMMs (``Precision.gemm_dtype`` = "fp8") add the fused cast-transposes of their inputs
+  reads and writes about one activation, and pays one launch. fp8 GEMMs (``Precision.gemm_dtype`` = "fp8") add the fused cast-transposes of their inputs
   (read 2 bytes, write 1 + 1) forward and of the output gradients backward.
 - the head on the last stage: (T, V / t, h) forward and its two backward GEMMs, and the loss's softmax.
 
@@ -132,9 +131,8 @@ def layer_parts(cfg, layout: Layout, b: int, s: int, prec, cluster, moe: bool, f
         elem_f, elem_b = max(elem, 2 * k_fwd * tok_h * A), max(2 * elem, 2 * k_bwd * tok_h * A)
     else:
         elem_f, elem_b = elem, 2 * elem
-    one = 2 * tok_h * A  # what one element-wise operator touches: an activation read and one written
-    e_fwd = memory_time(elem_f + cast_f, hbm, curve, k_fwd, one)
-    e_bwd = memory_time(elem_b + cast_b, hbm, curve, k_bwd, one)
+    e_fwd = memory_time(elem_f + cast_f, hbm, curve, k_fwd)
+    e_bwd = memory_time(elem_b + cast_b, hbm, curve, k_bwd)
     out = {"gemm_fwd": g_fwd, "gemm_bwd": g_dgrad + g_wgrad, "wgrad": g_wgrad, "attn_fwd": a_fwd, "attn_bwd": a_bwd, "elem_fwd": e_fwd,
            "elem_bwd": e_bwd, "down_fwd": down_fwd}
     _CACHE[key] = (cfg, cluster, out)
@@ -150,7 +148,7 @@ def head_time(cfg, layout: Layout, b: int, s: int, prec, cluster) -> tuple[float
     dtype = prec.gemm_dtype
     f, dg, wg = _gemms_time([(T, vocab, cfg.hidden_size, 1)], cluster, "bf16" if dtype == "fp8" else dtype,
                             prec.matmul_bytes)
-    softmax = memory_time(4.0 * T * vocab * 4, cluster.gpu.hbm_bandwidth, cluster.curve, 4, 2.0 * T * vocab * 4)
+    softmax = memory_time(4.0 * T * vocab * 4, cluster.gpu.hbm_bandwidth, cluster.curve, 4)
     return f + softmax / 2, dg + wg + softmax / 2, wg
 
 
