@@ -476,7 +476,9 @@ def collectives_time(collectives: list[Collective], cluster, layout: Layout, alg
     On gloo (``cluster.gpu.collectives == "gloo"``: CPU processes) a reduce-scatter costs a whole all-reduce:
     PyTorch's ProcessGroupGloo::reduce_scatter_tensor_coalesced clones the input, all-reduces all of it and copies
     this rank's chunk out (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), so tensorpar's sequence-parallel
-    and ZeRO reduce-scatters move twice the bytes of a ring reduce-scatter there."""
+    and ZeRO reduce-scatters move twice the bytes of a ring reduce-scatter there. (This is tensorpar's comm as of
+    this module: where `Group.reduce_scatter` on gloo becomes an all-to-all of the blocks and a local sum, a
+    gloo reduce-scatter is priced by the ring formula again and `calibrate` should time that path.)"""
     gloo = getattr(cluster.gpu, "collectives", "nccl") == "gloo"
     total = 0.0
     for c in collectives:
