@@ -1,6 +1,6 @@
 """The calibrated planner against `tensorpar train` on this machine: six layouts, predicted vs measured step time.
 
-    .venv/bin/python scripts/calibrated_vs_measured.py [--steps 5] [--out runs/calibration]
+    .venv/bin/python scripts/calibrated_vs_measured.py [--steps 5] [--repeats 1] [--out runs/calibration]
 
 1. `tensorpar calibrate --device cpu` twice: with all cores (a one-process run) and with cores / 2 threads and
    the collectives over 2 gloo processes (what each rank of a two-process run gets);
@@ -8,6 +8,9 @@
    TP 2 + SP, PP 2, DP 2 with ZeRO-1; measured = the median step time after the first step;
 3. the planner's step time for the same layout with `plan --hardware` of the matching profile.
 
+With ``--repeats R`` each layout is trained R times: measured = the median of the R runs' medians, and the
+spread (lowest - highest run median) is printed beside it, with the load average (`/proc/loadavg`, 1 minute)
+before the layout's runs. Profiles already in ``--out`` are reused: pass a fresh folder to calibrate again.
 Measuring on a shared, loaded machine is noisy: read the figures as provisional.
 """
 
@@ -49,9 +52,17 @@ def _cli(*args, cwd):
     return proc.stdout
 
 
+def _load() -> str:
+    try:
+        return pathlib.Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="runs/calibration")
     a = ap.parse_args()
     out = pathlib.Path(a.out).resolve()
@@ -66,30 +77,40 @@ def main():
             _cli("calibrate", "--device", "cpu", "--out", path, "--threads", threads_per_process(world),
                  "--ranks", 2, *(["--no-collectives"] if world == 1 else []), cwd=work)
         profiles[world] = load_profile(str(path))
-    print("| layout | processes | measured step s | predicted step s | error |")
-    print("|---|---|---|---|---|")
+        spec = profiles[world][0]
+        print(f"profile of {world} process(es): {spec.name}: fp32 peak {spec.peak('fp32') / 1e9:.1f} GFLOP/s, memory "
+              f"{spec.hbm_bandwidth / 1e9:.1f} GB/s" + (f", link {spec.intra_node.bandwidth / 1e9:.2f} GB/s "
+                                                       f"{spec.intra_node.latency * 1e3:.2f} ms" if world > 1 else "")
+              + f" (load {_load()})")
+    print("| layout | processes | measured step s | spread of runs | predicted step s | error | load |")
+    print("|---|---|---|---|---|---|---|")
     for lay in LAYOUTS:
         tp, pp, dp = lay.get("tp", 1), lay.get("pp", 1), lay.get("dp", 1)
         world = tp * pp * dp
         mbs = lay.get("micro_batch_size", BATCH // dp)
         metrics = pathlib.Path(work) / "metrics.jsonl"
-        if metrics.exists():
-            metrics.unlink()
         args = ["train", "--model", model, "--tp", tp, "--pp", pp, "--dp", dp, "--steps", a.steps, "--seed", 0,
                 "--global-batch-size", BATCH, "--micro-batch-size", mbs, "--seq-len", SEQ, "--metrics", metrics,
                 "--recompute", lay.get("recompute", "none"), "--zero", lay.get("zero", 0)]
         if lay.get("sequence_parallel"):
             args.append("--sequence-parallel")
-        _cli(*args, cwd=work)
-        steps = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
-        measured = statistics.median(steps[1:] or steps)
+        load = _load()
+        runs = []
+        for _ in range(a.repeats):
+            if metrics.exists():
+                metrics.unlink()
+            _cli(*args, cwd=work)
+            steps = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
+            runs.append(statistics.median(steps[1:] or steps))
+        measured = statistics.median(runs)
         spec, curve = profiles[world]
         cluster = make_cluster(spec, world, gpus_per_node=world, curve=curve, link_efficiency=1.0)
         layout = Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=bool(lay.get("sequence_parallel")),
                         micro_batch_size=mbs, recompute=lay.get("recompute", "none"), zero=lay.get("zero", 0))
         plan = evaluate(MODEL, layout, cluster, SEQ, BATCH, "tensorpar-fp32")
         pred = plan.time.step_time_s if plan.time else float("nan")
-        print(f"| {layout.label()} | {world} | {measured:.3f} | {pred:.3f} | {100 * (pred / measured - 1):+.0f}% |")
+        print(f"| {layout.label()} | {world} | {measured:.3f} | {min(runs):.3f}-{max(runs):.3f} | {pred:.3f} | "
+              f"{100 * (pred / measured - 1):+.0f}% | {load} |")
         sys.stdout.flush()
 
 

@@ -60,3 +60,37 @@ def test_calibrate_writes_a_profile_that_plan_hardware_uses(tmp_path, capsys):
     assert main(["plan", "--model", "tiny", "--gpus", "2", "--hardware", str(tmp_path / "missing.json"),
                  "--seq-len", "64", "--global-batch-size", "4"]) == 2
     assert "tensorpar calibrate --out" in capsys.readouterr().err
+
+
+def test_gloo_reduce_scatter_is_fitted_and_priced_as_the_all_reduce_it_runs():
+    # PyTorch's ProcessGroupGloo reduce-scatter all-reduces the whole input; NCCL's moves (n-1)/n of it once
+    from tensorpar.config.hardware import GPUSpec, Link
+    from tensorpar.planning.cluster import make_cluster
+    from tensorpar.planning.communication import Collective, collectives_time
+    from tensorpar.planning.layout import Layout
+
+    assert calibration._steps_and_bytes("reduce_scatter", 1000, 2, "gloo") == \
+        calibration._steps_and_bytes("all_reduce", 1000, 2, "gloo")
+    assert calibration._steps_and_bytes("reduce_scatter", 1000, 2, "nccl") == (1, 500)
+    link = Link(1e9, 1e-3)
+    layout = Layout(tp=2, sequence_parallel=True)
+    rs, ar = [Collective("reduce_scatter", "tp", 1 << 20)], [Collective("all_reduce", "tp", 1 << 20)]
+    times = {}
+    for lib in ("gloo", "nccl"):
+        spec = GPUSpec(f"cpu-{lib}", 1 << 30, {"fp32": 1e11, "bf16": 1e11}, 1e10, link, link, "test", lib)
+        cluster = make_cluster(spec, 2, gpus_per_node=2, curve=curve_for("cpu"), link_efficiency=1.0)
+        times[lib] = collectives_time(rs, cluster, layout), collectives_time(ar, cluster, layout)
+    assert times["gloo"][0] == pytest.approx(times["gloo"][1])
+    assert times["nccl"][0] == pytest.approx(times["nccl"][1] / 2)
+
+
+def test_gloo_collectives_do_not_hide_behind_compute_by_default():
+    # gloo's transfers and reductions run on the cores the ranks compute on: no data-parallel overlap unless asked
+    from tensorpar.config.hardware import GPUSpec, Link
+    from tensorpar.planning.cluster import DEFAULT_OVERLAP, make_cluster
+
+    link = Link(1e9, 1e-3)
+    specs = {lib: GPUSpec(f"cpu-{lib}", 1 << 30, {"fp32": 1e11}, 1e10, link, link, "test", lib) for lib in ("gloo", "nccl")}
+    assert make_cluster(specs["gloo"], 2, gpus_per_node=2, curve=curve_for("cpu")).overlap == 0.0
+    assert make_cluster(specs["gloo"], 2, gpus_per_node=2, curve=curve_for("cpu"), overlap=0.3).overlap == 0.3
+    assert make_cluster(specs["nccl"], 2, gpus_per_node=2, curve=curve_for("cpu")).overlap == DEFAULT_OVERLAP

@@ -203,3 +203,22 @@ def test_predicted_context_parallel_comm_equals_counted(pools, tp, cp, config, s
     for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_context_parallel_comm, tp, cp, config, sp,
                                                                  recompute, bf16)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+
+
+def test_tp_overlap_pieces_change_calls_not_bytes():
+    """tensorpar's TP overlap sends the chunked collectives in pieces: the same bytes (what the counted runs above
+    check), one latency per piece."""
+    from tensorpar.planning.cluster import make_cluster
+    from tensorpar.planning.communication import Collective, collectives_time, model_collectives, sum_bytes
+
+    cfg = CONFIGS["tiny"]
+    for sp in (False, True):
+        layout = Layout(tp=2, sequence_parallel=sp)
+        one = model_collectives(cfg, layout, 2, 16)
+        two = model_collectives(cfg, layout, 2, 16, tp_pieces=2)
+        assert sum_bytes(one) == sum_bytes(two) and any(c.pieces == 2 for c in two)
+    cluster = make_cluster("h100", 8, intra_bandwidth=1e9, intra_latency=1e-3, link_efficiency=1.0)
+    layout = Layout(tp=2)
+    whole = collectives_time([Collective("all_reduce", "tp", 1 << 20)], cluster, layout)
+    halves = collectives_time([Collective("all_reduce", "tp", 1 << 20, pieces=2)], cluster, layout)
+    assert halves == pytest.approx(whole + 2 * 1e-3)  # ring all-reduce over 2 ranks: 2 latencies per call

@@ -157,6 +157,24 @@ def test_playbook_activation_formula_special_cases():
     assert f(cfg, 8, True, b, s, "full") == 2 * sbh // 8
 
 
+def test_fp8_linear_inputs_saved_in_one_byte_and_fp8_weight_caches():
+    """Transformer Engine's fp8 linears save their inputs as 1-byte fp8 transposes: of the Playbook's 34 s b h, the
+    q/k/v, attention-output, MLP-up and MLP-down inputs (2 + 2 + 2 + 8 = 14 s b h in bf16) halve, 27 s b h remain;
+    each linear layer keeps its fp8 weight and transpose (2 bytes per weight element)."""
+    cfg = ModelConfig(family="gpt2", vocab_size=51200, hidden_size=4096, num_layers=32, num_heads=32,
+                      ffn_hidden_size=4 * 4096, max_seq_len=4096, dropout=0.1)
+    b, s, h, a = 1, 4096, 4096, 32
+    sbh = s * b * h
+    f = memory.playbook_layer_activations
+    assert f(cfg, 1, False, b, s, "none", flash=False, linear_input_bytes=1) == sbh * 27 + 5 * a * s * s * b
+    assert f(cfg, 8, True, b, s, "none", linear_input_bytes=1) == sbh * 27 // 8 + 4 * b * a * s // 8  # + flash LSE
+    fp8 = memory.stage_memory(cfg, Layout(), s, 1, "megatron-fp8")
+    bf16 = memory.stage_memory(cfg, Layout(), s, 1, "megatron-bf16")
+    summary = planned_params.parameter_summary(cfg, 1, 1, 0, 1, None, 1)
+    assert bf16.weight_copies == 0 and fp8.weight_copies == 2 * summary.layer_matmul_weights
+    assert fp8.activations < bf16.activations and fp8.parameters == bf16.parameters
+
+
 def _zero_run(config_file, **layout):
     from tensorpar.training import TrainOptions, train
 

@@ -220,7 +220,7 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
                 f" {pct(t.tp_comm_s + t.cp_comm_s)} {pct(t.pp_comm_s + t.bubble_s):>6} {pct(t.dp_comm_s)}"
                 + (f" {pct(t.ep_comm_s)}" if moe else "")
             )
-        lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast; "
+        lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast (fp8: the fp8 weight caches); "
                      "'other': recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
         if moe:
             lines.append("MoE: ep expert-parallel ranks (expert-DP = tp x cp x dp / ep); 'a2a': the expert all-to-alls; "

@@ -45,6 +45,9 @@ class GPUSpec:
     intra_node: Link  # NVLink / NVSwitch, per GPU per direction
     inter_node: Link  # InfiniBand / RoCE, per GPU per direction
     source: str = ""
+    # the library that runs its collectives: "nccl" (GPUs) or "gloo" (CPU processes, a calibrated CPU profile),
+    # whose reduce-scatter is a full all-reduce (see `tensorpar.planning.communication.collectives_time`)
+    collectives: str = "nccl"
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

@@ -13,6 +13,16 @@ k_overhead, wave_quantization, launch and the tile, minimising the squared log e
 measured rate, so ``gemm_efficiency`` is 1 by construction) and an alpha-beta `Link` to each collective's
 times (least squares of time = alpha x steps + bytes-moved / beta). `load_profile` turns the JSON back into
 a `GPUSpec` and a `DeviceCurve` for the planner.
+
+Two things the CPU measurement must get right to predict a multi-process run:
+
+- every rank measures its GEMMs and bandwidth at the same time as the others and *in step* (`_together`: the
+  same number of calls per timed batch, each batch started after a barrier). Without it a rank that finishes a
+  shape early leaves the cores to the other, which then times itself on the whole machine.
+- the reduce-scatter is timed through the call tensorpar makes. On gloo, PyTorch implements it as a clone, an
+  all-reduce of the whole input and a copy of this rank's chunk, so the link is fitted to it as an all-reduce
+  and the planner prices gloo reduce-scatters so (``GPUSpec.collectives``, from the profile's
+  ``collectives_library``).
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ CUDA_SHAPES = [(m, n, k) for m in (128, 1024, 4096, 16384) for n in (128, 1024, 
                for k in (128, 1024, 4096, 16384)]
 COLLECTIVE_SIZES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+# torch >= 2.12 names the tensor-to-tensor reduce-scatter reduce_scatter_single (tensorpar's comm calls the same)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _sync(device):
@@ -43,8 +55,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device, min_s: float = 0.05, min_reps: int = 3) -> float:
-    """Median-of-batches seconds per call of `fn` (after a warm-up)."""
+def _time(fn, device, min_s: float = 0.05, min_reps: int = 3, together=None) -> float:
+    """Median-of-batches seconds per call of `fn` (after a warm-up). With `together` (several processes measuring
+    at once, `_together`) every process runs the same number of calls per batch and starts each batch at the same
+    moment, so each batch is timed while the others really compute too."""
     fn()
     _sync(device)
     reps, samples = 1, []
@@ -53,7 +67,11 @@ def _time(fn, device, min_s: float = 0.05, min_reps: int = 3) -> float:
     _sync(device)
     one = max(time.perf_counter() - t0, 1e-7)
     reps = max(1, int(min_s / 3 / one))
+    if together is not None:
+        reps = together(reps)
     for _ in range(min_reps):
+        if together is not None:
+            together()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -62,33 +80,45 @@ def _time(fn, device, min_s: float = 0.05, min_reps: int = 3) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def measure_gemms(device, dtype: torch.dtype, shapes) -> list[dict]:
+def _together(reps: int | None = None) -> int | None:
+    """Keep the processes of a concurrent CPU measurement in step: with `reps`, agree on the largest; without,
+    wait for every process (a barrier) before the next timed batch."""
+    if reps is None:
+        dist.barrier()
+        return None
+    agreed = torch.tensor([reps])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return int(agreed.item())
+
+
+def measure_gemms(device, dtype: torch.dtype, shapes, together=None) -> list[dict]:
     out = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        t = _time(lambda: torch.matmul(a, b), device)
+        t = _time(lambda: torch.matmul(a, b), device, together=together)
         out.append({"m": m, "n": n, "k": k, "seconds": t, "flops_per_s": 2.0 * m * n * k / t})
     return out
 
 
-def measure_bandwidth(device, nbytes: int) -> float:
+def measure_bandwidth(device, nbytes: int, together=None) -> float:
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src), device)
+    t = _time(lambda: dst.copy_(src), device, together=together)
     return 2.0 * nbytes / t
 
 
-def measure_attention(device, dtype: torch.dtype, peak: float) -> tuple[float, float]:
+def measure_attention(device, dtype: torch.dtype, peak: float, together=None) -> tuple[float, float]:
     """(forward, backward) efficiency of causal scaled-dot-product attention against `peak`, at one shape (the
     planner's flash-attention model: 2 b h s^2 d FLOPs forward, 2.5 x that backward)."""
     b, heads, s, d = (1, 8, 1024, 64) if device.type == "cpu" else (2, 16, 4096, 128)
     q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    fwd = _time(lambda: sdpa(q, k, v, is_causal=True), device)
+    fwd = _time(lambda: sdpa(q, k, v, is_causal=True), device, together=together)
     out = sdpa(q, k, v, is_causal=True)
     grad = torch.ones_like(out)
-    both = _time(lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad), device)
+    both = _time(lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad), device,
+                 together=together)
     flops = 2.0 * b * heads * s * s * d
     return min(1.0, flops / fwd / peak), min(1.0, 2.5 * flops / max(both - fwd, 1e-9) / peak)
 
@@ -124,9 +154,10 @@ def _fit_link(samples: list[tuple[float, float, float]]) -> Link:
     return Link(1.0 / max(inv_beta, 1e-15), max(alpha, 0.0))
 
 
-def _steps_and_bytes(op: str, nbytes: int, n: int) -> tuple[float, float]:
-    """(latency steps, bytes each rank moves) of the ring algorithm (`communication.collective_time`)."""
-    if op == "all_reduce":
+def _steps_and_bytes(op: str, nbytes: int, n: int, library: str = "nccl") -> tuple[float, float]:
+    """(latency steps, bytes each rank moves) of the ring algorithm (`communication.collective_time`); gloo's
+    reduce-scatter is an all-reduce of the whole input (`communication.collectives_time`)."""
+    if op == "all_reduce" or (op == "reduce_scatter" and library == "gloo"):
         return 2 * (n - 1), 2 * (n - 1) * nbytes / n
     if op == "send":
         return 1, nbytes
@@ -143,14 +174,14 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, qu
     if device_args:  # every rank measures at once: what each rank of a `world`-process run gets of the machine
         dist.barrier()
         measured = _measure_device(device, device_args["dtypes"], device_args["shapes"], threads,
-                                   f"cpu ({threads} thread{'s' if threads > 1 else ''} x {world} processes)")
+                                   f"cpu ({threads} thread{'s' if threads > 1 else ''} x {world} processes)",
+                                   together=_together)
         dist.barrier()
     results = []
     for op in COLLECTIVE_OPS:
         for nbytes in sizes:
             numel = max(world, nbytes // 4 // world * world)
             x = torch.ones(numel, device=device)
-            parts = list(x.chunk(world))
             out = torch.empty(numel // world, device=device)
             gathered = [torch.empty_like(out) for _ in range(world)]
 
@@ -159,10 +190,8 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, qu
                     dist.all_reduce(x)
                 elif op == "all_gather":
                     dist.all_gather(gathered, out)
-                elif op == "reduce_scatter" and backend == "nccl":
-                    dist.reduce_scatter(out, parts)
-                elif op == "reduce_scatter":  # gloo has no reduce_scatter: what tensorpar's comm does instead
-                    dist.all_reduce(x)
+                elif op == "reduce_scatter":  # the call tensorpar's comm makes (on gloo: clone + all-reduce + copy)
+                    _reduce_scatter_single(out, x)
                 elif op == "all_to_all" and backend == "nccl":
                     dist.all_to_all_single(torch.empty_like(x), x)
                 elif op == "all_to_all":
@@ -210,19 +239,20 @@ def measure_collectives(world: int, backend: str, sizes=COLLECTIVE_SIZES, device
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _measure_device(dev, dtypes, shapes, units: int, name: str) -> dict:
-    """GEMMs, bandwidth, attention and the fitted curve of one device (or one rank's share of a CPU)."""
-    hbm = measure_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (64 << 20))
+def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None) -> dict:
+    """GEMMs, bandwidth, attention and the fitted curve of one device (or one rank's share of a CPU, measured by
+    every rank in step: `together`)."""
+    hbm = measure_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (64 << 20), together)
     out = {"name": name, "units": units, "hbm_bandwidth": hbm, "gemms": {}, "peak_flops": {}, "curves": {}}
     for dt in dtypes:
-        points = measure_gemms(dev, _DTYPES[dt], shapes)
+        points = measure_gemms(dev, _DTYPES[dt], shapes, together)
         peak = max(p["flops_per_s"] for p in points)
         curve = fit_curve(f"calibrated {name}", points, peak, hbm, units, dt)
         out["gemms"][dt] = points
         out["peak_flops"][dt] = peak
         out["curves"][dt] = {f.name: getattr(curve, f.name) for f in dataclasses.fields(curve)
                              if f.name not in ("name", "gemm_efficiency", "source", "attention_efficiency")}
-        out["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, _DTYPES[dt], peak))
+        out["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, _DTYPES[dt], peak, together))
     return out
 
 
@@ -253,11 +283,12 @@ def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, 
         units = torch.cuda.get_device_properties(dev).multi_processor_count if device == "cuda" else threads
         name = torch.cuda.get_device_name(dev) if device == "cuda" else f"cpu ({threads} threads)"
         measured = _measure_device(dev, dtypes, shapes, units, name)
-    profile = {"device": device, "memory_bytes": memory, **measured}
+    library = "nccl" if device == "cuda" else "gloo"
+    profile = {"device": device, "memory_bytes": memory, "collectives_library": library, **measured}
     if measure_comm:
         profile["collectives"] = colls
         if colls:
-            samples = [(*_steps_and_bytes(c["op"], c["bytes"], c["ranks"]), c["seconds"]) for c in colls]
+            samples = [(*_steps_and_bytes(c["op"], c["bytes"], c["ranks"], library), c["seconds"]) for c in colls]
             link = _fit_link(samples)
             profile["link"] = {"bandwidth": link.bandwidth, "latency": link.latency}
     return profile
@@ -282,8 +313,9 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
     for alias, src in (("bf16", "fp32"), ("fp32", "bf16"), ("tf32", "fp32"), ("fp8", "bf16")):
         if alias not in peaks and src in peaks:
             peaks[alias] = peaks[src]
+    library = prof.get("collectives_library", "gloo" if prof.get("device") == "cpu" else "nccl")
     spec = GPUSpec(f"calibrated:{prof.get('name', path)}", int(prof["memory_bytes"]), peaks,
-                   float(prof["hbm_bandwidth"]), link, link, f"tensorpar calibrate ({path})")
+                   float(prof["hbm_bandwidth"]), link, link, f"tensorpar calibrate ({path})", library)
     fields = dict(next(iter(prof["curves"].values())))  # the first dtype measured (fp32 on CPU, bf16 on GPUs)
     if "attention_efficiency" in fields:
         fields["attention_efficiency"] = tuple(fields["attention_efficiency"])

@@ -16,7 +16,10 @@ shape, attention, memory bandwidth) and the efficiency knobs of the step-time mo
   the backward computation it overlaps with (see `step_time`). Default 0.5: bucketed overlap as in
   PyTorch DDP / tensorpar's `DistributedOptimizer` starts a bucket's collective as soon as the
   last micro-batch's backward has produced it, so roughly the last bucket is always exposed and
-  the others compete with compute for memory bandwidth and SMs. 0 means no overlap at all.
+  the others compete with compute for memory bandwidth and SMs. 0 means no overlap at all. `make_cluster`
+  defaults it to 0 for a device whose collectives run on gloo (``GPUSpec.collectives``, a calibrated CPU):
+  gloo's transfers and reductions run on the CPU cores, which tensorpar's processes already keep busy
+  (``cores / processes`` threads each), so the communication adds to the compute instead of hiding behind it.
 
 The GPU catalog itself (datasheet peaks, memory, links) is `tensorpar.config.hardware`;
 ``--intra-bandwidth`` / ``--inter-bandwidth`` and the other overrides replace any of its figures.
@@ -130,7 +133,7 @@ def make_cluster(
                  inter_latency if inter_latency is not None else spec.inter_node.latency)
     return Cluster(
         spec, gpus, gpus_per_node, intra, inter, mfu_ceiling,
-        DEFAULT_OVERLAP if overlap is None else overlap, curve,
+        (0.0 if spec.collectives == "gloo" else DEFAULT_OVERLAP) if overlap is None else overlap, curve,
         DEFAULT_LINK_EFFICIENCY if link_efficiency is None else link_efficiency,
         0.0 if tp_overlap is None else tp_overlap,
     )

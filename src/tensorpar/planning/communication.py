@@ -103,6 +103,7 @@ class Collective:
     calls: int = 1
     phase: str = "forward"  # forward | backward | step
     what: str = ""
+    pieces: int = 1  # tensorpar's TP overlap sends each call as this many collectives of nbytes / pieces (time only)
 
     @property
     def total_bytes(self) -> int:
@@ -121,8 +122,14 @@ def model_collectives(
     stage: int | None = None,
     label_smoothing: bool = False,
     scatter_gather: bool = False,
+    tp_pieces: int = 1,
 ) -> list[Collective]:
     """Every collective of one micro-batch's forward and backward through tensorpar's Transformer.
+
+    `tp_pieces`: with tensorpar's TP overlap (`tensorpar.layers.tp_overlap`, on in training) the row-parallel
+    exits' forward collectives, the SP entries' forward all-gathers and the SP exits' backward all-gathers each go
+    as that many collectives of a piece of the tokens (``DEFAULT_CHUNKS``): the same bytes, more calls, each
+    paying the link's latency (`Collective.pieces`; full recomputation's plain MLP exit is counted chunked too).
 
     `act_bytes`: the residual stream and its gradient (fp32 = 4 in tensorpar, also under bf16
     autocast); `matmul_bytes`: the outputs of the row-parallel linears (2 under bf16 autocast,
@@ -138,9 +145,9 @@ def model_collectives(
     b, s, h = micro_batch, seq_len // cp, cfg.hidden_size  # s: the tokens of each sequence this rank holds
     bsh = b * s * h
 
-    def add(op, nbytes, calls, phase, what, group="tp"):
+    def add(op, nbytes, calls, phase, what, group="tp", pieces=1):
         if calls:
-            out.append(Collective(op, group, int(nbytes), int(calls), phase, what))
+            out.append(Collective(op, group, int(nbytes), int(calls), phase, what, pieces))
 
     if tp > 1:
         # Full recomputation re-runs each block's forward inside backward. torch's non-reentrant checkpoint
@@ -160,17 +167,18 @@ def model_collectives(
                 add("all_reduce", bsh * act_bytes, 1, "forward", "embedding (vocab-parallel)")
         L = n_layers
         if sp:
-            add("all_gather", bsh * act_bytes, 2 * L, "forward", "attention / MLP input (SP gather)")
-            add("reduce_scatter", bsh * mm, 2 * L, "forward", "attention / MLP output (SP reduce-scatter)")
+            add("all_gather", bsh * act_bytes, 2 * L, "forward", "attention / MLP input (SP gather)", pieces=tp_pieces)
+            add("reduce_scatter", bsh * mm, 2 * L, "forward", "attention / MLP output (SP reduce-scatter)",
+                pieces=tp_pieces)
             add("all_gather", bsh * act_bytes, again_in * L, "backward", "recomputed attention / MLP input")
             add("reduce_scatter", bsh * mm, again_out * L, "backward", "recomputed attention / MLP output")
             add("reduce_scatter", bsh * act_bytes, 2 * L, "backward", "attention / MLP input gradient")
-            add("all_gather", bsh * mm, 2 * L, "backward", "attention / MLP output gradient")
+            add("all_gather", bsh * mm, 2 * L, "backward", "attention / MLP output gradient", pieces=tp_pieces)
             add("all_reduce", h * grad_bytes, 2 * L * norm_params, "backward", "norm weight gradients (SP)")
             if cfg.bias:
                 add("all_reduce", h * grad_bytes, 2 * L, "backward", "row-parallel bias gradients (SP)")
         else:
-            add("all_reduce", bsh * mm, 2 * L, "forward", "attention / MLP output (row-parallel)")
+            add("all_reduce", bsh * mm, 2 * L, "forward", "attention / MLP output (row-parallel)", pieces=tp_pieces)
             add("all_reduce", bsh * mm, again_out * L, "backward", "recomputed attention / MLP output")
             add("all_reduce", bsh * act_bytes, 2 * L, "backward", "attention / MLP input gradient")
         if cfg.kv_heads < tp:  # replicated KV heads: one buffer with a slot per KV head, K and V separately
@@ -463,10 +471,19 @@ def comm_bytes_per_step(
 
 
 def collectives_time(collectives: list[Collective], cluster, layout: Layout, algorithm: str = "best") -> float:
-    """Seconds the listed collectives take back to back (one after another, nothing overlapped)."""
+    """Seconds the listed collectives take back to back (one after another, nothing overlapped).
+
+    On gloo (``cluster.gpu.collectives == "gloo"``: CPU processes) a reduce-scatter costs a whole all-reduce:
+    PyTorch's ProcessGroupGloo::reduce_scatter_tensor_coalesced clones the input, all-reduces all of it and copies
+    this rank's chunk out (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), so tensorpar's sequence-parallel
+    and ZeRO reduce-scatters move twice the bytes of a ring reduce-scatter there. (This is tensorpar's comm as of
+    this module: where `Group.reduce_scatter` on gloo becomes an all-to-all of the blocks and a local sum, a
+    gloo reduce-scatter is priced by the ring formula again and `calibrate` should time that path.)"""
+    gloo = getattr(cluster.gpu, "collectives", "nccl") == "gloo"
     total = 0.0
     for c in collectives:
         n = group_size(layout, c.group)
         link = group_link(cluster, layout, c.group)
-        total += c.calls * collective_time(c.op, c.nbytes, n, link, algorithm)
+        op = "all_reduce" if gloo and c.op == "reduce_scatter" else c.op
+        total += c.calls * c.pieces * collective_time(op, c.nbytes / c.pieces, n, link, algorithm)
     return total

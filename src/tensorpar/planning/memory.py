@@ -40,6 +40,12 @@ Activations, two models:
   recomputation (or flash attention) drops the 5 a s/h attention-score term; full
   recomputation keeps 2 s b h (/t with SP) per layer. The "10" counts the norm inputs, the
   linear inputs and two dropout masks; without dropout the masks (2 s b h) are left out.
+  With fp8 GEMMs (``megatron-fp8``) every linear layer saves its input as Transformer Engine does: the fp8
+  transpose made by its cast-transpose, 1 byte per element (`_Linear.forward`'s ``save_for_backward
+  (inputmat_t)`` in NVIDIA/TransformerEngine transformer_engine/pytorch/module/linear.py, likewise the
+  norm-fused LayerNormLinear's ln_out): the q/k/v and MLP-up inputs, the attention output and the
+  down projection's input. Each linear layer also keeps its weight cast to fp8 and that cast's transpose
+  (2 bytes per weight element, module buffers updated on a step's first micro-batch): ``weight_copies``.
 
 Pipeline: with 1F1B the first stage holds ``min(pp, m)`` micro-batches of activations (rank r:
 ``min(pp - r, m)``); Megatron-LM's interleaved schedule with v chunks holds
@@ -165,10 +171,14 @@ def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast
 
 
 def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, flash: bool = True,
-                               nbytes: int = 2, moe: bool = False) -> int:
+                               nbytes: int = 2, moe: bool = False, linear_input_bytes: int | None = None) -> int:
     """The Playbook's (Korthikanti et al.) per-layer activation bytes, generalised to GQA and gated MLPs; with
     `moe`, the MLP's saved tensors are those of k routed experts per token (split over the TP ranks, the
-    dispatched rows and the combined outputs included), the fp32 router scores and the shared experts'."""
+    dispatched rows and the combined outputs included), the fp32 router scores and the shared experts'.
+    `linear_input_bytes`: bytes per element of what each linear layer saves of its input for the weight gradient
+    (fp8 GEMMs: 1, Transformer Engine's fp8 transpose; default `nbytes`) - the q/k/v and MLP-up inputs, the
+    attention output and the MLP's down-projection input."""
+    lin = nbytes if linear_input_bytes is None else linear_input_bytes
     t = tp
     sp = sp and tp > 1
     h, a = cfg.hidden_size, cfg.num_heads
@@ -176,16 +186,17 @@ def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute
     if recompute == "full":
         return nbytes * bsh // (t if sp else 1)
     dropout = cfg.dropout > 0
-    outside = nbytes * (2 * bsh + 2 * bsh) + (2 * bsh if dropout else 0)  # 2 norm inputs, 2 linear inputs, masks
+    outside = nbytes * 2 * bsh + lin * 2 * bsh + (2 * bsh if dropout else 0)  # 2 norm inputs, 2 linear inputs, masks
     kv = cfg.kv_heads * cfg.head_dim
     inside = nbytes * b * s * (h + 2 * kv)  # q, k, v
-    inside += nbytes * bsh  # the attention output (the output projection's input)
+    inside += lin * bsh  # the attention output (the output projection's input)
+    mlp = (_mlp_saved(cfg) - 1) * nbytes + lin  # per [b, s, f] element: the last one is the down projection's input
     if moe:
         rows = b * s * cfg.experts_per_token
-        inside += (_mlp_saved(cfg) * rows * cfg.expert_ffn_size + 2 * rows * h) * nbytes + 8 * b * s * cfg.num_experts
-        inside += _mlp_saved(cfg) * nbytes * b * s * cfg.num_shared_experts * cfg.expert_ffn_size
+        inside += mlp * rows * cfg.expert_ffn_size + 2 * rows * h * nbytes + 8 * b * s * cfg.num_experts
+        inside += mlp * b * s * cfg.num_shared_experts * cfg.expert_ffn_size
     else:
-        inside += _mlp_saved(cfg) * nbytes * b * s * cfg.ffn_hidden_size
+        inside += mlp * b * s * cfg.ffn_hidden_size
     if flash or recompute == "selective":
         inside += 4 * b * a * s if flash else 0  # log-sum-exp
     else:
@@ -338,7 +349,8 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
                                                    tp_overlap)
         else:
             def one(moe):
-                return playbook_layer_activations(cfg, tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes, moe)
+                return playbook_layer_activations(cfg, tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes, moe,
+                                                  1 if prec.gemm_dtype == "fp8" else None)
         if not moe_share:
             return one(False)
         return round(moe_share * one(True) + (1 - moe_share) * one(False))
@@ -361,6 +373,8 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
             transient += 2 * layer_weights // max(n_layers, 1)
         else:  # every micro-batch's forward makes its own copies: one set per chunk-forward in flight
             weight_copies = 2 * (chunks * layer_weights // layout.virtual_stages + head_weights)
+    elif prec.gemm_dtype == "fp8":  # Transformer Engine keeps each linear layer's fp8 weight and its fp8 transpose
+        weight_copies = 2 * summary.layer_matmul_weights
     subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
     return MemoryBreakdown(param_mem, grad_mem, opt_mem, activations, weight_copies, transient, overhead,

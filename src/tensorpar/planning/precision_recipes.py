@@ -19,7 +19,8 @@ mixed-bf16          2      2      4       8    the Playbook's mixed precision (M
 megatron-bf16       2      4      4       8    Megatron-LM's bf16 default: gradients accumulated
                                                and reduced in fp32 ("main_grad"): 18 bytes
 megatron-fp8        2      4      4       8    as megatron-bf16, with the linear layers' GEMMs in
-                                               fp8 (Transformer Engine; `gemm_dtype`)
+                                               fp8 (Transformer Engine; `gemm_dtype`): their saved
+                                               inputs in fp8, + 2 bytes per weight (fp8 caches)
 ================  =====  =====  ======  =====  ==================================================
 
 AdamW keeps two fp32 states per parameter (exp_avg, exp_avg_sq) plus a one-element fp32
@@ -75,8 +76,9 @@ PRECISIONS: dict[str, Precision] = {
                                            "fp32 master + AdamW"),
     "megatron-fp8": Precision("megatron-fp8", "bf16", 2, 4, 4, 8, "playbook", 2, 2, False,
                               description="Megatron-LM / NeMo with Transformer Engine fp8: the linear layers' GEMMs "
-                                          "in fp8 (inputs cast per step), attention and the rest in bf16; memory "
-                                          "as megatron-bf16", gemm_dtype="fp8"),
+                                          "in fp8 (inputs cast per micro-batch, weights per step), attention and the "
+                                          "rest in bf16; memory as megatron-bf16 but the linear layers' saved inputs "
+                                          "in fp8 and the fp8 weight caches", gemm_dtype="fp8"),
 }
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tensorpar.layers.tp_overlap import DEFAULT_CHUNKS
 from tensorpar.models.flops import train_flops_per_token
 from tensorpar.planning.communication import (
     collectives_time,
@@ -84,9 +85,13 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True):
         fwd, bwd, wgrad = train / 3.0, train * 2.0 / 3.0, train / 3.0
     else:
         fwd, bwd, wgrad, recompute, attention = stage_compute_time(cfg, layout, b, s, stage, prec, cluster, flash)
+    # tensorpar trains with its TP overlap on, whose chunked collectives pay the latency once per piece; the
+    # zero-bubble schedules' split backward turns it off
+    pieces = (DEFAULT_CHUNKS if prec.activations == "tensorpar" and layout.schedule not in ("zb-h1", "zbv")
+              and s % DEFAULT_CHUNKS == 0 else 1)
     colls = model_collectives(cfg, layout, b, s, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                               grad_bytes=prec.grad_bytes, stage=stage if layout.pp > 1 else None,
-                              scatter_gather=prec.activations == "playbook")
+                              scatter_gather=prec.activations == "playbook", tp_pieces=pieces)
     tp = [c for c in colls if c.group == "tp"]
     sends = [c for c in colls if c.group == "pp" and c.op == "send"]
     ring = collectives_time([c for c in colls if c.group == "cp" and c.op == "send"], cluster, layout, algorithm)
