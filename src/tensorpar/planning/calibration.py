@@ -19,10 +19,9 @@ Two things the CPU measurement must get right to predict a multi-process run:
 - every rank measures its GEMMs and bandwidth at the same time as the others and *in step* (`_together`: the
   same number of calls per timed batch, each batch started after a barrier). Without it a rank that finishes a
   shape early leaves the cores to the other, which then times itself on the whole machine.
-- the reduce-scatter is timed through the call tensorpar makes. On gloo, PyTorch implements it as a clone, an
-  all-reduce of the whole input and a copy of this rank's chunk, so the link is fitted to it as an all-reduce
-  and the planner prices gloo reduce-scatters so (``GPUSpec.collectives``, from the profile's
-  ``collectives_library``).
+- the reduce-scatter is timed through tensorpar's own `Group.reduce_scatter`: on gloo an all-to-all of the
+  blocks and a local sum (PyTorch's gloo reduce-scatter all-reduces a clone of the whole input), which moves
+  what a ring reduce-scatter moves and is fitted and priced so.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tensorpar.config.hardware import GPUSpec, Link
+from tensorpar.distributed.comm import Group
 from tensorpar.errors import TensorparError
 from tensorpar.planning.devices import DeviceCurve, gemm_time
 
@@ -46,8 +46,6 @@ CUDA_SHAPES = [(m, n, k) for m in (128, 1024, 4096, 16384) for n in (128, 1024, 
                for k in (128, 1024, 4096, 16384)]
 COLLECTIVE_SIZES = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
-# torch >= 2.12 names the tensor-to-tensor reduce-scatter reduce_scatter_single (tensorpar's comm calls the same)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _sync(device):
@@ -154,10 +152,10 @@ def _fit_link(samples: list[tuple[float, float, float]]) -> Link:
     return Link(1.0 / max(inv_beta, 1e-15), max(alpha, 0.0))
 
 
-def _steps_and_bytes(op: str, nbytes: int, n: int, library: str = "nccl") -> tuple[float, float]:
-    """(latency steps, bytes each rank moves) of the ring algorithm (`communication.collective_time`); gloo's
-    reduce-scatter is an all-reduce of the whole input (`communication.collectives_time`)."""
-    if op == "all_reduce" or (op == "reduce_scatter" and library == "gloo"):
+def _steps_and_bytes(op: str, nbytes: int, n: int) -> tuple[float, float]:
+    """(latency steps, bytes each rank moves) of the ring algorithm (`communication.collective_time`); tensorpar's
+    reduce-scatter moves a ring's bytes on gloo too (an all-to-all of the blocks and a local sum)."""
+    if op == "all_reduce":
         return 2 * (n - 1), 2 * (n - 1) * nbytes / n
     if op == "send":
         return 1, nbytes
@@ -177,6 +175,7 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, qu
                                    f"cpu ({threads} thread{'s' if threads > 1 else ''} x {world} processes)",
                                    together=_together)
         dist.barrier()
+    group = Group("calibrate", list(range(world)), dist.group.WORLD, global_rank=rank)
     results = []
     for op in COLLECTIVE_OPS:
         for nbytes in sizes:
@@ -190,8 +189,8 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, qu
                     dist.all_reduce(x)
                 elif op == "all_gather":
                     dist.all_gather(gathered, out)
-                elif op == "reduce_scatter":  # the call tensorpar's comm makes (on gloo: clone + all-reduce + copy)
-                    _reduce_scatter_single(out, x)
+                elif op == "reduce_scatter":  # tensorpar's own (on gloo: all-to-all + local sum)
+                    group.reduce_scatter_async(out, x).wait()
                 elif op == "all_to_all" and backend == "nccl":
                     dist.all_to_all_single(torch.empty_like(x), x)
                 elif op == "all_to_all":
@@ -288,7 +287,7 @@ def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, 
     if measure_comm:
         profile["collectives"] = colls
         if colls:
-            samples = [(*_steps_and_bytes(c["op"], c["bytes"], c["ranks"], library), c["seconds"]) for c in colls]
+            samples = [(*_steps_and_bytes(c["op"], c["bytes"], c["ranks"]), c["seconds"]) for c in colls]
             link = _fit_link(samples)
             profile["link"] = {"bandwidth": link.bandwidth, "latency": link.latency}
     return profile

@@ -471,19 +471,13 @@ def comm_bytes_per_step(
 
 
 def collectives_time(collectives: list[Collective], cluster, layout: Layout, algorithm: str = "best") -> float:
-    """Seconds the listed collectives take back to back (one after another, nothing overlapped).
-
-    On gloo (``cluster.gpu.collectives == "gloo"``: CPU processes) a reduce-scatter costs a whole all-reduce:
-    PyTorch's ProcessGroupGloo::reduce_scatter_tensor_coalesced clones the input, all-reduces all of it and copies
-    this rank's chunk out (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp), so tensorpar's sequence-parallel
-    and ZeRO reduce-scatters move twice the bytes of a ring reduce-scatter there. (This is tensorpar's comm as of
-    this module: where `Group.reduce_scatter` on gloo becomes an all-to-all of the blocks and a local sum, a
-    gloo reduce-scatter is priced by the ring formula again and `calibrate` should time that path.)"""
-    gloo = getattr(cluster.gpu, "collectives", "nccl") == "gloo"
+    """Seconds the listed collectives take back to back (one after another, nothing overlapped). A reduce-scatter
+    is priced by the ring formula on every library: on gloo tensorpar runs it as an all-to-all of the blocks and a
+    local sum (`tensorpar.distributed.comm._reduce_scatter_by_all_to_all`), which moves what a ring moves, not
+    through ProcessGroupGloo's own (a whole all-reduce of a clone)."""
     total = 0.0
     for c in collectives:
         n = group_size(layout, c.group)
         link = group_link(cluster, layout, c.group)
-        op = "all_reduce" if gloo and c.op == "reduce_scatter" else c.op
-        total += c.calls * c.pieces * collective_time(op, c.nbytes / c.pieces, n, link, algorithm)
+        total += c.calls * c.pieces * collective_time(c.op, c.nbytes / c.pieces, n, link, algorithm)
     return total

@@ -17,7 +17,8 @@ chunk: under sequence parallelism the GEMMs see the gathered tokens too):
   over h elements - per rank all h of them without SP (replicated over TP), h / t with SP -, RoPE on q and k,
   the activation (SwiGLU reads 2 f / t writes f / t; GeLU reads and writes f / t); backward twice the
   forward traffic. tensorpar's own layers are not fused: each of their operators (`OPS_PER_LAYER`, counted)
-  reads and writes about one activation, and pays one launch. fp8 GEMMs (``Precision.gemm_dtype`` = "fp8") add the fused cast-transposes of their inputs
+  reads and writes about one activation, and pays one launch; under SP only those outside the TP regions
+  (`OPS_OUTSIDE_TP`: norms and residual adds) work on the sequence shard. fp8 GEMMs (``Precision.gemm_dtype`` = "fp8") add the fused cast-transposes of their inputs
   (read 2 bytes, write 1 + 1) forward and of the output gradients backward.
 - the head on the last stage: (T, V / t, h) forward and its two backward GEMMs, and the loss's softmax.
 
@@ -38,6 +39,10 @@ _CACHE: dict = {}
 # TorchDispatchMode over a Llama-style layer, no dropout); a fused framework (Megatron-Core / Transformer Engine:
 # fused norms, bias-dropout-add, SwiGLU, RoPE) about 10 and 20.
 OPS_PER_LAYER = {"tensorpar": (68, 133), "fused": (10, 20)}
+# Of tensorpar's, those outside the TP regions, on the sequence shard under SP: the two RMSNorms (7 aten operators
+# forward and 19 backward each, counted with a TorchDispatchMode) and the two residual adds (and their gradients'
+# sums). The rest run on full-sequence tensors inside the regions, which SP does not shrink.
+OPS_OUTSIDE_TP = (2 * 7 + 2, 2 * 19 + 2)
 
 
 def _gemms_time(gemms, cluster, dtype, nbytes) -> tuple[float, float]:
@@ -128,7 +133,9 @@ def layer_parts(cfg, layout: Layout, b: int, s: int, prec, cluster, moe: bool, f
         cast_f, cast_b = _cast_bytes(attn_gemms + mlp_gemms)
     k_fwd, k_bwd = OPS_PER_LAYER["tensorpar" if prec.activations == "tensorpar" else "fused"]
     if prec.activations == "tensorpar":  # unfused: every operator reads and writes about one activation
-        elem_f, elem_b = max(elem, 2 * k_fwd * tok_h * A), max(2 * elem, 2 * k_bwd * tok_h * A)
+        (o_fwd, o_bwd), full_h = OPS_OUTSIDE_TP, T * h
+        elem_f = max(elem, 2 * (o_fwd * tok_h + (k_fwd - o_fwd) * full_h) * A)
+        elem_b = max(2 * elem, 2 * (o_bwd * tok_h + (k_bwd - o_bwd) * full_h) * A)
     else:
         elem_f, elem_b = elem, 2 * elem
     e_fwd = memory_time(elem_f + cast_f, hbm, curve, k_fwd)
