@@ -6,7 +6,7 @@ shards that do not split evenly; the whole model trains the same with overlap on
 import pytest
 import torch
 
-from tensorpar.layers.tp_overlap import _pieces
+from tensorpar.layers.tp_overlap import _pieces, sp_pieces
 
 from harness import mesh
 from test_linear import check_mlp
@@ -39,6 +39,9 @@ def test_a_single_sequence_is_cut_along_the_sequence(pools, tp):
 def test_pieces_divide_the_shard():
     assert [_pieces(n, 2) for n in (1, 2, 3, 4, 6)] == [1, 2, 1, 2, 2]
     assert _pieces(12, 5) == 4 and _pieces(7, 4) == 1
+    # SP: batch slices where the micro-batch splits, else sequence slices of the shard
+    assert [sp_pieces(b, 6) for b in (1, 2, 3, 4)] == [2, 2, 2, 2] and sp_pieces(1, 3) == 1 and sp_pieces(3, 3) == 1
+    assert sp_pieces(4, 3, chunks=4) == 4 and sp_pieces(1, 12, chunks=4) == 4
 
 
 def check_async_op_is_timed():

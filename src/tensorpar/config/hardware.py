@@ -46,7 +46,7 @@ class GPUSpec:
     inter_node: Link  # InfiniBand / RoCE, per GPU per direction
     source: str = ""
     # the library that runs its collectives: "nccl" (GPUs) or "gloo" (CPU processes, a calibrated CPU profile),
-    # whose reduce-scatter is a full all-reduce (see `tensorpar.planning.communication.collectives_time`)
+    # whose transfers run on the cores the ranks compute on (see `tensorpar.planning.cluster.make_cluster`)
     collectives: str = "nccl"
 
     def peak(self, dtype: str) -> float:

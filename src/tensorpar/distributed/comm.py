@@ -140,7 +140,7 @@ def _reduce_scatter_by_all_to_all(output, tensor, op=None, group=None, async_op=
     torch's time for 4.2 MB at 2 and 3 ranks on this project's 2-core machine (bench/reduce_scatter_gloo.py).
     The blocks are summed in group-rank order. Same signature as torch's reduce_scatter_tensor."""
     size = dist.get_world_size(group)
-    received = torch.empty_like(tensor).view(-1)
+    received = tensor.new_empty(tensor.numel())
     work = dist.all_to_all_single(received, tensor.reshape(-1), group=group, async_op=async_op)
 
     def finish():

@@ -48,6 +48,18 @@ def _pieces(length: int, chunks: int) -> int:
     return max(k for k in range(1, max(1, min(chunks, length)) + 1) if length % k == 0)
 
 
+def _by_batch(batch: int, chunks: int) -> bool:
+    """Whether the SP pieces are batch slices (the micro-batch holds at least two sequences to split)."""
+    return _pieces(batch, chunks) > 1
+
+
+def sp_pieces(batch: int, shard_len: int, chunks: int = DEFAULT_CHUNKS) -> int:
+    """How many pieces the SP overlap sends each gather and reduce-scatter of a micro-batch of `batch` sequences
+    in (`shard_len`: the sequence positions per rank): batch slices where there are two sequences or more, else
+    sequence slices."""
+    return _pieces(batch, chunks) if _by_batch(batch, chunks) else _pieces(shard_len, chunks)
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the GEMMs run in: autocast's where it is on (as F.linear's would), else x's. Collectives keep the
     dtypes the plain path sends (the activation's and its gradient's), so the bytes are the same."""
@@ -76,7 +88,7 @@ def _weight_grads(dys, x, needs) -> list:
 def _gathered_linears(x, group: Group, chunks: int, weights, biases, dtype):
     """All-gather the sequence shards `x` [B, s, H] in pieces, computing each piece's linears as it arrives.
     Returns (the gathered [B, tp*s, H] input, the outputs [B, tp*s, out_i])."""
-    if _pieces(x.shape[0], chunks) > 1:
+    if _by_batch(x.shape[0], chunks):
         return _gathered_linears_by_batch(x, group, chunks, weights, biases, dtype)
     b, s, h = x.shape
     tp, k = group.size, _pieces(s, chunks)
@@ -167,7 +179,7 @@ class _ColumnParallelIn(torch.autograd.Function):
 def _reduced_product(x, weight, group: Group, sequence_parallel: bool, chunks: int):
     """x W^T summed over the group (SP: reduce-scattered along the sequence), in pieces whose collectives start
     as soon as each piece's GEMM is done."""
-    if sequence_parallel and _pieces(x.shape[0], chunks) > 1:
+    if sequence_parallel and _by_batch(x.shape[0], chunks):
         return _reduce_scattered_product_by_batch(x, weight, group, chunks)
     if sequence_parallel:
         b, seq, n_in = x.shape
@@ -236,6 +248,28 @@ def _gathered_grad_products_by_batch(dy, x, weight, group: Group, chunks: int):
     return dx, dw
 
 
+def _gathered_grad_products_by_sequence(dy, x, weight, group: Group, chunks: int):
+    """`_gathered_grad_products_by_batch` with the pieces along the sequence (a micro-batch of one sequence)."""
+    b, seq, n_in = x.shape
+    tp = group.size
+    s = seq // tp
+    k = _pieces(s, chunks)
+    c = s // k
+    pieces = [dy[:, j * c:(j + 1) * c].contiguous() for j in range(k)]
+    received = [dy.new_empty((tp * b, c, dy.shape[-1])) for _ in range(k)]
+    pending = [group.all_gather_async(received[j], pieces[j]) for j in range(k)]
+    x_pieces = x.view(b, tp, k, c, n_in)
+    dx = x.new_empty((b, tp, k, c, n_in))
+    dw = None
+    for j in range(k):
+        pending[j].wait()
+        g = received[j].view(tp, b, c, -1)
+        dx[:, :, j] = torch.matmul(g, weight).transpose(0, 1)
+        part = _flat(g).t().mm(_flat(x_pieces[:, :, j].transpose(0, 1)))
+        dw = part if dw is None else dw.add_(part)
+    return dx.view(b, seq, n_in), dw
+
+
 class _RowParallelOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group: Group, sequence_parallel: bool, chunks: int):
@@ -256,34 +290,16 @@ class _RowParallelOut(torch.autograd.Function):
         if not ctx.sequence_parallel:
             return (torch.matmul(dy, weight).to(x_dtype), _flat(dy).t().mm(_flat(x)).to(w_dtype), db,
                     None, None, None)
-        group, tp = ctx.group, ctx.group.size
+        group = ctx.group
         # Each rank saw its sequence shard only: the replicated bias's gradient is summed over the ranks,
         # travelling while the all-gather and the GEMMs below run.
         bias_pending = group.all_reduce_async(db) if db is not None else None
-        if _pieces(x.shape[0], ctx.chunks) > 1:
-            dx, dw = _gathered_grad_products_by_batch(dy, x, weight, group, ctx.chunks)
-            if bias_pending is not None:
-                bias_pending.wait()
-            return dx.to(x_dtype), dw.to(w_dtype), db, None, None, None
-        b, seq, n_in = x.shape
-        s = seq // tp
-        k = _pieces(s, ctx.chunks)
-        c = s // k
-        pieces = [dy[:, j * c:(j + 1) * c].contiguous() for j in range(k)]
-        received = [dy.new_empty((tp * b, c, dy.shape[-1])) for _ in range(k)]
-        pending = [group.all_gather_async(received[j], pieces[j]) for j in range(k)]
-        x_pieces = x.view(b, tp, k, c, n_in)
-        dx = x.new_empty((b, tp, k, c, n_in))
-        dw = None
-        for j in range(k):
-            pending[j].wait()
-            g = received[j].view(tp, b, c, -1)
-            dx[:, :, j] = torch.matmul(g, weight).transpose(0, 1)
-            part = _flat(g).t().mm(_flat(x_pieces[:, :, j].transpose(0, 1)))
-            dw = part if dw is None else dw.add_(part)
+        by_batch = _by_batch(x.shape[0], ctx.chunks)
+        gathered_grad_products = _gathered_grad_products_by_batch if by_batch else _gathered_grad_products_by_sequence
+        dx, dw = gathered_grad_products(dy, x, weight, group, ctx.chunks)
         if bias_pending is not None:
             bias_pending.wait()
-        return dx.view(b, seq, n_in).to(x_dtype), dw.to(w_dtype), db, None, None, None
+        return dx.to(x_dtype), dw.to(w_dtype), db, None, None, None
 
 
 class _CopyParamsToTP(torch.autograd.Function):

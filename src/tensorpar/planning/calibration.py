@@ -191,9 +191,7 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, qu
                     dist.all_gather(gathered, out)
                 elif op == "reduce_scatter":  # tensorpar's own (on gloo: all-to-all + local sum)
                     group.reduce_scatter_async(out, x).wait()
-                elif op == "all_to_all" and backend == "nccl":
-                    dist.all_to_all_single(torch.empty_like(x), x)
-                elif op == "all_to_all":
+                elif op == "all_to_all":  # a fresh receive buffer per call, as Group.all_to_all makes
                     dist.all_to_all_single(torch.empty_like(x), x)
                 elif rank == 0:
                     dist.send(x, 1)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.layers.tp_overlap import DEFAULT_CHUNKS
+from tensorpar.layers.tp_overlap import DEFAULT_CHUNKS, sp_pieces
 from tensorpar.models.flops import train_flops_per_token
 from tensorpar.planning.communication import (
     collectives_time,
@@ -85,10 +85,15 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True):
         fwd, bwd, wgrad = train / 3.0, train * 2.0 / 3.0, train / 3.0
     else:
         fwd, bwd, wgrad, recompute, attention = stage_compute_time(cfg, layout, b, s, stage, prec, cluster, flash)
-    # tensorpar trains with its TP overlap on, whose chunked collectives pay the latency once per piece; the
+    # tensorpar trains with its TP overlap on, whose chunked collectives pay the latency once per piece (the
+    # counts tp_overlap's code uses: under SP `sp_pieces`, else the row product's DEFAULT_CHUNKS row blocks); the
     # zero-bubble schedules' split backward turns it off
-    pieces = (DEFAULT_CHUNKS if prec.activations == "tensorpar" and layout.schedule not in ("zb-h1", "zbv")
-              and s % DEFAULT_CHUNKS == 0 else 1)
+    if prec.activations != "tensorpar" or layout.schedule in ("zb-h1", "zbv"):
+        pieces = 1
+    elif layout.sp:
+        pieces = sp_pieces(b, s // layout.cp // layout.tp)
+    else:
+        pieces = min(DEFAULT_CHUNKS, b * s // layout.cp)
     colls = model_collectives(cfg, layout, b, s, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                               grad_bytes=prec.grad_bytes, stage=stage if layout.pp > 1 else None,
                               scatter_gather=prec.activations == "playbook", tp_pieces=pieces)
