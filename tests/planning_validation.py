@@ -39,20 +39,29 @@ SOFTWARE = {
     # no TP overlap, no sequence parallelism or distributed optimizer yet.
     "megatron-2021": dict(precision="mixed-bf16", flash=False, overlap=0.0, tp_overlap=0.0,
                           space=dict(sequence_parallel=(False,), zero=(0,), recompute=("full",))),
+    # The same with PyTorch's DistributedDataParallel (`--DDP-impl torch`, what examples/sc21/run_table_1.sh
+    # sets without pipeline parallelism): its bucketed all-reduces overlap the backward.
+    "megatron-2021-torch-ddp": dict(precision="mixed-bf16", flash=False, overlap=1.0, tp_overlap=0.0,
+                                    space=dict(sequence_parallel=(False,), zero=(0,), recompute=("full",))),
     # Llama 3 (Meta, 2024): bf16, flash attention, FSDP-style sharding overlapped with compute; TP overlap not
     # stated.
     "llama3": dict(precision="mixed-bf16", flash=True, overlap=1.0, tp_overlap=0.0,
                    space=dict(sequence_parallel=(True,), zero=(1,))),
     # NeMo 24.12 / Megatron-Core with Transformer Engine fp8: --tp-comm-overlap, --overlap-grad-reduce,
-    # --overlap-param-gather, the distributed optimizer, sequence parallelism with TP.
-    "nemo-fp8": dict(precision="megatron-fp8", flash=True, overlap=1.0, tp_overlap=0.8,
+    # --overlap-param-gather, the distributed optimizer, sequence parallelism with TP, and the interleaved
+    # schedule's p2p overlapped (overlap_p2p_comm: True in NVIDIA/NeMo-Framework-Launcher's gpt3/175b.yaml,
+    # llama/llama3_70b.yaml and llama2_70b.yaml; NeMo 2.0's MegatronCommOverlapCallback sets it whenever PP > 1
+    # and VP > 1).
+    "nemo-fp8": dict(precision="megatron-fp8", flash=True, overlap=1.0, tp_overlap=0.8, pp_overlap=1.0,
                      space=dict(zero=(1,), sequence_parallel=(True,))),
     # torchtitan (2024) FSDP2: bf16 parameters, fp32 gradient reduction, all-gathers prefetched behind compute.
     "torchtitan": dict(precision="megatron-bf16", flash=True, overlap=1.0, tp_overlap=0.0,
                        space=dict(zero=(3,))),
 }
 
-NARAYANAN = "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM'"
+NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
+             "Megatron-LM', Table 1; micro-batch, virtual stages, recomputation and DDP from the authors' "
+             "NVIDIA/Megatron-LM examples/sc21/run_table_1.sh")
 MTNLG = ("Smith et al. 2022, 'Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B', section 2.4 "
          "(quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md)")
 LLAMA3 = ("Llama Team 2024, 'The Llama 3 Herd of Models', Table 4 (also Balaji, SC'24 slide, quoted at "
@@ -77,10 +86,31 @@ class Run:
     source: str
 
 
+# Narayanan et al. 2021, Table 1 (weak scaling on Selene's A100 80 GB, sequence 2048): (name, heads, hidden,
+# layers, TP, PP, GPUs, batch, TFLOP/s per GPU) from the paper, and (micro-batch, virtual stages) from
+# run_table_1.sh (``--num-layers-per-virtual-pipeline-stage`` L gives layers / PP / L chunks; none: 1). Every row
+# has full recomputation (``--activations-checkpoint-method uniform``); DDP is PyTorch's without pipeline
+# parallelism, Megatron's local one (all-reduce after the flush) with it.
+_TABLE_1 = [
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1),
+    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1),
+    ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1),
+    ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2),
+    ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+    ("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1),
+]
+
 RUNS = [
-    Run("GPT 1T", _gpt(25600, 128, 160), "a100-80gb", 3072, 2048, 3072, "megatron-2021",
-        dict(tp=8, pp=64, dp=6, cp=1, micro_batch_size=1), "megatron_tflops", 163e12,
-        NARAYANAN + " (abstract: 502 PFLOP/s on 3072 GPUs; layout 8 x 64 x 6)"),
+    Run(f"Megatron-LM GPT {name}", _gpt(hidden, layers, heads), "a100-80gb", gpus, 2048, batch,
+        "megatron-2021" if pp > 1 else "megatron-2021-torch-ddp",
+        dict(tp=tp, pp=pp, dp=gpus // (tp * pp), cp=1, micro_batch_size=mbs, virtual_stages=v, recompute="full"),
+        "megatron_tflops", tflops * 1e12, NARAYANAN)
+    for name, heads, hidden, layers, tp, pp, gpus, batch, tflops, mbs, v in _TABLE_1
+] + [
     Run("MT-NLG 530B, 2240 GPUs", _gpt(20480, 105, 128), "a100-80gb", 2240, 2048, 1920, "megatron-2021",
         dict(tp=8, pp=35, dp=8, cp=1), "step_s", 60.1, MTNLG),
     Run("MT-NLG 530B, 2800 GPUs", _gpt(20480, 105, 128), "a100-80gb", 2800, 2048, 1920, "megatron-2021",
@@ -116,7 +146,8 @@ RUNS = [
 
 def cluster_for(run: Run):
     sw = SOFTWARE[run.software]
-    return make_cluster(run.gpu, run.gpus, overlap=sw["overlap"], tp_overlap=sw["tp_overlap"])
+    return make_cluster(run.gpu, run.gpus, overlap=sw["overlap"], tp_overlap=sw["tp_overlap"],
+                        pp_overlap=sw.get("pp_overlap", 0.0))
 
 
 def _space(run: Run, mesh_fixed: bool) -> dict:
@@ -128,7 +159,7 @@ def _space(run: Run, mesh_fixed: bool) -> dict:
         space["recompute"] = (lay["recompute"],)
     v = lay.get("virtual_stages")
     space["virtual_stages"] = (v,) if v else (1, 2, 3, 4)
-    space["schedules"] = ("interleaved",) if v and v > 1 else ("1f1b", "interleaved")
+    space["schedules"] = (("interleaved",) if v > 1 else ("1f1b",)) if v else ("1f1b", "interleaved")
     if "micro_batch_size" in lay:
         space["micro_batch_sizes"] = (lay["micro_batch_size"],)
     else:

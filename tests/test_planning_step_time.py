@@ -37,3 +37,18 @@ def test_step_time_model_bubble_flops_and_mfu():
     inter = step_time.predict_step_time(cfg, Layout(tp=8, dp=2), cluster.make_cluster("h100", 16, gpus_per_node=4),
                                         4096, 32)
     assert inter.tp_comm_s > 5 * intra.tp_comm_s
+
+
+def test_pp_overlap_hides_only_the_interleaved_schedules_sends():
+    cfg = get_config("llama-8b")
+    exposed, hidden = (cluster.make_cluster("h100-80gb", 64, pp_overlap=f) for f in (0.0, 1.0))
+    for v in (1, 2):
+        lay = Layout(tp=8, pp=4, dp=2, micro_batch_size=1, virtual_stages=v)
+        a, b = (step_time.predict_step_time(cfg, lay, c, 4096, 64, "mixed-bf16") for c in (exposed, hidden))
+        assert a.pp_comm_s > 0
+        if v == 1:  # Megatron-Core overlaps p2p only in the interleaved schedule
+            assert b.pp_comm_s == a.pp_comm_s
+        else:
+            assert b.pp_comm_s == 0 and b.step_time_s < a.step_time_s
+    with pytest.raises(Exception, match="p2p overlap must be in"):
+        cluster.make_cluster("h100-80gb", 8, pp_overlap=1.5)

@@ -12,6 +12,9 @@ shape, attention, memory bandwidth) and the efficiency knobs of the step-time mo
   a calibrated profile's links are measured, so `plan --hardware` uses 1.
 - ``tp_overlap``: the fraction of TP/SP collectives hidden behind the GEMMs they feed (Megatron-LM's
   ``--tp-comm-overlap``, userbuffers); default 0 (tensorpar, and Megatron-LM before 2023, overlap none).
+- ``pp_overlap``: the fraction of the interleaved pipeline's point-to-point sends hidden behind the next
+  chunk's compute (Megatron-Core's ``--overlap-p2p-communication``, which NeMo sets whenever the virtual
+  pipeline size is above 1); default 0 (tensorpar's sends and receives are waited for where they are issued).
 - ``overlap``: the fraction of the data-parallel (and ZeRO) communication that can hide behind
   the backward computation it overlaps with (see `step_time`). Default 0.5: bucketed overlap as in
   PyTorch DDP / tensorpar's `DistributedOptimizer` starts a bucket's collective as soon as the
@@ -52,6 +55,7 @@ class Cluster:
     curve: DeviceCurve | None = None
     link_efficiency: float = DEFAULT_LINK_EFFICIENCY
     tp_overlap: float = 0.0
+    pp_overlap: float = 0.0
 
     def __post_init__(self):
         problems = []
@@ -69,6 +73,8 @@ class Cluster:
             problems.append(f"the link efficiency must be in (0, 1], got {self.link_efficiency}")
         if not 0 <= self.tp_overlap <= 1:
             problems.append(f"the TP overlap must be in [0, 1], got {self.tp_overlap}")
+        if not 0 <= self.pp_overlap <= 1:
+            problems.append(f"the pipeline p2p overlap must be in [0, 1], got {self.pp_overlap}")
         if problems:
             raise TensorparError("invalid cluster: " + "; ".join(problems))
         if self.intra is None:
@@ -119,6 +125,7 @@ def make_cluster(
     curve: DeviceCurve | None = None,
     link_efficiency: float | None = None,
     tp_overlap: float | None = None,
+    pp_overlap: float | None = None,
 ) -> Cluster:
     """A Cluster from a catalog name (or a `GPUSpec`, e.g. a calibrated profile's, with its `curve`) with any
     figure overridden (bandwidths in bytes/s, latencies in s)."""
@@ -136,4 +143,5 @@ def make_cluster(
         (0.0 if spec.collectives == "gloo" else DEFAULT_OVERLAP) if overlap is None else overlap, curve,
         DEFAULT_LINK_EFFICIENCY if link_efficiency is None else link_efficiency,
         0.0 if tp_overlap is None else tp_overlap,
+        0.0 if pp_overlap is None else pp_overlap,
     )

@@ -75,7 +75,8 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True):
     all-to-alls) seconds of one micro-batch on one stage. Compute: every kernel timed on the device
     (`kernels.stage_compute_time`), or with a flat ``cluster.mfu_ceiling`` all FLOPs at that fraction of peak,
     shared by the stage's tp x cp ranks. The context-parallel ring hides behind the attention it feeds; what is
-    longer than that attention is exposed. TP collectives are exposed but for ``cluster.tp_overlap``."""
+    longer than that attention is exposed. TP collectives are exposed but for ``cluster.tp_overlap``, the
+    interleaved schedule's sends but for ``cluster.pp_overlap``."""
     ranks = layout.tp * layout.cp
     if cluster.mfu_ceiling is not None:
         rate = cluster.peak(prec.compute_dtype) * cluster.mfu_ceiling
@@ -103,6 +104,8 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True):
     ep = collectives_time([c for c in colls if c.group == "ep"], cluster, layout, algorithm)
     tp_time = collectives_time(tp, cluster, layout, algorithm) * (1.0 - cluster.tp_overlap)
     pp_time = collectives_time(sends, cluster, layout, algorithm) * (2 if layout.schedule == "zbv" else 1)
+    if layout.virtual_stages > 1:
+        pp_time *= 1.0 - cluster.pp_overlap
     return StageTime(fwd, bwd, wgrad, recompute, tp_time, pp_time,
                      max(0.0, ring - attention), ep)
 
