@@ -43,6 +43,12 @@ SOFTWARE = {
     # sets without pipeline parallelism): its bucketed all-reduces overlap the backward.
     "megatron-2021-torch-ddp": dict(precision="mixed-bf16", flash=False, overlap=1.0, tp_overlap=0.0,
                                     space=dict(sequence_parallel=(False,), zero=(0,), recompute=("full",))),
+    # Megatron-LM 2022 (Korthikanti et al.): as 2021, with sequence parallelism and selective recomputation
+    # available; no data parallelism in most runs, and "we do not use any overlapping of gradient all-reduces with
+    # back-propagation". Its backward overlaps the TP all-reduce with the weight-gradient GEMMs except under full
+    # recomputation, which one cluster-wide TP overlap fraction cannot say; left at 0.
+    "megatron-2022": dict(precision="mixed-bf16", flash=False, overlap=0.0, tp_overlap=0.0,
+                          space=dict(zero=(0,))),
     # Llama 3 (Meta, 2024): bf16, flash attention, FSDP-style sharding overlapped with compute; TP overlap not
     # stated.
     "llama3": dict(precision="mixed-bf16", flash=True, overlap=1.0, tp_overlap=0.0,
@@ -64,6 +70,9 @@ NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Train
              "NVIDIA/Megatron-LM examples/sc21/run_table_1.sh")
 MTNLG = ("Smith et al. 2022, 'Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B', section 2.4 "
          "(quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md)")
+KORTHIKANTI = ("Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models', Tables 3 "
+               "and 5 (iteration times, full recomputation and selective recomputation + sequence parallelism) and "
+               "section 6 (three interleaved chunks for 175B and 530B; the 530B run at data-parallel size 8)")
 LLAMA3 = ("Llama Team 2024, 'The Llama 3 Herd of Models', Table 4 (also Balaji, SC'24 slide, quoted at "
           "glennklockwood.com/garden/llama-3.1)")
 NEMO = ("NVIDIA NeMo Framework 24.12 performance summary, pre-training table (FP8, H100) "
@@ -111,6 +120,24 @@ RUNS = [
         "megatron_tflops", tflops * 1e12, NARAYANAN)
     for name, heads, hidden, layers, tp, pp, gpus, batch, tflops, mbs, v in _TABLE_1
 ] + [
+    # Korthikanti et al. 2022, Table 3 (heads, hidden, layers, TP, PP, GPUs, batch = GPUs / TP, micro-batch 1 but
+    # 22B's 4) and Table 5 (iteration seconds: full recomputation, then selective + sequence parallel); A100 80 GB,
+    # sequence 2048, vocabulary 51,200, no data parallelism; 1T (2 layers per stage) cannot take 3 chunks: 1.
+    Run(f"Megatron-LM 2022 GPT {name}, {mode}", _gpt(hidden, layers, heads), "a100-80gb", gpus, 2048, batch,
+        "megatron-2022", dict(tp=8, pp=pp, dp=1, cp=1, micro_batch_size=mbs, virtual_stages=v,
+                              recompute="full" if mode == "full recompute" else "selective",
+                              sequence_parallel=mode != "full recompute"), "step_s", seconds, KORTHIKANTI)
+    for name, heads, hidden, layers, pp, gpus, batch, mbs, v, full_s, selective_s in [
+        ("22B", 64, 6144, 48, 1, 8, 4, 4, 1, 1.42, 1.10),
+        ("175B", 96, 12288, 96, 8, 64, 64, 1, 3, 18.13, 13.75),
+        ("530B", 128, 20480, 105, 35, 280, 280, 1, 3, 49.05, 37.83),
+        ("1T", 160, 25600, 128, 64, 512, 512, 1, 1, 94.42, 71.49),
+    ]
+    for mode, seconds in (("full recompute", full_s), ("selective + SP", selective_s))
+] + [
+    Run("Megatron-LM 2022 GPT 530B, selective + SP, DP 8", _gpt(20480, 105, 128), "a100-80gb", 2240, 2048, 2240,
+        "megatron-2022", dict(tp=8, pp=35, dp=8, cp=1, micro_batch_size=1, virtual_stages=3, recompute="selective",
+                              sequence_parallel=True), "step_s", 39.15, KORTHIKANTI),
     Run("MT-NLG 530B, 2240 GPUs", _gpt(20480, 105, 128), "a100-80gb", 2240, 2048, 1920, "megatron-2021",
         dict(tp=8, pp=35, dp=8, cp=1), "step_s", 60.1, MTNLG),
     Run("MT-NLG 530B, 2800 GPUs", _gpt(20480, 105, 128), "a100-80gb", 2800, 2048, 1920, "megatron-2021",
@@ -152,7 +179,9 @@ def cluster_for(run: Run):
 
 def _space(run: Run, mesh_fixed: bool) -> dict:
     sw = SOFTWARE[run.software]
-    lay = run.layout
+    # Ranking the meshes, each takes its best knobs (what a user of the planner gets); the published mesh's
+    # prediction keeps the knobs its source states.
+    lay = run.layout if mesh_fixed else {k: run.layout[k] for k in ("tp", "pp", "dp", "cp") if k in run.layout}
     space = dict(sw["space"])
     space.setdefault("recompute", ("none", "selective", "full"))
     if "recompute" in lay:
@@ -160,6 +189,8 @@ def _space(run: Run, mesh_fixed: bool) -> dict:
     v = lay.get("virtual_stages")
     space["virtual_stages"] = (v,) if v else (1, 2, 3, 4)
     space["schedules"] = (("interleaved",) if v > 1 else ("1f1b",)) if v else ("1f1b", "interleaved")
+    if "sequence_parallel" in lay:
+        space["sequence_parallel"] = (lay["sequence_parallel"],)
     if "micro_batch_size" in lay:
         space["micro_batch_sizes"] = (lay["micro_batch_size"],)
     else:
