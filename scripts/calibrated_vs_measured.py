@@ -8,9 +8,9 @@
    TP 2 + SP, PP 2, DP 2 with ZeRO-1; measured = the median step time after the first step;
 3. the planner's step time for the same layout with `plan --hardware` of the matching profile.
 
-With ``--repeats R`` each layout is trained R times: measured = the median of the R runs' medians, and the
-spread (lowest - highest run median) is printed beside it, with the load average (`/proc/loadavg`, 1 minute)
-before the layout's runs. Profiles already in ``--out`` are reused: pass a fresh folder to calibrate again.
+With ``--repeats R`` each layout is trained R times, round-robin (every layout once, then again): measured = the
+median of the R runs' medians, and the spread (lowest - highest run median) is printed beside it, with the load
+average (`/proc/loadavg`, 1 minute) before each of the layout's runs. Profiles already in ``--out`` are reused: pass a fresh folder to calibrate again.
 Measuring on a shared, loaded machine is noisy: read the figures as provisional.
 """
 
@@ -84,34 +84,45 @@ def main():
               + f" (load {_load()})")
     print("| layout | processes | measured step s | spread of runs | predicted step s | error | load |")
     print("|---|---|---|---|---|---|---|")
-    for lay in LAYOUTS:
+    runs = {i: [] for i in range(len(LAYOUTS))}
+    loads = {i: [] for i in range(len(LAYOUTS))}
+    # Round-robin over the layouts (every layout once, then again): the machine's speed drifts over minutes, and
+    # measuring one layout's repeats back to back would put the drift into that layout's figure.
+    for _ in range(a.repeats):
+        for i, lay in enumerate(LAYOUTS):
+            loads[i].append(_load())
+            runs[i].append(_measure(model, lay, a.steps, work))
+    for i, lay in enumerate(LAYOUTS):
         tp, pp, dp = lay.get("tp", 1), lay.get("pp", 1), lay.get("dp", 1)
         world = tp * pp * dp
         mbs = lay.get("micro_batch_size", BATCH // dp)
-        metrics = pathlib.Path(work) / "metrics.jsonl"
-        args = ["train", "--model", model, "--tp", tp, "--pp", pp, "--dp", dp, "--steps", a.steps, "--seed", 0,
-                "--global-batch-size", BATCH, "--micro-batch-size", mbs, "--seq-len", SEQ, "--metrics", metrics,
-                "--recompute", lay.get("recompute", "none"), "--zero", lay.get("zero", 0)]
-        if lay.get("sequence_parallel"):
-            args.append("--sequence-parallel")
-        load = _load()
-        runs = []
-        for _ in range(a.repeats):
-            if metrics.exists():
-                metrics.unlink()
-            _cli(*args, cwd=work)
-            steps = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
-            runs.append(statistics.median(steps[1:] or steps))
-        measured = statistics.median(runs)
+        measured = statistics.median(runs[i])
         spec, curve = profiles[world]
         cluster = make_cluster(spec, world, gpus_per_node=world, curve=curve, link_efficiency=1.0)
         layout = Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=bool(lay.get("sequence_parallel")),
                         micro_batch_size=mbs, recompute=lay.get("recompute", "none"), zero=lay.get("zero", 0))
         plan = evaluate(MODEL, layout, cluster, SEQ, BATCH, "tensorpar-fp32")
         pred = plan.time.step_time_s if plan.time else float("nan")
-        print(f"| {layout.label()} | {world} | {measured:.3f} | {min(runs):.3f}-{max(runs):.3f} | {pred:.3f} | "
-              f"{100 * (pred / measured - 1):+.0f}% | {load} |")
+        print(f"| {layout.label()} | {world} | {measured:.3f} | {min(runs[i]):.3f}-{max(runs[i]):.3f} | {pred:.3f} | "
+              f"{100 * (pred / measured - 1):+.0f}% | {'/'.join(loads[i])} |")
         sys.stdout.flush()
+
+
+def _measure(model, lay, steps, work) -> float:
+    """One `tensorpar train` of the layout: the median step time after the first step."""
+    tp, pp, dp = lay.get("tp", 1), lay.get("pp", 1), lay.get("dp", 1)
+    mbs = lay.get("micro_batch_size", BATCH // dp)
+    metrics = pathlib.Path(work) / "metrics.jsonl"
+    args = ["train", "--model", model, "--tp", tp, "--pp", pp, "--dp", dp, "--steps", steps, "--seed", 0,
+            "--global-batch-size", BATCH, "--micro-batch-size", mbs, "--seq-len", SEQ, "--metrics", metrics,
+            "--recompute", lay.get("recompute", "none"), "--zero", lay.get("zero", 0)]
+    if lay.get("sequence_parallel"):
+        args.append("--sequence-parallel")
+    if metrics.exists():
+        metrics.unlink()
+    _cli(*args, cwd=work)
+    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()]
+    return statistics.median(times[1:] or times)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def test_calibrate_writes_a_profile_that_plan_hardware_uses(tmp_path, capsys):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(prof))
     spec, curve = calibration.load_profile(str(path))
-    assert spec.peak("fp32") == prof["peak_flops"]["fp32"] and curve.efficiency("fp32") == 1.0
+    assert spec.peak("fp32") == prof["peak_flops"]["fp32"]
+    assert curve.efficiency("fp32") == prof["curves"]["fp32"]["gemm_efficiency"] <= 1.0
     from tensorpar.cli import main
 
     assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(path),
@@ -91,3 +92,15 @@ def test_gloo_collectives_do_not_hide_behind_compute_by_default():
     assert make_cluster(specs["gloo"], 2, gpus_per_node=2, curve=curve_for("cpu")).overlap == 0.0
     assert make_cluster(specs["gloo"], 2, gpus_per_node=2, curve=curve_for("cpu"), overlap=0.3).overlap == 0.3
     assert make_cluster(specs["nccl"], 2, gpus_per_node=2, curve=curve_for("cpu")).overlap == DEFAULT_OVERLAP
+
+
+def test_fit_curve_recovers_the_level_below_the_best_measurement():
+    from tensorpar.planning.devices import DeviceCurve, gemm_time
+
+    truth = DeviceCurve("truth", {"fp32": 0.8, "bf16": 0.8}, 2, 64, 64, 16.0, 0.5, 5e-6, 1.0)
+    peak, hbm = 100e9, 20e9
+    shapes = [(m, n, k) for m in (64, 256, 1024) for n in (64, 256, 1024) for k in (64, 256, 1024)]
+    points = [{"m": m, "n": n, "k": k, "seconds": gemm_time(m, n, k, peak, hbm, truth, "fp32")} for m, n, k in shapes]
+    fit = calibration.fit_curve("fit", points, peak, hbm, 2, "fp32")
+    assert fit.efficiency("fp32") == pytest.approx(0.8)
+    assert (fit.tile_m, fit.k_overhead, fit.wave_quantization, fit.launch_s) == (64, 16.0, 0.5, 5e-6)

@@ -37,7 +37,8 @@ def run(args, argv=None) -> int:
         json.dump(profile, f, indent=1)
     for dt, peak in profile["peak_flops"].items():
         c = profile["curves"][dt]
-        print(f"{dt}: best GEMM {peak / 1e12:.3f} TFLOP/s; curve tile {c['tile_m']}, k_overhead {c['k_overhead']:.0f}, "
+        print(f"{dt}: best GEMM {peak / 1e12:.3f} TFLOP/s; curve level {c['gemm_efficiency']:.2f} of it, tile "
+              f"{c['tile_m']}, k_overhead {c['k_overhead']:.0f}, "
               f"wave quantization {c['wave_quantization']}, launch {c['launch_s'] * 1e6:.0f} us")
     print(f"memory bandwidth {profile['hbm_bandwidth'] / 1e9:.1f} GB/s")
     if "link" in profile:

@@ -9,8 +9,9 @@
   more than one GPU);
 
 and fits the `DeviceCurve` of `tensorpar.planning.devices` to the GEMM times (a small grid search over
-k_overhead, wave_quantization, launch and the tile, minimising the squared log error; the peak is the best
-measured rate, so ``gemm_efficiency`` is 1 by construction) and an alpha-beta `Link` to each collective's
+k_overhead, wave_quantization, launch, the tile and the level ``gemm_efficiency``, minimising the squared log
+error; the peak is the best measured rate, which one lucky timing can set, so the level the shapes share is
+fitted below it instead of pinned to it) and an alpha-beta `Link` to each collective's
 times (least squares of time = alpha x steps + bytes-moved / beta). `load_profile` turns the JSON back into
 a `GPUSpec` and a `DeviceCurve` for the planner.
 
@@ -121,18 +122,24 @@ def measure_attention(device, dtype: torch.dtype, peak: float, together=None) ->
     return min(1.0, flops / fwd / peak), min(1.0, 2.5 * flops / max(both - fwd, 1e-9) / peak)
 
 
+FIT_EFFICIENCIES = tuple(x / 100 for x in range(50, 101, 2))
+
+
 def fit_curve(name: str, points: list[dict], peak: float, hbm: float, units: int, dtype: str) -> DeviceCurve:
-    """The `DeviceCurve` whose `gemm_time` best matches the measured `points` (squared log error)."""
+    """The `DeviceCurve` whose `gemm_time` best matches the measured `points` (squared log error), its
+    ``gemm_efficiency`` (the fraction of `peak`, the best single measurement, that the shapes reach together)
+    fitted with the rest."""
     best, best_err = None, math.inf
     for tile in (32, 64, 128):
         for k_over in (0.0, 16.0, 64.0, 128.0, 256.0):
             for wq in (0.0, 0.5, 1.0):
                 for launch in (1e-6, 5e-6, 20e-6, 50e-6):
-                    c = DeviceCurve(name, {dtype: 1.0, "bf16": 1.0}, units, tile, tile, k_over, wq, launch, 1.0)
-                    err = sum(math.log(gemm_time(p["m"], p["n"], p["k"], peak, hbm, c, dtype) / p["seconds"]) ** 2
-                              for p in points)
-                    if err < best_err:
-                        best, best_err = c, err
+                    for eff in FIT_EFFICIENCIES:
+                        c = DeviceCurve(name, {dtype: eff, "bf16": eff}, units, tile, tile, k_over, wq, launch, 1.0)
+                        err = sum(math.log(gemm_time(p["m"], p["n"], p["k"], peak, hbm, c, dtype) / p["seconds"])
+                                  ** 2 for p in points)
+                        if err < best_err:
+                            best, best_err = c, err
     return best
 
 
@@ -249,6 +256,7 @@ def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None) -
         out["peak_flops"][dt] = peak
         out["curves"][dt] = {f.name: getattr(curve, f.name) for f in dataclasses.fields(curve)
                              if f.name not in ("name", "gemm_efficiency", "source", "attention_efficiency")}
+        out["curves"][dt]["gemm_efficiency"] = curve.efficiency(dt)
         out["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, _DTYPES[dt], peak, together))
     return out
 
@@ -316,5 +324,10 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
     fields = dict(next(iter(prof["curves"].values())))  # the first dtype measured (fp32 on CPU, bf16 on GPUs)
     if "attention_efficiency" in fields:
         fields["attention_efficiency"] = tuple(fields["attention_efficiency"])
-    curve = DeviceCurve(f"calibrated:{prof.get('name', path)}", {dt: 1.0 for dt in peaks}, **fields)
+    # each measured dtype's fitted level (profiles written before it was fitted: 1, the best rate)
+    efficiency = {dt: float(c.get("gemm_efficiency", 1.0)) for dt, c in prof["curves"].items()}
+    first = next(iter(efficiency.values()))
+    fields.pop("gemm_efficiency", None)
+    curve = DeviceCurve(f"calibrated:{prof.get('name', path)}", {dt: efficiency.get(dt, first) for dt in peaks},
+                        **fields)
     return spec, curve
