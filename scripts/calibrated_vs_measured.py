@@ -11,7 +11,8 @@
 With ``--repeats R`` each layout is trained R times, round-robin (every layout once, then again): measured = the
 median of the R runs' medians, and the spread (lowest - highest run median) is printed beside it, with the load
 average (`/proc/loadavg`, 1 minute) before each of the layout's runs. Profiles already in ``--out`` are reused: pass a fresh folder to calibrate again.
-Measuring on a shared, loaded machine is noisy: read the figures as provisional.
+Every run's figures go to ``--out``/results.json. Measuring on a shared, loaded machine is noisy: read the figures
+as provisional.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main():
         for i, lay in enumerate(LAYOUTS):
             loads[i].append(_load())
             runs[i].append(_measure(model, lay, a.steps, work))
+    rows = []
     for i, lay in enumerate(LAYOUTS):
         tp, pp, dp = lay.get("tp", 1), lay.get("pp", 1), lay.get("dp", 1)
         world = tp * pp * dp
@@ -106,6 +108,11 @@ def main():
         print(f"| {layout.label()} | {world} | {measured:.3f} | {min(runs[i]):.3f}-{max(runs[i]):.3f} | {pred:.3f} | "
               f"{100 * (pred / measured - 1):+.0f}% | {'/'.join(loads[i])} |")
         sys.stdout.flush()
+        rows.append({"layout": layout.label(), "processes": world, "runs_s": runs[i], "measured_s": measured,
+                     "predicted_s": pred, "error": pred / measured - 1, "load": loads[i]})
+    within = sum(abs(r["error"]) <= 0.15 for r in rows)
+    print(f"{within} of {len(rows)} within 15% (unrounded); every figure in {out / 'results.json'}")
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
 
 
 def _measure(model, lay, steps, work) -> float:
