@@ -77,3 +77,17 @@ def test_plan_precision_choices_are_the_planners_recipes():
     from tensorpar.planning.precision_recipes import PRECISIONS
 
     assert tuple(PRECISIONS) == PLAN_PRECISIONS
+
+
+def test_plan_pp_overlap_hides_the_interleaved_sends(capsys):
+    base = ["--model", "llama-8b", "--gpus", "64", "--gpu", "h100-80gb", "--seq-len", "4096",
+            "--global-batch-size", "64", "--tp", "8", "--pp", "4", "--schedule", "interleaved", "--virtual-stages", "2",
+            "--json", "--top", "1"]
+    rows = {}
+    for f in ("0", "1"):
+        assert _main(*base, "--pp-overlap", f) == 0
+        rows[f] = json.loads(capsys.readouterr().out)[0]
+    assert rows["0"]["virtual_stages"] == rows["1"]["virtual_stages"] == 2
+    assert rows["1"]["step_time_s"] < rows["0"]["step_time_s"]
+    assert _main(*base, "--pp-overlap", "1.5") == 2
+    assert "the pipeline p2p overlap must be in [0, 1], got 1.5" in capsys.readouterr().err

@@ -72,7 +72,7 @@ def _cluster(options):
         link_eff = 1.0 if link_eff is None else link_eff
     return make_cluster(
         gpu, options.gpus, gpus_per_node=options.gpus_per_node, memory_gib=options.memory_gib, curve=curve,
-        link_efficiency=link_eff, tp_overlap=options.tp_overlap,
+        link_efficiency=link_eff, tp_overlap=options.tp_overlap, pp_overlap=options.pp_overlap,
         intra_bandwidth=None if options.intra_bandwidth is None else options.intra_bandwidth * gb,
         inter_bandwidth=None if options.inter_bandwidth is None else options.inter_bandwidth * gb,
         intra_latency=None if options.intra_latency is None else options.intra_latency * us,

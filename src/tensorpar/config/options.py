@@ -241,6 +241,9 @@ class PlanOptions:
                                   group="layout mode")
     tp_overlap: float | None = option(None, "fraction of TP/SP communication hidden behind GEMMs (Megatron "
                                             "--tp-comm-overlap; default 0)", group="layout mode")
+    pp_overlap: float | None = option(None, "fraction of the interleaved schedule's point-to-point traffic hidden "
+                                            "behind compute (Megatron-Core --overlap-p2p-communication, on in NeMo; "
+                                            "default 0)", group="layout mode")
     link_efficiency: float | None = option(None, "fraction of the nominal link bandwidths collectives reach "
                                                  "(default 0.8; 1 with --hardware)", group="layout mode")
     json: bool = option(False, "print JSON instead of a table")
