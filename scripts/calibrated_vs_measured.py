@@ -10,9 +10,9 @@
 
 With ``--repeats R`` each layout is trained R times, round-robin (every layout once, then again): measured = the
 median of the R runs' medians, and the spread (lowest - highest run median) is printed beside it, with the load
-average (`/proc/loadavg`, 1 minute) before each of the layout's runs. Profiles already in ``--out`` are reused: pass a fresh folder to calibrate again.
-Every run's figures go to ``--out``/results.json. Measuring on a shared, loaded machine is noisy: read the figures
-as provisional.
+average (`/proc/loadavg`, 1 minute) before each of the layout's runs. Profiles already in ``--out`` are reused:
+pass a fresh folder to calibrate again. Every run's figures go to ``--out``/results.json. Measuring on a shared,
+loaded machine is noisy: read the figures as provisional.
 """
 
 from __future__ import annotations
@@ -95,9 +95,8 @@ def main():
             runs[i].append(_measure(model, lay, a.steps, work))
     rows = []
     for i, lay in enumerate(LAYOUTS):
-        tp, pp, dp = lay.get("tp", 1), lay.get("pp", 1), lay.get("dp", 1)
+        tp, pp, dp, mbs = _shape(lay)
         world = tp * pp * dp
-        mbs = lay.get("micro_batch_size", BATCH // dp)
         measured = statistics.median(runs[i])
         spec, curve = profiles[world]
         cluster = make_cluster(spec, world, gpus_per_node=world, curve=curve, link_efficiency=1.0)
@@ -115,10 +114,15 @@ def main():
     (out / "results.json").write_text(json.dumps(rows, indent=1))
 
 
+def _shape(lay) -> tuple[int, int, int, int]:
+    """(tp, pp, dp, micro-batch size) of one of `LAYOUTS`."""
+    tp, pp, dp = lay.get("tp", 1), lay.get("pp", 1), lay.get("dp", 1)
+    return tp, pp, dp, lay.get("micro_batch_size", BATCH // dp)
+
+
 def _measure(model, lay, steps, work) -> float:
     """One `tensorpar train` of the layout: the median step time after the first step."""
-    tp, pp, dp = lay.get("tp", 1), lay.get("pp", 1), lay.get("dp", 1)
-    mbs = lay.get("micro_batch_size", BATCH // dp)
+    tp, pp, dp, mbs = _shape(lay)
     metrics = pathlib.Path(work) / "metrics.jsonl"
     args = ["train", "--model", model, "--tp", tp, "--pp", pp, "--dp", dp, "--steps", steps, "--seed", 0,
             "--global-batch-size", BATCH, "--micro-batch-size", mbs, "--seq-len", SEQ, "--metrics", metrics,

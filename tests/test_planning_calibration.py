@@ -104,3 +104,15 @@ def test_fit_curve_recovers_the_level_below_the_best_measurement():
     fit = calibration.fit_curve("fit", points, peak, hbm, 2, "fp32")
     assert fit.efficiency("fp32") == pytest.approx(0.8)
     assert (fit.tile_m, fit.k_overhead, fit.wave_quantization, fit.launch_s) == (64, 16.0, 0.5, 5e-6)
+
+
+def test_an_unmeasured_dtype_takes_the_peak_and_level_it_is_aliased_to(tmp_path):
+    prof = calibration.calibrate("cpu", dtypes=("fp32",), shapes=[(32, 32, 32), (128, 128, 128)], measure_comm=False)
+    prof["peak_flops"]["bf16"] = prof["peak_flops"]["fp32"] / 4
+    prof["curves"]["bf16"] = {**prof["curves"]["fp32"], "gemm_efficiency": 0.5}
+    prof["curves"]["fp32"]["gemm_efficiency"] = 0.9
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    spec, curve = calibration.load_profile(str(path))
+    assert (spec.peak("tf32"), curve.efficiency("tf32")) == (spec.peak("fp32"), 0.9)
+    assert (spec.peak("fp8"), curve.efficiency("fp8")) == (spec.peak("bf16"), 0.5)

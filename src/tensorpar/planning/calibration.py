@@ -315,19 +315,17 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
         raise TensorparError(f"hardware profile '{path}' lacks {', '.join(missing)}: not a tensorpar calibrate output")
     link = Link(**prof["link"]) if "link" in prof else Link(10e9, 20e-6)
     peaks = dict(prof["peak_flops"])
+    # each measured dtype's fitted level of its peak (profiles written before it was fitted: 1, the best rate)
+    efficiency = {dt: float(prof["curves"].get(dt, {}).get("gemm_efficiency", 1.0)) for dt in peaks}
     for alias, src in (("bf16", "fp32"), ("fp32", "bf16"), ("tf32", "fp32"), ("fp8", "bf16")):
-        if alias not in peaks and src in peaks:
-            peaks[alias] = peaks[src]
+        if alias not in peaks and src in peaks:  # an unmeasured dtype runs at another's peak and level
+            peaks[alias], efficiency[alias] = peaks[src], efficiency[src]
     library = prof.get("collectives_library", "gloo" if prof.get("device") == "cpu" else "nccl")
     spec = GPUSpec(f"calibrated:{prof.get('name', path)}", int(prof["memory_bytes"]), peaks,
                    float(prof["hbm_bandwidth"]), link, link, f"tensorpar calibrate ({path})", library)
     fields = dict(next(iter(prof["curves"].values())))  # the first dtype measured (fp32 on CPU, bf16 on GPUs)
     if "attention_efficiency" in fields:
         fields["attention_efficiency"] = tuple(fields["attention_efficiency"])
-    # each measured dtype's fitted level (profiles written before it was fitted: 1, the best rate)
-    efficiency = {dt: float(c.get("gemm_efficiency", 1.0)) for dt, c in prof["curves"].items()}
-    first = next(iter(efficiency.values()))
     fields.pop("gemm_efficiency", None)
-    curve = DeviceCurve(f"calibrated:{prof.get('name', path)}", {dt: efficiency.get(dt, first) for dt in peaks},
-                        **fields)
+    curve = DeviceCurve(f"calibrated:{prof.get('name', path)}", efficiency, **fields)
     return spec, curve
