@@ -58,7 +58,7 @@ SOFTWARE = {
     # schedule's p2p overlapped (overlap_p2p_comm: True in NVIDIA/NeMo-Framework-Launcher's gpt3/175b.yaml,
     # llama/llama3_70b.yaml and llama2_70b.yaml; NeMo 2.0's MegatronCommOverlapCallback sets it whenever PP > 1
     # and VP > 1).
-    "nemo-fp8": dict(precision="megatron-fp8", flash=True, overlap=1.0, tp_overlap=0.8, pp_overlap=1.0,
+    "nemo-fp8": dict(precision="megatron-fp8-params", flash=True, overlap=1.0, tp_overlap=0.8, pp_overlap=1.0,
                      space=dict(zero=(1,), sequence_parallel=(True,))),
     # torchtitan (2024) FSDP2: bf16 parameters, fp32 gradient reduction, all-gathers prefetched behind compute.
     "torchtitan": dict(precision="megatron-bf16", flash=True, overlap=1.0, tp_overlap=0.0,

@@ -173,6 +173,11 @@ def test_fp8_linear_inputs_saved_in_one_byte_and_fp8_weight_caches():
     summary = planned_params.parameter_summary(cfg, 1, 1, 0, 1, None, 1)
     assert bf16.weight_copies == 0 and fp8.weight_copies == 2 * summary.layer_matmul_weights
     assert fp8.activations < bf16.activations and fp8.parameters == bf16.parameters
+    # NeMo 2.0's recipe: the fp8 weight and its transpose are the parameter (2 bytes, no bf16 copy beside them),
+    # gradients in bf16
+    params = memory.stage_memory(cfg, Layout(), s, 1, "megatron-fp8-params")
+    assert params.weight_copies == 0 and params.parameters == bf16.parameters
+    assert params.gradients * 2 == bf16.gradients and params.activations == fp8.activations
 
 
 def _zero_run(config_file, **layout):

@@ -11,7 +11,7 @@ ZERO_STAGES = (0, 1, 2, 3)  # what training runs (--zero)
 PLANNED_ZERO_STAGES = (0, 1, 2, 3)  # what the planner models
 BIN_DTYPES = ("uint16", "int32")  # raw token files (--bin-dtype)
 PLAN_PRECISIONS = ("tensorpar-bf16", "tensorpar-fp16", "tensorpar-bf16-autocast", "tensorpar-fp32", "mixed-bf16",
-                   "megatron-bf16", "megatron-fp8")  # plan --precision
+                   "megatron-bf16", "megatron-fp8", "megatron-fp8-params")  # plan --precision
 PLANNED_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")  # the pipeline schedules the planner models (plan --schedule)
 SEQUENCE_PARALLEL_SEARCH = ("both", "on", "off")  # plan --sequence-parallel
 CP_IMPLS = ("ring", "allgather")  # context-parallel attention (--cp-impl)

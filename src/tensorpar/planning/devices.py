@@ -24,8 +24,11 @@ Where the curves come from (`CURVES`):
 - ``gemm_efficiency`` is the *Maximum Achievable Matmul FLOPS* measured with bf16 inputs over a sweep of large
   shapes, divided by the datasheet peak: stas00/ml-engineering, compute/accelerator/README.md, "Maximum
   Achievable Matmul FLOPS comparison table" (A100 SXM 267.9 of 312 = 85.9%, H100 SXM 794.5 of 989 = 80.3%,
-  "H100/H200 SXM" one row, B200 SXM 1745 of 2250 = 77.6%, MI300X 781.9 of 1300 = 60.1%; fp8: H200 1453.4 of
-  1979 = 73.4%, B200 3432.5 of 4500 = 76.3%; H100 fp8 taken as H200's, the same die).
+  "H100/H200 SXM" one row, B200 SXM 1745 of 2250 = 77.6%, MI300X 781.9 of 1300 = 60.1%; fp8
+  (``float8_e4m3fn`` through ``torch._scaled_mm``): H100 SXM 1402.6 of 1979 = 70.9% (torch 2.7.0+cu126, best
+  shape 1024x9216x14336; the table's version at commit b9e29720), H200 1453.4 of 1979 = 73.4%, B200 3432.5 of
+  4500 = 76.3%). These are the best of a sweep on a GPU measured for seconds; a training run holds the GPU at
+  its power limit for hours, which these figures do not capture.
 - the *shape* of the curve (units = SM / CU count from the datasheets, a 128 x 256 output tile, k_overhead,
   wave_quantization, launch) is the roofline-and-tiling model above, not a fit to each device: the tile is
   CUTLASS / cuBLAS's usual Hopper and Ampere bf16 tile, k_overhead = 128 (one k-block of prologue and one of
@@ -77,8 +80,8 @@ _MAMF = "stas00/ml-engineering compute/accelerator/README.md, Maximum Achievable
 CURVES: dict[str, DeviceCurve] = {
     "a100": DeviceCurve("a100", {"bf16": 0.859, "fp32": 0.859}, units=108, attention_efficiency=(0.6, 0.5),
                         source=f"{_MAMF} (A100 SXM 267.9/312); 108 SMs"),
-    "h100": DeviceCurve("h100", {"bf16": 0.803, "fp8": 0.734, "fp32": 0.803}, units=132,
-                        source=f"{_MAMF} (H100/H200 SXM 794.5/989, fp8 H200 1453.4/1979); 132 SMs"),
+    "h100": DeviceCurve("h100", {"bf16": 0.803, "fp8": 0.709, "fp32": 0.803}, units=132,
+                        source=f"{_MAMF} (H100/H200 SXM 794.5/989, fp8 H100 SXM 1402.6/1979); 132 SMs"),
     "h200": DeviceCurve("h200", {"bf16": 0.803, "fp8": 0.734, "fp32": 0.803}, units=132,
                         source=f"{_MAMF} (H100/H200 SXM 794.5/989, fp8 1453.4/1979); 132 SMs"),
     "b200": DeviceCurve("b200", {"bf16": 0.776, "fp8": 0.763, "fp32": 0.776}, units=148,

@@ -373,7 +373,9 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
             transient += 2 * layer_weights // max(n_layers, 1)
         else:  # every micro-batch's forward makes its own copies: one set per chunk-forward in flight
             weight_copies = 2 * (chunks * layer_weights // layout.virtual_stages + head_weights)
-    elif prec.gemm_dtype == "fp8":  # Transformer Engine keeps each linear layer's fp8 weight and its fp8 transpose
+    elif prec.gemm_dtype == "fp8" and not prec.fp8_params:
+        # Transformer Engine keeps each linear layer's fp8 weight and its fp8 transpose beside the bf16 weight; with
+        # fp8 parameters those two are the weight (param_bytes = 2 counts them)
         weight_copies = 2 * summary.layer_matmul_weights
     subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)

@@ -21,6 +21,11 @@ megatron-bf16       2      4      4       8    Megatron-LM's bf16 default: gradi
 megatron-fp8        2      4      4       8    as megatron-bf16, with the linear layers' GEMMs in
                                                fp8 (Transformer Engine; `gemm_dtype`): their saved
                                                inputs in fp8, + 2 bytes per weight (fp8 caches)
+megatron-fp8-       2      2      4       8    what NeMo 2.0's fp8 recipes run: fp8 GEMMs as
+ params                                        megatron-fp8, with fp8 parameters (`fp8_param_gather`:
+                                               each linear weight held as fp8 plus its fp8
+                                               transpose, 2 bytes, no bf16 copy; the rest bf16) and
+                                               gradients reduced in bf16 (`grad_reduce_in_fp32=False`)
 ================  =====  =====  ======  =====  ==================================================
 
 AdamW keeps two fp32 states per parameter (exp_avg, exp_avg_sq) plus a one-element fp32
@@ -51,6 +56,7 @@ class Precision:
     zero_buffers_in_flight: bool = False  # count tensorpar's ZeRO-2/3 full gradient buffers in flight
     description: str = ""
     gemm_dtype: str = ""  # the dtype the GEMMs run in ("" : compute_dtype; "fp8": Transformer Engine's fp8 GEMMs)
+    fp8_params: bool = False  # linear weights held in fp8 (+ fp8 transpose) in place of bf16: no separate fp8 caches
 
     def __post_init__(self):
         if not self.gemm_dtype:
@@ -79,6 +85,12 @@ PRECISIONS: dict[str, Precision] = {
                                           "in fp8 (inputs cast per micro-batch, weights per step), attention and the "
                                           "rest in bf16; memory as megatron-bf16 but the linear layers' saved inputs "
                                           "in fp8 and the fp8 weight caches", gemm_dtype="fp8"),
+    "megatron-fp8-params": Precision("megatron-fp8-params", "bf16", 2, 2, 4, 8, "playbook", 2, 2, False,
+                                     description="NeMo 2.0's fp8 recipe (bf16_with_fp8_mixed: fp8_param_gather, "
+                                                 "grad_reduce_in_fp32=False): fp8 GEMMs, each linear weight held as "
+                                                 "fp8 and its fp8 transpose (2 bytes, as param_bytes counts it), "
+                                                 "bf16 gradients, fp32 master + AdamW",
+                                     gemm_dtype="fp8", fp8_params=True),
 }
 
 
