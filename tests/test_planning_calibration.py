@@ -116,3 +116,31 @@ def test_an_unmeasured_dtype_takes_the_peak_and_level_it_is_aliased_to(tmp_path)
     spec, curve = calibration.load_profile(str(path))
     assert (spec.peak("tf32"), curve.efficiency("tf32")) == (spec.peak("fp32"), 0.9)
     assert (spec.peak("fp8"), curve.efficiency("fp8")) == (spec.peak("bf16"), 0.5)
+
+
+def test_fp8_gemms_and_a_sustained_run_are_measured_and_the_kept_rate_scales_the_level(tmp_path):
+    # fp8 through torch._scaled_mm (on CPU too, so this runs here); --sustain runs the best shape back to back
+    prof = calibration.calibrate("cpu", dtypes=("fp32", "fp8"), shapes=[(32, 32, 32), (64, 64, 64)],
+                                 measure_comm=False, sustain_s=0.3)
+    assert prof["peak_flops"]["fp8"] > 0 and len(prof["gemms"]["fp8"]) == 2
+    assert "attention_efficiency" not in prof["curves"]["fp8"]  # fp8 linears run attention in bf16
+    run = prof["sustained"]["fp8"]
+    assert run["seconds"] >= 0.3 and len(run["windows"]) >= 2 and 0 < run["ratio"] <= 1.0
+    assert run["ratio"] == pytest.approx(min(1.0, run["last_flops_per_s"] / run["first_flops_per_s"]))
+    prof["sustained"]["fp8"]["ratio"] = 0.8
+    prof["sustained"]["fp32"]["ratio"] = 1.0
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(prof))
+    spec, curve = calibration.load_profile(str(path))
+    assert curve.efficiency("fp8") == pytest.approx(0.8 * prof["curves"]["fp8"]["gemm_efficiency"])
+    assert curve.efficiency("fp32") == prof["curves"]["fp32"]["gemm_efficiency"]
+    assert spec.peak("fp8") == prof["peak_flops"]["fp8"]
+
+
+def test_calibrate_rejects_an_unknown_dtype_and_a_sustained_run_over_several_processes():
+    with pytest.raises(TensorparError, match="unknown dtype.*fp4"):
+        calibration.calibrate("cpu", dtypes=("fp4",), measure_comm=False)
+    with pytest.raises(TensorparError, match="--sustain measures one process"):
+        calibration.calibrate("cpu", ranks=2, sustain_s=1.0)
+    with pytest.raises(TensorparError, match="--sustain must be"):
+        calibration.calibrate("cpu", sustain_s=-1.0, measure_comm=False)

@@ -31,8 +31,9 @@ def run(args, argv=None) -> int:
         if options.threads < 1:
             raise TensorparError(f"--threads must be a positive integer, got {options.threads}")
         torch.set_num_threads(options.threads)
+    dtypes = tuple(d.strip() for d in options.dtypes.split(",") if d.strip()) if options.dtypes else None
     profile = calibrate(options.device, ranks=options.ranks, measure_comm=not options.no_collectives,
-                        threads=options.threads)
+                        threads=options.threads, dtypes=dtypes, sustain_s=options.sustain)
     with open(options.out, "w") as f:
         json.dump(profile, f, indent=1)
     for dt, peak in profile["peak_flops"].items():
@@ -40,6 +41,10 @@ def run(args, argv=None) -> int:
         print(f"{dt}: best GEMM {peak / 1e12:.3f} TFLOP/s; curve level {c['gemm_efficiency']:.2f} of it, tile "
               f"{c['tile_m']}, k_overhead {c['k_overhead']:.0f}, "
               f"wave quantization {c['wave_quantization']}, launch {c['launch_s'] * 1e6:.0f} us")
+    for dt, run in profile.get("sustained", {}).items():
+        print(f"{dt} sustained: {run['m']}x{run['n']}x{run['k']} for {run['seconds']:.0f} s: "
+              f"{run['first_flops_per_s'] / 1e12:.3f} -> {run['last_flops_per_s'] / 1e12:.3f} TFLOP/s "
+              f"(keeps {run['ratio']:.0%}; the plan uses level x {run['ratio']:.2f})")
     print(f"memory bandwidth {profile['hbm_bandwidth'] / 1e9:.1f} GB/s")
     if "link" in profile:
         print(f"collectives over {options.ranks} ranks: {profile['link']['bandwidth'] / 1e9:.2f} GB/s, "

@@ -260,6 +260,11 @@ class CalibrateOptions:
     no_collectives: bool = option(False, "skip the collectives (GEMMs and bandwidth only)")
     threads: int | None = option(None, "CPU: threads the GEMMs may use (default all; a rank of an N-process run "
                                        "gets cores / N)")
+    dtypes: str | None = option(None, "comma-separated dtypes whose GEMMs to time (fp32, bf16, fp16, fp8; default "
+                                      "cuda: bf16,fp32 and fp8 where the GPU has it; cpu: fp32,bf16)")
+    sustain: float = option(0.0, "also run each dtype's best GEMM back to back for this many seconds and plan with "
+                                 "the rate it keeps (a GPU at its power limit slows after seconds of load; one "
+                                 "process: with --no-collectives or --ranks 1)", metavar="SECONDS")
 
 
 @dataclasses.dataclass

@@ -2,7 +2,10 @@
 
 `calibrate` times, on one device (cpu or cuda):
 
-- GEMMs ``torch.matmul(A[m, k], B[k, n])`` over a sweep of shapes (small to large, thin and square) per dtype;
+- GEMMs ``torch.matmul(A[m, k], B[k, n])`` over a sweep of shapes (small to large, thin and square) per dtype
+  (fp8: ``torch._scaled_mm``, measured by default on GPUs that have it);
+- optionally (``--sustain SECONDS``) each dtype's best GEMM back to back for that long: the rate a GPU keeps
+  once its power limit lowers its clock;
 - memory bandwidth: a large ``copy_`` (bytes read + written per second);
 - collectives (all_reduce, all_gather, reduce_scatter, all_to_all, send/recv) by message size and group size,
   with gloo on CPU processes (``--device cpu``) or NCCL across the GPUs of the node (``--device cuda`` with
@@ -90,14 +93,57 @@ def _together(reps: int | None = None) -> int | None:
     return int(agreed.item())
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def gemm_fn(device, dtype: torch.dtype, m: int, n: int, k: int):
+    """A callable that runs one (m, n, k) GEMM in `dtype`. fp8 goes through ``torch._scaled_mm`` (e4m3 inputs,
+    per-tensor scales, bf16 output: what Transformer Engine's and torchao's fp8 linears run), whose second
+    operand must be column-major."""
+    if dtype == FP8:
+        a = torch.randn(m, k, device=device).to(FP8)
+        b = torch.randn(n, k, device=device).to(FP8).t()
+        one = torch.ones((), device=device)
+        return lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    return lambda: torch.matmul(a, b)
+
+
 def measure_gemms(device, dtype: torch.dtype, shapes, together=None) -> list[dict]:
     out = []
     for m, n, k in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        t = _time(lambda: torch.matmul(a, b), device, together=together)
+        t = _time(gemm_fn(device, dtype, m, n, k), device, together=together)
         out.append({"m": m, "n": n, "k": k, "seconds": t, "flops_per_s": 2.0 * m * n * k / t})
     return out
+
+
+def measure_sustained(device, dtype: torch.dtype, shape, seconds: float, window_s: float = 0.5) -> dict:
+    """The rate of one GEMM run back to back for `seconds`, in windows of about `window_s`: a GPU at its power
+    limit lowers its clock after some seconds of tensor-core load, which a sweep of short timings (each shape a
+    fraction of a second on a cool device) does not see. ``ratio`` is the rate of the last quarter of the windows
+    (median) over the first three windows' (median): the share of the short-run rate that training, hours of such load, keeps."""
+    m, n, k = shape
+    fn = gemm_fn(device, dtype, m, n, k)
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    window_s = min(window_s, seconds / 10)  # at least ~10 windows
+    reps = max(1, int(window_s / max(time.perf_counter() - t0, 1e-7)))
+    rates, start = [], time.perf_counter()
+    while not rates or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        rates.append(2.0 * m * n * k * reps / (time.perf_counter() - t0))
+    head = sorted(rates[:3])
+    tail = sorted(rates[-max(1, len(rates) // 4):])
+    first, last = head[len(head) // 2], tail[len(tail) // 2]
+    return {"m": m, "n": n, "k": k, "seconds": time.perf_counter() - start, "first_flops_per_s": first,
+            "last_flops_per_s": last, "ratio": min(1.0, last / first), "windows": rates}
 
 
 def measure_bandwidth(device, nbytes: int, together=None) -> float:
@@ -240,12 +286,12 @@ def measure_collectives(world: int, backend: str, sizes=COLLECTIVE_SIZES, device
     return results
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}
 
 
-def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None) -> dict:
+def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None, sustain_s: float = 0.0) -> dict:
     """GEMMs, bandwidth, attention and the fitted curve of one device (or one rank's share of a CPU, measured by
-    every rank in step: `together`)."""
+    every rank in step: `together`); with `sustain_s`, each dtype's best shape run back to back for that long."""
     hbm = measure_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (64 << 20), together)
     out = {"name": name, "units": units, "hbm_bandwidth": hbm, "gemms": {}, "peak_flops": {}, "curves": {}}
     for dt in dtypes:
@@ -257,27 +303,47 @@ def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None) -
         out["curves"][dt] = {f.name: getattr(curve, f.name) for f in dataclasses.fields(curve)
                              if f.name not in ("name", "gemm_efficiency", "source", "attention_efficiency")}
         out["curves"][dt]["gemm_efficiency"] = curve.efficiency(dt)
-        out["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, _DTYPES[dt], peak, together))
+        if _DTYPES[dt] != FP8:  # fp8 linears run their attention in bf16: it is measured there
+            out["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, _DTYPES[dt], peak, together))
+        if sustain_s > 0:
+            best = max(points, key=lambda p: p["flops_per_s"])
+            out.setdefault("sustained", {})[dt] = measure_sustained(dev, _DTYPES[dt], (best["m"], best["n"],
+                                                                                         best["k"]), sustain_s)
     return out
 
 
+def fp8_supported(dev) -> bool:
+    """Whether this device runs fp8 GEMMs (``torch._scaled_mm``): CUDA compute capability 8.9 (Ada) or newer."""
+    return dev.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(dev) >= (8, 9)
+
+
 def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, collective_sizes=COLLECTIVE_SIZES,
-              measure_comm: bool = True, threads: int | None = None) -> dict:
+              measure_comm: bool = True, threads: int | None = None, sustain_s: float = 0.0) -> dict:
     """Measure this machine: GEMMs, bandwidth, collectives, and the fitted curve and link (a JSON-able dict).
 
     On CPU with collectives over `ranks` > 1 processes, the GEMMs and the bandwidth are measured in every one of
-    them at once (`threads` each): the share of the cores and the memory bus a rank of such a run gets."""
+    them at once (`threads` each): the share of the cores and the memory bus a rank of such a run gets. With
+    `sustain_s` > 0 (one device only), each dtype's best GEMM also runs back to back for that many seconds
+    (`measure_sustained`), and `load_profile` scales that dtype's level by the rate it kept."""
     if device not in ("cpu", "cuda"):
         raise TensorparError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise TensorparError("--device cuda: no CUDA device is visible")
+    if sustain_s < 0:
+        raise TensorparError(f"--sustain must be 0 or more seconds, got {sustain_s}")
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-    dtypes = dtypes or (("bf16", "fp32") if device == "cuda" else ("fp32", "bf16"))
+    if dtypes is None:
+        dtypes = ("bf16", "fp32") + (("fp8",) if fp8_supported(dev) else ()) if device == "cuda" else ("fp32", "bf16")
+    unknown = [dt for dt in dtypes if dt not in _DTYPES]
+    if unknown:
+        raise TensorparError(f"unknown dtype(s) {', '.join(unknown)} to calibrate; known: {', '.join(_DTYPES)}")
     shapes = shapes or (CUDA_SHAPES if device == "cuda" else CPU_SHAPES)
     threads = threads or torch.get_num_threads()
     memory = torch.cuda.get_device_properties(dev).total_memory if device == "cuda" else os.sysconf("SC_PAGE_SIZE") * \
         os.sysconf("SC_PHYS_PAGES")
     concurrent = device == "cpu" and measure_comm and ranks > 1
+    if concurrent and sustain_s:
+        raise TensorparError("--sustain measures one process: add --no-collectives or --ranks 1")
     measured = None
     if measure_comm:
         backend = "nccl" if device == "cuda" else "gloo"
@@ -287,7 +353,7 @@ def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, 
     if measured is None:
         units = torch.cuda.get_device_properties(dev).multi_processor_count if device == "cuda" else threads
         name = torch.cuda.get_device_name(dev) if device == "cuda" else f"cpu ({threads} threads)"
-        measured = _measure_device(dev, dtypes, shapes, units, name)
+        measured = _measure_device(dev, dtypes, shapes, units, name, sustain_s=sustain_s)
     library = "nccl" if device == "cuda" else "gloo"
     profile = {"device": device, "memory_bytes": memory, "collectives_library": library, **measured}
     if measure_comm:
@@ -317,6 +383,9 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
     peaks = dict(prof["peak_flops"])
     # each measured dtype's fitted level of its peak (profiles written before it was fitted: 1, the best rate)
     efficiency = {dt: float(prof["curves"].get(dt, {}).get("gemm_efficiency", 1.0)) for dt in peaks}
+    for dt, run in prof.get("sustained", {}).items():  # the share of the short-run rate kept under sustained load
+        if dt in efficiency:
+            efficiency[dt] *= min(1.0, float(run["ratio"]))
     for alias, src in (("bf16", "fp32"), ("fp32", "bf16"), ("tf32", "fp32"), ("fp8", "bf16")):
         if alias not in peaks and src in peaks:  # an unmeasured dtype runs at another's peak and level
             peaks[alias], efficiency[alias] = peaks[src], efficiency[src]
