@@ -41,10 +41,11 @@ def run(args, argv=None) -> int:
         print(f"{dt}: best GEMM {peak / 1e12:.3f} TFLOP/s; curve level {c['gemm_efficiency']:.2f} of it, tile "
               f"{c['tile_m']}, k_overhead {c['k_overhead']:.0f}, "
               f"wave quantization {c['wave_quantization']}, launch {c['launch_s'] * 1e6:.0f} us")
-    for dt, run in profile.get("sustained", {}).items():
-        print(f"{dt} sustained: {run['m']}x{run['n']}x{run['k']} for {run['seconds']:.0f} s: "
-              f"{run['first_flops_per_s'] / 1e12:.3f} -> {run['last_flops_per_s'] / 1e12:.3f} TFLOP/s "
-              f"(keeps {run['ratio']:.0%}; the plan uses level x {run['ratio']:.2f})")
+    for dt, kept in profile.get("sustained", {}).items():
+        print(f"{dt} sustained: {kept['m']}x{kept['n']}x{kept['k']} for {kept['seconds']:.0f} s: swept at "
+              f"{kept['swept_flops_per_s'] / 1e12:.3f} TFLOP/s, {kept['first_flops_per_s'] / 1e12:.3f} in the first "
+              f"windows, {kept['last_flops_per_s'] / 1e12:.3f} at the end (keeps {kept['ratio']:.0%}; the plan uses "
+              f"level x {kept['ratio']:.2f})")
     print(f"memory bandwidth {profile['hbm_bandwidth'] / 1e9:.1f} GB/s")
     if "link" in profile:
         print(f"collectives over {options.ranks} ranks: {profile['link']['bandwidth'] / 1e9:.2f} GB/s, "

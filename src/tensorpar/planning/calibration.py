@@ -118,11 +118,14 @@ def measure_gemms(device, dtype: torch.dtype, shapes, together=None) -> list[dic
     return out
 
 
-def measure_sustained(device, dtype: torch.dtype, shape, seconds: float, window_s: float = 0.5) -> dict:
+def measure_sustained(device, dtype: torch.dtype, shape, seconds: float, swept_flops_per_s: float,
+                      window_s: float = 0.5) -> dict:
     """The rate of one GEMM run back to back for `seconds`, in windows of about `window_s`: a GPU at its power
     limit lowers its clock after some seconds of tensor-core load, which a sweep of short timings (each shape a
-    fraction of a second on a cool device) does not see. ``ratio`` is the rate of the last quarter of the windows
-    (median) over the first three windows' (median): the share of the short-run rate that training, hours of such load, keeps."""
+    fraction of a second) does not see. ``ratio`` is the rate of the last quarter of the windows (median) over
+    `swept_flops_per_s`, the sweep's rate of the same shape (what the fitted level stands for): the share of it
+    that training, hours of such load, keeps. The first windows' rate is recorded beside it: a device already
+    hot from the sweep starts below the sweep's rate."""
     m, n, k = shape
     fn = gemm_fn(device, dtype, m, n, k)
     fn()
@@ -143,7 +146,8 @@ def measure_sustained(device, dtype: torch.dtype, shape, seconds: float, window_
     tail = sorted(rates[-max(1, len(rates) // 4):])
     first, last = head[len(head) // 2], tail[len(tail) // 2]
     return {"m": m, "n": n, "k": k, "seconds": time.perf_counter() - start, "first_flops_per_s": first,
-            "last_flops_per_s": last, "ratio": min(1.0, last / first), "windows": rates}
+            "last_flops_per_s": last, "swept_flops_per_s": swept_flops_per_s,
+            "ratio": min(1.0, last / swept_flops_per_s), "windows": rates}
 
 
 def measure_bandwidth(device, nbytes: int, together=None) -> float:
@@ -169,6 +173,7 @@ def measure_attention(device, dtype: torch.dtype, peak: float, together=None) ->
 
 
 FIT_EFFICIENCIES = tuple(x / 100 for x in range(50, 101, 2))
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def fit_curve(name: str, points: list[dict], peak: float, hbm: float, units: int, dtype: str) -> DeviceCurve:
@@ -176,14 +181,15 @@ def fit_curve(name: str, points: list[dict], peak: float, hbm: float, units: int
     ``gemm_efficiency`` (the fraction of `peak`, the best single measurement, that the shapes reach together)
     fitted with the rest."""
     best, best_err = None, math.inf
+    nbytes = ELEMENT_BYTES.get(dtype, 2)
     for tile in (32, 64, 128):
         for k_over in (0.0, 16.0, 64.0, 128.0, 256.0):
             for wq in (0.0, 0.5, 1.0):
                 for launch in (1e-6, 5e-6, 20e-6, 50e-6):
                     for eff in FIT_EFFICIENCIES:
                         c = DeviceCurve(name, {dtype: eff, "bf16": eff}, units, tile, tile, k_over, wq, launch, 1.0)
-                        err = sum(math.log(gemm_time(p["m"], p["n"], p["k"], peak, hbm, c, dtype) / p["seconds"])
-                                  ** 2 for p in points)
+                        err = sum(math.log(gemm_time(p["m"], p["n"], p["k"], peak, hbm, c, dtype, nbytes)
+                                           / p["seconds"]) ** 2 for p in points)
                         if err < best_err:
                             best, best_err = c, err
     return best
@@ -307,14 +313,21 @@ def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None, s
             out["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, _DTYPES[dt], peak, together))
         if sustain_s > 0:
             best = max(points, key=lambda p: p["flops_per_s"])
-            out.setdefault("sustained", {})[dt] = measure_sustained(dev, _DTYPES[dt], (best["m"], best["n"],
-                                                                                         best["k"]), sustain_s)
+            shape = (best["m"], best["n"], best["k"])
+            out.setdefault("sustained", {})[dt] = measure_sustained(dev, _DTYPES[dt], shape, sustain_s,
+                                                                    best["flops_per_s"])
     return out
 
 
 def fp8_supported(dev) -> bool:
-    """Whether this device runs fp8 GEMMs (``torch._scaled_mm``): CUDA compute capability 8.9 (Ada) or newer."""
-    return dev.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(dev) >= (8, 9)
+    """Whether this device runs e4m3 fp8 GEMMs (``torch._scaled_mm``): an NVIDIA GPU of compute capability 8.9
+    (Ada) or newer, or a CPU (PyTorch's reference kernel: slow, for checking). ROCm reports its own capability
+    numbers, and its MI300 fp8 is another format (e4m3fnuz): not measured here."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if dev.type == "cpu":
+        return True
+    return dev.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
 def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, collective_sizes=COLLECTIVE_SIZES,
@@ -337,6 +350,13 @@ def calibrate(device: str = "cpu", *, ranks: int = 2, dtypes=None, shapes=None, 
     unknown = [dt for dt in dtypes if dt not in _DTYPES]
     if unknown:
         raise TensorparError(f"unknown dtype(s) {', '.join(unknown)} to calibrate; known: {', '.join(_DTYPES)}")
+    if "fp8" in dtypes and not fp8_supported(dev):
+        where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "this CPU"
+        raise TensorparError(f"fp8 GEMMs cannot be measured on {where}: torch._scaled_mm in e4m3 needs an NVIDIA "
+                             f"GPU of compute capability 8.9 or newer (or a PyTorch whose CPU build has it)")
+    if all(dt == "fp8" for dt in dtypes):
+        raise TensorparError("calibrate fp8 together with bf16 (--dtypes bf16,fp8): attention and the other "
+                             "non-linear work of an fp8 run run in bf16")
     shapes = shapes or (CUDA_SHAPES if device == "cuda" else CPU_SHAPES)
     threads = threads or torch.get_num_threads()
     memory = torch.cuda.get_device_properties(dev).total_memory if device == "cuda" else os.sysconf("SC_PAGE_SIZE") * \
@@ -392,7 +412,8 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
     library = prof.get("collectives_library", "gloo" if prof.get("device") == "cpu" else "nccl")
     spec = GPUSpec(f"calibrated:{prof.get('name', path)}", int(prof["memory_bytes"]), peaks,
                    float(prof["hbm_bandwidth"]), link, link, f"tensorpar calibrate ({path})", library)
-    fields = dict(next(iter(prof["curves"].values())))  # the first dtype measured (fp32 on CPU, bf16 on GPUs)
+    # the curve's shape from the first dtype measured (fp32 on CPU, bf16 on GPUs), never fp8's (no attention there)
+    fields = dict(next(c for dt, c in prof["curves"].items() if dt != "fp8"))
     if "attention_efficiency" in fields:
         fields["attention_efficiency"] = tuple(fields["attention_efficiency"])
     fields.pop("gemm_efficiency", None)

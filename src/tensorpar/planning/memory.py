@@ -46,6 +46,8 @@ Activations, two models:
   norm-fused LayerNormLinear's ln_out): the q/k/v and MLP-up inputs, the attention output and the
   down projection's input. Each linear layer also keeps its weight cast to fp8 and that cast's transpose
   (2 bytes per weight element, module buffers updated on a step's first micro-batch): ``weight_copies``.
+  With fp8 parameters (``megatron-fp8-params``, NeMo 2.0's ``fp8_param_gather``) the fp8 weight and its
+  transpose are the parameter (``param_bytes`` 2) and no copies are kept.
 
 Pipeline: with 1F1B the first stage holds ``min(pp, m)`` micro-batches of activations (rank r:
 ``min(pp - r, m)``); Megatron-LM's interleaved schedule with v chunks holds
