@@ -57,6 +57,10 @@ class Precision:
     description: str = ""
     gemm_dtype: str = ""  # the dtype the GEMMs run in ("" : compute_dtype; "fp8": Transformer Engine's fp8 GEMMs)
     fp8_params: bool = False  # linear weights held in fp8 (+ fp8 transpose) in place of bf16: no separate fp8 caches
+    gather_bytes: int = 0  # bytes per parameter the ZeRO all-gathers move (0: param_bytes; fp8 parameters: 1)
+
+    def gathered_bytes(self) -> int:
+        return self.gather_bytes or self.param_bytes
 
     def __post_init__(self):
         if not self.gemm_dtype:
@@ -88,9 +92,10 @@ PRECISIONS: dict[str, Precision] = {
     "megatron-fp8-params": Precision("megatron-fp8-params", "bf16", 2, 2, 4, 8, "playbook", 2, 2, False,
                                      description="NeMo 2.0's fp8 recipe (bf16_with_fp8_mixed: fp8_param_gather, "
                                                  "grad_reduce_in_fp32=False): fp8 GEMMs, each linear weight held as "
-                                                 "fp8 and its fp8 transpose (2 bytes, as param_bytes counts it), "
-                                                 "bf16 gradients, fp32 master + AdamW",
-                                     gemm_dtype="fp8", fp8_params=True),
+                                                 "fp8 and its fp8 transpose (2 bytes, as param_bytes counts it; "
+                                                 "the all-gathers move the fp8 weight, 1 byte), bf16 gradients, "
+                                                 "fp32 master + AdamW",
+                                     gemm_dtype="fp8", fp8_params=True, gather_bytes=1),
 }
 
 
