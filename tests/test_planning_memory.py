@@ -178,6 +178,11 @@ def test_fp8_linear_inputs_saved_in_one_byte_and_fp8_weight_caches():
     params = memory.stage_memory(cfg, Layout(), s, 1, "megatron-fp8-params")
     assert params.weight_copies == 0 and params.parameters == bf16.parameters
     assert params.gradients * 2 == bf16.gradients and params.activations == fp8.activations
+    from tensorpar.planning.precision_recipes import get_precision
+
+    # the ZeRO all-gathers move the 1-byte fp8 weight, not the 2 bytes it is held in with its transpose
+    assert get_precision("megatron-fp8-params").gathered_bytes() == 1
+    assert get_precision("megatron-fp8").gathered_bytes() == get_precision("megatron-fp8").param_bytes == 2
 
 
 def _zero_run(config_file, **layout):
