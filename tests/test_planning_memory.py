@@ -181,8 +181,8 @@ def test_fp8_linear_inputs_saved_in_one_byte_and_fp8_weight_caches():
     from tensorpar.planning.precision_recipes import get_precision
 
     # the ZeRO all-gathers move the 1-byte fp8 weight, not the 2 bytes it is held in with its transpose
-    assert get_precision("megatron-fp8-params").gathered_bytes() == 1
-    assert get_precision("megatron-fp8").gathered_bytes() == get_precision("megatron-fp8").param_bytes == 2
+    assert get_precision("megatron-fp8-params").gather_bytes == 1
+    assert get_precision("megatron-fp8").gather_bytes == get_precision("megatron-fp8").param_bytes == 2
 
 
 def _zero_run(config_file, **layout):

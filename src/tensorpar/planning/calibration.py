@@ -57,18 +57,21 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _calls_in(fn, device, seconds: float) -> int:
+    """How many calls of `fn` take about `seconds` (timed on one call after a warm-up call)."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return max(1, int(seconds / max(time.perf_counter() - t0, 1e-7)))
+
+
 def _time(fn, device, min_s: float = 0.05, min_reps: int = 3, together=None) -> float:
     """Median-of-batches seconds per call of `fn` (after a warm-up). With `together` (several processes measuring
     at once, `_together`) every process runs the same number of calls per batch and starts each batch at the same
     moment, so each batch is timed while the others really compute too."""
-    fn()
-    _sync(device)
-    reps, samples = 1, []
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    one = max(time.perf_counter() - t0, 1e-7)
-    reps = max(1, int(min_s / 3 / one))
+    reps, samples = _calls_in(fn, device, min_s / 3), []
     if together is not None:
         reps = together(reps)
     for _ in range(min_reps):
@@ -128,13 +131,7 @@ def measure_sustained(device, dtype: torch.dtype, shape, seconds: float, swept_f
     hot from the sweep starts below the sweep's rate."""
     m, n, k = shape
     fn = gemm_fn(device, dtype, m, n, k)
-    fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    window_s = min(window_s, seconds / 10)  # at least ~10 windows
-    reps = max(1, int(window_s / max(time.perf_counter() - t0, 1e-7)))
+    reps = _calls_in(fn, device, min(window_s, seconds / 10))  # at least ~10 windows
     rates, start = [], time.perf_counter()
     while not rates or time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
@@ -173,7 +170,6 @@ def measure_attention(device, dtype: torch.dtype, peak: float, together=None) ->
 
 
 FIT_EFFICIENCIES = tuple(x / 100 for x in range(50, 101, 2))
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def fit_curve(name: str, points: list[dict], peak: float, hbm: float, units: int, dtype: str) -> DeviceCurve:
@@ -181,7 +177,7 @@ def fit_curve(name: str, points: list[dict], peak: float, hbm: float, units: int
     ``gemm_efficiency`` (the fraction of `peak`, the best single measurement, that the shapes reach together)
     fitted with the rest."""
     best, best_err = None, math.inf
-    nbytes = ELEMENT_BYTES.get(dtype, 2)
+    nbytes = _DTYPES[dtype].itemsize if dtype in _DTYPES else 2  # the planner times a GEMM's bytes in its dtype
     for tile in (32, 64, 128):
         for k_over in (0.0, 16.0, 64.0, 128.0, 256.0):
             for wq in (0.0, 0.5, 1.0):
@@ -309,7 +305,7 @@ def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None, s
         out["curves"][dt] = {f.name: getattr(curve, f.name) for f in dataclasses.fields(curve)
                              if f.name not in ("name", "gemm_efficiency", "source", "attention_efficiency")}
         out["curves"][dt]["gemm_efficiency"] = curve.efficiency(dt)
-        if _DTYPES[dt] != FP8:  # fp8 linears run their attention in bf16: it is measured there
+        if dt != "fp8":  # fp8 linears run their attention in bf16: it is measured there
             out["curves"][dt]["attention_efficiency"] = list(measure_attention(dev, _DTYPES[dt], peak, together))
         if sustain_s > 0:
             best = max(points, key=lambda p: p["flops_per_s"])

@@ -59,12 +59,11 @@ class Precision:
     fp8_params: bool = False  # linear weights held in fp8 (+ fp8 transpose) in place of bf16: no separate fp8 caches
     gather_bytes: int = 0  # bytes per parameter the ZeRO all-gathers move (0: param_bytes; fp8 parameters: 1)
 
-    def gathered_bytes(self) -> int:
-        return self.gather_bytes or self.param_bytes
-
     def __post_init__(self):
         if not self.gemm_dtype:
             object.__setattr__(self, "gemm_dtype", self.compute_dtype)
+        if not self.gather_bytes:
+            object.__setattr__(self, "gather_bytes", self.param_bytes)
 
 
 PRECISIONS: dict[str, Precision] = {

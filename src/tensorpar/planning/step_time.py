@@ -180,7 +180,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     # Data-parallel traffic of the busiest stage, and how much of it hides behind backward compute.
     dp_stage = _busiest_dp_stage(cfg, layout) if pp > 1 else None
     colls = step_collectives(cfg, layout, s, m, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
-                             grad_bytes=prec.grad_bytes, param_bytes=prec.gathered_bytes(), stage=dp_stage,
+                             grad_bytes=prec.grad_bytes, param_bytes=prec.gather_bytes, stage=dp_stage,
                              zero2_per_micro_batch=not prec.zero2_full_grads_at_peak)
     replica_groups = ("dp", "dp_cp", "edp")
     dp_colls = [c for c in colls if c.group in replica_groups + ("embed",)
