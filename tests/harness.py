@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -19,19 +20,33 @@ from tensorpar.distributed.launch import free_port
 
 TASK_TIMEOUT_S = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "180"))
 
-_meshes: dict = {}  # per worker process: (tp, pp, dp, cp) -> Mesh
+_meshes: dict = {}  # per worker process: (tp, pp, dp, cp, ep, expert_tp, device) -> Mesh
 
 
-def mesh(tp: int, pp: int = 1, dp: int | None = None, cp: int = 1):
+def mesh(tp: int, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int | None = None, expert_tp: int = 1,
+         device: str = "cpu"):
     """The (cached) mesh for this layout, inside a worker."""
     import tensorpar
 
-    key = (tp, pp, dp, cp)
+    key = (tp, pp, dp, cp, ep, expert_tp, str(device))
     if key not in _meshes:
-        _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp, device="cpu", timeout=60)
+        _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, expert_tp=expert_tp, device=device,
+                                           timeout=60)
     m = _meshes[key]
     m.stats.reset()
     return m
+
+
+def train(options):
+    """`tensorpar.training.train(options)` on this worker's cached mesh of the run's layout: the process groups of
+    a layout are created once per pool, not once per training run."""
+    from tensorpar.training import run_training, validate
+
+    run = validate(options)
+    o = run.options
+    moe = run.cfg.is_moe
+    return run_training(run, mesh=mesh(o.tp, o.pp, o.dp, o.cp, o.ep if moe else None, o.expert_tp if moe else 1,
+                                       o.device or "cpu"))
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -59,13 +74,26 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    dist.destroy_process_group()
+    # Leave without tearing down the world: every rank is leaving, and gloo's orderly teardown of the pool's groups
+    # (one per cached mesh dimension) would cost seconds.
+    os._exit(0)
+
+
+_PRELOAD = ["torch", "torch.distributed", "tensorpar.training", "harness"]
+
+
+def _context():
+    """A forkserver that has imported torch and tensorpar once: each worker is forked from it, ready, instead of
+    importing them again (about a second of CPU per worker)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 class WorkerPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         port = free_port()
@@ -87,14 +115,16 @@ class WorkerPool:
         for _ in range(self.world_size):
             try:
                 # Once a rank has failed, its peers are likely stuck in a collective: don't wait long for them.
-                rank, ok, value = self.results.get(timeout=15 if errors else timeout)
-            except queue.Empty:
+                rank, ok, value = self._next_result(15 if errors else timeout)
+            except (queue.Empty, ChildProcessError) as e:
                 self.broken = True
                 self.close()
                 if errors:
                     first = min(errors)
                     raise AssertionError(f"{fn.__name__} failed on ranks {sorted(errors)} (the others hung); "
-                                         f"rank {first}:\n{errors[first]}")
+                                         f"rank {first}:\n{errors[first]}") from None
+                if isinstance(e, ChildProcessError):
+                    raise AssertionError(f"{fn.__name__}: {e}") from None
                 raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s")
             if ok:
                 out[rank] = value
@@ -105,17 +135,35 @@ class WorkerPool:
             raise AssertionError(f"{fn.__name__} failed on ranks {sorted(errors)}; rank {first}:\n{errors[first]}")
         return out
 
+    def _next_result(self, timeout: float):
+        """The next (rank, ok, value); queue.Empty after `timeout`, ChildProcessError as soon as a worker has died."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
+                if dead:
+                    raise ChildProcessError(", ".join(f"worker rank {r} died (exit code {c})" for r, c in dead))
+                if time.monotonic() >= deadline:
+                    raise
+
     def close(self) -> None:
+        """Stop the workers: asked to leave, then killed. Nothing they hold outlives the session (no files, no
+        checkpoints), and a gloo world's orderly teardown would cost seconds per pool."""
         for q, p in zip(self.tasks, self.procs):
             if p.is_alive():
                 try:
                     q.put(None)
                 except Exception:
                     pass
+        deadline = time.monotonic() + 1.0
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
+                p.join()
 
 
 class Pools:

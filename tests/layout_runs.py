@@ -1,16 +1,22 @@
-"""Training runs of the 8-layer test config at any (tp, pp, dp) layout, compared with one process."""
+"""Training runs of a model at any (tp, cp, pp, dp, zero) layout, compared with one process: the loss and grad-norm
+trajectory step by step and the dense weights at the end."""
 
-from tensorpar.training import TrainOptions, train
+from tensorpar.training import TrainOptions
 
 from conftest import TINY8 as CONFIG
+from harness import train
 
-BASE = dict(steps=10, seed=5, global_batch_size=8, micro_batch_size=1, seq_len=16, lr=3e-3, warmup_steps=2,
+# A few steps show a layout computes what one process computes: each step's loss and grad norm, and the weights
+# after them (which every gradient and optimizer state has moved). The canonical runs of tests/test_trainer.py
+# take 20 steps, to catch drift that only builds up over a longer run.
+BASE = dict(steps=4, seed=5, global_batch_size=8, micro_batch_size=1, seq_len=16, lr=3e-3, warmup_steps=1,
             val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu",
             return_state=True)
 
 
-def run(config_file, **overrides):
-    summary = train(TrainOptions(model=config_file, **{**BASE, **overrides}))
+def run(model, **overrides):
+    """Train `model` (a preset or a config file) with BASE and `overrides` on the harness's cached mesh."""
+    summary = train(TrainOptions(model=model, **{**BASE, **overrides}))
     return {
         "trajectory": [(r["loss"], r["grad_norm"]) for r in summary["history"]],
         "state": summary.get("state"),
@@ -20,8 +26,21 @@ def run(config_file, **overrides):
     }
 
 
+_references: dict = {}
+
+
+def reference(pools, model, **overrides):
+    """The one-process run of these settings, computed once per test session and shared by every test that compares
+    a layout with it."""
+    key = (model, tuple(sorted(overrides.items())))
+    if key not in _references:
+        _references[key] = pools(1).run(run, model, **overrides)[0]
+    return _references[key]
+
+
 def assert_same_training(results, reference, tol=1e-4):
     for rank, result in enumerate(results):
+        assert len(result["trajectory"]) == len(reference["trajectory"]), f"rank {rank}: another number of steps"
         for step, ((loss, gn), (loss_ref, gn_ref)) in enumerate(zip(result["trajectory"], reference["trajectory"]), 1):
             assert abs(loss - loss_ref) <= tol * loss_ref, f"rank {rank} step {step}: loss {loss} vs {loss_ref}"
             assert abs(gn - gn_ref) <= tol * gn_ref, f"rank {rank} step {step}: grad norm {gn} vs {gn_ref}"

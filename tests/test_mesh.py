@@ -60,6 +60,21 @@ def test_world_of_one_without_a_launcher():
         tensorpar.init_mesh(tp=2)
 
 
+def test_a_run_refuses_a_mesh_of_another_layout(config_file):
+    """train(options, mesh=...) trains on the caller's mesh only if it is the run's layout."""
+    from tensorpar.training import TrainOptions, run_training, validate
+
+    one = tensorpar.init_mesh(tp=1)
+    with pytest.raises(LayoutError, match=r"the mesh given has cp 1 \(wanted 2\)"):
+        one.check_layout(tp=1, pp=1, dp=1, cp=2)
+    with pytest.raises(LayoutError, match=r"ep None \(wanted 2\).*init_mesh\(tp=1, pp=1, dp=1, cp=1, ep=2"):
+        one.check_layout(tp=1, pp=1, dp=1, ep=2)
+    run = validate(TrainOptions(model=config_file, tp=2, steps=1, seq_len=16, global_batch_size=2, progress=False,
+                                device="cpu"), world_size=2)
+    with pytest.raises(LayoutError, match=r"the mesh given has tp 1 \(wanted 2\)"):
+        run_training(run, mesh=one)
+
+
 def test_more_ranks_than_gpus_on_a_node_is_refused_before_the_rendezvous(monkeypatch):
     # NCCL would refuse two ranks on one GPU only once every rank has reached init_process_group.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -95,7 +95,9 @@ def check_measured_schedule(schedule, pp, microbatches, virtual_stages, slowdown
     stage = SleepingStage(pp, virtual_stages, shape, FORWARD_S * slowdown, BACKWARD_S * slowdown)
     runner = PipelineRunner(stage, m, schedule, virtual_stages, microbatches, shape)
     batches = [torch.zeros(1, 5, dtype=torch.long) for _ in range(microbatches)]
-    runner.train_step(batches, lambda i: None)  # warm-up (connections)
+    stage.forward_s = stage.backward_s = 0.0
+    runner.train_step(batches, lambda i: None)  # warm-up (connections), without the sleeps
+    stage.forward_s, stage.backward_s = FORWARD_S * slowdown, BACKWARD_S * slowdown
     bubbles = []
     for _ in range(steps):
         runner.train_step(batches, lambda i: None)

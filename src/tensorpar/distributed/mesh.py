@@ -168,6 +168,21 @@ class Mesh:
             f"ep={self.ep_rank}/{self.ep_size}, expert_tp={self.expert_tp_rank}/{self.expert_tp_size}, device={self.device})"
         )
 
+    def check_layout(self, tp: int, pp: int, dp: int, cp: int = 1, ep: int | None = None, expert_tp: int = 1) -> None:
+        """Refuse to run a layout on a mesh built for another: a caller that passes its own mesh (to create the
+        process groups once for several runs) must pass the one the run's options describe."""
+        want = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
+        have = {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "cp": self.cp_size}
+        if ep is not None:  # a mixture-of-experts run needs the expert groups
+            want.update(ep=ep, expert_tp=expert_tp)
+            have.update(ep=self.ep_size if self.expert_dp_group is not None else None,
+                        expert_tp=self.expert_tp_size)
+        wrong = [f"{k} {have[k]} (wanted {want[k]})" for k in want if have[k] != want[k]]
+        if wrong:
+            raise LayoutError(f"the mesh given has {', '.join(wrong)}: build it with the run's layout "
+                              f"(init_mesh(tp={tp}, pp={pp}, dp={dp}, cp={cp}"
+                              + (f", ep={ep}, expert_tp={expert_tp}" if ep is not None else "") + "))")
+
     def destroy(self) -> None:
         """Tear down the process groups this mesh created: all of them if it started the world, else its
         per-dimension groups.

@@ -9,7 +9,7 @@ Each step has its own module: `validate`, `session`, `loop`, `summary`.
 from __future__ import annotations
 
 from tensorpar.config.options import TrainOptions
-from tensorpar.distributed.mesh import init_mesh
+from tensorpar.distributed.mesh import Mesh, init_mesh
 from tensorpar.training.loop import step_loop
 from tensorpar.training.session import build_session
 from tensorpar.training.stop import GracefulStop
@@ -17,20 +17,29 @@ from tensorpar.training.summary import summarize
 from tensorpar.training.validate import PreparedRun, validate
 
 
-def train(options: TrainOptions) -> dict:
-    """Validate `options`, then train; returns the summary (the same on every rank)."""
-    return run_training(validate(options))
+def train(options: TrainOptions, mesh: Mesh | None = None) -> dict:
+    """Validate `options`, then train; returns the summary (the same on every rank). `mesh`: see `run_training`."""
+    return run_training(validate(options, mesh.world_size if mesh is not None else None), mesh=mesh)
 
 
-def run_training(run: PreparedRun, stop: GracefulStop | None = None) -> dict:
+def run_training(run: PreparedRun, stop: GracefulStop | None = None, mesh: Mesh | None = None) -> dict:
     """Train a validated run on every rank of the running world; returns the summary. With `stop` (a
-    `GracefulStop` the caller installed), a SIGTERM or SIGINT ends the run early, saved."""
+    `GracefulStop` the caller installed), a SIGTERM or SIGINT ends the run early, saved.
+
+    Without `mesh` the run creates its process groups and destroys them at the end. A caller that trains several
+    times in the same processes (a sweep, a test harness) may pass a mesh of the run's layout instead, kept
+    afterwards: creating and tearing down the groups costs a fraction of a second per run on gloo."""
     o = run.options
-    mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, cp=o.cp, ep=o.ep if run.cfg.is_moe else None,
-                     expert_tp=o.expert_tp if run.cfg.is_moe else 1, device=o.device,
-                     timeout=o.timeout)
+    ep, expert_tp = (o.ep, o.expert_tp) if run.cfg.is_moe else (None, 1)
+    owned = mesh is None
+    if owned:
+        mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, cp=o.cp, ep=ep, expert_tp=expert_tp, device=o.device,
+                         timeout=o.timeout)
+    else:
+        mesh.check_layout(o.tp, o.pp, o.dp, o.cp, ep, expert_tp)
     try:
         session = build_session(run, mesh, stop)
         return summarize(session, step_loop(session))
     finally:
-        mesh.destroy()
+        if owned:
+            mesh.destroy()
