@@ -32,3 +32,29 @@ def config_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "tiny8.json"
     path.write_text(json.dumps(TINY8.to_dict()))
     return str(path)
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """cli(*args): `tensorpar ARGS` run in this process, as (exit status, stdout, stderr).
+
+    For bad input, which every command refuses in the launching process before any rank exists: starting a rank
+    fails the test. One subprocess smoke test per command (tests/test_cli.py and the command's own file) shows
+    the same refusals reach a real terminal."""
+    import tensorpar.distributed.launch as launch
+    from tensorpar.cli import main
+
+    class NoRanks:
+        def __init__(self, nprocs, argv, *_, **__):
+            raise AssertionError(f"`tensorpar {' '.join(argv)}` started {nprocs} ranks: bad input must be refused "
+                                 f"before any rank starts")
+
+    monkeypatch.setattr(launch, "Supervisor", NoRanks)
+
+    def run(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -8,8 +8,10 @@ import pytest
 
 from tensorpar.checkpoints.sharded import read_meta
 from tensorpar.data import ByteTokenizer, IndexedWriter, TokenStream
-from tensorpar.training import TrainOptions, train
+from tensorpar.training import TrainOptions
 from tensorpar.training.session import warn_if_data_changed
+
+from harness import train
 
 from corpora import DOCS, byte_stream, write_hf_dataset, write_jsonl, write_jsonl_folder, write_parquet_folder
 

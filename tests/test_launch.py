@@ -14,7 +14,9 @@ import uuid
 import pytest
 
 from tensorpar.checkpoints.sharded import read_meta
-from tensorpar.training import TrainOptions, train
+from tensorpar.training import TrainOptions
+
+from harness import train
 
 STEPS = 1000
 COMMON = ["--seq-len", "16", "--global-batch-size", "4", "--no-progress", "--val-every", "0"]
@@ -143,7 +145,7 @@ def test_a_killed_rank_ends_the_job_with_a_line_naming_it(config_file, tmp_path,
 def test_a_stopped_rank_is_caught_by_the_collective_timeout(config_file, tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--metrics", str(metrics),
-                 "--out-dir", str(tmp_path / "run"), "--timeout", "8", *COMMON)
+                 "--out-dir", str(tmp_path / "run"), "--timeout", "4", *COMMON)
     wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
     ranks = rank_pids(proc.pid)
     os.kill(ranks[1], signal.SIGSTOP)
@@ -151,7 +153,7 @@ def test_a_stopped_rank_is_caught_by_the_collective_timeout(config_file, tmp_pat
     assert code == 2 and seconds < 60, err
     failure = [ln for ln in err.splitlines() if ln.startswith("tensorpar: error: rank 0 (pid")]
     # Rank 0 waits in whichever collective rank 1 stopped before: a TP one, or the stop check on 'world'.
-    assert len(failure) == 1 and "(timeout 8s)" in failure[0], err
+    assert len(failure) == 1 and "(timeout 4s)" in failure[0], err
     assert "on group 'tp'" in failure[0] or "on group 'world'" in failure[0], err
     assert "stopped rank 1 after rank 0 failed" in err
     assert all(gone(pid) for pid in ranks.values())

@@ -5,7 +5,9 @@ import math
 import os
 
 from tensorpar.optim.loss_scaler import DynamicLossScaler
-from tensorpar.training import TrainOptions, train
+from tensorpar.training import TrainOptions
+
+from harness import train
 
 BASE = dict(model="tiny", seed=3, global_batch_size=4, micro_batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2,
             val_every=0, progress=False, metrics=None, out_dir=None, device="cpu", dtype="fp16")

@@ -11,9 +11,9 @@ import pytest
 from tensorpar.checkpoints.sharded import read_meta
 from tensorpar.errors import LayoutError
 from tensorpar.models import get_config
-from tensorpar.training import TrainOptions, train, validate
+from tensorpar.training import TrainOptions, validate
 
-from harness import mesh  # noqa: F401  (imported so workers share the harness module)
+from harness import train
 
 BASE = dict(model="tiny-moe", steps=20, seed=3, global_batch_size=8, micro_batch_size=4, seq_len=16, lr=3e-3,
             warmup_steps=2, val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu")

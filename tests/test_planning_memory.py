@@ -186,7 +186,9 @@ def test_fp8_linear_inputs_saved_in_one_byte_and_fp8_weight_caches():
 
 
 def _zero_run(config_file, **layout):
-    from tensorpar.training import TrainOptions, train
+    from tensorpar.training import TrainOptions
+
+    from harness import train
 
     summary = train(TrainOptions(model=config_file, steps=1, warmup_steps=0, global_batch_size=8, micro_batch_size=2,
                                  seq_len=16, val_every=0, progress=False, metrics=None, out_dir=None, device="cpu",

@@ -48,7 +48,9 @@ def test_eval_reports_the_transformers_loss(saved, pools, name, tp):
 
 
 def check_init_from(folder, data, seq_len):
-    from tensorpar.training import TrainOptions, train
+    from tensorpar.training import TrainOptions
+
+    from harness import train
 
     summary = train(TrainOptions(init_from=str(folder), data=str(data), tp=2, steps=1, seq_len=seq_len,
                               global_batch_size=2, val_every=0, val_fraction=0.0, progress=False, device="cpu"))

@@ -67,7 +67,9 @@ BASE = dict(model="tiny", tp=2, steps=20, seed=3, global_batch_size=8, micro_bat
 
 
 def trajectory_and_calls(**overrides):
-    from tensorpar.training import TrainOptions, train
+    from tensorpar.training import TrainOptions
+
+    from harness import train
 
     summary = train(TrainOptions(**{**BASE, **overrides}))
     return [(r["loss"], r["grad_norm"]) for r in summary["history"]], summary["comm"]

@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import shutil
-import time
 
 import torch
 from safetensors import SafetensorError
@@ -74,7 +73,6 @@ def _write_shard(tmp: str, file_name: str, params: dict, moments: dict, step: in
             tensors[f"{kind}/{name}"] = moments[name][kind].contiguous().cpu()
     path = os.path.join(tmp, file_name)
     save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
-    _save_delay_for_tests()
     return {
         "file": file_name, "bytes": os.path.getsize(path), "sha256": _sha256(path), **position,
         "tensors": {name: {"shape": list(dense_shape(p, shard_spec(p))), **_spec_dict(shard_spec(p))}
@@ -196,12 +194,6 @@ def rotate(root: str, keep_last: int, run_id: str | None, step: int) -> None:
     for _, folder in sorted(ours)[:-keep_last]:
         if os.path.abspath(folder) != os.path.abspath(latest):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _save_delay_for_tests() -> None:
-    delay = float(os.environ.get("TENSORPAR_TEST_SAVE_DELAY", "0"))
-    if delay:
-        time.sleep(delay)
 
 
 # -- finding and checking ---------------------------------------------------------------------------

@@ -10,7 +10,8 @@ The launcher (`Supervisor`) never exits while one of its workers lives:
   session, so a Ctrl-C at the terminal reaches them only through the launcher); workers still
   alive after the grace period are killed; a second signal kills them at once. The launcher then
   exits with 128 + the signal's number.
-- When a worker fails, the others are stopped (SIGTERM, a short grace, then SIGKILL) and one line
+- When a worker fails, the others are stopped (SIGTERM, a short grace, then SIGKILL; a worker that is itself
+  stopped, by SIGSTOP or a debugger, cannot act on SIGTERM and is killed at once) and one line
   per failed rank says its rank, pid, exit status or signal, and the last error it reported (each
   worker writes its error to the file named by TENSORPAR_ERROR_FILE). The launcher's own status
   is the first failure's (128 + signal for a worker killed by a signal).
@@ -129,6 +130,15 @@ class _Worker:
         return f"rank {self.rank} (pid {self.proc.pid}) {what}{when}" + (f": {error}" if error else "")
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T, or t when traced); False where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
@@ -204,6 +214,8 @@ class Supervisor:
                 for w in failed:
                     w.failed_first = True
                 self._send(signal.SIGTERM)
+                # A rank stopped by SIGSTOP (or held by a debugger) cannot act on SIGTERM: it goes at once.
+                self._send(signal.SIGKILL, [w for w in self._alive() if _is_stopped(w.proc.pid)])
                 self._kill_in(FAILURE_GRACE_S)
             if not alive:
                 return self._report()
