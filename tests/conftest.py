@@ -38,9 +38,9 @@ def config_file(tmp_path_factory):
 def cli(capsys, monkeypatch):
     """cli(*args): `tensorpar ARGS` run in this process, as (exit status, stdout, stderr).
 
-    For bad input, which every command refuses in the launching process before any rank exists: starting a rank
-    fails the test. One subprocess smoke test per command (tests/test_cli.py and the command's own file) shows
-    the same refusals reach a real terminal."""
+    For bad input, which every command refuses in the launching process before any rank exists, and for commands
+    that run in one process (convert, explain, plan): starting a rank fails the test. Each command has one
+    subprocess smoke test (`python -m tensorpar` from a shell) in its own test file."""
     import tensorpar.distributed.launch as launch
     from tensorpar.cli import main
 

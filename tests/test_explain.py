@@ -32,11 +32,11 @@ def test_explain_reduce_scatter_prints_the_blog_example():
     assert [ln for ln in lines if ln.startswith("step ")] == [f"step {i} of 3 (reduce-scatter):" for i in (1, 2, 3)]
 
 
-def test_explain_bad_input_is_one_line():
-    proc = _tensorpar("explain", "all-to-all")
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("tensorpar: error:") and "all-to-all" in lines[0], proc.stderr
+def test_explain_bad_input_is_one_line(cli):
+    code, out, err = cli("explain", "all-to-all")
+    assert code == 2, (out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tensorpar: error:") and "all-to-all" in lines[0], err
 
 
 @pytest.mark.parametrize(

@@ -230,12 +230,12 @@ def test_cli_tp2_json_equals_transformers_greedy(saved):
     assert all(set(line) == {"ids", "text", "tokens_per_s"} and line["tokens_per_s"] > 0 for line in lines)
 
 
-def test_cli_bad_input_exits_2_with_one_line(saved):
-    proc, _ = tensorpar("generate", "--checkpoint", str(saved["llama"][0]), "--tp", "3", "--prompt-ids", "1",
-                        "--max-new-tokens", "4")
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == ["tensorpar: error: num_heads = 4 is not divisible by the tensor-parallel "
-                                        "size 3; TP sizes that divide it: [1, 2, 4]"]
+def test_cli_bad_input_exits_2_with_one_line(saved, cli):
+    code, _, err = cli("generate", "--checkpoint", saved["llama"][0], "--tp", "3", "--prompt-ids", "1",
+                       "--max-new-tokens", "4")
+    assert code == 2, err
+    assert err.splitlines() == ["tensorpar: error: num_heads = 4 is not divisible by the tensor-parallel size 3; "
+                                "TP sizes that divide it: [1, 2, 4]"]
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -5,7 +5,7 @@ Two tiny random models are written by transformers' `save_pretrained` (every par
 included, so that routing is decided and zero biases cannot hide a wrong mapping): Mixtral with 6 experts,
 top-2 and grouped-query attention; Qwen2-MoE with 6 experts, top-2 without renormalisation, q/k/v biases, a
 shared expert twice the expert width behind its sigmoid gate, and decoder_sparse_step 2 (layer 0 dense).
-Most layouts run on the shared process pools; the command line is launched once per command.
+Everything runs on the shared process pools, the commands included (as their ranks run them).
 """
 
 import dataclasses
@@ -25,12 +25,12 @@ from tensorpar.commands.common import fold_experts  # noqa: E402
 from tensorpar.commands.generate import generate_text  # noqa: E402
 from tensorpar.config.options import EvalOptions, GenerateOptions  # noqa: E402
 from tensorpar.data import load_tokenizer  # noqa: E402
+from tensorpar.distributed.launch import world_size  # noqa: E402
 from tensorpar.errors import LayoutError, TensorparError  # noqa: E402
 from tensorpar.models import Transformer, get_config, load_full_state_dict  # noqa: E402
 
-from harness import mesh  # noqa: E402
-from test_cli import tensorpar  # noqa: E402
-from test_eval import eval_command, evaluate_in_worker  # noqa: E402
+from harness import mesh, run_cli  # noqa: E402
+from test_eval import evaluate_in_worker  # noqa: E402
 
 TOL = 1e-5
 VOCAB, SEQ, WINDOWS = 200, 16, 6
@@ -201,10 +201,23 @@ def test_eval_loss_matches_transformers_at_any_tp_and_ep(pools, hf_moe, name, la
             assert abs(r["loss"] - expected) <= TOL * expected, (name, tp, ep, rank, r["loss"], expected)
 
 
-def test_eval_command_at_ep_2(hf_moe):
-    """The command line once: tp 1, ep 2 starts two ranks (dp 2, each evaluating half the batches)."""
-    result = eval_command("--checkpoint", hf_moe["qwen2_moe"]["folder"], "--data", hf_moe["data"],
-                          "--seq-len", str(SEQ), "--ep", "2", "--batch-size", "2")
+def _command_at_ep_2(pools, hf_moe, name, argv):
+    """`tensorpar ARGV --ep 2` (tp 1): what its launching process decides (two ranks: dp 2, as folded) and what those
+    ranks print, run by a pool's two ranks. The shell start of eval and generate: tests/test_eval.py and
+    tests/test_generation.py."""
+    cfg, _ = load_hf_folder(hf_moe[name]["folder"])
+    options = (EvalOptions if argv[0] == "eval" else GenerateOptions)(checkpoint=hf_moe[name]["folder"], ep=2)
+    assert world_size(fold_experts(options, cfg)) == 2
+    outputs = pools(2).run(run_cli, [*argv, "--checkpoint", hf_moe[name]["folder"], "--ep", "2"])
+    assert all(code == 0 for code, _, _ in outputs), outputs
+    return outputs[0][1]
+
+
+def test_eval_command_at_ep_2(pools, hf_moe):
+    """tp 1, ep 2 takes two ranks (dp 2, each evaluating half the batches)."""
+    out = _command_at_ep_2(pools, hf_moe, "qwen2_moe", ["eval", "--data", hf_moe["data"], "--seq-len", SEQ,
+                                                         "--batch-size", "2"])
+    result = json.loads(out.strip().splitlines()[-1])
     assert abs(result["loss"] - hf_moe["qwen2_moe"]["loss"]) <= TOL * hf_moe["qwen2_moe"]["loss"]
 
 
@@ -222,12 +235,11 @@ def test_greedy_generate_matches_transformers(pools, hf_moe, name, tp, ep):
     assert all(r == hf_moe[name]["tokens"] for r in results), (results, hf_moe[name]["tokens"])
 
 
-def test_generate_command_at_ep_2(hf_moe):
-    proc, _ = tensorpar("generate", "--checkpoint", hf_moe["mixtral"]["folder"], "--ep", "2", "--greedy", "--json",
-                        "--max-new-tokens", str(NEW_TOKENS), *[a for p in PROMPTS for a in
-                                                               ("--prompt-ids", ",".join(map(str, p)))])
-    assert proc.returncode == 0, proc.stderr
-    lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+def test_generate_command_at_ep_2(pools, hf_moe):
+    out = _command_at_ep_2(pools, hf_moe, "mixtral", ["generate", "--greedy", "--json", "--max-new-tokens",
+                                                       NEW_TOKENS, *[a for p in PROMPTS for a in
+                                                                     ("--prompt-ids", ",".join(map(str, p)))]])
+    lines = [json.loads(line) for line in out.strip().splitlines()]
     assert [line["ids"] for line in lines] == hf_moe["mixtral"]["tokens"]
 
 

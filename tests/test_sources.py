@@ -1,12 +1,15 @@
 """`tensorpar eval` and `train --init-from` on Hugging Face folders report what transformers computes."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_eval import eval_command, evaluate_in_worker  # noqa: E402
+from harness import run_cli  # noqa: E402
+from test_eval import evaluate_in_worker  # noqa: E402
 from test_hf import HF_CONFIGS, _hf_model  # noqa: E402
 
 SEQ_LEN = 15
@@ -36,9 +39,11 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_eval_reports_the_transformers_loss(saved, pools, name, tp):
     folder, data, expected = saved[name]
-    if (name, tp) == ("gpt2", 2):  # the command line once; the others on the shared pools (process start-up)
-        result = eval_command("--checkpoint", str(folder), "--tp", str(tp), "--data", str(data),
-                              "--seq-len", str(SEQ_LEN), "--batch-size", "2")
+    if (name, tp) == ("gpt2", 2):  # the command, run by the pool's ranks; the others call its function
+        outputs = pools(tp).run(run_cli, ["eval", "--checkpoint", folder, "--tp", tp, "--data", data,
+                                          "--seq-len", SEQ_LEN, "--batch-size", "2"])
+        assert outputs[0][0] == 0, outputs[0][2]
+        result = json.loads(outputs[0][1].strip().splitlines()[-1])
     else:
         result = pools(tp).run(evaluate_in_worker, checkpoint=str(folder), tp=tp, data=str(data), seq_len=SEQ_LEN,
                                batch_size=2)[0]
