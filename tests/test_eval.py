@@ -28,10 +28,10 @@ def test_eval_loss_is_the_same_at_any_tp_and_cp(pools, config_file, tmp_path):
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, 257, size=10 * 17 + 3).astype(np.int32))
     losses = {}
-    for tp, cp in ((1, 1), (2, 2), (1, 4)):
-        if (tp, cp) == (2, 2):  # the command line once; the other layouts on the shared pools (process start-up)
+    for tp, cp in ((1, 1), (2, 1), (2, 2), (1, 4)):
+        if (tp, cp) == (2, 1):  # the command's smoke test from a shell; the other layouts on the shared pools
             result = eval_command("--checkpoint", save, "--data", str(data), "--seq-len", "16", "--tp", "2",
-                                  "--cp", "2", "--batch-size", "4")
+                                  "--batch-size", "4")
         else:
             result = pools(tp * cp).run(evaluate_in_worker, checkpoint=save, data=str(data), seq_len=16, tp=tp,
                                         cp=cp, batch_size=4)[0]

@@ -62,8 +62,8 @@ def test_async_collectives_are_counted_and_timed(pools):
         assert (calls, elements) == (1, 1000) and seconds > 0
 
 
-BASE = dict(model="tiny", tp=2, steps=20, seed=3, global_batch_size=8, micro_batch_size=4, seq_len=32, lr=3e-3,
-            warmup_steps=5, val_every=0, progress=False, metrics=None, out_dir=None, device="cpu")
+BASE = dict(model="tiny", tp=2, steps=4, seed=3, global_batch_size=8, seq_len=32, lr=3e-3, warmup_steps=1,
+            val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu", return_state=True)
 
 
 def trajectory_and_calls(**overrides):
@@ -72,17 +72,23 @@ def trajectory_and_calls(**overrides):
     from harness import train
 
     summary = train(TrainOptions(**{**BASE, **overrides}))
-    return [(r["loss"], r["grad_norm"]) for r in summary["history"]], summary["comm"]
+    return [(r["loss"], r["grad_norm"]) for r in summary["history"]], summary["comm"], summary["state"]
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-def test_training_with_overlap_on_and_off_gives_the_same_losses(pools, sequence_parallel):
-    """20 steps, fp32: loss and grad-norm trajectories within 1e-4; both match one device (tests/test_trainer.py)."""
-    (on, calls_on), _ = pools(2).run(trajectory_and_calls, sequence_parallel=sequence_parallel)
-    (off, calls_off), _ = pools(2).run(trajectory_and_calls, sequence_parallel=sequence_parallel, tp_overlap=False)
+def test_training_with_overlap_on_and_off_gives_the_same_training(pools, sequence_parallel):
+    """4 steps, fp32: loss and grad-norm trajectories and the weights after them within 1e-4; both match one device
+    (tests/test_trainer.py)."""
+    (on, calls_on, state_on), _ = pools(2).run(trajectory_and_calls, sequence_parallel=sequence_parallel)
+    (off, calls_off, state_off), _ = pools(2).run(trajectory_and_calls, sequence_parallel=sequence_parallel,
+                                                  tp_overlap=False)
     assert calls_on != calls_off, "--no-tp-overlap changed nothing: the comparison would be vacuous"
     assert {k: b for k, (_, b) in calls_on.items()} == {k: b for k, (_, b) in calls_off.items()}, "different bytes"
+    assert len(on) == len(off) == BASE["steps"]
     for step, ((loss, gn), (loss_off, gn_off)) in enumerate(zip(on, off), 1):
         assert abs(loss - loss_off) <= 1e-4 * loss_off, f"step {step}: loss {loss} with overlap, {loss_off} without"
         assert abs(gn - gn_off) <= 1e-4 * gn_off, f"step {step}: grad norm {gn} with overlap, {gn_off} without"
+    for name, w in state_off.items():
+        err = (state_on[name] - w).norm() / w.norm()
+        assert err <= 1e-4, f"weights after step {len(on)}: {name} differs by {err:.1e}"
     assert on[-1][0] < on[0][0] - 1.0, "the run did not learn: a vacuous comparison"

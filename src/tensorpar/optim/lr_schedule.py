@@ -48,7 +48,7 @@ def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, total_s
     return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer, lr: float) -> None:
     """Set the learning rate of every parameter group of `optimizer` to `lr`."""
     if not lr >= 0:
         raise TensorparError(f"set_lr: lr must be >= 0, got {lr!r}")
