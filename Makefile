@@ -23,8 +23,9 @@ demo-layers: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/tp_step.py
 
+# The whole suite; it ends with its 15 slowest tests, so that a test that grows shows at once.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=15
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -124,9 +124,9 @@ def test_low_precision_trains_close_to_fp32(pools, layout):
 # -- pipeline, data and ZeRO layouts of the 8-layer config ----------------------------------------------------
 
 LAYOUTS = [
-    dict(tp=2, pp=2, schedule="afab"),
-    dict(tp=2, pp=2, schedule="1f1b"),
-    dict(tp=2, pp=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True),
+    dict(tp=2, pp=2, schedule="afab", micro_batch_size=2),
+    dict(tp=2, pp=2, schedule="1f1b", micro_batch_size=2),
+    dict(tp=2, pp=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True, micro_batch_size=2),
     dict(tp=1, pp=2, dp=2, schedule="1f1b", zero=0),
     dict(tp=1, pp=2, dp=2, schedule="afab", zero=1),
     dict(tp=1, pp=2, dp=2, schedule="interleaved", virtual_stages=2, zero=2),
@@ -143,13 +143,12 @@ LAYOUTS = [
 
 
 def _id(layout):
-    return "-".join(f"{k}{v}" if k not in ("schedule",) else v for k, v in layout.items()
-                    if k != "micro_batch_size" or v is not None)
+    return "-".join(f"{k}{v}" if k != "schedule" else v for k, v in layout.items() if k != "micro_batch_size")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[_id(lay) for lay in LAYOUTS])
 def test_3d_layouts_train_like_one_process(pools, config_file, layout):
-    """The pipeline layouts run 8 micro-batches per step (micro-batch 1)."""
+    """The pipeline layouts run 4 (TP 2: micro-batches of 2) or 8 micro-batches per step."""
     layout = {"tp": 1, "pp": 1, "dp": 4 // (layout.get("tp", 1) * layout.get("pp", 1)), **layout}
     _compare(pools, config_file, layout)
 
@@ -223,7 +222,8 @@ ZERO_BUBBLE_LAYOUTS = [
 @pytest.mark.parametrize("layout", ZERO_BUBBLE_LAYOUTS, ids=[_id(lay) for lay in ZERO_BUBBLE_LAYOUTS])
 def test_zero_bubble_schedules_train_like_one_process(pools, config_file, layout):
     """zb-h1 and zbv (backward split into B and W, W run later by the schedule) at pp 2 and 4 with 8 micro-batches
-    per step, with TP 2 and with DP 2 (ZeRO 0/1/2 reduce only after every deferred W) train like one process."""
+    per step, with TP 2 and with DP 2 (ZeRO 0/1/2 reduce only after every deferred W) train like one process: two
+    steps (the second from the weights and AdamW state the first left) and the weights after them."""
     layout = {"tp": 1, "dp": 1, **layout}
-    results = _compare(pools, config_file, layout, global_batch_size=8 * layout["dp"])
+    results = _compare(pools, config_file, layout, global_batch_size=8 * layout["dp"], steps=2)
     assert results[0]["peak_in_flight"] is not None
