@@ -122,18 +122,19 @@ def measure_gemms(device, dtype: torch.dtype, shapes, together=None) -> list[dic
 
 
 def measure_sustained(device, dtype: torch.dtype, shape, seconds: float, swept_flops_per_s: float,
-                      window_s: float = 0.5) -> dict:
-    """The rate of one GEMM run back to back for `seconds`, in windows of about `window_s`: a GPU at its power
-    limit lowers its clock after some seconds of tensor-core load, which a sweep of short timings (each shape a
-    fraction of a second) does not see. ``ratio`` is the rate of the last quarter of the windows (median) over
+                      window_s: float = 0.5, min_windows: int = 10) -> dict:
+    """The rate of one GEMM run back to back for `seconds`, in windows of about `window_s` (shorter if `seconds`
+    would hold fewer than `min_windows`, and never fewer windows than that, even when some overran their time): a
+    GPU at its power limit lowers its clock after some seconds of tensor-core load, which a sweep of short timings
+    (each shape a fraction of a second) does not see. ``ratio`` is the rate of the last quarter of the windows (median) over
     `swept_flops_per_s`, the sweep's rate of the same shape (what the fitted level stands for): the share of it
     that training, hours of such load, keeps. The first windows' rate is recorded beside it: a device already
     hot from the sweep starts below the sweep's rate."""
     m, n, k = shape
     fn = gemm_fn(device, dtype, m, n, k)
-    reps = _calls_in(fn, device, min(window_s, seconds / 10))  # at least ~10 windows
+    reps = _calls_in(fn, device, min(window_s, seconds / min_windows))
     rates, start = [], time.perf_counter()
-    while not rates or time.perf_counter() - start < seconds:
+    while len(rates) < min_windows or time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
