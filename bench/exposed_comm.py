@@ -85,13 +85,6 @@ def no_collectives():
             setattr(comm, name, real)
 
 
-def set_tp_overlap(model, on: bool) -> None:
-    """Switch the TP overlap of every module of a tensorpar model (the `tp_overlap` its layers were built with)."""
-    for module in model.modules():
-        if hasattr(module, "tp_overlap"):
-            module.tp_overlap = on
-
-
 def cpu_share(group, numel: int, repeats: int = 10) -> dict:
     """Blocking all-reduces of `numel` fp32 elements over `group`, alone: {"mbytes", "wall_s", "cpu_s"} per
     all-reduce, the medians of `repeats` (wall time, and this process's CPU time over all its threads)."""
@@ -108,10 +101,11 @@ def cpu_share(group, numel: int, repeats: int = 10) -> dict:
     return {"mbytes": numel * 4 / 1e6, "wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
 
 
-def measure(model, step, barrier, stats, rounds: int) -> dict:
+def measure(steps, barrier, stats, rounds: int) -> dict:
     """{"overlap": {...}, "no_overlap": {...}}, each with the median `step_s` (real collectives), `compute_s`
     (no-op collectives), `exposed_s` (the median of their differences within a round) and `blocked_s` (median
-    seconds per step inside collectives); `step` runs one training step. Leaves the model with the overlap on."""
+    seconds per step inside collectives); `steps[on]` runs one training step of the model built with the TP
+    overlap `on` (the same weights both ways)."""
     configs = [(on, real) for on in (True, False) for real in (True, False)]
     times = {c: [] for c in configs}
     blocked = {on: [] for on in (True, False)}
@@ -119,13 +113,12 @@ def measure(model, step, barrier, stats, rounds: int) -> dict:
     try:
         for r in range(rounds + 1):
             for on, real in configs if r % 2 else configs[::-1]:
-                set_tp_overlap(model, on)
                 barrier()
                 stats.reset()
                 stats.timing = real
                 t0 = time.perf_counter()
                 with contextlib.nullcontext() if real else no_collectives():
-                    step()
+                    steps[on]()
                 seconds = time.perf_counter() - t0
                 if os.environ.get("EXPOSED_DEBUG"):
                     print(f"round {r} overlap={on} real={real}: {seconds:.4f} s", flush=True)
@@ -136,7 +129,6 @@ def measure(model, step, barrier, stats, rounds: int) -> dict:
     finally:
         stats.timing = timing
         stats.reset()
-        set_tp_overlap(model, True)
     out = {}
     for on in (True, False):
         step_s, compute_s = statistics.median(times[(on, True)]), statistics.median(times[(on, False)])

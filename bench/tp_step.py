@@ -227,8 +227,14 @@ def worker(args) -> None:
     mesh = None
     if variant in ("single", "tensorpar", "tensorpar-sp"):
         mesh = tensorpar.init_mesh(tp=world, device=device)  # world of 1 for "single": no process group at all
-        model = Transformer(cfg, mesh, init=False, sequence_parallel=variant == "tensorpar-sp").to(dtype)
-        load_full_state_dict(model, to_tensorpar_names(state), source="dense weights")
+
+        def build(tp_overlap=True):
+            built = Transformer(cfg, mesh, init=False, sequence_parallel=variant == "tensorpar-sp",
+                                tp_overlap=tp_overlap).to(dtype)
+            load_full_state_dict(built, to_tensorpar_names(state), source="dense weights")
+            return built.train()
+
+        model = build()
         barrier = mesh.tp_group.barrier
     elif variant == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
@@ -247,22 +253,29 @@ def worker(args) -> None:
 
     with torch.no_grad():
         initial_loss = model(ids, targets).item()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        synchronize()
-        t0 = time.perf_counter()
-        loss = model(ids, targets)
-        synchronize()
-        t1 = time.perf_counter()
-        loss.backward()
-        synchronize()
-        t2 = time.perf_counter()
-        optimizer.step()
-        synchronize()
-        t3 = time.perf_counter()
-        return loss.item(), (t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+    def make_step(model):
+        """One timed training step of `model`: (loss, (step, forward, backward, optimizer seconds))."""
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            synchronize()
+            t0 = time.perf_counter()
+            loss = model(ids, targets)
+            synchronize()
+            t1 = time.perf_counter()
+            loss.backward()
+            synchronize()
+            t2 = time.perf_counter()
+            optimizer.step()
+            synchronize()
+            t3 = time.perf_counter()
+            return loss.item(), (t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+
+        return step
+
+    step = make_step(model)
 
     times, last_loss = [], None
     for i in range(args.warmup + args.steps):
@@ -292,7 +305,9 @@ def worker(args) -> None:
 
     exposed = None
     if variant.startswith("tensorpar") and world > 1 and args.exposed_rounds > 0:
-        exposed = exposed_comm.measure(model, step, barrier, mesh.stats, args.exposed_rounds)
+        # The same model and weights built without the overlap: the overlap is chosen when a model is built.
+        steps = {True: step, False: make_step(build(tp_overlap=False))}
+        exposed = exposed_comm.measure(steps, barrier, mesh.stats, args.exposed_rounds)
         exposed["cpu_share"] = exposed_comm.cpu_share(mesh.tp_group, args.batch * args.seq_len * args.hidden)
 
     profile = None

@@ -10,6 +10,7 @@ from torch import nn
 from tensorpar.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    TPRegion,
     VocabParallelEmbedding,
 )
 
@@ -37,8 +38,9 @@ def check_mlp(tp, sequence_parallel, tp_overlap=False, batch=B):
     y = fc2(F.gelu(fc1(x)))
     (y * probe).sum().backward()
 
-    col = ColumnParallelLinear.from_dense(fc1, m, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
-    row = RowParallelLinear.from_dense(fc2, m, sequence_parallel=sequence_parallel, tp_overlap=tp_overlap)
+    region = TPRegion(g, sequence_parallel=sequence_parallel, overlap=tp_overlap)
+    col = ColumnParallelLinear.from_dense(fc1, region)
+    row = RowParallelLinear.from_dense(fc2, region)
     if sequence_parallel:
         x_local = x.detach().chunk(tp, 1)[g.rank].clone().requires_grad_()
         probe_local, y_expected, dx_expected = probe.chunk(tp, 1)[g.rank], y.chunk(tp, 1)[g.rank], x.grad.chunk(tp, 1)[g.rank]

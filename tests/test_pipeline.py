@@ -61,10 +61,10 @@ class SleepingStage(torch.nn.Module):
     """A stand-in pipeline stage whose forward and backward take fixed wall time without using a CPU core,
     so that 4 ranks on 2 cores behave like 4 devices: what is measured is the schedule's execution."""
 
-    weight_grad_queue = None  # given by the runner for split schedules
-
-    def __init__(self, pp, virtual_stages, shape, forward_s=FORWARD_S, backward_s=BACKWARD_S):
+    def __init__(self, pp, virtual_stages, shape, forward_s=FORWARD_S, backward_s=BACKWARD_S, weight_grad_queue=None):
+        """`weight_grad_queue`: for split schedules, where the backward leaves its weight-gradient time."""
         super().__init__()
+        self.weight_grad_queue = weight_grad_queue
         self.forward_s, self.backward_s = forward_s, backward_s
         self.cfg = SimpleNamespace(num_layers=pp * virtual_stages)
         self.weight = torch.nn.Parameter(torch.ones(()))
@@ -87,13 +87,16 @@ def check_measured_schedule(schedule, pp, microbatches, virtual_stages, slowdown
     """(measured bubble, peak in flight) of `schedule` after a warm-up step; with `steps` > 1 the smallest of that
     many steps' bubbles: a rank descheduled while it should send (four processes share two cores) only ever adds
     idle time, so the least disturbed step is the best measure of the schedule's own bubble."""
+    from tensorpar.layers.weight_grad import WeightGradQueue
     from tensorpar.parallel.pipeline import PipelineRunner
+    from tensorpar.parallel.pipeline_schedules import splits_backward
     from tensorpar.parallel.pipeline_view import measured_bubble
 
     m = mesh(tp=1, pp=pp)
     shape = (1, 4, 8)
-    stage = SleepingStage(pp, virtual_stages, shape, FORWARD_S * slowdown, BACKWARD_S * slowdown)
-    runner = PipelineRunner(stage, m, schedule, virtual_stages, microbatches, shape)
+    queue = WeightGradQueue() if splits_backward(schedule) else None
+    stage = SleepingStage(pp, virtual_stages, shape, FORWARD_S * slowdown, BACKWARD_S * slowdown, queue)
+    runner = PipelineRunner(stage, m, schedule, virtual_stages, microbatches, shape, weight_grads=queue)
     batches = [torch.zeros(1, 5, dtype=torch.long) for _ in range(microbatches)]
     stage.forward_s = stage.backward_s = 0.0
     runner.train_step(batches, lambda i: None)  # warm-up (connections), without the sleeps

@@ -6,10 +6,17 @@ import torch
 from torch import nn
 
 from tensorpar.errors import TensorparError
-from tensorpar.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
+from tensorpar.distributed.comm import Group
+from tensorpar.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPRegion,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+)
 from tensorpar.layers.moe.experts import GroupedExperts
 from tensorpar.layers.norms import Norm
-from tensorpar.layers.weight_grad import WeightGradQueue, attach_weight_grad_queue
+from tensorpar.layers.weight_grad import WeightGradQueue
 from tensorpar.models import Transformer, get_config
 
 from conftest import TINY8
@@ -20,17 +27,23 @@ def _grads(module):
     return {name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()}
 
 
+def _regions(module):
+    return [m.region for m in module.modules() if isinstance(getattr(m, "region", None), TPRegion)]
+
+
 def _compare_split(build, inputs, seed=0, tol=1e-6):
-    """Backward through `build()` plainly and with a queue: with the queue no gradient exists until W runs, then
-    every parameter's equals the plain one; the input gradients are equal too."""
+    """Backward through `build(None)` plainly and through `build(queue)` with a queue: with the queue no gradient
+    exists until W runs, then every parameter's equals the plain one; the input gradients are equal too."""
     torch.manual_seed(seed)
-    plain, split = build(), build()
+    queue = WeightGradQueue()
+    plain, split = build(None), build(queue)
     split.load_state_dict(plain.state_dict())
     outs, given = {}, inputs()
-    for module, queue in ((plain, None), (split, WeightGradQueue())):
-        assert attach_weight_grad_queue(module, queue) >= 1
+    for module, queue in ((plain, None), (split, queue)):
+        regions = _regions(module)
+        assert regions and all(r.weight_grads is queue for r in regions)
         if queue is not None:  # nothing left in backward to hide a TP collective behind
-            assert not any(getattr(m, "tp_overlap", False) for m in module.modules())
+            assert not any(r.overlap for r in regions)
         args = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in given]
         fired = []
         hooks = [p.register_post_accumulate_grad_hook(lambda p: fired.append(p)) for p in module.parameters()]
@@ -56,14 +69,19 @@ def _compare_split(build, inputs, seed=0, tol=1e-6):
         torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol, msg=name)
 
 
+def _region(queue, name="tp"):
+    """One rank's region, with the split backward when `queue` is given."""
+    return TPRegion(Group.single(name), weight_grads=queue)
+
+
 x3 = lambda *shape: lambda: [torch.randn(*shape)]  # noqa: E731
 LAYERS = {
-    "column": (lambda: ColumnParallelLinear(16, 24, bias=True), x3(2, 5, 16)),
-    "row": (lambda: RowParallelLinear(24, 16, bias=True), x3(2, 5, 24)),
-    "embedding": (lambda: VocabParallelEmbedding(40, 8), lambda: [torch.randint(0, 40, (3, 7))]),
-    "lm_head": (lambda: VocabParallelLMHead(16, 37), x3(2, 5, 16)),
-    "layernorm": (lambda: _randomised(Norm(16, "layernorm", 1e-5)), x3(2, 5, 16)),
-    "rmsnorm": (lambda: _randomised(Norm(16, "rmsnorm", 1e-6)), x3(2, 5, 16)),
+    "column": (lambda q: ColumnParallelLinear(16, 24, _region(q), bias=True), x3(2, 5, 16)),
+    "row": (lambda q: RowParallelLinear(24, 16, _region(q), bias=True), x3(2, 5, 24)),
+    "embedding": (lambda q: VocabParallelEmbedding(40, 8, _region(q)), lambda: [torch.randint(0, 40, (3, 7))]),
+    "lm_head": (lambda q: VocabParallelLMHead(16, 37, _region(q)), x3(2, 5, 16)),
+    "layernorm": (lambda q: _randomised(Norm(16, "layernorm", 1e-5, _region(q))), x3(2, 5, 16)),
+    "rmsnorm": (lambda q: _randomised(Norm(16, "rmsnorm", 1e-6, _region(q))), x3(2, 5, 16)),
 }
 
 
@@ -81,20 +99,14 @@ def test_each_layer_kind_defers_its_weight_gradients(kind):
 
 
 class _Experts(nn.Module):
-    def __init__(self):
+    def __init__(self, queue):
         super().__init__()
         cfg = get_config("tiny-moe")
-        self.experts = _randomised(GroupedExperts(cfg, _single("ep")))
+        self.experts = _randomised(GroupedExperts(cfg, Group.single("ep"), region=_region(queue)))
         self.sizes = [3, 0, 5, 2][: self.experts.num_local] + [1] * max(0, self.experts.num_local - 4)
 
     def forward(self, x):
         return self.experts(x[: sum(self.sizes)], self.sizes)
-
-
-def _single(name):
-    from tensorpar.distributed.comm import Group
-
-    return Group.single(name)
 
 
 def test_moe_experts_defer_their_stacked_weight_gradients():
@@ -108,7 +120,7 @@ def test_whole_model_defers_every_weight_gradient(model):
     shared experts) gets its gradient only from W, and the same gradient as the plain backward."""
     cfg = get_config(model).replace(num_layers=2, dropout=0.0)
     ids = torch.randint(0, cfg.vocab_size, (2, 17))
-    _compare_split(lambda: Transformer(cfg, seed=3), lambda: [ids[:, :-1], ids[:, 1:]], tol=1e-5)
+    _compare_split(lambda q: Transformer(cfg, seed=3, weight_grads=q), lambda: [ids[:, :-1], ids[:, 1:]], tol=1e-5)
 
 
 def check_tensor_parallel_split(tp, sequence_parallel, model):
@@ -118,7 +130,7 @@ def check_tensor_parallel_split(tp, sequence_parallel, model):
     cfg = (TINY8 if model == "tiny8" else get_config(model)).replace(num_layers=2, dropout=0.0)
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 17))
-    build = lambda: Transformer(cfg, m, sequence_parallel=sequence_parallel, seed=3)  # noqa: E731
+    build = lambda q: Transformer(cfg, m, sequence_parallel=sequence_parallel, seed=3, weight_grads=q)  # noqa: E731
     _compare_split(build, lambda: [ids[:, :-1], ids[:, 1:]], tol=1e-5)
     return m.stats.calls()
 
@@ -131,8 +143,7 @@ def test_tensor_parallel_weight_reductions_run_in_w(pools, tp, sequence_parallel
 
 def test_queue_bookkeeping_and_errors():
     queue = WeightGradQueue()
-    lin = ColumnParallelLinear(4, 6)
-    attach_weight_grad_queue(lin, queue)
+    lin = ColumnParallelLinear(4, 6, _region(queue))
     for key in ("a", "b"):
         lin(torch.randn(3, 4)).sum().backward()
         queue.close(key)
@@ -148,7 +159,6 @@ def test_queue_bookkeeping_and_errors():
         queue.close("a")
     queue.run_all()  # "a", then the pass not yet closed
     assert len(queue) == 0 and len(fired) == 3
-    attach_weight_grad_queue(lin, None)
-    lin.weight.grad = None
-    lin(torch.randn(3, 4)).sum().backward()
-    assert lin.weight.grad is not None  # back to the plain backward
+    plain = ColumnParallelLinear(4, 6, _region(None))
+    plain(torch.randn(3, 4)).sum().backward()
+    assert plain.weight.grad is not None and len(queue) == 0  # a region without a queue: the plain backward

@@ -19,6 +19,7 @@ from tensorpar.errors import LayoutError
 from tensorpar.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    TPRegion,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     vocab_parallel_cross_entropy,
@@ -49,11 +50,12 @@ class ParallelToy(nn.Module):
     def __init__(self, dense: DenseToy, mesh, sequence_parallel: bool):
         super().__init__()
         self.mesh, self.sp = mesh, sequence_parallel
-        self.embed = VocabParallelEmbedding.from_dense(dense.embed, mesh, sequence_parallel=sequence_parallel)
-        self.fc1 = ColumnParallelLinear.from_dense(dense.fc1, mesh, sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear.from_dense(dense.fc2, mesh, sequence_parallel=sequence_parallel)
+        region = TPRegion(mesh.tp_group, sequence_parallel)  # how every layer enters and leaves the TP regions
+        self.embed = VocabParallelEmbedding.from_dense(dense.embed, region)
+        self.fc1 = ColumnParallelLinear.from_dense(dense.fc1, region)
+        self.fc2 = RowParallelLinear.from_dense(dense.fc2, region)
         # Vocabulary padded to a multiple of TP, like the embedding, so that its logits line up with the loss's shards.
-        self.head = VocabParallelLMHead.from_dense(dense.head, mesh, sequence_parallel=sequence_parallel)
+        self.head = VocabParallelLMHead.from_dense(dense.head, region)
 
     def forward(self, ids, targets):
         h = self.embed(ids)

@@ -16,15 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar.distributed.comm import Group, as_group
-from tensorpar.distributed.ops import copy_to_tp, gather_from_sp
 from tensorpar.errors import LayoutError
 from tensorpar.layers.dropout import fork_rng_seeded, mix_seed
-from tensorpar.layers import weight_grad
 from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.layers.region import Projection, as_region
 from tensorpar.layers.ring_attention import ContextSplit, context_attention
 from tensorpar.layers.rope import apply_rope
 from tensorpar.layers.sharding import ShardSpec, divide, tag
-from tensorpar.layers.tp_overlap import column_parallel_in
 
 
 def kv_layout(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
@@ -39,20 +37,6 @@ def kv_layout(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
     return 1, tp_size // num_kv_heads
 
 
-class _SumOverReplicas(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce over the TP group of a buffer holding one slot per distinct
-    shard, so each rank receives the sum of the gradients of the ranks that hold its (replicated) shard."""
-
-    @staticmethod
-    def forward(ctx, weight, group: Group, replicas: int):
-        ctx.group, ctx.replicas = group, replicas
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _sum_over_replicas(grad, ctx.group, ctx.replicas), None, None
-
-
 def _sum_over_replicas(grad: torch.Tensor, group: Group, replicas: int) -> torch.Tensor:
     """All-reduce over `group` of a buffer with one slot per distinct shard: the sum over the ranks holding this one."""
     slot = group.rank // replicas
@@ -64,9 +48,11 @@ def _sum_over_replicas(grad: torch.Tensor, group: Group, replicas: int) -> torch
 
 class KVParallelLinear(nn.Module):
     """The K or V projection: `num_kv_heads` heads of `head_dim` split across TP ranks, or replicated on
-    groups of consecutive ranks when there are fewer heads than ranks (gradients summed over the copies).
+    groups of consecutive ranks when there are fewer heads than ranks (gradients summed over the copies: an
+    all-reduce over the TP group of a buffer holding one slot per distinct shard, in the backward).
 
-    The input must already be in the TP region (the attention applies copy_to_tp / gather_from_sp once).
+    Its product is applied by the attention, which enters the TP region with q, k and v together
+    (`TPRegion.enter` with the three projections).
     """
 
     def __init__(self, in_features: int, num_kv_heads: int, head_dim: int, tp_group=None, bias: bool = True,
@@ -80,22 +66,12 @@ class KVParallelLinear(nn.Module):
         self.weight = tag(nn.Parameter(torch.empty(rows, in_features, device=device)), spec)
         self.bias = tag(nn.Parameter(torch.empty(rows, device=device)), spec) if bias else None
 
-    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
-
-    def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight and bias the product uses (replicated heads: their gradients summed over the copies)."""
-        weight, bias = self.weight, self.bias
+    def projection(self) -> Projection:
+        """The product's weight and bias; replicated heads sum their gradients over the copies."""
+        reduce = None
         if self.replicas > 1:
-            weight = _SumOverReplicas.apply(weight, self.tp_group, self.replicas)
-            bias = None if bias is None else _SumOverReplicas.apply(bias, self.tp_group, self.replicas)
-        return weight, bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_grad_queue is not None:
             reduce = functools.partial(_sum_over_replicas, group=self.tp_group, replicas=self.replicas)
-            return weight_grad.linear(x, self.weight, self.bias, self.weight_grad_queue,
-                                      reduce=reduce if self.replicas > 1 else None)
-        return F.linear(x, *self.weight_and_bias())
+        return Projection(self.weight, self.bias, reduce)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, local_heads={self.local_heads}, replicas={self.replicas}"
@@ -104,25 +80,25 @@ class KVParallelLinear(nn.Module):
 class ParallelAttention(nn.Module):
     """Causal self-attention: [B, S, H] (or [B, S/tp, H] under sequence parallelism) in and out."""
 
-    def __init__(self, cfg, tp_group=None, sequence_parallel: bool = False, layer_index: int = 0, device=None,
-                 tp_overlap: bool = False):
+    def __init__(self, cfg, region=None, layer_index: int = 0, device=None, exit_region=None):
+        """`region`: the model's `TPRegion` (or a mesh / group: plain collectives); `exit_region`, if given, the
+        one the output projection leaves by (default: `region`)."""
         super().__init__()
-        self.tp_group = as_group(tp_group)
+        self.region = as_region(region)
+        self.tp_group = self.region.group
         tp = self.tp_group.size
-        self.sequence_parallel, self.layer_index, self.tp_overlap = sequence_parallel, layer_index, tp_overlap
+        self.sequence_parallel, self.layer_index = self.region.sequence_parallel, layer_index
         self.head_dim = cfg.head_dim
         self.local_heads = divide(cfg.num_heads, tp, "num_heads")
         self.local_kv_heads, self.kv_replicas = kv_layout(cfg.kv_heads, tp)
         self.dropout = cfg.dropout
         h, hd = cfg.hidden_size, cfg.head_dim
-        column = dict(sequence_parallel=sequence_parallel, skip_input_comm=True, device=device, init=False)
         qkv_bias = cfg.attention_qkv_bias
-        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, self.tp_group, qkv_bias, **column)
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, self.region, qkv_bias, device=device, init=False)
         self.k_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device=device)
         self.v_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device=device)
-        self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, self.tp_group, cfg.bias,
-                                        sequence_parallel=sequence_parallel, device=device, init=False,
-                                        tp_overlap=tp_overlap)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, exit_region or self.region, cfg.bias, device=device,
+                                        init=False)
 
     def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None):
         """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes); with
@@ -155,12 +131,7 @@ class ParallelAttention(nn.Module):
         their keys and values are appended to the cache under `layer_key` and attention spans all cached ones."""
         if kv_cache is not None and self.sequence_parallel:
             raise LayoutError("the KV-cache path runs without sequence parallelism")
-        if self.tp_overlap:  # the entry's collective hidden behind the q/k/v GEMMs (tensorpar.layers.tp_overlap)
-            q, k, v = column_parallel_in(x, [(self.q_proj.weight, self.q_proj.bias), self.k_proj.weight_and_bias(),
-                                             self.v_proj.weight_and_bias()], self.tp_group, self.sequence_parallel)
-        else:
-            x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.region.enter(x, [self.q_proj.projection(), self.k_proj.projection(), self.v_proj.projection()])
         b, s = q.shape[:2]
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)

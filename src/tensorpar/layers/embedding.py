@@ -5,45 +5,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.distributed.comm import Group, as_group
-from tensorpar.distributed.ops import reduce_from_tp, reduce_scatter_to_sp, scatter_to_sp
-from tensorpar.layers import weight_grad
+from tensorpar.distributed.comm import Group
+from tensorpar.distributed.ops import scatter_to_sp
+from tensorpar.layers.region import TPRegion, as_region
 from tensorpar.layers.sharding import ShardSpec, make_generator, padded, tag, take_shard
-
-
-class _LookupWithWideGrad(torch.autograd.Function):
-    """`weight[ids]` whose backward sums each row's gradients in fp32 before rounding to the table's dtype.
-
-    PyTorch's CPU embedding backward accumulates in the weight's dtype: in bf16 a row looked up a few hundred
-    times stops growing once its sum is 2^8 times the addends (a byte-level vocabulary's space: about 15% of
-    all tokens). Local: no communication.
-    """
-
-    @staticmethod
-    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (ids,) = ctx.saved_tensors
-        wide = torch.zeros(ctx.weight_shape, dtype=torch.float32, device=grad.device)
-        wide.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).float())
-        return None, wide.to(ctx.weight_dtype)
-
-
-def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor, weight_grad_queue=None) -> torch.Tensor:
-    """`F.embedding(ids, weight)`, with the weight gradient accumulated in fp32 when the table is bf16/fp16
-    (and left in `weight_grad_queue` for later when one is given: layers/weight_grad.py)."""
-    if weight_grad_queue is not None:
-        return weight_grad.embedding(ids, weight, weight_grad_queue)
-    if weight.dtype in (torch.bfloat16, torch.float16) and weight.requires_grad and torch.is_grad_enabled():
-        return _LookupWithWideGrad.apply(ids, weight)
-    return F.embedding(ids, weight)
 
 
 def default_embedding_init(weight: torch.Tensor, generator: torch.Generator) -> None:
@@ -58,9 +25,10 @@ class VocabParallelEmbedding(nn.Module):
     [r*V_pad/tp, (r+1)*V_pad/tp). Padding rows are zero and never looked up.
 
     Forward: ids outside this rank's rows are masked and their vectors zeroed, then the partial
-    embeddings are summed by `reduce_from_tp` (all-reduce / identity in backward) or, with
-    sequence parallelism, by `reduce_scatter_to_sp` (reduce-scatter / all-gather in backward),
-    which leaves each rank its sequence shard.
+    embeddings are summed over the TP group of `region` (a `TPRegion`, or a mesh / group: plain
+    collectives) by `reduce_from_tp` (all-reduce / identity in backward) or, with sequence
+    parallelism, by `reduce_scatter_to_sp` (reduce-scatter / all-gather in backward), which leaves
+    each rank its sequence shard.
 
     With ``replicated=True`` every rank holds the whole table and looks up locally (no
     communication); under sequence parallelism the output is then split by `scatter_to_sp`
@@ -71,10 +39,9 @@ class VocabParallelEmbedding(nn.Module):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        tp_group=None,
+        region=None,
         *,
         replicated: bool = False,
-        sequence_parallel: bool = False,
         init_method: Callable[[torch.Tensor, torch.Generator], None] | None = None,
         seed: int | None = None,
         device=None,
@@ -82,12 +49,13 @@ class VocabParallelEmbedding(nn.Module):
         init: bool = True,
     ):
         super().__init__()
-        self.tp_group: Group = as_group(tp_group)
+        self.region: TPRegion = as_region(region)
+        self.tp_group: Group = self.region.group
+        self.sequence_parallel = self.region.sequence_parallel
         tp, rank = self.tp_group.size, self.tp_group.rank
         self.num_embeddings = self.vocab_size = num_embeddings
         self.embedding_dim = embedding_dim
         self.replicated = replicated
-        self.sequence_parallel = sequence_parallel
         if replicated:
             self.padded_vocab_size = num_embeddings
             self.vocab_start, self.rows_per_rank = 0, num_embeddings
@@ -124,26 +92,22 @@ class VocabParallelEmbedding(nn.Module):
                 )
 
     @classmethod
-    def from_dense(cls, module: nn.Embedding, tp_group=None, **kwargs):
+    def from_dense(cls, module: nn.Embedding, region=None, **kwargs):
         """This rank's rows of an unsharded nn.Embedding (copied, not shared)."""
         kwargs.setdefault("device", module.weight.device)
         kwargs.setdefault("dtype", module.weight.dtype)
-        layer = cls(module.num_embeddings, module.embedding_dim, tp_group, init=False, **kwargs)
+        layer = cls(module.num_embeddings, module.embedding_dim, region, init=False, **kwargs)
         layer._load_full(module.weight.detach())
         return layer
 
-    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradient in it (layers/weight_grad.py)
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.replicated or self.tp_group.size == 1:
-            out = embedding_lookup(ids, self.weight, self.weight_grad_queue)
+            out = self.region.lookup(ids, self.weight)
             return scatter_to_sp(out, self.tp_group) if self.sequence_parallel else out
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = embedding_lookup(local_ids, self.weight, self.weight_grad_queue).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sp(out, self.tp_group)
-        return reduce_from_tp(out, self.tp_group)
+        out = self.region.lookup(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.region.reduce(out)
 
     def extra_repr(self) -> str:
         return (

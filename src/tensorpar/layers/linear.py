@@ -18,15 +18,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tensorpar.distributed.comm import Group, as_group
-from tensorpar.distributed.ops import (
-    copy_to_tp,
-    gather_from_sp,
-    gather_from_tp,
-    reduce_from_tp,
-    reduce_scatter_to_sp,
-    scatter_to_tp,
-)
+from tensorpar.distributed.comm import Group
+from tensorpar.distributed.ops import gather_from_tp, scatter_to_tp
+from tensorpar.layers.region import Projection, TPRegion, as_region
 from tensorpar.layers.sharding import (
     ShardSpec,
     default_linear_init,
@@ -36,8 +30,6 @@ from tensorpar.layers.sharding import (
     tag,
     take_shard,
 )
-from tensorpar.layers import weight_grad
-from tensorpar.layers.tp_overlap import column_parallel_in, row_parallel_out
 
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
 
@@ -56,15 +48,14 @@ def full_linear_params(in_features, out_features, bias, init_method, seed):
 
 class _ParallelLinear(nn.Module):
     split_dim: int  # 0 for column-parallel, 1 for row-parallel
-    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
 
-    def __init__(self, in_features, out_features, tp_group, bias, sequence_parallel, device, dtype, tp_overlap=False):
+    def __init__(self, in_features, out_features, region, device, dtype):
         super().__init__()
-        self.tp_group: Group = as_group(tp_group)
-        self.tp_overlap = tp_overlap
+        self.region: TPRegion = as_region(region)
+        self.tp_group: Group = self.region.group
+        self.sequence_parallel = self.region.sequence_parallel
         self.in_features = in_features
         self.out_features = out_features
-        self.sequence_parallel = sequence_parallel
         self._factory = {"device": device, "dtype": dtype}
 
     def _load_full(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -83,12 +74,12 @@ class _ParallelLinear(nn.Module):
                 self.bias.copy_(take_shard(bias, 0, rank, tp) if self.split_dim == 0 else bias)
 
     @classmethod
-    def from_dense(cls, module: nn.Linear, tp_group=None, **kwargs):
+    def from_dense(cls, module: nn.Linear, region=None, **kwargs):
         """This rank's shard of an unsharded nn.Linear (its weights are copied, not shared)."""
         kwargs.setdefault("bias", module.bias is not None)
         kwargs.setdefault("device", module.weight.device)
         kwargs.setdefault("dtype", module.weight.dtype)
-        layer = cls(module.in_features, module.out_features, tp_group, init=False, **kwargs)
+        layer = cls(module.in_features, module.out_features, region, init=False, **kwargs)
         layer._load_full(module.weight.detach(), None if module.bias is None else module.bias.detach())
         return layer
 
@@ -103,18 +94,16 @@ class _ParallelLinear(nn.Module):
 class ColumnParallelLinear(_ParallelLinear):
     """y = x A^T + b with A's output features split across the TP group.
 
-    Forward: the input is replicated (or, with sequence parallelism, sequence-sharded) and
-    enters through `copy_to_tp` (f: identity / all-reduce in backward), or `gather_from_sp`
-    (all-gather / reduce-scatter in backward); each rank computes its slice of the output features.
-    With ``gather_output=True`` the slices are all-gathered (backward: split) into the full output.
+    Forward: the input is replicated (or, with sequence parallelism, sequence-sharded) and enters the TP
+    region through `region.enter` (`copy_to_tp`, f: identity / all-reduce in backward; or `gather_from_sp`:
+    all-gather / reduce-scatter in backward, overlapped with the GEMMs when the region says so); each rank
+    computes its slice of the output features. With ``gather_output=True`` the slices are all-gathered
+    (backward: split) into the full output.
 
-    ``skip_input_comm=True`` leaves out the entering op: for layers that share one input (q/k/v,
-    gate/up), the caller applies `copy_to_tp` / `gather_from_sp` once, so that the backward
-    all-reduce (or reduce-scatter) happens once for all of them instead of once per layer.
-
-    ``tp_overlap=True`` hides that communication behind compute (`tensorpar.layers.tp_overlap`): the
-    backward all-reduce (reduce-scatter) runs while the weight gradient is computed, and under SP the
-    forward all-gather arrives in chunks, each multiplied as soon as it is there.
+    `region`: a `TPRegion` (the model's: its group, sequence parallelism, overlap and split backward), or a
+    mesh / group / None for plain collectives. Layers that share one input (q/k/v, gate/up) are entered
+    together by their owner (`region.enter(x, [a.projection(), b.projection()])`), so that the backward
+    all-reduce (or reduce-scatter) happens once for all of them.
     """
 
     split_dim = 0
@@ -123,25 +112,21 @@ class ColumnParallelLinear(_ParallelLinear):
         self,
         in_features: int,
         out_features: int,
-        tp_group=None,
+        region=None,
         bias: bool = True,
         *,
         gather_output: bool = False,
-        sequence_parallel: bool = False,
-        skip_input_comm: bool = False,
         init_method: InitMethod | None = None,
         seed: int | None = None,
         device=None,
         dtype=None,
         init: bool = True,
-        tp_overlap: bool = False,
     ):
-        super().__init__(in_features, out_features, tp_group, bias, sequence_parallel, device, dtype, tp_overlap)
-        if gather_output and sequence_parallel:
+        super().__init__(in_features, out_features, region, device, dtype)
+        if gather_output and self.sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True")
         tp = self.tp_group.size
         self.gather_output = gather_output
-        self.skip_input_comm = skip_input_comm
         self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features")
         self.weight = tag(
             nn.Parameter(torch.empty(self.out_per_rank, in_features, **self._factory)),
@@ -156,17 +141,12 @@ class ColumnParallelLinear(_ParallelLinear):
         if init:
             self._load_full(*full_linear_params(in_features, out_features, bias, init_method, seed))
 
+    def projection(self) -> Projection:
+        """This layer's product, for a caller that enters the region with several layers sharing one input."""
+        return Projection(self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_overlap and not self.skip_input_comm:
-            (y,) = column_parallel_in(x, [(self.weight, self.bias)], self.tp_group, self.sequence_parallel)
-            return gather_from_tp(y, self.tp_group) if self.gather_output else y
-        if self.skip_input_comm:
-            pass
-        elif self.sequence_parallel:
-            x = gather_from_sp(x, self.tp_group)
-        else:
-            x = copy_to_tp(x, self.tp_group)
-        y = weight_grad.linear(x, self.weight, self.bias, self.weight_grad_queue)
+        (y,) = self.region.enter(x, [self.projection()])
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -175,12 +155,10 @@ class RowParallelLinear(_ParallelLinear):
 
     Forward: each rank multiplies its slice of the input features (``input_is_parallel=True``,
     the output of a ColumnParallelLinear; otherwise the full input is split first by
-    `scatter_to_tp`), then the partial sums are combined by `reduce_from_tp` (g: all-reduce /
-    identity in backward) or, with sequence parallelism, by `reduce_scatter_to_sp`
-    (reduce-scatter / all-gather in backward). The bias is added once, after the reduction.
-
-    ``tp_overlap=True`` sends the reduction in chunks, each as soon as its part of the product is
-    computed (`tensorpar.layers.tp_overlap`); under SP the backward all-gather likewise.
+    `scatter_to_tp`), then the partial sums leave the TP region through `region.leave`:
+    `reduce_from_tp` (g: all-reduce / identity in backward) or, with sequence parallelism,
+    `reduce_scatter_to_sp` (reduce-scatter / all-gather in backward), in pieces overlapped with the
+    GEMM when the region says so. The bias is added once, after the reduction.
     """
 
     split_dim = 1
@@ -189,20 +167,18 @@ class RowParallelLinear(_ParallelLinear):
         self,
         in_features: int,
         out_features: int,
-        tp_group=None,
+        region=None,
         bias: bool = True,
         *,
         input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
         seed: int | None = None,
         device=None,
         dtype=None,
         init: bool = True,
-        tp_overlap: bool = False,
     ):
-        super().__init__(in_features, out_features, tp_group, bias, sequence_parallel, device, dtype, tp_overlap)
-        if sequence_parallel and not input_is_parallel:
+        super().__init__(in_features, out_features, region, device, dtype)
+        if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         tp = self.tp_group.size
         self.input_is_parallel = input_is_parallel
@@ -216,7 +192,7 @@ class RowParallelLinear(_ParallelLinear):
             # Replicated; under SP each rank sees only its sequence shard, so its gradient is summed across TP.
             self.bias = tag(
                 nn.Parameter(torch.empty(out_features, **self._factory)),
-                ShardSpec(dim=None, reduce_grad_across_tp=sequence_parallel),
+                ShardSpec(dim=None, reduce_grad_across_tp=self.sequence_parallel),
             )
         if init:
             self._load_full(*full_linear_params(in_features, out_features, bias, init_method, seed))
@@ -224,18 +200,4 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        if self.tp_overlap:
-            return row_parallel_out(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
-        y = weight_grad.linear(x, self.weight, None, self.weight_grad_queue)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sp(y, self.tp_group)
-        else:
-            y = reduce_from_tp(y, self.tp_group)
-        if self.bias is None:
-            return y
-        if self.weight_grad_queue is not None:  # split backward: the bias gradient (summed across TP under SP) in W
-            reduce = weight_grad.summed_over(self.tp_group) if self.sequence_parallel else None
-            return weight_grad.affine(y, None, self.bias, self.weight_grad_queue, reduce=reduce)
-        # Under SP the bias gradient on each rank covers only its sequence shard: copy_to_tp sums it across TP.
-        bias = copy_to_tp(self.bias, self.tp_group) if self.sequence_parallel else self.bias
-        return y + bias
+        return self.region.leave(x, self.weight, self.bias)

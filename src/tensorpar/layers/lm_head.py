@@ -14,42 +14,42 @@ never gathers them and leaves the padding columns out of the max, the sum and th
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from tensorpar.distributed.comm import as_group
 from tensorpar.layers.linear import ColumnParallelLinear, InitMethod, full_linear_params
+from tensorpar.layers.region import as_region
 from tensorpar.layers.sharding import ShardSpec, padded, tag, take_shard
 
 
 class VocabParallelLMHead(ColumnParallelLinear):
     """``logits = h W^T (+ b)`` with W's vocabulary rows split across the TP group, padded to a multiple of TP.
 
-    Forward: the input enters through `copy_to_tp` (identity / all-reduce in backward) or, with sequence
-    parallelism, `gather_from_sp` (all-gather / reduce-scatter in backward); each rank computes its
-    vocabulary slice of the logits, [..., padded_vocab_size / tp]; nothing else is communicated. The padding
-    rows (and bias entries) are zero, so the padding logits are zero: pass ``vocab_size=head.vocab_size`` to
-    the loss so that they never count. ``VocabParallelLMHead.from_dense(nn.Linear(hidden, vocab), tp_group)``
-    takes this rank's padded shard of a dense head. ``skip_input_comm=True`` leaves out the entering op, for a caller that
-    applies it itself. ``init=False`` leaves the shard uninitialised, for a caller that loads it.
+    Forward: the input enters the TP region through `region.enter` (`copy_to_tp`: identity / all-reduce in
+    backward, or with sequence parallelism `gather_from_sp`: all-gather / reduce-scatter in backward); each rank
+    computes its vocabulary slice of the logits, [..., padded_vocab_size / tp]; nothing else is communicated.
+    The padding rows (and bias entries) are zero, so the padding logits are zero: pass
+    ``vocab_size=head.vocab_size`` to the loss so that they never count.
+    ``VocabParallelLMHead.from_dense(nn.Linear(hidden, vocab), mesh)`` takes this rank's padded shard of a dense
+    head; `VocabParallelLMHead.tied(embedding)` is the head of a model whose embedding is tied to it.
+    ``init=False`` leaves the shard uninitialised, for a caller that loads it.
     """
 
     def __init__(
         self,
         in_features: int,
         vocab_size: int,
-        tp_group=None,
+        region=None,
         bias: bool = False,
         *,
-        sequence_parallel: bool = False,
-        skip_input_comm: bool = False,
         init_method: InitMethod | None = None,
         seed: int | None = None,
         device=None,
         dtype=None,
         init: bool = True,
     ):
-        padded_vocab_size = padded(vocab_size, as_group(tp_group).size)
-        super().__init__(in_features, padded_vocab_size, tp_group, bias, sequence_parallel=sequence_parallel,
-                         skip_input_comm=skip_input_comm, device=device, dtype=dtype, init=False)
+        region = as_region(region)
+        padded_vocab_size = padded(vocab_size, region.group.size)
+        super().__init__(in_features, padded_vocab_size, region, bias, device=device, dtype=dtype, init=False)
         self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
         self.out_features = vocab_size  # the dense layer's; the shards hold padded_vocab_size / tp rows
         spec = ShardSpec(dim=0, full_size=vocab_size, padded_size=self.padded_vocab_size)
@@ -58,6 +58,12 @@ class VocabParallelLMHead(ColumnParallelLinear):
             tag(self.bias, spec)
         if init:
             self._load_full(*full_linear_params(in_features, vocab_size, bias, init_method, seed))
+
+    @staticmethod
+    def tied(embedding) -> "TiedLMHead":
+        """The head of a model whose output weights are its (vocabulary-parallel) embedding's: the same forward,
+        on the embedding's weight, with no parameter of its own."""
+        return TiedLMHead(embedding)
 
     @property
     def vocab_start(self) -> int:
@@ -81,3 +87,21 @@ class VocabParallelLMHead(ColumnParallelLinear):
         return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, padded to {self.padded_vocab_size}, "
                 f"tp={self.tp_group.size}, rows=[{self.vocab_start}, {self.vocab_start + self.out_per_rank}), "
                 f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+class TiedLMHead(VocabParallelLMHead):
+    """`VocabParallelLMHead` whose weight is a `VocabParallelEmbedding`'s (tied embeddings). It registers no
+    parameter: the model's parameters, checkpoints and optimizer see the embedding's weight once."""
+
+    def __init__(self, embedding):
+        nn.Module.__init__(self)
+        object.__setattr__(self, "_embedding", embedding)  # not a submodule: its weight is the embedding's
+        self.region, self.tp_group = embedding.region, embedding.tp_group
+        self.sequence_parallel = self.region.sequence_parallel
+        self.in_features, self.vocab_size = embedding.embedding_dim, embedding.vocab_size
+        self.padded_vocab_size, self.out_features = embedding.padded_vocab_size, embedding.vocab_size
+        self.out_per_rank, self.gather_output, self.bias = embedding.rows_per_rank, False, None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding.weight

@@ -2,8 +2,8 @@
 
 Zero-bubble pipeline schedules (ZB-H1, ZB-V) run the backward of a micro-batch in two halves: B, the
 gradient of the stage's input, which the previous stage waits for, and W, the gradients of the weights,
-which nobody waits for and so can fill idle time. A layer given a `WeightGradQueue` (its owner calls
-`attach_weight_grad_queue(model, queue)`) computes only B in its backward and leaves W in the queue;
+which nobody waits for and so can fill idle time. A model built with a `WeightGradQueue` (in its `TPRegion`,
+tensorpar.layers.region, which every layer asks) computes only B in its backward and leaves W in the queue;
 `queue.close(key)` names the W work of the backward pass that just ran and `queue.run(key)` computes it
 and accumulates it into ``param.grad`` through autograd, one call per pass, so that gradient hooks (data
 parallelism's buckets) fire once per parameter per pass, as after a plain backward. Without a queue (the
@@ -19,8 +19,8 @@ op                 forward          B (in backward)     W (queued)
 
 No communication here, except a weight gradient's own reduction (``reduce``: the all-reduce over TP of
 a weight replicated on the TP ranks that each see part of the tokens), which W runs where the plain
-path runs it in backward. The queue is owned by whoever runs the backward passes (the pipeline runner):
-nothing is global.
+path runs it in backward. The queue is created with the model and emptied by whoever runs the backward
+passes (the pipeline runner): nothing is global.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tensorpar.errors import TensorparError
 
@@ -111,23 +110,6 @@ class WeightGradQueue:
         if grads:
             params, values = zip(*grads.values())
             torch.autograd.backward(list(params), list(values))
-
-
-def attach_weight_grad_queue(model: nn.Module, queue: WeightGradQueue | None) -> int:
-    """Give every layer of `model` that can defer its weight gradients the queue (None: back to the plain
-    backward); returns how many layers took it.
-
-    A queue also turns TP overlap off (`tp_overlap`, tensorpar.layers.tp_overlap) in every module that has it:
-    the overlap hides a TP collective behind the weight-gradient GEMMs of the same backward, which a split
-    backward defers, so the layers take their plain entry and exit collectives instead. (None leaves it off.)"""
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "weight_grad_queue"):
-            module.weight_grad_queue = queue
-            count += 1
-        if queue is not None and getattr(module, "tp_overlap", False):
-            module.tp_overlap = False
-    return count
 
 
 def _deferring(queue, *tensors) -> bool:

@@ -21,45 +21,41 @@ from torch.utils.checkpoint import checkpoint
 
 from tensorpar.config.choices import RECOMPUTE_MODES
 from tensorpar.distributed.comm import as_group
-from tensorpar.distributed.ops import copy_to_tp, gather_from_sp, mean_from_cp
+from tensorpar.distributed.ops import copy_to_tp, mean_from_cp
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layers.attention import ParallelAttention
 from tensorpar.layers.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.layers.dropout import mix_seed, seeded_dropout
-from tensorpar.layers.embedding import VocabParallelEmbedding, embedding_lookup
-from tensorpar.layers.linear import RowParallelLinear
+from tensorpar.layers.embedding import VocabParallelEmbedding
 from tensorpar.layers.lm_head import VocabParallelLMHead
 from tensorpar.layers.mlp import ParallelMLP
 from tensorpar.layers.moe import MoELayer
 from tensorpar.layers.norms import Norm
+from tensorpar.layers.region import TPRegion
 from tensorpar.layers.ring_attention import ContextSplit, check_context_split
 from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
-from tensorpar.layers import weight_grad
 from tensorpar.layers.sharding import ShardSpec, tag
-from tensorpar.layers.tp_overlap import column_parallel_in
+from tensorpar.layers.weight_grad import WeightGradQueue
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.init import init_weights
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_group, sequence_parallel: bool, layer_index: int, device=None,
-                 ep_group=None, cp_group=None, expert_tp_group=None, tp_overlap: bool = False):
+    def __init__(self, cfg: ModelConfig, region: TPRegion, layer_index: int, device=None, ep_group=None,
+                 cp_group=None, expert_tp_group=None, exit_region: TPRegion | None = None):
+        """`exit_region`: the region the MLP's down projection leaves by, when not `region` (full recomputation)."""
         super().__init__()
         self.layer_index, self.dropout = layer_index, cfg.dropout
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel
-        norm = dict(kind=cfg.norm, eps=cfg.norm_eps, tp_group=tp_group, sequence_parallel=sequence_parallel, device=device,
-                    tp_overlap=tp_overlap)
-        self.attn_norm = Norm(cfg.hidden_size, **norm)
-        self.attn = ParallelAttention(cfg, tp_group, sequence_parallel, layer_index, device=device,
-                                      tp_overlap=tp_overlap)
-        self.mlp_norm = Norm(cfg.hidden_size, **norm)
+        self.tp_group, self.sequence_parallel = region.group, region.sequence_parallel
+        self.attn_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
+        self.attn = ParallelAttention(cfg, region, layer_index, device=device)
+        self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:
-            self.mlp = MoELayer(cfg, tp_group, as_group(ep_group, "ep"), as_group(cp_group, "cp"), sequence_parallel,
-                                device=device, expert_tp_group=as_group(expert_tp_group, "expert_tp"))
+            self.mlp = MoELayer(cfg, region, as_group(ep_group, "ep"), as_group(cp_group, "cp"), device=device,
+                                expert_tp_group=as_group(expert_tp_group, "expert_tp"))
         else:
-            self.mlp = ParallelMLP(cfg, tp_group, sequence_parallel, device=device, tp_overlap=tp_overlap)
+            self.mlp = ParallelMLP(cfg, region, device=device, exit_region=exit_region)
 
     def _drop(self, x, site: int, dropout_seed, context):
         """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
@@ -115,10 +111,11 @@ class Transformer(nn.Module):
 
     ``tp_overlap`` (the default) hides the TP collectives at the edges of each TP region behind the
     GEMMs beside them (tensorpar.layers.tp_overlap); ``tp_overlap=False`` issues them as plain
-    blocking collectives (the same function, the same bytes), to measure the difference.
+    blocking collectives (the same function, the same bytes), to measure the difference. With
+    ``weight_grads`` (a `WeightGradQueue`, for the zero-bubble schedules) every layer's backward leaves its
+    weight gradients in the queue. Both go into the model's `TPRegion` (`self.region`), which every layer
+    asks how to enter and leave a TP region.
     """
-
-    weight_grad_queue = None  # a WeightGradQueue for the head's and positions' weight gradients (layers/weight_grad.py)
 
     def __init__(
         self,
@@ -136,6 +133,7 @@ class Transformer(nn.Module):
         cp_impl: str = "ring",
         cp_split: str = "zigzag",
         tp_overlap: bool = True,
+        weight_grads: WeightGradQueue | None = None,
     ):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
@@ -146,40 +144,39 @@ class Transformer(nn.Module):
         self.ep_group = as_group(mesh, "ep")
         self.expert_tp_group = as_group(mesh, "expert_tp")
         self.cp_split, self.cp_impl = cp_split, cp_impl
-        self.sequence_parallel = sequence_parallel and self.tp_group.size > 1
-        self.recompute, self.tp_overlap = recompute, tp_overlap
+        self.region = TPRegion(self.tp_group, sequence_parallel, tp_overlap, weight_grads)
+        self.sequence_parallel = self.region.sequence_parallel
+        self.recompute = recompute
         device = device if device is not None else getattr(mesh, "device", None)
-        tp, sp = self.tp_group, self.sequence_parallel
+        region = self.region
+        # Full recomputation stops re-running a block's forward once every tensor its backward saved is back, so a
+        # plain row-parallel exit's reduction is not repeated; in the overlapped exit that reduction runs inside the
+        # op that saves them, and would be. The block's last exit (the MLP's) therefore leaves by plain collectives.
+        exit_region = region.without_overlap() if recompute == "full" else region
 
         self.first_stage, self.last_stage = first_stage, last_stage
         layers = range(cfg.num_layers) if layers is None else layers
         self.embed = self.pos_embed = self.final_norm = self.head = None
         if first_stage or (last_stage and cfg.tie_embeddings):
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, sequence_parallel=sp,
-                                                device=device, init=False)
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, region, device=device, init=False)
             if not first_stage:
                 self.embed.weight.pipeline_duplicate = True  # the head's copy of the first stage's embedding
             if not (first_stage and last_stage) and cfg.tie_embeddings:
                 self.embed.weight.pipeline_tied = True
         if first_stage and cfg.position == "learned":
             self.pos_embed = tag(nn.Parameter(torch.empty(cfg.max_seq_len, cfg.hidden_size, device=device)),
-                                 ShardSpec(dim=None, reduce_grad_across_tp=sp))
+                                 ShardSpec(dim=None, reduce_grad_across_tp=self.sequence_parallel))
         # Keyed by global layer index, so that a stage's parameter names are the dense model's.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, tp, sp, i, device, self.ep_group, self.cp_group,
-                                                              self.expert_tp_group, tp_overlap)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, region, i, device, self.ep_group, self.cp_group,
+                                                              self.expert_tp_group, exit_region)
                                      for i in layers})
-        if recompute == "full":
-            # Full recomputation stops re-running a block's forward once every tensor its backward saved is back, so
-            # a plain row-parallel exit's reduction is not repeated; in the overlap exit that reduction runs inside
-            # the op that saves them, and would be. The block's last exit therefore stays plain.
-            for block in self.layers.values():
-                if isinstance(getattr(block.mlp, "down_proj", None), RowParallelLinear):
-                    block.mlp.down_proj.tp_overlap = False
         if last_stage:
-            self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, tp, sp, device=device, tp_overlap=tp_overlap)
-        if last_stage and not cfg.tie_embeddings:
-            self.head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp, bias=False, sequence_parallel=sp,
-                                            skip_input_comm=True, device=device, init=False)
+            self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
+            if cfg.tie_embeddings:
+                self.head = VocabParallelLMHead.tied(self.embed)
+            else:
+                self.head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, region, bias=False, device=device,
+                                                init=False)
         if cfg.position == "rope":
             self.register_buffer("inv_freq", inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
                                  .to(device), persistent=False)
@@ -216,7 +213,7 @@ class Transformer(nn.Module):
         h = self.embed(ids)
         if self.pos_embed is not None:
             seq_len = context.seq_len if context is not None else ids.shape[1]
-            pos = embedding_lookup(self.positions(seq_len, context, ids.device), self.pos_embed, self.weight_grad_queue)
+            pos = self.region.lookup(self.positions(seq_len, context, ids.device), self.pos_embed)
             if self.sequence_parallel:
                 # Each rank adds the positions of its shard; the gradient of the [S, H] slice is summed across TP.
                 pos = copy_to_tp(pos, self.tp_group).chunk(self.tp_group.size, 0)[self.tp_group.rank]
@@ -234,11 +231,7 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp]."""
-        weight = self.embed.weight if self.head is None else self.head.weight
-        if self.tp_overlap:  # the backward reduction of h's gradient hidden behind the head's weight gradient
-            return column_parallel_in(h, [(weight, None)], self.tp_group, self.sequence_parallel)[0]
-        h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
-        return weight_grad.linear(h, weight, None, self.weight_grad_queue)
+        return self.head(h)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss over the targets that are not -100 (under context parallelism, of every CP rank)."""

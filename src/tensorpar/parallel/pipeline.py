@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from torch import nn
 
 from tensorpar.config.choices import V_SHAPED_SCHEDULES
-from tensorpar.errors import LayoutError
-from tensorpar.layers.weight_grad import WeightGradQueue, attach_weight_grad_queue
+from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.layers.lm_head import TiedLMHead
+from tensorpar.layers.weight_grad import WeightGradQueue
 from tensorpar.parallel.pipeline_schedules import (build_schedule, chunks_per_rank, is_v_shaped, rank_of,
                                                    splits_backward, stage_of)
 
@@ -108,7 +108,10 @@ class PipelineRunner:
 
     def __init__(self, model, mesh, schedule: str, virtual_stages: int, num_microbatches: int,
                  activation_shape: tuple[int, ...], autocast=contextlib.nullcontext,
-                 activation_dtype: torch.dtype = torch.float32, pipeline_layers: list[int] | None = None):
+                 activation_dtype: torch.dtype = torch.float32, pipeline_layers: list[int] | None = None,
+                 weight_grads: WeightGradQueue | None = None):
+        """`weight_grads`: under a schedule that splits the backward (zb-h1, zbv), the `WeightGradQueue` the model
+        was built with (its layers leave their weight gradients there until the schedule's W actions)."""
         self.model, self.mesh = model, mesh
         self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, chunks_per_rank(schedule, virtual_stages)
         self.stages = self.pp * self.v
@@ -117,12 +120,12 @@ class PipelineRunner:
         self.v_shape = is_v_shaped(plan)
         self.chunks = rank_layers(model.cfg.num_layers, self.pp, self.rank, self.v, pipeline_layers, self.v_shape)
         self.actions = plan[self.rank]
-        # Split backward: the layers leave their weight gradients here until the schedule's W actions.
-        self.weight_grads = WeightGradQueue(mesh.device) if splits_backward(schedule) else None
-        if isinstance(model, nn.Module):
-            attach_weight_grad_queue(model, self.weight_grads)
+        if splits_backward(schedule) and weight_grads is None:
+            raise TensorparError(f"the {schedule} schedule splits the backward: build the model with a "
+                                 f"WeightGradQueue (Transformer(..., weight_grads=queue)) and pass the queue here")
+        self.weight_grads = weight_grads if splits_backward(schedule) else None
         embed = getattr(model, "embed", None)
-        if self.v_shape and embed is not None and getattr(model, "head", 1) is None and self.v > 1:
+        if self.v_shape and embed is not None and isinstance(getattr(model, "head", None), TiedLMHead) and self.v > 1:
             # A tied embedding on the rank holding both ends: the first chunk's lookup and the last chunk's head
             # are two backward passes per micro-batch (data parallelism counts its gradient's arrivals).
             embed.weight.backward_passes = 2

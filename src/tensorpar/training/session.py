@@ -22,7 +22,9 @@ from tensorpar.optim.precision import param_dtype
 from tensorpar.parallel.data_parallel import DistributedOptimizer
 from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
 from tensorpar.config.choices import V_SHAPED_SCHEDULES
+from tensorpar.layers.weight_grad import WeightGradQueue
 from tensorpar.parallel.pipeline import PipelineRunner, holds_ends, parse_pipeline_layers, rank_layers
+from tensorpar.parallel.pipeline_schedules import splits_backward
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
@@ -82,7 +84,9 @@ class Session:
 
 
 def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
-    """(this rank's part of the model, the tokenizer): seeded initial weights, or those of `init_from`."""
+    """(this rank's part of the model, the tokenizer): seeded initial weights, or those of `init_from`. Under a
+    pipeline schedule that splits the backward (zb-h1, zbv) the model's layers leave their weight gradients in
+    its `region.weight_grads` queue, which the pipeline runner empties."""
     o, cfg = run.options, run.cfg
     stage = {}
     if mesh.pp_size > 1:
@@ -90,6 +94,8 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
                              parse_pipeline_layers(o.pipeline_layers), v_shape=o.schedule in V_SHAPED_SCHEDULES)
         first, last = holds_ends(mesh.pp_size, mesh.pp_rank, o.schedule)
         stage = dict(layers=[i for chunk in chunks for i in chunk], first_stage=first, last_stage=last)
+        if splits_backward(o.schedule):
+            stage["weight_grads"] = WeightGradQueue(mesh.device)
     torch.manual_seed(o.seed)
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
                         init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, tp_overlap=o.tp_overlap,
@@ -174,7 +180,8 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
         runner = PipelineRunner(model, mesh, o.schedule, o.virtual_stages, run.num_micro_batches,
                                 (o.micro_batch_size, seq_shard, run.cfg.hidden_size),
                                 activation_dtype=param_dtype(o.dtype),
-                                pipeline_layers=parse_pipeline_layers(o.pipeline_layers))
+                                pipeline_layers=parse_pipeline_layers(o.pipeline_layers),
+                                weight_grads=model.region.weight_grads)
         if val_windows is not None:
             val_windows = val_windows[: (len(val_windows) // o.micro_batch_size) * o.micro_batch_size]
     if mesh.rank == 0 and o.out_dir:

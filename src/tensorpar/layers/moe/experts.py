@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from tensorpar.errors import LayoutError
-from tensorpar.layers import weight_grad
 from tensorpar.layers.mlp import ACTIVATION_FNS
+from tensorpar.layers.region import as_region
 from tensorpar.layers.sharding import ShardSpec, divide, tag
 
 
@@ -38,8 +38,10 @@ def expert_width_per_rank(expert_ffn_size: int, expert_tp: int) -> int:
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, cfg, ep_group, expert_tp_group=None, device=None):
+    def __init__(self, cfg, ep_group, expert_tp_group=None, device=None, region=None):
+        """`region`: the model's `TPRegion`, whose split backward (if any) the experts' weight gradients follow."""
         super().__init__()
+        self.region = as_region(region)
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
         etp = expert_tp_group.size if expert_tp_group is not None else 1
         self.num_local = experts_per_rank(e, ep_group.size)
@@ -56,31 +58,13 @@ class GroupedExperts(nn.Module):
         self.up_proj = stacked(width, h, width_dim=1)
         self.down_proj = stacked(h, width, width_dim=2)
 
-    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradients in it (layers/weight_grad.py)
-
     def forward(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """`x`: rows grouped by local expert, `sizes[i]` rows for local expert i; returns their outputs."""
-        if self.weight_grad_queue is not None:
-            return self._forward_split(x, sizes)
-        # unbind once (its backward stacks the experts' gradients in one op; indexing each would allocate a
-        # whole zero gradient per expert)
-        up, down = self.up_proj.unbind(0), self.down_proj.unbind(0)
-        gate = self.gate_proj.unbind(0) if self.gate_proj is not None else None
+        up, down = self.region.stacked_linear(self.up_proj), self.region.stacked_linear(self.down_proj)
+        gate = self.region.stacked_linear(self.gate_proj) if self.gate_proj is not None else None
         outs = []
         for i, rows in enumerate(x.split(sizes, 0)):
-            h = rows @ up[i].t()
-            h = self.act(rows @ gate[i].t()) * h if gate is not None else self.act(h)
-            outs.append(h @ down[i].t())
-        return torch.cat(outs, 0)
-
-    def _forward_split(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """The same function, each expert's weight gradients left in the queue (as slices of the stacked weights)."""
-        queue, outs = self.weight_grad_queue, []
-        for i, rows in enumerate(x.split(sizes, 0)):
-            h = weight_grad.linear(rows, self.up_proj, None, queue, index=i)
-            if self.gate_proj is not None:
-                h = self.act(weight_grad.linear(rows, self.gate_proj, None, queue, index=i)) * h
-            else:
-                h = self.act(h)
-            outs.append(weight_grad.linear(h, self.down_proj, None, queue, index=i))
+            h = up(rows, i)
+            h = self.act(gate(rows, i)) * h if gate is not None else self.act(h)
+            outs.append(down(h, i))
         return torch.cat(outs, 0)

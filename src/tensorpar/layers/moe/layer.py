@@ -27,16 +27,15 @@ expert, dropped choices, and this rank's share of the two loss values.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.distributed.ops import copy_to_tp, gather_from_sp, scatter_to_sp
+from tensorpar.distributed.ops import gather_from_sp, scatter_to_sp
 from tensorpar.errors import LayoutError
-from tensorpar.layers import weight_grad
 from tensorpar.layers.mlp import ParallelMLP
 from tensorpar.layers.moe.dispatch import AllToAllDispatcher
 from tensorpar.layers.moe.experts import GroupedExperts
 from tensorpar.layers.moe.router import TopKRouter, balance_statistics, capacity, keep_mask
+from tensorpar.layers.region import as_region
 from tensorpar.layers.sharding import ShardSpec, tag
 
 # The layout of a MoE layer's per-step statistics (`MoEStats.vector`): the E counts of routing choices, then these.
@@ -72,25 +71,25 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
-    weight_grad_queue = None  # a WeightGradQueue for the shared-expert gate's gradient (layers/weight_grad.py)
-
-    def __init__(self, cfg, tp_group, ep_group, cp_group, sequence_parallel: bool = False, device=None,
-                 expert_tp_group=None):
+    def __init__(self, cfg, region, ep_group, cp_group, device=None, expert_tp_group=None):
+        """`region`: the model's `TPRegion` (its TP group, sequence parallelism, and how the router's, the shared
+        experts' and the experts' weights get their gradients)."""
         super().__init__()
         self.cfg = cfg
-        self.tp_group, self.ep_group, self.cp_group = tp_group, ep_group, cp_group
-        self.sequence_parallel = sequence_parallel
-        self.router = TopKRouter(cfg, tp_group, device=device)
-        self.experts = GroupedExperts(cfg, ep_group, expert_tp_group, device=device)
+        self.region = region = as_region(region)
+        self.tp_group, self.ep_group, self.cp_group = region.group, ep_group, cp_group
+        self.sequence_parallel = region.sequence_parallel
+        self.router = TopKRouter(cfg, region, device=device)
+        self.experts = GroupedExperts(cfg, ep_group, expert_tp_group, device=device, region=region)
         self.dispatcher = AllToAllDispatcher(ep_group, cfg.num_experts, self.experts.num_local, expert_tp_group)
         self.shared_experts = None
         if cfg.num_shared_experts:
             self.shared_experts = ParallelMLP(cfg.replace(ffn_hidden_size=cfg.num_shared_experts * cfg.expert_ffn_size),
-                                              tp_group, sequence_parallel, device=device)
+                                              region, device=device)
         self.shared_expert_gate = None
         if cfg.shared_expert_gate:
             self.shared_expert_gate = tag(nn.Parameter(torch.empty(1, cfg.hidden_size, device=device)),
-                                          ShardSpec(dim=None, reduce_grad_across_tp=sequence_parallel))
+                                          ShardSpec(dim=None, reduce_grad_across_tp=self.sequence_parallel))
         self.stats = MoEStats(cfg.num_experts)
 
     def _local_tokens(self, x: torch.Tensor, context):
@@ -153,13 +152,9 @@ class MoELayer(nn.Module):
         out = self.shared_experts(x)
         if self.shared_expert_gate is None:
             return out
-        gate = self.shared_expert_gate
-        if self.weight_grad_queue is not None:
-            reduce = weight_grad.summed_over(self.tp_group) if self.sequence_parallel else None
-            return torch.sigmoid(weight_grad.linear(x, gate, None, self.weight_grad_queue, reduce=reduce)) * out
-        if self.sequence_parallel:
-            gate = copy_to_tp(gate, self.tp_group)
-        return torch.sigmoid(F.linear(x, gate)) * out
+        # Replicated on the TP ranks; under SP each saw its sequence shard, so its gradient is summed over them.
+        gate = self.region.linear(x, self.shared_expert_gate, summed=self.sequence_parallel)
+        return torch.sigmoid(gate) * out
 
     def _auxiliary_losses(self, y, routing, keep, seq_index, num_seqs, seq_len, groups, aux_scale, record_stats):
         cfg, cp = self.cfg, self.cp_group.size

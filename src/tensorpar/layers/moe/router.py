@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.distributed.ops import copy_to_tp
-from tensorpar.layers import weight_grad
+from tensorpar.layers.region import as_region
 from tensorpar.layers.sharding import ShardSpec, tag
 
 
@@ -44,22 +43,17 @@ class TopKRouter(nn.Module):
     """A linear router (no bias) replicated on every TP rank. Each TP rank routes its own tokens (sequence shard or
     token slice), so the weight enters through `copy_to_tp` (backward: all-reduce over TP)."""
 
-    def __init__(self, cfg, tp_group, device=None):
+    def __init__(self, cfg, region, device=None):
         super().__init__()
-        self.tp_group = tp_group
+        self.region = region = as_region(region)
+        self.tp_group = tp_group = region.group
         self.num_experts, self.k = cfg.num_experts, cfg.experts_per_token
         self.score, self.norm_topk_prob = cfg.router_score, cfg.norm_topk_prob
         self.weight = tag(nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device)),
                           ShardSpec(dim=None, reduce_grad_across_tp=tp_group.size > 1))
 
-    weight_grad_queue = None  # a WeightGradQueue: the backward leaves the weight gradient in it (layers/weight_grad.py)
-
     def forward(self, tokens: torch.Tensor) -> Routing:
-        if self.weight_grad_queue is not None:
-            reduce = weight_grad.summed_over(self.tp_group) if self.tp_group.size > 1 else None
-            logits = weight_grad.linear(tokens, self.weight, None, self.weight_grad_queue, reduce=reduce).float()
-        else:
-            logits = F.linear(tokens, copy_to_tp(self.weight, self.tp_group)).float()
+        logits = self.region.linear(tokens, self.weight, summed=self.tp_group.size > 1).float()
         if self.score == "softmax":
             probs = logits.softmax(-1)
             weights, experts = probs.topk(self.k, dim=-1)
