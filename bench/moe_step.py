@@ -9,7 +9,7 @@ imbalance, and the planner's prediction of the all-to-all time for the same layo
 
 Every layout trains the same MoE model (tiny-moe widened so that the experts dominate the step: hidden
 `--hidden`, `--experts` experts of width `--expert-ffn`, top-2, one shared expert) from the same seed on the
-same global batch with tensorpar's `DistributedOptimizer` (expert gradients over expert-DP), gloo on CPU.
+same global batch with tensorpar's `BucketedOptimizer` (expert gradients over expert-DP), gloo on CPU.
 `--warmup` untimed steps, then `--steps` timed ones with the comm layer's timing on (`CommStats(timing=True)`:
 each collective's wall time, waiting for the slowest peer included); rank 0's medians are reported.
 
@@ -81,7 +81,7 @@ def worker(rank: int, world: int, port: int, a, name: str, out_path: str) -> Non
     from tensorpar.distributed.comm import CommStats
     from tensorpar.distributed.mesh import init_mesh
     from tensorpar.models import Transformer
-    from tensorpar.parallel.data_parallel import DistributedOptimizer
+    from tensorpar.data_parallel import data_parallel_optimizer
     from tensorpar.training.moe_metrics import moe_step_metrics
 
     torch.set_num_threads(a.threads)
@@ -95,7 +95,7 @@ def worker(rank: int, world: int, port: int, a, name: str, out_path: str) -> Non
     torch.manual_seed(0)
     model = Transformer(cfg, mesh, seed=0, device=mesh.device)
     model.train()
-    opt = DistributedOptimizer(model, mesh, lr=1e-3, weight_decay=0.1, zero=1)
+    opt = data_parallel_optimizer(model, mesh, lr=1e-3, weight_decay=0.1, zero=1)
     g = torch.Generator().manual_seed(1)
     per_rank = a.global_batch // dp
     data = torch.randint(0, cfg.vocab_size, (a.warmup + a.steps, a.global_batch, a.seq_len + 1), generator=g)

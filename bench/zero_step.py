@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Step time and memory of data parallelism at DP 2, ZeRO 0/1/2/3, against PyTorch FSDP2 on the same model.
 
-    zero0 .. zero3   tensorpar's Transformer with `DistributedOptimizer` (ZeRO 0/1/2) or
+    zero0 .. zero3   tensorpar's Transformer with `BucketedOptimizer` (ZeRO 0/1/2) or
                      `FullyShardedOptimizer` (ZeRO-3), 2 processes x `--threads` threads, gloo or NCCL
     fsdp2            the same tensorpar Transformer (TP 1) sharded by PyTorch's `fully_shard` (FSDP2):
                      each block, then the root; torch's AdamW (foreach) and clip_grad_norm_
@@ -48,8 +48,8 @@ def model_config(a):
 
 def build(variant: str, a, mesh):
     from tensorpar.models import Transformer
-    from tensorpar.parallel.data_parallel import DistributedOptimizer
-    from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
+    from tensorpar.data_parallel import data_parallel_optimizer
+    from tensorpar.data_parallel import FullyShardedOptimizer
 
     torch.manual_seed(0)
     model = Transformer(model_config(a), mesh, seed=0, device=mesh.device)
@@ -64,7 +64,7 @@ def build(variant: str, a, mesh):
         return model, torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), foreach=True, **kw)
     if variant == "zero3":
         return model, FullyShardedOptimizer(model, mesh, **kw)
-    return model, DistributedOptimizer(model, mesh, zero=int(variant[-1]), bucket_bytes=int(a.bucket_mb * 2**20), **kw)
+    return model, data_parallel_optimizer(model, mesh, zero=int(variant[-1]), bucket_bytes=int(a.bucket_mb * 2**20), **kw)
 
 
 def one_step(variant, model, opt, batches, activations):

@@ -20,7 +20,7 @@ LEVELS = [
     {"layers"},
     {"models"},
     {"optim"},
-    {"parallel", "inference"},
+    {"parallel", "data_parallel", "inference"},
     {"checkpoints"},
     {"training"},
     {"planning"},

@@ -90,8 +90,8 @@ def test_predicted_comm_bytes_equal_counted_and_parameters_match(pools, tp, conf
 def check_training_step_comm(zero, micro_batches):
     """A trainer step (tensorpar.training.trainer.train's loop body) at tp=2 x dp=2."""
     from tensorpar.models import Transformer
-    from tensorpar.parallel.data_parallel import DistributedOptimizer
-    from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
+    from tensorpar.data_parallel import data_parallel_optimizer
+    from tensorpar.data_parallel import FullyShardedOptimizer
 
     cfg = CONFIGS["tiny-gpt2"]
     m = harness_mesh(tp=2, dp=2)
@@ -102,7 +102,7 @@ def check_training_step_comm(zero, micro_batches):
     if zero == 3:
         opt = FullyShardedOptimizer(model, m, lr=1e-3, weight_decay=0.1)
     else:
-        opt = DistributedOptimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
+        opt = data_parallel_optimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
     m.stats.reset()
     opt.begin_step(micro_batches)
     step_loss = torch.zeros(())
@@ -127,9 +127,9 @@ def test_predicted_training_step_comm_equals_counted(pools, zero):
 
 
 def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
-    """A pipelined trainer step (PipelineRunner + DistributedOptimizer), as tensorpar.training.trainer runs it."""
+    """A pipelined trainer step (PipelineRunner + the bucketed DP optimizer), as tensorpar.training.trainer runs it."""
     from tensorpar.models import Transformer
-    from tensorpar.parallel.data_parallel import DistributedOptimizer
+    from tensorpar.data_parallel import data_parallel_optimizer
     from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
 
     cfg = get_config("tiny-gpt2")  # 4 layers: tied embeddings on the first and last stage, learned positions
@@ -139,7 +139,7 @@ def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
                         first_stage=m.pp_rank == 0, last_stage=m.pp_rank == pp - 1)
     model.train()
     B, S, micro_batches = 2, 16, 4
-    opt = DistributedOptimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
+    opt = data_parallel_optimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
     runner = PipelineRunner(model, m, schedule, v, micro_batches, (B, S // tp if sp else S, cfg.hidden_size))
     torch.manual_seed(m.dp_rank)
     batches = [torch.randint(0, cfg.vocab_size, (B, S + 1)) for _ in range(micro_batches)]

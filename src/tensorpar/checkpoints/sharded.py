@@ -103,7 +103,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
         params = dict(model.named_parameters())
         names = {id(p): n for n, p in params.items()}
         moments, opt_step = optimizer.local_state(names)  # collective over DP when ZeRO shards the moments
-        saved = {n: p for n, p in params.items() if not getattr(p, "pipeline_duplicate", False)}  # the first
+        saved = {n: p for n, p in params.items() if not shard_spec(p).pipeline_duplicate}  # the first
         dense = {n: p for n, p in saved.items() if not shard_spec(p).expert}  # stage saves the tied embedding
         experts = {n: p for n, p in saved.items() if shard_spec(p).expert}
         if experts and mesh.expert_tp_size > 1:

@@ -15,6 +15,7 @@ import sys
 from tensorpar.commands.common import launch
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import TrainOptions
+from tensorpar.config.run_layout import RunLayout
 from tensorpar.distributed.launch import SPAWNED_ENV, under_launcher, world_size
 from tensorpar.training import run_training, validate
 from tensorpar.training.stop import GracefulStop
@@ -35,16 +36,9 @@ def with_output_defaults(options: TrainOptions) -> TrainOptions:
 
 
 def print_summary(s: dict) -> None:
-    lay = s["layout"]
     resumed = f" (resumed at step {s['start_step']})" if s.get("start_step") else ""
     print(f"\ntrained{resumed} {s['model']} ({s['parameters'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
-          f"{s['tokens']:,} tokens: tp={lay['tp']}{' cp=' + str(lay['cp']) if lay['cp'] > 1 else ''} pp={lay['pp']} "
-          f"dp={lay['dp']}{' ep=' + str(lay['ep']) if 'ep' in lay else ''}"
-          f"{' expert-tp=' + str(lay['expert_tp']) if lay.get('expert_tp', 1) > 1 else ''}"
-          f"{' zero-' + str(lay['zero']) if lay['zero'] else ''}"
-          f"{' ' + lay['schedule'] + (' v=' + str(lay['virtual_stages']) if lay['virtual_stages'] > 1 else '') if lay['schedule'] else ''}"
-          f"{' layers=' + lay['pipeline_layers'] if lay.get('pipeline_layers') else ''}"
-          f"{' +sequence-parallel' if lay['sequence_parallel'] else ''}, recompute={lay['recompute']}, {lay['dtype']}")
+          f"{s['tokens']:,} tokens: {RunLayout(**s['layout']).describe()}")
     val = f", validation {s['final_val_loss']:.4f}" if s.get("final_val_loss") is not None else ""
     print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{val}")
     print(f"{s['time_s']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% "

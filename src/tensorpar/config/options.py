@@ -50,7 +50,38 @@ class LaunchOptions:
 
 
 @dataclasses.dataclass
-class TrainOptions(LaunchOptions):
+class ExpertOptions:
+    """The expert-parallel layout of mixture-of-experts models (train, eval, generate)."""
+
+    ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, the "
+                        "tp x cp x dp ranks of a stage regrouped into ep x expert-DP for the MoE layers (ep must "
+                        "divide tp x cp x dp; eval and generate without --dp start ep / gcd(tp x cp, ep) data-parallel "
+                        "replicas so that it does)", group=LAYOUT)
+
+
+@dataclasses.dataclass
+class TokenCacheOptions:
+    """How document sources become tokens (train, eval, prepare-data)."""
+
+    text_field: str = option("text", "the text field of JSONL records / column of Parquet and datasets",
+                             group="data")
+    data_cache: str | None = option(None, "folder of the token cache (default $TENSORPAR_CACHE/tokens or "
+                                          "~/.cache/tensorpar/tokens)", group="data")
+
+
+@dataclasses.dataclass
+class DataOptions(TokenCacheOptions):
+    """Where a command reads its tokens (train, eval)."""
+
+    data: str | None = option(None, "text, .npy or .bin token file; .jsonl/.jsonl.gz/.parquet file or folder; a "
+                                    "datasets save_to_disk folder; a Megatron PREFIX (.bin + .idx); train also takes "
+                                    "a mixture '0.7 PATH_A 0.3 PATH_B' or mix.toml (default: the embedded corpus)",
+                              group="data")
+    bin_dtype: str = option("uint16", "token dtype of a .bin file", choices=BIN_DTYPES, group="data")
+
+
+@dataclasses.dataclass
+class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
     """`tensorpar train`: everything a training run needs. From Python, outputs (metrics, plots) are written only
     where `metrics` / `out_dir` say; the command line defaults them to runs/MODEL-tpT/."""
 
@@ -58,9 +89,6 @@ class TrainOptions(LaunchOptions):
     init_from: str | None = option(None, "start from a Hugging Face folder or a tensorpar checkpoint", group="model")
     dropout: float = option(0.0, "dropout probability (embedding, residual, attention)", group="model")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
-    ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, the "
-                        "tp x cp x dp ranks of a stage regrouped into ep x expert-DP for the MoE layers (needs no "
-                        "more processes; ep must divide tp x cp x dp)", group=LAYOUT)
     expert_tp: int = option(1, "expert tensor-parallel size (mixture-of-experts models): each expert's MLP split "
                                "Megatron-style over this many ranks, folded fastest (expert-TP x EP x expert-DP); "
                                "expert_tp x ep must divide tp x cp x dp", group=LAYOUT)
@@ -108,17 +136,8 @@ class TrainOptions(LaunchOptions):
                                       group="optimization")
     weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings", group="optimization")
     grad_clip: float = option(1.0, "clip the dense gradient norm to this (0: no clipping)", group="optimization")
-    data: str | None = option(None, "text, .npy or .bin token file; .jsonl/.jsonl.gz/.parquet file or folder; a "
-                                    "datasets save_to_disk folder; a Megatron PREFIX (.bin + .idx); a mixture "
-                                    "'0.7 PATH_A 0.3 PATH_B' or mix.toml (default: the embedded corpus)",
-                              group="data")
-    bin_dtype: str = option("uint16", "token dtype of a .bin file", choices=BIN_DTYPES, group="data")
-    text_field: str = option("text", "the text field of JSONL records / column of Parquet and datasets",
-                             group="data")
     tokenizer: str | None = option(None, "a tokenizer.json or a folder holding one (default: --init-from's, "
                                          "else bytes)", group="data")
-    data_cache: str | None = option(None, "folder of the token cache (default $TENSORPAR_CACHE/tokens or "
-                                          "~/.cache/tensorpar/tokens)", group="data")
     val_data: str | None = option(None, "validation data, any --data form (default: the last --val-fraction of "
                                         "--data)", group="data")
     val_fraction: float = option(0.05, "share of the token stream held out for validation", group="data")
@@ -143,21 +162,13 @@ class TrainOptions(LaunchOptions):
 
 
 @dataclasses.dataclass
-class EvalOptions(LaunchOptions):
+class EvalOptions(DataOptions, ExpertOptions, LaunchOptions):
     """`tensorpar eval`: the mean next-token loss of a checkpoint on a token stream."""
 
     checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
-    data: str | None = option(None, "text, .npy or .bin token file, or any document source train --data takes "
-                                    "(not a mixture) (default: the embedded corpus)")
-    bin_dtype: str = option("uint16", "token dtype of a .bin file", choices=BIN_DTYPES)
-    text_field: str = option("text", "the text field of JSONL records / column of Parquet and datasets")
-    data_cache: str | None = option(None, "folder of the token cache (default ~/.cache/tensorpar/tokens)")
     seq_len: int | None = option(None, "tokens per window (inputs; the window holds one more)", required=True)
     batch_size: int = option(8, "windows per forward pass")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
-    ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, folded "
-                        "onto the tp x cp x dp ranks; without --dp, ep / gcd(tp x cp, ep) data-parallel groups are "
-                        "started so that it folds (they split the windows)", group=LAYOUT)
     dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
     compile: bool = option(False, "torch.compile each transformer block (where the backend cannot compile, a "
                                   "warning and an uncompiled run)", group=LAYOUT)
@@ -166,7 +177,7 @@ class EvalOptions(LaunchOptions):
 
 
 @dataclasses.dataclass
-class GenerateOptions(LaunchOptions):
+class GenerateOptions(ExpertOptions, LaunchOptions):
     """`tensorpar generate`: continue prompts with a KV cache sharded by heads."""
 
     checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
@@ -182,9 +193,6 @@ class GenerateOptions(LaunchOptions):
     ignore_eos: bool = option(False, "always generate --max-new-tokens tokens")
     json: bool = option(False, "one JSON line per prompt: ids, text, tokens_per_s")
     sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)
-    ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, folded "
-                        "onto the ranks; without --dp, ep / gcd(tp, ep) replicas of the TP group are started so "
-                        "that it folds (they generate the same tokens)", group=LAYOUT)
     dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
 
 
@@ -307,16 +315,14 @@ class ConvertOptions:
 
 
 @dataclasses.dataclass
-class PrepareDataOptions:
+class PrepareDataOptions(TokenCacheOptions):
     """`tensorpar prepare-data`: tokenize document sources ahead of time into the token cache (what `train`
     reads), and optionally write them as a Megatron indexed dataset."""
 
     data: str | None = option(None, "a .jsonl/.jsonl.gz/.parquet file or folder, a datasets save_to_disk folder, or "
-                                    "a mixture of them ('0.7 PATH_A 0.3 PATH_B' or mix.toml)", required=True)
-    text_field: str = option("text", "the text field of JSONL records / column of Parquet and datasets")
-    tokenizer: str | None = option(None, "a tokenizer.json or a folder holding one (default: bytes)")
-    data_cache: str | None = option(None, "folder of the token cache (default $TENSORPAR_CACHE/tokens or "
-                                          "~/.cache/tensorpar/tokens)")
+                                    "a mixture of them ('0.7 PATH_A 0.3 PATH_B' or mix.toml)", required=True,
+                              group="data")
+    tokenizer: str | None = option(None, "a tokenizer.json or a folder holding one (default: bytes)", group="data")
     output: str | None = option(None, "also write a Megatron indexed dataset PREFIX.bin + PREFIX.idx (one "
                                       "source only)", metavar="PREFIX")
     json: bool = option(False, "print one JSON line per source instead of a sentence")

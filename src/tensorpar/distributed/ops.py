@@ -248,7 +248,7 @@ def mean_from_cp(x: torch.Tensor, count: torch.Tensor, group=None) -> torch.Tens
     forward one all-reduce of [x * count, count]; backward the gradient times cp x count / total.
 
     That backward is what the parameters need: their gradients are then averaged over DP x CP (the
-    `DistributedOptimizer`), which divides by cp, so each rank's tokens weigh what they weigh in the mean
+    `BucketedOptimizer`), which divides by cp, so each rank's tokens weigh what they weigh in the mean
     (with equal counts, as without ignored targets, the backward is the identity).
     """
     group = as_group(group, "cp")

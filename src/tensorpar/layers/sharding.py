@@ -1,7 +1,8 @@
 """How a parameter is split across tensor-parallel ranks, and the helpers that build shards.
 
-Sharded parameters carry a `ShardSpec` (nanotron-style tagging) so that checkpoints, gradient
-norms and optimizers know how to merge and re-split them without asking the layer.
+Parameters carry a `ShardSpec` (nanotron-style tagging) so that checkpoints, gradient norms and
+optimizers know how to merge and re-split them, and what the pipeline did with them, without
+asking the layer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ class ShardSpec:
       it is further split along, evenly, over the expert-TP group (Megatron-style: gate/up column-parallel,
       down row-parallel), and its dense size; None when unsplit. `local_shard` / `full_tensor` apply both splits.
 
+    - `pipeline_tied`: one of the two copies of an embedding tied to the LM head on different pipeline stages
+      (first and last); their gradients are summed over the embed group before data parallelism reduces them.
+    - `pipeline_duplicate`: the last stage's copy of such an embedding: left out of gradient norms and checkpoints
+      (the first stage's copy is the parameter).
+    - `backward_passes`: gradient arrivals per micro-batch: 2 for a tied embedding whose lookup and head run in two
+      chunks of one rank (V-shaped schedules), else 1.
+
     A norm over the dense parameter is the sum over TP ranks of each local squared norm divided by
     `effective_replicas(tp)`.
     """
@@ -46,6 +54,9 @@ class ShardSpec:
     group: str = "tp"
     expert_tp_dim: int | None = None
     expert_tp_full_size: int | None = None
+    pipeline_tied: bool = False
+    pipeline_duplicate: bool = False
+    backward_passes: int = 1
 
     @property
     def expert(self) -> bool:
@@ -64,6 +75,11 @@ def tag(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
 
 def shard_spec(param: torch.Tensor) -> ShardSpec:
     return getattr(param, "shard_spec", ShardSpec(dim=None))
+
+
+def retag(param: nn.Parameter, **facts) -> nn.Parameter:
+    """Tag `param` with its spec changed by `facts` (e.g. ``pipeline_tied=True``)."""
+    return tag(param, dataclasses.replace(shard_spec(param), **facts))
 
 
 def group_for(spec: ShardSpec, owner):

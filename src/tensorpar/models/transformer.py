@@ -34,7 +34,7 @@ from tensorpar.layers.norms import Norm
 from tensorpar.layers.region import TPRegion
 from tensorpar.layers.ring_attention import ContextSplit, check_context_split
 from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
-from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.layers.sharding import ShardSpec, retag, tag
 from tensorpar.layers.weight_grad import WeightGradQueue
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.init import init_weights
@@ -107,7 +107,7 @@ class Transformer(nn.Module):
     them, so checkpoints and initialisation agree across layouts), the embedding when
     `first_stage`, and the final norm and head when `last_stage`; its forward then takes and/or
     returns hidden states. With tied embeddings the last stage holds a copy of the embedding
-    (`pipeline_duplicate`), kept equal to the first stage's by summing their gradients.
+    (`ShardSpec.pipeline_duplicate`), kept equal to the first stage's by summing their gradients.
 
     ``tp_overlap`` (the default) hides the TP collectives at the edges of each TP region behind the
     GEMMs beside them (tensorpar.layers.tp_overlap); ``tp_overlap=False`` issues them as plain
@@ -159,10 +159,10 @@ class Transformer(nn.Module):
         self.embed = self.pos_embed = self.final_norm = self.head = None
         if first_stage or (last_stage and cfg.tie_embeddings):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, region, device=device, init=False)
-            if not first_stage:
-                self.embed.weight.pipeline_duplicate = True  # the head's copy of the first stage's embedding
+            if not first_stage:  # the head's copy of the first stage's embedding
+                retag(self.embed.weight, pipeline_duplicate=True)
             if not (first_stage and last_stage) and cfg.tie_embeddings:
-                self.embed.weight.pipeline_tied = True
+                retag(self.embed.weight, pipeline_tied=True)
         if first_stage and cfg.position == "learned":
             self.pos_embed = tag(nn.Parameter(torch.empty(cfg.max_seq_len, cfg.hidden_size, device=device)),
                                  ShardSpec(dim=None, reduce_grad_across_tp=self.sequence_parallel))

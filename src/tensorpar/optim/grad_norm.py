@@ -46,10 +46,10 @@ def _global_norm(params: list[torch.Tensor], mesh, sharded_over_dp: bool = False
     experts = torch.zeros((), dtype=torch.float32, device=mesh.device)
     tp_size = mesh.tp_size
     for p in params:
-        if p.grad is None or getattr(p, "pipeline_duplicate", False):
+        spec = shard_spec(p)
+        if p.grad is None or spec.pipeline_duplicate:
             continue
         sq = torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32).square()
-        spec = shard_spec(p)
         if spec.expert:
             experts += sq.to(total.device)
         else:
@@ -75,7 +75,7 @@ def global_grad_norm(params: Iterable[torch.Tensor] | torch.Tensor, mesh, sharde
     Squared norms are taken in fp32 whatever the gradient dtype. Collectives: one all-reduce of
     one element on the TP group, then one on the PP group; none on the DP group unless the
     gradients are sharded over it (``sharded_over_dp=True``, ZeRO), then one there first.
-    Parameters marked ``pipeline_duplicate`` (the last stage's copy of a tied embedding) are skipped.
+    Parameters whose ShardSpec says ``pipeline_duplicate`` (the last stage's copy of a tied embedding) are skipped.
     """
     return _global_norm(_as_list(params), mesh, sharded_over_dp)
 

@@ -30,6 +30,7 @@ import torch
 from tensorpar.config.choices import V_SHAPED_SCHEDULES
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layers.lm_head import TiedLMHead
+from tensorpar.layers.sharding import retag
 from tensorpar.layers.weight_grad import WeightGradQueue
 from tensorpar.parallel.pipeline_schedules import (build_schedule, chunks_per_rank, is_v_shaped, rank_of,
                                                    splits_backward, stage_of)
@@ -128,7 +129,7 @@ class PipelineRunner:
         if self.v_shape and embed is not None and isinstance(getattr(model, "head", None), TiedLMHead) and self.v > 1:
             # A tied embedding on the rank holding both ends: the first chunk's lookup and the last chunk's head
             # are two backward passes per micro-batch (data parallelism counts its gradient's arrivals).
-            embed.weight.backward_passes = 2
+            retag(embed.weight, backward_passes=2)
         self._local: dict[int, torch.Tensor] = {}  # tensors handed between two stages on this rank
         self.num_microbatches = num_microbatches
         self.activation_shape = activation_shape

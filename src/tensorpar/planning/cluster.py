@@ -17,7 +17,7 @@ shape, attention, memory bandwidth) and the efficiency knobs of the step-time mo
   pipeline size is above 1); default 0 (tensorpar's sends and receives are waited for where they are issued).
 - ``overlap``: the fraction of the data-parallel (and ZeRO) communication that can hide behind
   the backward computation it overlaps with (see `step_time`). Default 0.5: bucketed overlap as in
-  PyTorch DDP / tensorpar's `DistributedOptimizer` starts a bucket's collective as soon as the
+  PyTorch DDP / tensorpar's `BucketedOptimizer` starts a bucket's collective as soon as the
   last micro-batch's backward has produced it, so roughly the last bucket is always exposed and
   the others compete with compute for memory bandwidth and SMs. 0 means no overlap at all. `make_cluster`
   defaults it to 0 for a device whose collectives run on gloo (``GPUSpec.collectives``, a calibrated CPU):

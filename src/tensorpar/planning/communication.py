@@ -31,7 +31,7 @@ Which link a group uses: `tensorpar.planning.layout.group_link`.
 `model_collectives` lists every collective tensorpar's model runs for one micro-batch (forward
 and backward; with PP, one stage's, including its point-to-point messages), `step_collectives`
 those of a whole training step (adding the data-parallel gradient traffic of
-`tensorpar.parallel.data_parallel.DistributedOptimizer`, the gradient-norm scalars, the pipeline's
+`tensorpar.data_parallel`'s bucketed optimizers, the gradient-norm scalars, the pipeline's
 loss and tied-embedding all-reduces and the trainer's loss average), and `comm_bytes_per_step`
 sums them per (op, group): the numbers `mesh.stats` reports after the same work
 (tests/test_planning_communication.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2 and PP).
@@ -51,7 +51,7 @@ from collections import defaultdict
 
 from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
-from tensorpar.parallel.data_parallel import DEFAULT_BUCKET_BYTES
+from tensorpar.data_parallel import DEFAULT_BUCKET_BYTES
 from tensorpar.layers.attention import kv_layout
 from tensorpar.planning.layout import (Layout, gradient_group, group_link, group_size, stage_layer_indices,
                                        stage_layers)
@@ -299,7 +299,7 @@ def step_collectives(
     """Every collective of one training step of one rank (of pipeline stage `stage`).
 
     The model's collectives once per micro-batch, then the data-parallel gradient traffic of
-    tensorpar's `DistributedOptimizer` (flat buckets of `bucket_bytes`, filled in reverse
+    tensorpar's `BucketedOptimizer` (flat buckets of `bucket_bytes`, filled in reverse
     parameter order; ZeRO pads each bucket to a multiple of dp): zero=0 all-reduces every
     bucket once per step; zero=1 reduce-scatters every bucket once per step and all-gathers
     the updated parameters; zero=2 the same, but reduce-scatters every micro-batch's gradients
@@ -377,7 +377,7 @@ def _bucket_table(params, param_bytes: int, bucket_bytes: int, pad: int) -> tupl
 
 def _gradient_traffic(sizes: dict[int, int], group: str, zero: int, m: int, zero2_per_micro_batch: bool,
                       grad_bytes: int, param_bytes: int, what: str = "") -> list[Collective]:
-    """DistributedOptimizer's collectives for buckets of `sizes` reduced over `group` (ZeRO 0, 1 or 2)."""
+    """BucketedOptimizer's collectives for buckets of `sizes` reduced over `group` (ZeRO 0, 1 or 2)."""
     out = []
     if zero == 0:
         for n, k in sizes.items():
@@ -414,7 +414,7 @@ def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[
 
 
 def bucket_sizes(numels: list[int], elem_bytes: int, bucket_bytes: int) -> list[int]:
-    """Element counts of DistributedOptimizer's buckets: parameters in reverse order, a bucket closed
+    """Element counts of BucketedOptimizer's buckets: parameters in reverse order, a bucket closed
     as soon as it holds at least `bucket_bytes`."""
     buckets, current, size = [], 0, 0
     for n in reversed(numels):

@@ -4,8 +4,8 @@ The bytes per element of each kind of state come from a `Precision` (`tensorpar.
 
 ZeRO (Playbook, after Rajbhandari et al.) divides by dp: stage 1 the optimizer states (and
 master weights), stage 2 also the gradients, stage 3 also the parameters. The tensorpar
-precisions model tensorpar's own ZeRO exactly (`tensorpar.parallel.data_parallel`,
-`tensorpar.parallel.fully_sharded`; a test compares with the bytes a run counts):
+precisions model tensorpar's own ZeRO exactly (`tensorpar.data_parallel.bucketed`,
+`tensorpar.data_parallel.fully_sharded`; a test compares with the bytes a run counts):
 ZeRO-1/2 keep an fp32 master slice (4/dp bytes) even of fp32 parameters; ZeRO-1 keeps full
 gradient buckets plus the fp32 gradient slice; ZeRO-2 the slice plus the full buffers in flight
 (two adjacent buckets, one being filled and one being reduce-scattered, and one bucket's 1/dp

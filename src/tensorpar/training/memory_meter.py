@@ -1,7 +1,7 @@
 """Measured memory per rank: parameters, gradients, optimizer state, gathered parameters and activations.
 
 The first four come from the optimizer, which owns those buffers and counts them as it allocates and frees
-them (`DistributedOptimizer.memory`, `FullyShardedOptimizer.memory`): exact on any device. Activations are
+them (`BucketedOptimizer.memory`, `FullyShardedOptimizer.memory`): exact on any device. Activations are
 what autograd keeps for the backward pass: on every device, the storages of the tensors it saves (each
 storage once, parameters excluded) from when they are saved until autograd lets them go; the most alive at
 once during the step is the peak. Recomputed blocks keep their own saved tensors out of sight
@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from tensorpar.parallel.shard_pieces import BytesInUse
+from tensorpar.data_parallel.flat_buffer import BytesInUse
 
 MiB = 2**20
 

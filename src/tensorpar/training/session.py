@@ -19,8 +19,8 @@ from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.models.compile import compile_blocks
 from tensorpar.optim.loss_scaler import DynamicLossScaler
 from tensorpar.optim.precision import param_dtype
-from tensorpar.parallel.data_parallel import DistributedOptimizer
-from tensorpar.parallel.fully_sharded import FullyShardedOptimizer
+from tensorpar.config.run_layout import RunLayout
+from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
 from tensorpar.config.choices import V_SHAPED_SCHEDULES
 from tensorpar.layers.weight_grad import WeightGradQueue
 from tensorpar.parallel.pipeline import PipelineRunner, holds_ends, parse_pipeline_layers, rank_layers
@@ -44,7 +44,7 @@ class Session:
     run: PreparedRun
     mesh: Mesh
     model: Transformer
-    optimizer: DistributedOptimizer | FullyShardedOptimizer
+    optimizer: BucketedOptimizer | FullyShardedOptimizer
     tokenizer: object
     dataset: object  # a TokenDataset, or a MixtureDataset for a weighted mixture of sources
     val_windows: torch.Tensor | None
@@ -62,24 +62,25 @@ class Session:
         return self.run.options
 
     @property
+    def layout(self) -> RunLayout:
+        """The run's layout: what its checkpoints record and its summary reports."""
+        return RunLayout.of(self.options, self.mesh, sequence_parallel=self.model.sequence_parallel)
+
+    @property
     def is_main(self) -> bool:
         return self.mesh.rank == 0
 
     def save(self, step: int) -> str:
         """Save step `step`'s checkpoint (a collective: every rank calls it)."""
         o, mesh = self.options, self.mesh
-        layout = {"tp": mesh.tp_size, "cp": mesh.cp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "ep": mesh.ep_size,
-                  "expert_tp": mesh.expert_tp_size, "zero": o.zero,
-                  "virtual_stages": o.virtual_stages, "schedule": o.schedule,
-                  "pipeline_layers": o.pipeline_layers,
-                  "sequence_parallel": self.model.sequence_parallel}
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                                             "steps", "weight_decay", "grad_clip", "data")}
         if self.scaler is not None:
             train["loss_scaler"] = self.scaler.state_dict()
         if self.corpus is not None:
             train["data_sources"] = describe_corpus(o.data, self.corpus, self.dataset, step, o.global_batch_size)
-        return save_checkpoint(o.save, step, self.model, self.optimizer, mesh, cfg=self.run.cfg, layout=layout,
+        return save_checkpoint(o.save, step, self.model, self.optimizer, mesh, cfg=self.run.cfg,
+                               layout=self.layout.as_dict(),
                                train=train, options=to_dict(o), run_id=self.run_id, keep_last=o.keep_last)
 
 
@@ -127,15 +128,13 @@ def build_data(run: PreparedRun, tokenizer) -> tuple[object, torch.Tensor | None
     return dataset, dataset.val_windows(o.val_windows) if dataset.num_val_windows else None, corpus
 
 
-def build_optimizer(model, mesh: Mesh, o) -> DistributedOptimizer | FullyShardedOptimizer:
+def build_optimizer(model, mesh: Mesh, o) -> BucketedOptimizer | FullyShardedOptimizer:
     """AdamW across the DP (x CP) group: gradients averaged (ZeRO-0), or states, gradients and (ZeRO-3) parameters
     sharded."""
-    reduce_dtype = param_dtype(o.grad_reduce_dtype)
-    if o.zero == 3:
-        return FullyShardedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay, reduce_dtype=reduce_dtype,
-                                     reshard_after_forward=o.zero3_reshard_after_forward)
-    return DistributedOptimizer(model, mesh, lr=o.lr, weight_decay=o.weight_decay, zero=o.zero,
-                                bucket_bytes=int(o.bucket_mb * 2**20), reduce_dtype=reduce_dtype)
+    stage = ({"reshard_after_forward": o.zero3_reshard_after_forward} if o.zero == 3
+             else {"bucket_bytes": int(o.bucket_mb * 2**20)})
+    return data_parallel_optimizer(model, mesh, zero=o.zero, lr=o.lr, weight_decay=o.weight_decay,
+                                   reduce_dtype=param_dtype(o.grad_reduce_dtype), **stage)
 
 
 def warn_if_data_changed(saved: dict | None, corpus: list, spec: str | None) -> None:

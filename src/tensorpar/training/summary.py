@@ -6,6 +6,7 @@ import os
 
 from tensorpar.distributed.launch import signal_name
 from tensorpar.inference import greedy_generate
+from tensorpar.layers.sharding import shard_spec
 from tensorpar.models import full_state_dict
 from tensorpar.parallel.pipeline_view import measured_bubble, render_measured
 from tensorpar.training.loop import LoopResult
@@ -16,7 +17,7 @@ from tensorpar.training.session import Session
 def dense_weights(model, mesh) -> dict:
     """The whole dense model's weights on every rank: gathered over TP, then merged over pipeline stages."""
     params = dict(model.named_parameters())
-    state = {k: v for k, v in full_state_dict(model).items() if not getattr(params[k], "pipeline_duplicate", False)}
+    state = {k: v for k, v in full_state_dict(model).items() if not shard_spec(params[k]).pipeline_duplicate}
     merged = {}
     for part in mesh.pp_group.all_gather_object(state):
         merged.update(part)
@@ -58,10 +59,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
     summary = {
         "model": o.init_from or o.model,
         "parameters": s.run.cfg.num_parameters(),
-        "layout": {"tp": mesh.tp_size, "cp": mesh.cp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "zero": o.zero,
-                   "schedule": o.schedule if runner is not None else None, "virtual_stages": o.virtual_stages,
-                   "pipeline_layers": o.pipeline_layers if runner is not None else None,
-                   "sequence_parallel": s.model.sequence_parallel, "recompute": o.recompute, "dtype": o.dtype},
+        "layout": s.layout.as_dict(),
         "steps": o.steps,
         "start_step": s.start_step,
         "tokens": tokens,
@@ -80,8 +78,6 @@ def summarize(s: Session, result: LoopResult) -> dict:
         "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
     }
     if s.run.cfg.is_moe:
-        summary["layout"]["ep"] = mesh.ep_size
-        summary["layout"]["expert_tp"] = mesh.expert_tp_size
         if records:
             summary["moe"] = {
                 "final_aux_loss": records[-1]["moe_aux_loss"], "final_z_loss": records[-1]["moe_z_loss"],

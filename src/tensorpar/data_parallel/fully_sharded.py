@@ -37,47 +37,36 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import torch
 from torch import nn
 
+from tensorpar.data_parallel.flat_buffer import BytesInUse, FlatBuffer, nbytes
+from tensorpar.data_parallel.master_weights import MasterWeights
+from tensorpar.data_parallel.reduce_scatter_queue import ReduceScatterQueue
+from tensorpar.data_parallel.shard_pieces import adamw_step_count, state_bytes
 from tensorpar.errors import TensorparError
 from tensorpar.layers.sharding import shard_spec
 from tensorpar.optim.adamw import adamw
 from tensorpar.optim.grad_norm import unscale_and_clip
-from tensorpar.parallel.shard_pieces import (BytesInUse, ReduceScatterQueue, add_to_flat, adamw_step_count,
-                                             cut_pieces, gather_moments, load_moments, nbytes, slice_bounds,
-                                             state_bytes)
 
 
-class _Unit:
+class _Unit(FlatBuffer):
     """Parameters gathered and freed together; between uses each holds an empty tensor. Sharded over `dp_group`
     (kept as `.dp`): DP x CP, or expert-DP for a block's routed experts."""
 
     def __init__(self, name: str, params: list[nn.Parameter], dp_group, root: bool, gathered: BytesInUse):
-        self.name, self.params, self.root, self.dp, self.gathered = name, params, root, dp_group, gathered
-        self.shapes = [p.shape for p in params]
-        self.offsets, offset = [], 0
-        for p in params:
-            self.offsets.append(offset)
-            offset += p.numel()
-        self.padded = math.ceil(offset / dp_group.size) * dp_group.size
-        device, dtype = params[0].device, params[0].dtype
-        flat = torch.zeros(self.padded, dtype=dtype, device=device)
-        with torch.no_grad():
-            for p, off in zip(params, self.offsets):
-                flat[off : off + p.numel()].copy_(p.detach().flatten())
-        lo, hi = slice_bounds(self.padded, dp_group.rank, dp_group.size)
-        self.shard = flat[lo:hi].clone()  # the parameters this rank stores
-        self.master = self.shard if dtype == torch.float32 else self.shard.float()  # what AdamW steps
-        self.grad_shard = torch.zeros_like(self.master)
+        super().__init__(params, dp_group.size)
+        self.name, self.root, self.dp, self.gathered = name, root, dp_group, gathered
+        lo, hi = self.slice_bounds(dp_group)
+        self.shard = self.pack()[lo:hi].clone()  # the parameters this rank stores
+        self.slice = None  # the MasterSlice AdamW steps (the shard itself when fp32)
         self.full: torch.Tensor | None = None
         self._gather = None
         self.full_grad: torch.Tensor | None = None
         self.ready = 0
         self.in_backward = False
-        self._empty = torch.empty(0, dtype=dtype, device=device)
+        self._empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
         self.free()
 
     def start_gather(self) -> None:
@@ -93,8 +82,7 @@ class _Unit:
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
-            for p, off, shape in zip(self.params, self.offsets, self.shapes):
-                p.data = self.full[off : off + shape.numel()].view(shape)
+            self.bind(self.full)
 
     def free(self) -> None:
         if self._gather is not None:
@@ -109,7 +97,7 @@ class _Unit:
 class FullyShardedOptimizer:
     """AdamW over parameters, gradients and states sharded across the mesh's DP (x CP) group: ZeRO-3.
 
-    The same interface as `DistributedOptimizer` (begin_step, finish_backward, clip_and_step, checkpoints);
+    The same interface as `BucketedOptimizer` (begin_step, finish_backward, clip_and_step, checkpoints);
     `gathered()` is a context in which every parameter holds its values (saving, sampling, exporting)."""
 
     zero = 3
@@ -140,13 +128,16 @@ class FullyShardedOptimizer:
         root_params = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
         self.root = _Unit("root", root_params, self.dp, True, self.gathered_bytes) if root_params else None
         self._all = self.units + ([self.root] if self.root else [])
-        self._place = {id(p): (u, off) for u in self._all for p, off in zip(u.params, u.offsets)}
+        self._unit_of = {id(p): u for u in self._all for p in u.params}
         self.tied = [(off, shape.numel()) for p, off, shape in zip(self.root.params, self.root.offsets,
                                                                     self.root.shapes)
-                     if getattr(p, "pipeline_tied", False)] if self.root else []
+                     if shard_spec(p).pipeline_tied] if self.root else []
         self._pinned = False
         self.param_bytes = sum(nbytes(u.shard) for u in self._all)
-        self.grad_bytes.add(sum(nbytes(u.grad_shard) for u in self._all))
+        self.weights = MasterWeights(weight_decay)
+        for u in self._all:
+            u.slice = self.weights.add(u, u.shard, u.dp, in_place=True)
+        self.grad_bytes.add(sum(nbytes(u.slice.grad_shard) for u in self._all))
         self.queue = ReduceScatterQueue(self.dp, self.grad_bytes)
         self._hooks = []
         for i, block in enumerate(layers.values()):
@@ -159,14 +150,7 @@ class FullyShardedOptimizer:
             for p in u.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
-        groups = [{"params": [], "weight_decay": weight_decay}, {"params": [], "weight_decay": 0.0}]
-        self.slices = []
-        for u in self._all:
-            lo, hi = slice_bounds(u.padded, u.dp.rank, u.dp.size)
-            u.pieces = cut_pieces(u.params, u.shapes, u.offsets, lo, hi, u.master, u.grad_shard, groups)
-            self.slices += [piece.opt_param for piece in u.pieces]
-        groups = [g for g in groups if g["params"]] or [{"params": [nn.Parameter(torch.zeros(0))]}]
-        self.optimizer = adamw(groups, lr=lr, betas=betas, eps=eps)
+        self.optimizer = adamw(self.weights.param_groups(), lr=lr, betas=betas, eps=eps)
 
     # -- hooks: gather before use, free after, reduce-scatter the gradients ----------------------------------
 
@@ -200,17 +184,17 @@ class FullyShardedOptimizer:
     def _full_grad(self, unit: _Unit) -> torch.Tensor:
         """The unit's full-size gradient buffer of this micro-batch (the root's: of the step), allocated when needed."""
         if unit.full_grad is None:
-            unit.full_grad = torch.zeros(unit.padded, dtype=self.reduce_dtype, device=unit.grad_shard.device)
+            unit.full_grad = torch.zeros(unit.padded, dtype=self.reduce_dtype, device=unit.shard.device)
             self.grad_bytes.add(nbytes(unit.full_grad))
         return unit.full_grad
 
     def _grad_ready(self, param: torch.Tensor) -> None:
-        unit, offset = self._place[id(param)]
-        add_to_flat(self._full_grad(unit), param, offset)
+        unit = self._unit_of[id(param)]
+        unit.add_grad(self._full_grad(unit), param)
         unit.ready += 1
         if unit.ready == len(unit.params) and not unit.root:
             unit.ready, unit.in_backward = 0, False
-            self.queue.push(unit, unit.full_grad, unit.dp)
+            self.queue.push(unit.slice, unit.full_grad, unit.dp)
             unit.full_grad = None
             if not self._pinned:
                 unit.free()
@@ -234,24 +218,24 @@ class FullyShardedOptimizer:
             full_grad = self._full_grad(root)
             for off, numel in self.tied:
                 self.mesh.embed_group.all_reduce(full_grad[off : off + numel])
-            self.queue.push(root, full_grad)
+            self.queue.push(root.slice, full_grad)
             root.full_grad, root.ready = None, 0
         self.queue.drain()
         for u in self._all:
-            u.grad_shard.div_(self.dp.size)
+            u.slice.grad_shard.div_(self.dp.size)
 
     def clip_and_step(self, max_norm: float, scaler=None) -> torch.Tensor:
         """Clip by the dense model's gradient norm, step this rank's shards, free every gathered parameter (the
         next use gathers the updated ones). With a `DynamicLossScaler` (fp16) the gradients are first divided by
         its scale, and a step whose gradients overflowed is skipped. Returns the norm before clipping."""
-        norm, skip = unscale_and_clip(self.slices, max_norm, self.mesh, True, scaler)
+        norm, skip = unscale_and_clip(self.weights.params, max_norm, self.mesh, True, scaler)
         if not skip:
             self.optimizer.step()
         for u in self._all:
-            if u.master is not u.shard and not skip:
-                u.shard.copy_(u.master)
+            if not skip:
+                u.slice.write_back()
             u.free()
-            u.grad_shard.zero_()
+            u.slice.grad_shard.zero_()
         return norm
 
     # -- whole parameters and checkpoints ----------------------------------------------------------------------
@@ -274,30 +258,23 @@ class FullyShardedOptimizer:
     def reload_parameters(self) -> None:
         """Inside `gathered()`, after the parameters were overwritten (a checkpoint load): take them as the shards."""
         for u in self._all:
-            lo, hi = slice_bounds(u.padded, u.dp.rank, u.dp.size)
-            u.shard.copy_(u.full[lo:hi])
-            if u.master is not u.shard:
-                u.master.copy_(u.shard)
+            u.shard.copy_(u.full[u.slice.lo : u.slice.hi])
+        self.weights.reload()
 
     def local_state(self, names: dict[int, str]) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
         """AdamW moments in the layout of the local (TP-sharded) parameters, all-gathered over DP x CP (the routed
         experts': over expert-DP) (a collective)."""
-        shapes = {id(p): s for u in self._all for p, s in zip(u.params, u.shapes)}
-        mixed = any(u.master is not u.shard for u in self._all)
-        out = {}
-        for group in dict.fromkeys(u.dp for u in self._all):  # the dense units', then the experts'
-            units = [u for u in self._all if u.dp is group]
-            out.update(gather_moments(units, self.optimizer, group, names, shapes, with_master=mixed))
-        return out, adamw_step_count(self.optimizer)
+        mixed = any(u.slice.separate for u in self._all)
+        return self.weights.local_state(self.optimizer, names, with_master=mixed), adamw_step_count(self.optimizer)
 
     def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
-        load_moments(self._all, self.optimizer, states, step, names)
+        self.weights.load_local_state(self.optimizer, states, step, names)
 
     def memory(self) -> dict[str, int]:
         """This rank's bytes of parameter shards, gradients (the most alive at once since `begin_step`: shards and
         full per-unit gradients in flight), optimizer state (AdamW moments, and fp32 masters of non-fp32
         shards) and gathered parameters (the most alive at once since `begin_step`)."""
-        master = sum(nbytes(u.master) for u in self._all if u.master is not u.shard)
+        master = self.weights.master_bytes()
         return {"parameters": self.param_bytes, "gradients": self.grad_bytes.peak,
                 "optimizer": state_bytes(self.optimizer) + master, "gathered": self.gathered_bytes.peak}
 
