@@ -136,3 +136,35 @@ def measure(steps, barrier, stats, rounds: int) -> dict:
         out["overlap" if on else "no_overlap"] = {"step_s": step_s, "compute_s": compute_s, "exposed_s": exposed_s,
                                                   "blocked_s": statistics.median(blocked[on])}
     return out
+
+
+def print_exposed(results: dict, labels: dict, variants: list, args) -> str | None:
+    """Print the exposed-communication table of bench/tp_step.py's tensorpar TP=2 variants (`labels`: their names);
+    return the `exposed_comm` line of TP=2."""
+    line = None
+    for variant in variants:
+        by_rank = results[variant].get("exposed_by_rank") or []
+        if not by_rank or not by_rank[0]:
+            continue
+        print()
+        print(f"{labels[variant]}: exposed communication per step ({args.exposed_rounds} rounds; rank 0's "
+              f"medians; exposed: step with the real collectives minus the same step with no-op ones, per round; "
+              f"blocked: seconds inside collectives, mean of the ranks)")
+        for mode, label in (("overlap", "TP overlap on"), ("no_overlap", "--no-tp-overlap")):
+            r = by_rank[0][mode]
+            blocked = statistics.mean(e[mode]["blocked_s"] for e in by_rank)
+            print(f"  {label:<16} step {r['step_s']:.4f} s   no-op collectives {r['compute_s']:.4f} s   "
+                  f"exposed {r['exposed_s']:.4f} s   blocked {blocked:.4f} s")
+        share = by_rank[0].get("cpu_share")
+        if share:
+            print(f"  one all_reduce of {share['mbytes']:.1f} MB alone: {share['wall_s'] * 1e3:.1f} ms wall, "
+                  f"{share['cpu_s'] * 1e3:.1f} ms CPU of rank 0's process ({share['cpu_s'] / share['wall_s']:.0%}): "
+                  f"with every core computing, overlap can hide at most {1 - share['cpu_s'] / share['wall_s']:.0%} "
+                  f"of a collective's time (bench/exposed_comm.py)")
+        if variant == "tensorpar":
+            e = by_rank[0]
+            line = f"exposed_comm overlap={e['overlap']['exposed_s']:.3f} no_overlap={e['no_overlap']['exposed_s']:.3f}"
+    if "tensorpar" in results and "tensorpar-sp" in results:
+        sp = statistics.median(results["tensorpar-sp"]["step_s"]) / statistics.median(results["tensorpar"]["step_s"])
+        print(f"\ntp2+sp/tp2={sp:.3f}")
+    return line

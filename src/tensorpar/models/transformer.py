@@ -157,31 +157,43 @@ class Transformer(nn.Module):
         self.first_stage, self.last_stage = first_stage, last_stage
         layers = range(cfg.num_layers) if layers is None else layers
         self.embed = self.pos_embed = self.final_norm = self.head = None
-        if first_stage or (last_stage and cfg.tie_embeddings):
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, region, device=device, init=False)
-            if not first_stage:  # the head's copy of the first stage's embedding
-                retag(self.embed.weight, pipeline_duplicate=True)
-            if not (first_stage and last_stage) and cfg.tie_embeddings:
-                retag(self.embed.weight, pipeline_tied=True)
-        if first_stage and cfg.position == "learned":
-            self.pos_embed = tag(nn.Parameter(torch.empty(cfg.max_seq_len, cfg.hidden_size, device=device)),
-                                 ShardSpec(dim=None, reduce_grad_across_tp=self.sequence_parallel))
+        self._build_inputs(device)
         # Keyed by global layer index, so that a stage's parameter names are the dense model's.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, region, i, device, self.ep_group, self.cp_group,
                                                               self.expert_tp_group, exit_region)
                                      for i in layers})
-        if last_stage:
-            self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
-            if cfg.tie_embeddings:
-                self.head = VocabParallelLMHead.tied(self.embed)
-            else:
-                self.head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, region, bias=False, device=device,
-                                                init=False)
+        self._build_outputs(device)
         if cfg.position == "rope":
             self.register_buffer("inv_freq", inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
                                  .to(device), persistent=False)
         if init:
             init_weights(self, seed)
+
+    def _build_inputs(self, device) -> None:
+        """The embedding (on the first stage, and its tied copy on the last) and the learned positions."""
+        cfg, first, last = self.cfg, self.first_stage, self.last_stage
+        if first or (last and cfg.tie_embeddings):
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.region, device=device,
+                                                init=False)
+            if not first:  # the head's copy of the first stage's embedding
+                retag(self.embed.weight, pipeline_duplicate=True)
+            if not (first and last) and cfg.tie_embeddings:
+                retag(self.embed.weight, pipeline_tied=True)
+        if first and cfg.position == "learned":
+            self.pos_embed = tag(nn.Parameter(torch.empty(cfg.max_seq_len, cfg.hidden_size, device=device)),
+                                 ShardSpec(dim=None, reduce_grad_across_tp=self.sequence_parallel))
+
+    def _build_outputs(self, device) -> None:
+        """The final norm and the LM head (the embedding's, tied) on the last stage."""
+        if not self.last_stage:
+            return
+        cfg = self.cfg
+        self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, self.region, device=device)
+        if cfg.tie_embeddings:
+            self.head = VocabParallelLMHead.tied(self.embed)
+        else:
+            self.head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.region, bias=False, device=device,
+                                            init=False)
 
     # -- pieces -------------------------------------------------------------------------------
 
