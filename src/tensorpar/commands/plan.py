@@ -34,9 +34,9 @@ from tensorpar.config.options import PlanOptions
 from tensorpar.errors import TensorparError
 from tensorpar.models import get_config
 from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
-from tensorpar.parallel.pipeline_schedules import (build_schedule, chunks_per_rank, peak_in_flight, simulate,
-                                                   theoretical_bubble)
+from tensorpar.parallel.pipeline_schedules import build_schedule, chunks_per_rank, peak_in_flight, theoretical_bubble
 from tensorpar.parallel.pipeline_view import render_png, render_text as render_schedule_text
+from tensorpar.parallel.schedule_simulation import simulate
 from tensorpar.config.choices import PLANNED_SCHEDULES
 from tensorpar.planning.calibration import load_profile
 from tensorpar.planning.cluster import make_cluster
