@@ -13,10 +13,10 @@ from tensorpar.parallel.pipeline_schedules import (
     one_f_one_b,
     peak_in_flight,
     rank_of,
-    simulate,
     stage_of,
     theoretical_bubble,
 )
+from tensorpar.parallel.schedule_simulation import simulate
 
 
 def F(mb, c=0):

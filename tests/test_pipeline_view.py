@@ -6,7 +6,6 @@ from tensorpar.errors import TensorparError
 from tensorpar.parallel.pipeline_schedules import (
     interleaved,
     one_f_one_b,
-    simulate,
 )
 from tensorpar.parallel.pipeline_view import (
     measured_bubble,
@@ -14,6 +13,7 @@ from tensorpar.parallel.pipeline_view import (
     render_png,
     render_text,
 )
+from tensorpar.parallel.schedule_simulation import simulate
 
 
 def test_render_text():

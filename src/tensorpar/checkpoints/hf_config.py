@@ -205,62 +205,72 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
     """A config.json dict that transformers loads as a GPT2Config / LlamaConfig / MixtralConfig / Qwen2MoeConfig (the
     inverse of config_from_hf)."""
     check_representable(cfg)
-    if cfg.family == "gpt2":
-        out = {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.max_seq_len,
-            "n_embd": cfg.hidden_size,
-            "n_layer": cfg.num_layers,
-            "n_head": cfg.num_heads,
-            "n_inner": cfg.ffn_hidden_size,
-            "activation_function": cfg.activation,
-            "layer_norm_epsilon": cfg.norm_eps,
-            "resid_pdrop": cfg.dropout,
-            "embd_pdrop": cfg.dropout,
-            "attn_pdrop": cfg.dropout,
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "initializer_range": cfg.init_std,
-            "tie_word_embeddings": cfg.tie_embeddings,
-        }
-        if cfg.vocab_size <= 50256:  # GPT2Config's default end-of-text id would lie outside the vocabulary
-            out.update(bos_token_id=None, eos_token_id=None)
-    else:
-        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        if cfg.rope_scaling and _rope_type(cfg.rope_scaling) != "default":
-            rope = {**cfg.rope_scaling, "rope_type": "llama3", "rope_theta": cfg.rope_theta}
-            rope.pop("type", None)
-        out = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.ffn_hidden_size,
-            "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.kv_heads,
-            "head_dim": cfg.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps,
-            # transformers 5 reads rope_parameters; older versions read rope_theta and rope_scaling.
-            "rope_parameters": rope,
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": None if rope["rope_type"] == "default" else
-            {k: v for k, v in rope.items() if k != "rope_theta"},
-            "attention_bias": cfg.bias,
-            "mlp_bias": cfg.bias,
-            "attention_dropout": 0.0,
-            "initializer_range": cfg.init_std,
-            "tie_word_embeddings": cfg.tie_embeddings,
-        }
-        if cfg.is_moe:
-            for field in ("attention_bias", "mlp_bias"):
-                del out[field]
-            out.update(moe_config_to_hf(cfg))
+    out = _gpt2_hf_fields(cfg) if cfg.family == "gpt2" else _decoder_hf_fields(cfg)
     if dtype is not None:
         out["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return out
+
+
+def _gpt2_hf_fields(cfg: ModelConfig) -> dict:
+    """The GPT2Config fields of a GPT-2 ModelConfig, as a config.json dict."""
+    out = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.max_seq_len,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_heads,
+        "n_inner": cfg.ffn_hidden_size,
+        "activation_function": cfg.activation,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
+    if cfg.vocab_size <= 50256:  # GPT2Config's default end-of-text id would lie outside the vocabulary
+        out.update(bos_token_id=None, eos_token_id=None)
+    return out
+
+
+def _decoder_hf_fields(cfg: ModelConfig) -> dict:
+    """The LlamaConfig fields of a Llama-style ModelConfig as a config.json dict, with the Mixtral / Qwen2-MoE fields
+    in place of the bias switches for an MoE model."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling and _rope_type(cfg.rope_scaling) != "default":
+        rope = {**cfg.rope_scaling, "rope_type": "llama3", "rope_theta": cfg.rope_theta}
+        rope.pop("type", None)
+    out = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers 5 reads rope_parameters; older versions read rope_theta and rope_scaling.
+        "rope_parameters": rope,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if rope["rope_type"] == "default" else
+        {k: v for k, v in rope.items() if k != "rope_theta"},
+        "attention_bias": cfg.bias,
+        "mlp_bias": cfg.bias,
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
+    if cfg.is_moe:
+        for field in ("attention_bias", "mlp_bias"):
+            del out[field]
+        out.update(moe_config_to_hf(cfg))
     return out

@@ -166,6 +166,29 @@ def explain(collective: str, ranks: int | None = None, algorithm: str | None = N
     """The lines `tensorpar explain` prints; bad input raises TensorparError."""
     collective = normalize(collective)
     algorithm = resolve_algorithm(collective, algorithm)
+    n, root, values = _resolve_inputs(collective, algorithm, ranks, root, values)
+    outputs, trace = simulate(collective, values, algorithm, root=root)
+
+    tree = algorithm == "tree"
+    buf_len = len(trace[0].buffers[0]) if trace else len(values[0])
+    chunked = collective not in ("reduce", "broadcast") and not (collective == "all-reduce" and tree)
+    bounds = chunk_bounds(buf_len, n) if chunked else None
+
+    lines = _description_lines(collective, algorithm, n, root)
+    lines += _cost_lines(collective, algorithm, n, root, trace, buf_len)
+    lines.append("")
+    lines += _initial_lines(collective, values, n, root, buf_len, chunked, bounds)
+    for step in trace:
+        lines.append("")
+        lines += _step_lines(step, len(trace), bounds)
+    lines.append("")
+    lines += _result_lines(collective, n, root, outputs, values, buf_len)
+    return lines
+
+
+def _resolve_inputs(collective: str, algorithm: str, ranks: int | None, root: int | None,
+                    values: list[list[float]] | None) -> tuple[int, int, list[list[float]]]:
+    """(number of ranks, root, every rank's numbers) with the defaults filled in; bad input raises TensorparError."""
     if values is not None:
         if ranks is not None and ranks != len(values):
             raise TensorparError(f"--ranks {ranks} but --values gives {len(values)} ranks' numbers")
@@ -175,20 +198,19 @@ def explain(collective: str, ranks: int | None = None, algorithm: str | None = N
         raise TensorparError(f"--ranks must be at least 2 (a collective over {_plural(n, 'rank')} sends nothing)")
     if n > MAX_RANKS:
         raise TensorparError(f"--ranks {n} is more than explain prints ({MAX_RANKS} at most)")
-    tree = algorithm == "tree"
-    if root is not None and not tree:
+    if root is not None and algorithm != "tree":
         raise TensorparError(f"ring {collective} has no root; --root applies to the tree algorithms")
     root = 0 if root is None else root
     if not 0 <= root < n:
         raise TensorparError(f"--root {root} is not one of the ranks 0..{n - 1}")
     if values is None:
         values = [[r * n + i + 1 for i in range(n)] for r in range(n)]
-    outputs, trace = simulate(collective, values, algorithm, root=root)
+    return n, root, values
 
-    buf_len = len(trace[0].buffers[0]) if trace else len(values[0])
-    chunked = collective not in ("reduce", "broadcast") and not (collective == "all-reduce" and tree)
-    bounds = chunk_bounds(buf_len, n) if chunked else None
 
+def _description_lines(collective: str, algorithm: str, n: int, root: int) -> list[str]:
+    """The heading lines: the collective, how its algorithm works, and the ring or the tree's root."""
+    tree = algorithm == "tree"
     lines = [f"{collective} over {n} ranks: {'ring' if not tree else 'binomial tree'} algorithm"]
     lines += ["  " + ln for ln in _DESCRIPTIONS[(collective, algorithm)].splitlines()]
     if tree:
@@ -196,9 +218,11 @@ def explain(collective: str, ranks: int | None = None, algorithm: str | None = N
                      f"(root + d with its lowest set bit cleared) mod N")
     else:
         lines.append("  ring: " + " -> ".join(f"{r}" for r in list(range(n)) + [0]))
-    lines += _cost_lines(collective, algorithm, n, root, trace, buf_len)
-    lines.append("")
+    return lines
 
+
+def _initial_lines(collective: str, values, n: int, root: int, buf_len: int, chunked: bool, bounds) -> list[str]:
+    """The 'initial buffers' heading and every rank's buffer before the first step."""
     first = _initial_buffers(collective, values, n, root, buf_len)
     if collective in ("all-reduce", "reduce-scatter") and chunked:
         label = f" ({n} chunks each)"
@@ -208,18 +232,21 @@ def explain(collective: str, ranks: int | None = None, algorithm: str | None = N
         label = " (_ = no value yet)"
     else:
         label = ""
-    lines.append(f"initial buffers{label}:")
-    lines += [f"  rank {r}: {_fmt_buffer(b, bounds)}" for r, b in enumerate(first)]
+    return [f"initial buffers{label}:"] + [f"  rank {r}: {_fmt_buffer(b, bounds)}" for r, b in enumerate(first)]
 
-    for step in trace:
-        lines.append("")
-        lines.append(f"step {step.index} of {len(trace)} ({step.phase}):")
-        for t in step.transfers:
-            lines.append(f"  rank {t.src} -> rank {t.dst}: {t.what} {_fmt_values(t.values)}"
-                         f"  =>  rank {t.dst}: {_fmt_buffer(t.result, bounds)}")
 
-    lines.append("")
-    lines.append("result: " + _RESULTS[collective].format(root=root))
+def _step_lines(step, num_steps: int, bounds) -> list[str]:
+    """One step's lines: its heading, then every transfer with the receiver's buffer after it."""
+    lines = [f"step {step.index} of {num_steps} ({step.phase}):"]
+    for t in step.transfers:
+        lines.append(f"  rank {t.src} -> rank {t.dst}: {t.what} {_fmt_values(t.values)}"
+                     f"  =>  rank {t.dst}: {_fmt_buffer(t.result, bounds)}")
+    return lines
+
+
+def _result_lines(collective: str, n: int, root: int, outputs, values, buf_len: int) -> list[str]:
+    """The 'result' line and every rank's output ('-' where the collective leaves it none)."""
+    lines = ["result: " + _RESULTS[collective].format(root=root)]
     terms = collective == "reduce-scatter" and buf_len == n  # one value per chunk: show the sums, as the blog does
     for r, out in enumerate(outputs):
         line = f"  rank {r}: " + ("-" if out is None else _fmt_values(out))

@@ -34,9 +34,9 @@ from tensorpar.config.options import PlanOptions
 from tensorpar.errors import TensorparError
 from tensorpar.models import get_config
 from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
-from tensorpar.parallel.pipeline_schedules import (build_schedule, chunks_per_rank, peak_in_flight, simulate,
-                                                   theoretical_bubble)
+from tensorpar.parallel.pipeline_schedules import build_schedule, chunks_per_rank, peak_in_flight, theoretical_bubble
 from tensorpar.parallel.pipeline_view import render_png, render_text as render_schedule_text
+from tensorpar.parallel.schedule_simulation import simulate
 from tensorpar.config.choices import PLANNED_SCHEDULES
 from tensorpar.planning.calibration import load_profile
 from tensorpar.planning.cluster import make_cluster
@@ -182,6 +182,20 @@ def _reason_kind(reason: str) -> str:
 def render_text(cfg, cluster, plans, options, shown) -> str:
     feasible = [p for p in plans if p.feasible]
     infeasible = [p for p in plans if not p.feasible]
+    lines = _summary_lines(cfg, cluster, plans, options)
+    if shown:
+        lines += _table_lines(shown, moe=cfg.is_moe)
+    else:
+        lines.append("no layout fits: see the reasons below")
+    if infeasible:
+        lines.append("")
+        lines += _infeasible_lines(infeasible, any_feasible=bool(feasible))
+    return "\n".join(lines)
+
+
+def _summary_lines(cfg, cluster, plans, options) -> list[str]:
+    """The heading: the model and cluster, the batch, precision and compute model, and the search's counts."""
+    num_feasible = sum(1 for p in plans if p.feasible)
     prec = get_precision(options.precision)
     tokens = options.global_batch_size * options.seq_len
     compute_model = (f"flat MFU ceiling {cluster.mfu_ceiling:.2f}" if cluster.mfu_ceiling is not None else
@@ -190,58 +204,67 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
     if cfg.is_moe:
         size += (f", {cfg.num_parameters(active=True) / 1e9:.2f}B active: {cfg.num_experts} experts, "
                  f"top-{cfg.experts_per_token}")
-    lines = [
+    return [
         f"plan: {options.model} ({size}) on {cluster.describe()}",
         f"      seq {options.seq_len}, global batch {options.global_batch_size} ({tokens:,} tokens/step), "
         f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.3g} TFLOP/s "
         f"({prec.compute_dtype}), {compute_model}, DP overlap {cluster.overlap:.2f}",
-        f"searched {len(plans)} layouts: {len(feasible)} feasible, {len(infeasible)} infeasible",
+        f"searched {len(plans)} layouts: {num_feasible} feasible, {len(plans) - num_feasible} infeasible",
         "",
     ]
-    moe = cfg.is_moe  # the ep column and the all-to-all share, for mixture-of-experts models only
+
+
+def _table_lines(shown, moe: bool) -> list[str]:
+    """The ranked table of the shown layouts (with the ep and all-to-all columns for a mixture-of-experts model)
+    and its footnotes."""
     ep_head, a2a_head = (f" {'ep':>3}", f" {'a2a':>5}") if moe else ("", "")
-    if shown:
-        head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'sched':>5} {'mbs':>4} {'sp':>3} {'recompute':>9} {'zero':>4} |"
-                f" {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'copies':>6} {'other':>6} {'total':>6} GiB |"
-                f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp+cp':>5} {'pp+bub':>6} {'dp':>5}"
-                f"{a2a_head} exposed")
-        lines.append(head)
-        for i, p in enumerate(shown, 1):
-            lay, mem, t = p.layout, p.memory.gib(), p.time
-            other = mem["transient"] + mem["overhead"]
-            pct = lambda x: f"{100 * x / t.step_time_s:4.1f}%"  # noqa: E731
-            lines.append(
-                f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} {lay.virtual_stages:>2} "
-                f"{(lay.schedule[:5] if lay.pp > 1 else '-'):>5} {lay.micro_batch_size:>4} "
-                f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {lay.zero:>4} |"
-                f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
-                f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
-                f" {t.step_time_s:7.2f} {t.tokens_per_s:10,.0f} {100 * t.mfu:5.1f}% |"
-                f" {pct(t.tp_comm_s + t.cp_comm_s)} {pct(t.pp_comm_s + t.bubble_s):>6} {pct(t.dp_comm_s)}"
-                + (f" {pct(t.ep_comm_s)}" if moe else "")
-            )
-        lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast (fp8: the fp8 weight caches); "
-                     "'other': recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
-        if moe:
-            lines.append("MoE: ep expert-parallel ranks (expert-DP = tp x cp x dp / ep); 'a2a': the expert all-to-alls; "
-                         "FLOPs and MFU count the active parameters (balanced routing assumed)")
-    else:
-        lines.append("no layout fits: see the reasons below")
-    if infeasible:
-        lines.append("")
-        lines.append(f"infeasible ({len(infeasible)}):")
-        kinds = Counter(_reason_kind(p.reason) for p in infeasible)
-        examples = {}
-        for p in infeasible:
-            examples.setdefault(_reason_kind(p.reason), p)
-        for kind, n in kinds.most_common():
-            ex = examples[kind]
-            lines.append(f"  {n:>5} {kind}; e.g. {ex.layout.label()}: {ex.reason}")
-        close = [p for p in infeasible if p.memory is not None][:3]
-        if close and not feasible:
-            lines.append("  closest to fitting: " + "; ".join(
-                f"{p.layout.label()} needs {p.memory.total / GiB:.1f} GiB" for p in close))
-    return "\n".join(lines)
+    head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'sched':>5} {'mbs':>4} {'sp':>3} "
+            f"{'recompute':>9} {'zero':>4} |"
+            f" {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'copies':>6} {'other':>6} {'total':>6} GiB |"
+            f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp+cp':>5} {'pp+bub':>6} {'dp':>5}"
+            f"{a2a_head} exposed")
+    lines = [head] + [_table_row(i, p, moe) for i, p in enumerate(shown, 1)]
+    lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast "
+                 "(fp8: the fp8 weight caches); 'other': recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
+    if moe:
+        lines.append("MoE: ep expert-parallel ranks (expert-DP = tp x cp x dp / ep); 'a2a': the expert all-to-alls; "
+                     "FLOPs and MFU count the active parameters (balanced routing assumed)")
+    return lines
+
+
+def _table_row(i: int, p, moe: bool) -> str:
+    """Row `i` of the table: plan `p`'s layout, memory in GiB, step time and the exposed communication shares."""
+    lay, mem, t = p.layout, p.memory.gib(), p.time
+    other = mem["transient"] + mem["overhead"]
+    pct = lambda x: f"{100 * x / t.step_time_s:4.1f}%"  # noqa: E731
+    return (
+        f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} "
+        f"{lay.virtual_stages:>2} {(lay.schedule[:5] if lay.pp > 1 else '-'):>5} {lay.micro_batch_size:>4} "
+        f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {lay.zero:>4} |"
+        f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
+        f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
+        f" {t.step_time_s:7.2f} {t.tokens_per_s:10,.0f} {100 * t.mfu:5.1f}% |"
+        f" {pct(t.tp_comm_s + t.cp_comm_s)} {pct(t.pp_comm_s + t.bubble_s):>6} {pct(t.dp_comm_s)}"
+        + (f" {pct(t.ep_comm_s)}" if moe else "")
+    )
+
+
+def _infeasible_lines(infeasible, any_feasible: bool) -> list[str]:
+    """The infeasible layouts counted by kind of reason, one example each, and (when nothing fits) the three
+    closest to fitting."""
+    lines = [f"infeasible ({len(infeasible)}):"]
+    kinds = Counter(_reason_kind(p.reason) for p in infeasible)
+    examples = {}
+    for p in infeasible:
+        examples.setdefault(_reason_kind(p.reason), p)
+    for kind, n in kinds.most_common():
+        ex = examples[kind]
+        lines.append(f"  {n:>5} {kind}; e.g. {ex.layout.label()}: {ex.reason}")
+    close = [p for p in infeasible if p.memory is not None][:3]
+    if close and not any_feasible:
+        lines.append("  closest to fitting: " + "; ".join(
+            f"{p.layout.label()} needs {p.memory.total / GiB:.1f} GiB" for p in close))
+    return lines
 
 
 # --------------------------------------------------------------------------- pictures
@@ -259,15 +282,24 @@ def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str
         import matplotlib.pyplot as plt
     except ImportError:
         raise TensorparError("--png needs matplotlib (pip install matplotlib)") from None
-    written = []
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
+    _write_memory_bars(plt, plans, cluster, path, title, top)
+    root, ext = os.path.splitext(path)
+    heat = f"{root}-heatmap{ext or '.png'}"
+    _write_heatmap(plt, plans, heat, title)
+    return [path, heat]
+
+
+def _write_memory_bars(plt, plans, cluster, path: str, title: str, top: int) -> None:
+    """Write to `path` the stacked per-GPU memory bars of the `top` best feasible layouts (20 at most), with the
+    GPU's memory as a dashed line."""
     feasible = [p for p in plans if p.feasible][: max(1, min(top, 20))]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(feasible) + 3), 5))
     if feasible:
-        labels = [f"#{i}\ntp{p.layout.tp} pp{p.layout.pp}\ndp{p.layout.dp}{f' ep{p.layout.ep}' if p.layout.ep > 1 else ''}"
-                  f" z{p.layout.zero}\n"
+        labels = [f"#{i}\ntp{p.layout.tp} pp{p.layout.pp}\n"
+                  f"dp{p.layout.dp}{f' ep{p.layout.ep}' if p.layout.ep > 1 else ''} z{p.layout.zero}\n"
                   f"{_RC[p.layout.recompute]}{' sp' if p.layout.sp else ''} mb{p.layout.micro_batch_size}"
                   for i, p in enumerate(feasible, 1)]
         bottom = [0.0] * len(feasible)
@@ -286,8 +318,11 @@ def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    written.append(path)
 
+
+def _write_heatmap(plt, plans, path: str, title: str) -> None:
+    """Write to `path` the Playbook-style tp x pp heatmap: each cell coloured by its best layout's tokens/s and
+    labelled with it, or with why no layout of that mesh works."""
     best = best_by_mesh(plans)
     tps = sorted({p.layout.tp for p in plans})
     pps = sorted({p.layout.pp for p in plans})
@@ -300,17 +335,9 @@ def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str
     for i, t in enumerate(tps):
         for j, q in enumerate(pps):
             p = best.get((t, q))
-            if p is None:
-                failed = tried.get((t, q))
-                text = "-" if failed is None else ("no fit" if failed.memory is not None else "cannot\nsplit")
-            else:
-                text = (f"{p.time.tokens_per_s:,.0f}\nMFU {100 * p.time.mfu:.0f}%\ndp{p.layout.dp}"
-                        f"{f' ep{p.layout.ep}' if p.layout.ep > 1 else ''} "
-                        f"mb{p.layout.micro_batch_size} z{p.layout.zero}\n{_RC[p.layout.recompute]}"
-                        f"{' sp' if p.layout.sp else ''}")
             bright = p is not None and p.time.tokens_per_s > lo + 0.6 * (hi - lo)
             colour = "w" if p is not None and not bright else "k"
-            ax.text(j, i, text, ha="center", va="center", fontsize=6, color=colour)
+            ax.text(j, i, _heatmap_cell(p, tried.get((t, q))), ha="center", va="center", fontsize=6, color=colour)
     ax.set_xticks(range(len(pps)), [str(q) for q in pps])
     ax.set_yticks(range(len(tps)), [str(t) for t in tps])
     ax.set_xlabel("pipeline parallel (pp)")
@@ -318,12 +345,19 @@ def write_pngs(plans, cluster, path: str, title: str, top: int = 10) -> list[str
     ax.set_title(f"best predicted tokens/s per (tp, pp)\n{title}", fontsize=9)
     fig.colorbar(im, ax=ax, label="tokens/s")
     fig.tight_layout()
-    root, ext = os.path.splitext(path)
-    heat = f"{root}-heatmap{ext or '.png'}"
-    fig.savefig(heat, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    written.append(heat)
-    return written
+
+
+def _heatmap_cell(best, tried) -> str:
+    """A heatmap cell's text: the best plan's tokens/s, MFU and layout, or why the mesh failed ('-': not tried)."""
+    if best is None:
+        return "-" if tried is None else ("no fit" if tried.memory is not None else "cannot\nsplit")
+    lay = best.layout
+    return (f"{best.time.tokens_per_s:,.0f}\nMFU {100 * best.time.mfu:.0f}%\ndp{lay.dp}"
+            f"{f' ep{lay.ep}' if lay.ep > 1 else ''} "
+            f"mb{lay.micro_batch_size} z{lay.zero}\n{_RC[lay.recompute]}"
+            f"{' sp' if lay.sp else ''}")
 
 
 # --------------------------------------------------------------------------- schedule mode

@@ -208,63 +208,74 @@ def simulate(
     algorithm = resolve_algorithm(collective, algorithm)
     if op not in _SIM_OPS:
         raise TensorparError(f"unknown reduction '{op}'; choose one of {', '.join(_SIM_OPS)}")
-    combine = _SIM_OPS[op]
     rooted = collective in ("broadcast", "scatter")
     inputs = _check_inputs(inputs, need_equal=not rooted, name=collective)
     n = len(inputs)
     if not isinstance(root, int) or not 0 <= root < n:
         raise TensorparError(f"root {root!r} is not a rank of the {n} ranks")
-    sim = _Sim(n, combine)
+    sim = _Sim(n, _SIM_OPS[op])
+    if algorithm == "ring":
+        outputs = _run_ring(sim, collective, inputs)
+    else:
+        outputs = _run_tree(sim, collective, inputs, root)
+    return outputs, sim.trace
 
-    if collective == "all-reduce" and algorithm == "ring":
-        sim.buffers = [list(v) for v in inputs]
-        sim.ring_reduce_scatter()
+
+def _own_blocks(inputs: list[list], n: int) -> list[list]:
+    """Buffers of n blocks per rank, each rank's input in its own block and None in the others."""
+    m = len(inputs[0])
+    buffers = [[None] * (n * m) for _ in range(n)]
+    for r in range(n):
+        buffers[r][r * m : (r + 1) * m] = inputs[r]
+    return buffers
+
+
+def _run_ring(sim: _Sim, collective: str, inputs: list[list]) -> list:
+    """Every rank's output of ring all-reduce, reduce-scatter or all-gather, run on `sim` (which keeps the trace)."""
+    n = sim.n
+    if collective == "all-gather":
+        sim.buffers = _own_blocks(inputs, n)
         sim.ring_all_gather()
-        outputs = [list(b) for b in sim.buffers]
-    elif collective == "reduce-scatter":
-        if len(inputs[0]) % n:
-            raise TensorparError(f"reduce-scatter over {n} ranks needs a length divisible by {n}, got {len(inputs[0])}")
-        sim.buffers = [list(v) for v in inputs]
-        sim.ring_reduce_scatter()
+        return [list(b) for b in sim.buffers]
+    if collective == "reduce-scatter" and len(inputs[0]) % n:
+        raise TensorparError(f"reduce-scatter over {n} ranks needs a length divisible by {n}, got {len(inputs[0])}")
+    sim.buffers = [list(v) for v in inputs]
+    sim.ring_reduce_scatter()
+    if collective == "reduce-scatter":
         bounds = chunk_bounds(len(inputs[0]), n)
-        outputs = [sim.buffers[r][slice(*bounds[r])] for r in range(n)]
-    elif collective == "all-gather":
-        m = len(inputs[0])
-        sim.buffers = [[None] * (n * m) for _ in range(n)]
-        for r in range(n):
-            sim.buffers[r][r * m : (r + 1) * m] = inputs[r]
-        sim.ring_all_gather()
-        outputs = [list(b) for b in sim.buffers]
-    elif collective in ("reduce", "all-reduce"):
+        return [sim.buffers[r][slice(*bounds[r])] for r in range(n)]
+    sim.ring_all_gather()
+    return [list(b) for b in sim.buffers]
+
+
+def _run_tree(sim: _Sim, collective: str, inputs: list[list], root: int) -> list:
+    """Every rank's output (None where it gets none) of a binomial-tree reduce, all-reduce, broadcast, gather or
+    scatter rooted at `root`, run on `sim` (which keeps the trace)."""
+    n = sim.n
+    if collective in ("reduce", "all-reduce"):
         sim.buffers = [list(v) for v in inputs]
         sim.tree_reduce(root)
         if collective == "reduce":
-            outputs = [list(sim.buffers[root]) if r == root else None for r in range(n)]
-        else:
-            sim.tree_broadcast(root)
-            outputs = [list(b) for b in sim.buffers]
-    elif collective == "broadcast":
+            return [list(sim.buffers[root]) if r == root else None for r in range(n)]
+        sim.tree_broadcast(root)
+        return [list(b) for b in sim.buffers]
+    if collective == "broadcast":
         sim.buffers = [list(inputs[root]) if r == root else [None] * len(inputs[root]) for r in range(n)]
         sim.tree_broadcast(root)
-        outputs = [list(b) for b in sim.buffers]
-    elif collective == "gather":
-        m = len(inputs[0])
-        sim.buffers = [[None] * (n * m) for _ in range(n)]
-        for r in range(n):
-            sim.buffers[r][r * m : (r + 1) * m] = inputs[r]
-        sim.tree_blocks(root, m, up=True)
-        outputs = [list(sim.buffers[root]) if r == root else None for r in range(n)]
-    elif collective == "scatter":
+        return [list(b) for b in sim.buffers]
+    if collective == "gather":
+        sim.buffers = _own_blocks(inputs, n)
+        sim.tree_blocks(root, len(inputs[0]), up=True)
+        return [list(sim.buffers[root]) if r == root else None for r in range(n)]
+    if collective == "scatter":
         length = len(inputs[root])
         if length % n:
             raise TensorparError(f"scatter over {n} ranks needs a length divisible by {n} on the root, got {length}")
         m = length // n
         sim.buffers = [list(inputs[root]) if r == root else [None] * length for r in range(n)]
         sim.tree_blocks(root, m, up=False)
-        outputs = [sim.buffers[r][r * m : (r + 1) * m] for r in range(n)]
-    else:  # pragma: no cover - resolve_algorithm rules this out
-        raise TensorparError(f"{collective} has no {algorithm} algorithm")
-    return outputs, sim.trace
+        return [sim.buffers[r][r * m : (r + 1) * m] for r in range(n)]
+    raise TensorparError(f"{collective} has no tree algorithm")  # pragma: no cover - resolve_algorithm rules this out
 
 
 class _Sim:

@@ -269,31 +269,10 @@ def init_mesh(
         check_gpus_per_process(device, backend, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT_S
-    if not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
+    timeout = _as_timedelta(timeout)
     stats = stats if stats is not None else CommStats()
-
-    owns = False
-    if world > 1 and not dist.is_initialized():
-        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
-        owns = True
-    elif dist.is_initialized():
-        backend = backend or dist.get_backend()
-
-    groups = {}
-    for name, all_ranks in group_ranks(tp, pp, dp, cp, ep, expert_tp).items():
-        for ranks in all_ranks:
-            # new_group is collective over the whole world: every rank creates every group, in the same order.
-            pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
-            if rank in ranks:
-                groups[name] = Group(name, ranks, pg, stats, rank, timeout)
-    # Middle pipeline stages hold no embedding: their embed group is themselves alone.
-    groups.setdefault("embed", Group("embed", [rank], None, stats, rank, timeout))
-    world_pg = dist.group.WORLD if world > 1 else None
-    groups["world"] = Group("world", list(range(world)), world_pg, stats, rank, timeout)
+    backend, owns = _init_world(world, rank, device, backend, timeout)
+    groups = _create_groups(group_ranks(tp, pp, dp, cp, ep, expert_tp), rank, world, stats, timeout, backend)
     return Mesh(
         tp_group=groups["tp"],
         pp_group=groups["pp"],
@@ -313,3 +292,43 @@ def init_mesh(
         expert_dp_group=groups.get("edp"),
         expert_tp_group=groups.get("expert_tp"),
     )
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    """The process groups' timeout as a timedelta: seconds as given, or DEFAULT_TIMEOUT_S when None."""
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT_S
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    return timeout
+
+
+def _init_world(world: int, rank: int, device: torch.device, backend: str | None,
+                timeout: timedelta) -> tuple[str | None, bool]:
+    """(backend, whether this call created the default process group): starts torch.distributed for a world of
+    several processes that has not started it yet (NCCL for CUDA devices, gloo otherwise, unless `backend` says)."""
+    if world > 1 and not dist.is_initialized():
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+        return backend, True
+    if dist.is_initialized():
+        backend = backend or dist.get_backend()
+    return backend, False
+
+
+def _create_groups(ranks_by_name: dict[str, list[list[int]]], rank: int, world: int, stats: CommStats,
+                   timeout: timedelta, backend: str | None) -> dict[str, Group]:
+    """This rank's Group of each dimension in `ranks_by_name` (as `group_ranks` returns them), plus "embed" (this
+    rank alone on a middle pipeline stage) and "world"."""
+    groups = {}
+    for name, all_ranks in ranks_by_name.items():
+        for ranks in all_ranks:
+            # new_group is collective over the whole world: every rank creates every group, in the same order.
+            pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
+            if rank in ranks:
+                groups[name] = Group(name, ranks, pg, stats, rank, timeout)
+    # Middle pipeline stages hold no embedding: their embed group is themselves alone.
+    groups.setdefault("embed", Group("embed", [rank], None, stats, rank, timeout))
+    world_pg = dist.group.WORLD if world > 1 else None
+    groups["world"] = Group("world", list(range(world)), world_pg, stats, rank, timeout)
+    return groups

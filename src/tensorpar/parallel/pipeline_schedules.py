@@ -1,4 +1,5 @@
-"""Pipeline-parallel schedules as pure data, their simulation, and their ideal bubble.
+"""Pipeline-parallel schedules as pure data and their ideal bubble (their simulation:
+:mod:`tensorpar.parallel.schedule_simulation`).
 
 A schedule is ``list[list[Action]]``: one list per pipeline rank, in the order that rank executes
 its actions. Nothing here communicates; the executor runs these lists with real send/recv.
@@ -85,15 +86,15 @@ share of the model, and no communication time:
   ``(pp - 1)`` chunk steps against ``6 * m`` of work: ``bubble = (pp - 1) / (6 * m + pp - 1)``.
 
 ``bubble`` here is the fraction of the pipeline's rank-time that is idle:
-``1 - busy / (pp * makespan)``, the quantity :func:`simulate` reports.
-:func:`simulate` reproduces these values exactly with ``forward_time=1, backward_time=2``
-(``tests/test_pipeline_schedules.py`` checks a grid). In :func:`simulate` the times are per action, i.e.
+``1 - busy / (pp * makespan)``, the quantity :func:`~tensorpar.parallel.schedule_simulation.simulate` reports.
+It reproduces these values exactly with ``forward_time=1, backward_time=2``
+(``tests/test_pipeline_schedules.py`` checks a grid). In the simulation the times are per action, i.e.
 per chunk for interleaved schedules; the bubble fraction does not depend on that scale.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tensorpar.config.choices import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES
 from tensorpar.errors import LayoutError, TensorparError
@@ -368,7 +369,7 @@ def validate_schedule(schedule: list[list[Action]]) -> tuple[int, int, int]:
     """Check that every rank runs each F(mb, chunk) and B(mb, chunk) exactly once, and each W(mb, chunk)
     once if the schedule has W actions at all, and nothing else; returns (pp, microbatches,
     virtual_stages). Raises TensorparError naming the first problem. Says nothing about order (see
-    :func:`simulate` for deadlocks)."""
+    :func:`tensorpar.parallel.schedule_simulation.simulate` for deadlocks)."""
     pp, m, v = schedule_shape(schedule)
     kinds = ACTION_KINDS if any(a.kind == "W" for acts in schedule for a in acts) else ("F", "B")
     if is_v_shaped(schedule) and v != 2:
@@ -396,149 +397,6 @@ def validate_schedule(schedule: list[list[Action]]) -> tuple[int, int, int]:
                 f"chunks 0..{v - 1}), first {', '.join(map(str, missing[:4]))}"
             )
     return pp, m, v
-
-
-def _deps(a: Action, rank: int, pp: int, n_stages: int, v_shape: bool = False) -> list[tuple[str, int, int]]:
-    """(kind, microbatch, stage) of what ``a`` on ``rank`` waits for."""
-    s = stage_of(rank, a.chunk, pp, v_shape)
-    if a.kind == "F":
-        return [("F", a.microbatch, s - 1)] if s > 0 else []
-    if a.kind == "W":
-        return [("B", a.microbatch, s)]
-    deps = [("F", a.microbatch, s)]
-    if s < n_stages - 1:
-        deps.append(("B", a.microbatch, s + 1))
-    return deps
-
-
-def _name(kind: str, mb: int, stage: int, pp: int, v_shape: bool = False) -> str:
-    rank, chunk = rank_of(stage, pp, v_shape)
-    return f"{kind}{mb} of stage {stage} (rank {rank}, chunk {chunk})"
-
-
-# --------------------------------------------------------------------------- simulation
-
-
-@dataclass
-class Timeline:
-    """A simulated (or measured) run of a schedule.
-
-    ``events[r]`` lists rank r's ``(action, start, end)`` in execution order; ``makespan`` is the
-    end of the last action (the run starts at 0); ``bubble_fraction = 1 - busy / (pp * makespan)``.
-    """
-
-    pp: int
-    microbatches: int
-    virtual_stages: int
-    events: list[list[tuple[Action, float, float]]]
-    makespan: float
-    bubble_fraction: float
-    forward_time: float = 1.0
-    backward_time: float = 2.0
-    p2p_time: float = 0.0
-    name: str | None = None
-    busy: list[float] = field(default_factory=list)  # per rank
-    weight_time: float | None = None  # the W share of backward_time in a split schedule, else None
-    v_shape: bool = False
-
-
-def simulate(
-    schedule: list[list[Action]],
-    forward_time: float = 1.0,
-    backward_time: float = 2.0,
-    p2p_time: float = 0.0,
-    *,
-    name: str | None = None,
-    weight_time: float | None = None,
-) -> Timeline:
-    """Run ``schedule`` on an ideal machine: each rank executes its actions strictly in list order,
-    one at a time; an action starts when its rank is free and each dependency has ended
-    (+ ``p2p_time`` when the dependency ran on another rank). Times are per action (per chunk for
-    interleaved and V-shaped schedules). ``name`` (optional) is kept in the Timeline for pictures.
-    ``backward_time`` is a whole backward; in a schedule with W actions, W takes ``weight_time``
-    (default: half of it) and B the rest, so that schedules of the same model compare.
-
-    Raises TensorparError for a malformed schedule and for an order that deadlocks, naming what
-    each stuck rank waits for.
-    """
-    for label, t in (("forward_time", forward_time), ("backward_time", backward_time)):
-        if not t > 0:
-            raise TensorparError(f"simulate: {label} must be > 0, got {t!r}")
-    if not p2p_time >= 0:
-        raise TensorparError(f"simulate: p2p_time must be >= 0, got {p2p_time!r}")
-    pp, m, v = validate_schedule(schedule)
-    v_shape = is_v_shaped(schedule)
-    split = any(a.kind == "W" for acts in schedule for a in acts)
-    if split:
-        weight_time = backward_time / 2 if weight_time is None else weight_time
-        if not 0 < weight_time < backward_time:
-            raise TensorparError(f"simulate: weight_time must be between 0 and backward_time ({backward_time}), "
-                                 f"got {weight_time!r}")
-    duration = {"F": forward_time, "B": backward_time - weight_time if split else backward_time, "W": weight_time}
-    n_stages = pp * v
-    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, stage) -> end time
-    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
-    free = [0.0] * pp
-    pos = [0] * pp
-    remaining = sum(len(acts) for acts in schedule)
-    while remaining:
-        progressed = False
-        for r in range(pp):
-            acts = schedule[r]
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                start = free[r]
-                ready = True
-                for dep in _deps(a, r, pp, n_stages, v_shape):
-                    end = done.get(dep)
-                    if end is None:
-                        ready = False
-                        break
-                    if rank_of(dep[2], pp, v_shape)[0] != r:
-                        end += p2p_time
-                    start = max(start, end)
-                if not ready:
-                    break
-                end = start + duration[a.kind]
-                done[(a.kind, a.microbatch, stage_of(r, a.chunk, pp, v_shape))] = end
-                events[r].append((a, start, end))
-                free[r] = end
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise TensorparError(_deadlock_message(schedule, pos, done, pp, n_stages, v_shape))
-    makespan = max(free)
-    busy = [sum(e - s for _, s, e in evs) for evs in events]
-    bubble = 1.0 - sum(busy) / (pp * makespan)
-    return Timeline(
-        pp=pp, microbatches=m, virtual_stages=v, events=events, makespan=makespan,
-        bubble_fraction=bubble, forward_time=forward_time, backward_time=backward_time,
-        p2p_time=p2p_time, name=name, busy=busy, weight_time=weight_time if split else None, v_shape=v_shape,
-    )
-
-
-def _deadlock_message(schedule, pos, done, pp, n_stages, v_shape=False) -> str:
-    where = {}
-    for r, acts in enumerate(schedule):
-        for i, a in enumerate(acts):
-            where[(a.kind, a.microbatch, stage_of(r, a.chunk, pp, v_shape))] = (r, i)
-    lines = []
-    for r, acts in enumerate(schedule):
-        if pos[r] >= len(acts):
-            continue
-        a = acts[pos[r]]
-        waits = []
-        for dep in _deps(a, r, pp, n_stages, v_shape):
-            if dep in done:
-                continue
-            dr, di = where[dep]
-            if dr == r:
-                waits.append(f"{_name(*dep, pp, v_shape)}, which comes later in its own order (position {di})")
-            else:
-                waits.append(f"{_name(*dep, pp, v_shape)} (position {di} of rank {dr}, which is stuck at {pos[dr]})")
-        lines.append(f"rank {r} at position {pos[r]} ({a}) waits for " + " and ".join(waits))
-    return "pipeline schedule deadlocks: " + "; ".join(lines)
 
 
 # --------------------------------------------------------------------------- memory

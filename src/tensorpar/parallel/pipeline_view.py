@@ -13,7 +13,8 @@ import math
 import os
 
 from tensorpar.errors import TensorparError
-from tensorpar.parallel.pipeline_schedules import ACTION_KINDS, Timeline, bubble_formula
+from tensorpar.parallel.pipeline_schedules import ACTION_KINDS, bubble_formula
+from tensorpar.parallel.schedule_simulation import Timeline
 
 _PREFIX = "rank {r:>{w}} |"
 

@@ -140,76 +140,119 @@ def model_collectives(
     """
     mm = act_bytes if matmul_bytes is None else matmul_bytes
     first, last, n_layers = stage_layers(cfg, layout, stage)
+    b, s = micro_batch, seq_len // layout.cp  # s: the tokens of each sequence this rank holds
     out: list[Collective] = []
-    tp, sp, cp = layout.tp, layout.sp, layout.cp
-    b, s, h = micro_batch, seq_len // cp, cfg.hidden_size  # s: the tokens of each sequence this rank holds
-    bsh = b * s * h
-
-    def add(op, nbytes, calls, phase, what, group="tp", pieces=1):
-        if calls:
-            out.append(Collective(op, group, int(nbytes), int(calls), phase, what, pieces))
-
-    if tp > 1:
-        # Full recomputation re-runs each block's forward inside backward. torch's non-reentrant checkpoint
-        # stops re-running as soon as every tensor backward needs exists again, so without dropout the MLP's
-        # output reduction (the block's last op, whose result nothing saves) is not repeated.
-        full = layout.recompute == "full"
-        again_in = 2 if full else 0
-        again_out = (2 if cfg.dropout > 0 else 1) if full else 0
-        norm_params = 2 if cfg.norm == "layernorm" else 1
+    if layout.tp > 1:
         if first:
-            if sp:
-                add("reduce_scatter", bsh * act_bytes, 1, "forward", "embedding (vocab-parallel, to sequence shards)")
-                add("all_gather", bsh * act_bytes, 1, "backward", "embedding gradient")
-                if cfg.position == "learned":
-                    add("all_reduce", s * h * grad_bytes, 1, "backward", "position-embedding gradient (SP)")
-            else:
-                add("all_reduce", bsh * act_bytes, 1, "forward", "embedding (vocab-parallel)")
-        L = n_layers
-        if sp:
-            add("all_gather", bsh * act_bytes, 2 * L, "forward", "attention / MLP input (SP gather)", pieces=tp_pieces)
-            add("reduce_scatter", bsh * mm, 2 * L, "forward", "attention / MLP output (SP reduce-scatter)",
-                pieces=tp_pieces)
-            add("all_gather", bsh * act_bytes, again_in * L, "backward", "recomputed attention / MLP input")
-            add("reduce_scatter", bsh * mm, again_out * L, "backward", "recomputed attention / MLP output")
-            add("reduce_scatter", bsh * act_bytes, 2 * L, "backward", "attention / MLP input gradient")
-            add("all_gather", bsh * mm, 2 * L, "backward", "attention / MLP output gradient", pieces=tp_pieces)
-            add("all_reduce", h * grad_bytes, 2 * L * norm_params, "backward", "norm weight gradients (SP)")
-            if cfg.bias:
-                add("all_reduce", h * grad_bytes, 2 * L, "backward", "row-parallel bias gradients (SP)")
-        else:
-            add("all_reduce", bsh * mm, 2 * L, "forward", "attention / MLP output (row-parallel)", pieces=tp_pieces)
-            add("all_reduce", bsh * mm, again_out * L, "backward", "recomputed attention / MLP output")
-            add("all_reduce", bsh * act_bytes, 2 * L, "backward", "attention / MLP input gradient")
-        if cfg.kv_heads < tp:  # replicated KV heads: one buffer with a slot per KV head, K and V separately
-            kv = cfg.kv_heads * cfg.head_dim
-            add("all_reduce", kv * h * grad_bytes, 2 * L, "backward", "replicated K/V weight gradients")
-            if cfg.attention_qkv_bias:
-                add("all_reduce", kv * grad_bytes, 2 * L, "backward", "replicated K/V bias gradients")
+            out += _embedding_collectives(cfg, layout.sp, b, s, act_bytes, grad_bytes)
+        out += _layer_collectives(cfg, layout, n_layers, b * s * cfg.hidden_size, act_bytes, mm, grad_bytes,
+                                  tp_pieces)
         if last:
-            if sp:
-                add("all_reduce", h * grad_bytes, norm_params, "backward", "final norm gradients (SP)")
-                add("all_gather", bsh * act_bytes, 1, "forward", "head input (SP gather)")
-                add("reduce_scatter", bsh * act_bytes, 1, "backward", "head input gradient")
-            else:
-                add("all_reduce", bsh * act_bytes, 1, "backward", "head input gradient")
-            add("all_reduce", b * s * 4, 1, "forward", "cross-entropy max (fp32)")
-            add("all_reduce", (3 if label_smoothing else 2) * b * s * 4, 1, "forward", "cross-entropy sums (fp32)")
+            out += _head_collectives(cfg, layout.sp, b, s, act_bytes, grad_bytes, label_smoothing)
     if cfg.is_moe:
         n_moe = sum(cfg.is_moe_layer(i) for i in stage_layer_indices(cfg, layout, stage))
         out = moe_collectives(cfg, layout, out, b, s, n_layers, n_moe, act_bytes, mm, grad_bytes)
-    if cp > 1:
+    if layout.cp > 1:
         out += ring_collectives(cfg, layout, b, s, mm, n_layers, last)
     if layout.pp > 1 and stage is not None:
-        # Point-to-point between stages (tensorpar.parallel.pipeline.PipelineRunner: fp32 hidden states
-        # forward, their gradients backward, once per chunk boundary; sequence shards under SP). Both the
-        # send and the matching recv are counted, each with the message's bytes.
-        v, pp = layout.virtual_stages, layout.pp
-        msg = b * (s // tp if (sp or scatter_gather) else s) * h * act_bytes
-        add("send", msg, v - (stage == pp - 1), "forward", "activations to the next stage", "pp")
-        add("recv", msg, v - (stage == 0), "forward", "activations from the previous stage", "pp")
-        add("send", msg, v - (stage == 0), "backward", "activation gradients to the previous stage", "pp")
-        add("recv", msg, v - (stage == pp - 1), "backward", "activation gradients from the next stage", "pp")
+        out += _pipeline_messages(cfg, layout, stage, b, s, act_bytes, scatter_gather)
+    return out
+
+
+def _add(out: list[Collective], op: str, nbytes, calls, phase: str, what: str, group: str = "tp",
+         pieces: int = 1) -> None:
+    """Append `calls` collectives of `nbytes` to `out`; nothing when `calls` is 0."""
+    if calls:
+        out.append(Collective(op, group, int(nbytes), int(calls), phase, what, pieces))
+
+
+def _norm_params(cfg) -> int:
+    """The weights of one norm: weight and bias for LayerNorm, the weight alone for RMSNorm."""
+    return 2 if cfg.norm == "layernorm" else 1
+
+
+def _embedding_collectives(cfg, sp: bool, b: int, s: int, act_bytes: int, grad_bytes: int) -> list[Collective]:
+    """The first stage's TP collectives of the vocabulary-parallel embedding (and, under SP, of the learned
+    position embedding's gradient)."""
+    out: list[Collective] = []
+    bsh, h = b * s * cfg.hidden_size, cfg.hidden_size
+    if sp:
+        _add(out, "reduce_scatter", bsh * act_bytes, 1, "forward", "embedding (vocab-parallel, to sequence shards)")
+        _add(out, "all_gather", bsh * act_bytes, 1, "backward", "embedding gradient")
+        if cfg.position == "learned":
+            _add(out, "all_reduce", s * h * grad_bytes, 1, "backward", "position-embedding gradient (SP)")
+    else:
+        _add(out, "all_reduce", bsh * act_bytes, 1, "forward", "embedding (vocab-parallel)")
+    return out
+
+
+def _layer_collectives(cfg, layout: Layout, n_layers: int, bsh: int, act_bytes: int, mm: int, grad_bytes: int,
+                       tp_pieces: int) -> list[Collective]:
+    """The TP collectives of the stage's `n_layers` transformer layers: the attention and MLP entries and exits
+    (SP gathers and reduce-scatters, or row-parallel all-reduces), what recomputation repeats, and the gradients
+    TP ranks share (norms and biases under SP, replicated K/V heads)."""
+    out: list[Collective] = []
+    h, L = cfg.hidden_size, n_layers
+    # Full recomputation re-runs each block's forward inside backward. torch's non-reentrant checkpoint
+    # stops re-running as soon as every tensor backward needs exists again, so without dropout the MLP's
+    # output reduction (the block's last op, whose result nothing saves) is not repeated.
+    full = layout.recompute == "full"
+    again_in = 2 if full else 0
+    again_out = (2 if cfg.dropout > 0 else 1) if full else 0
+    if layout.sp:
+        _add(out, "all_gather", bsh * act_bytes, 2 * L, "forward", "attention / MLP input (SP gather)",
+             pieces=tp_pieces)
+        _add(out, "reduce_scatter", bsh * mm, 2 * L, "forward", "attention / MLP output (SP reduce-scatter)",
+             pieces=tp_pieces)
+        _add(out, "all_gather", bsh * act_bytes, again_in * L, "backward", "recomputed attention / MLP input")
+        _add(out, "reduce_scatter", bsh * mm, again_out * L, "backward", "recomputed attention / MLP output")
+        _add(out, "reduce_scatter", bsh * act_bytes, 2 * L, "backward", "attention / MLP input gradient")
+        _add(out, "all_gather", bsh * mm, 2 * L, "backward", "attention / MLP output gradient", pieces=tp_pieces)
+        _add(out, "all_reduce", h * grad_bytes, 2 * L * _norm_params(cfg), "backward", "norm weight gradients (SP)")
+        if cfg.bias:
+            _add(out, "all_reduce", h * grad_bytes, 2 * L, "backward", "row-parallel bias gradients (SP)")
+    else:
+        _add(out, "all_reduce", bsh * mm, 2 * L, "forward", "attention / MLP output (row-parallel)",
+             pieces=tp_pieces)
+        _add(out, "all_reduce", bsh * mm, again_out * L, "backward", "recomputed attention / MLP output")
+        _add(out, "all_reduce", bsh * act_bytes, 2 * L, "backward", "attention / MLP input gradient")
+    if cfg.kv_heads < layout.tp:  # replicated KV heads: one buffer with a slot per KV head, K and V separately
+        kv = cfg.kv_heads * cfg.head_dim
+        _add(out, "all_reduce", kv * h * grad_bytes, 2 * L, "backward", "replicated K/V weight gradients")
+        if cfg.attention_qkv_bias:
+            _add(out, "all_reduce", kv * grad_bytes, 2 * L, "backward", "replicated K/V bias gradients")
+    return out
+
+
+def _head_collectives(cfg, sp: bool, b: int, s: int, act_bytes: int, grad_bytes: int,
+                      label_smoothing: bool) -> list[Collective]:
+    """The last stage's TP collectives: the final norm's gradients under SP, the LM head's input and its
+    gradient, and the vocabulary-parallel cross-entropy's fp32 reductions."""
+    out: list[Collective] = []
+    bsh, h = b * s * cfg.hidden_size, cfg.hidden_size
+    if sp:
+        _add(out, "all_reduce", h * grad_bytes, _norm_params(cfg), "backward", "final norm gradients (SP)")
+        _add(out, "all_gather", bsh * act_bytes, 1, "forward", "head input (SP gather)")
+        _add(out, "reduce_scatter", bsh * act_bytes, 1, "backward", "head input gradient")
+    else:
+        _add(out, "all_reduce", bsh * act_bytes, 1, "backward", "head input gradient")
+    _add(out, "all_reduce", b * s * 4, 1, "forward", "cross-entropy max (fp32)")
+    _add(out, "all_reduce", (3 if label_smoothing else 2) * b * s * 4, 1, "forward", "cross-entropy sums (fp32)")
+    return out
+
+
+def _pipeline_messages(cfg, layout: Layout, stage: int, b: int, s: int, act_bytes: int,
+                       scatter_gather: bool) -> list[Collective]:
+    """Pipeline rank `stage`'s point-to-point messages of one micro-batch (tensorpar.parallel.pipeline.PipelineRunner:
+    fp32 hidden states forward, their gradients backward, once per chunk boundary; sequence shards under SP or
+    with `scatter_gather`). Both the send and the matching recv are counted, each with the message's bytes."""
+    out: list[Collective] = []
+    v, pp = layout.virtual_stages, layout.pp
+    msg = b * (s // layout.tp if (layout.sp or scatter_gather) else s) * cfg.hidden_size * act_bytes
+    _add(out, "send", msg, v - (stage == pp - 1), "forward", "activations to the next stage", "pp")
+    _add(out, "recv", msg, v - (stage == 0), "forward", "activations from the previous stage", "pp")
+    _add(out, "send", msg, v - (stage == 0), "backward", "activation gradients to the previous stage", "pp")
+    _add(out, "recv", msg, v - (stage == pp - 1), "backward", "activation gradients from the next stage", "pp")
     return out
 
 
@@ -317,39 +360,64 @@ def step_collectives(
            for c in model_collectives(cfg, layout, layout.micro_batch_size, seq_len, act_bytes=act_bytes,
                                       matmul_bytes=matmul_bytes, grad_bytes=grad_bytes, stage=stage,
                                       label_smoothing=label_smoothing, scatter_gather=scatter_gather)]
-    grads = gradient_group(layout)
     if layout.replicas > 1:
-        first, last, _ = stage_layers(cfg, layout, stage)
-        key = (repr(cfg), layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, param_bytes,
-               bucket_bytes, layout.replicas if layout.zero else 1, layout.ep)
-        if key not in _BUCKET_CACHE:
-            params = [p for p in params_of(cfg, layout, stage) if not is_expert(p[0])]
-            _BUCKET_CACHE[key] = _bucket_table(params, param_bytes, bucket_bytes, layout.replicas if layout.zero else 1)
-        total, sizes = _BUCKET_CACHE[key]
-        if layout.zero in (0, 1, 2):
-            out += _gradient_traffic(sizes, grads, layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes)
-        else:
-            if key + ("zero3",) not in _BUCKET_CACHE:
-                _BUCKET_CACHE[key + ("zero3",)] = zero3_units(params_of(cfg, layout, stage), layout.replicas)
-            root, layers, last = _BUCKET_CACHE[key + ("zero3",)]
-            out.append(Collective("all_gather", grads, root * param_bytes, 1, "forward", "ZeRO-3 root gather"))
-            out.append(Collective("reduce_scatter", grads, root * grad_bytes, 1, "step", "ZeRO-3 root gradients"))
-            for n, k in layers.items():
-                out.append(Collective("all_gather", grads, n * param_bytes, k * m, "forward", "ZeRO-3 block gathers"))
-                again = (k - (n == last)) * m if zero3_reshard_after_forward else 0  # the last block is kept
-                if again:
-                    out.append(Collective("all_gather", grads, n * param_bytes, again, "backward",
-                                          "ZeRO-3 block gathers for the backward"))
-                out.append(Collective("reduce_scatter", grads, n * grad_bytes, k * m, "backward",
-                                      "ZeRO-3 block gradients"))
-        if layout.zero:
-            out.append(Collective("all_reduce", grads, 4, 1, "step", "gradient norm (ZeRO shards)"))
+        out += _replica_gradient_traffic(cfg, layout, stage, m, grad_bytes, param_bytes, bucket_bytes,
+                                         zero2_per_micro_batch, zero3_reshard_after_forward)
     if cfg.is_moe and layout.expert_dp > 1:  # the routed experts' own buckets, over expert-DP
         experts = [p for p in params_of(cfg, layout, stage) if is_expert(p[0])]
         if experts:
             _, sizes = _bucket_table(experts, param_bytes, bucket_bytes, layout.expert_dp if layout.zero else 1)
             out += _gradient_traffic(sizes, "edp", layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes,
                                      "expert ")
+    return out + _step_scalars(cfg, layout, stage, grad_bytes)
+
+
+def _replica_gradient_traffic(cfg, layout: Layout, stage: int | None, m: int, grad_bytes: int, param_bytes: int,
+                              bucket_bytes: int, zero2_per_micro_batch: bool,
+                              zero3_reshard_after_forward: bool) -> list[Collective]:
+    """The step's gradient and parameter traffic of the stage's non-expert parameters over their replicas
+    (the DP x CP gradient group): DistributedOptimizer's buckets (ZeRO 0 to 2) or FullyShardedOptimizer's units
+    (ZeRO-3), and under ZeRO the gradient norm's all-reduce over the shards."""
+    grads = gradient_group(layout)
+    key = (repr(cfg), layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, param_bytes,
+           bucket_bytes, layout.replicas if layout.zero else 1, layout.ep)
+    if key not in _BUCKET_CACHE:
+        params = [p for p in params_of(cfg, layout, stage) if not is_expert(p[0])]
+        _BUCKET_CACHE[key] = _bucket_table(params, param_bytes, bucket_bytes, layout.replicas if layout.zero else 1)
+    _, sizes = _BUCKET_CACHE[key]
+    if layout.zero in (0, 1, 2):
+        out = _gradient_traffic(sizes, grads, layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes)
+    else:
+        if key + ("zero3",) not in _BUCKET_CACHE:
+            _BUCKET_CACHE[key + ("zero3",)] = zero3_units(params_of(cfg, layout, stage), layout.replicas)
+        out = _zero3_traffic(*_BUCKET_CACHE[key + ("zero3",)], grads, m, grad_bytes, param_bytes,
+                             zero3_reshard_after_forward)
+    if layout.zero:
+        out.append(Collective("all_reduce", grads, 4, 1, "step", "gradient norm (ZeRO shards)"))
+    return out
+
+
+def _zero3_traffic(root: int, layers: dict[int, int], last: int, grads: str, m: int, grad_bytes: int,
+                   param_bytes: int, reshard_after_forward: bool) -> list[Collective]:
+    """FullyShardedOptimizer's collectives over `grads` for the units `zero3_units` returns: the root gathered and
+    its gradient reduce-scattered once per step, each block gathered in every micro-batch's forward (and again in
+    its backward when resharded after the forward, but for the last block) and its gradient reduce-scattered."""
+    out = [Collective("all_gather", grads, root * param_bytes, 1, "forward", "ZeRO-3 root gather"),
+           Collective("reduce_scatter", grads, root * grad_bytes, 1, "step", "ZeRO-3 root gradients")]
+    for n, k in layers.items():
+        out.append(Collective("all_gather", grads, n * param_bytes, k * m, "forward", "ZeRO-3 block gathers"))
+        again = (k - (n == last)) * m if reshard_after_forward else 0  # the last block is kept
+        if again:
+            out.append(Collective("all_gather", grads, n * param_bytes, again, "backward",
+                                  "ZeRO-3 block gathers for the backward"))
+        out.append(Collective("reduce_scatter", grads, n * grad_bytes, k * m, "backward", "ZeRO-3 block gradients"))
+    return out
+
+
+def _step_scalars(cfg, layout: Layout, stage: int | None, grad_bytes: int) -> list[Collective]:
+    """The step's closing all-reduces: the gradient norm over TP and PP, the loss sent to every stage, the tied
+    embedding's gradient between the first and last stage, and the trainer's loss average over DP."""
+    out = []
     if layout.tp > 1:
         out.append(Collective("all_reduce", "tp", 4, 1, "step", "gradient norm"))
     if layout.pp > 1:

@@ -78,59 +78,83 @@ def layer_parts(cfg, layout: Layout, b: int, s: int, prec, cluster, moe: bool, f
     if len(_CACHE) > 100_000:
         _CACHE.clear()
     t, c = layout.tp, layout.cp
-    h, d, a = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    h, d = cfg.hidden_size, cfg.head_dim
     T = b * s // c
-    heads = a // t
+    heads = cfg.num_heads // t
     kv = max(cfg.kv_heads // t, 1)
     dtype, nb = prec.gemm_dtype, prec.matmul_bytes
     gemm_bytes = 1 if dtype == "fp8" else nb
     attn_gemms = [(T, (heads + 2 * kv) * d, h, 1), (T, h, heads * d, 1)]
-    if moe:
-        e, k_top, fe = cfg.num_experts, cfg.experts_per_token, cfg.expert_ffn_size
-        rows = T * k_top / t  # rows this rank routes; balanced: also the rows its local experts receive
-        local = e // layout.ep
-        per_expert = rows / local
-        up = (2 if cfg.gated_mlp else 1) * fe
-        mlp_gemms = [(T / t, e, h, 1), (per_expert, up, h, local), (per_expert, h, fe, local)]
-        down = [(per_expert, h, fe, local)]
-        if cfg.num_shared_experts:
-            fs = cfg.num_shared_experts * fe // t
-            mlp_gemms += [(T, (2 if cfg.gated_mlp else 1) * fs, h, 1), (T, h, fs, 1)]
-            down.append((T, h, fs, 1))
-        mlp_act = rows * fe + (T * cfg.num_shared_experts * fe / t)
-        permute = 4.0 * rows * h * nb
-    else:
-        f = cfg.ffn_hidden_size // t
-        mlp_gemms = [(T, (2 if cfg.gated_mlp else 1) * f, h, 1), (T, h, f, 1)]
-        down = [(T, h, f, 1)]
-        mlp_act = T * f
-        permute = 0.0
+    mlp_gemms, down, mlp_act, permute = _mlp_parts(cfg, layout, T, nb, moe)
     g_fwd, g_dgrad, g_wgrad = _gemms_time(attn_gemms + mlp_gemms, cluster, dtype, gemm_bytes)
     down_fwd = _gemms_time(down, cluster, dtype, gemm_bytes)[0]
+    a_fwd, a_bwd = _attention_time(b, s, c, heads, d, prec, cluster, flash)
+    rope = 2 * T * (heads + kv) * d * nb if cfg.position == "rope" else 0
+    e_fwd, e_bwd = _elementwise_time(cfg, layout, T, rope, mlp_act, permute, attn_gemms + mlp_gemms, prec, cluster)
+    out = {"gemm_fwd": g_fwd, "gemm_bwd": g_dgrad + g_wgrad, "wgrad": g_wgrad, "attn_fwd": a_fwd, "attn_bwd": a_bwd,
+           "elem_fwd": e_fwd, "elem_bwd": e_bwd, "down_fwd": down_fwd}
+    _CACHE[key] = (cfg, cluster, out)
+    return out
+
+
+def _mlp_parts(cfg, layout: Layout, T: int, nb: int, moe: bool) -> tuple[list, list, float, float]:
+    """(the MLP's forward GEMMs as (m, n, k, count), those of its down projections, the elements its activation
+    function reads per input, the bytes a mixture-of-experts layer's permutation moves) for T tokens on one rank:
+    a dense TP MLP, or a router, the local experts' grouped GEMMs (balanced routing) and the shared experts."""
+    t, h = layout.tp, cfg.hidden_size
+    if not moe:
+        f = cfg.ffn_hidden_size // t
+        return [(T, (2 if cfg.gated_mlp else 1) * f, h, 1), (T, h, f, 1)], [(T, h, f, 1)], T * f, 0.0
+    e, k_top, fe = cfg.num_experts, cfg.experts_per_token, cfg.expert_ffn_size
+    rows = T * k_top / t  # rows this rank routes; balanced: also the rows its local experts receive
+    local = e // layout.ep
+    per_expert = rows / local
+    up = (2 if cfg.gated_mlp else 1) * fe
+    mlp_gemms = [(T / t, e, h, 1), (per_expert, up, h, local), (per_expert, h, fe, local)]
+    down = [(per_expert, h, fe, local)]
+    if cfg.num_shared_experts:
+        fs = cfg.num_shared_experts * fe // t
+        mlp_gemms += [(T, (2 if cfg.gated_mlp else 1) * fs, h, 1), (T, h, fs, 1)]
+        down.append((T, h, fs, 1))
+    mlp_act = rows * fe + (T * cfg.num_shared_experts * fe / t)
+    return mlp_gemms, down, mlp_act, 4.0 * rows * h * nb
+
+
+def _attention_time(b: int, s: int, c: int, heads: int, d: int, prec, cluster, flash: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core of b sequences of s tokens, `heads` heads of size d on
+    this rank, split over c context-parallel ranks: flash attention, or the two batched GEMMs and the passes of
+    the score matrix through memory."""
     spec, curve = cluster.gpu, cluster.curve
-    hbm = spec.hbm_bandwidth
     attn_peak = spec.peak(prec.compute_dtype)  # attention runs in the compute dtype (bf16 under fp8 recipes)
     if flash:
         # zigzag CP: each of the c ranks computes 1/c of the causal pairs of its b x heads sequences
         fa_f, fa_b = flash_attention_time(b * heads, s, s, d, attn_peak, curve)
-        a_fwd, a_bwd = fa_f / c, fa_b / c
-    else:
-        sq = s // c
-        bmm = [(sq, s, d, b * heads), (sq, d, s, b * heads)]
-        a_fwd, a_dgrad, a_wgrad = _gemms_time(bmm, cluster, prec.compute_dtype, nb)
-        a_bwd = a_dgrad + a_wgrad
-        scores = b * heads * sq * s * nb
-        a_fwd += memory_time(4 * scores, hbm, curve, 2)
-        a_bwd += memory_time(6 * scores, hbm, curve, 2)
-    A = prec.act_bytes
+        return fa_f / c, fa_b / c
+    nb = prec.matmul_bytes
+    sq = s // c
+    bmm = [(sq, s, d, b * heads), (sq, d, s, b * heads)]
+    a_fwd, a_dgrad, a_wgrad = _gemms_time(bmm, cluster, prec.compute_dtype, nb)
+    a_bwd = a_dgrad + a_wgrad
+    scores = b * heads * sq * s * nb
+    a_fwd += memory_time(4 * scores, spec.hbm_bandwidth, curve, 2)
+    a_bwd += memory_time(6 * scores, spec.hbm_bandwidth, curve, 2)
+    return a_fwd, a_bwd
+
+
+def _elementwise_time(cfg, layout: Layout, T: int, rope: float, mlp_act: float, permute: float, gemms: list, prec,
+                      cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's memory-bound kernels on T tokens: norms, residual adds, RoPE
+    (`rope` bytes), the MLP's activation (`mlp_act` elements) and MoE permutation (`permute` bytes), fp8's
+    cast-transposes of `gemms`, each operator paying a launch; tensorpar's unfused operators each read and write
+    about one activation."""
+    h, t, nb, A = cfg.hidden_size, layout.tp, prec.matmul_bytes, prec.act_bytes
     tok_h = T * h / (t if layout.sp else 1)
     passes = 4 + 6 + (1 if cfg.dropout > 0 else 0)  # norms, residual adds (+ masks)
-    rope = 2 * T * (heads + kv) * d * nb if cfg.position == "rope" else 0
     act = (3 if cfg.gated_mlp else 2) * mlp_act * nb
     elem = passes * tok_h * A + rope + act + permute
     cast_f = cast_b = 0.0
-    if dtype == "fp8":
-        cast_f, cast_b = _cast_bytes(attn_gemms + mlp_gemms)
+    if prec.gemm_dtype == "fp8":
+        cast_f, cast_b = _cast_bytes(gemms)
     k_fwd, k_bwd = OPS_PER_LAYER["tensorpar" if prec.activations == "tensorpar" else "fused"]
     if prec.activations == "tensorpar":  # unfused: every operator reads and writes about one activation
         (o_fwd, o_bwd), full_h = OPS_OUTSIDE_TP, T * h
@@ -138,12 +162,8 @@ def layer_parts(cfg, layout: Layout, b: int, s: int, prec, cluster, moe: bool, f
         elem_b = max(2 * elem, 2 * (o_bwd * tok_h + (k_bwd - o_bwd) * full_h) * A)
     else:
         elem_f, elem_b = elem, 2 * elem
-    e_fwd = memory_time(elem_f + cast_f, hbm, curve, k_fwd)
-    e_bwd = memory_time(elem_b + cast_b, hbm, curve, k_bwd)
-    out = {"gemm_fwd": g_fwd, "gemm_bwd": g_dgrad + g_wgrad, "wgrad": g_wgrad, "attn_fwd": a_fwd, "attn_bwd": a_bwd, "elem_fwd": e_fwd,
-           "elem_bwd": e_bwd, "down_fwd": down_fwd}
-    _CACHE[key] = (cfg, cluster, out)
-    return out
+    hbm, curve = cluster.gpu.hbm_bandwidth, cluster.curve
+    return memory_time(elem_f + cast_f, hbm, curve, k_fwd), memory_time(elem_b + cast_b, hbm, curve, k_bwd)
 
 
 def head_time(cfg, layout: Layout, b: int, s: int, prec, cluster) -> tuple[float, float, float]:

@@ -311,78 +311,102 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size; `tp_overlap`:
     tensorpar's TP overlap, its default, on as in training)."""
     prec = get_precision(precision)
-    # ZeRO shards over every replica of the parameters (DP x CP); each rank holds seq_len / cp tokens of a sequence.
-    pp, dp, tp = layout.pp, layout.replicas, layout.tp
-    summary = parameter_summary(cfg, tp, pp, stage, layout.ep, layout.pipeline_layers, layout.virtual_stages)
-    numel = summary.numel
+    pp = layout.pp
+    summary = parameter_summary(cfg, layout.tp, pp, stage, layout.ep, layout.pipeline_layers, layout.virtual_stages)
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
-    b, s = layout.micro_batch_size, seq_len // layout.cp
     m = max(layout.num_micro_batches(global_batch), 1)
-    zero = layout.zero if dp > 1 else 0
+    param_mem, grad_mem, opt_mem, gathered = _state_bytes(cfg, layout, summary, n_layers, stage, prec, bucket_bytes)
+    chunks = in_flight(layout, m, stage if pp > 1 else 0)
+    activations, recomputed = _activation_bytes(cfg, layout, seq_len, m, chunks, n_layers, first, last, prec,
+                                                flash_attention, tp_overlap)
+    weight_copies, copies_alive = _weight_copy_bytes(layout, summary, n_layers, chunks, last, prec)
+    transient = gathered + recomputed + copies_alive
+    subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
+    overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
+    return MemoryBreakdown(param_mem, grad_mem, opt_mem, activations, weight_copies, transient, overhead,
+                           stage, summary.numel)
 
+
+def _state_bytes(cfg, layout: Layout, summary: ParamSummary, n_layers: int, stage: int, prec: Precision,
+                 bucket_bytes: int) -> tuple[int, int, int, int]:
+    """(parameters, gradients, optimizer states, parameters ZeRO-3 gathers) in bytes on one rank of `stage`:
+    ZeRO shards over every replica of the parameters (DP x CP), routed experts over expert-DP."""
+    dp = layout.replicas
+    numel = summary.numel
+    zero = layout.zero if dp > 1 else 0
     param_mem = prec.param_bytes * numel
     # Routed experts' gradients and optimizer states: reduced and ZeRO-sharded over expert-DP, the rest over DP x CP.
     expert, dense = summary.expert_numel, numel - summary.expert_numel
     edp = layout.expert_dp
     grad_mem = _gradient_bytes(dense, dp, zero, prec) + _gradient_bytes(expert, edp, layout.zero if expert else 0, prec)
-    transient = 0
+    gathered = 0
     layer_params = summary.per_layer
     if zero >= 2 and prec.zero_buffers_in_flight:
-        grad_mem += zero_gradients_in_flight(cfg, layout, stage if pp > 1 else 0, prec, bucket_bytes)
+        grad_mem += zero_gradients_in_flight(cfg, layout, stage if layout.pp > 1 else 0, prec, bucket_bytes)
     if zero == 3:  # parameters sharded like their gradients: routed experts over expert-DP, the rest over DP x CP
         param_mem = math.ceil(prec.param_bytes * dense / dp) + math.ceil(prec.param_bytes * expert / edp)
         # Gathered: the layer being computed and the prefetched one, and the root (embedding, head) for the step.
-        transient += (2 * layer_params + numel - n_layers * layer_params) * prec.param_bytes
+        gathered = (2 * layer_params + numel - n_layers * layer_params) * prec.param_bytes
     opt_mem = (adamw_bytes(dense, summary.tensors - summary.expert_tensors, prec, zero, dp)
                + adamw_bytes(expert, summary.expert_tensors, prec, layout.zero if expert else 0, edp))
+    return param_mem, grad_mem, opt_mem, gathered
 
-    # Activations: per layer x layers per chunk x chunk-forwards in flight, plus the stage's ends.
-    chunks = in_flight(layout, m, stage if pp > 1 else 0)
+
+def _activation_bytes(cfg, layout: Layout, seq_len: int, m: int, chunks: int, n_layers: int, first: bool,
+                      last: bool, prec: Precision, flash_attention: bool, tp_overlap: bool) -> tuple[int, int]:
+    """(activations at the peak, the layer activations recomputation brings back during backward) in bytes on one
+    rank: per layer x layers per chunk x the `chunks` chunk-forwards in flight, plus the stage's ends."""
+    b, s = layout.micro_batch_size, seq_len // layout.cp  # each rank holds seq_len / cp tokens of a sequence
     layers_per_chunk = n_layers // layout.virtual_stages
-    mbs_in_flight = min(m, math.ceil(chunks / layout.virtual_stages)) if pp > 1 else 1
+    mbs_in_flight = min(m, math.ceil(chunks / layout.virtual_stages)) if layout.pp > 1 else 1
     # MoE models: the share of the layers whose MLP is a mixture of experts (every moe_layer_freq-th; the same
     # share on every stage, as tensorpar places them by global index)
     moe_share = (sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / cfg.num_layers) if cfg.is_moe else 0.0
-
-    def layer(mode):
-        if prec.activations == "tensorpar":
-            def one(moe):
-                return tensorpar_layer_activations(cfg, tp, layout.sp, b, s, mode, prec.autocast, prec.act_bytes, moe,
-                                                   tp_overlap)
-        else:
-            def one(moe):
-                return playbook_layer_activations(cfg, tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes, moe,
-                                                  1 if prec.gemm_dtype == "fp8" else None)
-        if not moe_share:
-            return one(False)
-        return round(moe_share * one(True) + (1 - moe_share) * one(False))
-
     if prec.activations == "tensorpar":
-        outer = tensorpar_outer_activations(cfg, tp, layout.sp, b, s, prec.autocast, prec.act_bytes)
+        outer = tensorpar_outer_activations(cfg, layout.tp, layout.sp, b, s, prec.autocast, prec.act_bytes)
     else:
-        outer = playbook_outer_activations(cfg, tp, layout.sp, b, s, prec.act_bytes)
-    per_layer = layer(layout.recompute)
+        outer = playbook_outer_activations(cfg, layout.tp, layout.sp, b, s, prec.act_bytes)
+    per_layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap, moe_share)
+    recomputed = 0
     if layout.recompute != "none":  # during backward one layer's activations exist again
-        transient += layer("none") if layout.recompute == "full" else layer("none") - per_layer
+        whole = _layer_activations(cfg, layout, b, s, "none", prec, flash_attention, tp_overlap, moe_share)
+        recomputed = whole if layout.recompute == "full" else whole - per_layer
     ends = mbs_in_flight * ((outer["first"] if first else 0) + outer["rope"]) + (outer["last"] if last else 0)
-    activations = chunks * layers_per_chunk * per_layer + ends
-    weight_copies = 0
+    return chunks * layers_per_chunk * per_layer + ends, recomputed
+
+
+def _layer_activations(cfg, layout: Layout, b: int, s: int, mode: str, prec: Precision, flash_attention: bool,
+                       tp_overlap: bool, moe_share: float) -> int:
+    """Bytes one layer saves for one micro-batch under recomputation `mode`, in the precision's activation model;
+    with MoE layers the mean over MoE and dense layers weighted by `moe_share`, rounded."""
+    def one(moe):
+        if prec.activations == "tensorpar":
+            return tensorpar_layer_activations(cfg, layout.tp, layout.sp, b, s, mode, prec.autocast, prec.act_bytes,
+                                               moe, tp_overlap)
+        return playbook_layer_activations(cfg, layout.tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes,
+                                          moe, 1 if prec.gemm_dtype == "fp8" else None)
+
+    if not moe_share:
+        return one(False)
+    return round(moe_share * one(True) + (1 - moe_share) * one(False))
+
+
+def _weight_copy_bytes(layout: Layout, summary: ParamSummary, n_layers: int, chunks: int, last: bool,
+                       prec: Precision) -> tuple[int, int]:
+    """(weight copies kept from forward to backward, those alive only while a layer recomputes) in bytes: bf16
+    autocast's copies of the matmul weights, or Transformer Engine's fp8 weights and transposes."""
     if prec.autocast:
         layer_weights = summary.layer_matmul_weights
         head_weights = summary.head_matmul_weights if last else 0
         if layout.recompute == "full":
-            weight_copies = 2 * head_weights
-            transient += 2 * layer_weights // max(n_layers, 1)
-        else:  # every micro-batch's forward makes its own copies: one set per chunk-forward in flight
-            weight_copies = 2 * (chunks * layer_weights // layout.virtual_stages + head_weights)
-    elif prec.gemm_dtype == "fp8" and not prec.fp8_params:
+            return 2 * head_weights, 2 * layer_weights // max(n_layers, 1)
+        # every micro-batch's forward makes its own copies: one set per chunk-forward in flight
+        return 2 * (chunks * layer_weights // layout.virtual_stages + head_weights), 0
+    if prec.gemm_dtype == "fp8" and not prec.fp8_params:
         # Transformer Engine keeps each linear layer's fp8 weight and its fp8 transpose beside the bf16 weight; with
         # fp8 parameters those two are the weight (param_bytes = 2 counts them)
-        weight_copies = 2 * summary.layer_matmul_weights
-    subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
-    overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
-    return MemoryBreakdown(param_mem, grad_mem, opt_mem, activations, weight_copies, transient, overhead,
-                           stage, numel)
+        return 2 * summary.layer_matmul_weights, 0
+    return 0, 0
 
 
 def layout_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,

@@ -55,7 +55,7 @@ def is_expert(name: str) -> bool:
 def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int, ep: int,
                       split: tuple[int, ...] | None) -> list[tuple[str, int, int]]:
     check_model_layout(cfg, tp)
-    h, hd = cfg.hidden_size, cfg.head_dim
+    h = cfg.hidden_size
     heads = cfg.num_heads // tp
     kv_local, _ = kv_layout(cfg.kv_heads, tp)
     f = cfg.ffn_hidden_size // tp
@@ -66,55 +66,74 @@ def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int, ep: int,
         raise TensorparError(f"{n} layers per pipeline rank do not split into {v} virtual stages")
     layers = stage_layer_indices(cfg, layout, stage if pp > 1 else None)
     out: list[tuple[str, int, int]] = []
-
-    def norm(prefix):
-        out.append((f"{prefix}.weight", h, 1))
-        if cfg.norm == "layernorm":
-            out.append((f"{prefix}.bias", h, 1))
-
-    def linear(prefix, rows, cols, bias_size, bias=cfg.bias):
-        out.append((f"{prefix}.weight", rows * cols, 2))
-        if bias:
-            out.append((f"{prefix}.bias", bias_size, 1))
-
-    def moe(prefix):
-        local, fe = experts_per_rank(cfg.num_experts, ep), cfg.expert_ffn_size
-        if cfg.shared_expert_gate:  # Qwen2-MoE's gate, [1, H] replicated: the layer's own parameter comes first
-            out.append((f"{prefix}.shared_expert_gate", h, 2))
-        out.append((f"{prefix}.router.weight", cfg.num_experts * h, 2))
-        for proj in ("gate_proj", "up_proj", "down_proj") if cfg.gated_mlp else ("up_proj", "down_proj"):
-            out.append((f"{prefix}.experts.{proj}", local * fe * h, 3))
-        if cfg.num_shared_experts:
-            fs = divide(cfg.num_shared_experts * fe, tp, "the shared experts' width")
-            if cfg.gated_mlp:
-                linear(f"{prefix}.shared_experts.gate_proj", fs, h, fs)
-            linear(f"{prefix}.shared_experts.up_proj", fs, h, fs)
-            linear(f"{prefix}.shared_experts.down_proj", h, fs, h)
-
     if first and cfg.position == "learned":
         out.append(("pos_embed", cfg.max_seq_len * h, 2))
     if first or (last and cfg.tie_embeddings):
         out.append(("embed.weight", vocab * h, 2))
     for i in layers:
-        p = f"layers.{i}"
-        norm(f"{p}.attn_norm")
-        qkv_bias = cfg.attention_qkv_bias
-        linear(f"{p}.attn.q_proj", heads * hd, h, heads * hd, qkv_bias)
-        linear(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
-        linear(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
-        linear(f"{p}.attn.o_proj", h, heads * hd, h)
-        norm(f"{p}.mlp_norm")
-        if cfg.is_moe_layer(i):
-            moe(f"{p}.mlp")
-            continue
-        if cfg.gated_mlp:
-            linear(f"{p}.mlp.gate_proj", f, h, f)
-        linear(f"{p}.mlp.up_proj", f, h, f)
-        linear(f"{p}.mlp.down_proj", h, f, h)
+        out += _layer_parameters(cfg, i, heads, kv_local, f, tp, ep)
     if last:
-        norm("final_norm")
+        out += _norm_parameters(cfg, "final_norm")
         if not cfg.tie_embeddings:
             out.append(("head.weight", vocab * h, 2))
+    return out
+
+
+def _layer_parameters(cfg, i: int, heads: int, kv_local: int, f: int, tp: int,
+                      ep: int) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) of layer `i`'s parameters on one rank holding `heads` query heads, `kv_local` KV heads
+    and `f` of the MLP's width: the attention's norm and projections, then the MLP's norm and a dense MLP or a
+    mixture of experts."""
+    h, hd, p = cfg.hidden_size, cfg.head_dim, f"layers.{i}"
+    qkv_bias = cfg.attention_qkv_bias
+    out = _norm_parameters(cfg, f"{p}.attn_norm")
+    out += _linear_parameters(f"{p}.attn.q_proj", heads * hd, h, heads * hd, qkv_bias)
+    out += _linear_parameters(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
+    out += _linear_parameters(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
+    out += _linear_parameters(f"{p}.attn.o_proj", h, heads * hd, h, cfg.bias)
+    out += _norm_parameters(cfg, f"{p}.mlp_norm")
+    if cfg.is_moe_layer(i):
+        return out + _moe_parameters(cfg, f"{p}.mlp", tp, ep)
+    if cfg.gated_mlp:
+        out += _linear_parameters(f"{p}.mlp.gate_proj", f, h, f, cfg.bias)
+    out += _linear_parameters(f"{p}.mlp.up_proj", f, h, f, cfg.bias)
+    out += _linear_parameters(f"{p}.mlp.down_proj", h, f, h, cfg.bias)
+    return out
+
+
+def _norm_parameters(cfg, prefix: str) -> list[tuple[str, int, int]]:
+    """A norm's weight, and its bias for LayerNorm."""
+    out = [(f"{prefix}.weight", cfg.hidden_size, 1)]
+    if cfg.norm == "layernorm":
+        out.append((f"{prefix}.bias", cfg.hidden_size, 1))
+    return out
+
+
+def _linear_parameters(prefix: str, rows: int, cols: int, bias_size: int, bias: bool) -> list[tuple[str, int, int]]:
+    """A linear layer's [rows, cols] weight, and its bias of `bias_size` when it has one."""
+    out = [(f"{prefix}.weight", rows * cols, 2)]
+    if bias:
+        out.append((f"{prefix}.bias", bias_size, 1))
+    return out
+
+
+def _moe_parameters(cfg, prefix: str, tp: int, ep: int) -> list[tuple[str, int, int]]:
+    """A mixture-of-experts MLP's parameters on one rank: Qwen2-MoE's shared-expert gate, the router, this EP
+    rank's routed experts (stacked, whole) and the shared experts as a tensor-parallel MLP."""
+    h = cfg.hidden_size
+    local, fe = experts_per_rank(cfg.num_experts, ep), cfg.expert_ffn_size
+    out = []
+    if cfg.shared_expert_gate:  # Qwen2-MoE's gate, [1, H] replicated: the layer's own parameter comes first
+        out.append((f"{prefix}.shared_expert_gate", h, 2))
+    out.append((f"{prefix}.router.weight", cfg.num_experts * h, 2))
+    for proj in ("gate_proj", "up_proj", "down_proj") if cfg.gated_mlp else ("up_proj", "down_proj"):
+        out.append((f"{prefix}.experts.{proj}", local * fe * h, 3))
+    if cfg.num_shared_experts:
+        fs = divide(cfg.num_shared_experts * fe, tp, "the shared experts' width")
+        if cfg.gated_mlp:
+            out += _linear_parameters(f"{prefix}.shared_experts.gate_proj", fs, h, fs, cfg.bias)
+        out += _linear_parameters(f"{prefix}.shared_experts.up_proj", fs, h, fs, cfg.bias)
+        out += _linear_parameters(f"{prefix}.shared_experts.down_proj", h, fs, h, cfg.bias)
     return out
 
 

@@ -172,19 +172,50 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     slowest = max(per_stage, key=lambda st: per_stage[st].total)
     st_time = per_stage[slowest]
     comp, recomp = st_time.forward + st_time.backward, st_time.recompute
-    tp_c, pp_c, cp_c, ep_c = st_time.tp, st_time.pp, st_time.cp, st_time.ep
-    t_stage = st_time.total
     bubble = pipeline_bubble(layout, st_time)
-    pipeline = m * t_stage + bubble
-
-    # Data-parallel traffic of the busiest stage, and how much of it hides behind backward compute.
+    pipeline = m * st_time.total + bubble
     dp_stage = _busiest_dp_stage(cfg, layout) if pp > 1 else None
+    dp_exposed = _exposed_dp_time(cfg, layout, cluster, s, m, prec, algorithm, dp_stage, st_time)
+    optimizer = _optimizer_step_time(cfg, layout, cluster, dp_stage)
+
+    step = pipeline + dp_exposed + optimizer
+    tokens = global_batch * seq_len
+    model_flops = train_flops_per_token(cfg, seq_len) * tokens
+    total_recompute = _recompute_flops(cfg, layout, b, s, m, prec)
+    peak = cluster.peak(prec.compute_dtype)
+    gpus = layout.world
+    return StepTime(
+        step_time_s=step,
+        compute_s=m * comp + m * recomp,
+        recompute_s=m * recomp,
+        tp_comm_s=m * st_time.tp,
+        pp_comm_s=m * st_time.pp,
+        cp_comm_s=m * st_time.cp,
+        bubble_s=bubble,
+        dp_comm_s=dp_exposed,
+        optimizer_s=optimizer,
+        num_micro_batches=m,
+        bubble_fraction=bubble / pipeline if pipeline else 0.0,
+        tokens_per_s=tokens / step,
+        mfu=model_flops / (step * gpus * peak),
+        model_flops=model_flops,
+        hardware_flops_per_gpu_s=(model_flops + total_recompute) / (step * gpus),
+        ep_comm_s=m * st_time.ep,
+    )
+
+
+def _exposed_dp_time(cfg, layout: Layout, cluster, s: int, m: int, prec: Precision, algorithm: str,
+                     dp_stage: int | None, st_time: StageTime) -> float:
+    """Seconds of stage `dp_stage`'s data-parallel traffic that compute does not hide: of the per-micro-batch
+    collectives (ZeRO-3 gathers, ZeRO-2 reduce-scatters) and of the step's gradient reductions, what exceeds
+    ``cluster.overlap`` of them or the compute they can hide behind; the step's other collectives entirely."""
     colls = step_collectives(cfg, layout, s, m, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                              grad_bytes=prec.grad_bytes, param_bytes=prec.gather_bytes, stage=dp_stage,
                              zero2_per_micro_batch=not prec.zero2_full_grads_at_peak)
     replica_groups = ("dp", "dp_cp", "edp")
     dp_colls = [c for c in colls if c.group in replica_groups + ("embed",)
                 or (c.phase == "step" and c.group not in replica_groups)]
+    comp, recomp = st_time.forward + st_time.backward, st_time.recompute
     backward = st_time.backward + recomp  # one micro-batch's backward (and recomputation)
     dp_exposed = 0.0
     per_mb = [c for c in dp_colls if c.phase in ("forward", "backward")]  # ZeRO-3 gathers, ZeRO-2 per micro-batch
@@ -199,39 +230,24 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     t = collectives_time(grads, cluster, layout, algorithm)
     dp_exposed += t - min(t * cluster.overlap, backward)
     dp_exposed += collectives_time(rest, cluster, layout, algorithm)
+    return dp_exposed
 
-    summary = parameter_summary(cfg, layout.tp, pp, dp_stage or 0, layout.ep, layout.pipeline_layers,
+
+def _optimizer_step_time(cfg, layout: Layout, cluster, dp_stage: int | None) -> float:
+    """Seconds of the optimizer step on one rank of `dp_stage`: its elements, 1/replicas of them under ZeRO (routed
+    experts' 1/expert-DP), at OPTIMIZER_BYTES_PER_ELEMENT of HBM traffic each."""
+    summary = parameter_summary(cfg, layout.tp, layout.pp, dp_stage or 0, layout.ep, layout.pipeline_layers,
                                 layout.virtual_stages)
     dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
     sharded = layout.zero >= 1 and layout.replicas > 1
     opt_elems = dense / layout.replicas + expert / layout.expert_dp if sharded else dense + expert
-    optimizer = optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
+    return optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
 
-    step = pipeline + dp_exposed + optimizer
-    tokens = global_batch * seq_len
-    model_flops = train_flops_per_token(cfg, seq_len) * tokens
+
+def _recompute_flops(cfg, layout: Layout, b: int, s: int, m: int, prec: Precision) -> float:
+    """The whole cluster's recomputation FLOPs in one step: every stage's, m micro-batches, dp replicas."""
+    pp = layout.pp
     # The head is never recomputed: the stages' recomputation (pp x one stage's when they hold as many layers).
     if layout.pipeline_layers is not None and pp > 1 and layout.recompute != "none":
-        total_recompute = sum(stage_flops(cfg, layout, b, s, st, prec)[1] for st in range(pp)) * m * layout.dp
-    else:
-        total_recompute = pp * stage_flops(cfg, layout, b, s, 0 if pp > 1 else None, prec)[1] * m * layout.dp
-    peak = cluster.peak(prec.compute_dtype)
-    gpus = layout.world
-    return StepTime(
-        step_time_s=step,
-        compute_s=m * comp + m * recomp,
-        recompute_s=m * recomp,
-        tp_comm_s=m * tp_c,
-        pp_comm_s=m * pp_c,
-        cp_comm_s=m * cp_c,
-        bubble_s=bubble,
-        dp_comm_s=dp_exposed,
-        optimizer_s=optimizer,
-        num_micro_batches=m,
-        bubble_fraction=bubble / pipeline if pipeline else 0.0,
-        tokens_per_s=tokens / step,
-        mfu=model_flops / (step * gpus * peak),
-        model_flops=model_flops,
-        hardware_flops_per_gpu_s=(model_flops + total_recompute) / (step * gpus),
-        ep_comm_s=m * ep_c,
-    )
+        return sum(stage_flops(cfg, layout, b, s, st, prec)[1] for st in range(pp)) * m * layout.dp
+    return pp * stage_flops(cfg, layout, b, s, 0 if pp > 1 else None, prec)[1] * m * layout.dp
