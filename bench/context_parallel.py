@@ -49,7 +49,7 @@ def _saved_bytes(fn) -> int:
 def worker(args) -> None:
     torch.set_num_threads(1)
     import tensorpar
-    from tensorpar.layers.ring_attention import ContextSplit, ring_attention
+    from tensorpar.context_parallel.ring_attention import ContextSplit, ring_attention
     from tensorpar.models import Transformer, get_config
 
     cp = int(os.environ.get("WORLD_SIZE", "1"))
@@ -106,7 +106,7 @@ class LoopbackRing:
 
 def sequential_times(args, cp: int, split: str) -> list[float]:
     """Each rank's ring compute, one rank after another in this process (one thread): no competition."""
-    from tensorpar.layers.ring_attention import ContextSplit, ring_attention
+    from tensorpar.context_parallel.ring_attention import ContextSplit, ring_attention
     from tensorpar.models import get_config
 
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Exposed TP communication: the seconds of a tensorpar TP step that compute does not cover, with the TP overlap
-(tensorpar.layers.tp_overlap) on and off, measured in the same processes on the same model and batch.
+(tensorpar.tensor_parallel.tp_overlap) on and off, measured in the same processes on the same model and batch.
 
     exposed = median over rounds of (step time with the real collectives
                                      - step time of the same step with every collective replaced by a no-op)

@@ -56,7 +56,7 @@ def model_config(a):
 
 def calibrate(group, sizes=(1024, 4 * 2**20), repeats=10) -> tuple[float, float]:
     """(latency s, bandwidth B/s) of a pairwise-exchange all-to-all over `group`, from two message sizes:
-    t = (n - 1) (alpha + B / (n beta)) (planning.communication.collective_time). Each size: 3 untimed calls,
+    t = (n - 1) (alpha + B / (n beta)) (planning.collective_cost.collective_time). Each size: 3 untimed calls,
     then the fastest of `repeats` (the link's own speed; the CPUs are shared and the step's calls also wait)."""
     n = group.size
     times = []
@@ -137,7 +137,8 @@ def free_port() -> int:
 def predicted_a2a(cfg, name: str, a, link) -> float:
     """The planner's all-to-all seconds of one step of this layout on the calibrated gloo link."""
     from tensorpar.config.hardware import Link
-    from tensorpar.planning.communication import collective_time, model_collectives
+    from tensorpar.planning.collective_cost import collective_time
+    from tensorpar.planning.communication import model_collectives
     from tensorpar.planning.layout import Layout
 
     tp, dp, ep = LAYOUTS[name]

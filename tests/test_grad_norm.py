@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
+from tensorpar.distributed.sharding import ShardSpec, shard_spec, shard_tensor, tag
 from tensorpar.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from tensorpar.layers.sharding import ShardSpec, shard_spec, shard_tensor, tag
 from tensorpar.optim import clip_grad_norm_, global_grad_norm
 
 from checks import rel_err

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.errors import LayoutError, TensorparError
-from tensorpar.layers.moe import MoELayer, experts_per_rank
-from tensorpar.layers.moe.router import capacity
+from tensorpar.expert_parallel import MoELayer, experts_per_rank
+from tensorpar.expert_parallel.router import capacity
 from tensorpar.models import ModelConfig, Transformer, get_config
 from tensorpar.models.init import init_weights
 

@@ -7,7 +7,8 @@ gradients are written out from the definitions, so a wrong collective in either 
 import pytest
 import torch
 
-from tensorpar.distributed import ops
+from tensorpar.expert_parallel import ep_mappings
+from tensorpar.tensor_parallel import mappings as ops
 
 from harness import mesh
 
@@ -52,11 +53,11 @@ def check_conjugates(tp):
     total, start = sum(sizes), sum(sizes[:r])
     rows = [_t(i, (sizes[i], 5), salt=2) for i in range(n)]
     full_cs = [_t(i, (total, 5), salt=3) for i in range(n)]
-    run("gather_from_expert_tp", lambda x: ops.gather_from_expert_tp(x, sizes, g), rows[r], full_cs[r],
+    run("gather_from_expert_tp", lambda x: ep_mappings.gather_from_expert_tp(x, sizes, g), rows[r], full_cs[r],
         torch.cat(rows), sum(full_cs)[start : start + sizes[r]])
     fulls = [_t(i, (total, 5), salt=4) for i in range(n)]
     row_cs = [_t(i, (sizes[i], 5), salt=5) for i in range(n)]
-    run("reduce_scatter_to_expert_tp", lambda x: ops.reduce_scatter_to_expert_tp(x, sizes, g), fulls[r], row_cs[r],
+    run("reduce_scatter_to_expert_tp", lambda x: ep_mappings.reduce_scatter_to_expert_tp(x, sizes, g), fulls[r], row_cs[r],
         sum(fulls)[start : start + sizes[r]], torch.cat(row_cs))
     return results
 

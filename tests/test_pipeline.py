@@ -87,10 +87,10 @@ def check_measured_schedule(schedule, pp, microbatches, virtual_stages, slowdown
     """(measured bubble, peak in flight) of `schedule` after a warm-up step; with `steps` > 1 the smallest of that
     many steps' bubbles: a rank descheduled while it should send (four processes share two cores) only ever adds
     idle time, so the least disturbed step is the best measure of the schedule's own bubble."""
-    from tensorpar.layers.weight_grad import WeightGradQueue
-    from tensorpar.parallel.pipeline import PipelineRunner
-    from tensorpar.parallel.pipeline_schedules import splits_backward
-    from tensorpar.parallel.pipeline_view import measured_bubble
+    from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
+    from tensorpar.pipeline_parallel.runner import PipelineRunner
+    from tensorpar.pipeline_parallel.schedules import splits_backward
+    from tensorpar.pipeline_parallel.schedule_view import measured_bubble
 
     m = mesh(tp=1, pp=pp)
     shape = (1, 4, 8)
@@ -113,7 +113,7 @@ def check_measured_schedule(schedule, pp, microbatches, virtual_stages, slowdown
     ("afab", 8, 1), ("1f1b", 8, 1), ("1f1b", 4, 1), ("interleaved", 8, 2),
 ])
 def test_measured_bubble_matches_the_formula(pools, schedule, microbatches, virtual_stages):
-    from tensorpar.parallel.pipeline_schedules import theoretical_bubble
+    from tensorpar.pipeline_parallel.schedules import theoretical_bubble
 
     pp = 4
     expected = theoretical_bubble(schedule, pp, microbatches, virtual_stages)
@@ -139,7 +139,7 @@ def test_tied_embeddings_stay_tied_across_pipeline_stages(pools, tmp_path):
 def test_zero_bubble_measured_bubbles_against_1f1b(pools):
     """pp 4, 8 micro-batches, forward : B : W = 1 : 1 : 1 (1F1B's backward = B + W): the measured bubble of zb-h1 is
     at most 0.45x 1F1B's, zbv's at most zb-h1's, each near its formula."""
-    from tensorpar.parallel.pipeline_schedules import theoretical_bubble
+    from tensorpar.pipeline_parallel.schedules import theoretical_bubble
 
     pp, m = 4, 8
     measured = {}

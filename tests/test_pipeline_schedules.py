@@ -5,7 +5,8 @@ activation memory, deadlock detection. In-process, no ranks.
 import pytest
 
 from tensorpar.errors import LayoutError, TensorparError
-from tensorpar.parallel.pipeline_schedules import (
+from tensorpar.pipeline_parallel.schedule_simulation import simulate
+from tensorpar.pipeline_parallel.schedules import (
     Action,
     afab,
     build_schedule,
@@ -16,7 +17,6 @@ from tensorpar.parallel.pipeline_schedules import (
     stage_of,
     theoretical_bubble,
 )
-from tensorpar.parallel.schedule_simulation import simulate
 
 
 def F(mb, c=0):

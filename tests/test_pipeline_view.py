@@ -3,17 +3,17 @@
 import pytest
 
 from tensorpar.errors import TensorparError
-from tensorpar.parallel.pipeline_schedules import (
-    interleaved,
-    one_f_one_b,
-)
-from tensorpar.parallel.pipeline_view import (
+from tensorpar.pipeline_parallel.schedule_simulation import simulate
+from tensorpar.pipeline_parallel.schedule_view import (
     measured_bubble,
     render_measured,
     render_png,
     render_text,
 )
-from tensorpar.parallel.schedule_simulation import simulate
+from tensorpar.pipeline_parallel.schedules import (
+    interleaved,
+    one_f_one_b,
+)
 
 
 def test_render_text():

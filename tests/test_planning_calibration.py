@@ -70,7 +70,7 @@ def test_reduce_scatter_is_fitted_and_priced_as_a_ring_on_gloo_too():
     # it moves (n-1)/n of its input once, as NCCL's ring does, so it costs half an all-reduce on both libraries
     from tensorpar.config.hardware import GPUSpec, Link
     from tensorpar.planning.cluster import make_cluster
-    from tensorpar.planning.communication import Collective, collectives_time
+    from tensorpar.planning.collective_cost import Collective, collectives_time
     from tensorpar.planning.layout import Layout
 
     assert calibration._steps_and_bytes("reduce_scatter", 1000, 2) == (1, 500)

@@ -11,7 +11,7 @@ import torch
 
 from tensorpar.config import hardware
 from tensorpar.models.config import get_config
-from tensorpar.planning import communication, memory, precision_recipes
+from tensorpar.planning import collective_cost, communication, memory, precision_recipes
 from tensorpar.planning import params as planned_params
 from tensorpar.planning.layout import Layout
 
@@ -22,18 +22,18 @@ from planning_cases import CONFIGS, GPT2_SHAPE, WORLD  # noqa: F401
 def test_alpha_beta_formulas():
     link = hardware.Link(100e9, 5e-6)
     B, n = 64e6, 8
-    ring = lambda op: communication.collective_time(op, B, n, link, "ring")  # noqa: E731
-    tree = lambda op: communication.collective_time(op, B, n, link, "tree")  # noqa: E731
+    ring = lambda op: collective_cost.collective_time(op, B, n, link, "ring")  # noqa: E731
+    tree = lambda op: collective_cost.collective_time(op, B, n, link, "tree")  # noqa: E731
     assert ring("all_reduce") == pytest.approx(2 * 7 * (5e-6 + B / (8 * 100e9)))
     assert ring("all_gather") == ring("reduce_scatter") == pytest.approx(7 * (5e-6 + B / (8 * 100e9)))
     assert ring("all_reduce") == pytest.approx(ring("all_gather") + ring("reduce_scatter"))
     assert tree("all_reduce") == pytest.approx(2 * 3 * (5e-6 + B / 100e9))
     assert tree("broadcast") == tree("reduce") == pytest.approx(3 * (5e-6 + B / 100e9))
-    assert communication.collective_time("send", B, n, link) == pytest.approx(5e-6 + B / 100e9)
-    assert communication.collective_time("all_reduce", B, 1, link) == 0.0
+    assert collective_cost.collective_time("send", B, n, link) == pytest.approx(5e-6 + B / 100e9)
+    assert collective_cost.collective_time("all_reduce", B, 1, link) == 0.0
     # small messages: the tree's log2(n) latency wins; large ones: the ring's bandwidth
-    assert communication.collective_time("all_reduce", 8, 64, link) == communication.collective_time("all_reduce", 8, 64, link, "tree")
-    assert communication.collective_time("all_reduce", B, 64, link) == communication.collective_time("all_reduce", B, 64, link, "ring")
+    assert collective_cost.collective_time("all_reduce", 8, 64, link) == collective_cost.collective_time("all_reduce", 8, 64, link, "tree")
+    assert collective_cost.collective_time("all_reduce", B, 64, link) == collective_cost.collective_time("all_reduce", B, 64, link, "ring")
 
 
 def check_model_comm_and_params(tp, config, sp, recompute, bf16):
@@ -117,7 +117,7 @@ def check_training_step_comm(zero, micro_batches):
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
     layout = Layout(tp=2, dp=2, sequence_parallel=True, micro_batch_size=B, zero=zero)
     colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024)
-    return counted, communication.sum_bytes(colls)
+    return counted, collective_cost.sum_bytes(colls)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -130,7 +130,7 @@ def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
     """A pipelined trainer step (PipelineRunner + the bucketed DP optimizer), as tensorpar.training.trainer runs it."""
     from tensorpar.models import Transformer
     from tensorpar.data_parallel import data_parallel_optimizer
-    from tensorpar.parallel.pipeline import PipelineRunner, rank_layers
+    from tensorpar.pipeline_parallel.runner import PipelineRunner, rank_layers
 
     cfg = get_config("tiny-gpt2")  # 4 layers: tied embeddings on the first and last stage, learned positions
     m = harness_mesh(tp=tp, pp=pp, dp=dp)
@@ -154,7 +154,7 @@ def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
     colls = communication.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024)
     params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
     expected = planned_params.local_parameters(cfg, tp, pp, m.pp_rank, v)
-    return counted, communication.sum_bytes(colls), params, expected, runner.peak_in_flight, m.pp_rank
+    return counted, collective_cost.sum_bytes(colls), params, expected, runner.peak_in_flight, m.pp_rank
 
 
 PIPELINE_CASES = [(2, 2, 1, "1f1b", 1, 0, True), (1, 2, 2, "interleaved", 2, 1, False), (1, 4, 1, "afab", 1, 0, False)]
@@ -209,7 +209,8 @@ def test_tp_overlap_pieces_change_calls_not_bytes():
     """tensorpar's TP overlap sends the chunked collectives in pieces: the same bytes (what the counted runs above
     check), one latency per piece."""
     from tensorpar.planning.cluster import make_cluster
-    from tensorpar.planning.communication import Collective, collectives_time, model_collectives, sum_bytes
+    from tensorpar.planning.collective_cost import Collective, collectives_time, sum_bytes
+    from tensorpar.planning.communication import model_collectives
 
     cfg = CONFIGS["tiny"]
     for sp in (False, True):

@@ -12,11 +12,12 @@ from tensorpar.models import get_config
 from tensorpar.models.flops import train_flops_per_token
 from tensorpar.models.transformer import Transformer
 from tensorpar.planning.cluster import make_cluster
-from tensorpar.planning.communication import collective_time, model_collectives
+from tensorpar.planning.collective_cost import collective_time
+from tensorpar.planning.communication import model_collectives
 from tensorpar.planning.layout import Layout, enumerate_layouts, structural_problem
 from tensorpar.planning.memory import layout_memory
-from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.params import local_parameters, parameter_summary
+from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.search import search
 from tensorpar.planning.step_time import predict_step_time
 

@@ -4,8 +4,8 @@ from tensorpar.models.transformer import Transformer
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers, structural_problem
 from tensorpar.planning.memory import layout_memory, stage_memory
-from tensorpar.planning.step_time import predict_step_time
 from tensorpar.planning.params import local_parameters
+from tensorpar.planning.step_time import predict_step_time
 
 from conftest import TINY8
 

@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tensorpar.errors import LayoutError
-from tensorpar.layers.ring_attention import (
+from tensorpar.context_parallel.ring_attention import (
     ContextSplit,
     _dropout_keep,
     check_context_split,
@@ -14,6 +13,7 @@ from tensorpar.layers.ring_attention import (
     split_chunks,
     split_work,
 )
+from tensorpar.errors import LayoutError
 
 from checks import rel_err
 from harness import mesh

@@ -1,4 +1,4 @@
-"""TP communication overlapped with compute (tensorpar.layers.tp_overlap): the column- and row-parallel layers with
+"""TP communication overlapped with compute (tensorpar.tensor_parallel.tp_overlap): the column- and row-parallel layers with
 ``tp_overlap=True`` match nn.Linear (outputs, input and weight gradients, weights after AdamW) exactly as without
 it, move the same bytes in the same kinds of collectives (in more, smaller calls), and the chunking covers
 shards that do not split evenly; the whole model trains the same with overlap on and off."""
@@ -6,7 +6,7 @@ shards that do not split evenly; the whole model trains the same with overlap on
 import pytest
 import torch
 
-from tensorpar.layers.tp_overlap import _pieces, sp_pieces
+from tensorpar.tensor_parallel.tp_overlap import _pieces, sp_pieces
 
 from harness import mesh
 from test_linear import check_mlp

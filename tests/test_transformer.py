@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tensorpar.distributed.comm import Group
-from tensorpar.layers.sharding import shard_spec, unshard_tensor
+from tensorpar.distributed.sharding import shard_spec, unshard_tensor
 from tensorpar.models import Transformer, get_config
 
 from checks import rel_err

@@ -46,7 +46,7 @@ def test_bad_pipeline_layer_splits_are_refused(config_file):
 
 def test_the_proposed_split_is_the_most_balanced_with_light_end_stages():
     from tensorpar.errors import LayoutError
-    from tensorpar.parallel.pipeline import balanced_split, rank_layers, stage_layers
+    from tensorpar.pipeline_parallel.runner import balanced_split, rank_layers, stage_layers
 
     assert balanced_split(70, 12) == [5] + [6] * 10 + [5]
     with pytest.raises(LayoutError, match="--pipeline-layers 5,6,6,6,6,6,6,6,6,6,6,5"):

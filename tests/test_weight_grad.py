@@ -1,12 +1,13 @@
-"""The split backward (layers/weight_grad.py): with a WeightGradQueue every layer kind leaves all of its weight
+"""The split backward (pipeline_parallel/weight_grad.py): with a WeightGradQueue every layer kind leaves all of its weight
 gradients for W, and W gives the gradients of the plain backward; the queue's bookkeeping."""
 
 import pytest
 import torch
 from torch import nn
 
-from tensorpar.errors import TensorparError
 from tensorpar.distributed.comm import Group
+from tensorpar.errors import TensorparError
+from tensorpar.expert_parallel.experts import GroupedExperts
 from tensorpar.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -14,10 +15,9 @@ from tensorpar.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
 )
-from tensorpar.layers.moe.experts import GroupedExperts
 from tensorpar.layers.norms import Norm
-from tensorpar.layers.weight_grad import WeightGradQueue
 from tensorpar.models import Transformer, get_config
+from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 
 from conftest import TINY8
 from harness import mesh

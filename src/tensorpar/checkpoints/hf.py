@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, check_representable, config_from_hf, config_to_hf
 from tensorpar.checkpoints.hf_moe import experts_from_hf, experts_to_hf, moe_layer_pairs, unfuse_experts
+from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import shard_spec
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.state import dense_shape
 from tensorpar.models.transformer import Transformer

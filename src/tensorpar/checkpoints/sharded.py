@@ -34,8 +34,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
+from tensorpar.distributed.sharding import ShardSpec, local_shard, shard_spec, tag
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import ShardSpec, local_shard, shard_spec, tag
 from tensorpar.models.state import dense_shape
 
 FORMAT = "tensorpar-checkpoint"

@@ -28,16 +28,16 @@ import re
 import sys
 from collections import Counter
 
+from tensorpar.config.choices import PLANNED_SCHEDULES
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.hardware import GiB
 from tensorpar.config.options import PlanOptions
 from tensorpar.errors import TensorparError
 from tensorpar.models import get_config
-from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
-from tensorpar.parallel.pipeline_schedules import build_schedule, chunks_per_rank, peak_in_flight, theoretical_bubble
-from tensorpar.parallel.pipeline_view import render_png, render_text as render_schedule_text
-from tensorpar.parallel.schedule_simulation import simulate
-from tensorpar.config.choices import PLANNED_SCHEDULES
+from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
+from tensorpar.pipeline_parallel.schedule_simulation import simulate
+from tensorpar.pipeline_parallel.schedule_view import render_png, render_text as render_schedule_text
+from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, peak_in_flight, theoretical_bubble
 from tensorpar.planning.calibration import load_profile
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.memory import MemoryBreakdown

@@ -30,8 +30,8 @@ from torch import nn
 from tensorpar.data_parallel.buckets import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from tensorpar.data_parallel.flat_buffer import BytesInUse, nbytes
 from tensorpar.data_parallel.shard_pieces import adamw_step_count, state_bytes
+from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import shard_spec
 from tensorpar.optim.adamw import adamw
 from tensorpar.optim.grad_norm import unscale_and_clip
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from tensorpar.data_parallel.flat_buffer import FlatBuffer
+from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import shard_spec
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 

@@ -45,8 +45,8 @@ from tensorpar.data_parallel.flat_buffer import BytesInUse, FlatBuffer, nbytes
 from tensorpar.data_parallel.master_weights import MasterWeights
 from tensorpar.data_parallel.reduce_scatter_queue import ReduceScatterQueue
 from tensorpar.data_parallel.shard_pieces import adamw_step_count, state_bytes
+from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import shard_spec
 from tensorpar.optim.adamw import adamw
 from tensorpar.optim.grad_norm import unscale_and_clip
 

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from tensorpar.layers.sharding import shard_spec, tag
+from tensorpar.distributed.sharding import shard_spec, tag
 from tensorpar.optim.adamw import takes_weight_decay
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

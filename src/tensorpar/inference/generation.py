@@ -26,8 +26,8 @@ import time
 import torch
 
 from tensorpar.errors import TensorparError
+from tensorpar.functional.dropout import mix_seed
 from tensorpar.inference.kv_cache import KVCache
-from tensorpar.layers.dropout import mix_seed
 
 TOP_P_FIRST_CANDIDATES = 64  # per rank; multiplied by 8 while the nucleus is not inside the candidates
 

@@ -1,11 +1,19 @@
-"""Tensor-parallel building blocks: column/row-parallel linear, vocab-parallel embedding, LM head and loss."""
+"""A model's building blocks, and the public tensor-parallel API.
 
-from tensorpar.layers.cross_entropy import vocab_parallel_cross_entropy
-from tensorpar.layers.embedding import VocabParallelEmbedding
-from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.layers.lm_head import VocabParallelLMHead
-from tensorpar.layers.region import TPRegion
-from tensorpar.layers.sharding import ShardSpec, shard_spec
+The layers here compose the parallel dimensions: `ParallelAttention` (heads split over TP, the sequence over CP,
+KV heads replicated when fewer than the TP ranks) and `Norm` (replicated weights, sequence-sharded under SP). The
+tensor-parallel layers themselves live in `tensorpar.tensor_parallel` and are re-exported here:
+column/row-parallel linear, vocab-parallel embedding, LM head and loss, and the `TPRegion` they share.
+"""
+
+from tensorpar.distributed.sharding import ShardSpec, shard_spec
+from tensorpar.layers.attention import ParallelAttention
+from tensorpar.layers.norms import Norm
+from tensorpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.tensor_parallel.embedding import VocabParallelEmbedding
+from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.tensor_parallel.lm_head import VocabParallelLMHead
+from tensorpar.tensor_parallel.region import TPRegion
 
 __all__ = [
     "ColumnParallelLinear",
@@ -16,4 +24,6 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "ShardSpec",
     "shard_spec",
+    "ParallelAttention",
+    "Norm",
 ]

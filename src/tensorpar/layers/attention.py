@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorpar.context_parallel.ring_attention import ContextSplit, context_attention
 from tensorpar.distributed.comm import Group, as_group
+from tensorpar.distributed.sharding import ShardSpec, divide, tag
 from tensorpar.errors import LayoutError
-from tensorpar.layers.dropout import fork_rng_seeded, mix_seed
-from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.layers.region import Projection, as_region
-from tensorpar.layers.ring_attention import ContextSplit, context_attention
-from tensorpar.layers.rope import apply_rope
-from tensorpar.layers.sharding import ShardSpec, divide, tag
+from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
+from tensorpar.functional.rope import apply_rope
+from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.tensor_parallel.region import Projection, as_region
 
 
 def kv_layout(num_kv_heads: int, tp_size: int) -> tuple[int, int]:

@@ -7,7 +7,7 @@ The course slides' ReLU MLP is ``activation="relu"``.
 Mixture-of-experts models (Mixtral, Qwen-MoE) are the same dataclass with ``num_experts > 0``: every
 ``moe_layer_freq``-th layer's MLP becomes a router over ``num_experts`` expert MLPs of width
 ``moe_ffn_hidden_size``, of which each token uses ``experts_per_token``, plus ``num_shared_experts``
-experts every token uses (tensorpar.layers.moe). The default, ``num_experts=0``, is a dense model.
+experts every token uses (tensorpar.expert_parallel). The default, ``num_experts=0``, is a dense model.
 """
 
 from __future__ import annotations

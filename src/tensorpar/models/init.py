@@ -13,8 +13,8 @@ import zlib
 
 import torch
 
-from tensorpar.layers.dropout import mix_seed
-from tensorpar.layers.sharding import local_shard, shard_spec
+from tensorpar.distributed.sharding import local_shard, shard_spec
+from tensorpar.functional.dropout import mix_seed
 from tensorpar.models.state import dense_shape
 
 RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "mlp.down_proj.weight", "experts.down_proj",

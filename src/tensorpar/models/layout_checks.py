@@ -6,13 +6,13 @@ gives the user one clear line in the launching process instead of an error on ev
 
 from __future__ import annotations
 
+from tensorpar.context_parallel.ring_attention import check_context_split
 from tensorpar.distributed.mesh import check_expert_layout
+from tensorpar.distributed.sharding import divide
 from tensorpar.errors import LayoutError
+from tensorpar.expert_parallel import experts_per_rank
+from tensorpar.expert_parallel.experts import expert_width_per_rank
 from tensorpar.layers.attention import kv_layout
-from tensorpar.layers.moe import experts_per_rank
-from tensorpar.layers.moe.experts import expert_width_per_rank
-from tensorpar.layers.ring_attention import check_context_split
-from tensorpar.layers.sharding import divide
 
 
 def check_model_layout(cfg, tp: int, sequence_parallel: bool = False, seq_len: int | None = None,

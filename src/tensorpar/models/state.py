@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tensorpar.distributed.sharding import ShardSpec, full_tensor, local_shard, shard_spec
 from tensorpar.errors import TensorparError
-from tensorpar.layers.sharding import ShardSpec, full_tensor, local_shard, shard_spec
 
 
 def dense_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:

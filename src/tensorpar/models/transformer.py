@@ -5,7 +5,7 @@
         -> norm -> vocabulary-parallel logits -> vocab_parallel_cross_entropy
 
 In a mixture-of-experts model the mlp of every `moe_layer_freq`-th layer is an `MoELayer`, whose routed
-experts are split over the mesh's expert-parallel group (tensorpar.layers.moe).
+experts are split over the mesh's expert-parallel group (tensorpar.expert_parallel).
 
 Without sequence parallelism every TP rank holds the whole [B, S, H] activation between the
 TP regions; with it, each rank holds a [B, S/tp, H] sequence shard there (norms, dropout and
@@ -20,24 +20,25 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tensorpar.config.choices import RECOMPUTE_MODES
+from tensorpar.context_parallel.cp_mappings import mean_from_cp
+from tensorpar.context_parallel.ring_attention import ContextSplit, check_context_split
 from tensorpar.distributed.comm import as_group
-from tensorpar.distributed.ops import copy_to_tp, mean_from_cp
+from tensorpar.distributed.sharding import ShardSpec, retag, tag
 from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.expert_parallel import MoELayer
+from tensorpar.functional.dropout import mix_seed, seeded_dropout
+from tensorpar.functional.rope import inverse_frequencies, rope_cos_sin
 from tensorpar.layers.attention import ParallelAttention
-from tensorpar.layers.cross_entropy import vocab_parallel_cross_entropy
-from tensorpar.layers.dropout import mix_seed, seeded_dropout
-from tensorpar.layers.embedding import VocabParallelEmbedding
-from tensorpar.layers.lm_head import VocabParallelLMHead
-from tensorpar.layers.mlp import ParallelMLP
-from tensorpar.layers.moe import MoELayer
 from tensorpar.layers.norms import Norm
-from tensorpar.layers.region import TPRegion
-from tensorpar.layers.ring_attention import ContextSplit, check_context_split
-from tensorpar.layers.rope import inverse_frequencies, rope_cos_sin
-from tensorpar.layers.sharding import ShardSpec, retag, tag
-from tensorpar.layers.weight_grad import WeightGradQueue
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.init import init_weights
+from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
+from tensorpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.tensor_parallel.embedding import VocabParallelEmbedding
+from tensorpar.tensor_parallel.lm_head import VocabParallelLMHead
+from tensorpar.tensor_parallel.mappings import copy_to_tp
+from tensorpar.tensor_parallel.mlp import ParallelMLP
+from tensorpar.tensor_parallel.region import TPRegion
 
 
 class TransformerBlock(nn.Module):
@@ -110,7 +111,7 @@ class Transformer(nn.Module):
     (`ShardSpec.pipeline_duplicate`), kept equal to the first stage's by summing their gradients.
 
     ``tp_overlap`` (the default) hides the TP collectives at the edges of each TP region behind the
-    GEMMs beside them (tensorpar.layers.tp_overlap); ``tp_overlap=False`` issues them as plain
+    GEMMs beside them (tensorpar.tensor_parallel.tp_overlap); ``tp_overlap=False`` issues them as plain
     blocking collectives (the same function, the same bytes), to measure the difference. With
     ``weight_grads`` (a `WeightGradQueue`, for the zero-bubble schedules) every layer's backward leaves its
     weight gradients in the queue. Both go into the model's `TPRegion` (`self.region`), which every layer

@@ -32,7 +32,7 @@ from typing import Iterable
 
 import torch
 
-from tensorpar.layers.sharding import shard_spec
+from tensorpar.distributed.sharding import shard_spec
 
 _CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 

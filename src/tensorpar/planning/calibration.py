@@ -209,7 +209,7 @@ def _fit_link(samples: list[tuple[float, float, float]]) -> Link:
 
 
 def _steps_and_bytes(op: str, nbytes: int, n: int) -> tuple[float, float]:
-    """(latency steps, bytes each rank moves) of the ring algorithm (`communication.collective_time`); tensorpar's
+    """(latency steps, bytes each rank moves) of the ring algorithm (`collective_cost.collective_time`); tensorpar's
     reduce-scatter moves a ring's bytes on gloo too (an all-to-all of the blocks and a local sum)."""
     if op == "all_reduce":
         return 2 * (n - 1), 2 * (n - 1) * nbytes / n

@@ -1,32 +1,4 @@
-"""Communication: alpha-beta times of the collectives, and the exact volumes tensorpar sends.
-
-Time of one collective over ``n`` ranks on a link of latency alpha and bandwidth beta
-(per GPU, per direction), for a message of ``B`` bytes counted as tensorpar's `CommStats`
-counts it (the NCCL-tests "logical buffer size": all-gather = the gathered output,
-reduce-scatter = the input being reduced, scatter / gather = the full tensor):
-
-================  ==================================  =========================================
-op                ring                                tree (binomial; recursive doubling)
-================  ==================================  =========================================
-all_reduce        2(n-1) (alpha + B/(n beta))         2 ceil(log2 n) (alpha + B/beta)
-all_gather        (n-1) (alpha + B/(n beta))          ceil(log2 n) alpha + (n-1)/n B/beta
-reduce_scatter    (n-1) (alpha + B/(n beta))          ceil(log2 n) alpha + (n-1)/n B/beta
-broadcast         (n-1) alpha + B/beta  (pipelined)   ceil(log2 n) (alpha + B/beta)
-reduce            (n-1) alpha + B/beta  (pipelined)   ceil(log2 n) (alpha + B/beta)
-gather, scatter   (n-1) (alpha + B/(n beta))          ceil(log2 n) alpha + (n-1)/n B/beta
-send              alpha + B/beta                      alpha + B/beta
-all_to_all        (n-1) (alpha + B/(n beta))          (pairwise exchange; the same)
-================  ==================================  =========================================
-
-The all-to-all is the pairwise exchange NCCL runs: n - 1 steps, each sending B/n (a balanced
-split of the B bytes a rank sends, its own share staying home) to one other rank.
-
-The ring all-reduce is a reduce-scatter followed by an all-gather; the binomial tree reduce
-and broadcast move the whole message at each of their ceil(log2 n) steps (the algorithms that
-`tensorpar.distributed.collective_algorithms` traces). `collective_time(..., algorithm="best")` takes the
-faster of the two, as NCCL's tuner does.
-
-Which link a group uses: `tensorpar.planning.layout.group_link`.
+"""Communication: the exact volumes tensorpar sends (their times: `tensorpar.planning.collective_cost`).
 
 `model_collectives` lists every collective tensorpar's model runs for one micro-batch (forward
 and backward; with PP, one stage's, including its point-to-point messages), `step_collectives`
@@ -49,66 +21,12 @@ import dataclasses
 import math
 from collections import defaultdict
 
-from tensorpar.config.hardware import Link
-from tensorpar.errors import TensorparError
 from tensorpar.data_parallel import DEFAULT_BUCKET_BYTES
 from tensorpar.layers.attention import kv_layout
-from tensorpar.planning.layout import (Layout, gradient_group, group_link, group_size, stage_layer_indices,
+from tensorpar.planning.collective_cost import Collective, sum_bytes
+from tensorpar.planning.layout import (Layout, gradient_group, stage_layer_indices,
                                        stage_layers)
 from tensorpar.planning.params import is_expert, local_parameters
-
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "send", "all_to_all")
-
-ALGORITHMS = ("ring", "tree", "best")
-
-
-def collective_time(op: str, nbytes: float, n: int, link: Link, algorithm: str = "best") -> float:
-    """Seconds for one `op` of `nbytes` (tensorpar's byte convention) over `n` ranks on `link`."""
-    if op == "recv":
-        op = "send"
-    if op not in OPS:
-        raise TensorparError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
-    if algorithm not in ALGORITHMS:
-        raise TensorparError(f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
-    if op == "send":
-        return link.latency + nbytes / link.bandwidth
-    if n <= 1:
-        return 0.0
-    if algorithm == "best":
-        return min(collective_time(op, nbytes, n, link, "ring"), collective_time(op, nbytes, n, link, "tree"))
-    a, beta = link.latency, link.bandwidth
-    steps = math.ceil(math.log2(n))
-    if op == "all_to_all":
-        return (n - 1) * (a + nbytes / (n * beta))
-    if algorithm == "ring":
-        if op == "all_reduce":
-            return 2 * (n - 1) * (a + nbytes / (n * beta))
-        if op in ("broadcast", "reduce"):
-            return (n - 1) * a + nbytes / beta
-        return (n - 1) * (a + nbytes / (n * beta))  # all_gather, reduce_scatter, gather, scatter
-    if op == "all_reduce":
-        return 2 * steps * (a + nbytes / beta)
-    if op in ("broadcast", "reduce"):
-        return steps * (a + nbytes / beta)
-    return steps * a + (n - 1) / n * nbytes / beta  # all_gather, reduce_scatter, gather, scatter
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """`calls` collectives of `nbytes` each (tensorpar's byte convention) on group `group`."""
-
-    op: str
-    group: str
-    nbytes: int
-    calls: int = 1
-    phase: str = "forward"  # forward | backward | step
-    what: str = ""
-    pieces: int = 1  # tensorpar's TP overlap sends each call as this many collectives of nbytes / pieces (time only)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.nbytes * self.calls
-
 
 def model_collectives(
     cfg,
@@ -126,7 +44,7 @@ def model_collectives(
 ) -> list[Collective]:
     """Every collective of one micro-batch's forward and backward through tensorpar's Transformer.
 
-    `tp_pieces`: with tensorpar's TP overlap (`tensorpar.layers.tp_overlap`, on in training) the row-parallel
+    `tp_pieces`: with tensorpar's TP overlap (`tensorpar.tensor_parallel.tp_overlap`, on in training) the row-parallel
     exits' forward collectives, the SP entries' forward all-gathers and the SP exits' backward all-gathers each go
     as that many collectives of a piece of the tokens (``DEFAULT_CHUNKS``): the same bytes, more calls, each
     paying the link's latency (`Collective.pieces`; full recomputation's plain MLP exit is counted chunked too).
@@ -243,7 +161,7 @@ def _head_collectives(cfg, sp: bool, b: int, s: int, act_bytes: int, grad_bytes:
 
 def _pipeline_messages(cfg, layout: Layout, stage: int, b: int, s: int, act_bytes: int,
                        scatter_gather: bool) -> list[Collective]:
-    """Pipeline rank `stage`'s point-to-point messages of one micro-batch (tensorpar.parallel.pipeline.PipelineRunner:
+    """Pipeline rank `stage`'s point-to-point messages of one micro-batch (tensorpar.pipeline_parallel.runner.PipelineRunner:
     fp32 hidden states forward, their gradients backward, once per chunk boundary; sequence shards under SP or
     with `scatter_gather`). Both the send and the matching recv are counted, each with the message's bytes."""
     out: list[Collective] = []
@@ -259,7 +177,7 @@ def _pipeline_messages(cfg, layout: Layout, stage: int, b: int, s: int, act_byte
 def moe_collectives(cfg, layout: Layout, dense: list[Collective], b: int, s: int, n_layers: int, n_moe: int,
                     act_bytes: int, mm: int, grad_bytes: int) -> list[Collective]:
     """`dense`, the collectives of a micro-batch as if every layer were dense, changed for the `n_moe` MoE layers
-    among the stage's `n_layers` (tensorpar.layers.moe), `s` tokens per sequence on this rank.
+    among the stage's `n_layers` (tensorpar.expert_parallel), `s` tokens per sequence on this rank.
 
     Each TP rank routes T = b s / tp tokens. Without sequence parallelism the routed part takes its 1/tp of the
     tokens (no communication) and all-gathers the outputs (backward: all-gathers the input gradients) instead
@@ -298,7 +216,7 @@ def moe_collectives(cfg, layout: Layout, dense: list[Collective], b: int, s: int
 
 
 def ring_collectives(cfg, layout: Layout, b: int, s: int, kv_bytes: int, n_layers: int, last: bool) -> list[Collective]:
-    """The context-parallel ring of one micro-batch (tensorpar.layers.ring_attention), `s` tokens per rank.
+    """The context-parallel ring of one micro-batch (tensorpar.context_parallel.ring_attention), `s` tokens per rank.
 
     Per layer: forward, the local K and V blocks sent cp - 1 times; backward, the same again, then their
     fp32 gradients cp - 1 times and once more home; recomputation (selective re-runs the attention core,
@@ -496,14 +414,6 @@ def bucket_sizes(numels: list[int], elem_bytes: int, bucket_bytes: int) -> list[
     return buckets
 
 
-def sum_bytes(collectives: list[Collective]) -> dict[tuple[str, str], int]:
-    """Total bytes per (op, group), in `CommStats`' keys."""
-    out: dict[tuple[str, str], int] = defaultdict(int)
-    for c in collectives:
-        out[(c.op, c.group)] += c.total_bytes
-    return dict(out)
-
-
 def comm_bytes_per_step(
     cfg,
     layout: Layout,
@@ -536,16 +446,3 @@ def comm_bytes_per_step(
                                matmul_bytes=matmul_dtype_bytes, grad_bytes=grad_dtype_bytes, stage=stage,
                                label_smoothing=label_smoothing)
     return {k: v * num_micro_batches for k, v in sum_bytes(per_mb).items()}
-
-
-def collectives_time(collectives: list[Collective], cluster, layout: Layout, algorithm: str = "best") -> float:
-    """Seconds the listed collectives take back to back (one after another, nothing overlapped). A reduce-scatter
-    is priced by the ring formula on every library: on gloo tensorpar runs it as an all-to-all of the blocks and a
-    local sum (`tensorpar.distributed.comm._reduce_scatter_by_all_to_all`), which moves what a ring moves, not
-    through ProcessGroupGloo's own (a whole all-reduce of a clone)."""
-    total = 0.0
-    for c in collectives:
-        n = group_size(layout, c.group)
-        link = group_link(cluster, layout, c.group)
-        total += c.calls * c.pieces * collective_time(c.op, c.nbytes / c.pieces, n, link, algorithm)
-    return total

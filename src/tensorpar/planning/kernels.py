@@ -28,7 +28,7 @@ down projection, `compute.stage_flops`), "selective" the attention core's forwar
 
 from __future__ import annotations
 
-from tensorpar.layers.sharding import padded
+from tensorpar.distributed.sharding import padded
 from tensorpar.planning.devices import flash_attention_time, gemm_time, memory_time
 from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers
 

@@ -33,7 +33,7 @@ from tensorpar.config.choices import PLANNED_SCHEDULES, PLANNED_ZERO_STAGES, REC
 from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
-from tensorpar.parallel.pipeline import balanced_split, rank_layers
+from tensorpar.pipeline_parallel.runner import balanced_split, rank_layers
 from tensorpar.planning.cluster import Cluster
 
 
@@ -124,7 +124,7 @@ def stage_layers(cfg, layout: Layout, stage: int | None) -> tuple[bool, bool, in
 
 def stage_layer_indices(cfg, layout: Layout, stage: int | None) -> list[int]:
     """Global indices of the layers pipeline rank `stage` holds (None: the whole model); with v virtual stages
-    those of chunks stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers, which also applies
+    those of chunks stage, stage + pp, ... (tensorpar.pipeline_parallel.runner.rank_layers, which also applies
     the layout's --pipeline-layers split)."""
     if stage is None or layout.pp == 1:
         return list(range(cfg.num_layers))
@@ -282,7 +282,7 @@ def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=N
     """`ep`: the expert-parallel sizes to try (None: for an MoE model every divisor of num_experts that divides
     the layout's tp x cp x dp, for a dense one 1; given sizes that do not divide are kept, infeasible).
     `pipeline_layers`: uneven stages of these layer counts (pp = their number, no interleaving); without it, a pp
-    (x v) that does not divide the layers gets the most balanced uneven split (`parallel.pipeline.balanced_split`:
+    (x v) that does not divide the layers gets the most balanced uneven split (`pipeline_parallel.runner.balanced_split`:
     the first and last stages, which hold the embedding and the head, get the fewer layers - as Llama 3 did).
     `schedules`: the pipeline schedules to try with pp > 1 (None: 1f1b, and interleaved for each v > 1 of
     `virtual_stages`; "interleaved" takes its v from `virtual_stages`, "zb-h1" and "zbv" have v = 1).

@@ -66,7 +66,7 @@ import dataclasses
 import math
 
 from tensorpar.config.hardware import GiB
-from tensorpar.layers.sharding import padded
+from tensorpar.distributed.sharding import padded
 from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
 from tensorpar.planning.layout import Layout, candidate_stages, stage_layers
 from tensorpar.planning.params import ParamSummary, local_parameters, parameter_summary
@@ -127,7 +127,7 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
 
 
 def tensorpar_moe_activations(cfg, tp: int, b: int, s: int, autocast: bool, act_bytes: int = 4) -> int:
-    """Bytes an MoE layer's MLP part saves for backward, for one micro-batch (tensorpar.layers.moe): each TP rank
+    """Bytes an MoE layer's MLP part saves for backward, for one micro-batch (tensorpar.expert_parallel): each TP rank
     routes T = b s / tp tokens (its sequence shard or token slice), i.e. T k routing choices whose rows the
     all-to-all brings to their experts. Saved: the router's input (T h; a bf16 copy under autocast), its fp32
     logits' softmax and top-k (2 x 4 T E + T k indices and weights); the dispatched rows as the experts'

@@ -5,17 +5,17 @@ compares): the vocabulary padded to a multiple of tp, KV heads replicated when f
 and row-parallel biases replicated (q/k/v biases alone with `qkv_bias`), a tied embedding on the first stage and (as the head's copy) on
 the last. In a mixture-of-experts layer the MLP is a router (replicated), num_experts / ep routed experts
 held whole (expert-TP is 1; stacked [E / ep, ...] tensors, no biases) and the shared experts, a
-tensor-parallel MLP of num_shared_experts times the expert width (tensorpar.layers.moe).
+tensor-parallel MLP of num_shared_experts times the expert width (tensorpar.expert_parallel).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from tensorpar.distributed.sharding import divide, padded
 from tensorpar.errors import TensorparError
+from tensorpar.expert_parallel import experts_per_rank
 from tensorpar.layers.attention import kv_layout
-from tensorpar.layers.moe import experts_per_rank
-from tensorpar.layers.sharding import divide, padded
 from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers
 
@@ -37,7 +37,7 @@ def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: 
     stage `stage`, in `named_parameters()` order: vocabulary padded to a multiple of tp, KV heads
     replicated when fewer than tp, norms and row-parallel biases replicated. A tied embedding is
     held by the first stage and, as the head's copy, by the last. With `virtual_stages` v > 1 the rank
-    holds the layers of virtual stages stage, stage + pp, ... (tensorpar.parallel.pipeline.rank_layers).
+    holds the layers of virtual stages stage, stage + pp, ... (tensorpar.pipeline_parallel.runner.rank_layers).
     `ep`: the expert-parallel size (MoE models); `pipeline_layers`: the layers of each stage (--pipeline-layers;
     None: an even split)."""
     split = tuple(pipeline_layers) if pipeline_layers is not None and pp > 1 else None

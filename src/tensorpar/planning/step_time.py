@@ -31,18 +31,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.layers.tp_overlap import DEFAULT_CHUNKS, sp_pieces
 from tensorpar.models.flops import train_flops_per_token
-from tensorpar.planning.communication import (
-    collectives_time,
-    model_collectives,
-    step_collectives,
-)
+from tensorpar.planning.collective_cost import collectives_time
+from tensorpar.planning.communication import model_collectives, step_collectives
 from tensorpar.planning.compute import stage_flops
 from tensorpar.planning.kernels import optimizer_time, stage_compute_time
 from tensorpar.planning.layout import Layout, candidate_stages, stage_layers
 from tensorpar.planning.params import parameter_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
+from tensorpar.tensor_parallel.tp_overlap import DEFAULT_CHUNKS, sp_pieces
 
 OPTIMIZER_BYTES_PER_ELEMENT = 28
 

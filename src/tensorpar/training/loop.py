@@ -19,7 +19,7 @@ from tqdm import tqdm
 from tensorpar.checkpoints.sharded import step_folder
 from tensorpar.data import micro_batches
 from tensorpar.errors import TensorparError
-from tensorpar.layers.dropout import mix_seed
+from tensorpar.functional.dropout import mix_seed
 from tensorpar.models.flops import train_flops_per_token
 from tensorpar.optim.lr_schedule import lr_at, set_lr
 from tensorpar.training.evaluate import evaluate

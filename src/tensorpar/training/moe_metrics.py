@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorpar.layers.moe import STAT_FIELDS
+from tensorpar.expert_parallel import STAT_FIELDS
 
 
 def moe_step_metrics(model, cfg, mesh) -> dict:

@@ -12,19 +12,19 @@ import torch
 
 from tensorpar.checkpoints.sharded import load_checkpoint, save_checkpoint
 from tensorpar.checkpoints.sources import load_model_source
+from tensorpar.config.choices import V_SHAPED_SCHEDULES
 from tensorpar.config.fields import changed_options, to_dict, to_toml
+from tensorpar.config.run_layout import RunLayout
 from tensorpar.data import build_dataset, describe_corpus, open_corpus, tokenizer_from, validation_windows
+from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
 from tensorpar.distributed.mesh import Mesh
 from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.models.compile import compile_blocks
 from tensorpar.optim.loss_scaler import DynamicLossScaler
 from tensorpar.optim.precision import param_dtype
-from tensorpar.config.run_layout import RunLayout
-from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
-from tensorpar.config.choices import V_SHAPED_SCHEDULES
-from tensorpar.layers.weight_grad import WeightGradQueue
-from tensorpar.parallel.pipeline import PipelineRunner, holds_ends, parse_pipeline_layers, rank_layers
-from tensorpar.parallel.pipeline_schedules import splits_backward
+from tensorpar.pipeline_parallel.runner import PipelineRunner, holds_ends, parse_pipeline_layers, rank_layers
+from tensorpar.pipeline_parallel.schedules import splits_backward
+from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 from tensorpar.distributed.launch import signal_name
+from tensorpar.distributed.sharding import shard_spec
 from tensorpar.inference import greedy_generate
-from tensorpar.layers.sharding import shard_spec
 from tensorpar.models import full_state_dict
-from tensorpar.parallel.pipeline_view import measured_bubble, render_measured
+from tensorpar.pipeline_parallel.schedule_view import measured_bubble, render_measured
 from tensorpar.training.loop import LoopResult
 from tensorpar.training.metrics import draw_or_warn, plot_loss_curve
 from tensorpar.training.session import Session

@@ -20,8 +20,8 @@ from tensorpar.distributed.mesh import resolve_layout
 from tensorpar.errors import TensorparError
 from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
-from tensorpar.parallel.pipeline import parse_pipeline_layers, stage_layers
-from tensorpar.parallel.pipeline_schedules import build_schedule, chunks_per_rank, splits_backward
+from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
+from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, splits_backward
 
 
 @dataclasses.dataclass(frozen=True)

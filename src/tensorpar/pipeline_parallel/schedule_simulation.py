@@ -1,11 +1,11 @@
-"""Pipeline schedules (`tensorpar.parallel.pipeline_schedules`) run on an ideal machine: when each action starts
+"""Pipeline schedules (`tensorpar.pipeline_parallel.schedules`) run on an ideal machine: when each action starts
 and ends, the makespan and the bubble fraction, and for an order that deadlocks, what each stuck rank waits for.
 
 Each rank executes its actions strictly in list order, one at a time; an action starts when its rank is free
-and each action it depends on (the contract in `tensorpar.parallel.pipeline_schedules`) has ended, plus a
+and each action it depends on (the contract in `tensorpar.pipeline_parallel.schedules`) has ended, plus a
 point-to-point time when that action ran on another rank. With ``forward_time=1, backward_time=2`` and no
 point-to-point time the bubble fraction equals the schedules' published ideal bubble
-(`tensorpar.parallel.pipeline_schedules.theoretical_bubble`).
+(`tensorpar.pipeline_parallel.schedules.theoretical_bubble`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tensorpar.errors import TensorparError
-from tensorpar.parallel.pipeline_schedules import Action, is_v_shaped, rank_of, stage_of, validate_schedule
+from tensorpar.pipeline_parallel.schedules import Action, is_v_shaped, rank_of, stage_of, validate_schedule
 
 
 @dataclass

@@ -8,9 +8,9 @@ exit communicate is a policy of the whole run, not of a layer, and `TPRegion` ho
 - ``group``: the TP group;
 - ``sequence_parallel``: activations outside the regions are sequence shards (all-gather in, reduce-scatter out);
 - ``overlap``: the entry's and exit's collectives are hidden behind the GEMMs beside them
-  (`tensorpar.layers.tp_overlap`); off for a group of one rank and under a split backward;
+  (`tensorpar.tensor_parallel.tp_overlap`); off for a group of one rank and under a split backward;
 - ``weight_grads``: a `WeightGradQueue` (zero-bubble schedules): every layer's backward computes the input
-  gradient only and leaves its weight gradients in the queue (`tensorpar.layers.weight_grad`).
+  gradient only and leaves its weight gradients in the queue (`tensorpar.pipeline_parallel.weight_grad`).
 
 The layers have one forward each and ask the region: `enter` (column-parallel projections sharing an input),
 `leave` (the row-parallel product and its reduction), `replicated` (parameters replicated on the TP ranks, such
@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.distributed.comm import Group, as_group
-from tensorpar.distributed.ops import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
-from tensorpar.layers import weight_grad
-from tensorpar.layers.lookup import embedding_lookup
-from tensorpar.layers.tp_overlap import column_parallel_in, copy_params_to_tp, row_parallel_out
+from tensorpar.pipeline_parallel import weight_grad
+from tensorpar.tensor_parallel.lookup import embedding_lookup
+from tensorpar.tensor_parallel.mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from tensorpar.tensor_parallel.tp_overlap import column_parallel_in, copy_params_to_tp, row_parallel_out
 
 GradReduce = Callable[[torch.Tensor], torch.Tensor]
 

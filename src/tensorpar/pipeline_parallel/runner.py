@@ -11,7 +11,7 @@ action receives the gradient of its output (unless it is the last stage, which s
 loss), back-propagates and sends the input's gradient to the previous stage. In the zero-bubble
 schedules (zb-h1, zbv) that backward computes only input gradients: the model's layers leave their
 weight gradients in the runner's `WeightGradQueue`, and the schedule's W action for the same
-micro-batch and chunk computes them (layers/weight_grad.py). In a V (zbv) rank 0 holds the first and
+micro-batch and chunk computes them (pipeline_parallel/weight_grad.py). In a V (zbv) rank 0 holds the first and
 the last stage, and the two middle stages share the last rank, which hands their tensors over
 without a message. Sends are
 asynchronous and receives block, so a schedule whose order respects its dependencies cannot
@@ -28,12 +28,11 @@ import torch
 
 
 from tensorpar.config.choices import V_SHAPED_SCHEDULES
+from tensorpar.distributed.sharding import retag
 from tensorpar.errors import LayoutError, TensorparError
-from tensorpar.layers.lm_head import TiedLMHead
-from tensorpar.layers.sharding import retag
-from tensorpar.layers.weight_grad import WeightGradQueue
-from tensorpar.parallel.pipeline_schedules import (build_schedule, chunks_per_rank, is_v_shaped, rank_of,
+from tensorpar.pipeline_parallel.schedules import (build_schedule, chunks_per_rank, is_v_shaped, rank_of,
                                                    splits_backward, stage_of)
+from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 
 
 def parse_pipeline_layers(text: str | None) -> list[int] | None:
@@ -126,7 +125,8 @@ class PipelineRunner:
                                  f"WeightGradQueue (Transformer(..., weight_grads=queue)) and pass the queue here")
         self.weight_grads = weight_grads if splits_backward(schedule) else None
         embed = getattr(model, "embed", None)
-        if self.v_shape and embed is not None and isinstance(getattr(model, "head", None), TiedLMHead) and self.v > 1:
+        tied = embed is not None and getattr(getattr(model, "head", None), "weight", None) is embed.weight
+        if self.v_shape and tied and self.v > 1:
             # A tied embedding on the rank holding both ends: the first chunk's lookup and the last chunk's head
             # are two backward passes per micro-batch (data parallelism counts its gradient's arrivals).
             retag(embed.weight, backward_passes=2)

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from tensorpar.distributed.comm import Group
-from tensorpar.distributed.ops import scatter_to_sp
-from tensorpar.layers.region import TPRegion, as_region
-from tensorpar.layers.sharding import ShardSpec, make_generator, padded, tag, take_shard
+from tensorpar.distributed.sharding import ShardSpec, make_generator, padded, tag, take_shard
+from tensorpar.tensor_parallel.mappings import scatter_to_sp
+from tensorpar.tensor_parallel.region import TPRegion, as_region
 
 
 def default_embedding_init(weight: torch.Tensor, generator: torch.Generator) -> None:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tensorpar.layers.region import as_region
+from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.tensor_parallel.region import as_region
 
 ACTIVATION_FNS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

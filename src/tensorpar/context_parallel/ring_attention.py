@@ -36,9 +36,9 @@ import torch.nn.functional as F
 
 from tensorpar.config.choices import CP_IMPLS, CP_SPLITS
 from tensorpar.distributed.comm import Group
-from tensorpar.distributed.ops import gather_from_sp
 from tensorpar.errors import LayoutError
-from tensorpar.layers.dropout import fork_rng_seeded, mix_seed
+from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
+from tensorpar.tensor_parallel.mappings import gather_from_sp
 
 _TAG_FORWARD, _TAG_BACKWARD, _TAG_GRADIENT, _TAG_RETURN = 0, 1, 2, 3
 

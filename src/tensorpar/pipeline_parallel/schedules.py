@@ -1,5 +1,5 @@
 """Pipeline-parallel schedules as pure data and their ideal bubble (their simulation:
-:mod:`tensorpar.parallel.schedule_simulation`).
+:mod:`tensorpar.pipeline_parallel.schedule_simulation`).
 
 A schedule is ``list[list[Action]]``: one list per pipeline rank, in the order that rank executes
 its actions. Nothing here communicates; the executor runs these lists with real send/recv.
@@ -12,7 +12,7 @@ The contract (the executor relies on it)
 - In schedules without ``W`` actions, ``B`` is the whole backward. The zero-bubble schedules
   split it: ``B`` computes only the gradient of the stage's input (what the previous stage waits
   for) and queues the weight gradients, which ``W`` computes later
-  (:mod:`tensorpar.layers.weight_grad`).
+  (:mod:`tensorpar.pipeline_parallel.weight_grad`).
 - With ``pp`` ranks and ``v`` chunks per rank the model's layers are cut into ``S = pp * v``
   virtual stages in model order; rank ``r`` holds virtual stages ``r, r + pp, r + 2*pp, ...`` as
   chunks ``0, 1, ..., v - 1``: chunk ``c`` of rank ``r`` is stage ``s = c * pp + r``
@@ -86,7 +86,7 @@ share of the model, and no communication time:
   ``(pp - 1)`` chunk steps against ``6 * m`` of work: ``bubble = (pp - 1) / (6 * m + pp - 1)``.
 
 ``bubble`` here is the fraction of the pipeline's rank-time that is idle:
-``1 - busy / (pp * makespan)``, the quantity :func:`~tensorpar.parallel.schedule_simulation.simulate` reports.
+``1 - busy / (pp * makespan)``, the quantity :func:`~tensorpar.pipeline_parallel.schedule_simulation.simulate` reports.
 It reproduces these values exactly with ``forward_time=1, backward_time=2``
 (``tests/test_pipeline_schedules.py`` checks a grid). In the simulation the times are per action, i.e.
 per chunk for interleaved schedules; the bubble fraction does not depend on that scale.
@@ -369,7 +369,7 @@ def validate_schedule(schedule: list[list[Action]]) -> tuple[int, int, int]:
     """Check that every rank runs each F(mb, chunk) and B(mb, chunk) exactly once, and each W(mb, chunk)
     once if the schedule has W actions at all, and nothing else; returns (pp, microbatches,
     virtual_stages). Raises TensorparError naming the first problem. Says nothing about order (see
-    :func:`tensorpar.parallel.schedule_simulation.simulate` for deadlocks)."""
+    :func:`tensorpar.pipeline_parallel.schedule_simulation.simulate` for deadlocks)."""
     pp, m, v = schedule_shape(schedule)
     kinds = ACTION_KINDS if any(a.kind == "W" for acts in schedule for a in acts) else ("F", "B")
     if is_v_shaped(schedule) and v != 2:

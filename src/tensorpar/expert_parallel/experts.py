@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tensorpar.distributed.sharding import ShardSpec, divide, tag
 from tensorpar.errors import LayoutError
-from tensorpar.layers.mlp import ACTIVATION_FNS
-from tensorpar.layers.region import as_region
-from tensorpar.layers.sharding import ShardSpec, divide, tag
+from tensorpar.tensor_parallel.mlp import ACTIVATION_FNS
+from tensorpar.tensor_parallel.region import as_region
 
 
 def experts_per_rank(num_experts: int, ep: int) -> int:

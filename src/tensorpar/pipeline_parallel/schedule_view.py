@@ -13,8 +13,8 @@ import math
 import os
 
 from tensorpar.errors import TensorparError
-from tensorpar.parallel.pipeline_schedules import ACTION_KINDS, bubble_formula
-from tensorpar.parallel.schedule_simulation import Timeline
+from tensorpar.pipeline_parallel.schedule_simulation import Timeline
+from tensorpar.pipeline_parallel.schedules import ACTION_KINDS, bubble_formula
 
 _PREFIX = "rank {r:>{w}} |"
 

@@ -3,7 +3,7 @@
 Zero-bubble pipeline schedules (ZB-H1, ZB-V) run the backward of a micro-batch in two halves: B, the
 gradient of the stage's input, which the previous stage waits for, and W, the gradients of the weights,
 which nobody waits for and so can fill idle time. A model built with a `WeightGradQueue` (in its `TPRegion`,
-tensorpar.layers.region, which every layer asks) computes only B in its backward and leaves W in the queue;
+tensorpar.tensor_parallel.region, which every layer asks) computes only B in its backward and leaves W in the queue;
 `queue.close(key)` names the W work of the backward pass that just ran and `queue.run(key)` computes it
 and accumulates it into ``param.grad`` through autograd, one call per pass, so that gradient hooks (data
 parallelism's buckets) fire once per parameter per pass, as after a plain backward. Without a queue (the
@@ -164,7 +164,7 @@ class _Embedding(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         param = ctx.param
 
-        def weight_grad():  # summed in fp32, like tensorpar.layers.embedding's bf16 lookup
+        def weight_grad():  # summed in fp32, like tensorpar.tensor_parallel.embedding's bf16 lookup
             wide = torch.zeros(param.shape, dtype=torch.float32, device=grad.device)
             return wide.index_add_(0, ids.reshape(-1), _rows(grad).float())
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.layers.region import as_region
-from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.distributed.sharding import ShardSpec, tag
+from tensorpar.tensor_parallel.region import as_region
 
 
 @dataclasses.dataclass

@@ -19,9 +19,7 @@ import torch
 from torch import nn
 
 from tensorpar.distributed.comm import Group
-from tensorpar.distributed.ops import gather_from_tp, scatter_to_tp
-from tensorpar.layers.region import Projection, TPRegion, as_region
-from tensorpar.layers.sharding import (
+from tensorpar.distributed.sharding import (
     ShardSpec,
     default_linear_init,
     divide,
@@ -30,6 +28,8 @@ from tensorpar.layers.sharding import (
     tag,
     take_shard,
 )
+from tensorpar.tensor_parallel.mappings import gather_from_tp, scatter_to_tp
+from tensorpar.tensor_parallel.region import Projection, TPRegion, as_region
 
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
 

@@ -24,7 +24,7 @@ on a sequence shard)
 ============================  ===========================================  ===========================================
 
 Both compute what `copy_to_tp` / `gather_from_sp` followed by `F.linear`, and `F.linear` followed by
-`reduce_from_tp` / `reduce_scatter_to_sp` compute (tensorpar.distributed.ops), with the same bytes moved,
+`reduce_from_tp` / `reduce_scatter_to_sp` compute (tensorpar.tensor_parallel.mappings), with the same bytes moved,
 up to the order of float additions. Activations are batch-first, the sequence in dimension 1: [B, S, H].
 
 The pieces are slices of the batch where the micro-batch holds at least two sequences: a batch slice is

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tensorpar.layers.linear import ColumnParallelLinear, InitMethod, full_linear_params
-from tensorpar.layers.region import as_region
-from tensorpar.layers.sharding import ShardSpec, padded, tag, take_shard
+from tensorpar.distributed.sharding import ShardSpec, padded, tag, take_shard
+from tensorpar.tensor_parallel.linear import ColumnParallelLinear, InitMethod, full_linear_params
+from tensorpar.tensor_parallel.region import as_region
 
 
 class VocabParallelLMHead(ColumnParallelLinear):

@@ -13,7 +13,7 @@ experts are a tensor-parallel `ParallelMLP` of num_shared_experts times the expe
 the TP ranks (under sequence parallelism each rank sees its sequence shard, so w enters through `copy_to_tp`:
 forward identity, backward all-reduce over TP; without it every rank computes the whole gradient).
 
-Auxiliary losses (tensorpar.layers.moe.router) are not returned: their gradient is injected in the backward
+Auxiliary losses (tensorpar.expert_parallel.router) are not returned: their gradient is injected in the backward
 (`_AddAuxLossGrad`, Megatron's MoEAuxLossAutoScaler), so that they reach the parameters of any pipeline
 stage. `aux_scale` is the factor the caller multiplies the model's loss by before its backward (loss scale /
 micro-batches), which their gradient takes too; this rank's share of them is weighted so that averaging
@@ -29,14 +29,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tensorpar.distributed.ops import gather_from_sp, scatter_to_sp
+from tensorpar.distributed.sharding import ShardSpec, tag
 from tensorpar.errors import LayoutError
-from tensorpar.layers.mlp import ParallelMLP
-from tensorpar.layers.moe.dispatch import AllToAllDispatcher
-from tensorpar.layers.moe.experts import GroupedExperts
-from tensorpar.layers.moe.router import TopKRouter, balance_statistics, capacity, keep_mask
-from tensorpar.layers.region import as_region
-from tensorpar.layers.sharding import ShardSpec, tag
+from tensorpar.expert_parallel.dispatch import AllToAllDispatcher
+from tensorpar.expert_parallel.experts import GroupedExperts
+from tensorpar.expert_parallel.router import TopKRouter, balance_statistics, capacity, keep_mask
+from tensorpar.tensor_parallel.mappings import gather_from_sp, scatter_to_sp
+from tensorpar.tensor_parallel.mlp import ParallelMLP
+from tensorpar.tensor_parallel.region import as_region
 
 # The layout of a MoE layer's per-step statistics (`MoEStats.vector`): the E counts of routing choices, then these.
 STAT_FIELDS = ("choices", "dropped", "aux_loss_sum", "sequences", "z_loss_sum", "tokens")

@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from tensorpar.distributed.comm import as_group
-from tensorpar.distributed.ops import all_to_all_ep, gather_from_expert_tp, reduce_scatter_to_expert_tp
+from tensorpar.expert_parallel.ep_mappings import all_to_all_ep, gather_from_expert_tp, reduce_scatter_to_expert_tp
 
 
 @dataclasses.dataclass

@@ -1,0 +1,19 @@
+"""Tensor parallelism (Megatron-LM): each weight matrix split over the TP group, and sequence parallelism.
+
+- `mappings`: the collectives TP owns, as autograd conjugates (f / g: copy_to_tp, reduce_from_tp; SP's
+  gather_from_sp, reduce_scatter_to_sp; ...);
+- `region`: `TPRegion`, how a run's layers enter and leave a TP region (plain, overlapped (`tp_overlap`) or with
+  a split backward);
+- `linear` (ColumnParallelLinear, RowParallelLinear), `mlp` (ParallelMLP), `embedding` (VocabParallelEmbedding,
+  with `lookup`), `lm_head` (VocabParallelLMHead) and `cross_entropy` (the vocab-parallel loss).
+"""
+
+from tensorpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from tensorpar.tensor_parallel.embedding import VocabParallelEmbedding
+from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.tensor_parallel.lm_head import TiedLMHead, VocabParallelLMHead
+from tensorpar.tensor_parallel.mlp import ParallelMLP
+from tensorpar.tensor_parallel.region import TPRegion
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "VocabParallelEmbedding", "VocabParallelLMHead",
+           "TiedLMHead", "TPRegion", "vocab_parallel_cross_entropy"]
