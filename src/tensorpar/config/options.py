@@ -16,6 +16,7 @@ from tensorpar.config.choices import (
     CP_SPLITS,
     DTYPES,
     GRAD_REDUCE_DTYPES,
+    ON_NAN,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
     PLAN_PRECISIONS,
@@ -136,6 +137,10 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                       group="optimization")
     weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings", group="optimization")
     grad_clip: float = option(1.0, "clip the dense gradient norm to this (0: no clipping)", group="optimization")
+    on_nan: str = option("stop", "a gradient norm that is NaN or Inf (fp32/bf16; fp16's loss scale handles its own "
+                                 "overflows): the step is never applied; stop the run naming the step, the ranks and "
+                                 "the first parameter whose gradient is not finite, or skip the step and go on",
+                         choices=ON_NAN, group="optimization")
     tokenizer: str | None = option(None, "a tokenizer.json or a folder holding one (default: --init-from's, "
                                          "else bytes)", group="data")
     val_data: str | None = option(None, "validation data, any --data form (default: the last --val-fraction of "

@@ -71,6 +71,7 @@ class BucketedOptimizer:
         for p in self.tied:
             self._bucket_of[id(p)].deferred = True
         self._expected = 1
+        self.nonfinite: list[nn.Parameter] = []  # after a skipped step: this rank's parameters with NaN/Inf gradients
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         self.param_bytes = sum(nbytes(b.param_buffer) for b in self.buckets)
         self.grad_bytes = BytesInUse()
@@ -142,9 +143,11 @@ class BucketedOptimizer:
 
     def clip_and_step(self, max_norm: float, scaler=None) -> torch.Tensor:
         """Clip by the dense model's gradient norm, take the AdamW step, and bring the updated weights into the
-        parameters. With a `DynamicLossScaler` (fp16) the gradients are first divided by its scale, and a step
-        whose gradients overflowed is skipped. Returns the norm before clipping."""
+        parameters. With a `DynamicLossScaler` (fp16) the gradients are first divided by its scale. A step whose
+        gradient norm is not finite is skipped (without a scaler, `nonfinite` then lists this rank's parameters
+        whose gradient is NaN or Inf). Returns the norm before clipping."""
         norm, skip = unscale_and_clip(self.weights.params, max_norm, self.mesh, self.sharded, scaler)
+        self.nonfinite = self.weights.nonfinite() if skip and scaler is None else []
         if not skip:
             self.optimizer.step()
             self._publish()

@@ -133,6 +133,7 @@ class FullyShardedOptimizer:
                                                                     self.root.shapes)
                      if shard_spec(p).pipeline_tied] if self.root else []
         self._pinned = False
+        self.nonfinite: list[nn.Parameter] = []  # after a skipped step: this rank's parameters with NaN/Inf gradients
         self.param_bytes = sum(nbytes(u.shard) for u in self._all)
         self.weights = MasterWeights(weight_decay)
         for u in self._all:
@@ -227,8 +228,10 @@ class FullyShardedOptimizer:
     def clip_and_step(self, max_norm: float, scaler=None) -> torch.Tensor:
         """Clip by the dense model's gradient norm, step this rank's shards, free every gathered parameter (the
         next use gathers the updated ones). With a `DynamicLossScaler` (fp16) the gradients are first divided by
-        its scale, and a step whose gradients overflowed is skipped. Returns the norm before clipping."""
+        its scale. A step whose gradient norm is not finite is skipped (without a scaler, `nonfinite` then lists this
+        rank's parameters whose gradient is NaN or Inf). Returns the norm before clipping."""
         norm, skip = unscale_and_clip(self.weights.params, max_norm, self.mesh, True, scaler)
+        self.nonfinite = self.weights.nonfinite() if skip and scaler is None else []
         if not skip:
             self.optimizer.step()
         for u in self._all:

@@ -86,6 +86,12 @@ class MasterWeights:
     def param_groups(self) -> list[dict]:
         return _param_groups(self.groups)
 
+    def nonfinite(self) -> list[nn.Parameter]:
+        """The model parameters a piece of whose gradient (in this rank's slices) is NaN or Inf, in slice order."""
+        found = {id(p.param): p.param for s in self.slices for p in s.pieces
+                 if not bool(torch.isfinite(p.opt_param.grad).all())}
+        return list(found.values())
+
     def reload(self) -> None:
         """The parameters' values into the masters (after a checkpoint load overwrote them)."""
         for s in self.slices:
@@ -122,6 +128,10 @@ class ModelWeights:
 
     def master_bytes(self) -> int:
         return 0
+
+    def nonfinite(self) -> list[nn.Parameter]:
+        """The parameters whose gradient is NaN or Inf."""
+        return [p for p in self.params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
     def local_state(self, optimizer, names: dict[int, str], with_master: bool = False) -> dict:
         out = {}

@@ -28,6 +28,7 @@ one rank.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -91,22 +92,30 @@ def clip_grad_norm_(
     """
     params = _as_list(params)
     norm = _global_norm(params, mesh, sharded_over_dp)
+    _clip(params, norm, max_norm)
+    return norm
+
+
+def _clip(params: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
     if max_norm <= 0:
-        return norm
+        return
     coef = torch.clamp(max_norm / (norm + _CLIP_EPS), max=1.0)
     for p in params:
         if p.grad is not None:
             p.grad.detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
-    return norm
 
 
 def unscale_and_clip(params: list[torch.Tensor], max_norm: float, mesh, sharded_over_dp: bool, scaler=None):
     """The optimizer step's gradient work: divide by the loss scale (fp16: `scaler`, a DynamicLossScaler), take the
-    dense norm and clip. Returns (the norm, whether to skip the step): skip when the gradients overflowed (the
-    scaler has then backed off; every rank decides alike, from the same global norm)."""
+    dense norm and clip. Returns (the norm, whether to skip the step): skip when the norm is not finite (fp16: the
+    gradients overflowed and the scaler has backed off); every rank decides alike, from the same global norm. A
+    skipped step's gradients are left unclipped: a NaN norm would otherwise spread to every gradient."""
     if scaler is not None:
         for p in params:
             if p.grad is not None:
                 p.grad.detach().div_(scaler.scale)
-    norm = clip_grad_norm_(params, max_norm, mesh, sharded_over_dp)
-    return norm, scaler is not None and scaler.update(norm.item())
+    norm = _global_norm(params, mesh, sharded_over_dp)
+    skip = scaler.update(norm.item()) if scaler is not None else not math.isfinite(norm.item())
+    if not skip:
+        _clip(params, norm, max_norm)
+    return norm, skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 
 import torch
@@ -56,15 +57,34 @@ def train_step(s: Session, step: int) -> dict:
     grad_norm = s.optimizer.clip_and_step(o.grad_clip, s.scaler)
     mesh.dp_group.all_reduce(step_loss)
     loss = step_loss.item() / mesh.dp_size
-    if not math.isfinite(loss):
+    if s.scaler is None and not math.isfinite(grad_norm.item()):  # the same norm on every rank: all come here
+        non_finite_gradients(s, step, loss, grad_norm.item())
+    elif not math.isfinite(loss):
         raise TensorparError(f"loss became {loss} at step {step + 1}; try a lower --lr or --grad-clip")
     record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
               "step_time_s": time.perf_counter() - t0, "memory_mib": step_memory(s.optimizer, s.activations, device)}
     if s.scaler is not None:  # the scale this step ran with, and whether its gradients overflowed
-        record.update(loss_scale=scale, skipped=not math.isfinite(record["grad_norm"]))
+        record.update(loss_scale=scale)
+    if s.scaler is not None or not math.isfinite(record["grad_norm"]):
+        record["skipped"] = not math.isfinite(record["grad_norm"])
     if s.run.cfg.is_moe:
         record.update(moe_step_metrics(s.model, s.run.cfg, mesh))
     return record
+
+
+def non_finite_gradients(s: Session, step: int, loss: float, norm: float) -> None:
+    """A step whose gradient norm is NaN or Inf (it was not applied): say where, on every rank, and stop the run
+    (--on-nan stop) or go on (skip). Collective: every rank's parameters with non-finite gradients are gathered."""
+    names = {id(p): n for n, p in s.model.named_parameters()}
+    found = s.mesh.world_group.all_gather_object([names.get(id(p), "?") for p in s.optimizer.nonfinite])
+    where = "; ".join(f"rank {r}: {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+                      for r, bad in enumerate(found) if bad) or "no rank found one (an overflow in the norm itself)"
+    what = (f"step {step + 1}: the gradient norm is {norm} (loss {loss:.4g}); first parameter whose gradient is not "
+            f"finite, by rank: {where}. The step was not applied")
+    if s.options.on_nan == "stop":
+        raise TensorparError(f"{what}; no checkpoint is saved after step {step} (--on-nan skip skips such steps)")
+    if s.is_main:
+        sys.stderr.write(f"tensorpar: warning: {what} (--on-nan skip)\n")
 
 
 def validation_loss(s: Session) -> float:

@@ -1,0 +1,75 @@
+"""A gradient norm that is NaN or Inf is never applied: --on-nan stop ends the run on every rank with the step, the
+rank and the first parameter whose gradient is not finite, and no checkpoint after the bad step; --on-nan skip
+skips that step and trains on."""
+
+import math
+import os
+
+from tensorpar.checkpoints.sharded import step_folder
+from tensorpar.training import TrainOptions
+
+import layout_runs
+from harness import train
+
+POISONED = "layers.1.mlp.down_proj.weight"
+BAD_STEP = 3
+
+
+def check_nan_in_one_ranks_gradient(save, on_nan, dtype):
+    """Train tiny at TP 2, one micro-batch per step, with a NaN put into rank 1's shard of POISONED's gradient at
+    step BAD_STEP (a hook of this test); the history, or the error every rank raised."""
+    import tensorpar.training.session as session
+    from tensorpar.errors import TensorparError
+
+    build = session.build_model
+
+    def poisoned(run, mesh):
+        model, tokenizer = build(run, mesh)
+        if mesh.rank == 1:
+            backward_passes = [0]
+
+            def hook(grad):
+                backward_passes[0] += 1
+                return grad * float("nan") if backward_passes[0] == BAD_STEP else grad
+
+            dict(model.named_parameters())[POISONED].register_hook(hook)
+        return model, tokenizer
+
+    session.build_model = poisoned
+    settings = {**layout_runs.BASE, "global_batch_size": 2, "micro_batch_size": 2, "return_state": False,
+                "save": save, "save_every": 1, "on_nan": on_nan, "dtype": dtype, "tp": 2}
+    try:
+        summary = train(TrainOptions(model="tiny", **settings))
+        return {"history": [(r["step"], r["loss"], r["grad_norm"], r.get("skipped")) for r in summary["history"]]}
+    except TensorparError as e:
+        return {"error": str(e)}
+    finally:
+        session.build_model = build
+
+
+def test_a_nan_gradient_stops_the_run_naming_step_rank_and_parameter(pools, tmp_path):
+    save = str(tmp_path / "ckpt")
+    results = pools(2).run(check_nan_in_one_ranks_gradient, save, "stop", "fp32")
+    errors = [r.get("error") for r in results]
+    assert errors[0] is not None and errors[0] == errors[1], results  # every rank stops, with the same line
+    assert f"step {BAD_STEP}: the gradient norm is nan" in errors[0]
+    assert f"rank 1: {POISONED}" in errors[0] and "rank 0:" not in errors[0]
+    assert "was not applied" in errors[0]
+    with open(os.path.join(save, "latest")) as f:
+        assert f.read().strip() == os.path.basename(step_folder(save, BAD_STEP - 1))
+    assert not os.path.exists(step_folder(save, BAD_STEP))
+
+
+def test_on_nan_skip_skips_the_step_and_trains_on(pools, tmp_path):
+    """bf16: the fp32 master weights' pieces are where the non-finite gradient is found."""
+    results = pools(2).run(check_nan_in_one_ranks_gradient, str(tmp_path / "ckpt"), "skip", "bf16")
+    history = results[0]["history"]
+    assert repr(results[1]["history"]) == repr(history)  # the same on both ranks (repr: nan compares unequal)
+    assert [step for step, *_ in history] == [1, 2, 3, 4]
+    for step, loss, norm, skipped in history:
+        if step == BAD_STEP:
+            assert math.isnan(norm) and skipped is True, history
+        else:
+            assert math.isfinite(norm) and skipped is None, history
+        assert math.isfinite(loss), history
+    assert history[BAD_STEP][1] < history[0][1]  # the steps after it still train
