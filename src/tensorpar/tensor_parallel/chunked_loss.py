@@ -54,15 +54,16 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             hi = min(n, lo + chunk_tokens)
             logits = F.linear(h[lo:hi], weight, bias)
             logits_dtype = logits.dtype
-            x = logits.float()[:, :n_valid]
+            x = logits.float()[:, :n_valid]  # the chunk's own buffer when fp32: overwritten below
             del logits
-            if n_valid > 0:
-                local_lse[lo:hi] = torch.logsumexp(x, dim=-1)
+            if n_valid == 0:  # only padding rows on this rank: no target here, lse stays -inf
+                continue
             if label_smoothing > 0:
                 logit_sum[lo:hi] = x.sum(dim=-1)
-            if n_valid > 0:  # else no target is on this rank
-                picked = x.gather(-1, local_target[lo:hi, None]).squeeze(-1)
-                target_logit[lo:hi] = torch.where(on_rank[lo:hi], picked, 0.0)
+            picked = x.gather(-1, local_target[lo:hi, None]).squeeze(-1)
+            target_logit[lo:hi] = torch.where(on_rank[lo:hi], picked, 0.0)
+            chunk_max = x.max(dim=-1).values
+            local_lse[lo:hi] = chunk_max + x.sub_(chunk_max[:, None]).exp_().sum(dim=-1).log()
             del x
         global_max = local_lse.clone()
         group.all_reduce(global_max, op="max")
