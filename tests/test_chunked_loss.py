@@ -8,6 +8,7 @@ from torch import nn
 from tensorpar.distributed.comm import Group
 from tensorpar.layers import TPRegion, VocabParallelLMHead, vocab_parallel_cross_entropy
 from tensorpar.models import Transformer, get_config
+from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 
 from checks import rel_err
 from harness import mesh
@@ -124,3 +125,27 @@ def test_rejects_bad_arguments():
         head.loss(h, targets[:2], chunk_tokens=2)
     with pytest.raises(Exception, match="loss_chunk_tokens"):
         Transformer(CONFIGS["tiny"], Group.single("tp"), loss_chunk_tokens=0)
+
+
+def test_bf16_autocast_and_the_split_backward():
+    """Under bf16 autocast the head's GEMMs run in bf16 and the loss in fp32, as unfused: the same loss and input
+    gradient; the weight gradient is summed over the chunks in fp32 (unfused: one bf16 GEMM), so it differs by
+    bf16 rounding. Under a split backward (zero-bubble) the head keeps the unfused path: its weight gradient waits
+    in the queue."""
+    torch.manual_seed(1)
+    head = VocabParallelLMHead.from_dense(nn.Linear(H, 1001, bias=True), Group.single("tp"))
+    h, targets = torch.randn(B, S, H), torch.randint(0, 1001, (B, S))
+    group = Group.single("tp")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads, _ = _run(head, h, targets, group, 0.1)
+        loss, grads, _ = _run(head, h, targets, group, 0.1, 7)
+    assert loss.dtype == torch.float32 and rel_err(loss, ref_loss) <= TOL and rel_err(grads[0], ref_grads[0]) <= TOL
+    assert all(rel_err(a, b) <= 1e-2 for a, b in zip(grads[1:], ref_grads[1:]))
+
+    queue = WeightGradQueue()
+    split = VocabParallelLMHead.from_dense(nn.Linear(H, 1001, bias=False), TPRegion(group, weight_grads=queue))
+    split.loss(h.requires_grad_(), targets, chunk_tokens=7).backward()
+    assert split.weight.grad is None and h.grad is not None
+    queue.close("mb")
+    queue.run("mb")
+    assert split.weight.grad is not None

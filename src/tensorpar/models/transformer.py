@@ -154,7 +154,8 @@ class Transformer(nn.Module):
         self.sequence_parallel = self.region.sequence_parallel
         self.recompute = recompute
         if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
-            raise TensorparError(f"loss_chunk_tokens must be a positive number of tokens or None, got {loss_chunk_tokens}")
+            raise TensorparError(f"loss_chunk_tokens must be a positive number of tokens or None, "
+                                 f"got {loss_chunk_tokens}")
         self.loss_chunk_tokens = loss_chunk_tokens
         device = device if device is not None else getattr(mesh, "device", None)
         region = self.region
