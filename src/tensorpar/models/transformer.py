@@ -116,6 +116,10 @@ class Transformer(nn.Module):
     ``weight_grads`` (a `WeightGradQueue`, for the zero-bubble schedules) every layer's backward leaves its
     weight gradients in the queue. Both go into the model's `TPRegion` (`self.region`), which every layer
     asks how to enter and leave a TP region.
+
+    ``loss_chunk_tokens``: the training loss runs the head and the cross-entropy fused, that many tokens at a
+    time, never holding the whole [B, S, V / tp] logits (`VocabParallelLMHead.loss`); None: logits, then the
+    loss. `logits()` (eval, generation) is the same either way.
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class Transformer(nn.Module):
         cp_split: str = "zigzag",
         tp_overlap: bool = True,
         weight_grads: WeightGradQueue | None = None,
+        loss_chunk_tokens: int | None = None,
     ):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
@@ -148,6 +153,10 @@ class Transformer(nn.Module):
         self.region = TPRegion(self.tp_group, sequence_parallel, tp_overlap, weight_grads)
         self.sequence_parallel = self.region.sequence_parallel
         self.recompute = recompute
+        if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
+            raise TensorparError(f"loss_chunk_tokens must be a positive number of tokens or None, "
+                                 f"got {loss_chunk_tokens}")
+        self.loss_chunk_tokens = loss_chunk_tokens
         device = device if device is not None else getattr(mesh, "device", None)
         region = self.region
         # Full recomputation stops re-running a block's forward once every tensor its backward saved is back, so a
@@ -251,6 +260,14 @@ class Transformer(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size)
         return mean_from_cp(loss, (targets != -100).sum(), self.cp_group)
 
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`loss(logits(h), targets)`, with the head and the loss fused per `loss_chunk_tokens` when the model was
+        built with it (under the zero-bubble split backward the head keeps the unfused path: see its `loss`)."""
+        if self.loss_chunk_tokens is None:
+            return self.loss(self.logits(h), targets)
+        loss = self.head.loss(h, targets, chunk_tokens=self.loss_chunk_tokens)
+        return mean_from_cp(loss, (targets != -100).sum(), self.cp_group)
+
     # -- forward ------------------------------------------------------------------------------
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, dropout_seed: int | None = None,
@@ -295,10 +312,10 @@ class Transformer(nn.Module):
                           context=context, aux_scale=aux_scale)
         if not head:
             return h
-        logits = self.logits(self.final_norm(h))
+        h = self.final_norm(h)
         if targets is None:
-            return logits
-        return self.loss(logits, targets if context is None else context.local(targets))
+            return self.logits(h)
+        return self.head_loss(h, targets if context is None else context.local(targets))
 
     def forward_cached(self, ids: torch.Tensor, cache, start_pos=None) -> torch.Tensor:
         """Inference with a KV cache (tensorpar.inference.KVCache): run the new tokens `ids` [B, s] whose first one

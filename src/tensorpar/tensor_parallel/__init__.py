@@ -5,9 +5,11 @@
 - `region`: `TPRegion`, how a run's layers enter and leave a TP region (plain, overlapped (`tp_overlap`) or with
   a split backward);
 - `linear` (ColumnParallelLinear, RowParallelLinear), `mlp` (ParallelMLP), `embedding` (VocabParallelEmbedding,
-  with `lookup`), `lm_head` (VocabParallelLMHead) and `cross_entropy` (the vocab-parallel loss).
+  with `lookup`), `lm_head` (VocabParallelLMHead), `cross_entropy` (the vocab-parallel loss) and `chunked_loss`
+  (the head and the loss fused per chunk of tokens: `VocabParallelLMHead.loss`).
 """
 
+from tensorpar.tensor_parallel.chunked_loss import chunked_head_cross_entropy
 from tensorpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.tensor_parallel.embedding import VocabParallelEmbedding
 from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -16,4 +18,5 @@ from tensorpar.tensor_parallel.mlp import ParallelMLP
 from tensorpar.tensor_parallel.region import TPRegion
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "VocabParallelEmbedding", "VocabParallelLMHead",
-           "TiedLMHead", "TPRegion", "vocab_parallel_cross_entropy"]
+           "TiedLMHead", "TPRegion", "vocab_parallel_cross_entropy",
+           "chunked_head_cross_entropy"]

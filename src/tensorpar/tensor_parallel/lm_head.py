@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from tensorpar.distributed.sharding import ShardSpec, padded, tag, take_shard
+from tensorpar.tensor_parallel.chunked_loss import chunked_head_cross_entropy
+from tensorpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.tensor_parallel.linear import ColumnParallelLinear, InitMethod, full_linear_params
 from tensorpar.tensor_parallel.region import as_region
 
@@ -64,6 +66,23 @@ class VocabParallelLMHead(ColumnParallelLinear):
         """The head of a model whose output weights are its (vocabulary-parallel) embedding's: the same forward,
         on the embedding's weight, with no parameter of its own."""
         return TiedLMHead(embedding)
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int, label_smoothing: float = 0.0,
+             ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+        """``vocab_parallel_cross_entropy(self(h), targets, ...)`` without the logits: `h` enters the region as in
+        the forward (`region.entry`: identity / all-reduce, or SP all-gather / reduce-scatter), then the head
+        and the loss run fused, `chunk_tokens` tokens at a time (`chunked_head_cross_entropy`: all-reduce max
+        and all-reduce sum forward, once; nothing more in the backward)."""
+        if self.region.weight_grads is not None:
+            # The split backward defers the head's weight gradient to the queue; the fused backward computes it
+            # with the input gradient, so the zero-bubble schedules keep the unfused head and loss.
+            return vocab_parallel_cross_entropy(self(h), targets, self.tp_group, vocab_size=self.vocab_size,
+                                                label_smoothing=label_smoothing, ignore_index=ignore_index,
+                                                reduction=reduction)
+        return chunked_head_cross_entropy(self.region.entry(h), self.weight, self.bias, targets, self.tp_group,
+                                          vocab_size=self.vocab_size, chunk_tokens=chunk_tokens,
+                                          ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                          reduction=reduction)
 
     @property
     def vocab_start(self) -> int:

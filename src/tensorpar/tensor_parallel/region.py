@@ -12,7 +12,8 @@ exit communicate is a policy of the whole run, not of a layer, and `TPRegion` ho
 - ``weight_grads``: a `WeightGradQueue` (zero-bubble schedules): every layer's backward computes the input
   gradient only and leaves its weight gradients in the queue (`tensorpar.pipeline_parallel.weight_grad`).
 
-The layers have one forward each and ask the region: `enter` (column-parallel projections sharing an input),
+The layers have one forward each and ask the region: `enter` (column-parallel projections sharing an input;
+`entry`: its collective alone),
 `leave` (the row-parallel product and its reduction), `replicated` (parameters replicated on the TP ranks, such
 as a norm's, whose gradients are summed over them when each rank sees part of the tokens), `reduce` (partial
 results summed over TP, e.g. a vocabulary-parallel embedding's), `linear` (a local product whose weight gradient
@@ -23,6 +24,7 @@ Each chooses, in one place, among the plain collectives, the overlapped ones and
 method        forward                                  backward
 ============  =======================================  ==============================================
 enter         identity (f) / SP: all-gather            all-reduce / SP: reduce-scatter of the input grad
+entry         as enter, without the GEMMs              as enter
 leave         all-reduce (g) / SP: reduce-scatter      none / SP: all-gather of the output gradient
 replicated    identity                                 all-reduce of the parameters' gradients (summed)
 reduce        all-reduce / SP: reduce-scatter          none / SP: all-gather
@@ -101,12 +103,18 @@ class TPRegion:
             params = [(_with_grad_reduce(p.weight, p.grad_reduce), _with_grad_reduce(p.bias, p.grad_reduce))
                       for p in projections]
             return column_parallel_in(x, params, self.group, self.sequence_parallel)
-        x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        x = self.entry(x)
         if self.weight_grads is not None:
             return [weight_grad.linear(x, p.weight, p.bias, self.weight_grads, reduce=p.grad_reduce)
                     for p in projections]
         return [F.linear(x, _with_grad_reduce(p.weight, p.grad_reduce), _with_grad_reduce(p.bias, p.grad_reduce))
                 for p in projections]
+
+    def entry(self, x: torch.Tensor) -> torch.Tensor:
+        """`enter`'s collective alone, for a caller that runs its own GEMMs on the entered input (the chunked
+        head and loss): `copy_to_tp` (identity / all-reduce), or under SP `gather_from_sp` (all-gather /
+        reduce-scatter). Never overlapped: there is no GEMM here to hide it behind."""
+        return gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
 
     def leave(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The row-parallel product x W^T summed over the group (SP: reduce-scattered along the sequence), leaving

@@ -96,6 +96,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     _check_save_folder(o)
     if o.bucket_mb <= 0:
         raise TensorparError(f"--bucket-mb must be positive, got {o.bucket_mb}")
+    if o.loss_chunk_tokens < 0:
+        raise TensorparError(f"--loss-chunk-tokens must be 0 (off) or a number of tokens, "
+                             f"got {o.loss_chunk_tokens}")
     if o.save_every and not o.save:
         raise TensorparError("--save-every needs --save DIR")
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:

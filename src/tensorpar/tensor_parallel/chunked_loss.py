@@ -1,0 +1,157 @@
+"""The LM head and the vocabulary-parallel cross-entropy fused, one chunk of tokens at a time.
+
+`vocab_parallel_cross_entropy(F.linear(h, W, b), targets, ...)` holds every token's logits [N, V/tp] in fp32
+(8192 tokens x 128,256 vocabulary: 4.2 GB) from the forward until the backward. Fused, the head's GEMM runs
+per chunk of `chunk_tokens` tokens and each chunk's logits are dropped as soon as they are reduced to, per
+token, this rank's log-sum-exp over its real (unpadded) columns, the target's logit when it is in this rank's
+shard and, with label smoothing, the sum of the real logits. After the last chunk the ranks combine those
+once, with the collectives of the unfused loss (all-reduce MAX, one stacked all-reduce SUM):
+
+    lse = m + log(sum_r exp(lse_r - m)),  m = max_r lse_r
+    loss = (1 - eps) * (lse - x_y) + eps * (lse - sum_c x_c / V)
+
+Saved for the backward: the per-token lse [N] (fp32) besides h, W, b and the targets, which are alive anyway.
+The backward recomputes each chunk's logits, softmax = exp(x - lse), subtracts the target distribution and
+multiplies by the incoming gradient: dh_chunk = g W (a partial sum over the TP ranks, summed by the region
+entry's backward) and dW += g^T h_chunk, db += sum g.
+
+Dtypes are the unfused path's: the GEMMs run in the dtype the head's F.linear runs in (bf16 under autocast or
+with bf16 parameters), the loss and softmax in fp32. The weight gradient is accumulated over chunks in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tensorpar.distributed.comm import Group
+
+
+def _valid_columns(group: Group, local_vocab: int, vocab_size: int) -> tuple[int, int]:
+    """(first vocabulary row of this rank's shard, how many of its rows are real, not padding)."""
+    start = group.rank * local_vocab
+    return start, max(0, min(local_vocab, vocab_size - start))
+
+
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """Forward: all-reduce (max) of the per-token local log-sum-exp, then all-reduce (sum) of
+    [exp(lse_r - max), target logit, sum of logits] stacked, once after all chunks.
+    Backward: none (dh is a partial sum over TP: the caller's region entry reduces it)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, group: Group, vocab_size: int, ignore_index: int,
+                label_smoothing: float, chunk_tokens: int):
+        start, n_valid = _valid_columns(group, weight.shape[0], vocab_size)
+        ignored = targets == ignore_index
+        on_rank = (targets >= start) & (targets < start + n_valid) & ~ignored
+        local_target = torch.where(on_rank, targets - start, torch.zeros_like(targets))
+        n = h.shape[0]
+        local_lse = torch.full((n,), float("-inf"), device=h.device)
+        target_logit = torch.zeros(n, device=h.device)
+        logit_sum = torch.zeros(n, device=h.device)
+        logits_dtype = h.dtype
+        for lo in range(0, n, chunk_tokens):
+            hi = min(n, lo + chunk_tokens)
+            logits = F.linear(h[lo:hi], weight, bias)
+            logits_dtype = logits.dtype
+            x = logits.float()[:, :n_valid]  # the chunk's own buffer when fp32: overwritten below
+            del logits
+            if n_valid == 0:  # only padding rows on this rank: no target here, lse stays -inf
+                continue
+            if label_smoothing > 0:
+                logit_sum[lo:hi] = x.sum(dim=-1)
+            picked = x.gather(-1, local_target[lo:hi, None]).squeeze(-1)
+            target_logit[lo:hi] = torch.where(on_rank[lo:hi], picked, 0.0)
+            chunk_max = x.max(dim=-1).values
+            local_lse[lo:hi] = chunk_max + x.sub_(chunk_max[:, None]).exp_().sum(dim=-1).log()
+            del x
+        global_max = local_lse.clone()
+        group.all_reduce(global_max, op="max")
+        sums = [(local_lse - global_max).exp(), target_logit]
+        if label_smoothing > 0:
+            sums.append(logit_sum)
+        reduced = group.all_reduce(torch.stack(sums))
+        lse = global_max + reduced[0].log()
+        loss = lse - reduced[1]
+        if label_smoothing > 0:
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - reduced[2] / vocab_size)
+        loss = loss.masked_fill(ignored, 0.0)
+
+        ctx.save_for_backward(h, weight, bias, lse, on_rank, local_target, ignored)
+        ctx.n_valid, ctx.vocab_size, ctx.label_smoothing = n_valid, vocab_size, label_smoothing
+        ctx.chunk_tokens, ctx.logits_dtype = chunk_tokens, logits_dtype
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        h, weight, bias, lse, on_rank, local_target, ignored = ctx.saved_tensors
+        dt, eps, n_valid = ctx.logits_dtype, ctx.label_smoothing, ctx.n_valid
+        scale = grad_loss.float().masked_fill(ignored, 0.0)
+        w, b = weight.to(dt), None if bias is None else bias.to(dt)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for lo in range(0, h.shape[0], ctx.chunk_tokens):
+                hi = min(h.shape[0], lo + ctx.chunk_tokens)
+                h_chunk = h[lo:hi].to(dt)
+                g = F.linear(h_chunk, w, b).float()
+                g.sub_(lse[lo:hi, None]).exp_()  # the softmax, computed in place of the logits
+                g[:, n_valid:] = 0.0
+                rows = torch.nonzero(on_rank[lo:hi], as_tuple=True)[0]
+                g[rows, local_target[lo:hi][rows]] -= 1.0 - eps
+                if eps > 0:
+                    g[:, :n_valid] -= eps / ctx.vocab_size
+                g.mul_(scale[lo:hi, None])
+                g = g.to(dt)
+                grad_h[lo:hi] = g @ w
+                if dt == torch.float32:
+                    grad_w.addmm_(g.t(), h_chunk)
+                else:
+                    grad_w += (g.t() @ h_chunk).float()
+                if grad_b is not None:
+                    grad_b += g.sum(0, dtype=torch.float32)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w.to(weight.dtype), grad_b, None, None, None, None, None, None
+
+
+def chunked_head_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    group: Group,
+    *,
+    vocab_size: int,
+    chunk_tokens: int,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``vocab_parallel_cross_entropy(F.linear(h, weight, bias), targets, group, vocab_size=...)`` computed
+    `chunk_tokens` tokens at a time, never holding more than one chunk's logits. `h` [..., H] is inside the TP
+    region (replicated over the group), `weight` [V_pad / tp, H] this rank's rows of the padded head, `targets`
+    [...] the full targets.
+
+    Forward: all-reduce (max) and all-reduce (sum), once after all chunks, as the unfused loss.
+    Backward: none; the input gradient is a partial sum over the group, for the region entry's backward."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    padded_vocab = weight.shape[0] * group.size
+    if not padded_vocab - weight.shape[0] < vocab_size <= padded_vocab:
+        raise ValueError(f"vocab_size={vocab_size} does not match a head sharded as {weight.shape[0]} x "
+                         f"{group.size} ranks")
+    if targets.shape != h.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match h {tuple(h.shape[:-1])}")
+    losses = _ChunkedHeadCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, bias, targets.reshape(-1), group,
+                                            vocab_size, ignore_index, label_smoothing, chunk_tokens)
+    if reduction == "none":
+        return losses.view(targets.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (targets != ignore_index).sum()
