@@ -9,6 +9,7 @@ import gc
 import pytest
 import torch
 
+from tensorpar.config.choices import LOSS_CHUNK_TOKENS
 from tensorpar.models.config import ModelConfig
 from tensorpar.planning import memory, precision_recipes
 from tensorpar.planning import params as planned_params
@@ -103,8 +104,9 @@ def measure_saved_bytes(model, ids, targets, bf16: bool, method: str) -> int:
     return sum(n for k, (ref, n) in mode.storages.items() if not ref.expired() and k not in params and k != keep)
 
 
-def check_activations(tp, config, sp, recompute, dtype, method, tp_overlap=True):
-    """`dtype`: "fp32", "bf16" (parameters cast, as training does) or "bf16-autocast" (as eval does)."""
+def check_activations(tp, config, sp, recompute, dtype, method, tp_overlap=True, loss_chunk_tokens=LOSS_CHUNK_TOKENS):
+    """`dtype`: "fp32", "bf16" (parameters cast, as training does) or "bf16-autocast" (as eval does);
+    `loss_chunk_tokens`: the fused head and loss as training runs them by default, None for logits then the loss."""
     from tensorpar.models import Transformer
 
     cfg = CONFIGS[config]
@@ -113,7 +115,8 @@ def check_activations(tp, config, sp, recompute, dtype, method, tp_overlap=True)
     B, S = 2, 32
     ids = torch.randint(0, cfg.vocab_size, (B, S))
     targets = torch.randint(0, cfg.vocab_size, (B, S))
-    model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1, tp_overlap=tp_overlap)
+    model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1, tp_overlap=tp_overlap,
+                        loss_chunk_tokens=loss_chunk_tokens)
     if dtype == "bf16":
         for p in model.parameters():
             p.data = p.data.bfloat16()
@@ -126,17 +129,21 @@ ACTIVATION_CASES = [(1, c, False, rc, dtype) for c in ("tiny", "tiny-gpt2") for 
     (2, "tiny", True, "none", "fp32"), (2, "tiny", True, "none", "bf16-autocast"),
     (2, "tiny", False, "selective", "bf16-autocast"), (2, "tiny-gpt2", True, "full", "fp32"),
     (2, "tiny-gpt2", False, "none", "bf16-autocast"), (2, "tiny", True, "none", "bf16")]
+CHUNKS = [LOSS_CHUNK_TOKENS] * len(ACTIVATION_CASES) + [None] * 4
+# Logits, then the loss (--loss-chunk-tokens 0): the softmax and, under autocast, the head's bf16 weight copy.
+ACTIVATION_CASES += [(1, "tiny", False, "none", "fp32"), (1, "tiny-gpt2", False, "none", "bf16-autocast"),
+                     (2, "tiny", True, "none", "bf16-autocast"), (2, "tiny-gpt2", False, "full", "bf16")]
 
 
-@pytest.mark.parametrize("tp,config,sp,recompute,dtype", ACTIVATION_CASES)
-def test_activation_memory_matches_saved_tensors(pools, tp, config, sp, recompute, dtype):
+@pytest.mark.parametrize("tp,config,sp,recompute,dtype,chunk", [c + (k,) for c, k in zip(ACTIVATION_CASES, CHUNKS)])
+def test_activation_memory_matches_saved_tensors(pools, tp, config, sp, recompute, dtype, chunk):
     cfg = CONFIGS[config]
     prec = f"tensorpar-{dtype}"
     mb = memory.stage_memory(cfg, Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=recompute),
-                             32, 2, prec)
+                             32, 2, prec, loss_chunk_tokens=chunk)
     predicted = mb.activations + mb.weight_copies
     method = "hooks" if recompute == "none" else "live"
-    args = (tp, config, sp, recompute, dtype, method)
+    args = (tp, config, sp, recompute, dtype, method, True, chunk)
     measured = [check_activations(*args)] if tp == 1 else pools(WORLD).run(check_activations, *args)
     for rank, got in enumerate(measured):
         assert abs(predicted - got) <= 0.10 * got, f"rank {rank}: predicted {predicted} vs measured {got}"

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tensorpar.config.choices import LOSS_CHUNK_TOKENS
 from tensorpar.distributed.comm import CommStats, Group
 from tensorpar.models import get_config
 from tensorpar.models.flops import train_flops_per_token
@@ -163,7 +164,7 @@ def test_moe_activation_memory_near_the_saved_tensors(dtype):
     cfg = get_config("tiny-moe")
     torch.manual_seed(0)
     ids, targets = torch.randint(0, cfg.vocab_size, (2, 32)), torch.randint(0, cfg.vocab_size, (2, 32))
-    model = Transformer(cfg, None, seed=1)
+    model = Transformer(cfg, None, seed=1, loss_chunk_tokens=LOSS_CHUNK_TOKENS)  # the head and loss as training runs them
     if dtype == "bf16":
         for p in model.parameters():
             p.data = p.data.bfloat16()

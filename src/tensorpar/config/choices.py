@@ -9,6 +9,7 @@ SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zbv")  # backward split into B (input grad
 V_SHAPED_SCHEDULES = ("zbv",)  # two chunks per rank in a V: rank 0 holds the first and the last stage
 ZERO_STAGES = (0, 1, 2, 3)  # what training runs (--zero)
 PLANNED_ZERO_STAGES = (0, 1, 2, 3)  # what the planner models
+LOSS_CHUNK_TOKENS = 1024  # tokens per chunk of the fused LM head + loss, training's default (--loss-chunk-tokens)
 ON_NAN = ("stop", "skip")  # what a non-finite gradient norm does to the run (--on-nan)
 BIN_DTYPES = ("uint16", "int32")  # raw token files (--bin-dtype)
 PLAN_PRECISIONS = ("tensorpar-bf16", "tensorpar-fp16", "tensorpar-bf16-autocast", "tensorpar-fp32", "mixed-bf16",

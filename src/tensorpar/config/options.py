@@ -16,6 +16,7 @@ from tensorpar.config.choices import (
     CP_SPLITS,
     DTYPES,
     GRAD_REDUCE_DTYPES,
+    LOSS_CHUNK_TOKENS,
     ON_NAN,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
@@ -113,9 +114,9 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
     tp_overlap: bool = option(True, "issue the TP collectives as plain blocking ones, not overlapped with the "
                                     "GEMMs beside them (the same results; to measure the difference; in a config "
                                     "file: tp_overlap = false)", flag="--no-tp-overlap", group=LAYOUT)
-    loss_chunk_tokens: int = option(0, "run the LM head and the loss fused, this many tokens at a time, never "
-                                       "holding all the logits (0: logits, then the loss)", metavar="N",
-                                    group=LAYOUT)
+    loss_chunk_tokens: int = option(LOSS_CHUNK_TOKENS, "run the LM head and the loss fused, this many tokens at a "
+                                                       "time, never holding all the logits (0: logits, then the "
+                                                       "loss)", metavar="N", group=LAYOUT)
     dtype: str = option("fp32", "bf16/fp16: parameters, activations and gradients in bf16/fp16 with fp32 master "
                                 "weights in the optimizer (fp16 with dynamic loss scaling)", choices=TRAIN_DTYPES,
                         group=LAYOUT)

@@ -33,7 +33,11 @@ Activations, two models:
   final norm, the head's input and the loss's fp32 softmax over the local vocabulary
   (4 b s V_pad/t). Under bf16 autocast the weights' bf16 copies (2 bytes per matmul weight
   element) stay alive from forward to backward, one set per micro-batch in flight: reported as
-  ``weight_copies``.
+  ``weight_copies``. With the fused, chunked head and loss (training's default, `loss_chunk_tokens`) the loss
+  keeps a per-token fp32 log-sum-exp (4 b s) instead of the softmax, the head's input in the residual
+  stream's dtype and no bf16 copy of the head's weight. The loss's temporaries (the unfused loss's fp32
+  logits before its softmax, 4 b s V_pad/t; the fused one's chunk of logits and their gradient, 8 chunk
+  V_pad/t) are not modelled: they live inside the loss's forward or backward only.
 - ``playbook``: the Playbook's (Korthikanti et al. 2022) formulas in bf16, generalised to GQA
   and gated MLPs: per layer s b h (34 + 5 a s / h) without TP; with TP t
   s b h (10 + 24/t + 5 a s/(h t)); with TP and SP s b h (34 + 5 a s/h) / t; selective
@@ -65,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tensorpar.config.choices import LOSS_CHUNK_TOKENS, SPLIT_BACKWARD_SCHEDULES
 from tensorpar.config.hardware import GiB
 from tensorpar.distributed.sharding import padded
 from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
@@ -151,9 +156,10 @@ def tensorpar_moe_activations(cfg, tp: int, b: int, s: int, autocast: bool, act_
 
 
 def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast: bool,
-                                act_bytes: int = 4) -> dict[str, int]:
+                                act_bytes: int = 4, chunked_loss: bool = False) -> dict[str, int]:
     """Bytes saved outside the layers for one micro-batch: ``first`` (ids, embedding dropout mask),
-    ``rope`` (cos/sin tables, every stage) and ``last`` (final norm, head input, loss)."""
+    ``rope`` (cos/sin tables, every stage) and ``last`` (final norm, head input, loss; `chunked_loss`: the
+    fused head and loss, which keep the per-token log-sum-exp instead of the softmax)."""
     A = act_bytes
     sp = sp and tp > 1
     h = cfg.hidden_size
@@ -166,9 +172,10 @@ def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast
         last = A * b * sn * h + 4 * b * sn * h + 4 * b * sn
     else:
         last = A * b * sn * h + 8 * b * sn
-    last += (2 if autocast else A) * b * s * h  # the head's input
+    last += (2 if autocast and not chunked_loss else A) * b * s * h  # the head's input
     vocab = padded(cfg.vocab_size, tp) // tp
-    last += 4 * b * s * vocab + 8 * b * s + 2 * b * s + 8  # softmax, targets, masks, token count
+    last += 4 * b * s * (1 if chunked_loss else vocab)  # the log-sum-exp, or the softmax
+    last += 8 * b * s + 2 * b * s + 8  # targets, masks, token count
     return {"first": first, "rope": rope, "last": last}
 
 
@@ -306,10 +313,11 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
 
 
 def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
-                 stage: int = 0, flash_attention: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_overlap: bool = True) -> MemoryBreakdown:
+                 stage: int = 0, flash_attention: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 tp_overlap: bool = True, loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size; `tp_overlap`:
-    tensorpar's TP overlap, its default, on as in training)."""
+    tensorpar's TP overlap, its default, on as in training; `loss_chunk_tokens`: tensorpar's fused head and loss,
+    training's default chunk, None for logits then the loss)."""
     prec = get_precision(precision)
     pp = layout.pp
     summary = parameter_summary(cfg, layout.tp, pp, stage, layout.ep, layout.pipeline_layers, layout.virtual_stages)
@@ -317,9 +325,12 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     m = max(layout.num_micro_batches(global_batch), 1)
     param_mem, grad_mem, opt_mem, gathered = _state_bytes(cfg, layout, summary, n_layers, stage, prec, bucket_bytes)
     chunks = in_flight(layout, m, stage if pp > 1 else 0)
+    # zero-bubble schedules keep the unfused head and loss (their split backward defers the head's weight gradient)
+    split_backward = layout.pp > 1 and layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    chunked = bool(loss_chunk_tokens) and prec.activations == "tensorpar" and not split_backward
     activations, recomputed = _activation_bytes(cfg, layout, seq_len, m, chunks, n_layers, first, last, prec,
-                                                flash_attention, tp_overlap)
-    weight_copies, copies_alive = _weight_copy_bytes(layout, summary, n_layers, chunks, last, prec)
+                                                flash_attention, tp_overlap, chunked)
+    weight_copies, copies_alive = _weight_copy_bytes(layout, summary, n_layers, chunks, last, prec, chunked)
     transient = gathered + recomputed + copies_alive
     subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
@@ -353,7 +364,8 @@ def _state_bytes(cfg, layout: Layout, summary: ParamSummary, n_layers: int, stag
 
 
 def _activation_bytes(cfg, layout: Layout, seq_len: int, m: int, chunks: int, n_layers: int, first: bool,
-                      last: bool, prec: Precision, flash_attention: bool, tp_overlap: bool) -> tuple[int, int]:
+                      last: bool, prec: Precision, flash_attention: bool, tp_overlap: bool,
+                      chunked_loss: bool = False) -> tuple[int, int]:
     """(activations at the peak, the layer activations recomputation brings back during backward) in bytes on one
     rank: per layer x layers per chunk x the `chunks` chunk-forwards in flight, plus the stage's ends."""
     b, s = layout.micro_batch_size, seq_len // layout.cp  # each rank holds seq_len / cp tokens of a sequence
@@ -363,7 +375,8 @@ def _activation_bytes(cfg, layout: Layout, seq_len: int, m: int, chunks: int, n_
     # share on every stage, as tensorpar places them by global index)
     moe_share = (sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / cfg.num_layers) if cfg.is_moe else 0.0
     if prec.activations == "tensorpar":
-        outer = tensorpar_outer_activations(cfg, layout.tp, layout.sp, b, s, prec.autocast, prec.act_bytes)
+        outer = tensorpar_outer_activations(cfg, layout.tp, layout.sp, b, s, prec.autocast, prec.act_bytes,
+                                            chunked_loss)
     else:
         outer = playbook_outer_activations(cfg, layout.tp, layout.sp, b, s, prec.act_bytes)
     per_layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap, moe_share)
@@ -392,12 +405,12 @@ def _layer_activations(cfg, layout: Layout, b: int, s: int, mode: str, prec: Pre
 
 
 def _weight_copy_bytes(layout: Layout, summary: ParamSummary, n_layers: int, chunks: int, last: bool,
-                       prec: Precision) -> tuple[int, int]:
+                       prec: Precision, chunked_loss: bool = False) -> tuple[int, int]:
     """(weight copies kept from forward to backward, those alive only while a layer recomputes) in bytes: bf16
     autocast's copies of the matmul weights, or Transformer Engine's fp8 weights and transposes."""
     if prec.autocast:
         layer_weights = summary.layer_matmul_weights
-        head_weights = summary.head_matmul_weights if last else 0
+        head_weights = summary.head_matmul_weights if last and not chunked_loss else 0  # the fused loss keeps none
         if layout.recompute == "full":
             return 2 * head_weights, 2 * layer_weights // max(n_layers, 1)
         # every micro-batch's forward makes its own copies: one set per chunk-forward in flight
