@@ -71,3 +71,14 @@ def test_mixture_batches_depend_on_step_seed_and_batch_only():
     assert sorted(first_epoch_b) == list(range(10_000, 10_144, 8))          # each window of b once per epoch
     val = ds.val_windows()
     assert val.shape == (7, 8) and sorted(val[:, 0].tolist()) == [360, 368, 376, 384, 392, 10_144, 10_152]
+
+
+def test_sample_indices_name_the_windows_of_each_batch_row():
+    """What a loss-spike line reports: (source, window) of every row, which are the rows global_batch returns."""
+    ds = _mixture()
+    for step in (0, 7, 13):
+        batch = ds.global_batch(step, seed=3, global_batch_size=8)
+        picked = ds.sample_indices(step, seed=3, global_batch_size=8)
+        assert torch.equal(torch.stack([ds.datasets[i].windows([w])[0] for i, w in picked]), batch)
+    text = ds.describe_samples(7, 3, 8)
+    assert text.startswith("a: windows [") and "; b: windows [" in text

@@ -145,6 +145,9 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                  "overflows): the step is never applied; stop the run naming the step, the ranks and "
                                  "the first parameter whose gradient is not finite, or skip the step and go on",
                          choices=ON_NAN, group="optimization")
+    spike_factor: float = option(0.0, "log a step whose loss exceeds this many times the mean of the previous "
+                                      "(up to 20) steps, with the samples it trained on (0: off)", metavar="X",
+                                 group="optimization")
     tokenizer: str | None = option(None, "a tokenizer.json or a folder holding one (default: --init-from's, "
                                          "else bytes)", group="data")
     val_data: str | None = option(None, "validation data, any --data form (default: the last --val-fraction of "

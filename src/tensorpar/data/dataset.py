@@ -206,6 +206,10 @@ class TokenDataset:
         check_step(step, seed, global_batch_size)
         return self.shuffled_indices(step * global_batch_size, (step + 1) * global_batch_size, seed)
 
+    def describe_samples(self, step: int, seed: int, global_batch_size: int) -> str:
+        """Where step `step`'s samples come from, to look at them: their training-window indices."""
+        return f"windows {self.sample_indices(step, seed, global_batch_size).tolist()} (seq_len {self.seq_len})"
+
     def windows(self, indices) -> torch.Tensor:
         """The training windows at `indices`: LongTensor [len(indices), seq_len + 1]."""
         return torch.from_numpy(np.asarray(self._train[np.asarray(indices, dtype=np.int64)], dtype=np.int64))

@@ -140,6 +140,28 @@ class MixtureDataset:
         """Samples drawn from each source by the first `step` steps: the position in every source."""
         return [int(c) for c in self.blend.counts_before(step * global_batch_size)]
 
+    def sample_indices(self, step: int, seed: int, global_batch_size: int) -> list[tuple[int, int]]:
+        """(source, training-window index in that source) of each sample of step `step`, in batch order."""
+        check_step(step, seed, global_batch_size)
+        sources, ordinals = self.blend.assign(step * global_batch_size, global_batch_size)
+        out: list[tuple[int, int]] = [(0, 0)] * global_batch_size
+        for i, ds in enumerate(self.datasets):
+            rows = np.flatnonzero(sources == i)
+            if rows.size:
+                picked = ordinals[rows]
+                index = ds.shuffled_indices(int(picked.min()), int(picked.max()) + 1, seed)[picked - picked.min()]
+                for row, window in zip(rows, index):
+                    out[row] = (i, int(window))
+        return out
+
+    def describe_samples(self, step: int, seed: int, global_batch_size: int) -> str:
+        """Where step `step`'s samples come from, to look at them: each source's training-window indices."""
+        by_source: dict[int, list[int]] = {}
+        for source, window in self.sample_indices(step, seed, global_batch_size):
+            by_source.setdefault(source, []).append(window)
+        return "; ".join(f"{self.names[i]}: windows {w}" for i, w in sorted(by_source.items())) + \
+            f" (seq_len {self.seq_len})"
+
     def global_batch(self, step: int, seed: int, global_batch_size: int) -> torch.Tensor:
         """The samples of optimizer step `step` (0-based): LongTensor [global_batch_size, seq_len + 1]."""
         check_step(step, seed, global_batch_size)

@@ -9,6 +9,7 @@ writes the metrics.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import sys
@@ -87,6 +88,25 @@ def non_finite_gradients(s: Session, step: int, loss: float, norm: float) -> Non
         sys.stderr.write(f"tensorpar: warning: {what} (--on-nan skip)\n")
 
 
+SPIKE_WINDOW, SPIKE_MIN_STEPS = 20, 5  # --spike-factor: the mean of up to 20 previous steps, once there are 5
+
+
+def loss_spike(s: Session, step: int, loss: float, recent: collections.deque) -> bool:
+    """Whether 0-based step `step`'s loss is a spike (--spike-factor times the mean of the `recent` losses); rank 0
+    then says so with the samples of the step. No collective: every rank has the same loss."""
+    o = s.options
+    if not o.spike_factor or len(recent) < SPIKE_MIN_STEPS or not math.isfinite(loss):
+        return False
+    mean = sum(recent) / len(recent)
+    if loss <= o.spike_factor * mean:
+        return False
+    if s.is_main:
+        samples = s.dataset.describe_samples(step, o.seed, o.global_batch_size)
+        sys.stderr.write(f"tensorpar: loss spike at step {step + 1}: {loss:.4g} is {loss / mean:.2f}x the mean of "
+                         f"the {len(recent)} steps before ({mean:.4g}); its samples: {samples}\n")
+    return True
+
+
 def validation_loss(s: Session) -> float:
     if s.runner is None:
         return evaluate(s.model, s.val_windows, s.options.micro_batch_size, s.mesh.device, s.options.dtype)
@@ -127,6 +147,7 @@ def step_loop(s: Session) -> LoopResult:
     started = time.perf_counter()
     result = LoopResult(records, 0.0)
     saved_step = s.start_step
+    recent: collections.deque = collections.deque(maxlen=SPIKE_WINDOW)  # the losses of the last applied steps
     for step in range(s.start_step, end):
         if s.stop is not None and (signum := s.stop.agreed(mesh.world_group, mesh.device)):
             result.stop_signal = signum
@@ -134,6 +155,10 @@ def step_loop(s: Session) -> LoopResult:
                 result.stop_checkpoint = s.save(step) if step > saved_step else step_folder(o.save, step)
             break
         record = train_step(s, step)
+        if loss_spike(s, step, record["loss"], recent):
+            record["loss_spike"] = True
+        if not record.get("skipped"):
+            recent.append(record["loss"])
         elapsed = record.pop("step_time_s")
         record.update(tokens_per_s=tokens_per_step / elapsed, mfu=flops_per_step / elapsed / (peak * mesh.world_size),
                       step_time_s=elapsed)

@@ -1,6 +1,6 @@
-"""A gradient norm that is NaN or Inf is never applied: --on-nan stop ends the run on every rank with the step, the
-rank and the first parameter whose gradient is not finite, and no checkpoint after the bad step; --on-nan skip
-skips that step and trains on."""
+"""Guards of a training run. A gradient norm that is NaN or Inf is never applied: --on-nan stop ends the run on every
+rank with the step, the rank and the first parameter whose gradient is not finite, and no checkpoint after the bad
+step; --on-nan skip skips that step and trains on. --spike-factor logs a loss spike with the step's samples."""
 
 import math
 import os
@@ -73,3 +73,29 @@ def test_on_nan_skip_skips_the_step_and_trains_on(pools, tmp_path):
             assert math.isfinite(norm) and skipped is None, history
         assert math.isfinite(loss), history
     assert history[BAD_STEP][1] < history[0][1]  # the steps after it still train
+
+
+def check_spikes(spike_factor):
+    """8 steps of tiny in one process: [(step, loss_spike flag)] and what the run wrote to stderr."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    settings = {**layout_runs.BASE, "steps": 8, "global_batch_size": 2, "micro_batch_size": 2, "return_state": False,
+                "spike_factor": spike_factor}
+    with contextlib.redirect_stderr(err):
+        summary = train(TrainOptions(model="tiny", **settings))
+    return [(r["step"], r.get("loss_spike")) for r in summary["history"]], err.getvalue()
+
+
+def test_a_loss_spike_is_logged_with_the_samples_of_its_step(pools):
+    """A factor of 0.5 makes every step a "spike" once 5 steps are known (the loss falls, but not by half): each is
+    flagged in the metrics and logged with its step and its two samples' window indices; a factor of 100 none."""
+    flagged, log = pools(1).run(check_spikes, 0.5)[0]
+    assert flagged == [(step, True if step > 5 else None) for step in range(1, 9)]
+    lines = [line for line in log.splitlines() if "loss spike" in line]
+    assert [line.split("loss spike at step ")[1].split(":")[0] for line in lines] == ["6", "7", "8"]
+    windows = [line.split("its samples: windows [")[1].split("]")[0].split(", ") for line in lines]
+    assert all(len(w) == 2 and all(i.isdigit() for i in w) for w in windows), lines
+    flagged, log = pools(1).run(check_spikes, 100.0)[0]
+    assert all(flag is None for _, flag in flagged) and "loss spike" not in log
