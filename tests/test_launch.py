@@ -157,6 +157,15 @@ def test_a_stopped_rank_is_caught_by_the_collective_timeout(config_file, tmp_pat
     assert "on group 'tp'" in failure[0] or "on group 'world'" in failure[0], err
     assert "stopped rank 1 after rank 0 failed" in err
     assert all(gone(pid) for pid in ranks.values())
+    # The live rank wrote its flight record when the collective failed; the stopped rank could not.
+    from tensorpar.distributed.flight_diagnosis import diagnose, load_records
+
+    records = load_records(str(tmp_path / "run"))
+    assert sorted(records) == [0]
+    group = "tp" if "on group 'tp'" in failure[0] else "world"
+    said = diagnose(records)
+    assert said.startswith("Rank 1 left no flight record"), said
+    assert f"Rank 0 (failed) waited in" in said and f"on group '{group}'" in said and "rank 1 left no record" in said
 
 
 def test_a_crash_restart_loop_always_continues_from_latest(config_file, tmp_path):

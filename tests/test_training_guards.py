@@ -15,7 +15,7 @@ POISONED = "layers.1.mlp.down_proj.weight"
 BAD_STEP = 3
 
 
-def check_nan_in_one_ranks_gradient(save, on_nan, dtype):
+def check_nan_in_one_ranks_gradient(save, on_nan, dtype, out_dir=None):
     """Train tiny at TP 2, one micro-batch per step, with a NaN put into rank 1's shard of POISONED's gradient at
     step BAD_STEP (a hook of this test); the history, or the error every rank raised."""
     import tensorpar.training.session as session
@@ -37,7 +37,8 @@ def check_nan_in_one_ranks_gradient(save, on_nan, dtype):
 
     session.build_model = poisoned
     settings = {**layout_runs.BASE, "global_batch_size": 2, "micro_batch_size": 2, "return_state": False,
-                "save": save, "save_every": 1, "on_nan": on_nan, "dtype": dtype, "tp": 2}
+                "save": save, "save_every": 1, "on_nan": on_nan, "dtype": dtype, "tp": 2,
+                "out_dir": out_dir, "dump_collectives_on_exit": out_dir is not None}
     try:
         summary = train(TrainOptions(model="tiny", **settings))
         return {"history": [(r["step"], r["loss"], r["grad_norm"], r.get("skipped")) for r in summary["history"]]}
@@ -61,8 +62,15 @@ def test_a_nan_gradient_stops_the_run_naming_step_rank_and_parameter(pools, tmp_
 
 
 def test_on_nan_skip_skips_the_step_and_trains_on(pools, tmp_path):
-    """bf16: the fp32 master weights' pieces are where the non-finite gradient is found."""
-    results = pools(2).run(check_nan_in_one_ranks_gradient, str(tmp_path / "ckpt"), "skip", "bf16")
+    """bf16: the fp32 master weights' pieces are where the non-finite gradient is found. With
+    --dump-collectives-on-exit both ranks write their flight records at the end, and they agree."""
+    from tensorpar.distributed.flight_diagnosis import diagnose, load_records
+
+    results = pools(2).run(check_nan_in_one_ranks_gradient, str(tmp_path / "ckpt"), "skip", "bf16",
+                           str(tmp_path / "run"))
+    records = load_records(str(tmp_path / "run"))
+    assert sorted(records) == [0, 1] and records[0]["reason"] == "the run ended"
+    assert "Every recorded collective completed" in diagnose(records)
     history = results[0]["history"]
     assert repr(results[1]["history"]) == repr(history)  # the same on both ranks (repr: nan compares unequal)
     assert [step for step, *_ in history] == [1, 2, 3, 4]

@@ -11,12 +11,12 @@ import argparse
 import os
 import sys
 
-from tensorpar.commands import calibrate, convert, demo, explain, generate, plan, prepare_data, train
+from tensorpar.commands import calibrate, convert, demo, diagnose, explain, generate, plan, prepare_data, train
 from tensorpar.commands import eval as eval_cmd
 from tensorpar.distributed.launch import follow_launcher, record_error
 from tensorpar.errors import TensorparError
 
-COMMANDS = (train, eval_cmd, generate, demo, explain, plan, calibrate, convert, prepare_data)
+COMMANDS = (train, eval_cmd, generate, demo, explain, plan, calibrate, convert, prepare_data, diagnose)
 
 
 class ArgumentParser(argparse.ArgumentParser):

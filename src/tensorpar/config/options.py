@@ -168,6 +168,10 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
     sample_tokens: int = option(0, "greedy sample this many tokens at the end", group="output")
     sample_prompt: str = option("The ", "prompt of the sample", group="output")
     progress: bool = option(True, "no progress bar", flag="--no-progress", group="output")
+    dump_collectives_on_exit: bool = option(False, "write every rank's flight record of its last collectives to "
+                                                   "OUT_DIR/flight at the end of the run too (it is written when a "
+                                                   "collective fails or the run is stopped; read it with "
+                                                   "`tensorpar diagnose OUT_DIR`)", group="output")
     return_state: bool = option(False, "put the final dense weights in the summary (tests, small models)", cli=False)
     stop_after: int | None = option(None, "stop at this step (the schedule still spans `steps`): an interrupted run",
                                     cli=False)
@@ -313,6 +317,14 @@ class ExplainOptions:
     root: int | None = option(None, "root rank of the tree collectives (default 0)", metavar="R")
     values: str | None = option(None, "each rank's numbers: comma-separated, ranks separated by ';' or '/' "
                                       "(default: rank r holds r*N+1 .. r*N+N)", metavar="A,B,..;C,D,..")
+
+
+@dataclasses.dataclass
+class DiagnoseOptions:
+    """`tensorpar diagnose OUT_DIR`: what the ranks' flight records of collectives say about a failed or hung run."""
+
+    folder: str | None = option(None, "a run's OUT_DIR (or its flight/ folder of rank*.json records)", positional=True,
+                                metavar="out_dir")
 
 
 @dataclasses.dataclass

@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tensorpar.distributed.flight_recorder import FlightRecorder
 from tensorpar.errors import CollectiveError
 
 _REDUCE_OPS = {
@@ -58,6 +59,7 @@ class CommStats:
     def __init__(self, timing: bool = False):
         self.timing = timing
         self._counts: dict[tuple[str, str], OpCount] = defaultdict(OpCount)
+        self.flight = FlightRecorder()  # the last collectives, written down when one fails
 
     def record(self, op: str, group: str, elements: int, nbytes: int, seconds: float = 0.0) -> None:
         c = self._counts[(op, group)]
@@ -206,33 +208,36 @@ class Group:
         timing = self.stats.timing
         if timing and count_tensor.is_cuda:
             torch.cuda.synchronize(count_tensor.device)
+        n = count_tensor.numel() if elements is None else elements
+        entry = self.stats.flight.start(self.name, self.ranks, op, n, str(count_tensor.dtype))
         t0 = time.perf_counter()
         try:
             result = fn()
         except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError; both mean the same here
             limit = f" (timeout {self.timeout.total_seconds():.0f}s)" if self.timeout else ""
-            raise self.failure(op, f"failed after {time.perf_counter() - t0:.1f}s{limit}: a peer never arrived "
-                                   f"or broke off. Cause: {_cause(e)}") from e
+            raise self._failed(entry, op, f"failed after {time.perf_counter() - t0:.1f}s{limit}: a peer never "
+                                          f"arrived or broke off. Cause: {_cause(e)}") from e
+        self.stats.flight.end(entry)
         seconds = 0.0
         if timing:
             if count_tensor.is_cuda:
                 torch.cuda.synchronize(count_tensor.device)
             seconds = time.perf_counter() - t0
-        n = count_tensor.numel() if elements is None else elements
         self.stats.record(op, self.name, n, n * count_tensor.element_size(), seconds)
         return result
 
     def _launch(self, op: str, count_tensor: torch.Tensor, fn) -> "Pending":
         """Start an asynchronous collective; count it now, explain its failure at `wait()`. With timing on, the
         seconds recorded are those this process is blocked: starting it here, and in `Pending.wait()`."""
+        entry = self.stats.flight.start(self.name, self.ranks, op, count_tensor.numel(), str(count_tensor.dtype))
         t0 = time.perf_counter()
         try:
             work = fn()
         except Exception as e:
-            raise self.failure(op, f"could not start: {_cause(e)}") from e
+            raise self._failed(entry, op, f"could not start: {_cause(e)}") from e
         seconds = time.perf_counter() - t0 if self.stats.timing else 0.0
         self.stats.record(op, self.name, count_tensor.numel(), _nbytes(count_tensor), seconds)
-        return Pending(work, self, op, count_tensor.device)
+        return Pending(work, self, op, count_tensor.device, entry)
 
     def _reduce_scatter_fn(self, tensor: torch.Tensor, op: str):
         """torch's reduce-scatter, or on gloo (CPU tensors, sum) `_reduce_scatter_by_all_to_all`."""
@@ -243,6 +248,13 @@ class Group:
     def failure(self, op: str, what: str) -> CollectiveError:
         """The error for `op` on this group: which rank, which operation, which group and members, and `what`."""
         return CollectiveError(f"rank {self.global_rank}: {op} on group '{self.name}' (ranks {self.ranks}) {what}")
+
+    def _failed(self, entry: dict, op: str, what: str) -> CollectiveError:
+        """`failure`, after marking the flight record's `entry` failed and writing the record down."""
+        error = self.failure(op, what)
+        self.stats.flight.end(entry, ok=False)
+        self.stats.flight.dump(str(error))
+        return error
 
     def _global(self, group_rank: int) -> int:
         return self.ranks[group_rank]
@@ -421,8 +433,8 @@ class Pending:
     rank, the operation and the group, as the blocking collectives do). With the stats' timing on, the seconds
     spent blocked in `wait()` are added to the operation's (its call was counted when it started)."""
 
-    def __init__(self, work, group: Group, op: str, device=None):
-        self.work, self.group, self.op, self.device = work, group, op, device
+    def __init__(self, work, group: Group, op: str, device=None, entry: dict | None = None):
+        self.work, self.group, self.op, self.device, self.entry = work, group, op, device, entry
 
     def wait(self) -> None:
         if self.work is None:
@@ -435,8 +447,13 @@ class Pending:
         except Exception as e:
             timeout = self.group.timeout
             limit = f" (timeout {timeout.total_seconds():.0f}s)" if timeout else ""
-            raise self.group.failure(self.op, f"failed after waiting {time.perf_counter() - t0:.1f}s{limit}: a peer "
-                                              f"never arrived or broke off. Cause: {_cause(e)}") from e
+            what = (f"failed after waiting {time.perf_counter() - t0:.1f}s{limit}: a peer never arrived or broke off. "
+                    f"Cause: {_cause(e)}")
+            if self.entry is None:
+                raise self.group.failure(self.op, what) from e
+            raise self.group._failed(self.entry, self.op, what) from e
+        if self.entry is not None:
+            FlightRecorder.end(self.entry)
         if stats.timing:
             if cuda:
                 torch.cuda.synchronize(self.device)

@@ -271,6 +271,7 @@ def init_mesh(
         torch.cuda.set_device(device)
     timeout = _as_timedelta(timeout)
     stats = stats if stats is not None else CommStats()
+    stats.flight.rank, stats.flight.world_size = rank, world
     backend, owns = _init_world(world, rank, device, backend, timeout)
     groups = _create_groups(group_ranks(tp, pp, dp, cp, ep, expert_tp), rank, world, stats, timeout, backend)
     return Mesh(
@@ -309,6 +310,9 @@ def _init_world(world: int, rank: int, device: torch.device, backend: str | None
     several processes that has not started it yet (NCCL for CUDA devices, gloo otherwise, unless `backend` says)."""
     if world > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl":  # PyTorch's own NCCL flight recorder beside tensorpar's, dumped on a timeout
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
         return backend, True
     if dist.is_initialized():

@@ -8,7 +8,10 @@ Each step has its own module: `validate`, `session`, `loop`, `summary`.
 
 from __future__ import annotations
 
+import os
+
 from tensorpar.config.options import TrainOptions
+from tensorpar.distributed.launch import signal_name
 from tensorpar.distributed.mesh import Mesh, init_mesh
 from tensorpar.training.loop import step_loop
 from tensorpar.training.session import build_session
@@ -37,9 +40,16 @@ def run_training(run: PreparedRun, stop: GracefulStop | None = None, mesh: Mesh 
                          timeout=o.timeout)
     else:
         mesh.check_layout(o.tp, o.pp, o.dp, o.cp, ep, expert_tp)
+    # Where each rank writes its flight record of collectives when one fails, the run is stopped, or it ends with
+    # --dump-collectives-on-exit (`tensorpar diagnose OUT_DIR` reads them).
+    mesh.stats.flight.folder = os.path.join(o.out_dir, "flight") if o.out_dir else None
     try:
         session = build_session(run, mesh, stop)
-        return summarize(session, step_loop(session))
+        result = step_loop(session)
+        if result.stop_signal is not None or o.dump_collectives_on_exit:
+            reason = f"stopped by {signal_name(result.stop_signal)}" if result.stop_signal else "the run ended"
+            mesh.stats.flight.dump(reason)
+        return summarize(session, result)
     finally:
         if owned:
             mesh.destroy()

@@ -1,0 +1,87 @@
+"""The flight recorder of collectives (distributed/flight_recorder.py) and `tensorpar diagnose`
+(distributed/flight_diagnosis.py): what each rank records, and what the records say read together."""
+
+import json
+
+import pytest
+import torch
+
+from tensorpar.distributed.flight_diagnosis import diagnose, load_records, mismatches, stuck
+from tensorpar.distributed.flight_recorder import FORMAT, FlightRecorder
+from tensorpar.errors import TensorparError
+
+from harness import mesh
+
+
+def check_records_of_real_collectives(folder):
+    """Three collectives on a 2-rank TP group (one asynchronous), then the record written: what it holds (an
+    all-gather counts its gathered output, as CommStats does)."""
+    m = mesh(tp=2)
+    flight = m.stats.flight
+    flight.folder, before = folder, dict(flight.sequence)
+    m.tp_group.all_reduce(torch.ones(4))
+    m.tp_group.all_gather_async(torch.empty(6), torch.ones(3)).wait()
+    m.tp_group.all_reduce(torch.ones(2, dtype=torch.float64), op="max")
+    path = flight.dump("a test")
+    flight.folder = None
+    start = before.get("tp", 0)
+    return path, [(e["seq"] - start, e["op"], e["elements"], e["dtype"], e["state"])
+                  for e in list(flight.entries)[-3:]]
+
+
+def test_every_rank_records_the_same_numbered_collectives(pools, tmp_path):
+    results = pools(2).run(check_records_of_real_collectives, str(tmp_path))
+    assert results[0][1] == results[1][1] == [(1, "all_reduce", 4, "torch.float32", "completed"),
+                                              (2, "all_gather", 6, "torch.float32", "completed"),
+                                              (3, "all_reduce", 2, "torch.float64", "completed")]
+    records = load_records(str(tmp_path))
+    assert sorted(records) == [0, 1] and records[1]["reason"] == "a test" and records[0]["world_size"] == 2
+    assert "Every recorded collective completed" in diagnose(records)
+
+
+def test_the_recorder_keeps_the_last_entries_and_writes_nowhere_without_a_folder():
+    flight = FlightRecorder(capacity=3)
+    for i in range(5):
+        flight.end(flight.start("tp", [0, 1], "all_reduce", i, "torch.float32"))
+    assert [e["seq"] for e in flight.entries] == [3, 4, 5] and flight.dump("no folder") is None
+
+
+def _record(rank, world, entries, reason="a collective failed"):
+    full = [{"group": "tp", "ranks": [0, 1, 2], "dtype": "torch.float32", "start": 0.0, "end": 1.0,
+             "state": "completed", **e} for e in entries]
+    return {"format": FORMAT, "rank": rank, "world_size": world, "pid": 1, "reason": reason, "time": 0.0,
+            "entries": full}
+
+
+def test_diagnose_names_the_rank_behind_and_the_collective_the_others_waited_in():
+    ar = dict(op="all_reduce", elements=8)
+    records = {0: _record(0, 4, [dict(seq=6, **ar), dict(seq=7, state="failed", **ar)]),
+               1: _record(1, 4, [dict(seq=6, **ar), dict(seq=7, state="failed", **ar)]),
+               2: _record(2, 4, [dict(seq=6, **ar)], reason="stopped by SIGTERM")}
+    said = diagnose(records)
+    assert said.startswith("Rank 3 left no flight record")
+    assert ("Rank 0 (failed) and rank 1 (failed) waited in all_reduce #7 on group 'tp' (ranks [0, 1, 2]; 8 float32 "
+            "elements); rank 2 never started it (its record of that group ends at #6).") in said
+    assert "rank 2: stopped by SIGTERM" in said
+    assert mismatches(records) == []
+
+
+def test_diagnose_names_a_mismatched_collective():
+    """Rank 1 skipped an all-reduce: its #4 on the group is the all-gather the others ran as #5."""
+    records = {0: _record(0, 2, [dict(seq=3, op="all_reduce", elements=8), dict(seq=4, op="all_reduce", elements=8)]),
+               1: _record(1, 2, [dict(seq=3, op="all_reduce", elements=8), dict(seq=4, op="all_gather", elements=4,
+                                                                                state="started")])}
+    assert mismatches(records) == [
+        "The ranks disagree about collective #4 on group 'tp' (ranks [0, 1, 2]): rank 0 all_reduce of 8 float32, "
+        "rank 1 all_gather of 4 float32: a mismatched collective (the ranks ran different code there)."]
+    assert len(stuck(records)) == 1 and "mismatched collective" in diagnose(records)
+
+
+def test_diagnose_refuses_a_folder_without_records(tmp_path, cli):
+    with pytest.raises(TensorparError, match="no flight records"):
+        load_records(str(tmp_path))
+    (tmp_path / "flight").mkdir()
+    (tmp_path / "flight" / "rank0.json").write_text(json.dumps(_record(0, 1, [dict(seq=1, op="barrier",
+                                                                                   elements=0)])))
+    code, out, err = cli("diagnose", str(tmp_path))
+    assert code == 0 and "Every recorded collective completed" in out, err
