@@ -85,3 +85,13 @@ def test_diagnose_refuses_a_folder_without_records(tmp_path, cli):
                                                                                    elements=0)])))
     code, out, err = cli("diagnose", str(tmp_path))
     assert code == 0 and "Every recorded collective completed" in out, err
+
+
+def test_point_to_point_transfers_are_numbered_apart_and_never_a_mismatch():
+    """A pipeline's send on one rank is a recv on the other: numbered apart from the group's collectives."""
+    flight = FlightRecorder()
+    flight.start("pp", [0, 1], "send", 6, "torch.float32")
+    assert flight.start("pp", [0, 1], "all_reduce", 1, "torch.float32")["seq"] == 1
+    p2p = dict(p2p=True, elements=6)
+    records = {0: _record(0, 2, [dict(seq=1, op="send", **p2p)]), 1: _record(1, 2, [dict(seq=1, op="recv", **p2p)])}
+    assert mismatches(records) == [] and "Every recorded collective completed" in diagnose(records)

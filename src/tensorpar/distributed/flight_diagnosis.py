@@ -38,12 +38,15 @@ def load_records(folder: str) -> dict[int, dict]:
     return records
 
 
-def _by_group(records: dict[int, dict]) -> dict[tuple[str, tuple[int, ...]], dict[int, dict[int, dict]]]:
-    """{(group name, its ranks): {rank: {sequence number: entry}}}."""
+def _by_group(records: dict[int, dict], p2p: bool = False) -> dict[tuple[str, tuple[int, ...]], dict]:
+    """{(group name, its ranks): {rank: {sequence number: entry}}} of the collectives (`p2p`: of the point-to-point
+    transfers, numbered apart)."""
     groups: dict = {}
     for rank, record in records.items():
         for entry in record["entries"]:
-            groups.setdefault((entry["group"], tuple(entry["ranks"])), {}).setdefault(rank, {})[entry["seq"]] = entry
+            if entry.get("p2p", False) == p2p:
+                key = (entry["group"], tuple(entry["ranks"]))
+                groups.setdefault(key, {}).setdefault(rank, {})[entry["seq"]] = entry
     return groups
 
 
@@ -72,7 +75,9 @@ def stuck(records: dict[int, dict]) -> list[str]:
     """One sentence per collective that some ranks started and did not complete, naming the members behind."""
     out = []
     for (name, ranks), by_rank in sorted(_by_group(records).items()):
-        waiting = {r: max(s for s, e in d.items() if e["state"] != "completed")
+        # Collectives on a group complete in order: a rank waits in its first one not completed (later ones it may
+        # have started asynchronously).
+        waiting = {r: min(s for s, e in d.items() if e["state"] != "completed")
                    for r, d in by_rank.items() if any(e["state"] != "completed" for e in d.values())}
         if not waiting:
             continue
@@ -90,6 +95,12 @@ def stuck(records: dict[int, dict]) -> list[str]:
                 behind.append(f"rank {r} left no record")
         out.append(f"{how[0].upper()}{how[1:]} waited in {_describe(entry)}; " +
                    ("; ".join(behind) if behind else "every member started it") + ".")
+    for (name, ranks), by_rank in sorted(_by_group(records, p2p=True).items()):
+        for r, d in sorted(by_rank.items()):
+            for entry in d.values():
+                if entry["state"] != "completed":
+                    out.append(f"Rank {r} ({entry['state']}) waited in a point-to-point {entry['op']} on group "
+                               f"'{name}' (ranks {list(ranks)}; {entry['elements']} elements).")
     return out
 
 

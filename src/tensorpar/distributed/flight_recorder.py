@@ -9,6 +9,8 @@ trainer does the same when the run is stopped by a signal, or at its end with ``
 
 Ranks that run the same program issue the same collectives on a group in the same order, so the n-th collective
 of group 'tp' is the same call on every member: sequence numbers are what the ranks' records are compared by.
+Point-to-point sends and receives (the pipeline's) are numbered apart (`p2p`): each involves two ranks, not the
+group.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import time
 
 FORMAT = "tensorpar-flight-1"
+P2P_OPS = ("send", "recv")
 
 
 class FlightRecorder:
@@ -32,9 +35,11 @@ class FlightRecorder:
 
     def start(self, group: str, ranks: list[int], op: str, elements: int, dtype: str) -> dict:
         """Enter a collective that is starting; returns its entry (to `end`)."""
-        self.sequence[group] += 1
-        entry = {"seq": self.sequence[group], "group": group, "ranks": list(ranks), "op": op, "elements": elements,
-                 "dtype": dtype, "start": time.time(), "end": None, "state": "started"}
+        p2p = op in P2P_OPS
+        key = f"{group} p2p" if p2p else group
+        self.sequence[key] += 1
+        entry = {"seq": self.sequence[key], "group": group, "ranks": list(ranks), "op": op, "elements": elements,
+                 "dtype": dtype, "p2p": p2p, "start": time.time(), "end": None, "state": "started"}
         self.entries.append(entry)
         return entry
 
