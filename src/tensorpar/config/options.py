@@ -168,6 +168,12 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
     sample_tokens: int = option(0, "greedy sample this many tokens at the end", group="output")
     sample_prompt: str = option("The ", "prompt of the sample", group="output")
     progress: bool = option(True, "no progress bar", flag="--no-progress", group="output")
+    profile_steps: str | None = option(None, "profile training steps A to B (1-based, inclusive) with torch.profiler: "
+                                             "one Chrome / Perfetto trace per rank in OUT_DIR/profile/rank{r}.json.gz,"
+                                             " collectives and pipeline actions as named ranges", metavar="A:B",
+                                       group="output")
+    profile_ranks: str | None = option(None, "the ranks --profile-steps traces (default: every rank)",
+                                       metavar="R,R,...", group="output")
     dump_collectives_on_exit: bool = option(False, "write every rank's flight record of its last collectives to "
                                                    "OUT_DIR/flight at the end of the run too (it is written when a "
                                                    "collective fails or the run is stopped; read it with "

@@ -20,6 +20,7 @@ send / recv        the tensor sent or received
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import defaultdict
@@ -60,6 +61,7 @@ class CommStats:
         self.timing = timing
         self._counts: dict[tuple[str, str], OpCount] = defaultdict(OpCount)
         self.flight = FlightRecorder()  # the last collectives, written down when one fails
+        self.profiling = False  # under torch.profiler (--profile-steps): each collective a named range
 
     def record(self, op: str, group: str, elements: int, nbytes: int, seconds: float = 0.0) -> None:
         c = self._counts[(op, group)]
@@ -212,7 +214,8 @@ class Group:
         entry = self.stats.flight.start(self.name, self.ranks, op, n, str(count_tensor.dtype))
         t0 = time.perf_counter()
         try:
-            result = fn()
+            with self._range(op):
+                result = fn()
         except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError; both mean the same here
             limit = f" (timeout {self.timeout.total_seconds():.0f}s)" if self.timeout else ""
             raise self._failed(entry, op, f"failed after {time.perf_counter() - t0:.1f}s{limit}: a peer never "
@@ -232,12 +235,17 @@ class Group:
         entry = self.stats.flight.start(self.name, self.ranks, op, count_tensor.numel(), str(count_tensor.dtype))
         t0 = time.perf_counter()
         try:
-            work = fn()
+            with self._range(op):
+                work = fn()
         except Exception as e:
             raise self._failed(entry, op, f"could not start: {_cause(e)}") from e
         seconds = time.perf_counter() - t0 if self.stats.timing else 0.0
         self.stats.record(op, self.name, count_tensor.numel(), _nbytes(count_tensor), seconds)
         return Pending(work, self, op, count_tensor.device, entry)
+
+    def _range(self, op: str):
+        """A named range "op/group" for torch.profiler while the run is profiled (else nothing, at no cost)."""
+        return torch.profiler.record_function(f"{op}/{self.name}") if self.stats.profiling else contextlib.nullcontext()
 
     def _reduce_scatter_fn(self, tensor: torch.Tensor, op: str):
         """torch's reduce-scatter, or on gloo (CPU tensors, sum) `_reduce_scatter_by_all_to_all`."""

@@ -201,30 +201,44 @@ class PipelineRunner:
         sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
         self.timeline, self.peak_in_flight = [], 0
         for action in self.actions:
-            mb, chunk = action.microbatch, action.chunk
-            stage = self._stage(chunk)
-            if action.kind == "F":
-                x, out, t0 = self._forward_action(mb, chunk, microbatches[mb], dropout_seed(mb), sends,
-                                                  loss_scale / self.num_microbatches)
-                if stage == self.last:
-                    loss_sum += out.detach().float()
-                    out = out * (loss_scale / self.num_microbatches)
-                saved[(mb, chunk)] = (x if stage > 0 else None, out)
-                self.peak_in_flight = max(self.peak_in_flight, len(saved))
-            elif action.kind == "B":
-                x, out = saved.pop((mb, chunk))
-                grad = None if stage == self.last else self._recv(self._tag(mb, stage, True), stage + 1)
-                t0 = time.perf_counter()
-                torch.autograd.backward(out, grad)
-                if self.weight_grads is not None:
-                    self.weight_grads.close((mb, chunk))
-                if stage > 0:
-                    self._send(x.grad, stage - 1, self._tag(mb, stage - 1, True), sends)
-            else:  # "W": the weight gradients that B left in the queue
-                t0 = time.perf_counter()
-                self.weight_grads.run((mb, chunk))
-            self.timeline.append((action.kind, mb, chunk, t0, time.perf_counter()))
+            with self._range(action):
+                loss_sum = self._run_action(action, microbatches, dropout_seed, loss_scale, saved, sends, loss_sum)
         return self._finish(sends, loss_sum, self.num_microbatches)
+
+    def _range(self, action):
+        """A named range for torch.profiler while the run is profiled (--profile-steps)."""
+        if not self.mesh.stats.profiling:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(f"pipeline {action.kind} mb{action.microbatch} chunk{action.chunk}")
+
+    def _run_action(self, action, microbatches, dropout_seed, loss_scale: float, saved: dict, sends: list,
+                    loss_sum: torch.Tensor) -> torch.Tensor:
+        """One action of the schedule: a chunk's forward (F), backward (B, or its input-gradient half) or weight
+        gradients (W); returns the loss summed so far."""
+        mb, chunk = action.microbatch, action.chunk
+        stage = self._stage(chunk)
+        if action.kind == "F":
+            x, out, t0 = self._forward_action(mb, chunk, microbatches[mb], dropout_seed(mb), sends,
+                                              loss_scale / self.num_microbatches)
+            if stage == self.last:
+                loss_sum += out.detach().float()
+                out = out * (loss_scale / self.num_microbatches)
+            saved[(mb, chunk)] = (x if stage > 0 else None, out)
+            self.peak_in_flight = max(self.peak_in_flight, len(saved))
+        elif action.kind == "B":
+            x, out = saved.pop((mb, chunk))
+            grad = None if stage == self.last else self._recv(self._tag(mb, stage, True), stage + 1)
+            t0 = time.perf_counter()
+            torch.autograd.backward(out, grad)
+            if self.weight_grads is not None:
+                self.weight_grads.close((mb, chunk))
+            if stage > 0:
+                self._send(x.grad, stage - 1, self._tag(mb, stage - 1, True), sends)
+        else:  # "W": the weight gradients that B left in the queue
+            t0 = time.perf_counter()
+            self.weight_grads.run((mb, chunk))
+        self.timeline.append((action.kind, mb, chunk, t0, time.perf_counter()))
+        return loss_sum
 
     @torch.no_grad()
     def forward_only(self, microbatches: list[torch.Tensor]) -> float:

@@ -28,6 +28,7 @@ from tensorpar.training.evaluate import evaluate
 from tensorpar.training.memory_meter import step_memory
 from tensorpar.training.metrics import MetricsWriter
 from tensorpar.training.moe_metrics import moe_step_metrics
+from tensorpar.training.profiling import StepProfiler
 from tensorpar.training.session import Session
 
 
@@ -133,19 +134,31 @@ class LoopResult:
 def step_loop(s: Session) -> LoopResult:
     """Run the steps from the start (or resumed) step to `steps` (or `stop_after`), or until a stop signal."""
     o, mesh = s.options, s.mesh
-    tokens_per_step = o.global_batch_size * o.seq_len
-    flops_per_step = train_flops_per_token(s.run.cfg, o.seq_len) * tokens_per_step
-    peak = s.peak_flops[0]
     metrics = MetricsWriter(o.metrics if s.is_main else None)
     progress = None
     if s.is_main and o.progress:
         progress = tqdm(total=o.steps, initial=s.start_step, unit="step", dynamic_ncols=True,
                         desc=f"train {o.model} tp={mesh.tp_size} dp={mesh.dp_size}")
-    records: list[dict] = []
-    end = o.steps if o.stop_after is None else min(o.steps, o.stop_after)
     mesh.stats.reset()
     started = time.perf_counter()
-    result = LoopResult(records, 0.0)
+    result = LoopResult([], 0.0)
+    profiler = StepProfiler(o, mesh)
+    try:
+        _run_steps(s, result, metrics, progress, profiler)
+    finally:
+        profiler.close()
+    if progress is not None:
+        progress.close()
+    metrics.close()
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _run_steps(s: Session, result: LoopResult, metrics: MetricsWriter, progress, profiler: StepProfiler) -> None:
+    o, mesh = s.options, s.mesh
+    tokens_per_step = o.global_batch_size * o.seq_len
+    flops_per_step = train_flops_per_token(s.run.cfg, o.seq_len) * tokens_per_step
+    end = o.steps if o.stop_after is None else min(o.steps, o.stop_after)
     saved_step = s.start_step
     recent: collections.deque = collections.deque(maxlen=SPIKE_WINDOW)  # the losses of the last applied steps
     for step in range(s.start_step, end):
@@ -154,20 +167,22 @@ def step_loop(s: Session) -> LoopResult:
             if o.save and step > s.start_step:  # the last completed step, saved unless it just was
                 result.stop_checkpoint = s.save(step) if step > saved_step else step_folder(o.save, step)
             break
+        profiler.begin(step)
         record = train_step(s, step)
+        profiler.end(step)
         if loss_spike(s, step, record["loss"], recent):
             record["loss_spike"] = True
         if not record.get("skipped"):
             recent.append(record["loss"])
         elapsed = record.pop("step_time_s")
-        record.update(tokens_per_s=tokens_per_step / elapsed, mfu=flops_per_step / elapsed / (peak * mesh.world_size),
-                      step_time_s=elapsed)
+        record.update(tokens_per_s=tokens_per_step / elapsed,
+                      mfu=flops_per_step / elapsed / (s.peak_flops[0] * mesh.world_size), step_time_s=elapsed)
         last = step == end - 1
         if s.val_windows is not None and _due(step + 1, o.val_every, last):
             record["val_loss"] = validation_loss(s)
         for kind, mib in record["memory_mib"].items():
             result.peak_memory_mib[kind] = max(mib, result.peak_memory_mib.get(kind, 0.0))
-        records.append(record)
+        result.records.append(record)
         metrics.write(record)
         if o.save and _due(step + 1, o.save_every, last):
             s.save(step + 1)
@@ -176,8 +191,3 @@ def step_loop(s: Session) -> LoopResult:
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%")
             progress.update(1)
-    if progress is not None:
-        progress.close()
-    metrics.close()
-    result.seconds = time.perf_counter() - started
-    return result

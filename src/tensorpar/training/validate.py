@@ -22,6 +22,7 @@ from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
 from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
 from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, splits_backward
+from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,14 @@ def _check_save_folder(o: TrainOptions) -> None:
                          f"continue that run with --resume {o.save}, or save to another folder")
 
 
+def _check_profile(o: TrainOptions) -> None:
+    """--profile-steps A:B within the run, written to OUT_DIR (the ranks are checked once the world is known)."""
+    if parse_profile_steps(o.profile_steps, o.steps) is not None and o.out_dir is None:
+        raise TensorparError("--profile-steps writes its traces to OUT_DIR/profile: give --out-dir")
+    if o.profile_ranks is not None and o.profile_steps is None:
+        raise TensorparError("--profile-ranks needs --profile-steps A:B")
+
+
 def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
     """Check `options` against the model and a world of `world_size` processes (default: the launcher's, else
     nproc or tp x cp x pp x dp); raise TensorparError naming what is wrong, or return the PreparedRun."""
@@ -101,11 +110,13 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
                              f"got {o.loss_chunk_tokens}")
     if o.save_every and not o.save:
         raise TensorparError("--save-every needs --save DIR")
+    _check_profile(o)
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
     cfg = model_config(o)
     check_model_layout(cfg, o.tp, o.sequence_parallel, o.seq_len, o.cp)
     world = world_size if world_size is not None else launched_world_size(o)
+    parse_profile_ranks(o.profile_ranks, world)
     _, _, dp = resolve_layout(world, o.tp, o.pp, o.dp, o.cp)
     micro = o.micro_batch_size or o.global_batch_size // dp
     check_batch_layout(o.global_batch_size, dp, micro)
