@@ -25,12 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.distributed.comm import Group
-
-
-def _valid_columns(group: Group, local_vocab: int, vocab_size: int) -> tuple[int, int]:
-    """(first vocabulary row of this rank's shard, how many of its rows are real, not padding)."""
-    start = group.rank * local_vocab
-    return start, max(0, min(local_vocab, vocab_size - start))
+from tensorpar.tensor_parallel.cross_entropy import (check_loss_arguments, local_targets, reduce_losses, shard_columns,
+                                                    smoothed_loss, subtract_target_distribution)
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
@@ -41,10 +37,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, targets, group: Group, vocab_size: int, ignore_index: int,
                 label_smoothing: float, chunk_tokens: int):
-        start, n_valid = _valid_columns(group, weight.shape[0], vocab_size)
-        ignored = targets == ignore_index
-        on_rank = (targets >= start) & (targets < start + n_valid) & ~ignored
-        local_target = torch.where(on_rank, targets - start, torch.zeros_like(targets))
+        start, n_valid = shard_columns(group, weight.shape[0], vocab_size)
+        ignored, on_rank, local_target = local_targets(targets, start, n_valid, ignore_index)
         n = h.shape[0]
         local_lse = torch.full((n,), float("-inf"), device=h.device)
         target_logit = torch.zeros(n, device=h.device)
@@ -72,10 +66,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             sums.append(logit_sum)
         reduced = group.all_reduce(torch.stack(sums))
         lse = global_max + reduced[0].log()
-        loss = lse - reduced[1]
-        if label_smoothing > 0:
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - reduced[2] / vocab_size)
-        loss = loss.masked_fill(ignored, 0.0)
+        loss = smoothed_loss(lse, reduced[1], reduced[2] if label_smoothing > 0 else None, vocab_size,
+                             label_smoothing, ignored)
 
         ctx.save_for_backward(h, weight, bias, lse, on_rank, local_target, ignored)
         ctx.n_valid, ctx.vocab_size, ctx.label_smoothing = n_valid, vocab_size, label_smoothing
@@ -99,10 +91,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 g = F.linear(h_chunk, w, b).float()
                 g.sub_(lse[lo:hi, None]).exp_()  # the softmax, computed in place of the logits
                 g[:, n_valid:] = 0.0
-                rows = torch.nonzero(on_rank[lo:hi], as_tuple=True)[0]
-                g[rows, local_target[lo:hi][rows]] -= 1.0 - eps
-                if eps > 0:
-                    g[:, :n_valid] -= eps / ctx.vocab_size
+                subtract_target_distribution(g, on_rank[lo:hi], local_target[lo:hi], n_valid, ctx.vocab_size, eps)
                 g.mul_(scale[lo:hi, None])
                 g = g.to(dt)
                 grad_h[lo:hi] = g @ w
@@ -136,22 +125,10 @@ def chunked_head_cross_entropy(
 
     Forward: all-reduce (max) and all-reduce (sum), once after all chunks, as the unfused loss.
     Backward: none; the input gradient is a partial sum over the group, for the region entry's backward."""
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    check_loss_arguments(weight.shape[0], group, vocab_size, reduction, label_smoothing, targets, h.shape[:-1],
+                         "a head")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
-    padded_vocab = weight.shape[0] * group.size
-    if not padded_vocab - weight.shape[0] < vocab_size <= padded_vocab:
-        raise ValueError(f"vocab_size={vocab_size} does not match a head sharded as {weight.shape[0]} x "
-                         f"{group.size} ranks")
-    if targets.shape != h.shape[:-1]:
-        raise ValueError(f"targets shape {tuple(targets.shape)} does not match h {tuple(h.shape[:-1])}")
     losses = _ChunkedHeadCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, bias, targets.reshape(-1), group,
                                             vocab_size, ignore_index, label_smoothing, chunk_tokens)
-    if reduction == "none":
-        return losses.view(targets.shape)
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / (targets != ignore_index).sum()
+    return reduce_losses(losses, targets, ignore_index, reduction)

@@ -24,6 +24,60 @@ import torch
 from tensorpar.distributed.comm import Group, as_group
 
 
+def shard_columns(group: Group, local_vocab: int, vocab_size: int) -> tuple[int, int]:
+    """(first vocabulary row of this rank's shard, how many of its rows are real, not padding)."""
+    start = group.rank * local_vocab
+    return start, max(0, min(local_vocab, vocab_size - start))
+
+
+def local_targets(targets: torch.Tensor, start: int, n_valid: int, ignore_index: int):
+    """(ignored, on this rank's shard, index within the shard (0 elsewhere)) of each target."""
+    ignored = targets == ignore_index
+    on_rank = (targets >= start) & (targets < start + n_valid) & ~ignored
+    return ignored, on_rank, torch.where(on_rank, targets - start, torch.zeros_like(targets))
+
+
+def smoothed_loss(log_z, target_logit, logit_sum, vocab_size: int, label_smoothing: float, ignored):
+    """(1 - eps) (log Z - x_y) + eps (log Z - sum_c x_c / C) per token, 0 where the target is ignored."""
+    loss = log_z - target_logit
+    if label_smoothing > 0:
+        smooth = log_z - logit_sum / vocab_size
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+    return loss.masked_fill(ignored, 0.0)
+
+
+def subtract_target_distribution(grad, on_rank, local_target, n_valid: int, vocab_size: int,
+                                 label_smoothing: float) -> None:
+    """softmax -> softmax - target distribution, in place, on a [tokens, V_local] shard (padding columns left)."""
+    rows = torch.nonzero(on_rank, as_tuple=True)[0]
+    grad[rows, local_target[rows]] -= 1.0 - label_smoothing
+    if label_smoothing > 0:
+        grad[:, :n_valid] -= label_smoothing / vocab_size
+
+
+def check_loss_arguments(local_vocab: int, group: Group, vocab_size: int, reduction: str, label_smoothing: float,
+                         targets: torch.Tensor, tokens_shape, what: str) -> None:
+    """ValueError for a reduction, a smoothing, a vocabulary size or a targets shape the losses do not take."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    padded_vocab = local_vocab * group.size
+    if not padded_vocab - local_vocab < vocab_size <= padded_vocab:
+        raise ValueError(f"vocab_size={vocab_size} does not match {what} sharded as {local_vocab} x {group.size} ranks")
+    if targets.shape != tokens_shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match {what} {tuple(tokens_shape)}")
+
+
+def reduce_losses(losses: torch.Tensor, targets: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """Per-token losses reduced as torch does: 'none', 'sum', or 'mean' over the targets that are not ignored."""
+    if reduction == "none":
+        return losses.view(targets.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (targets != ignore_index).sum()
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: all-reduce (max), then all-reduce (sum) of [target logit, sum exp, sum logits].
     Backward: none (the gradient is local to each vocabulary shard)."""
@@ -31,8 +85,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group: Group, vocab_size: int, ignore_index: int, label_smoothing: float):
         local_vocab = logits.shape[-1]
-        start = group.rank * local_vocab
-        n_valid = max(0, min(local_vocab, vocab_size - start))  # real (unpadded) columns on this rank
+        start, n_valid = shard_columns(group, local_vocab, vocab_size)
 
         x = logits.float()
         if n_valid < local_vocab:
@@ -42,9 +95,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group.all_reduce(global_max, op="max")
         x = x - global_max.unsqueeze(-1)
 
-        ignored = targets == ignore_index
-        on_rank = (targets >= start) & (targets < start + n_valid) & ~ignored
-        local_target = torch.where(on_rank, targets - start, torch.zeros_like(targets))
+        ignored, on_rank, local_target = local_targets(targets, start, n_valid, ignore_index)
         target_logit = torch.where(on_rank, x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
 
         exp_x = x.exp()
@@ -54,12 +105,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         reduced = group.all_reduce(torch.stack(sums))
         target_logit, sum_exp = reduced[0], reduced[1]
 
-        log_z = sum_exp.log()
-        loss = log_z - target_logit
-        if label_smoothing > 0:
-            smooth = log_z - reduced[2] / vocab_size
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
-        loss = loss.masked_fill(ignored, 0.0)
+        loss = smoothed_loss(sum_exp.log(), target_logit, reduced[2] if label_smoothing > 0 else None, vocab_size,
+                             label_smoothing, ignored)
 
         softmax = exp_x.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, on_rank, local_target, ignored)
@@ -76,11 +123,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, on_rank, local_target, ignored = ctx.saved_tensors
         eps = ctx.label_smoothing
         grad = softmax  # d loss / d x = softmax - target distribution; the buffer is ours to reuse
-        flat_grad = grad.view(-1, grad.shape[-1])
-        rows = torch.nonzero(on_rank.view(-1), as_tuple=True)[0]
-        flat_grad[rows, local_target.view(-1)[rows]] -= 1.0 - eps
-        if eps > 0:
-            grad[..., : ctx.n_valid] -= eps / ctx.vocab_size
+        subtract_target_distribution(grad.view(-1, grad.shape[-1]), on_rank.view(-1), local_target.view(-1),
+                                     ctx.n_valid, ctx.vocab_size, eps)
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None, None
 
@@ -103,21 +147,8 @@ def vocab_parallel_cross_entropy(
     averages over the targets that are not `ignore_index`, as torch does.
     """
     group = as_group(tp_group)
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    padded_vocab = logits.shape[-1] * group.size
-    vocab_size = padded_vocab if vocab_size is None else vocab_size
-    if not padded_vocab - logits.shape[-1] < vocab_size <= padded_vocab:
-        raise ValueError(
-            f"vocab_size={vocab_size} does not match logits sharded as {logits.shape[-1]} x {group.size} ranks"
-        )
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits.shape[:-1])}")
+    vocab_size = logits.shape[-1] * group.size if vocab_size is None else vocab_size
+    check_loss_arguments(logits.shape[-1], group, vocab_size, reduction, label_smoothing, targets, logits.shape[:-1],
+                         "logits")
     losses = _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_size, ignore_index, label_smoothing)
-    if reduction == "none":
-        return losses
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / (targets != ignore_index).sum()
+    return reduce_losses(losses, targets, ignore_index, reduction)
