@@ -85,10 +85,10 @@ class BucketedOptimizer:
         """Persistent gradient buffers (ZeRO 0 and 1): fp32 parameters' .grad are views of them."""
         for b in self.buckets:
             if self.mixed:
-                b.grad_buffer = torch.zeros(b.padded, dtype=self.reduce_dtype, device=b.param_buffer.device)
+                b.gradient_buffer(self.reduce_dtype, self.grad_bytes)
             else:
                 b.attach_grads()
-            self.grad_bytes.add(nbytes(b.grad_buffer))
+                self.grad_bytes.add(nbytes(b.grad_buffer))
 
     def _build_weights(self, params, weight_decay):
         raise NotImplementedError

@@ -26,7 +26,6 @@ class Bucket(FlatBuffer):
         self.group = group
         self.param_buffer = self.pack()
         self.bind(self.param_buffer)
-        self.grad_buffer: torch.Tensor | None = None
         self.grads_are_views = False  # the parameters' .grad are views of grad_buffer (fp32, persistent buffers)
         self.slice = None  # the MasterSlice AdamW steps, if any
         self.pending = None

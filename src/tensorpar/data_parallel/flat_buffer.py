@@ -27,6 +27,14 @@ class FlatBuffer:
         self.numel = offset
         self.padded = math.ceil(offset / pad_to) * pad_to
         self.offset_of = {id(p): off for p, off in zip(self.params, self.offsets)}
+        self.grad_buffer: torch.Tensor | None = None  # the gradients in this layout, while they are gathered
+
+    def gradient_buffer(self, dtype: torch.dtype, in_use: "BytesInUse") -> torch.Tensor:
+        """`grad_buffer`, allocated (zeros of `dtype`, counted in `in_use`) if there is none."""
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
+            in_use.add(nbytes(self.grad_buffer))
+        return self.grad_buffer
 
     def pack(self) -> torch.Tensor:
         """A new flat tensor holding the parameters' values (zeros in the padding)."""

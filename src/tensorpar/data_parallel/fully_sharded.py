@@ -63,7 +63,6 @@ class _Unit(FlatBuffer):
         self.slice = None  # the MasterSlice AdamW steps (the shard itself when fp32)
         self.full: torch.Tensor | None = None
         self._gather = None
-        self.full_grad: torch.Tensor | None = None
         self.ready = 0
         self.in_backward = False
         self._empty = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
@@ -182,21 +181,14 @@ class FullyShardedOptimizer:
             for unit in self.blocks[i - 1]:
                 unit.start_gather()
 
-    def _full_grad(self, unit: _Unit) -> torch.Tensor:
-        """The unit's full-size gradient buffer of this micro-batch (the root's: of the step), allocated when needed."""
-        if unit.full_grad is None:
-            unit.full_grad = torch.zeros(unit.padded, dtype=self.reduce_dtype, device=unit.shard.device)
-            self.grad_bytes.add(nbytes(unit.full_grad))
-        return unit.full_grad
-
     def _grad_ready(self, param: torch.Tensor) -> None:
         unit = self._unit_of[id(param)]
-        unit.add_grad(self._full_grad(unit), param)
+        unit.add_grad(unit.gradient_buffer(self.reduce_dtype, self.grad_bytes), param)
         unit.ready += 1
         if unit.ready == len(unit.params) and not unit.root:
             unit.ready, unit.in_backward = 0, False
-            self.queue.push(unit.slice, unit.full_grad, unit.dp)
-            unit.full_grad = None
+            self.queue.push(unit.slice, unit.grad_buffer, unit.dp)
+            unit.grad_buffer = None
             if not self._pinned:
                 unit.free()
 
@@ -216,11 +208,11 @@ class FullyShardedOptimizer:
         for every reduce-scatter, and average."""
         root = self.root
         if root is not None:
-            full_grad = self._full_grad(root)
+            full_grad = root.gradient_buffer(self.reduce_dtype, self.grad_bytes)
             for off, numel in self.tied:
                 self.mesh.embed_group.all_reduce(full_grad[off : off + numel])
             self.queue.push(root.slice, full_grad)
-            root.full_grad, root.ready = None, 0
+            root.grad_buffer, root.ready = None, 0
         self.queue.drain()
         for u in self._all:
             u.slice.grad_shard.div_(self.dp.size)

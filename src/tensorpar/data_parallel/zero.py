@@ -66,18 +66,11 @@ class Zero2Optimizer(Zero1Optimizer):
     def _allocate_grads(self) -> None:
         self.queue = ReduceScatterQueue(self.dp, self.grad_bytes)  # buffers allocated per micro-batch
 
-    def _ensure_grad_buffer(self, b: Bucket) -> torch.Tensor:
-        """The bucket's gradient buffer, allocated (and counted) when first needed."""
-        if b.grad_buffer is None:
-            b.grad_buffer = torch.zeros(b.padded, dtype=self.reduce_dtype, device=b.param_buffer.device)
-            self.grad_bytes.add(nbytes(b.grad_buffer))
-        return b.grad_buffer
-
     def _grad_ready(self, param: torch.Tensor) -> None:
         """Move the gradient into its bucket (allocated now if needed); hand a full bucket to the queue."""
         b = self._bucket_of[id(param)]
         b.ready += 1
-        b.add_grad(self._ensure_grad_buffer(b), param)
+        b.add_grad(b.gradient_buffer(self.reduce_dtype, self.grad_bytes), param)
         if b.ready % b.arrivals == 0 and not b.deferred:
             self.queue.push(b.slice, b.grad_buffer, b.group)
             b.grad_buffer = None
@@ -86,7 +79,7 @@ class Zero2Optimizer(Zero1Optimizer):
         """The tied embedding's buckets (summed over its stages first), then wait for every reduce-scatter; average."""
         deferred = [b for b in self.buckets if b.deferred]
         for b in deferred:
-            self._ensure_grad_buffer(b)
+            b.gradient_buffer(self.reduce_dtype, self.grad_bytes)
         self._sum_tied_across_stages()
         for b in deferred:
             self.queue.push(b.slice, b.grad_buffer, b.group)
