@@ -88,11 +88,11 @@ def stuck(records: dict[int, dict]) -> list[str]:
         how = " and ".join(f"rank {r} ({state})" for r, state in ended.items())
         behind = []
         for r in ranks:
-            if r in records and max(by_rank.get(r, {0: None})) < seq:
-                behind.append(f"rank {r} never started it (its record of that group ends at "
-                              f"#{max(by_rank.get(r, {0: None}))})")
-            elif r not in records:
+            last = max(by_rank.get(r, {0: None}))  # 0: the rank's record holds nothing of this group
+            if r not in records:
                 behind.append(f"rank {r} left no record")
+            elif last < seq:
+                behind.append(f"rank {r} never started it (its record of that group ends at #{last})")
         out.append(f"{how[0].upper()}{how[1:]} waited in {_describe(entry)}; " +
                    ("; ".join(behind) if behind else "every member started it") + ".")
     for (name, ranks), by_rank in sorted(_by_group(records, p2p=True).items()):
