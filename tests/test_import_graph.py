@@ -5,8 +5,6 @@ over 60 lines in src/."""
 import ast
 import pathlib
 
-import pytest
-
 import tensorpar
 
 ROOT = pathlib.Path(tensorpar.__file__).parent
