@@ -5,7 +5,10 @@ step; --on-nan skip skips that step and trains on. --spike-factor logs a loss sp
 import math
 import os
 
+import pytest
+
 from tensorpar.checkpoints.sharded import step_folder
+from tensorpar.errors import TensorparError
 from tensorpar.training import TrainOptions
 
 import layout_runs
@@ -19,7 +22,6 @@ def check_nan_in_one_ranks_gradient(save, on_nan, dtype, out_dir=None):
     """Train tiny at TP 2, one micro-batch per step, with a NaN put into rank 1's shard of POISONED's gradient at
     step BAD_STEP (a hook of this test); the history, or the error every rank raised."""
     import tensorpar.training.session as session
-    from tensorpar.errors import TensorparError
 
     build = session.build_model
 
@@ -107,3 +109,8 @@ def test_a_loss_spike_is_logged_with_the_samples_of_its_step(pools):
     assert all(len(w) == 2 and all(i.isdigit() for i in w) for w in windows), lines
     flagged, log = pools(1).run(check_spikes, 100.0)[0]
     assert all(flag is None for _, flag in flagged) and "loss spike" not in log
+
+
+def test_a_negative_spike_factor_is_refused():
+    with pytest.raises(TensorparError, match="--spike-factor must be 0 \\(off\\) or positive, got -1.0"):
+        train(TrainOptions(model="tiny", steps=3, spike_factor=-1.0))

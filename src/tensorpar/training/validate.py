@@ -74,8 +74,11 @@ def _check_save_folder(o: TrainOptions) -> None:
                          f"continue that run with --resume {o.save}, or save to another folder")
 
 
-def _check_profile(o: TrainOptions) -> None:
-    """--profile-steps A:B within the run, written to OUT_DIR (the ranks are checked once the world is known)."""
+def _check_observability(o: TrainOptions) -> None:
+    """--profile-steps A:B within the run, written to OUT_DIR (the ranks are checked once the world is known); a
+    --spike-factor that is not negative."""
+    if o.spike_factor < 0:
+        raise TensorparError(f"--spike-factor must be 0 (off) or positive, got {o.spike_factor}")
     if parse_profile_steps(o.profile_steps, o.steps) is not None and o.out_dir is None:
         raise TensorparError("--profile-steps writes its traces to OUT_DIR/profile: give --out-dir")
     if o.profile_ranks is not None and o.profile_steps is None:
@@ -110,7 +113,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
                              f"got {o.loss_chunk_tokens}")
     if o.save_every and not o.save:
         raise TensorparError("--save-every needs --save DIR")
-    _check_profile(o)
+    _check_observability(o)
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
     cfg = model_config(o)
