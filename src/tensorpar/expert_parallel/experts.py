@@ -44,6 +44,7 @@ class GroupedExperts(nn.Module):
         self.region = as_region(region)
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
         etp = expert_tp_group.size if expert_tp_group is not None else 1
+        self.expert_tp_group = expert_tp_group if etp > 1 else None
         self.num_local = experts_per_rank(e, ep_group.size)
         self.first = ep_group.rank * self.num_local  # global index of the first local expert
         self.act = ACTIVATION_FNS[cfg.activation]
@@ -60,8 +61,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """`x`: rows grouped by local expert, `sizes[i]` rows for local expert i; returns their outputs."""
-        up, down = self.region.stacked_linear(self.up_proj), self.region.stacked_linear(self.down_proj)
-        gate = self.region.stacked_linear(self.gate_proj) if self.gate_proj is not None else None
+        etp, region = self.expert_tp_group, self.region
+        up, down = region.stacked_linear(self.up_proj, etp, "out"), region.stacked_linear(self.down_proj, etp, "in")
+        gate = region.stacked_linear(self.gate_proj, etp, "out") if self.gate_proj is not None else None
         outs = []
         for i, rows in enumerate(x.split(sizes, 0)):
             h = up(rows, i)

@@ -10,7 +10,11 @@ exit communicate is a policy of the whole run, not of a layer, and `TPRegion` ho
 - ``overlap``: the entry's and exit's collectives are hidden behind the GEMMs beside them
   (`tensorpar.tensor_parallel.tp_overlap`); off for a group of one rank and under a split backward;
 - ``weight_grads``: a `WeightGradQueue` (zero-bubble schedules): every layer's backward computes the input
-  gradient only and leaves its weight gradients in the queue (`tensorpar.pipeline_parallel.weight_grad`).
+  gradient only and leaves its weight gradients in the queue (`tensorpar.pipeline_parallel.weight_grad`);
+- ``fp8``: an `Fp8Recipe` (``--dtype fp8``): the column- and row-parallel GEMMs (`enter`, `leave`) and the
+  experts' (`stacked_linear`) run in fp8 with scales that agree across the group
+  (`tensorpar.tensor_parallel.fp8_linear`); their collectives are then the plain ones (no overlap), and a split
+  backward is refused. Embeddings, the LM head, routers and norms keep the compute dtype.
 
 The layers have one forward each and ask the region: `enter` (column-parallel projections sharing an input;
 `entry`: its collective alone),
@@ -40,7 +44,10 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.distributed.comm import Group, as_group
+from tensorpar.errors import TensorparError
 from tensorpar.pipeline_parallel import weight_grad
+from tensorpar.tensor_parallel.fp8_linear import fp8_linears
+from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
 from tensorpar.tensor_parallel.lookup import embedding_lookup
 from tensorpar.tensor_parallel.mappings import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from tensorpar.tensor_parallel.tp_overlap import column_parallel_in, copy_params_to_tp, row_parallel_out
@@ -82,13 +89,19 @@ class TPRegion:
     sequence_parallel: bool = False
     overlap: bool = False
     weight_grads: weight_grad.WeightGradQueue | None = None
+    fp8: Fp8Recipe | None = None
 
     def __post_init__(self):
         alone = self.group.size == 1
+        if self.fp8 is not None and self.weight_grads is not None:
+            raise TensorparError("fp8 GEMMs cannot run under a split backward (zero-bubble schedules): use 1f1b or "
+                                 "interleaved with --dtype fp8")
         # SP needs ranks to shard over; overlap hides collectives a single rank does not make, and a split backward
-        # defers the weight-gradient GEMMs it would hide them behind.
+        # defers the weight-gradient GEMMs it would hide them behind. The overlapped ops run their own GEMMs, in the
+        # compute dtype, so fp8 takes the plain collectives.
         object.__setattr__(self, "sequence_parallel", self.sequence_parallel and not alone)
-        object.__setattr__(self, "overlap", self.overlap and not alone and self.weight_grads is None)
+        object.__setattr__(self, "overlap", self.overlap and not alone and self.weight_grads is None
+                           and self.fp8 is None)
 
     def without_overlap(self) -> "TPRegion":
         """The same region with plain collectives (the exit that full recomputation replays)."""
@@ -104,6 +117,11 @@ class TPRegion:
                       for p in projections]
             return column_parallel_in(x, params, self.group, self.sequence_parallel)
         x = self.entry(x)
+        if self.fp8 is not None:
+            ys = fp8_linears(x, [_with_grad_reduce(p.weight, p.grad_reduce) for p in projections], self.fp8,
+                             self.group, "out")
+            return [y if p.bias is None else y + _with_grad_reduce(p.bias, p.grad_reduce)
+                    for y, p in zip(ys, projections)]
         if self.weight_grads is not None:
             return [weight_grad.linear(x, p.weight, p.bias, self.weight_grads, reduce=p.grad_reduce)
                     for p in projections]
@@ -121,7 +139,10 @@ class TPRegion:
         the region, plus the replicated `bias` (whose gradient, under SP, is summed over the group)."""
         if self.overlap:
             return row_parallel_out(x, weight, bias, self.group, self.sequence_parallel)
-        y = self.reduce(weight_grad.linear(x, weight, None, self.weight_grads))
+        if self.fp8 is not None:
+            y = self.reduce(fp8_linears(x, [weight], self.fp8, self.group, "in")[0])
+        else:
+            y = self.reduce(weight_grad.linear(x, weight, None, self.weight_grads))
         if bias is None:
             return y
         if self.weight_grads is not None:
@@ -165,13 +186,18 @@ class TPRegion:
             weight, bias = (None if p is None else copy_to_tp(p, self.group) for p in (weight, bias))
         return F.linear(x, weight, bias)
 
-    def stacked_linear(self, weight: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def stacked_linear(self, weight: torch.Tensor, group: Group | None = None,
+                       split: str | None = None) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """``f(x, i) = x @ weight[i]^T`` for stacked weights [n, out, in] (a rank's experts): the stack is
         unbound once, so that its backward stacks the slices' gradients in one op (indexing each slice would
-        allocate a whole zero gradient per slice); under a split backward each slice's gradient is deferred."""
+        allocate a whole zero gradient per slice); under a split backward each slice's gradient is deferred.
+        Under fp8, `group` and `split` say how each slice is split (expert TP: "out" for the experts' column-
+        parallel projections, "in" for the row-parallel one; see `fp8_linears`)."""
         if self.weight_grads is not None:
             return lambda x, i: weight_grad.linear(x, weight, None, self.weight_grads, index=i)
         slices = weight.unbind(0)
+        if self.fp8 is not None:
+            return lambda x, i: fp8_linears(x, [slices[i]], self.fp8, group, split)[0]
         return lambda x, i: x @ slices[i].t()
 
     def lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

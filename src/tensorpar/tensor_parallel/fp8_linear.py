@@ -1,0 +1,132 @@
+"""FP8 linear products whose scales agree across the tensor-parallel group.
+
+`fp8_linears(x, weights, recipe, group, split)` computes ``[x W_i^T for W_i in weights]`` with the GEMMs in fp8
+(`tensorpar.tensor_parallel.fp8_scaling`: dynamic power-of-two scales, ``tensorwise`` or ``rowwise``). A
+tensor's scale comes from the amax of the whole tensor, not of this rank's shard, so that every rank quantises
+to exactly the fp8 values one process would: the only difference from TP 1 is the fp32 summation order. Where
+the axis an amax runs over is split across the group, the shards' amaxes are combined by one all-reduce (max) of
+all of them together: at most one small all-reduce per call in the forward and one in the backward, counted in
+the group's CommStats like any other collective. `split` says what is split:
+
+==========  ==============================  ======================================  ================================
+split       the layer                       forward all-reduce (max) of             backward all-reduce (max) of
+==========  ==============================  ======================================  ================================
+"out"       column-parallel: x replicated   tensorwise: each W's amax;              the output gradients' amaxes
+            (or all-gathered), W's rows     rowwise: each W's per-input-feature     (tensorwise: each g's; rowwise:
+            split                           amaxes (the input gradient's scales)    per token)
+"in"        row-parallel: x's features and  tensorwise: x's and W's amax;           none (g is whole on every rank)
+            W's columns split; outputs are  rowwise: x's per-token and W's per-
+            partial sums                    output-feature amaxes
+None        unsplit (a group of one)        none                                    none
+==========  ==============================  ======================================  ================================
+
+Not reduced, by design: a tensor whose amax axis is whole on every rank (a replicated or all-gathered input,
+a row-parallel layer's output gradient), and anything across data- or context-parallel ranks: each rank
+scales its own tokens, as one process scales each micro-batch. KV heads replicated on several TP ranks
+quantise each copy's partial output gradient before the copies' gradients are summed. The collectives of the
+region (`copy_to_tp`, `reduce_from_tp`, the SP all-gather and reduce-scatter) are the caller's, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorpar.distributed.comm import Group
+from tensorpar.tensor_parallel.fp8_scaling import E4M3, Fp8Recipe, amax, pow2_scale, quantize, scaled_mm
+
+
+def _reduce_max(amaxes: list[torch.Tensor], group: Group | None) -> list[torch.Tensor]:
+    """Each tensor's elementwise max over the group, all in one all-reduce."""
+    if group is None or group.size == 1 or not amaxes:
+        return amaxes
+    flat = group.all_reduce(torch.cat([a.reshape(-1) for a in amaxes]), op="max")
+    return [piece.view_as(a) for piece, a in zip(flat.split([a.numel() for a in amaxes]), amaxes)]
+
+
+def _row_axis(rowwise: bool) -> int | None:
+    return -1 if rowwise else None
+
+
+class _Fp8Linears(torch.autograd.Function):
+    """Forward: [x W_i^T] in fp8 (one all-reduce (max) of the split amaxes, see the module docstring). Backward:
+    the input gradient sum_i g_i W_i and the weight gradients g_i^T x (rowwise: in the compute dtype), with one
+    all-reduce (max) of the output gradients' amaxes under split "out"."""
+
+    @staticmethod
+    def forward(ctx, x, recipe: Fp8Recipe, group, split, *weights):
+        x2 = x.reshape(-1, x.shape[-1])
+        axis = _row_axis(recipe.rowwise)
+        x_amax = amax(x2, axis)
+        w_amax = [amax(w, axis) for w in weights]
+        # rowwise: the input gradient g W needs W scaled per input feature, over rows that "out" splits
+        w_col_amax = [amax(w, 0) for w in weights] if recipe.rowwise else []
+        if split == "in":
+            x_amax, *w_amax = _reduce_max([x_amax, *w_amax], group)
+        elif split == "out":
+            reduced = _reduce_max(w_col_amax if recipe.rowwise else w_amax, group)
+            w_col_amax, w_amax = (reduced, w_amax) if recipe.rowwise else (w_col_amax, reduced)
+        recipe.stats.observe("input", x_amax)
+        recipe.stats.observe("weight", torch.stack([a.amax() for a in w_amax]))
+        x_scale = pow2_scale(x_amax, E4M3)
+        xq = quantize(x2, x_scale, E4M3)
+        w_scales = [pow2_scale(a, E4M3) for a in w_amax]
+        wq = [quantize(w, s, E4M3) for w, s in zip(weights, w_scales)]
+        ys = [scaled_mm(xq, x_scale, q, s, x.dtype).view(*x.shape[:-1], q.shape[0]) for q, s in zip(wq, w_scales)]
+        if recipe.rowwise:  # the input gradient's W (per input feature); the weight gradient's x in high precision
+            w_col_scales = [pow2_scale(a, E4M3) for a in w_col_amax]
+            saved = [quantize(w, s, E4M3) for w, s in zip(weights, w_col_scales)]
+            ctx.save_for_backward(x2, *saved, *w_col_scales)
+        else:
+            ctx.save_for_backward(xq, x_scale, *wq, *w_scales)
+        ctx.recipe, ctx.group, ctx.split, ctx.n = recipe, group, split, len(weights)
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtypes = x.shape, x.dtype, [w.dtype for w in weights]
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        recipe, n = ctx.recipe, ctx.n
+        x_saved, *rest = ctx.saved_tensors
+        if recipe.rowwise:
+            wq, w_scales = rest[:n], rest[n:]
+        else:
+            x_scale, wq, w_scales = rest[0], rest[1:1 + n], rest[1 + n:]
+        gs = [(g if g is not None else torch.zeros(*ctx.x_shape[:-1], q.shape[0], dtype=ctx.x_dtype,
+                                                  device=q.device)).reshape(-1, q.shape[0])
+              for g, q in zip(grads, wq)]
+        g_amax = [amax(g, _row_axis(recipe.rowwise)) for g in gs]
+        if ctx.split == "out":
+            g_amax = _reduce_max(g_amax, ctx.group)
+        recipe.stats.observe("grad_output", torch.stack([a.amax() for a in g_amax]))
+        g_scales = [pow2_scale(a, recipe.grad_dtype) for a in g_amax]
+        gq = [quantize(g, s, recipe.grad_dtype) for g, s in zip(gs, g_scales)]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            # g W as (g / s_g) @ ((W^T) / s_w)^T: W^T's rows are W's columns, its scales W's per-column ones
+            parts = [scaled_mm(q, s, w.t(), ws.t() if ws.dim() else ws, torch.float32)
+                     for q, s, w, ws in zip(gq, g_scales, wq, w_scales)]
+            dx = torch.stack(parts).sum(0).to(ctx.x_dtype).view(ctx.x_shape) if n > 1 else \
+                parts[0].to(ctx.x_dtype).view(ctx.x_shape)
+        dws = []
+        for i, (g, q, s) in enumerate(zip(gs, gq, g_scales)):
+            if not ctx.needs_input_grad[4 + i]:
+                dws.append(None)
+            elif recipe.rowwise:
+                dws.append((g.t().to(ctx.w_dtypes[i]) @ x_saved.to(ctx.w_dtypes[i])))
+            else:  # g^T x as (g^T / s_g) @ ((x^T) / s_x)^T
+                dws.append(scaled_mm(q.t(), s, x_saved.t(), x_scale, ctx.w_dtypes[i]))
+        return (dx, None, None, None, *dws)
+
+
+def fp8_linears(x: torch.Tensor, weights: list[torch.Tensor], recipe: Fp8Recipe, group: Group | None = None,
+                split: str | None = None) -> list[torch.Tensor]:
+    """[x W_i^T] with fp8 GEMMs scaled by `recipe`; `split` ("out", "in" or None) says which of x's and W's axes
+    are split over `group` (see the module docstring). No bias: the caller adds it in the compute dtype."""
+    if split not in ("out", "in", None):
+        raise ValueError(f"split must be 'out', 'in' or None, got {split!r}")
+    return list(_Fp8Linears.apply(x, recipe, group, split, *weights))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, group: Group | None = None,
+               split: str | None = None) -> torch.Tensor:
+    """x W^T with fp8 GEMMs (`fp8_linears` of one weight)."""
+    return fp8_linears(x, [weight], recipe, group, split)[0]
