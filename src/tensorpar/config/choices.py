@@ -1,7 +1,9 @@
 """The choices the commands offer, written once: every flag, check and error message reads them from here."""
 
 DTYPES = ("fp32", "bf16")  # evaluation and generation precision (--dtype; bf16: autocast over fp32 weights)
-TRAIN_DTYPES = ("fp32", "bf16", "fp16")  # training precision (--dtype; bf16/fp16 parameters, fp32 master weights)
+TRAIN_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # training precision (--dtype; bf16/fp16 parameters, fp32 master weights;
+#                                                fp8: bf16 parameters, the parallel linears' GEMMs in fp8)
+FP8_RECIPES = ("tensorwise", "rowwise")  # how fp8 GEMMs are scaled (--fp8-recipe)
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the dtype gradients are accumulated and reduced in (--grad-reduce-dtype)
 RECOMPUTE_MODES = ("none", "selective", "full")  # activation recomputation (--recompute)
 PIPELINE_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zbv")  # --schedule

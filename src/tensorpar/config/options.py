@@ -15,6 +15,7 @@ from tensorpar.config.choices import (
     CP_IMPLS,
     CP_SPLITS,
     DTYPES,
+    FP8_RECIPES,
     GRAD_REDUCE_DTYPES,
     LOSS_CHUNK_TOKENS,
     ON_NAN,
@@ -118,8 +119,12 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                                        "time, never holding all the logits (0: logits, then the "
                                                        "loss)", metavar="N", group=LAYOUT)
     dtype: str = option("fp32", "bf16/fp16: parameters, activations and gradients in bf16/fp16 with fp32 master "
-                                "weights in the optimizer (fp16 with dynamic loss scaling)", choices=TRAIN_DTYPES,
-                        group=LAYOUT)
+                                "weights in the optimizer (fp16 with dynamic loss scaling); fp8: as bf16, with the "
+                                "GEMMs of every column/row-parallel linear and expert in fp8 (--fp8-recipe)",
+                        choices=TRAIN_DTYPES, group=LAYOUT)
+    fp8_recipe: str = option("tensorwise", "--dtype fp8: one dynamic scale per tensor (gradients in e5m2), or per "
+                                           "row (gradients in e4m3, the weight gradient in bf16)",
+                             choices=FP8_RECIPES, group=LAYOUT)
     grad_reduce_dtype: str = option("fp32", "bf16/fp16 training: accumulate and reduce gradients in this dtype",
                                     choices=GRAD_REDUCE_DTYPES, group=LAYOUT)
     loss_scale: float = option(2.0**16, "fp16: the initial dynamic loss scale", group="optimization")

@@ -38,6 +38,7 @@ from tensorpar.tensor_parallel.embedding import VocabParallelEmbedding
 from tensorpar.tensor_parallel.lm_head import VocabParallelLMHead
 from tensorpar.tensor_parallel.mappings import copy_to_tp
 from tensorpar.tensor_parallel.mlp import ParallelMLP
+from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
 from tensorpar.tensor_parallel.region import TPRegion
 
 
@@ -120,6 +121,9 @@ class Transformer(nn.Module):
     ``loss_chunk_tokens``: the training loss runs the head and the cross-entropy fused, that many tokens at a
     time, never holding the whole [B, S, V / tp] logits (`VocabParallelLMHead.loss`); None: logits, then the
     loss. `logits()` (eval, generation) is the same either way.
+
+    ``fp8``: an `Fp8Recipe`: the GEMMs of the column/row-parallel linears and of the experts run in fp8
+    (`TPRegion.fp8`); the embedding, head, norms, router and attention keep the parameters' dtype.
     """
 
     def __init__(
@@ -140,6 +144,7 @@ class Transformer(nn.Module):
         tp_overlap: bool = True,
         weight_grads: WeightGradQueue | None = None,
         loss_chunk_tokens: int | None = None,
+        fp8: Fp8Recipe | None = None,
     ):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
@@ -150,7 +155,7 @@ class Transformer(nn.Module):
         self.ep_group = as_group(mesh, "ep")
         self.expert_tp_group = as_group(mesh, "expert_tp")
         self.cp_split, self.cp_impl = cp_split, cp_impl
-        self.region = TPRegion(self.tp_group, sequence_parallel, tp_overlap, weight_grads)
+        self.region = TPRegion(self.tp_group, sequence_parallel, tp_overlap, weight_grads, fp8)
         self.sequence_parallel = self.region.sequence_parallel
         self.recompute = recompute
         if loss_chunk_tokens is not None and loss_chunk_tokens < 1:

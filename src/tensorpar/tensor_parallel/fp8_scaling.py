@@ -27,10 +27,11 @@ import dataclasses
 
 import torch
 
+from tensorpar.config.choices import FP8_RECIPES
+
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 E5M2 = getattr(torch, "float8_e5m2", None)
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
-FP8_RECIPES = ("tensorwise", "rowwise")
 _MIN_AMAX = 1e-30  # an all-zero tensor gets a large finite scale, not inf * 0
 
 

@@ -71,6 +71,8 @@ def train_step(s: Session, step: int) -> dict:
         record["skipped"] = not math.isfinite(record["grad_norm"])
     if s.run.cfg.is_moe:
         record.update(moe_step_metrics(s.model, s.run.cfg, mesh))
+    if s.model.region.fp8 is not None:  # the largest amax of this rank's fp8 inputs, weights and output gradients
+        record.update(s.model.region.fp8.stats.take())
     return record
 
 

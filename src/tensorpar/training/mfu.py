@@ -16,13 +16,14 @@ _CATALOG_BY_DEVICE_NAME = {"H200": "h200", "H100": "h100-80gb", "B200": "b200", 
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """(peak FLOP/s of one rank's device, where the figure comes from). On a GPU fp16 counts as bf16 (same
-    datasheet peak); elsewhere a matmul in the training dtype is measured."""
+    datasheet peak), and so does fp8: its MFU is against the bf16 peak, as Megatron and torchtitan report it
+    (attention and the head run in bf16); elsewhere a matmul in the parameters' dtype is measured."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for marker, key in _CATALOG_BY_DEVICE_NAME.items():
             if marker in name:
                 key = "a100-40gb" if key == "a100-80gb" and "40GB" in name else key
-                return GPUS[key].peak("bf16" if dtype == "fp16" else dtype), f"{key} datasheet"
+                return GPUS[key].peak("bf16" if dtype in ("fp16", "fp8") else dtype), f"{key} datasheet"
     return _measured_once(str(device), dtype, torch.get_num_threads()), "measured matmul peak"
 
 

@@ -25,6 +25,7 @@ from tensorpar.optim.precision import param_dtype
 from tensorpar.pipeline_parallel.runner import PipelineRunner, holds_ends, parse_pipeline_layers, rank_layers
 from tensorpar.pipeline_parallel.schedules import splits_backward
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
+from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
@@ -100,12 +101,13 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
     torch.manual_seed(o.seed)
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
                         init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, tp_overlap=o.tp_overlap,
-                        loss_chunk_tokens=o.loss_chunk_tokens or None, **stage)
+                        loss_chunk_tokens=o.loss_chunk_tokens or None,
+                        fp8=Fp8Recipe(o.fp8_recipe) if o.dtype == "fp8" else None, **stage)
     if o.init_from:
         _, state = load_model_source(o.init_from)
         names = dict(model.named_parameters())
         load_full_state_dict(model, {k: v for k, v in state.items() if k in names}, source=o.init_from)
-    if o.dtype != "fp32":  # bf16/fp16 parameters; the optimizer keeps fp32 masters; buffers (RoPE) stay fp32
+    if o.dtype != "fp32":  # bf16/fp16 (fp8: bf16) parameters; the optimizer keeps fp32 masters; buffers stay fp32
         for p in model.parameters():
             p.data = p.data.to(param_dtype(o.dtype))
     if o.compile:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import torch
+
 from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read_meta
 from tensorpar.checkpoints.sources import load_config
 from tensorpar.config.fields import check_choices
@@ -22,6 +24,7 @@ from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
 from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
 from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, splits_backward
+from tensorpar.tensor_parallel.fp8_scaling import fp8_unsupported
 from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps
 
 
@@ -85,6 +88,20 @@ def _check_observability(o: TrainOptions) -> None:
         raise TensorparError("--profile-ranks needs --profile-steps A:B")
 
 
+def _check_fp8(o: TrainOptions) -> None:
+    """--dtype fp8 on a device and torch that have fp8 GEMMs, and not under a split backward."""
+    if o.dtype != "fp8":
+        return
+    device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    why = fp8_unsupported(device)
+    if why:
+        raise TensorparError(f"--dtype fp8 cannot run on {device}: {why}; use --dtype bf16")
+    if o.pp > 1 and splits_backward(o.schedule):
+        raise TensorparError(f"--dtype fp8 cannot run under --schedule {o.schedule} (a split backward leaves weight "
+                             f"gradients for later, which the fp8 GEMMs compute with the input gradient): use 1f1b "
+                             f"or interleaved")
+
+
 def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
     """Check `options` against the model and a world of `world_size` processes (default: the launcher's, else
     nproc or tp x cp x pp x dp); raise TensorparError naming what is wrong, or return the PreparedRun."""
@@ -130,6 +147,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     if o.pp > 1 and splits_backward(o.schedule) and o.zero == 3:
         raise TensorparError(f"--schedule {o.schedule} leaves weight gradients for later, which ZeRO-3's per-layer "
                              f"gather and free do not allow: use --zero 0, 1 or 2 with it, or another schedule")
+    _check_fp8(o)
     if o.pp > 1 or o.virtual_stages > 1 or pipeline_layers is not None:
         build_schedule(o.schedule, o.pp, o.global_batch_size // (dp * micro), o.virtual_stages)
         stage_layers(cfg.num_layers, o.pp, virtual_stages, pipeline_layers)
