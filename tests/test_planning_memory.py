@@ -12,6 +12,7 @@ import torch
 from tensorpar.config.choices import LOSS_CHUNK_TOKENS
 from tensorpar.models.config import ModelConfig
 from tensorpar.planning import memory, precision_recipes
+from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
 from tensorpar.planning import params as planned_params
 from tensorpar.planning.layout import Layout
 
@@ -105,7 +106,8 @@ def measure_saved_bytes(model, ids, targets, bf16: bool, method: str) -> int:
 
 
 def check_activations(tp, config, sp, recompute, dtype, method, tp_overlap=True, loss_chunk_tokens=LOSS_CHUNK_TOKENS):
-    """`dtype`: "fp32", "bf16" (parameters cast, as training does) or "bf16-autocast" (as eval does);
+    """`dtype`: "fp32", "bf16" (parameters cast, as training does), "bf16-autocast" (as eval does), or "fp8" /
+    "fp8-rowwise" (bf16 parameters, fp8 GEMMs);
     `loss_chunk_tokens`: the fused head and loss as training runs them by default, None for logits then the loss."""
     from tensorpar.models import Transformer
 
@@ -115,9 +117,10 @@ def check_activations(tp, config, sp, recompute, dtype, method, tp_overlap=True,
     B, S = 2, 32
     ids = torch.randint(0, cfg.vocab_size, (B, S))
     targets = torch.randint(0, cfg.vocab_size, (B, S))
+    fp8 = Fp8Recipe(dtype.partition("-")[2] or "tensorwise") if dtype.startswith("fp8") else None
     model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1, tp_overlap=tp_overlap,
-                        loss_chunk_tokens=loss_chunk_tokens)
-    if dtype == "bf16":
+                        loss_chunk_tokens=loss_chunk_tokens, fp8=fp8)
+    if dtype == "bf16" or fp8 is not None:
         for p in model.parameters():
             p.data = p.data.bfloat16()
     model.train()
@@ -129,6 +132,9 @@ ACTIVATION_CASES = [(1, c, False, rc, dtype) for c in ("tiny", "tiny-gpt2") for 
     (2, "tiny", True, "none", "fp32"), (2, "tiny", True, "none", "bf16-autocast"),
     (2, "tiny", False, "selective", "bf16-autocast"), (2, "tiny-gpt2", True, "full", "fp32"),
     (2, "tiny-gpt2", False, "none", "bf16-autocast"), (2, "tiny", True, "none", "bf16")]
+# fp8 GEMMs (bf16 parameters): fp8 inputs and weights kept for backward (tensorwise), fp8 weights (rowwise)
+ACTIVATION_CASES += [(1, "tiny", False, "none", "fp8"), (2, "tiny", True, "none", "fp8"),
+                     (2, "tiny", False, "selective", "fp8-rowwise")]
 CHUNKS = [LOSS_CHUNK_TOKENS] * len(ACTIVATION_CASES) + [None] * 4
 # Logits, then the loss (--loss-chunk-tokens 0): the softmax and, under autocast, the head's bf16 weight copy.
 ACTIVATION_CASES += [(1, "tiny", False, "none", "fp32"), (1, "tiny-gpt2", False, "none", "bf16-autocast"),

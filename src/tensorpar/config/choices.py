@@ -14,7 +14,7 @@ PLANNED_ZERO_STAGES = (0, 1, 2, 3)  # what the planner models
 LOSS_CHUNK_TOKENS = 1024  # tokens per chunk of the fused LM head + loss, training's default (--loss-chunk-tokens)
 ON_NAN = ("stop", "skip")  # what a non-finite gradient norm does to the run (--on-nan)
 BIN_DTYPES = ("uint16", "int32")  # raw token files (--bin-dtype)
-PLAN_PRECISIONS = ("tensorpar-bf16", "tensorpar-fp16", "tensorpar-bf16-autocast", "tensorpar-fp32", "mixed-bf16",
+PLAN_PRECISIONS = ("tensorpar-bf16", "tensorpar-fp16", "tensorpar-fp8", "tensorpar-fp8-rowwise", "tensorpar-bf16-autocast", "tensorpar-fp32", "mixed-bf16",
                    "megatron-bf16", "megatron-fp8", "megatron-fp8-params")  # plan --precision
 PLANNED_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")  # the pipeline schedules the planner models (plan --schedule)
 SEQUENCE_PARALLEL_SEARCH = ("both", "on", "off")  # plan --sequence-parallel

@@ -91,7 +91,7 @@ def _mlp_saved(cfg) -> int:
 
 
 def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, autocast: bool,
-                                act_bytes: int = 4, moe: bool = False, tp_overlap: bool = True) -> int:
+                                act_bytes: int = 4, moe: bool = False, tp_overlap: bool = True, fp8: str = "") -> int:
     """Bytes one transformer layer of tensorpar saves for backward, for one micro-batch (see module docstring).
     `act_bytes`: 2 when the parameters and activations are bf16/fp16 (then M = 2 too). `moe`: the layer's MLP
     is a mixture of experts (`tensorpar_moe_activations` instead of the dense MLP's). `tp_overlap` (at TP > 1):
@@ -128,7 +128,20 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
     masks = 0
     if cfg.dropout > 0:
         masks = 2 * (A if (cfg.bias or not autocast) else M) * b * sn * h
-    return 2 * norm + attn_in + mlp_in + attn + mlp + masks
+    return 2 * norm + attn_in + mlp_in + attn + mlp + masks + _fp8_input_bytes(cfg, fp8, recompute, b, s, t, moe)
+
+
+def _fp8_input_bytes(cfg, fp8: str, recompute: str, b: int, s: int, t: int, moe: bool) -> int:
+    """What tensorwise fp8 GEMMs change in a layer's saved inputs (bf16 parameters): the q/k/v, MLP-up and
+    down-projection inputs are kept in fp8 in place of bf16 (1 byte less per element); the output projection's
+    fp8 input is one byte more where the attention core keeps its bf16 output too (no recomputation), one less
+    where it does not. Rowwise keeps the bf16 inputs (the weight gradient's GEMM runs in bf16): no change."""
+    if fp8 != "tensorwise":
+        return 0
+    local = b * s * (cfg.num_heads // t) * cfg.head_dim
+    out_proj = local if recompute == "none" else -local
+    mlp = 0 if moe else b * s * cfg.hidden_size + b * s * (cfg.ffn_hidden_size // t)
+    return out_proj - b * s * cfg.hidden_size - mlp
 
 
 def tensorpar_moe_activations(cfg, tp: int, b: int, s: int, autocast: bool, act_bytes: int = 4) -> int:
@@ -330,7 +343,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     chunked = bool(loss_chunk_tokens) and prec.activations == "tensorpar" and not split_backward
     activations, recomputed = _activation_bytes(cfg, layout, seq_len, m, chunks, n_layers, first, last, prec,
                                                 flash_attention, tp_overlap, chunked)
-    weight_copies, copies_alive = _weight_copy_bytes(layout, summary, n_layers, chunks, last, prec, chunked)
+    weight_copies, copies_alive = _weight_copy_bytes(cfg, layout, summary, n_layers, chunks, last, prec, chunked)
     transient = gathered + recomputed + copies_alive
     subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
@@ -395,7 +408,7 @@ def _layer_activations(cfg, layout: Layout, b: int, s: int, mode: str, prec: Pre
     def one(moe):
         if prec.activations == "tensorpar":
             return tensorpar_layer_activations(cfg, layout.tp, layout.sp, b, s, mode, prec.autocast, prec.act_bytes,
-                                               moe, tp_overlap)
+                                               moe, tp_overlap, prec.fp8_recipe)
         return playbook_layer_activations(cfg, layout.tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes,
                                           moe, 1 if prec.gemm_dtype == "fp8" else None)
 
@@ -404,7 +417,7 @@ def _layer_activations(cfg, layout: Layout, b: int, s: int, mode: str, prec: Pre
     return round(moe_share * one(True) + (1 - moe_share) * one(False))
 
 
-def _weight_copy_bytes(layout: Layout, summary: ParamSummary, n_layers: int, chunks: int, last: bool,
+def _weight_copy_bytes(cfg, layout: Layout, summary: ParamSummary, n_layers: int, chunks: int, last: bool,
                        prec: Precision, chunked_loss: bool = False) -> tuple[int, int]:
     """(weight copies kept from forward to backward, those alive only while a layer recomputes) in bytes: bf16
     autocast's copies of the matmul weights, or Transformer Engine's fp8 weights and transposes."""
@@ -415,6 +428,14 @@ def _weight_copy_bytes(layout: Layout, summary: ParamSummary, n_layers: int, chu
             return 2 * head_weights, 2 * layer_weights // max(n_layers, 1)
         # every micro-batch's forward makes its own copies: one set per chunk-forward in flight
         return 2 * (chunks * layer_weights // layout.virtual_stages + head_weights), 0
+    if prec.fp8_recipe:
+        # tensorpar's fp8 GEMMs keep the bf16 weight (the parameter) and quantise it again in the backward: only the
+        # tensorwise scales are kept, and one layer's fp8 weights exist while its backward runs
+        scales = 4 * (1 + 3 + 2 + 1 + (2 if cfg.gated_mlp else 1) + 2) if prec.fp8_recipe == "tensorwise" else 0
+        fp8_weights = summary.layer_matmul_weights // max(n_layers, 1)
+        if layout.recompute == "full":
+            return 0, fp8_weights
+        return chunks * n_layers * scales // layout.virtual_stages, fp8_weights
     if prec.gemm_dtype == "fp8" and not prec.fp8_params:
         # Transformer Engine keeps each linear layer's fp8 weight and its fp8 transpose beside the bf16 weight; with
         # fp8 parameters those two are the weight (param_bytes = 2 counts them)

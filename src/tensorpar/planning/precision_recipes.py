@@ -10,6 +10,11 @@ tensorpar-bf16      2      4      4       8    tensorpar with --dtype bf16 (and 
                                                --dtype fp16): bf16 parameters and activations,
                                                gradients moved into fp32 buffers as they arrive,
                                                fp32 master weights (whole under ZeRO-0)
+tensorpar-fp8       2      4      4       8    tensorpar with --dtype fp8 (--fp8-recipe tensorwise;
+                                               tensorpar-fp8-rowwise: rowwise): as tensorpar-bf16,
+                                               the linear layers' GEMMs in fp8; tensorwise keeps
+                                               their inputs in fp8 for backward (rowwise: in bf16);
+                                               the weights are quantised again in the backward
 tensorpar-bf16-     4      4      -       8    bf16 autocast over fp32 parameters; every matmul
  autocast                                      weight is cast to bf16 in the forward and that copy
                                                is kept for backward
@@ -58,6 +63,7 @@ class Precision:
     gemm_dtype: str = ""  # the dtype the GEMMs run in ("" : compute_dtype; "fp8": Transformer Engine's fp8 GEMMs)
     fp8_params: bool = False  # linear weights held in fp8 (+ fp8 transpose) in place of bf16: no separate fp8 caches
     gather_bytes: int = 0  # bytes per parameter the ZeRO all-gathers move (0: param_bytes; fp8 parameters: 1)
+    fp8_recipe: str = ""  # tensorpar's fp8 GEMMs (--fp8-recipe): "tensorwise" or "rowwise"; "" for none
 
     def __post_init__(self):
         if not self.gemm_dtype:
@@ -72,6 +78,14 @@ PRECISIONS: dict[str, Precision] = {
                                 "reduced in fp32, fp32 master weights and AdamW"),
     "tensorpar-fp16": Precision("tensorpar-fp16", "bf16", 2, 4, 4, 8, "tensorpar", 2, 2, False, 0, False, True,
                                 "tensorpar --dtype fp16: as tensorpar-bf16, with dynamic loss scaling"),
+    "tensorpar-fp8": Precision("tensorpar-fp8", "bf16", 2, 4, 4, 8, "tensorpar", 2, 2, False, 0, False, True,
+                               "tensorpar --dtype fp8 (tensorwise): as tensorpar-bf16 with the linear layers' and "
+                               "experts' GEMMs in fp8, their inputs kept in fp8 for backward",
+                               gemm_dtype="fp8", fp8_recipe="tensorwise"),
+    "tensorpar-fp8-rowwise": Precision("tensorpar-fp8-rowwise", "bf16", 2, 4, 4, 8, "tensorpar", 2, 2, False, 0,
+                                       False, True, "tensorpar --dtype fp8 --fp8-recipe rowwise: fp8 GEMMs scaled per "
+                                                    "row, the weight gradient's in bf16 (its input kept in bf16)",
+                                       gemm_dtype="fp8", fp8_recipe="rowwise"),
     "tensorpar-bf16-autocast": Precision("tensorpar-bf16-autocast", "bf16", 4, 4, 0, 8, "tensorpar", 4, 2, True, 4,
                                          False, True, "bf16 autocast over fp32 parameters (what tensorpar eval and "
                                                       "generate do with --dtype bf16), fp32 gradients and AdamW"),

@@ -12,8 +12,9 @@ the group's CommStats like any other collective. `split` says what is split:
 split       the layer                       forward all-reduce (max) of             backward all-reduce (max) of
 ==========  ==============================  ======================================  ================================
 "out"       column-parallel: x replicated   tensorwise: each W's amax;              the output gradients' amaxes
-            (or all-gathered), W's rows     rowwise: each W's per-input-feature     (tensorwise: each g's; rowwise:
-            split                           amaxes (the input gradient's scales)    per token)
+            (or all-gathered), W's rows     rowwise: none (W's rows are whole)      (tensorwise: each g's; rowwise:
+            split                                                                   per token, and each W's per
+                                                                                    input feature)
 "in"        row-parallel: x's features and  tensorwise: x's and W's amax;           none (g is whole on every rank)
             W's columns split; outputs are  rowwise: x's per-token and W's per-
             partial sums                    output-feature amaxes
@@ -50,7 +51,11 @@ def _row_axis(rowwise: bool) -> int | None:
 class _Fp8Linears(torch.autograd.Function):
     """Forward: [x W_i^T] in fp8 (one all-reduce (max) of the split amaxes, see the module docstring). Backward:
     the input gradient sum_i g_i W_i and the weight gradients g_i^T x (rowwise: in the compute dtype), with one
-    all-reduce (max) of the output gradients' amaxes under split "out"."""
+    all-reduce (max) of the amaxes split "out" splits (the output gradients', and rowwise W's per input feature).
+
+    The weights are saved as they are (the parameters: no copy; under ZeRO-3 gathered again for the backward, as
+    for any layer) and quantised again in the backward: with the forward's scale (tensorwise: the same fp8 values)
+    or per input feature (rowwise). Tensorwise keeps the input in fp8, rowwise in the compute dtype."""
 
     @staticmethod
     def forward(ctx, x, recipe: Fp8Recipe, group, split, *weights):
@@ -58,28 +63,23 @@ class _Fp8Linears(torch.autograd.Function):
         axis = _row_axis(recipe.rowwise)
         x_amax = amax(x2, axis)
         w_amax = [amax(w, axis) for w in weights]
-        # rowwise: the input gradient g W needs W scaled per input feature, over rows that "out" splits
-        w_col_amax = [amax(w, 0) for w in weights] if recipe.rowwise else []
         if split == "in":
             x_amax, *w_amax = _reduce_max([x_amax, *w_amax], group)
-        elif split == "out":
-            reduced = _reduce_max(w_col_amax if recipe.rowwise else w_amax, group)
-            w_col_amax, w_amax = (reduced, w_amax) if recipe.rowwise else (w_col_amax, reduced)
+        elif split == "out" and not recipe.rowwise:  # rowwise: W's rows are whole on this rank
+            w_amax = _reduce_max(w_amax, group)
         recipe.stats.observe("input", x_amax)
         recipe.stats.observe("weight", torch.stack([a.amax() for a in w_amax]))
         x_scale = pow2_scale(x_amax, E4M3)
         xq = quantize(x2, x_scale, E4M3)
         w_scales = [pow2_scale(a, E4M3) for a in w_amax]
-        wq = [quantize(w, s, E4M3) for w, s in zip(weights, w_scales)]
-        ys = [scaled_mm(xq, x_scale, q, s, x.dtype).view(*x.shape[:-1], q.shape[0]) for q, s in zip(wq, w_scales)]
-        if recipe.rowwise:  # the input gradient's W (per input feature); the weight gradient's x in high precision
-            w_col_scales = [pow2_scale(a, E4M3) for a in w_col_amax]
-            saved = [quantize(w, s, E4M3) for w, s in zip(weights, w_col_scales)]
-            ctx.save_for_backward(x2, *saved, *w_col_scales)
+        ys = [scaled_mm(xq, x_scale, quantize(w, s, E4M3), s, x.dtype).view(*x.shape[:-1], w.shape[0])
+              for w, s in zip(weights, w_scales)]
+        if recipe.rowwise:
+            ctx.save_for_backward(x2, *weights)
         else:
-            ctx.save_for_backward(xq, x_scale, *wq, *w_scales)
+            ctx.save_for_backward(xq, x_scale, *weights, *w_scales)
         ctx.recipe, ctx.group, ctx.split, ctx.n = recipe, group, split, len(weights)
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtypes = x.shape, x.dtype, [w.dtype for w in weights]
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return tuple(ys)
 
     @staticmethod
@@ -87,34 +87,40 @@ class _Fp8Linears(torch.autograd.Function):
         recipe, n = ctx.recipe, ctx.n
         x_saved, *rest = ctx.saved_tensors
         if recipe.rowwise:
-            wq, w_scales = rest[:n], rest[n:]
+            weights = rest
         else:
-            x_scale, wq, w_scales = rest[0], rest[1:1 + n], rest[1 + n:]
-        gs = [(g if g is not None else torch.zeros(*ctx.x_shape[:-1], q.shape[0], dtype=ctx.x_dtype,
-                                                  device=q.device)).reshape(-1, q.shape[0])
-              for g, q in zip(grads, wq)]
+            x_scale, weights, w_scales = rest[0], rest[1:1 + n], rest[1 + n:]
+        gs = [(g if g is not None else torch.zeros(*ctx.x_shape[:-1], w.shape[0], dtype=ctx.x_dtype,
+                                                  device=w.device)).reshape(-1, w.shape[0])
+              for g, w in zip(grads, weights)]
         g_amax = [amax(g, _row_axis(recipe.rowwise)) for g in gs]
+        w_col_amax = [amax(w, 0) for w in weights] if recipe.rowwise else []  # the input gradient's W^T rows
         if ctx.split == "out":
-            g_amax = _reduce_max(g_amax, ctx.group)
+            g_amax, w_col_amax = _split_at(_reduce_max(g_amax + w_col_amax, ctx.group), n)
         recipe.stats.observe("grad_output", torch.stack([a.amax() for a in g_amax]))
         g_scales = [pow2_scale(a, recipe.grad_dtype) for a in g_amax]
         gq = [quantize(g, s, recipe.grad_dtype) for g, s in zip(gs, g_scales)]
+        if recipe.rowwise:
+            w_scales = [pow2_scale(a, E4M3).t() for a in w_col_amax]  # [in, 1]: per row of W^T
         dx = None
         if ctx.needs_input_grad[0]:
-            # g W as (g / s_g) @ ((W^T) / s_w)^T: W^T's rows are W's columns, its scales W's per-column ones
-            parts = [scaled_mm(q, s, w.t(), ws.t() if ws.dim() else ws, torch.float32)
-                     for q, s, w, ws in zip(gq, g_scales, wq, w_scales)]
-            dx = torch.stack(parts).sum(0).to(ctx.x_dtype).view(ctx.x_shape) if n > 1 else \
-                parts[0].to(ctx.x_dtype).view(ctx.x_shape)
+            # g W as (g / s_g) @ ((W^T) / s_w)^T
+            parts = [scaled_mm(q, s, quantize(w.t(), ws, E4M3), ws, torch.float32)
+                     for q, s, w, ws in zip(gq, g_scales, weights, w_scales)]
+            dx = (parts[0] if n == 1 else torch.stack(parts).sum(0)).to(ctx.x_dtype).view(ctx.x_shape)
         dws = []
-        for i, (g, q, s) in enumerate(zip(gs, gq, g_scales)):
+        for i, (g, q, s, w) in enumerate(zip(gs, gq, g_scales, weights)):
             if not ctx.needs_input_grad[4 + i]:
                 dws.append(None)
             elif recipe.rowwise:
-                dws.append((g.t().to(ctx.w_dtypes[i]) @ x_saved.to(ctx.w_dtypes[i])))
+                dws.append(g.t().to(w.dtype) @ x_saved.to(w.dtype))
             else:  # g^T x as (g^T / s_g) @ ((x^T) / s_x)^T
-                dws.append(scaled_mm(q.t(), s, x_saved.t(), x_scale, ctx.w_dtypes[i]))
+                dws.append(scaled_mm(q.t(), s, x_saved.t(), x_scale, w.dtype))
         return (dx, None, None, None, *dws)
+
+
+def _split_at(items: list, n: int) -> tuple[list, list]:
+    return items[:n], items[n:]
 
 
 def fp8_linears(x: torch.Tensor, weights: list[torch.Tensor], recipe: Fp8Recipe, group: Group | None = None,
