@@ -87,8 +87,10 @@ def test_predicted_comm_bytes_equal_counted_and_parameters_match(pools, tp, conf
         assert grads == precision_recipes.PRECISIONS["tensorpar-fp32"].grad_bytes * planned_params.parameter_count(cfg, tp)
 
 
-def check_training_step_comm(zero, micro_batches):
-    """A trainer step (tensorpar.training.trainer.train's loop body) at tp=2 x dp=2."""
+def check_training_step_comm(zero, micro_batches, fp8=""):
+    """A trainer step (tensorpar.training.trainer.train's loop body) at tp=2 x dp=2; `fp8`: a recipe for the GEMMs
+    (of fp32 parameters here, whose gradients are reduced in fp32 over TP and DP alike)."""
+    from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
     from tensorpar.models import Transformer
     from tensorpar.data_parallel import data_parallel_optimizer
     from tensorpar.data_parallel import FullyShardedOptimizer
@@ -97,7 +99,7 @@ def check_training_step_comm(zero, micro_batches):
     m = harness_mesh(tp=2, dp=2)
     torch.manual_seed(m.dp_rank)
     B, S = 2, 16
-    model = Transformer(cfg, m, sequence_parallel=True, seed=1)
+    model = Transformer(cfg, m, sequence_parallel=True, seed=1, fp8=Fp8Recipe(fp8) if fp8 else None)
     model.train()
     if zero == 3:
         opt = FullyShardedOptimizer(model, m, lr=1e-3, weight_decay=0.1)
@@ -116,13 +118,14 @@ def check_training_step_comm(zero, micro_batches):
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
     layout = Layout(tp=2, dp=2, sequence_parallel=True, micro_batch_size=B, zero=zero)
-    colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024)
+    colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024, fp8_recipe=fp8)
     return counted, collective_cost.sum_bytes(colls)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_predicted_training_step_comm_equals_counted(pools, zero):
-    for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2)):
+# fp8: the GEMMs' amax all-reduces over TP, and under ZeRO-3 the weights gathered in fp8 (tensorwise)
+@pytest.mark.parametrize("zero,fp8", [(0, ""), (1, ""), (2, ""), (3, ""), (3, "tensorwise"), (1, "rowwise")])
+def test_predicted_training_step_comm_equals_counted(pools, zero, fp8):
+    for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2, fp8)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
 
 

@@ -49,6 +49,19 @@ from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
 from tensorpar.optim.adamw import adamw
 from tensorpar.optim.grad_norm import unscale_and_clip
+from tensorpar.layers.attention import KVParallelLinear
+from tensorpar.tensor_parallel import fp8_scaling
+from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+
+
+def _fp8_gathered(model: nn.Module, block: nn.Module) -> set[int]:
+    """The parameters of `block` gathered in fp8: its column/row-parallel weights when the model's GEMMs are fp8
+    with tensorwise scales (a rowwise recipe scales the weights per row and per column, not by one scale)."""
+    fp8 = getattr(getattr(model, "region", None), "fp8", None)
+    if fp8 is None or fp8.rowwise:
+        return set()
+    return {id(m.weight) for m in block.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, KVParallelLinear))}
 
 
 class _Unit(FlatBuffer):
@@ -93,6 +106,63 @@ class _Unit(FlatBuffer):
         self.full = None
 
 
+class _Fp8Unit(_Unit):
+    """A block's column/row-parallel weights under tensorwise fp8 GEMMs, gathered in fp8: each weight is cast with
+    one power-of-two scale from the amax of the whole weight (all its DP shards, and its TP shards: the scale the
+    layer itself takes), so the all-gather moves 1 byte per element instead of 2, and dequantised into the
+    parameters. Exactly so, and without changing what the layer computes: with power-of-two scales the layer's own
+    cast of the dequantised weight gives back the same fp8 values (torchao's and NeMo's fp8 all-gather). The
+    scales cost one small all-reduce (max) over DP and one over TP per gather. `exact` (inside `gathered()`:
+    checkpoints, sampling) gathers the parameters' own values instead."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], dp_group, tp_group, gathered: BytesInUse):
+        super().__init__(name, params, dp_group, False, gathered)
+        self.tp, self.exact, self.rounded = tp_group, False, False
+        lo, hi = self.slice_bounds(dp_group)
+        # each weight's piece of this rank's shard: (weight, start, end) in shard coordinates
+        self.pieces = [(i, max(off, lo) - lo, min(off + shape.numel(), hi) - lo)
+                       for i, (off, shape) in enumerate(zip(self.offsets, self.shapes))
+                       if off < hi and off + shape.numel() > lo]
+        self._fp8 = self._scales = None
+
+    def start_gather(self) -> None:
+        if self.full is not None or self.exact:
+            super().start_gather()
+            return
+        amax = torch.zeros(len(self.params), device=self.shard.device)
+        for i, a, b in self.pieces:
+            amax[i] = fp8_scaling.amax(self.shard[a:b])
+        amax = self.dp.all_reduce(amax, op="max")
+        if self.tp is not None and self.tp.size > 1:
+            amax = self.tp.all_reduce(amax, op="max")
+        self._scales = fp8_scaling.pow2_scale(amax, fp8_scaling.E4M3)
+        local = torch.zeros(self.shard.numel(), dtype=fp8_scaling.E4M3, device=self.shard.device)
+        for i, a, b in self.pieces:
+            local[a:b] = fp8_scaling.quantize(self.shard[a:b], self._scales[i], fp8_scaling.E4M3)
+        self.full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        self._fp8 = torch.empty(self.padded, dtype=torch.uint8, device=self.shard.device)
+        self.gathered.add(nbytes(self.full))
+        self._gather = self.dp.all_gather_async(self._fp8, local.view(torch.uint8))
+        self.rounded = True
+
+    def wait_gather(self) -> None:
+        self.start_gather()
+        if self._gather is not None and self._fp8 is not None:
+            self._gather.wait()
+            self._gather = None
+            values = self._fp8.view(fp8_scaling.E4M3)
+            for i, (off, shape) in enumerate(zip(self.offsets, self.shapes)):
+                n = shape.numel()
+                self.full[off : off + n] = (values[off : off + n].float() / self._scales[i]).to(self.full.dtype)
+            self._fp8 = None
+            self.bind(self.full)
+        super().wait_gather()
+
+    def free(self) -> None:
+        super().free()
+        self._fp8, self.rounded = None, False
+
+
 class FullyShardedOptimizer:
     """AdamW over parameters, gradients and states sharded across the mesh's DP (x CP) group: ZeRO-3.
 
@@ -117,12 +187,8 @@ class FullyShardedOptimizer:
         self.gathered_bytes, self.grad_bytes = BytesInUse(), BytesInUse()
         # Per block, the units gathered and freed together: its dense parameters (over DP x CP), and its routed
         # experts' (over expert-DP) if it has any.
-        self.blocks: list[list[_Unit]] = []
-        for key, block in layers.items():
-            params = [p for p in block.parameters() if p.requires_grad]
-            kinds = ((f"layer {key}", [p for p in params if not shard_spec(p).expert], self.dp),
-                     (f"layer {key} experts", [p for p in params if shard_spec(p).expert], expert_dp))
-            self.blocks.append([_Unit(name, ps, group, False, self.gathered_bytes) for name, ps, group in kinds if ps])
+        self.blocks: list[list[_Unit]] = [self._block_units(key, block, expert_dp, _fp8_gathered(model, block))
+                                          for key, block in layers.items()]
         self.units = [u for units in self.blocks for u in units]
         root_params = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
         self.root = _Unit("root", root_params, self.dp, True, self.gathered_bytes) if root_params else None
@@ -151,6 +217,20 @@ class FullyShardedOptimizer:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
         self.optimizer = adamw(self.weights.param_groups(), lr=lr, betas=betas, eps=eps)
+
+    def _block_units(self, key: str, block: nn.Module, expert_dp, fp8: set[int]) -> list[_Unit]:
+        """The units of one block, gathered and freed together: its dense parameters (over DP x CP; the weights in
+        `fp8` in a unit of their own, gathered in fp8) and its routed experts' (over expert-DP), where it has any."""
+        params = [p for p in block.parameters() if p.requires_grad]
+        dense = [p for p in params if not shard_spec(p).expert and id(p) not in fp8]
+        units = [_Unit(f"layer {key}", dense, self.dp, False, self.gathered_bytes)] if dense else []
+        if fp8:
+            units.append(_Fp8Unit(f"layer {key} fp8", [p for p in params if id(p) in fp8], self.dp,
+                                  self.mesh.tp_group, self.gathered_bytes))
+        experts = [p for p in params if shard_spec(p).expert]
+        if experts:
+            units.append(_Unit(f"layer {key} experts", experts, expert_dp, False, self.gathered_bytes))
+        return units
 
     # -- hooks: gather before use, free after, reduce-scatter the gradients ----------------------------------
 
@@ -241,6 +321,10 @@ class FullyShardedOptimizer:
         self._pinned = True
         try:
             for u in self._all:
+                if isinstance(u, _Fp8Unit):
+                    if u.rounded:
+                        u.free()
+                    u.exact = True
                 u.start_gather()
             for u in self._all:
                 u.wait_gather()
@@ -249,6 +333,8 @@ class FullyShardedOptimizer:
             self._pinned = False
             for u in self._all:
                 u.free()
+                if isinstance(u, _Fp8Unit):
+                    u.exact = False
 
     def reload_parameters(self) -> None:
         """Inside `gathered()`, after the parameters were overwritten (a checkpoint load): take them as the shards."""

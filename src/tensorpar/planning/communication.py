@@ -24,6 +24,7 @@ from collections import defaultdict
 from tensorpar.data_parallel import DEFAULT_BUCKET_BYTES
 from tensorpar.layers.attention import kv_layout
 from tensorpar.planning.collective_cost import Collective, sum_bytes
+from tensorpar.planning.fp8_traffic import fp8_tp_collectives, fp8_zero3_traffic, is_fp8_gathered
 from tensorpar.planning.layout import (Layout, gradient_group, stage_layer_indices,
                                        stage_layers)
 from tensorpar.planning.params import is_expert, local_parameters
@@ -41,6 +42,7 @@ def model_collectives(
     label_smoothing: bool = False,
     scatter_gather: bool = False,
     tp_pieces: int = 1,
+    fp8_recipe: str = "",
 ) -> list[Collective]:
     """Every collective of one micro-batch's forward and backward through tensorpar's Transformer.
 
@@ -54,7 +56,8 @@ def model_collectives(
     default `act_bytes`); `grad_bytes`: parameter gradients (fp32 = 4 in tensorpar). `stage`
     selects one pipeline rank (None: the whole model). Nothing is sent when TP = 1 and PP = 1.
     `scatter_gather`: pipeline messages are split across the TP ranks (Megatron-LM's scatter/gather
-    optimisation), as they are anyway under sequence parallelism.
+    optimisation), as they are anyway under sequence parallelism. `fp8_recipe`: the amax all-reduces of tensorpar's
+    fp8 GEMMs (`tensorpar.planning.fp8_traffic`).
     """
     mm = act_bytes if matmul_bytes is None else matmul_bytes
     first, last, n_layers = stage_layers(cfg, layout, stage)
@@ -65,6 +68,7 @@ def model_collectives(
             out += _embedding_collectives(cfg, layout.sp, b, s, act_bytes, grad_bytes)
         out += _layer_collectives(cfg, layout, n_layers, b * s * cfg.hidden_size, act_bytes, mm, grad_bytes,
                                   tp_pieces)
+        out += fp8_tp_collectives(cfg, layout, b, s, n_layers, fp8_recipe)
         if last:
             out += _head_collectives(cfg, layout.sp, b, s, act_bytes, grad_bytes, label_smoothing)
     if cfg.is_moe:
@@ -256,6 +260,7 @@ def step_collectives(
     scatter_gather: bool = False,
     zero2_per_micro_batch: bool = True,
     zero3_reshard_after_forward: bool = True,
+    fp8_recipe: str = "",
 ) -> list[Collective]:
     """Every collective of one training step of one rank (of pipeline stage `stage`).
 
@@ -271,16 +276,20 @@ def step_collectives(
     micro-batch's backward; the root (the stage's other parameters) is gathered and its
     gradient reduce-scattered once per step.
     Then the gradient-norm scalars (one fp32 all-reduce on DP under ZeRO, on TP, on PP), the
-    tied-embedding gradient between the first and last stage, and the trainer's loss average.
+    tied-embedding gradient between the first and last stage, and the trainer's loss average. `fp8_recipe`: with
+    tensorpar's fp8 GEMMs, their amax all-reduces and (tensorwise) ZeRO-3's fp8 gathers
+    (`tensorpar.planning.fp8_traffic`).
     """
     m = num_micro_batches
     out = [dataclasses.replace(c, calls=c.calls * m)
            for c in model_collectives(cfg, layout, layout.micro_batch_size, seq_len, act_bytes=act_bytes,
                                       matmul_bytes=matmul_bytes, grad_bytes=grad_bytes, stage=stage,
-                                      label_smoothing=label_smoothing, scatter_gather=scatter_gather)]
+                                      label_smoothing=label_smoothing, scatter_gather=scatter_gather,
+                                      fp8_recipe=fp8_recipe)]
     if layout.replicas > 1:
         out += _replica_gradient_traffic(cfg, layout, stage, m, grad_bytes, param_bytes, bucket_bytes,
-                                         zero2_per_micro_batch, zero3_reshard_after_forward)
+                                         zero2_per_micro_batch, zero3_reshard_after_forward,
+                                         fp8_gather=fp8_recipe == "tensorwise")
     if cfg.is_moe and layout.expert_dp > 1:  # the routed experts' own buckets, over expert-DP
         experts = [p for p in params_of(cfg, layout, stage) if is_expert(p[0])]
         if experts:
@@ -292,7 +301,7 @@ def step_collectives(
 
 def _replica_gradient_traffic(cfg, layout: Layout, stage: int | None, m: int, grad_bytes: int, param_bytes: int,
                               bucket_bytes: int, zero2_per_micro_batch: bool,
-                              zero3_reshard_after_forward: bool) -> list[Collective]:
+                              zero3_reshard_after_forward: bool, fp8_gather: bool = False) -> list[Collective]:
     """The step's gradient and parameter traffic of the stage's non-expert parameters over their replicas
     (the DP x CP gradient group): DistributedOptimizer's buckets (ZeRO 0 to 2) or FullyShardedOptimizer's units
     (ZeRO-3), and under ZeRO the gradient norm's all-reduce over the shards."""
@@ -306,10 +315,14 @@ def _replica_gradient_traffic(cfg, layout: Layout, stage: int | None, m: int, gr
     if layout.zero in (0, 1, 2):
         out = _gradient_traffic(sizes, grads, layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes)
     else:
-        if key + ("zero3",) not in _BUCKET_CACHE:
-            _BUCKET_CACHE[key + ("zero3",)] = zero3_units(params_of(cfg, layout, stage), layout.replicas)
-        out = _zero3_traffic(*_BUCKET_CACHE[key + ("zero3",)], grads, m, grad_bytes, param_bytes,
+        every = params_of(cfg, layout, stage)
+        if key + ("zero3", fp8_gather) not in _BUCKET_CACHE:
+            units = [p for p in every if not (fp8_gather and is_fp8_gathered(p[0]))]
+            _BUCKET_CACHE[key + ("zero3", fp8_gather)] = zero3_units(units, layout.replicas)
+        out = _zero3_traffic(*_BUCKET_CACHE[key + ("zero3", fp8_gather)], grads, m, grad_bytes, param_bytes,
                              zero3_reshard_after_forward)
+        if fp8_gather:
+            out += fp8_zero3_traffic(every, layout, grads, m, grad_bytes, zero3_reshard_after_forward)
     if layout.zero:
         out.append(Collective("all_reduce", grads, 4, 1, "step", "gradient norm (ZeRO shards)"))
     return out

@@ -94,7 +94,9 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True):
         pieces = min(DEFAULT_CHUNKS, b * s // layout.cp)
     colls = model_collectives(cfg, layout, b, s, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                               grad_bytes=prec.grad_bytes, stage=stage if layout.pp > 1 else None,
-                              scatter_gather=prec.activations == "playbook", tp_pieces=pieces)
+                              scatter_gather=prec.activations == "playbook",
+                              tp_pieces=1 if prec.fp8_recipe else pieces,  # fp8 GEMMs: plain TP collectives
+                              fp8_recipe=prec.fp8_recipe)
     tp = [c for c in colls if c.group == "tp"]
     sends = [c for c in colls if c.group == "pp" and c.op == "send"]
     ring = collectives_time([c for c in colls if c.group == "cp" and c.op == "send"], cluster, layout, algorithm)
@@ -208,7 +210,7 @@ def _exposed_dp_time(cfg, layout: Layout, cluster, s: int, m: int, prec: Precisi
     ``cluster.overlap`` of them or the compute they can hide behind; the step's other collectives entirely."""
     colls = step_collectives(cfg, layout, s, m, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                              grad_bytes=prec.grad_bytes, param_bytes=prec.gather_bytes, stage=dp_stage,
-                             zero2_per_micro_batch=not prec.zero2_full_grads_at_peak)
+                             zero2_per_micro_batch=not prec.zero2_full_grads_at_peak, fp8_recipe=prec.fp8_recipe)
     replica_groups = ("dp", "dp_cp", "edp")
     dp_colls = [c for c in colls if c.group in replica_groups + ("embed",)
                 or (c.phase == "step" and c.group not in replica_groups)]

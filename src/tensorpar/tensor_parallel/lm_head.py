@@ -49,7 +49,7 @@ class VocabParallelLMHead(ColumnParallelLinear):
         dtype=None,
         init: bool = True,
     ):
-        region = as_region(region)
+        region = as_region(region).without_fp8()  # the head's GEMM stays in the compute dtype, as in the peers
         padded_vocab_size = padded(vocab_size, region.group.size)
         super().__init__(in_features, padded_vocab_size, region, bias, device=device, dtype=dtype, init=False)
         self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
@@ -115,7 +115,7 @@ class TiedLMHead(VocabParallelLMHead):
     def __init__(self, embedding):
         nn.Module.__init__(self)
         object.__setattr__(self, "_embedding", embedding)  # not a submodule: its weight is the embedding's
-        self.region, self.tp_group = embedding.region, embedding.tp_group
+        self.region, self.tp_group = embedding.region.without_fp8(), embedding.tp_group
         self.sequence_parallel = self.region.sequence_parallel
         self.in_features, self.vocab_size = embedding.embedding_dim, embedding.vocab_size
         self.padded_vocab_size, self.out_features = embedding.padded_vocab_size, embedding.vocab_size

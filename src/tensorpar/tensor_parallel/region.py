@@ -107,6 +107,10 @@ class TPRegion:
         """The same region with plain collectives (the exit that full recomputation replays)."""
         return dataclasses.replace(self, overlap=False)
 
+    def without_fp8(self) -> "TPRegion":
+        """The same region with GEMMs in the compute dtype (the LM head's)."""
+        return self if self.fp8 is None else dataclasses.replace(self, fp8=None)
+
     # -- the edges of a TP region ------------------------------------------------------------------
 
     def enter(self, x: torch.Tensor, projections: list[Projection]) -> list[torch.Tensor]:
