@@ -18,8 +18,9 @@ from harness import train
 
 def check_tiny_run(out_dir, **sinks):
     """4 steps of tiny at TP 2 with a validation loss every 2 steps, its metrics in OUT_DIR/metrics.jsonl."""
-    settings = {**layout_runs.BASE, "return_state": False, "tp": 2, "val_fraction": 0.05, "val_every": 2,
-                "val_windows": 2, "out_dir": out_dir, "metrics": os.path.join(out_dir, "metrics.jsonl"), **sinks}
+    settings = {**layout_runs.BASE, "return_state": False, "tp": 2, "global_batch_size": 2, "micro_batch_size": 2,
+                "val_fraction": 0.05, "val_every": 2, "val_windows": 2, "out_dir": out_dir,
+                "metrics": os.path.join(out_dir, "metrics.jsonl"), **sinks}
     train(TrainOptions(model="tiny", **settings))
 
 
@@ -123,7 +124,7 @@ def test_wandb_offline_run_holds_the_config_and_every_metric_of_every_step(pools
             logged[items.pop("_step")] = {k: v for k, v in items.items() if not k.startswith("_")}
     assert logged == expected
     # The resolved configuration: what validate() worked out (dp, the micro-batch size), not only what was given.
-    assert config is not None and config["tp"] == 2 and config["dp"] == 1 and config["micro_batch_size"] == 1
+    assert config is not None and config["tp"] == 2 and config["dp"] == 1 and config["micro_batch_size"] == 2
 
 
 @pytest.mark.parametrize("flag,package", [("--tensorboard", "tensorboard"), ("--wandb", "wandb")])
