@@ -6,13 +6,18 @@ the rest of the suite, which is the CPU/gloo suite); they skip elsewhere.
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from layout_runs import assert_same_training, run
+import tensorpar.training.session as session
+from tensorpar.training import TrainOptions
+
+from harness import train
+from layout_runs import BASE, assert_same_training, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (TENSORPAR_TEST_CUDA=1)")
 
@@ -82,3 +87,54 @@ def test_two_ranks_on_one_gpu_fail_fast_with_a_clear_message(config_file, tmp_pa
     proc, _ = _train(config_file, tmp_path, "two", "--tp", "2")
     assert proc.returncode != 0
     assert "2 processes on this node but 1 GPU visible" in proc.stderr, proc.stderr
+
+
+def _snapshot_run(config_file, out_dir, huge_allocation_at_step=None):
+    """Train on one GPU with --memory-snapshot; with `huge_allocation_at_step`, a forward hook of this test asks
+    the allocator for 1 TiB in that step's forward: a real out-of-memory error."""
+    build = session.build_model
+
+    def with_hook(run, mesh):
+        model, tokenizer = build(run, mesh)
+        forwards = [0]
+
+        def hook(*_):
+            forwards[0] += 1
+            if forwards[0] == huge_allocation_at_step:
+                torch.empty(2**40, dtype=torch.uint8, device=mesh.device)
+
+        model.register_forward_pre_hook(hook)
+        return model, tokenizer
+
+    session.build_model = with_hook
+    try:
+        options = {**BASE, "global_batch_size": 2, "micro_batch_size": 2, "return_state": False, "device": "cuda",
+                   "memory_snapshot": True, "out_dir": str(out_dir)}
+        return train(TrainOptions(model=config_file, **options))
+    finally:
+        session.build_model = build
+
+
+def _load_snapshot(out_dir):
+    with open(out_dir / "memory" / "rank0.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    return [entry["action"] for trace in snapshot["device_traces"] for entry in trace], snapshot
+
+
+def test_memory_snapshot_holds_the_allocator_history_of_the_peak_step(config_file, tmp_path):
+    summary = _snapshot_run(config_file, tmp_path)
+    actions, snapshot = _load_snapshot(tmp_path)
+    assert "alloc" in actions and "free_completed" in actions and snapshot["segments"]
+    frames = [frame["filename"] for trace in snapshot["device_traces"] for e in trace for frame in e.get("frames", [])]
+    assert any("tensorpar" in name for name in frames)  # Python stacks: which code allocated
+    # Written after a step that set a new peak: what was then allocated is within the run's highest step peak.
+    peak = max(r["memory_mib"]["allocated"] for r in summary["history"])
+    in_use = sum(s["allocated_size"] for s in snapshot["segments"])
+    assert 0 < in_use <= peak * 2**20
+
+
+def test_memory_snapshot_is_written_on_an_out_of_memory_error(config_file, tmp_path):
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _snapshot_run(config_file, tmp_path, huge_allocation_at_step=3)
+    actions, _ = _load_snapshot(tmp_path)
+    assert "oom" in actions

@@ -77,6 +77,73 @@ def test_diagnose_names_a_mismatched_collective():
     assert len(stuck(records)) == 1 and "mismatched collective" in diagnose(records)
 
 
+class MLPThatSkipsAnAllReduce(torch.nn.Module):
+    """A test-only TP MLP (column- then row-parallel linear, the loss averaged over the group) whose rank `skipper`
+    leaves out the row-parallel output's all-reduce: its next collective, the loss's (one number), meets the other
+    rank's all-reduce of the activations."""
+
+    def __init__(self, group, skipper):
+        from tensorpar.layers import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = ColumnParallelLinear.from_dense(torch.nn.Linear(8, 16), group)
+        self.down = RowParallelLinear.from_dense(torch.nn.Linear(16, 8), group)
+        self.group, self.skips = group, group.rank == skipper
+
+    def forward(self, x):
+        h = self.up(x).relu()
+        if self.skips:
+            self.group.all_reduce = lambda t, op="sum": t  # this rank's bug: one all-reduce left out
+        try:
+            y = self.down(h)
+        finally:
+            self.group.__dict__.pop("all_reduce", None)
+        return self.group.all_reduce(y.square().mean().reshape(1)) / self.group.size
+
+
+def check_a_rank_that_skips_an_all_reduce(folder):
+    """Run MLPThatSkipsAnAllReduce on a 2-rank group of its own, created under TORCH_DISTRIBUTED_DEBUG=DETAIL: PyTorch
+    then compares each collective's operation, shapes and dtypes across the ranks before running it and raises on
+    every rank (without it, gloo aborts the process that receives the larger message; NCCL waits until the timeout).
+    The pool's own groups are not involved, and the group is destroyed after. Returns the error this rank raised."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tensorpar.distributed.comm import CommStats, Group
+    from tensorpar.errors import CollectiveError
+
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        pg = dist.new_group([0, 1], timeout=timedelta(seconds=20))
+    finally:
+        dist.set_debug_level(level)
+    stats = CommStats()
+    stats.flight.folder, stats.flight.rank, stats.flight.world_size = folder, dist.get_rank(), 2
+    try:
+        MLPThatSkipsAnAllReduce(Group("tp", [0, 1], pg, stats), skipper=1)(torch.ones(4, 8))
+        return None
+    except CollectiveError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def test_a_rank_that_skips_an_all_reduce_is_named_as_a_mismatched_collective(pools, tmp_path):
+    errors = pools(2).run(check_a_rank_that_skips_an_all_reduce, str(tmp_path))
+    for rank, error in enumerate(errors):
+        assert error and error.startswith(f"rank {rank}: all_reduce on group 'tp'"), errors
+    records = load_records(str(tmp_path))
+    assert sorted(records) == [0, 1]
+    # Rank 0's first collective is the row-parallel all-reduce of [4, 8]; rank 1's, the loss's one number.
+    assert mismatches(records) == [
+        "The ranks disagree about collective #1 on group 'tp' (ranks [0, 1]): rank 0 all_reduce of 32 float32, "
+        "rank 1 all_reduce of 1 float32: a mismatched collective (the ranks ran different code there)."]
+    assert mismatches(records)[0] in diagnose(records)
+
+
 def test_diagnose_refuses_a_folder_without_records(tmp_path, cli):
     with pytest.raises(TensorparError, match="no flight records"):
         load_records(str(tmp_path))

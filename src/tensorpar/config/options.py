@@ -179,6 +179,19 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                        group="output")
     profile_ranks: str | None = option(None, "the ranks --profile-steps traces (default: every rank)",
                                        metavar="R,R,...", group="output")
+    memory_snapshot: bool = option(False, "CUDA: record the allocator's history and write "
+                                          "torch.cuda.memory._snapshot() to OUT_DIR/memory/rank{r}.pickle at the step "
+                                          "of each rank's memory peak and on an out-of-memory error (view it at "
+                                          "https://pytorch.org/memory_viz)", group="output")
+    tensorboard: str | None = option(None, "also write every metric of each step as TensorBoard scalars to DIR, "
+                                           "flushed each step (watch it live: tensorboard --logdir DIR; needs "
+                                           "pip install 'tensorpar[tensorboard]')", metavar="DIR", group="output")
+    wandb: str | None = option(None, "also log every metric of each step and the run's resolved configuration to "
+                                     "this Weights & Biases project (WANDB_MODE=offline and the other WANDB_* "
+                                     "variables apply; files in OUT_DIR/wandb unless WANDB_DIR; needs pip install "
+                                     "'tensorpar[wandb]')", metavar="PROJECT", group="output")
+    wandb_run: str | None = option(None, "the name of the --wandb run (default: one W&B makes up)", metavar="NAME",
+                                   group="output")
     dump_collectives_on_exit: bool = option(False, "write every rank's flight record of its last collectives to "
                                                    "OUT_DIR/flight at the end of the run too (it is written when a "
                                                    "collective fails or the run is stopped; read it with "

@@ -4,7 +4,7 @@ One optimizer step: the step's global batch (fixed by seed and global batch size
 DP rank's rows cut into micro-batches, forward/backward on each (gradients accumulate locally,
 or flow through the pipeline schedule), gradients averaged (or reduce-scattered, ZeRO) over DP,
 clipped by the dense global norm, AdamW with a cosine schedule. Rank 0 shows a progress bar and
-writes the metrics.
+writes each step's metrics record to its sinks (metrics.jsonl, TensorBoard, W&B: training/metric_sinks.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from tensorpar.checkpoints.sharded import step_folder
+from tensorpar.config.fields import to_dict
 from tensorpar.data import micro_batches
 from tensorpar.errors import TensorparError
 from tensorpar.functional.dropout import mix_seed
@@ -26,7 +27,8 @@ from tensorpar.models.flops import train_flops_per_token
 from tensorpar.optim.lr_schedule import lr_at, set_lr
 from tensorpar.training.evaluate import evaluate
 from tensorpar.training.memory_meter import step_memory
-from tensorpar.training.metrics import MetricsWriter
+from tensorpar.training.memory_snapshot import MemorySnapshot
+from tensorpar.training.metric_sinks import open_sinks
 from tensorpar.training.moe_metrics import moe_step_metrics
 from tensorpar.training.profiling import StepProfiler
 from tensorpar.training.session import Session
@@ -136,7 +138,7 @@ class LoopResult:
 def step_loop(s: Session) -> LoopResult:
     """Run the steps from the start (or resumed) step to `steps` (or `stop_after`), or until a stop signal."""
     o, mesh = s.options, s.mesh
-    metrics = MetricsWriter(o.metrics if s.is_main else None)
+    sinks = open_sinks(o, to_dict(o)) if s.is_main else []
     progress = None
     if s.is_main and o.progress:
         progress = tqdm(total=o.steps, initial=s.start_step, unit="step", dynamic_ncols=True,
@@ -144,19 +146,27 @@ def step_loop(s: Session) -> LoopResult:
     mesh.stats.reset()
     started = time.perf_counter()
     result = LoopResult([], 0.0)
-    profiler = StepProfiler(o, mesh)
+    profiler, snapshot = StepProfiler(o, mesh), MemorySnapshot(o, mesh)
+    failed = True
     try:
-        _run_steps(s, result, metrics, progress, profiler)
+        _run_steps(s, result, sinks, progress, profiler, snapshot)
+        failed = False
+    except torch.cuda.OutOfMemoryError:
+        snapshot.out_of_memory()
+        raise
     finally:
         profiler.close()
+        snapshot.close()
+        for sink in sinks:
+            sink.close(failed)
     if progress is not None:
         progress.close()
-    metrics.close()
     result.seconds = time.perf_counter() - started
     return result
 
 
-def _run_steps(s: Session, result: LoopResult, metrics: MetricsWriter, progress, profiler: StepProfiler) -> None:
+def _run_steps(s: Session, result: LoopResult, sinks: list, progress, profiler: StepProfiler,
+               snapshot: MemorySnapshot) -> None:
     o, mesh = s.options, s.mesh
     tokens_per_step = o.global_batch_size * o.seq_len
     flops_per_step = train_flops_per_token(s.run.cfg, o.seq_len) * tokens_per_step
@@ -184,8 +194,10 @@ def _run_steps(s: Session, result: LoopResult, metrics: MetricsWriter, progress,
             record["val_loss"] = validation_loss(s)
         for kind, mib in record["memory_mib"].items():
             result.peak_memory_mib[kind] = max(mib, result.peak_memory_mib.get(kind, 0.0))
+        snapshot.after_step(record["memory_mib"])
         result.records.append(record)
-        metrics.write(record)
+        for sink in sinks:
+            sink.write(record)
         if o.save and _due(step + 1, o.save_every, last):
             s.save(step + 1)
             saved_step = step + 1

@@ -8,7 +8,8 @@ import sys
 
 
 class MetricsWriter:
-    """Appends JSON lines to `path` (or does nothing when path is None)."""
+    """Appends JSON lines to `path` (or does nothing when path is None): the metrics.jsonl sink
+    (tensorpar.training.metric_sinks)."""
 
     def __init__(self, path: str | None):
         self.path = path
@@ -22,7 +23,7 @@ class MetricsWriter:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._file:
             self._file.close()
             self._file = None

@@ -33,7 +33,7 @@ from tensorpar.training.validate import PreparedRun
 
 # Options that say how this invocation runs, not what it computes: a resumed run is expected to differ in them.
 _INVOCATION_OPTIONS = ("resume", "nproc", "device", "timeout", "grace_period", "progress", "stop_after",
-                       "return_state")
+                       "return_state", "tensorboard", "wandb", "wandb_run", "memory_snapshot")
 # Options whose change makes the continued samples (and losses) differ from the original run's.
 _DATA_ORDER_OPTIONS = ("seed", "global_batch_size", "seq_len")
 

@@ -25,6 +25,7 @@ from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
 from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
 from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, splits_backward
 from tensorpar.tensor_parallel.fp8_scaling import fp8_unsupported
+from tensorpar.training.metric_sinks import check_sink_packages
 from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps
 
 
@@ -79,7 +80,16 @@ def _check_save_folder(o: TrainOptions) -> None:
 
 def _check_observability(o: TrainOptions) -> None:
     """--profile-steps A:B within the run, written to OUT_DIR (the ranks are checked once the world is known); a
-    --spike-factor that is not negative."""
+    --spike-factor that is not negative; --memory-snapshot on a CUDA device, written to OUT_DIR; the packages of
+    --tensorboard and --wandb installed."""
+    check_sink_packages(o)
+    if o.memory_snapshot:
+        device = torch.device(o.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type != "cuda":
+            raise TensorparError(f"--memory-snapshot records the CUDA caching allocator: it needs a CUDA device, and "
+                                 f"this run's is {device.type}")
+        if o.out_dir is None:
+            raise TensorparError("--memory-snapshot writes to OUT_DIR/memory: give --out-dir")
     if o.spike_factor < 0:
         raise TensorparError(f"--spike-factor must be 0 (off) or positive, got {o.spike_factor}")
     if parse_profile_steps(o.profile_steps, o.steps) is not None and o.out_dir is None:
