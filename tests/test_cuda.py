@@ -138,3 +138,49 @@ def test_memory_snapshot_is_written_on_an_out_of_memory_error(config_file, tmp_p
         _snapshot_run(config_file, tmp_path, huge_allocation_at_step=3)
     actions, _ = _load_snapshot(tmp_path)
     assert "oom" in actions
+
+
+def _fp8_gpu():
+    from tensorpar.tensor_parallel.fp8_scaling import fp8_unsupported
+
+    return fp8_unsupported("cuda")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_layers_on_a_gpu_compute_what_they_compute_on_the_cpu(recipe):
+    # The same fp8 values through cuBLASLt's _scaled_mm (dimensions multiples of 16) and the CPU's: outputs and
+    # gradients equal up to the fp32 summation order.
+    if _fp8_gpu():
+        pytest.skip(_fp8_gpu())
+    from tensorpar.tensor_parallel.fp8_linear import fp8_linears
+    from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
+
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(64, 128), torch.randn(256, 128), torch.randn(128, 128)
+    g1, g2 = torch.randn(64, 256), torch.randn(64, 128)
+    results = {}
+    for device in ("cpu", "cuda"):
+        xs, ws = x.to(device).bfloat16().requires_grad_(), [w.to(device).bfloat16().requires_grad_() for w in (w1, w2)]
+        ys = fp8_linears(xs, ws, Fp8Recipe(recipe))
+        (ys[0].float() * g1.to(device)).sum().add((ys[1].float() * g2.to(device)).sum()).backward()
+        results[device] = [t.float().cpu() for t in (*ys, xs.grad, *(w.grad for w in ws))]
+    for cpu, gpu in zip(results["cpu"], results["cuda"]):
+        assert (cpu - gpu).norm() <= 1e-2 * cpu.norm()  # bf16 outputs: a rounding apart at most
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_training_on_a_gpu_follows_bf16(config_file, recipe):
+    if _fp8_gpu():
+        pytest.skip(_fp8_gpu())
+    bf16 = run(config_file, device="cuda", dtype="bf16")
+    fp8 = run(config_file, device="cuda", dtype="fp8", fp8_recipe=recipe)
+    for step, ((loss, _), (ref, _)) in enumerate(zip(fp8["trajectory"], bf16["trajectory"]), 1):
+        assert abs(loss - ref) <= 3e-2 * ref, f"fp8 {recipe} step {step}: loss {loss} vs bf16 {ref}"
+
+
+def test_fp8_is_refused_below_compute_capability_8_9():
+    from tensorpar.tensor_parallel.fp8_scaling import fp8_unsupported
+
+    major, minor = torch.cuda.get_device_capability(0)
+    why = fp8_unsupported("cuda")
+    assert (why is None) == ((major, minor) >= (8, 9)), why

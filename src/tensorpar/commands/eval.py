@@ -21,6 +21,7 @@ from tensorpar.errors import TensorparError
 from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.models.compile import compile_blocks
 from tensorpar.models.layout_checks import check_model_layout
+from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
 from tensorpar.training.evaluate import evaluate
 
 
@@ -33,6 +34,7 @@ def add_parser(sub) -> None:
 def validate(options: EvalOptions) -> EvalOptions:
     """Check everything that can be checked before a rank starts; the options with --ep folded onto the ranks."""
     check_choices(options)
+    check_fp8(options.dtype, options.device)
     if len(parse_data_spec(options.data)) > 1:
         raise TensorparError(f"tensorpar eval takes one data source, not the mixture '{options.data}'")
     prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,
@@ -54,7 +56,7 @@ def evaluate_checkpoint(options: EvalOptions) -> dict:
         check_vocab(tokens, cfg.vocab_size, options.data or "the default corpus")
         windows = eval_windows(tokens, options.seq_len)
         model = Transformer(cfg, mesh, sequence_parallel=options.sequence_parallel, init=False,
-                            cp_impl=options.cp_impl)
+                            cp_impl=options.cp_impl, fp8=Fp8Recipe.of(options.dtype, options.fp8_recipe))
         load_full_state_dict(model, state, source=options.checkpoint)
         if options.compile:
             compile_blocks(model)

@@ -31,6 +31,7 @@ from tensorpar.inference.generation import check_generate_args, generate
 from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.optim.precision import autocast
+from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
 
 
 def add_parser(sub) -> None:
@@ -84,6 +85,7 @@ def validate(options: GenerateOptions):
     """Everything that can be checked before a rank starts: (options with --ep folded onto the ranks, config,
     tokenizer, prompts, sampling, eos)."""
     check_choices(options)
+    check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
     if options.sequence_parallel:
         raise LayoutError("generate runs without sequence parallelism (decoding one token a step has nothing to "
@@ -118,7 +120,7 @@ def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos) -
                      device=options.device, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
-        model = Transformer(cfg, mesh, init=False)
+        model = Transformer(cfg, mesh, init=False, fp8=Fp8Recipe.of(options.dtype, options.fp8_recipe))
         load_full_state_dict(model, state, source=options.checkpoint)
         del state
         stats: dict = {}

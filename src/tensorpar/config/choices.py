@@ -1,6 +1,7 @@
 """The choices the commands offer, written once: every flag, check and error message reads them from here."""
 
-DTYPES = ("fp32", "bf16")  # evaluation and generation precision (--dtype; bf16: autocast over fp32 weights)
+DTYPES = ("fp32", "bf16", "fp8")  # evaluation and generation precision (--dtype; bf16: autocast over fp32 weights;
+#                                  fp8: bf16 autocast, the parallel linears' GEMMs in fp8)
 TRAIN_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # training precision (--dtype; bf16/fp16 parameters, fp32 master weights;
 #                                                fp8: bf16 parameters, the parallel linears' GEMMs in fp8)
 FP8_RECIPES = ("tensorwise", "rowwise")  # how fp8 GEMMs are scaled (--fp8-recipe)

@@ -209,7 +209,10 @@ class EvalOptions(DataOptions, ExpertOptions, LaunchOptions):
     seq_len: int | None = option(None, "tokens per window (inputs; the window holds one more)", required=True)
     batch_size: int = option(8, "windows per forward pass")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
-    dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
+    dtype: str = option("fp32", "fp32, bf16 autocast, or fp8 (bf16 autocast, the parallel linears' GEMMs in fp8)",
+                        choices=DTYPES, group=LAYOUT)
+    fp8_recipe: str = option("tensorwise", "--dtype fp8: one scale per tensor, or per row", choices=FP8_RECIPES,
+                             group=LAYOUT)
     compile: bool = option(False, "torch.compile each transformer block (where the backend cannot compile, a "
                                   "warning and an uncompiled run)", group=LAYOUT)
     cp_impl: str = option("ring", "context-parallel attention: K/V passed round a ring, or all-gathered",
@@ -233,7 +236,10 @@ class GenerateOptions(ExpertOptions, LaunchOptions):
     ignore_eos: bool = option(False, "always generate --max-new-tokens tokens")
     json: bool = option(False, "one JSON line per prompt: ids, text, tokens_per_s")
     sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)
-    dtype: str = option("fp32", "fp32, or bf16 autocast", choices=DTYPES, group=LAYOUT)
+    dtype: str = option("fp32", "fp32, bf16 autocast, or fp8 (bf16 autocast, the parallel linears' GEMMs in fp8)",
+                        choices=DTYPES, group=LAYOUT)
+    fp8_recipe: str = option("tensorwise", "--dtype fp8: one scale per tensor, or per row", choices=FP8_RECIPES,
+                             group=LAYOUT)
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ def param_dtype(dtype: str) -> torch.dtype:
 
 
 def autocast(device: torch.device, dtype: str):
-    """The context to run forward passes in for `dtype` ("fp32": a null context, "bf16": bf16 autocast)."""
-    if dtype == "bf16":
+    """The context to run forward passes in for `dtype` ("fp32": a null context, "bf16" and "fp8": bf16 autocast)."""
+    if dtype in ("bf16", "fp8"):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

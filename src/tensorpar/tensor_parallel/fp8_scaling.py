@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from tensorpar.config.choices import FP8_RECIPES
+from tensorpar.errors import TensorparError
 
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 E5M2 = getattr(torch, "float8_e5m2", None)
@@ -49,6 +50,16 @@ def fp8_unsupported(device: torch.device | str) -> str | None:
             return (f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; fp8 GEMMs need "
                     f"8.9 or later (Ada, Hopper, Blackwell)")
     return None
+
+
+def check_fp8(dtype: str, device: str | None) -> None:
+    """Refuse ``--dtype fp8`` on a device (None: this machine's GPU if any, else the CPU) that cannot run it."""
+    if dtype != "fp8":
+        return
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    why = fp8_unsupported(device)
+    if why:
+        raise TensorparError(f"--dtype fp8 cannot run on {device}: {why}; use --dtype bf16")
 
 
 def amax(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -123,6 +134,11 @@ class Fp8Recipe:
     def __post_init__(self):
         if self.name not in FP8_RECIPES:
             raise ValueError(f"unknown fp8 recipe {self.name!r}; choose one of {', '.join(FP8_RECIPES)}")
+
+    @classmethod
+    def of(cls, dtype: str, recipe: str) -> "Fp8Recipe | None":
+        """The recipe a run's ``--dtype`` and ``--fp8-recipe`` ask for (None unless the dtype is fp8)."""
+        return cls(recipe) if dtype == "fp8" else None
 
     @property
     def rowwise(self) -> bool:

@@ -102,7 +102,7 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
                         init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, tp_overlap=o.tp_overlap,
                         loss_chunk_tokens=o.loss_chunk_tokens or None,
-                        fp8=Fp8Recipe(o.fp8_recipe) if o.dtype == "fp8" else None, **stage)
+                        fp8=Fp8Recipe.of(o.dtype, o.fp8_recipe), **stage)
     if o.init_from:
         _, state = load_model_source(o.init_from)
         names = dict(model.named_parameters())

@@ -24,7 +24,7 @@ from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
 from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
 from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, splits_backward
-from tensorpar.tensor_parallel.fp8_scaling import fp8_unsupported
+from tensorpar.tensor_parallel.fp8_scaling import check_fp8
 from tensorpar.training.metric_sinks import check_sink_packages
 from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps
 
@@ -100,13 +100,8 @@ def _check_observability(o: TrainOptions) -> None:
 
 def _check_fp8(o: TrainOptions) -> None:
     """--dtype fp8 on a device and torch that have fp8 GEMMs, and not under a split backward."""
-    if o.dtype != "fp8":
-        return
-    device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    why = fp8_unsupported(device)
-    if why:
-        raise TensorparError(f"--dtype fp8 cannot run on {device}: {why}; use --dtype bf16")
-    if o.pp > 1 and splits_backward(o.schedule):
+    check_fp8(o.dtype, o.device)
+    if o.dtype == "fp8" and o.pp > 1 and splits_backward(o.schedule):
         raise TensorparError(f"--dtype fp8 cannot run under --schedule {o.schedule} (a split backward leaves weight "
                              f"gradients for later, which the fp8 GEMMs compute with the input gradient): use 1f1b "
                              f"or interleaved")
