@@ -146,8 +146,7 @@ def _scores(q, k, scale: float, split: ContextSplit, documents: PackedDocuments 
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     c = s.shape[-1]
     if documents is not None:
-        within = torch.arange(c, device=s.device)
-        return s.masked_fill(~documents.allowed(qc * c + within, kc * c + within), float("-inf"))
+        return s.masked_fill(~documents.block_mask(qc, kc, c), float("-inf"))
     if kc == qc:
         s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s

@@ -59,6 +59,15 @@ class PackedDocuments:
             self._memo["causal"] = self.allowed(every, every)
         return self._memo["causal"]
 
+    def block_mask(self, query_block: int, key_block: int, block: int) -> torch.Tensor:
+        """`allowed` of query block `query_block` over key block `key_block` (blocks of `block` positions),
+        [B, 1, block, block]: built once per window, whatever the layers and passes that ask for it."""
+        key = ("block", query_block, key_block, block)
+        if key not in self._memo:
+            within = torch.arange(block, device=self.index.device)
+            self._memo[key] = self.allowed(query_block * block + within, key_block * block + within)
+        return self._memo[key]
+
     def live_blocks(self, block: int) -> list[list[bool]]:
         """live[qb][kb] for the window cut into blocks of `block` positions: whether any query of block qb may
         attend any key of block kb in any row (False for every kb > qb). A key block before the query block holds
