@@ -224,6 +224,8 @@ def test_document_mask_across_layouts(pools, tmp_path):
     assert_same_training([r for _, _, r in found[:4]], single)
     losses = [loss for loss, _ in single["trajectory"]]
     assert losses[-1] < losses[0] - 1.0, "the reference does not learn: a vacuous comparison"
+    unmasked = reference(pools, config_file, data=data, **{**TRAINING, "steps": 5, "document_mask": False})
+    assert abs(unmasked["trajectory"][0][0] - losses[0]) > 1e-3 * losses[0], "--document-mask changed nothing"
 
 
 def test_document_mask_without_an_eos_in_the_vocabulary_is_refused_in_one_line(cli, tmp_path):
