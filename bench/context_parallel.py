@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/context_parallel.py                  # seq 8192, the tiny Llama, cp 1 and cp 4
     .venv/bin/python bench/context_parallel.py --seq-len 4096 --cp 2 4
+    .venv/bin/python bench/context_parallel.py --seq-len 4096 --cp 4 --doc-len 256   # + packed documents
 
 For each CP size (world = cp processes over gloo, one thread each) the tiny Llama preset runs one
 forward and backward of one sequence; measured per rank:
@@ -16,8 +17,14 @@ forward and backward of one sequence; measured per rank:
   cores and caches, which blurs the comparison), and one rank after another in this process, each
   rank's ring fed the blocks its neighbours would send by a stand-in group (the compute alone).
 
+- with ``--doc-len D``: the same one-rank-at-a-time ring compute (zigzag) with a document mask, the sequence
+  packed with documents of D tokens (an EOS every D tokens), against the unmasked ring: the blocks each
+  rank attends (counted by the ring, forward and backward) and its compute seconds. A block the documents
+  leave empty is skipped, so with D much shorter than a chunk (seq / 2 cp) a rank attends little more than
+  its two diagonal blocks.
+
 The last line reads ``cpN/cp1 activations=X.XX zigzag max/min=Y.YY contiguous max/min=Z.ZZ`` for the
-largest N given.
+largest N given, followed by `` documents/full compute=R.RR blocks=A/B`` (the most loaded rank's) with --doc-len.
 """
 
 from __future__ import annotations
@@ -104,26 +111,49 @@ class LoopbackRing:
         return _Done()
 
 
-def sequential_times(args, cp: int, split: str) -> list[float]:
-    """Each rank's ring compute, one rank after another in this process (one thread): no competition."""
+def packed_documents(seq_len: int, doc_len: int):
+    """The packed documents of one window with an EOS every `doc_len` tokens."""
+    from tensorpar.functional.document_mask import PackedDocuments
+
+    ids = torch.zeros(1, seq_len, dtype=torch.long)
+    ids[:, doc_len - 1::doc_len] = 1
+    return PackedDocuments.from_tokens(ids, eos_id=1)
+
+
+def sequential_times(args, cp: int, split: str, doc_len: int | None = None) -> tuple[list[float], list[int]]:
+    """Each rank's ring compute, one rank after another in this process (one thread): no competition. Returns
+    (seconds, blocks attended in one forward and backward) per rank; with `doc_len`, under a document mask."""
     from tensorpar.context_parallel.ring_attention import ContextSplit, ring_attention
     from tensorpar.models import get_config
 
     torch.set_num_threads(1)
     cfg = get_config(args.model)
     local = args.seq_len // cp
+    documents = packed_documents(args.seq_len, doc_len) if doc_len else None
     torch.manual_seed(0)
     blocks = {r: (torch.randn(1, cfg.kv_heads, local, cfg.head_dim), torch.randn(1, cfg.kv_heads, local, cfg.head_dim))
               for r in range(cp)}
-    seconds = [[0.0] for _ in range(cp)]
+    seconds, attended = [[0.0] for _ in range(cp)], [[0] for _ in range(cp)]
     for repeat in range(args.repeats + 1):  # round-robin over the ranks; the first round warms up, untimed
         for rank in range(cp):
             timer = seconds[rank] if repeat else [0.0]
-            ctx = ContextSplit(LoopbackRing(rank, cp, blocks), args.seq_len, split, "ring", compute_seconds=timer)
+            ctx = ContextSplit(LoopbackRing(rank, cp, blocks), args.seq_len, split, "ring", compute_seconds=timer,
+                               attended_blocks=attended[rank] if repeat == 1 else [0])
             q = torch.randn(1, cfg.num_heads, local, cfg.head_dim, requires_grad=True)
             k, v = (t.clone().requires_grad_() for t in blocks[rank])
-            ring_attention(q, k, v, ctx).sum().backward()
-    return [t[0] for t in seconds]
+            ring_attention(q, k, v, ctx, documents=documents).sum().backward()
+    return [t[0] for t in seconds], [b[0] for b in attended]
+
+
+def document_lines(args, cp: int, full: list[float], full_blocks: list[int]) -> tuple[str, str]:
+    """(report line, last-line suffix) of the ring under a document mask of --doc-len tokens, against `full`."""
+    masked, blocks = sequential_times(args, cp, "zigzag", args.doc_len)
+    worst = max(range(cp), key=lambda r: masked[r])
+    per_rank = ", ".join(f"{t:.2f} s ({b}/{f} blocks)" for t, b, f in zip(masked, blocks, full_blocks))
+    ratio = max(masked) / max(full)
+    line = (f"      documents of {args.doc_len} tokens (chunks of {args.seq_len // (2 * cp)}), zigzag, one rank at a "
+            f"time: {per_rank}; max {ratio:.2f} x unmasked")
+    return line, f" documents/full compute={ratio:.2f} blocks={blocks[worst]}/{full_blocks[worst]}"
 
 
 def run(args, cp: int, tmp: str) -> list[dict]:
@@ -149,6 +179,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cp", type=int, nargs="+", default=[4])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--repeats", type=int, default=3, help="ring forward+backward repeats for the timing")
+    parser.add_argument("--doc-len", type=int, default=0,
+                        help="also time the ring under a document mask, documents of this many tokens")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -169,14 +201,18 @@ def main(argv=None) -> int:
             saved = ", ".join(f"{m / 2**20:.1f}" for m in mem)
             losses = ", ".join(f"{r['loss']:.6f}" for r in ranks)
             print(f"cp {cp}: saved per rank {saved} MiB (max {ratio:.2f} x cp 1); losses {losses}")
-            for label, zig, con in (("all ranks at once", zig, con),
-                                    ("one rank at a time", sequential_times(args, cp, "zigzag"),
-                                     sequential_times(args, cp, "contiguous"))):
+            (alone, full_blocks), (alone_con, _) = (sequential_times(args, cp, split)
+                                                    for split in ("zigzag", "contiguous"))
+            for label, zig, con in (("all ranks at once", zig, con), ("one rank at a time", alone, alone_con)):
                 zig_s, con_s = ", ".join(f"{t:.2f}" for t in zig), ", ".join(f"{t:.2f}" for t in con)
                 print(f"      attention compute per rank ({label}), zigzag: {zig_s} s (max/min "
                       f"{max(zig) / min(zig):.2f}); contiguous: {con_s} s (max/min {max(con) / min(con):.2f})")
             last = (f"cp{cp}/cp1 activations={ratio:.2f} zigzag max/min={max(zig) / min(zig):.2f} "
                     f"contiguous max/min={max(con) / min(con):.2f} (one rank at a time)")
+            if args.doc_len:
+                line, suffix = document_lines(args, cp, alone, full_blocks)
+                print(line)
+                last += suffix
         print(last)
     return 0
 

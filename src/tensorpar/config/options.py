@@ -91,6 +91,10 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
     model: str = option("tiny", "preset name or config .json", group="model")
     init_from: str | None = option(None, "start from a Hugging Face folder or a tensorpar checkpoint", group="model")
     dropout: float = option(0.0, "dropout probability (embedding, residual, attention)", group="model")
+    document_mask: bool = option(False, "attention only within each packed document (causal inside it) and "
+                                        "positions restarting at each, the documents ending at the tokenizer's "
+                                        "EOS (which belongs to the document it ends); training and its validation",
+                                 group="model")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
     expert_tp: int = option(1, "expert tensor-parallel size (mixture-of-experts models): each expert's MLP split "
                                "Megatron-style over this many ranks, folded fastest (expert-TP x EP x expert-DP); "

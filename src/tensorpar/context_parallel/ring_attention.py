@@ -18,6 +18,16 @@ Two ways to attend across the split (`--cp-impl`):
 - ``allgather``: the keys and values of the whole sequence are all-gathered (backward:
   reduce-scattered) and attended with a position mask, as Llama 3 did; simpler, O(L) memory.
 
+With packed documents (`PackedDocuments`, --document-mask) a query attends only to the earlier keys of its own
+document. The ring then skips every (query chunk, key chunk) block in which no query may see any key (a key
+chunk wholly before the document of the chunk's first query): such blocks are neither computed nor merged, in
+the forward and the backward, so with documents much shorter than a chunk a rank attends little more than its
+two diagonal blocks. The blocks it does attend take the document mask; a query row with no visible key in a
+block has log-sum-exp -inf there, which the merge treats as an empty partial result. The all-gather attends
+each local chunk to the keys from the earliest start of its documents on, never to the blocks before them.
+Every rank holds the whole window's document ids (they come with the token ids), so the masks cost no
+communication; the K/V blocks still go round the whole ring.
+
 Attention dropout inside the ring draws one mask per (query chunk, key chunk) pair from the layer's
 seed, so forward and backward (and recomputation) agree; the masks are a function of the chunks, not
 of which rank computes them. Communication per layer and micro-batch (ring, cp ranks): forward
@@ -27,6 +37,7 @@ gradients, and one final send of those gradients to their owner.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -37,6 +48,7 @@ import torch.nn.functional as F
 from tensorpar.config.choices import CP_IMPLS, CP_SPLITS
 from tensorpar.distributed.comm import Group
 from tensorpar.errors import LayoutError
+from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
 from tensorpar.tensor_parallel.mappings import gather_from_sp
 
@@ -76,9 +88,10 @@ class ContextSplit:
     seq_len: int
     split: str = "zigzag"
     impl: str = "ring"
-    # Where the ring adds the CPU seconds its thread spends attending (not waiting for blocks, not descheduled):
-    # measurements only.
+    # Where the ring adds the CPU seconds its thread spends attending (not waiting for blocks, not descheduled),
+    # and the (query chunk, key chunk) blocks it attends, forward and backward: measurements only.
     compute_seconds: list | None = dataclasses.field(default=None, compare=False)
+    attended_blocks: list | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         check_context_split(self.seq_len, self.group.size)
@@ -121,12 +134,27 @@ def _dropout_keep(shape, p: float, seed: int, qc: int, kc: int, device) -> torch
     return keep.float() / (1.0 - p)
 
 
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+def _attends(split: ContextSplit, documents: PackedDocuments | None, qc: int, kc: int) -> bool:
+    """Whether query chunk `qc` sees any key of chunk `kc`: an earlier (or the same) chunk, and with documents
+    one that holds part of a document its queries are in."""
+    return kc <= qc and (documents is None or documents.live_blocks(split.chunk_len)[qc][kc])
+
+
+def _scores(q, k, scale: float, split: ContextSplit, documents: PackedDocuments | None, qc: int,
+            kc: int) -> torch.Tensor:
+    """The block's scaled scores, -inf where the query may not attend the key (later, or another document)."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        c = s.shape[-1]
+    c = s.shape[-1]
+    if documents is not None:
+        return s.masked_fill(~documents.block_mask(qc, kc, c), float("-inf"))
+    if kc == qc:
         s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """`lse` with -inf (a row that sees no key yet) as 0: exp(s - 0) of its -inf scores is 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -135,7 +163,7 @@ class _RingAttention(torch.autograd.Function):
     sent to their owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, split: ContextSplit, scale: float, dropout_p: float, dropout_seed):
+    def forward(ctx, q, k, v, split: ContextSplit, scale: float, dropout_p: float, dropout_seed, documents):
         group, n, r = split.group, split.group.size, split.group.rank
         repeat = q.shape[1] // k.shape[1]
         c = split.chunk_len
@@ -149,30 +177,33 @@ class _RingAttention(torch.autograd.Function):
                 pending = _exchange(group, [block_k, block_v], step, n, _TAG_FORWARD)
                 ks = [_repeat(t, repeat).float() for t in block_k.split(c, dim=2)]
                 vs = [_repeat(t, repeat).float() for t in block_v.split(c, dim=2)]
-                started = time.thread_time()
+                started, attended = time.thread_time(), 0
                 for qi, qc in enumerate(mine):
                     for ki, kc in enumerate(split.chunks(src)):
-                        if kc > qc:
+                        if not _attends(split, documents, qc, kc):
                             continue
-                        s = _scores(qs[qi], ks[ki], scale, causal=kc == qc)
+                        attended += 1
+                        s = _scores(qs[qi], ks[ki], scale, split, documents, qc, kc)
                         lse = torch.logsumexp(s, dim=-1)
-                        p = torch.exp(s - lse.unsqueeze(-1))
+                        p = torch.exp(s - _finite(lse).unsqueeze(-1))
                         if dropout_p > 0:
                             p = p * _dropout_keep(p.shape, dropout_p, dropout_seed, qc, kc, q.device)
                         outs[qi], lses[qi] = _merge(outs[qi], lses[qi], torch.matmul(p, vs[ki]), lse)
-                _tally(split, started)
+                _tally(split, started, attended)
                 if pending is not None:
                     block_k, block_v = pending.result()
         out = torch.cat(outs, dim=2)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.split, ctx.scale, ctx.dropout_p, ctx.dropout_seed = split, scale, dropout_p, dropout_seed
+        ctx.documents = documents
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         split, scale, dropout_p, dropout_seed = ctx.split, ctx.scale, ctx.dropout_p, ctx.dropout_seed
+        documents = ctx.documents
         group, n, r = split.group, split.group.size, split.group.rank
         repeat = q.shape[1] // k.shape[1]
         c = split.chunk_len
@@ -193,12 +224,14 @@ class _RingAttention(torch.autograd.Function):
                 vs = [_repeat(t, repeat).float() for t in block_v.split(c, dim=2)]
                 dks = [torch.zeros_like(t) for t in ks]
                 dvs = [torch.zeros_like(t) for t in vs]
-                started = time.thread_time()
+                started, attended = time.thread_time(), 0
                 for qi, qc in enumerate(mine):
                     for ki, kc in enumerate(split.chunks(src)):
-                        if kc > qc:
+                        if not _attends(split, documents, qc, kc):
                             continue
-                        p = torch.exp(_scores(qs[qi], ks[ki], scale, causal=kc == qc) - lses[qi].unsqueeze(-1))
+                        attended += 1
+                        s = _scores(qs[qi], ks[ki], scale, split, documents, qc, kc)
+                        p = torch.exp(s - lses[qi].unsqueeze(-1))
                         dp = torch.matmul(dos[qi], vs[ki].transpose(-1, -2))
                         kept = p
                         if dropout_p > 0:
@@ -210,7 +243,7 @@ class _RingAttention(torch.autograd.Function):
                         dks[ki] += torch.matmul(ds.transpose(-1, -2), qs[qi]) * scale
                 grad_k += torch.cat([_fold(t, repeat) for t in dks], dim=2)
                 grad_v += torch.cat([_fold(t, repeat) for t in dvs], dim=2)
-                _tally(split, started)
+                _tally(split, started, attended)
                 if pending is not None:
                     block_k, block_v = pending.result()
                     # The gradient follows its block one step behind: the next rank adds to it.
@@ -218,21 +251,24 @@ class _RingAttention(torch.autograd.Function):
             if n > 1:  # after a full round each gradient holds every rank's share: back to the block's owner
                 grad_k, grad_v = _exchange(group, [grad_k, grad_v], 0, 2, _TAG_RETURN).result()
         dq = torch.cat(dqs, dim=2).to(q.dtype)
-        return dq, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
+        return dq, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None
 
 
-def _tally(split: ContextSplit, started: float) -> None:
+def _tally(split: ContextSplit, started: float, attended: int) -> None:
     if split.compute_seconds is not None:
         split.compute_seconds[0] += time.thread_time() - started
+    if split.attended_blocks is not None:
+        split.attended_blocks[0] += attended
 
 
 def _merge(out, lse, block_out, block_lse):
-    """Combine two softmax-normalised partial attentions by their log-sum-exps (exact)."""
+    """Combine two softmax-normalised partial attentions by their log-sum-exps (exact). A row whose log-sum-exps
+    are both -inf (no key seen yet, document masking) stays empty: 0 with log-sum-exp -inf."""
     if out is None:
         return block_out, block_lse
     total = torch.logaddexp(lse, block_lse)
-    return (out * torch.exp(lse - total).unsqueeze(-1) + block_out * torch.exp(block_lse - total).unsqueeze(-1),
-            total)
+    base = _finite(total).unsqueeze(-1)
+    return out * torch.exp(lse.unsqueeze(-1) - base) + block_out * torch.exp(block_lse.unsqueeze(-1) - base), total
 
 
 class _Exchange:
@@ -256,14 +292,32 @@ def _exchange(group: Group, tensors, step: int, n: int, tag: int) -> _Exchange |
     return _Exchange(group, tensors, tag) if step < n - 1 else None
 
 
-def ring_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None):
+def ring_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                   documents: PackedDocuments | None = None):
     """Causal attention of this rank's queries [B, H, L/cp, D] over the whole sequence's keys and values, of which
-    this rank holds [B, H_kv, L/cp, D] (H a multiple of H_kv): the ring. Returns [B, H, L/cp, D]."""
+    this rank holds [B, H_kv, L/cp, D] (H a multiple of H_kv): the ring. Returns [B, H, L/cp, D]. With
+    `documents` (of the whole window), within each document only, skipping the blocks that leaves empty."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, split, scale, dropout_p, dropout_seed)
+    return _RingAttention.apply(q, k, v, split, scale, dropout_p, dropout_seed, documents)
 
 
-def allgather_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None):
+def _within_documents(q, k_all, v_all, keys, split: ContextSplit, documents: PackedDocuments, dropout_p: float):
+    """Each local chunk's queries against the gathered keys from the earliest start of their documents up to the
+    chunk's end (the keys before it are masked for every query: not computed)."""
+    order = torch.argsort(keys)  # the gathered keys in sequence order
+    k_seq, v_seq = k_all.index_select(2, order), v_all.index_select(2, order)
+    c, first = split.chunk_len, documents.first_visible(split.chunk_len)
+    outs = []
+    for qi, qc in enumerate(split.chunks()):
+        lo, hi = first[qc], (qc + 1) * c
+        mask = documents.allowed(torch.arange(qc * c, hi, device=q.device), torch.arange(lo, hi, device=q.device))
+        outs.append(F.scaled_dot_product_attention(q[:, :, qi * c:(qi + 1) * c], k_seq[:, :, lo:hi],
+                                                   v_seq[:, :, lo:hi], attn_mask=mask, dropout_p=dropout_p))
+    return torch.cat(outs, dim=2)
+
+
+def allgather_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                        documents: PackedDocuments | None = None):
     """The same result by all-gathering K and V over the CP group (backward: reduce-scatter of their gradients)."""
     group = split.group
     k_all = gather_from_sp(k.contiguous(), group, dim=2)
@@ -271,14 +325,16 @@ def allgather_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dr
     repeat = q.shape[1] // k.shape[1]
     k_all, v_all = _repeat(k_all, repeat), _repeat(v_all, repeat)
     keys = torch.cat([split.positions(q.device, rank) for rank in range(group.size)])
-    mask = keys.unsqueeze(0) <= split.positions(q.device).unsqueeze(1)  # [L/cp, L]: True where attended
-    if dropout_p > 0:
-        with fork_rng_seeded(mix_seed(dropout_seed, group.rank), q.device):
-            return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    with fork_rng_seeded(mix_seed(dropout_seed, group.rank), q.device) if dropout_p > 0 else contextlib.nullcontext():
+        if documents is not None:
+            return _within_documents(q, k_all, v_all, keys, split, documents, dropout_p)
+        mask = keys.unsqueeze(0) <= split.positions(q.device).unsqueeze(1)  # [L/cp, L]: True where attended
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
 
 
-def context_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None):
-    """Attention across the CP ranks of `split`, by its `impl` (ring or allgather)."""
+def context_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                      documents: PackedDocuments | None = None):
+    """Attention across the CP ranks of `split`, by its `impl` (ring or allgather); with `documents` (of the whole
+    window), within each document only."""
     fn = ring_attention if split.impl == "ring" else allgather_attention
-    return fn(q, k, v, split, dropout_p, dropout_seed)
+    return fn(q, k, v, split, dropout_p, dropout_seed, documents)

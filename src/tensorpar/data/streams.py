@@ -11,7 +11,7 @@ One path becomes one token stream, whatever its format:
 
 A mixture (`mixture.parse_data_spec`) is several streams with weights. Documents are packed back to back
 into the windows of seq_len + 1 tokens (a window may span a document boundary; the EOS between documents
-marks it; attention is not masked at document boundaries).
+marks it; training masks attention there under --document-mask: tensorpar.functional.document_mask).
 """
 
 from __future__ import annotations

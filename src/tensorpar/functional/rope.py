@@ -27,9 +27,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos and sin of shape [S, head_dim] for integer `positions` [S]."""
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    """cos and sin for integer `positions`: [S, head_dim] for positions [S] (shared by the batch), [B, 1, S, head_dim]
+    for per-row positions [B, S] (packed documents, left-padded prompts); both broadcast over [B, heads, S, head_dim]."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
+    if positions.dim() == 2:
+        emb = emb.unsqueeze(1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -39,5 +42,5 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [B, heads, S, head_dim] by the angles in cos/sin [S, head_dim]."""
+    """Rotate `x` [B, heads, S, head_dim] by the angles in cos/sin ([S, head_dim] or [B, 1, S, head_dim])."""
     return x * cos + _rotate_half(x) * sin

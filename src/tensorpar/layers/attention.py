@@ -19,6 +19,7 @@ from tensorpar.context_parallel.ring_attention import ContextSplit, context_atte
 from tensorpar.distributed.comm import Group, as_group
 from tensorpar.distributed.sharding import ShardSpec, divide, tag
 from tensorpar.errors import LayoutError
+from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
 from tensorpar.functional.rope import apply_rope
 from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -100,22 +101,26 @@ class ParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, exit_region or self.region, cfg.bias, device=device,
                                         init=False)
 
-    def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None):
+    def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None,
+             documents: PackedDocuments | None = None):
         """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes); with
-        `context`, over the whole sequence of which this CP rank holds its chunks (ring or all-gather)."""
+        `context`, over the whole sequence of which this CP rank holds its chunks (ring or all-gather); with
+        `documents` (of the whole window), within each packed document only."""
         if context is not None:
             dropout = self.dropout if self.training else 0.0
             seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
-            return context_attention(q, k, v, context, dropout, seed)
+            return context_attention(q, k, v, context, dropout, seed, documents)
         if self.local_kv_heads != self.local_heads:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        # A document mask is SDPA's boolean mask (causal within each document); else SDPA's own causal mask.
+        mask = dict(attn_mask=documents.causal_mask()) if documents is not None else dict(is_causal=True)
         if self.training and self.dropout > 0:
             # Inside the TP region: each rank's heads get their own masks.
             seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank)
             with fork_rng_seeded(seed, q.device):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, **mask)
+        return F.scaled_dot_product_attention(q, k, v, **mask)
 
     def cached_core(self, q, k, v, kv_cache):
         """Attention of the new queries over every cached position (inference: no dropout, no recomputation)."""
@@ -126,9 +131,11 @@ class ParallelAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
     def forward(self, x: torch.Tensor, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
-                kv_cache=None, layer_key=None, context: ContextSplit | None = None):
+                kv_cache=None, layer_key=None, context: ContextSplit | None = None,
+                documents: PackedDocuments | None = None):
         """With `kv_cache` (inference, no sequence parallelism): `rope` holds the new tokens' absolute positions;
-        their keys and values are appended to the cache under `layer_key` and attention spans all cached ones."""
+        their keys and values are appended to the cache under `layer_key` and attention spans all cached ones.
+        With `documents` (the packed documents of the whole window): attention within each document only."""
         if kv_cache is not None and self.sequence_parallel:
             raise LayoutError("the KV-cache path runs without sequence parallelism")
         q, k, v = self.region.enter(x, [self.q_proj.projection(), self.k_proj.projection(), self.v_proj.projection()])
@@ -143,8 +150,9 @@ class ParallelAttention(nn.Module):
             k, v = kv_cache.append(self.layer_index if layer_key is None else layer_key, k, v)
             out = self.cached_core(q, k, v, kv_cache)
         elif recompute_core:
-            out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, dropout_seed, context, use_reentrant=False)
+            out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, dropout_seed, context, documents,
+                                                    use_reentrant=False)
         else:
-            out = self.core(q, k, v, dropout_seed, context)
+            out = self.core(q, k, v, dropout_seed, context, documents)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.o_proj(out)

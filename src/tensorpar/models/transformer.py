@@ -26,6 +26,7 @@ from tensorpar.distributed.comm import as_group
 from tensorpar.distributed.sharding import ShardSpec, retag, tag
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.expert_parallel import MoELayer
+from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import mix_seed, seeded_dropout
 from tensorpar.functional.rope import inverse_frequencies, rope_cos_sin
 from tensorpar.layers.attention import ParallelAttention
@@ -68,9 +69,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
                 kv_cache=None, layer_key=None, context: ContextSplit | None = None, aux_scale: float = 1.0,
-                record_stats: bool = True):
+                record_stats: bool = True, documents: PackedDocuments | None = None):
         attn = self.attn(self.attn_norm(x), rope, dropout_seed, recompute_core, kv_cache=kv_cache, layer_key=layer_key,
-                         context=context)
+                         context=context, documents=documents)
         x = x + self._drop(attn, 0, dropout_seed, context)
         h = self.mlp_norm(x)
         h = self.mlp(h, context, aux_scale, record_stats) if self.moe else self.mlp(h)
@@ -230,31 +231,37 @@ class Transformer(nn.Module):
             return None
         return ContextSplit(self.cp_group, seq_len, self.cp_split, self.cp_impl)
 
-    def positions(self, seq_len: int, context: ContextSplit | None, device) -> torch.Tensor:
-        """The absolute positions of this rank's tokens (all of them without context parallelism)."""
+    def positions(self, seq_len: int, context: ContextSplit | None, device,
+                  documents: PackedDocuments | None = None) -> torch.Tensor:
+        """The positions of this rank's tokens (all of them without context parallelism): in the window, [S], or
+        with `documents` (the window's packed documents) in each token's document, [B, S]."""
+        if documents is not None:
+            return documents.position if context is None else context.local(documents.position)
         return torch.arange(seq_len, device=device) if context is None else context.positions(device)
 
     def embed_tokens(self, ids: torch.Tensor, dropout_seed: int | None = None,
-                     context: ContextSplit | None = None) -> torch.Tensor:
+                     context: ContextSplit | None = None, documents: PackedDocuments | None = None) -> torch.Tensor:
         """Embed this rank's token ids (its CP chunks of the sequence when `context` is given)."""
         h = self.embed(ids)
         if self.pos_embed is not None:
             seq_len = context.seq_len if context is not None else ids.shape[1]
-            pos = self.region.lookup(self.positions(seq_len, context, ids.device), self.pos_embed)
+            pos = self.region.lookup(self.positions(seq_len, context, ids.device, documents), self.pos_embed)
             if self.sequence_parallel:
-                # Each rank adds the positions of its shard; the gradient of the [S, H] slice is summed across TP.
-                pos = copy_to_tp(pos, self.tp_group).chunk(self.tp_group.size, 0)[self.tp_group.rank]
+                # Each rank adds the positions of its shard; the gradient of the [(B,) S, H] slice is summed across TP.
+                pos = copy_to_tp(pos, self.tp_group).chunk(self.tp_group.size, -2)[self.tp_group.rank]
             h = h + pos
         if self.training and self.cfg.dropout > 0:
             shard = sequence_shard(self.tp_group, self.sequence_parallel, context)
             h = seeded_dropout(h, self.cfg.dropout, mix_seed(dropout_seed, 2**20, shard), True)
         return h
 
-    def rope(self, seq_len: int, dtype: torch.dtype, context: ContextSplit | None = None):
-        """cos/sin of this rank's positions (its CP chunks' under context parallelism)."""
+    def rope(self, seq_len: int, dtype: torch.dtype, context: ContextSplit | None = None,
+             documents: PackedDocuments | None = None):
+        """cos/sin of this rank's positions (its CP chunks' under context parallelism; in their documents with
+        `documents`)."""
         if self.cfg.position != "rope":
             return None
-        return rope_cos_sin(self.positions(seq_len, context, self.inv_freq.device), self.inv_freq, dtype)
+        return rope_cos_sin(self.positions(seq_len, context, self.inv_freq.device, documents), self.inv_freq, dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp]."""
@@ -276,45 +283,51 @@ class Transformer(nn.Module):
     # -- forward ------------------------------------------------------------------------------
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, dropout_seed: int | None = None,
-                aux_scale: float = 1.0):
+                aux_scale: float = 1.0, documents: PackedDocuments | None = None):
         """`ids` [B, S] on the first stage, hidden states [B, S(/cp)(/tp), H] on the others; returns the loss
         (targets [B, S] given) or the logits on the last stage, hidden states on the others. Under context
         parallelism every CP rank gets the whole sequence's ids and targets and keeps its own chunks; its logits
         and hidden states are those of its chunks.
 
+        `documents`: the packed documents of the whole window ([B, S], `PackedDocuments.from_tokens(ids, eos)`,
+        on every stage): attention within each document only, positions counted from each document's start.
+
         MoE models: the router losses are not in the returned loss; their gradients join the backward pass
         scaled by `aux_scale`, the factor the caller multiplies the returned loss by before calling backward."""
-        return self.forward_layers(ids, list(self.layers), targets, dropout_seed,
-                                   embed=self.first_stage, head=self.last_stage, aux_scale=aux_scale)
+        return self.forward_layers(ids, list(self.layers), targets, dropout_seed, embed=self.first_stage,
+                                   head=self.last_stage, aux_scale=aux_scale, documents=documents)
 
     def moe_layers(self) -> dict[int, MoELayer]:
         """This rank's MoE layers by global layer index."""
         return {int(key): block.mlp for key, block in self.layers.items() if block.moe}
 
     def forward_layers(self, x, layer_keys, targets=None, dropout_seed=None, *, embed: bool, head: bool,
-                       aux_scale: float = 1.0):
+                       aux_scale: float = 1.0, documents: PackedDocuments | None = None):
         """Run the layers `layer_keys` (one pipeline chunk), starting from token ids if `embed`, ending in
-        the loss (or logits) if `head`; hidden states in and out otherwise."""
+        the loss (or logits) if `head`; hidden states in and out otherwise. `documents`: as in `forward`."""
         if self.training and self.cfg.dropout > 0 and dropout_seed is None:
             raise TensorparError("dropout is on: pass dropout_seed to the forward pass (the trainer does)")
         if embed:
             seq_len = x.shape[1]
             self.check_sequence(seq_len)
             context = self.context(seq_len)
-            h = self.embed_tokens(x if context is None else context.local(x), dropout_seed, context)
+            if documents is not None and documents.index.shape != x.shape:
+                raise TensorparError(f"documents of shape {tuple(documents.index.shape)} for token ids of shape "
+                                     f"{tuple(x.shape)}: give the documents of the same windows")
+            h = self.embed_tokens(x if context is None else context.local(x), dropout_seed, context, documents)
         else:
             h = x
             seq_len = h.shape[1] * (self.tp_group.size if self.sequence_parallel else 1) * self.cp_group.size
             context = self.context(seq_len)
-        rope = self.rope(seq_len, h.dtype, context)  # like transformers: cos/sin in the hidden states' dtype
+        rope = self.rope(seq_len, h.dtype, context, documents)  # like transformers: cos/sin in the hidden states' dtype
         for key in layer_keys:
             layer = self.layers[str(key)]
             if self.recompute == "full" and self.training:
                 h = checkpoint(_recomputable(layer), h, rope, dropout_seed, context=context, aux_scale=aux_scale,
-                               use_reentrant=False)
+                               documents=documents, use_reentrant=False)
             else:
                 h = layer(h, rope, dropout_seed, recompute_core=self.recompute == "selective" and self.training,
-                          context=context, aux_scale=aux_scale)
+                          context=context, aux_scale=aux_scale, documents=documents)
         if not head:
             return h
         h = self.final_norm(h)
@@ -341,12 +354,7 @@ class Transformer(nn.Module):
                 raise TensorparError(f"position {int(positions.max())} exceeds the model's "
                                      f"{self.cfg.max_seq_len} learned positions")
             h = h + self.pos_embed[positions]
-        rope = None
-        if self.cfg.position == "rope":
-            cos, sin = rope_cos_sin(positions.reshape(-1), self.inv_freq, h.dtype)
-            # [s, d] broadcasts over batch and heads; per-row positions need [B, 1, s, d].
-            rope = (cos, sin) if positions.dim() == 1 else tuple(t.view(ids.shape[0], 1, ids.shape[1], -1)
-                                                                 for t in (cos, sin))
+        rope = rope_cos_sin(positions, self.inv_freq, h.dtype) if self.cfg.position == "rope" else None
         for key, layer in self.layers.items():
             h = layer(h, rope, kv_cache=cache, layer_key=key)
         cache.advance(ids.shape[1])

@@ -11,7 +11,9 @@ action receives the gradient of its output (unless it is the last stage, which s
 loss), back-propagates and sends the input's gradient to the previous stage. In the zero-bubble
 schedules (zb-h1, zbv) that backward computes only input gradients: the model's layers leave their
 weight gradients in the runner's `WeightGradQueue`, and the schedule's W action for the same
-micro-batch and chunk computes them (pipeline_parallel/weight_grad.py). In a V (zbv) rank 0 holds the first and
+micro-batch and chunk computes them (pipeline_parallel/weight_grad.py). With packed documents (--document-mask)
+every stage is handed its micro-batch's `PackedDocuments` with the hidden states: each rank holds every
+micro-batch's tokens, so the document ids and positions never travel between stages. In a V (zbv) rank 0 holds the first and
 the last stage, and the two middle stages share the last rank, which hands their tensors over
 without a message. Sends are
 asynchronous and receives block, so a schedule whose order respects its dependencies cannot
@@ -155,11 +157,12 @@ class PipelineRunner:
     def _tag(self, microbatch: int, stage: int, backward: bool) -> int:
         return 2 * (microbatch * self.stages + stage) + int(backward)
 
-    def _forward_chunk(self, x, chunk, targets, dropout_seed, aux_scale=1.0):
+    def _forward_chunk(self, x, chunk, targets, dropout_seed, aux_scale=1.0, documents=None):
         stage = self._stage(chunk)
+        extra = {} if documents is None else {"documents": documents}
         with self.autocast():
-            return self.model.forward_layers(x, self.chunks[chunk], targets, dropout_seed,
-                                             embed=stage == 0, head=stage == self.stages - 1, aux_scale=aux_scale)
+            return self.model.forward_layers(x, self.chunks[chunk], targets, dropout_seed, embed=stage == 0,
+                                             head=stage == self.stages - 1, aux_scale=aux_scale, **extra)
 
     def _recv(self, tag: int, stage: int) -> torch.Tensor:
         """What the rank holding `stage` sent with `tag`."""
@@ -171,16 +174,18 @@ class PipelineRunner:
         return buf
 
     def _forward_action(self, mb: int, chunk: int, batch: torch.Tensor, dropout_seed, sends: list,
-                        aux_scale: float = 1.0):
+                        aux_scale: float = 1.0, documents=None):
         """Receive the input (unless stage 0), run the chunk, send the output on (unless the last stage).
         Returns (input, output, start of compute); on the last stage the output is the loss. `aux_scale`: what the
-        loss's backward is scaled by (MoE router losses take it too)."""
+        loss's backward is scaled by (MoE router losses take it too); `documents`: the micro-batch's packed
+        documents, or None."""
         stage = self._stage(chunk)
         x = batch[:, :-1] if stage == 0 else self._recv(self._tag(mb, stage, False), stage - 1)
         if stage > 0 and torch.is_grad_enabled():
             x.requires_grad_()
         t0 = time.perf_counter()
-        out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == self.last else None, dropout_seed, aux_scale)
+        out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == self.last else None, dropout_seed, aux_scale,
+                                  documents)
         if stage != self.last:
             out = out.to(self.activation_dtype)
             self._send(out.detach(), stage + 1, self._tag(mb, stage + 1, False), sends)
@@ -193,16 +198,19 @@ class PipelineRunner:
         self.mesh.pp_group.all_reduce(loss_sum)
         return loss_sum.item() / count
 
-    def train_step(self, microbatches: list[torch.Tensor], dropout_seed, loss_scale: float = 1.0) -> float:
+    def train_step(self, microbatches: list[torch.Tensor], dropout_seed, loss_scale: float = 1.0,
+                   documents: list | None = None) -> float:
         """Forward and backward of every micro-batch ([mb, L+1] token windows, inputs and targets);
         returns the mean loss over them (on every rank). `dropout_seed(i)` gives micro-batch i's seed; the
-        backward starts from the loss times `loss_scale` (fp16's dynamic loss scaling)."""
+        backward starts from the loss times `loss_scale` (fp16's dynamic loss scaling); `documents[i]`, if given,
+        micro-batch i's packed documents (of its inputs)."""
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
         self.timeline, self.peak_in_flight = [], 0
         for action in self.actions:
             with self._range(action):
-                loss_sum = self._run_action(action, microbatches, dropout_seed, loss_scale, saved, sends, loss_sum)
+                loss_sum = self._run_action(action, microbatches, dropout_seed, loss_scale, saved, sends, loss_sum,
+                                            documents)
         return self._finish(sends, loss_sum, self.num_microbatches)
 
     def _range(self, action):
@@ -212,14 +220,15 @@ class PipelineRunner:
         return torch.profiler.record_function(f"pipeline {action.kind} mb{action.microbatch} chunk{action.chunk}")
 
     def _run_action(self, action, microbatches, dropout_seed, loss_scale: float, saved: dict, sends: list,
-                    loss_sum: torch.Tensor) -> torch.Tensor:
+                    loss_sum: torch.Tensor, documents: list | None = None) -> torch.Tensor:
         """One action of the schedule: a chunk's forward (F), backward (B, or its input-gradient half) or weight
         gradients (W); returns the loss summed so far."""
         mb, chunk = action.microbatch, action.chunk
         stage = self._stage(chunk)
         if action.kind == "F":
             x, out, t0 = self._forward_action(mb, chunk, microbatches[mb], dropout_seed(mb), sends,
-                                              loss_scale / self.num_microbatches)
+                                              loss_scale / self.num_microbatches,
+                                              None if documents is None else documents[mb])
             if stage == self.last:
                 loss_sum += out.detach().float()
                 out = out * (loss_scale / self.num_microbatches)
@@ -241,12 +250,14 @@ class PipelineRunner:
         return loss_sum
 
     @torch.no_grad()
-    def forward_only(self, microbatches: list[torch.Tensor]) -> float:
-        """Mean loss over `microbatches` without backward (validation), every micro-batch through every stage."""
+    def forward_only(self, microbatches: list[torch.Tensor], documents: list | None = None) -> float:
+        """Mean loss over `microbatches` without backward (validation), every micro-batch through every stage;
+        `documents` as in `train_step`."""
         sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
         for mb, batch in enumerate(microbatches):
             for chunk in range(self.v):
-                _, out, _ = self._forward_action(mb, chunk, batch, None, sends)
+                _, out, _ = self._forward_action(mb, chunk, batch, None, sends, 1.0,
+                                                 None if documents is None else documents[mb])
                 if self._stage(chunk) == self.last:
                     loss_sum += out.float()
         return self._finish(sends, loss_sum, len(microbatches))

@@ -22,6 +22,7 @@ from tensorpar.checkpoints.sharded import step_folder
 from tensorpar.config.fields import to_dict
 from tensorpar.data import micro_batches
 from tensorpar.errors import TensorparError
+from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import mix_seed
 from tensorpar.models.flops import train_flops_per_token
 from tensorpar.optim.lr_schedule import lr_at, set_lr
@@ -32,6 +33,14 @@ from tensorpar.training.metric_sinks import open_sinks
 from tensorpar.training.moe_metrics import moe_step_metrics
 from tensorpar.training.profiling import StepProfiler
 from tensorpar.training.session import Session
+
+
+def packed_documents(s: Session, windows: list[torch.Tensor]) -> list[PackedDocuments] | None:
+    """The packed documents of each batch of token windows' inputs under --document-mask (ended by the tokenizer's
+    EOS), else None."""
+    if not s.options.document_mask:
+        return None
+    return [PackedDocuments.from_tokens(w[:, :-1], s.tokenizer.eos_id) for w in windows]
 
 
 def train_step(s: Session, step: int) -> dict:
@@ -46,15 +55,17 @@ def train_step(s: Session, step: int) -> dict:
     def seed_of(i: int) -> int:  # the dropout seed of micro-batch i: the same whatever the layout
         return mix_seed(o.seed, step, mesh.dp_rank * len(batches) + i)
 
+    documents = packed_documents(s, batches)
     step_loss = torch.zeros((), device=device)
     s.optimizer.begin_step(len(batches))
     scale = s.scaler.scale if s.scaler is not None else 1.0
     with s.activations.measuring(s.model):
         if s.runner is not None:
-            step_loss += s.runner.train_step(batches, seed_of, scale)
+            step_loss += s.runner.train_step(batches, seed_of, scale, documents)
         else:
             for i, batch in enumerate(batches):  # bf16/fp16: the parameters themselves are cast, no autocast
-                loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i), aux_scale=scale / len(batches))
+                loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i), aux_scale=scale / len(batches),
+                               documents=None if documents is None else documents[i])
                 (loss * (scale / len(batches))).backward()
                 step_loss += loss.detach().float() / len(batches)
     s.optimizer.finish_backward()
@@ -113,10 +124,14 @@ def loss_spike(s: Session, step: int, loss: float, recent: collections.deque) ->
 
 
 def validation_loss(s: Session) -> float:
+    """The validation loss, with the training's document mask if any."""
+    eos = s.tokenizer.eos_id if s.options.document_mask else None
     if s.runner is None:
-        return evaluate(s.model, s.val_windows, s.options.micro_batch_size, s.mesh.device, s.options.dtype)
+        return evaluate(s.model, s.val_windows, s.options.micro_batch_size, s.mesh.device, s.options.dtype,
+                        eos_id=eos)
     s.model.eval()
-    loss = s.runner.forward_only([w.to(s.mesh.device) for w in s.val_windows.split(s.options.micro_batch_size)])
+    batches = [w.to(s.mesh.device) for w in s.val_windows.split(s.options.micro_batch_size)]
+    loss = s.runner.forward_only(batches, packed_documents(s, batches))
     s.model.train()
     return loss
 

@@ -107,6 +107,20 @@ def _check_fp8(o: TrainOptions) -> None:
                              f"or interleaved")
 
 
+def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
+    """--document-mask finds the documents by the tokenizer's EOS id: one there must be, inside the vocabulary."""
+    if not o.document_mask:
+        return
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is None:
+        raise TensorparError(f"--document-mask ends each document at the tokenizer's EOS token, and the tokenizer "
+                             f"{tokenizer.name!r} names none: give a --tokenizer whose "
+                             f"tokenizer_config.json names its eos_token, or drop --document-mask")
+    if not 0 <= eos < cfg.vocab_size:
+        raise TensorparError(f"--document-mask: the tokenizer's EOS id {eos} is outside the model's vocabulary of "
+                             f"{cfg.vocab_size}, so no document would ever end: use the model's own tokenizer")
+
+
 def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
     """Check `options` against the model and a world of `world_size` processes (default: the launcher's, else
     nproc or tp x cp x pp x dp); raise TensorparError naming what is wrong, or return the PreparedRun."""
@@ -156,8 +170,10 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     if o.pp > 1 or o.virtual_stages > 1 or pipeline_layers is not None:
         build_schedule(o.schedule, o.pp, o.global_batch_size // (dp * micro), o.virtual_stages)
         stage_layers(cfg.num_layers, o.pp, virtual_stages, pipeline_layers)
+    tokenizer = tokenizer_from(o.tokenizer, o.init_from)
+    _check_document_mask(o, tokenizer, cfg)
     # Document sources are tokenized here, once (the ranks then open the cache).
-    prepare_sources(o.data, o.val_data, tokenizer=tokenizer_from(o.tokenizer, o.init_from), text_field=o.text_field,
+    prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
                     cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
     resolved = dataclasses.replace(
         o, dp=dp, micro_batch_size=micro, virtual_stages=virtual_stages, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
