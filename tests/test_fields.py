@@ -52,8 +52,8 @@ def test_choices_come_from_one_place():
     assert specs["recompute"].meta["choices"] == RECOMPUTE_MODES
     assert specs["schedule"].meta["choices"] == PIPELINE_SCHEDULES
     assert {s.name: s for s in cli_specs(PlanOptions)}["recompute"].meta["choices"] == RECOMPUTE_MODES
-    with pytest.raises(TensorparError, match="--dtype must be one of fp32, bf16, fp16; got 'fp8'"):
-        check_choices(TrainOptions(dtype="fp8"))
+    with pytest.raises(TensorparError, match="--dtype must be one of fp32, bf16, fp16, fp8; got 'fp4'"):
+        check_choices(TrainOptions(dtype="fp4"))
 
 
 def test_toml_round_trip_and_flags_override(tmp_path):
@@ -83,7 +83,7 @@ def test_config_file_keys_may_be_written_like_flags(tmp_path):
     ("tp = \"two\"\n", "tp = \"two\" should be an integer"),
     ("tp = true\n", "tp = true should be an integer"),
     ("lr = \"fast\"\n", "lr = \"fast\" should be a number"),
-    ("dtype = \"fp8\"\n", "dtype = \"fp8\" is not one of: fp32, bf16, fp16"),
+    ("dtype = \"fp4\"\n", "dtype = \"fp4\" is not one of: fp32, bf16, fp16, fp8"),
     ("sequence_parallel = 1\n", "sequence_parallel = 1 should be true or false"),
     ("[train]\ntp = 2\n", "[train] is a table"),
     ("tp = \n", "is not valid TOML"),
@@ -121,12 +121,12 @@ def test_changed_options_names_what_differs():
 
 def test_usage_errors_are_one_line(capsys):
     assert main(["train", "--tp", "x"]) == 2
-    assert main(["train", "--dtype", "fp8"]) == 2
+    assert main(["train", "--dtype", "fp4"]) == 2
     assert main(["bogus"]) == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 3 and all(ln.startswith("tensorpar: error:") for ln in lines), lines
     assert "argument --tp: takes a whole number, got 'x'" in lines[0] and "tensorpar train --help" in lines[0]
-    assert "invalid choice: 'fp8'" in lines[1]
+    assert "invalid choice: 'fp4'" in lines[1]
 
 
 def test_every_command_parses_its_help():
