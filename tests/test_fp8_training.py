@@ -49,3 +49,20 @@ def test_fp8_that_cannot_run_is_refused_before_any_rank(cli):
     assert code != 0 and "--dtype fp8 cannot run under --schedule zb-h1" in err, err
     code, _, err = cli("train", "--dtype", "fp8", "--fp8-recipe", "blockwise", "--steps", "1")
     assert code != 0 and "blockwise" in err, err
+
+
+def test_an_fp8_checkpoint_resumes_at_another_layout_and_precision(pools, tmp_path):
+    """Checkpoints hold the fp32 masters: an fp8 run saved at TP 2 continues at TP 1 as the straight fp8 run does,
+    and continues in bf16 too."""
+    import os
+
+    kw = dict(FP8, steps=4)
+    straight = reference(pools, "tiny", **kw)["trajectory"]
+    save = str(tmp_path / "ckpt")
+    pools(2).run(run, "tiny", **kw, tp=2, save=save, stop_after=2)
+    step2 = os.path.join(save, "step-000002")
+    resumed = pools(1).run(run, "tiny", **kw, resume=step2)[0]["trajectory"]
+    bf16 = pools(1).run(run, "tiny", **{**kw, "dtype": "bf16"}, resume=step2)[0]["trajectory"]
+    assert len(resumed) == len(bf16) == 2
+    for (loss, _), (b, _), (ref, _) in zip(resumed, bf16, straight[2:]):
+        assert abs(loss - ref) <= 1e-3 * ref and abs(b - ref) <= 2e-2 * ref, (loss, b, ref)
