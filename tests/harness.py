@@ -24,14 +24,14 @@ _meshes: dict = {}  # per worker process: (tp, pp, dp, cp, ep, expert_tp, device
 
 
 def mesh(tp: int, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int | None = None, expert_tp: int = 1,
-         device: str = "cpu"):
+         device: str = "cpu", dp_replicate: int = 1):
     """The (cached) mesh for this layout, inside a worker."""
     import tensorpar
 
-    key = (tp, pp, dp, cp, ep, expert_tp, str(device))
+    key = (tp, pp, dp, cp, ep, expert_tp, str(device), dp_replicate)
     if key not in _meshes:
         _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, expert_tp=expert_tp, device=device,
-                                           timeout=60)
+                                           timeout=60, dp_replicate=dp_replicate)
     m = _meshes[key]
     m.stats.reset()
     return m
@@ -46,7 +46,7 @@ def train(options):
     o = run.options
     moe = run.cfg.is_moe
     return run_training(run, mesh=mesh(o.tp, o.pp, o.dp, o.cp, o.ep if moe else None, o.expert_tp if moe else 1,
-                                       o.device or "cpu"))
+                                       o.device or "cpu", o.dp_replicate))
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:

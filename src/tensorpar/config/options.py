@@ -101,6 +101,9 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                "expert_tp x ep must divide tp x cp x dp", group=LAYOUT)
     zero: int = option(0, "ZeRO stage over the DP group: 1 shards optimizer states, 2 also gradients, 3 also "
                           "parameters (each block gathered just before use)", choices=ZERO_STAGES, group=LAYOUT)
+    dp_replicate: int = option(1, "HSDP: split the DP ranks into this many replicas; ZeRO shards within a replica "
+                                  "(one node's ranks) and all-reduces each shard's gradients across the replicas",
+                               metavar="R", group=LAYOUT)
     zero3_reshard_after_forward: bool = option(True, "ZeRO-3: keep a block's gathered parameters from its forward "
                                                      "to its backward (one all-gather less per block, more memory; "
                                                      "in a config file: zero3_reshard_after_forward = false)",

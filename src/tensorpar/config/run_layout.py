@@ -18,6 +18,7 @@ class RunLayout:
     ep: int = 1
     expert_tp: int = 1
     zero: int = 0
+    dp_replicate: int = 1  # HSDP: ZeRO sharded within dp / dp_replicate ranks, replicated across dp_replicate
     schedule: str | None = None
     virtual_stages: int = 1
     pipeline_layers: str | None = None
@@ -31,7 +32,7 @@ class RunLayout:
         (off on one TP rank)."""
         pipelined = mesh.pp_size > 1
         return cls(tp=mesh.tp_size, cp=mesh.cp_size, pp=mesh.pp_size, dp=mesh.dp_size, ep=mesh.ep_size,
-                   expert_tp=mesh.expert_tp_size, zero=options.zero,
+                   expert_tp=mesh.expert_tp_size, zero=options.zero, dp_replicate=mesh.dp_replicate_group.size,
                    schedule=options.schedule if pipelined else None, virtual_stages=options.virtual_stages,
                    pipeline_layers=options.pipeline_layers if pipelined else None,
                    sequence_parallel=sequence_parallel, recompute=options.recompute, dtype=options.dtype)
@@ -45,6 +46,7 @@ class RunLayout:
         parts += [f"ep={self.ep}"] if self.ep > 1 else []
         parts += [f"expert-tp={self.expert_tp}"] if self.expert_tp > 1 else []
         parts += [f"zero-{self.zero}"] if self.zero else []
+        parts += [f"hsdp {self.dp_replicate}x{self.dp // self.dp_replicate}"] if self.dp_replicate > 1 else []
         if self.schedule:
             parts.append(self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts += [f"layers={self.pipeline_layers}"] if self.pipeline_layers else []

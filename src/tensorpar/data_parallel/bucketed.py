@@ -14,6 +14,10 @@ zero=2     `Zero2Optimizer`: as ZeRO-1, but the gradients do not stay in full bu
            scattered per micro-batch into the rank's fp32 slice; a few buckets' buffers alive at once)
 =========  =====================================================================================
 
+HSDP (`Mesh.dp_shard_group` smaller than DP x CP): ZeRO-1/2 shard each bucket within a replica and all-reduce each
+reduce-scattered slice across the replicas (`Mesh.dp_replicate_group`) before averaging: reduce-scatter inside,
+all-reduce across, all-gather inside.
+
 Mixture-of-experts models: the routed experts' buckets are reduced (ZeRO: sharded) over the mesh's expert-data-
 parallel group, whose members hold the same experts, instead of DP x CP. Both kinds are divided by the DP x CP
 size: every rank's token gradients carry that factor (the loss is a per-rank mean), and the expert-DP ranks
@@ -55,6 +59,9 @@ class BucketedOptimizer:
         # Gradients are averaged (ZeRO: sharded) over every rank that holds the same parameters and saw other
         # tokens: DP, times CP under context parallelism.
         self.mesh, self.dp = mesh, mesh.dp_cp_group
+        # HSDP: ZeRO shards within a replica and all-reduces the shards' gradients across the replicas.
+        self.shards = getattr(mesh, "dp_shard_group", None) or self.dp
+        self.replicas = getattr(mesh, "dp_replicate_group", None)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise TensorparError(f"{type(self).__name__}: the model has no trainable parameters")
@@ -62,7 +69,7 @@ class BucketedOptimizer:
         # are accumulated and reduced there, and AdamW steps fp32 master copies.
         self.mixed = params[0].dtype != torch.float32
         self.reduce_dtype = reduce_dtype if self.mixed else torch.float32
-        self.buckets: list[Bucket] = make_buckets(params, bucket_bytes, self.dp,
+        self.buckets: list[Bucket] = make_buckets(params, bucket_bytes, self.shards if self.sharded else self.dp,
                                                   getattr(mesh, "expert_dp_group", None), self.sharded)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         # A tied embedding split across the first and last pipeline stage: its two copies' gradients are

@@ -31,6 +31,10 @@ Keeping full gradients across micro-batches would hold the whole stage's gradien
 there to avoid (FSDP and DeepSpeed make the same choice). Per block and micro-batch the communication is one
 all-gather in forward, one in backward (none with reshard_after_forward=False, nor for the stage's last block)
 and one reduce-scatter.
+
+HSDP (`Mesh.dp_shard_group` smaller than DP x CP): the units are sharded within a replica (gathers and
+reduce-scatters inside it) and each unit's gradient slice is all-reduced across the replicas once per step, in
+`finish_backward`.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from torch import nn
 
 from tensorpar.data_parallel.flat_buffer import BytesInUse, FlatBuffer, nbytes
 from tensorpar.data_parallel.master_weights import MasterWeights
-from tensorpar.data_parallel.reduce_scatter_queue import ReduceScatterQueue
+from tensorpar.data_parallel.reduce_scatter_queue import ReduceScatterQueue, sum_over_replicas
 from tensorpar.data_parallel.shard_pieces import adamw_step_count, state_bytes
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
@@ -175,6 +179,9 @@ class FullyShardedOptimizer:
                  eps: float = 1e-8, reshard_after_forward: bool = True, prefetch: bool = True,
                  reduce_dtype: torch.dtype = torch.float32):
         self.mesh, self.dp, self.reduce_dtype = mesh, mesh.dp_cp_group, reduce_dtype
+        # HSDP: units sharded within a replica, their gradient slices all-reduced across the replicas
+        self.shards = getattr(mesh, "dp_shard_group", None) or self.dp
+        self.replicas = getattr(mesh, "dp_replicate_group", None)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         expert_dp = getattr(mesh, "expert_dp_group", None)
         if any(shard_spec(p).expert for p in model.parameters()) and expert_dp is None:
@@ -191,7 +198,7 @@ class FullyShardedOptimizer:
                                           for key, block in layers.items()]
         self.units = [u for units in self.blocks for u in units]
         root_params = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
-        self.root = _Unit("root", root_params, self.dp, True, self.gathered_bytes) if root_params else None
+        self.root = _Unit("root", root_params, self.shards, True, self.gathered_bytes) if root_params else None
         self._all = self.units + ([self.root] if self.root else [])
         self._unit_of = {id(p): u for u in self._all for p in u.params}
         self.tied = [(off, shape.numel()) for p, off, shape in zip(self.root.params, self.root.offsets,
@@ -204,7 +211,7 @@ class FullyShardedOptimizer:
         for u in self._all:
             u.slice = self.weights.add(u, u.shard, u.dp, in_place=True)
         self.grad_bytes.add(sum(nbytes(u.slice.grad_shard) for u in self._all))
-        self.queue = ReduceScatterQueue(self.dp, self.grad_bytes)
+        self.queue = ReduceScatterQueue(self.shards, self.grad_bytes)
         self._hooks = []
         for i, block in enumerate(layers.values()):
             self._hooks.append(block.register_forward_pre_hook(functools.partial(self._pre_forward, i)))
@@ -223,9 +230,9 @@ class FullyShardedOptimizer:
         `fp8` in a unit of their own, gathered in fp8) and its routed experts' (over expert-DP), where it has any."""
         params = [p for p in block.parameters() if p.requires_grad]
         dense = [p for p in params if not shard_spec(p).expert and id(p) not in fp8]
-        units = [_Unit(f"layer {key}", dense, self.dp, False, self.gathered_bytes)] if dense else []
+        units = [_Unit(f"layer {key}", dense, self.shards, False, self.gathered_bytes)] if dense else []
         if fp8:
-            units.append(_Fp8Unit(f"layer {key} fp8", [p for p in params if id(p) in fp8], self.dp,
+            units.append(_Fp8Unit(f"layer {key} fp8", [p for p in params if id(p) in fp8], self.shards,
                                   self.mesh.tp_group, self.gathered_bytes))
         experts = [p for p in params if shard_spec(p).expert]
         if experts:
@@ -295,6 +302,8 @@ class FullyShardedOptimizer:
             root.grad_buffer, root.ready = None, 0
         self.queue.drain()
         for u in self._all:
+            if u.dp is self.shards:  # the experts' units are sharded over expert-DP: no replicas
+                sum_over_replicas(u.slice.grad_shard, self.replicas)
             u.slice.grad_shard.div_(self.dp.size)
 
     def clip_and_step(self, max_norm: float, scaler=None) -> torch.Tensor:

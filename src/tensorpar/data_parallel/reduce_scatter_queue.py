@@ -38,3 +38,10 @@ class ReduceScatterQueue:
         work.wait()
         buffer.grad_shard.add_(out.to(buffer.grad_shard.dtype))
         self.grad_bytes.sub(nbytes(out) + nbytes(full_grad))
+
+
+def sum_over_replicas(grad_shard: torch.Tensor, replicas) -> None:
+    """HSDP: sum a reduce-scattered gradient slice over the replicas holding the same slice (all-reduce across);
+    nothing without replicas (`replicas` None or a group of one rank)."""
+    if replicas is not None and replicas.size > 1:
+        replicas.all_reduce(grad_shard)

@@ -18,7 +18,7 @@ from tensorpar.data_parallel.bucketed import BucketedOptimizer
 from tensorpar.data_parallel.buckets import Bucket
 from tensorpar.data_parallel.flat_buffer import nbytes
 from tensorpar.data_parallel.master_weights import MasterWeights
-from tensorpar.data_parallel.reduce_scatter_queue import ReduceScatterQueue
+from tensorpar.data_parallel.reduce_scatter_queue import ReduceScatterQueue, sum_over_replicas
 
 
 class Zero1Optimizer(BucketedOptimizer):
@@ -45,6 +45,7 @@ class Zero1Optimizer(BucketedOptimizer):
     def _reduced(self, b: Bucket) -> None:
         if b.rs_out is not b.slice.grad_shard:
             b.slice.grad_shard.copy_(b.rs_out)
+        sum_over_replicas(b.slice.grad_shard, self.replicas)
         b.slice.grad_shard.div_(self.dp.size)
 
     def _publish(self) -> None:
@@ -64,7 +65,7 @@ class Zero2Optimizer(Zero1Optimizer):
     zero = 2
 
     def _allocate_grads(self) -> None:
-        self.queue = ReduceScatterQueue(self.dp, self.grad_bytes)  # buffers allocated per micro-batch
+        self.queue = ReduceScatterQueue(self.shards, self.grad_bytes)  # buffers allocated per micro-batch
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         """Move the gradient into its bucket (allocated now if needed); hand a full bucket to the queue."""
@@ -86,6 +87,7 @@ class Zero2Optimizer(Zero1Optimizer):
             b.grad_buffer = None
         self.queue.drain()
         for b in self.buckets:
+            sum_over_replicas(b.slice.grad_shard, self.replicas)
             b.slice.grad_shard.div_(self.dp.size)
 
     def _zero_grads(self) -> None:

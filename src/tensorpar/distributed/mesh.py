@@ -85,15 +85,27 @@ def check_expert_layout(tp: int, cp: int, dp: int, ep: int, expert_tp: int = 1) 
                           f"valid --expert-tp at ep={ep}: {valid}")
 
 
+def check_hsdp_layout(dp: int, dp_replicate: int, ep: int | None = None) -> None:
+    """HSDP's replicas must divide the DP size; routed experts keep their own expert-DP sharding (not combined)."""
+    if dp_replicate < 1 or dp % dp_replicate:
+        valid = [r for r in range(1, dp + 1) if dp % r == 0]
+        raise LayoutError(f"--dp-replicate {dp_replicate} must divide the data-parallel size {dp} (each replica holds "
+                          f"dp / dp-replicate shards); valid: {valid}")
+    if dp_replicate > 1 and ep is not None:
+        raise LayoutError("--dp-replicate (HSDP) is not combined with expert parallelism: the routed experts are "
+                          "sharded over their own expert-DP group; drop --dp-replicate or --ep")
+
+
 def rank_grid(tp: int, pp: int, dp: int, cp: int = 1) -> torch.Tensor:
     """Global ranks arranged as [pp, dp, cp, tp]: grid[p, d, c, t] is the rank with those coordinates."""
     return torch.arange(tp * pp * dp * cp).reshape(pp, dp, cp, tp)
 
 
 def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int | None = None,
-                expert_tp: int = 1) -> dict[str, list[list[int]]]:
+                expert_tp: int = 1, dp_replicate: int = 1) -> dict[str, list[list[int]]]:
     """Every group of each dimension, as lists of global ranks ("dp_cp" only when cp > 1; the expert groups
-    "expert_tp", "ep" and "edp" only when `ep` is given, for a mixture-of-experts model)."""
+    "expert_tp", "ep" and "edp" only when `ep` is given, for a mixture-of-experts model; "dp_shard" and
+    "dp_replicate" only when `dp_replicate` > 1: HSDP, see `hsdp_groups`)."""
     g = rank_grid(tp, pp, dp, cp)
     groups = {
         "tp": [g[p, d, c, :].tolist() for p in range(pp) for d in range(dp) for c in range(cp)],
@@ -113,7 +125,24 @@ def group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int | None = None,
         groups["ep"] = [stage[i + t : i + block : expert_tp] for stage in stages
                         for i in range(0, len(stage), block) for t in range(expert_tp)]
         groups["edp"] = [stage[j::block] for stage in stages for j in range(block)]
+    if dp_replicate > 1:
+        groups.update(hsdp_groups(g, dp_replicate))
     return groups
+
+
+def hsdp_groups(g: torch.Tensor, replicas: int) -> dict[str, list[list[int]]]:
+    """HSDP's two groups over the rank grid `g` [pp, dp, cp, tp]: the DP ranks split into `replicas` replicas of
+    dp / replicas consecutive DP ranks each (consecutive ranks: one node's, where the mesh has them). "dp_shard":
+    one replica's ranks (with their CP ranks), over which ZeRO shards; "dp_replicate": the ranks that hold the
+    same shard in every replica, over which the shards' gradients are all-reduced."""
+    pp, dp, cp, tp = g.shape
+    shards = dp // replicas
+    return {
+        "dp_shard": [g[p, r * shards : (r + 1) * shards, :, t].flatten().tolist()
+                     for p in range(pp) for t in range(tp) for r in range(replicas)],
+        "dp_replicate": [g[p, s::shards, c, t].tolist()
+                         for p in range(pp) for t in range(tp) for c in range(cp) for s in range(shards)],
+    }
 
 
 @dataclasses.dataclass
@@ -137,6 +166,8 @@ class Mesh:
     ep_group: Group | None = None  # None: a group of this rank alone
     expert_dp_group: Group | None = None  # None: no expert groups (a dense model)
     expert_tp_group: Group | None = None  # None: a group of this rank alone
+    dp_shard_group: Group | None = None  # None: the DP x CP group (no HSDP): what ZeRO shards over
+    dp_replicate_group: Group | None = None  # None: a group of this rank alone: HSDP's replicas of each shard
 
     def __post_init__(self):
         if self.cp_group is None:
@@ -147,6 +178,10 @@ class Mesh:
             self.ep_group = Group("ep", [self.rank], None, self.stats, self.rank)
         if self.expert_tp_group is None:
             self.expert_tp_group = Group("expert_tp", [self.rank], None, self.stats, self.rank)
+        if self.dp_shard_group is None:
+            self.dp_shard_group = self.dp_cp_group
+        if self.dp_replicate_group is None:
+            self.dp_replicate_group = Group("dp_replicate", [self.rank], None, self.stats, self.rank)
 
     tp_size = property(lambda self: self.tp_group.size)
     tp_rank = property(lambda self: self.tp_group.rank)
@@ -168,11 +203,13 @@ class Mesh:
             f"ep={self.ep_rank}/{self.ep_size}, expert_tp={self.expert_tp_rank}/{self.expert_tp_size}, device={self.device})"
         )
 
-    def check_layout(self, tp: int, pp: int, dp: int, cp: int = 1, ep: int | None = None, expert_tp: int = 1) -> None:
+    def check_layout(self, tp: int, pp: int, dp: int, cp: int = 1, ep: int | None = None, expert_tp: int = 1,
+                     dp_replicate: int = 1) -> None:
         """Refuse to run a layout on a mesh built for another: a caller that passes its own mesh (to create the
         process groups once for several runs) must pass the one the run's options describe."""
-        want = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
-        have = {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "cp": self.cp_size}
+        want = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "dp_replicate": dp_replicate}
+        have = {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "cp": self.cp_size,
+                "dp_replicate": self.dp_replicate_group.size}
         if ep is not None:  # a mixture-of-experts run needs the expert groups
             want.update(ep=ep, expert_tp=expert_tp)
             have.update(ep=self.ep_size if self.expert_dp_group is not None else None,
@@ -181,7 +218,8 @@ class Mesh:
         if wrong:
             raise LayoutError(f"the mesh given has {', '.join(wrong)}: build it with the run's layout "
                               f"(init_mesh(tp={tp}, pp={pp}, dp={dp}, cp={cp}"
-                              + (f", ep={ep}, expert_tp={expert_tp}" if ep is not None else "") + "))")
+                              + (f", ep={ep}, expert_tp={expert_tp}" if ep is not None else "")
+                              + (f", dp_replicate={dp_replicate}" if dp_replicate > 1 else "") + "))")
 
     def destroy(self) -> None:
         """Tear down the process groups this mesh created: all of them if it started the world, else its
@@ -242,6 +280,7 @@ def init_mesh(
     cp: int = 1,
     ep: int | None = None,
     expert_tp: int = 1,
+    dp_replicate: int = 1,
     device: str | torch.device | None = None,
     backend: str | None = None,
     timeout: float | timedelta | None = None,
@@ -257,9 +296,13 @@ def init_mesh(
     `ep` (mixture-of-experts models only; None for dense ones, which then create no expert groups): the
     expert-parallel size, folded onto each stage's tp x cp x dp ranks (see the module docstring), with
     `expert_tp` ranks splitting each expert's MLP.
+
+    `dp_replicate` (HSDP): the DP ranks form that many replicas; ZeRO shards within a replica
+    (``dp_shard_group``) and all-reduces each shard's gradients across the replicas (``dp_replicate_group``).
     """
     world, rank, local_rank = world_from_env()
     tp, pp, dp = resolve_layout(world, tp, pp, dp, cp)
+    check_hsdp_layout(dp, dp_replicate, ep)
     if ep is not None:
         check_expert_layout(tp, cp, dp, ep, expert_tp)
     elif expert_tp != 1:
@@ -273,7 +316,14 @@ def init_mesh(
     stats = stats if stats is not None else CommStats()
     stats.flight.rank, stats.flight.world_size = rank, world
     backend, owns = _init_world(world, rank, device, backend, timeout)
-    groups = _create_groups(group_ranks(tp, pp, dp, cp, ep, expert_tp), rank, world, stats, timeout, backend)
+    groups = _create_groups(group_ranks(tp, pp, dp, cp, ep, expert_tp, dp_replicate), rank, world, stats, timeout,
+                            backend)
+    return _mesh_of(groups, rank, world, device, backend, stats, owns)
+
+
+def _mesh_of(groups: dict[str, Group], rank: int, world: int, device: torch.device, backend: str | None,
+             stats: CommStats, owns_process_group: bool) -> Mesh:
+    """The Mesh of the groups `_create_groups` made for this rank."""
     return Mesh(
         tp_group=groups["tp"],
         pp_group=groups["pp"],
@@ -285,13 +335,15 @@ def init_mesh(
         device=device,
         backend=backend,
         stats=stats,
-        owns_process_group=owns,
+        owns_process_group=owns_process_group,
         owns_subgroups=True,
         cp_group=groups["cp"],
         dp_cp_group=groups.get("dp_cp"),
         ep_group=groups.get("ep"),
         expert_dp_group=groups.get("edp"),
         expert_tp_group=groups.get("expert_tp"),
+        dp_shard_group=groups.get("dp_shard"),
+        dp_replicate_group=groups.get("dp_replicate"),
     )
 
 

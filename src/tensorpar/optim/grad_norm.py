@@ -56,7 +56,9 @@ def _global_norm(params: list[torch.Tensor], mesh, sharded_over_dp: bool = False
         else:
             total += sq.to(total.device) / spec.effective_replicas(tp_size)
     if sharded_over_dp:
-        mesh.dp_cp_group.all_reduce(total)  # ZeRO: each DP (x CP) rank holds a different slice of the gradients
+        # ZeRO: each DP (x CP) rank of a replica holds a different slice of the gradients (HSDP: the replicas hold the
+        # same slices, so only the ranks of one replica are summed)
+        (getattr(mesh, "dp_shard_group", None) or mesh.dp_cp_group).all_reduce(total)
     mesh.tp_group.all_reduce(total)  # the shards of this stage
     expert_dp = getattr(mesh, "expert_dp_group", None)
     if expert_dp is not None:  # a mixture-of-experts run

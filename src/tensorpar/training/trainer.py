@@ -36,10 +36,10 @@ def run_training(run: PreparedRun, stop: GracefulStop | None = None, mesh: Mesh 
     ep, expert_tp = (o.ep, o.expert_tp) if run.cfg.is_moe else (None, 1)
     owned = mesh is None
     if owned:
-        mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, cp=o.cp, ep=ep, expert_tp=expert_tp, device=o.device,
-                         timeout=o.timeout)
+        mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, cp=o.cp, ep=ep, expert_tp=expert_tp, dp_replicate=o.dp_replicate,
+                         device=o.device, timeout=o.timeout)
     else:
-        mesh.check_layout(o.tp, o.pp, o.dp, o.cp, ep, expert_tp)
+        mesh.check_layout(o.tp, o.pp, o.dp, o.cp, ep, expert_tp, o.dp_replicate)
     # Where each rank writes its flight record of collectives when one fails, the run is stopped, or it ends with
     # --dump-collectives-on-exit (`tensorpar diagnose OUT_DIR` reads them).
     mesh.stats.flight.folder = os.path.join(o.out_dir, "flight") if o.out_dir else None

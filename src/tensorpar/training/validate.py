@@ -18,7 +18,7 @@ from tensorpar.config.fields import check_choices
 from tensorpar.config.options import TrainOptions
 from tensorpar.data import check_batch_layout, prepare_sources, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
-from tensorpar.distributed.mesh import resolve_layout
+from tensorpar.distributed.mesh import check_hsdp_layout, resolve_layout
 from tensorpar.errors import TensorparError
 from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
@@ -98,6 +98,14 @@ def _check_observability(o: TrainOptions) -> None:
         raise TensorparError("--profile-ranks needs --profile-steps A:B")
 
 
+def _check_hsdp(o: TrainOptions, dp: int, cfg: ModelConfig) -> None:
+    """--dp-replicate divides dp, shards something (ZeRO 1-3), and is not combined with expert parallelism."""
+    check_hsdp_layout(dp, o.dp_replicate, o.ep if cfg.is_moe and o.ep > 1 else None)
+    if o.dp_replicate > 1 and o.zero == 0:
+        raise TensorparError(f"--dp-replicate {o.dp_replicate} splits ZeRO's sharding into replicas, and --zero 0 "
+                             f"shards nothing: give --zero 1, 2 or 3 (or drop --dp-replicate)")
+
+
 def _check_fp8(o: TrainOptions) -> None:
     """--dtype fp8 on a device and torch that have fp8 GEMMs, and not under a split backward."""
     check_fp8(o.dtype, o.device)
@@ -159,6 +167,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     _, _, dp = resolve_layout(world, o.tp, o.pp, o.dp, o.cp)
     micro = o.micro_batch_size or o.global_batch_size // dp
     check_batch_layout(o.global_batch_size, dp, micro)
+    _check_hsdp(o, dp, cfg)
     check_moe_layout(cfg, o.tp, o.cp, dp, o.ep, sequence_parallel=o.sequence_parallel,
                      micro_batch_size=micro, seq_len=o.seq_len, expert_tp=o.expert_tp)
     pipeline_layers = parse_pipeline_layers(o.pipeline_layers)

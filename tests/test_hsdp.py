@@ -1,0 +1,40 @@
+"""HSDP (--dp-replicate): ZeRO sharded within replicas, the shards' gradients all-reduced across them. Trajectories
+and weights equal one process; the groups and the bytes each moves are the ones the layout says."""
+
+import pytest
+
+from tensorpar.distributed.mesh import group_ranks
+
+from layout_runs import assert_same_training, reference, run
+
+from conftest import TINY8  # noqa: F401  (the config file fixture's model)
+
+SETTINGS = dict(seed=3, seq_len=16, micro_batch_size=1)
+
+
+def test_hsdp_groups_split_dp_into_replicas_of_consecutive_ranks():
+    groups = group_ranks(tp=2, pp=1, dp=4, dp_replicate=2)
+    assert groups["dp_shard"] == [[0, 2], [4, 6], [1, 3], [5, 7]]  # a replica: consecutive DP ranks (a node's)
+    assert groups["dp_replicate"] == [[0, 4], [2, 6], [1, 5], [3, 7]]  # the same shard in each replica
+    for shard in groups["dp_shard"]:  # every DP group is split into whole replicas
+        assert any(set(shard) <= set(dp) for dp in groups["dp"])
+
+
+@pytest.mark.parametrize("layout", [dict(dp=4, zero=1), dict(dp=4, zero=3), dict(dp=4, zero=2),
+                                    dict(tp=2, dp=4, zero=3, sequence_parallel=True)],
+                         ids=["dp4-zero1", "dp4-zero3", "dp4-zero2", "tp2-dp4-zero3-sp"])
+def test_hsdp_trains_like_one_process(pools, config_file, layout):
+    """dp 4 as 2 replicas x 2 shards: every step's loss and grad norm and the final weights of one process (1e-4),
+    with collectives on both HSDP groups."""
+    world = layout.get("tp", 1) * layout["dp"]
+    results = pools(world).run(run, config_file, **SETTINGS, **layout, dp_replicate=2)
+    assert_same_training(results, reference(pools, config_file, **SETTINGS))
+    comm = results[0]["comm"]
+    assert any(k.endswith("/dp_shard") for k in comm) and any(k.endswith("/dp_replicate") for k in comm), comm
+
+
+def test_hsdp_that_cannot_run_is_refused_before_any_rank(cli):
+    code, _, err = cli("train", "--dp", "4", "--zero", "1", "--dp-replicate", "3", "--steps", "1")
+    assert code != 0 and "--dp-replicate 3 must divide the data-parallel size 4" in err and "[1, 2, 4]" in err, err
+    code, _, err = cli("train", "--dp", "4", "--dp-replicate", "2", "--steps", "1")
+    assert code != 0 and "--zero 0 shards nothing" in err, err
