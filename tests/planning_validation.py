@@ -195,6 +195,9 @@ def _space(run: Run, mesh_fixed: bool) -> dict:
         space["micro_batch_sizes"] = (lay["micro_batch_size"],)
     else:
         space["max_micro_batch"] = 4
+    # Every published run's data parallelism is as stated (none of them HSDP): the planner's HSDP candidates are
+    # not these runs.
+    space["dp_replicate"] = (run.layout.get("dp_replicate", 1),)
     if mesh_fixed:
         space.update(tp=(lay["tp"],), pp=(lay["pp"],), cp=(lay.get("cp", 1),))
     else:

@@ -38,3 +38,43 @@ def test_hsdp_that_cannot_run_is_refused_before_any_rank(cli):
     assert code != 0 and "--dp-replicate 3 must divide the data-parallel size 4" in err and "[1, 2, 4]" in err, err
     code, _, err = cli("train", "--dp", "4", "--dp-replicate", "2", "--steps", "1")
     assert code != 0 and "--zero 0 shards nothing" in err, err
+
+
+def check_hsdp_step_comm(zero):
+    """One training step of tiny-gpt2 at dp 4 as 2 replicas x 2 shards: the bytes counted per (op, group)."""
+    import torch
+
+    from tensorpar.data_parallel import data_parallel_optimizer
+    from tensorpar.models import Transformer, get_config
+    from tensorpar.planning import collective_cost, communication
+    from tensorpar.planning.layout import Layout
+
+    from harness import mesh
+
+    cfg = get_config("tiny-gpt2")
+    m = mesh(tp=1, dp=4, dp_replicate=2)
+    model = Transformer(cfg, m, seed=1)
+    model.train()
+    stage = {} if zero == 3 else {"bucket_bytes": 64 * 1024}
+    opt = data_parallel_optimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, **stage)
+    torch.manual_seed(m.dp_rank)
+    B, S, micro_batches = 2, 16, 2
+    m.stats.reset()
+    opt.begin_step(micro_batches)
+    for _ in range(micro_batches):
+        ids = torch.randint(0, cfg.vocab_size, (B, S))
+        (model(ids, ids.roll(-1, 1)) / micro_batches).backward()
+    opt.finish_backward()
+    opt.clip_and_step(1.0)
+    m.dp_group.all_reduce(torch.zeros(()))  # the trainer's loss average
+    counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
+    layout = Layout(dp=4, micro_batch_size=B, zero=zero, dp_replicate=2)
+    colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024)
+    return counted, collective_cost.sum_bytes(colls)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_hsdp_step_comm_equals_the_planners(pools, zero):
+    for rank, (counted, predicted) in enumerate(pools(4).run(check_hsdp_step_comm, zero)):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+        assert ("all_reduce", "dp_replicate") in counted and ("reduce_scatter", "dp_shard") in counted

@@ -45,6 +45,11 @@ from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.search import best_by_mesh, search
 
 
+def _zero_label(lay) -> str:
+    """The ZeRO stage, with HSDP's replica count: "3" or "3h2" (ZeRO-3 within each of 2 replicas)."""
+    return f"{lay.zero}h{lay.dp_replicate}" if lay.dp_replicate > 1 else str(lay.zero)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="rank parallel layouts for a model on a cluster (or draw a pipeline schedule)")
     add_options(p, PlanOptions, config_file=True)
@@ -240,7 +245,7 @@ def _table_row(i: int, p, moe: bool) -> str:
     return (
         f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} "
         f"{lay.virtual_stages:>2} {(lay.schedule[:5] if lay.pp > 1 else '-'):>5} {lay.micro_batch_size:>4} "
-        f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {lay.zero:>4} |"
+        f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {_zero_label(lay):>4} |"
         f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
         f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
         f" {t.step_time_s:7.2f} {t.tokens_per_s:10,.0f} {100 * t.mfu:5.1f}% |"

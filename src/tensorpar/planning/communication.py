@@ -25,7 +25,7 @@ from tensorpar.data_parallel import DEFAULT_BUCKET_BYTES
 from tensorpar.layers.attention import kv_layout
 from tensorpar.planning.collective_cost import Collective, sum_bytes
 from tensorpar.planning.fp8_traffic import fp8_tp_collectives, fp8_zero3_traffic, is_fp8_gathered
-from tensorpar.planning.layout import (Layout, gradient_group, stage_layer_indices,
+from tensorpar.planning.layout import (Layout, gradient_group, shard_group, stage_layer_indices,
                                        stage_layers)
 from tensorpar.planning.params import is_expert, local_parameters
 
@@ -304,25 +304,37 @@ def _replica_gradient_traffic(cfg, layout: Layout, stage: int | None, m: int, gr
                               zero3_reshard_after_forward: bool, fp8_gather: bool = False) -> list[Collective]:
     """The step's gradient and parameter traffic of the stage's non-expert parameters over their replicas
     (the DP x CP gradient group): DistributedOptimizer's buckets (ZeRO 0 to 2) or FullyShardedOptimizer's units
-    (ZeRO-3), and under ZeRO the gradient norm's all-reduce over the shards."""
-    grads = gradient_group(layout)
+    (ZeRO-3), and under ZeRO the gradient norm's all-reduce over the shards. HSDP: ZeRO's traffic within a replica
+    (group "dp_shard") and each shard's fp32 gradient slice all-reduced across the replicas ("dp_replicate")."""
+    grads, shards = shard_group(layout), layout.shards if layout.zero else 1
     key = (repr(cfg), layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, param_bytes,
-           bucket_bytes, layout.replicas if layout.zero else 1, layout.ep)
+           bucket_bytes, shards, layout.ep)
     if key not in _BUCKET_CACHE:
         params = [p for p in params_of(cfg, layout, stage) if not is_expert(p[0])]
-        _BUCKET_CACHE[key] = _bucket_table(params, param_bytes, bucket_bytes, layout.replicas if layout.zero else 1)
+        _BUCKET_CACHE[key] = _bucket_table(params, param_bytes, bucket_bytes, shards)
     _, sizes = _BUCKET_CACHE[key]
     if layout.zero in (0, 1, 2):
         out = _gradient_traffic(sizes, grads, layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes)
+        units = dict(sizes)
     else:
         every = params_of(cfg, layout, stage)
         if key + ("zero3", fp8_gather) not in _BUCKET_CACHE:
-            units = [p for p in every if not (fp8_gather and is_fp8_gathered(p[0]))]
-            _BUCKET_CACHE[key + ("zero3", fp8_gather)] = zero3_units(units, layout.replicas)
-        out = _zero3_traffic(*_BUCKET_CACHE[key + ("zero3", fp8_gather)], grads, m, grad_bytes, param_bytes,
-                             zero3_reshard_after_forward)
+            kept = [p for p in every if not (fp8_gather and is_fp8_gathered(p[0]))]
+            _BUCKET_CACHE[key + ("zero3", fp8_gather)] = zero3_units(kept, shards)
+        root, layers, last = _BUCKET_CACHE[key + ("zero3", fp8_gather)]
+        out = _zero3_traffic(root, layers, last, grads, m, grad_bytes, param_bytes, zero3_reshard_after_forward)
+        units = {**layers}
+        units[root] = units.get(root, 0) + 1
         if fp8_gather:
-            out += fp8_zero3_traffic(every, layout, grads, m, grad_bytes, zero3_reshard_after_forward)
+            fp8 = fp8_zero3_traffic(every, layout, grads, m, grad_bytes, zero3_reshard_after_forward)
+            out += fp8
+            for c in fp8:
+                if c.op == "reduce_scatter":
+                    units[c.nbytes // grad_bytes] = units.get(c.nbytes // grad_bytes, 0) + 1
+    if layout.dp_replicate > 1:
+        for n, k in units.items():
+            out.append(Collective("all_reduce", "dp_replicate", n // shards * 4, k, "step", "HSDP: gradient "
+                                                                                           "slices across replicas"))
     if layout.zero:
         out.append(Collective("all_reduce", grads, 4, 1, "step", "gradient norm (ZeRO shards)"))
     return out

@@ -61,7 +61,7 @@ def fp8_zero3_traffic(params: list[tuple[str, int, int]], layout, grads: str, m:
     out = []
     keys = list(blocks)
     for key, numels in blocks.items():
-        padded = math.ceil(sum(numels) / layout.replicas) * layout.replicas
+        padded = math.ceil(sum(numels) / layout.shards) * layout.shards
         gathers = m * (1 + (reshard_after_forward and key != keys[-1]))
         out.append(Collective("all_gather", grads, padded, gathers, "forward", "ZeRO-3 fp8 block gathers"))
         out.append(Collective("all_reduce", grads, 4 * len(numels), gathers, "forward", "fp8 gather amaxes"))

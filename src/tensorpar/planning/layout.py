@@ -53,6 +53,7 @@ class Layout:
     ep: int = 1  # expert parallelism (MoE models): the experts split over ep of a stage's tp x cp x dp ranks
     pipeline_layers: tuple[int, ...] | None = None  # layers of each pipeline stage (--pipeline-layers; None: even)
     schedule: str = "1f1b"  # 1f1b | interleaved (virtual_stages > 1) | zb-h1 | zbv (zero-bubble, Qi et al.)
+    dp_replicate: int = 1  # HSDP: ZeRO shards within dp / dp_replicate DP ranks, all-reduced across the replicas
 
     def __post_init__(self):
         if self.schedule in ("1f1b", "interleaved"):  # v > 1 is Megatron-LM's interleaved 1F1B, v = 1 plain 1F1B
@@ -62,7 +63,7 @@ class Layout:
         if (self.schedule == "interleaved") != (self.virtual_stages > 1):
             raise TensorparError(f"layout: the interleaved schedule and only it has virtual_stages > 1 "
                                  f"(schedule {self.schedule!r}, virtual_stages {self.virtual_stages})")
-        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "cp", "ep"):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "cp", "ep", "dp_replicate"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise TensorparError(f"layout: {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -78,6 +79,11 @@ class Layout:
     def replicas(self) -> int:
         """The ranks that hold the same parameters and see other tokens: their gradients are averaged."""
         return self.dp * self.cp
+
+    @property
+    def shards(self) -> int:
+        """The ranks ZeRO shards over: every replica (DP x CP), or under HSDP the ranks of one replica."""
+        return self.replicas // self.dp_replicate
 
     @property
     def expert_dp(self) -> int:
@@ -172,7 +178,8 @@ def _candidates(num_layers: int, pp: int, v: int, pipeline_layers) -> tuple[int,
 
 def group_size(layout: Layout, group: str) -> int:
     return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "pp": layout.pp,
-            "embed": 2 if layout.pp > 1 else 1, "ep": layout.ep, "edp": layout.expert_dp}[group]
+            "embed": 2 if layout.pp > 1 else 1, "ep": layout.ep, "edp": layout.expert_dp, "dp_shard": layout.shards,
+            "dp_replicate": layout.dp_replicate}[group]
 
 
 def group_span(layout: Layout, group: str) -> int:
@@ -180,12 +187,18 @@ def group_span(layout: Layout, group: str) -> int:
     groups are consecutive ranks of a stage, expert-DP groups span the stage)."""
     tp, cp = layout.tp, layout.cp
     return {"tp": tp, "cp": tp * cp, "dp": tp * cp * layout.dp, "dp_cp": tp * cp * layout.dp, "pp": layout.world,
-            "embed": layout.world, "ep": layout.ep, "edp": tp * cp * layout.dp}[group]
+            "embed": layout.world, "ep": layout.ep, "edp": tp * cp * layout.dp,
+            "dp_shard": tp * cp * layout.dp // layout.dp_replicate, "dp_replicate": tp * cp * layout.dp}[group]
 
 
 def gradient_group(layout: Layout) -> str:
     """The group parameter gradients are averaged over, as `mesh.dp_cp_group` names it."""
     return "dp_cp" if layout.cp > 1 else "dp"
+
+
+def shard_group(layout: Layout) -> str:
+    """The group ZeRO shards over, as the mesh names it: the gradient group, or under HSDP "dp_shard"."""
+    return "dp_shard" if layout.dp_replicate > 1 else gradient_group(layout)
 
 
 def group_link(cluster, layout: Layout, group: str) -> Link:
@@ -222,6 +235,8 @@ def structural_problem(cfg, layout: Layout, cluster: Cluster, seq_len: int, glob
         return f"sequence length {seq_len} is not divisible by tp = {tp} (sequence parallelism)"
     if layout.zero and layout.replicas == 1:
         return "ZeRO needs dp x cp > 1"
+    if layout.dp_replicate > 1 and (dp % layout.dp_replicate or not layout.zero or layout.ep > 1):
+        return f"HSDP with {layout.dp_replicate} replicas needs ZeRO, no EP, and dp divisible by them"
     if cfg.is_moe or layout.ep > 1:
         reason = _moe_problem(cfg, layout, seq_len)
         if reason:
@@ -274,11 +289,22 @@ def _moe_problem(cfg, layout: Layout, seq_len: int) -> str:
     return ""
 
 
+def _replica_counts(cluster: Cluster, tp: int, cp: int, dp: int, zero: int, ep: int, given) -> list[int]:
+    """HSDP replica counts to try for one layout (see `enumerate_layouts`)."""
+    if not zero or ep > 1:
+        return [1]
+    if given is not None:
+        return [r for r in given if dp % r == 0]
+    per_node = cluster.gpus_per_node // (tp * cp)  # DP ranks on one node
+    nodes = dp // per_node if per_node >= 1 and dp % per_node == 0 else 1
+    return [1, nodes] if nodes > 1 else [1]
+
+
 def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=None, zero=PLANNED_ZERO_STAGES,
                       recompute=RECOMPUTE_MODES, sequence_parallel=(False, True), virtual_stages=(1,),
                       max_micro_batch: int = 64, micro_batch_sizes=None, cp=(1,), ep=None,
                       pipeline_layers: tuple[int, ...] | None = None, schedules=None,
-                      uneven: bool = True) -> list[Layout]:
+                      uneven: bool = True, dp_replicate=None) -> list[Layout]:
     """`ep`: the expert-parallel sizes to try (None: for an MoE model every divisor of num_experts that divides
     the layout's tp x cp x dp, for a dense one 1; given sizes that do not divide are kept, infeasible).
     `pipeline_layers`: uneven stages of these layer counts (pp = their number, no interleaving); without it, a pp
@@ -286,7 +312,9 @@ def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=N
     the first and last stages, which hold the embedding and the head, get the fewer layers - as Llama 3 did).
     `schedules`: the pipeline schedules to try with pp > 1 (None: 1f1b, and interleaved for each v > 1 of
     `virtual_stages`; "interleaved" takes its v from `virtual_stages`, "zb-h1" and "zbv" have v = 1).
-    `uneven=False`: no automatic uneven split (a pp x v that does not divide the layers stays infeasible)."""
+    `uneven=False`: no automatic uneven split (a pp x v that does not divide the layers stays infeasible).
+    `dp_replicate`: the HSDP replica counts to try with ZeRO (None: 1, and one replica per node where the DP group
+    spans several nodes: sharded within a node, replicated across nodes)."""
     if pipeline_layers is not None:
         pp, virtual_stages = (len(pipeline_layers),), (1,)
     if schedules is None:
@@ -324,5 +352,6 @@ def enumerate_layouts(cfg, cluster: Cluster, global_batch: int, *, tp=None, pp=N
                                             and cfg.num_layers >= p * v and sched != "zbv":
                                         split = tuple(balanced_split(cfg.num_layers, p * v))
                                     for e in expert_parallel_sizes(cfg, t * c * d, ep):
-                                        out.append(Layout(t, p, d, sp, mbs, rc, z, v, c, e, split, sched))
+                                        for r in _replica_counts(cluster, t, c, d, z, e, dp_replicate):
+                                            out.append(Layout(t, p, d, sp, mbs, rc, z, v, c, e, split, sched, r))
     return out

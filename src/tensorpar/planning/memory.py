@@ -299,7 +299,7 @@ def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, d
 def zero_gradients_in_flight(cfg, layout: Layout, stage: int, prec: Precision, bucket_bytes: int) -> int:
     """Bytes of tensorpar's full-size gradient buffers alive at once under ZeRO-2 (two adjacent buckets and one
     bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' and one block's slice)."""
-    dp = layout.replicas
+    dp = layout.shards
     if layout.zero == 3:
         summary = parameter_summary(cfg, layout.tp, layout.pp, stage, pipeline_layers=layout.pipeline_layers,
                                     virtual_stages=layout.virtual_stages)
@@ -354,8 +354,9 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
 def _state_bytes(cfg, layout: Layout, summary: ParamSummary, n_layers: int, stage: int, prec: Precision,
                  bucket_bytes: int) -> tuple[int, int, int, int]:
     """(parameters, gradients, optimizer states, parameters ZeRO-3 gathers) in bytes on one rank of `stage`:
-    ZeRO shards over every replica of the parameters (DP x CP), routed experts over expert-DP."""
-    dp = layout.replicas
+    ZeRO shards over every replica of the parameters (DP x CP; HSDP: one replica's ranks), routed experts over
+    expert-DP."""
+    dp = layout.shards
     numel = summary.numel
     zero = layout.zero if dp > 1 else 0
     param_mem = prec.param_bytes * numel

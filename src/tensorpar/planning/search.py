@@ -30,7 +30,8 @@ class Plan:
     def to_dict(self) -> dict:
         lay = self.layout
         out = {
-            "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero, "sequence_parallel": lay.sp,
+            "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero,
+            "dp_replicate": lay.dp_replicate, "sequence_parallel": lay.sp,
             "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute,
             "virtual_stages": lay.virtual_stages, "schedule": lay.schedule,
             "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,

@@ -211,7 +211,7 @@ def _exposed_dp_time(cfg, layout: Layout, cluster, s: int, m: int, prec: Precisi
     colls = step_collectives(cfg, layout, s, m, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                              grad_bytes=prec.grad_bytes, param_bytes=prec.gather_bytes, stage=dp_stage,
                              zero2_per_micro_batch=not prec.zero2_full_grads_at_peak, fp8_recipe=prec.fp8_recipe)
-    replica_groups = ("dp", "dp_cp", "edp")
+    replica_groups = ("dp", "dp_cp", "edp", "dp_shard", "dp_replicate")
     dp_colls = [c for c in colls if c.group in replica_groups + ("embed",)
                 or (c.phase == "step" and c.group not in replica_groups)]
     comp, recomp = st_time.forward + st_time.backward, st_time.recompute
@@ -238,8 +238,8 @@ def _optimizer_step_time(cfg, layout: Layout, cluster, dp_stage: int | None) -> 
     summary = parameter_summary(cfg, layout.tp, layout.pp, dp_stage or 0, layout.ep, layout.pipeline_layers,
                                 layout.virtual_stages)
     dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
-    sharded = layout.zero >= 1 and layout.replicas > 1
-    opt_elems = dense / layout.replicas + expert / layout.expert_dp if sharded else dense + expert
+    sharded = layout.zero >= 1 and layout.shards > 1
+    opt_elems = dense / layout.shards + expert / layout.expert_dp if sharded else dense + expert
     return optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
 
 
