@@ -78,3 +78,16 @@ def test_hsdp_step_comm_equals_the_planners(pools, zero):
     for rank, (counted, predicted) in enumerate(pools(4).run(check_hsdp_step_comm, zero)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
         assert ("all_reduce", "dp_replicate") in counted and ("reduce_scatter", "dp_shard") in counted
+
+
+def test_an_hsdp_checkpoint_resumes_at_another_layout(pools, config_file, tmp_path):
+    """Checkpoints are dense: an HSDP run's (one writer per replica's shards) continues at dp 2 ZeRO-1 as the
+    straight run does."""
+    import os
+
+    save = str(tmp_path / "ckpt")
+    straight = reference(pools, config_file, **SETTINGS)["trajectory"]
+    pools(4).run(run, config_file, **SETTINGS, dp=4, zero=3, dp_replicate=2, save=save, stop_after=2)
+    resumed = pools(2).run(run, config_file, **SETTINGS, dp=2, zero=1, resume=os.path.join(save, "step-000002"))[0]
+    for (loss, gn), (ref, ref_gn) in zip(resumed["trajectory"], straight[2:], strict=True):
+        assert abs(loss - ref) <= 1e-4 * ref and abs(gn - ref_gn) <= 1e-4 * ref_gn, (loss, ref)
