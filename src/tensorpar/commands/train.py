@@ -13,11 +13,13 @@ import os
 import sys
 
 from tensorpar.commands.common import launch
+from tensorpar.commands.dry_run_report import planned_bytes, report
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import TrainOptions
 from tensorpar.config.run_layout import RunLayout
 from tensorpar.distributed.launch import SPAWNED_ENV, under_launcher, world_size
 from tensorpar.training import run_training, validate
+from tensorpar.training.dry_run import dry_run
 from tensorpar.training.stop import GracefulStop
 
 
@@ -78,6 +80,8 @@ def report_stop(s: dict) -> None:
 
 def run(args, argv) -> int:
     options = with_output_defaults(options_from_args(TrainOptions, args, "train"))
+    if options.dry_run:
+        return _dry_run(options)
     world = world_size(options)
     if under_launcher() or world == 1:  # a rank: catch stop signals from the start (its launcher forwards them)
         with GracefulStop(escalate=SPAWNED_ENV not in os.environ) as stop:
@@ -103,3 +107,12 @@ def _run(options: TrainOptions, argv, world: int, stop: GracefulStop | None) -> 
         return 0
 
     return launch(options, argv, run_rank)
+
+
+def _dry_run(options: TrainOptions) -> int:
+    """`--dry-run`: one rank of the world, on the meta device, in this process (no rank is started)."""
+    prepared = validate(options, options.world_size or world_size(options))
+    result = dry_run(prepared, options.rank)
+    print(report(prepared, result, planned_bytes(prepared, result)))
+    return 0
+

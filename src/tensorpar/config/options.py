@@ -203,6 +203,13 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                                    "OUT_DIR/flight at the end of the run too (it is written when a "
                                                    "collective fails or the run is stopped; read it with "
                                                    "`tensorpar diagnose OUT_DIR`)", group="output")
+    dry_run: bool = option(False, "build one rank of a world of --world-size ranks on the meta device with a fake "
+                                  "process group (nothing allocated, no peers), run one micro-batch and step, and "
+                                  "print its parameter, gradient and optimizer bytes and collectives against the "
+                                  "planner's", group="dry run")
+    world_size: int | None = option(None, "--dry-run: the world's size (default: --nproc or tp x cp x pp x dp)",
+                                    metavar="N", group="dry run")
+    rank: int = option(0, "--dry-run: the rank to build", metavar="R", group="dry run")
     return_state: bool = option(False, "put the final dense weights in the summary (tests, small models)", cli=False)
     stop_after: int | None = option(None, "stop at this step (the schedule still spans `steps`): an interrupted run",
                                     cli=False)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from tensorpar.config.choices import CP_IMPLS, CP_SPLITS
 from tensorpar.distributed.comm import Group
 from tensorpar.errors import LayoutError
+from tensorpar.functional.autocast import without_autocast
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
 from tensorpar.tensor_parallel.mappings import gather_from_sp
@@ -171,7 +172,7 @@ class _RingAttention(torch.autograd.Function):
         outs, lses = [None, None], [None, None]
         mine = split.chunks()
         block_k, block_v = k, v
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with without_autocast(q.device.type):
             for step in range(n):
                 src = (r - step) % n
                 pending = _exchange(group, [block_k, block_v], step, n, _TAG_FORWARD)
@@ -208,7 +209,7 @@ class _RingAttention(torch.autograd.Function):
         repeat = q.shape[1] // k.shape[1]
         c = split.chunk_len
         mine = split.chunks()
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with without_autocast(q.device.type):
             dout = dout.float()
             delta = (dout * out).sum(-1)  # rowsum(dO * O) = rowsum(P * dP), dropout or not
             qs, dos = q.float().split(c, dim=2), dout.split(c, dim=2)

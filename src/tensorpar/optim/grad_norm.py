@@ -43,8 +43,9 @@ def _as_list(params: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor
 
 
 def _global_norm(params: list[torch.Tensor], mesh, sharded_over_dp: bool = False) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    experts = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    device = params[0].device if params and params[0].is_meta else mesh.device  # meta: a dry run
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    experts = torch.zeros((), dtype=torch.float32, device=device)
     tp_size = mesh.tp_size
     for p in params:
         spec = shard_spec(p)
@@ -117,7 +118,10 @@ def unscale_and_clip(params: list[torch.Tensor], max_norm: float, mesh, sharded_
             if p.grad is not None:
                 p.grad.detach().div_(scaler.scale)
     norm = _global_norm(params, mesh, sharded_over_dp)
-    skip = scaler.update(norm.item()) if scaler is not None else not math.isfinite(norm.item())
+    if norm.is_meta:  # a dry run (`tensorpar train --dry-run`): shapes without values, nothing to judge
+        skip = False
+    else:
+        skip = scaler.update(norm.item()) if scaler is not None else not math.isfinite(norm.item())
     if not skip:
         _clip(params, norm, max_norm)
     return norm, skip

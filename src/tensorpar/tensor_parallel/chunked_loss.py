@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.distributed.comm import Group
+from tensorpar.functional.autocast import without_autocast
 from tensorpar.tensor_parallel.cross_entropy import (check_loss_arguments, local_targets, reduce_losses, shard_columns,
                                                     smoothed_loss, subtract_target_distribution)
 
@@ -84,7 +85,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        with torch.autocast(h.device.type, enabled=False):
+        with without_autocast(h.device.type):
             for lo in range(0, h.shape[0], ctx.chunk_tokens):
                 hi = min(h.shape[0], lo + ctx.chunk_tokens)
                 h_chunk = h[lo:hi].to(dt)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.distributed.comm import Group
+from tensorpar.functional.autocast import autocast_dtype
 
 DEFAULT_CHUNKS = 2
 
@@ -63,8 +64,7 @@ def sp_pieces(batch: int, shard_len: int, chunks: int = DEFAULT_CHUNKS) -> int:
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the GEMMs run in: autocast's where it is on (as F.linear's would), else x's. Collectives keep the
     dtypes the plain path sends (the activation's and its gradient's), so the bytes are the same."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    return autocast_dtype(x)
 
 
 def _cast(t, dtype):

@@ -85,10 +85,11 @@ class Session:
                                train=train, options=to_dict(o), run_id=self.run_id, keep_last=o.keep_last)
 
 
-def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
+def build_model(run: PreparedRun, mesh: Mesh, meta: bool = False) -> tuple[Transformer, object]:
     """(this rank's part of the model, the tokenizer): seeded initial weights, or those of `init_from`. Under a
     pipeline schedule that splits the backward (zb-h1, zbv) the model's layers leave their weight gradients in
-    its `region.weight_grads` queue, which the pipeline runner empties."""
+    its `region.weight_grads` queue, which the pipeline runner empties. `meta`: on the meta device, no values
+    (`--dry-run`)."""
     o, cfg = run.options, run.cfg
     stage = {}
     if mesh.pp_size > 1:
@@ -100,17 +101,17 @@ def build_model(run: PreparedRun, mesh: Mesh) -> tuple[Transformer, object]:
             stage["weight_grads"] = WeightGradQueue(mesh.device)
     torch.manual_seed(o.seed)
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
-                        init=o.init_from is None, cp_impl=o.cp_impl, cp_split=o.cp_split, tp_overlap=o.tp_overlap,
-                        loss_chunk_tokens=o.loss_chunk_tokens or None,
+                        init=o.init_from is None and not meta, device="meta" if meta else None, cp_impl=o.cp_impl,
+                        cp_split=o.cp_split, tp_overlap=o.tp_overlap, loss_chunk_tokens=o.loss_chunk_tokens or None,
                         fp8=Fp8Recipe.of(o.dtype, o.fp8_recipe), **stage)
-    if o.init_from:
+    if o.init_from and not meta:
         _, state = load_model_source(o.init_from)
         names = dict(model.named_parameters())
         load_full_state_dict(model, {k: v for k, v in state.items() if k in names}, source=o.init_from)
     if o.dtype != "fp32":  # bf16/fp16 (fp8: bf16) parameters; the optimizer keeps fp32 masters; buffers stay fp32
         for p in model.parameters():
             p.data = p.data.to(param_dtype(o.dtype))
-    if o.compile:
+    if o.compile and not meta:
         compile_blocks(model)
     model.train()
     return model, tokenizer_from(o.tokenizer, o.init_from)

@@ -1,0 +1,49 @@
+"""What `tensorpar train --dry-run` prints: the rank's bytes as its optimizer counts them next to the planner's
+prediction for the same layout, and the collectives of one micro-batch and step."""
+
+from __future__ import annotations
+
+from tensorpar.pipeline_parallel.runner import parse_pipeline_layers
+from tensorpar.planning.layout import Layout
+from tensorpar.planning.memory import stage_memory
+
+GiB = 2**30
+
+
+def planned_layout(o) -> Layout:
+    """The planner's Layout of a run's (resolved) TrainOptions."""
+    split = parse_pipeline_layers(o.pipeline_layers)
+    schedule = o.schedule if o.pp > 1 else "1f1b"
+    return Layout(tp=o.tp, pp=o.pp, dp=o.dp, sequence_parallel=o.sequence_parallel and o.tp > 1,
+                  micro_batch_size=o.micro_batch_size, recompute=o.recompute, zero=o.zero,
+                  virtual_stages=o.virtual_stages, cp=o.cp, ep=o.ep, schedule=schedule,
+                  pipeline_layers=tuple(split) if split else None, dp_replicate=o.dp_replicate)
+
+
+def planned_bytes(run, result: dict) -> dict:
+    """The planner's parameter, gradient and optimizer bytes for the dry run's rank (its pipeline stage)."""
+    o = run.options
+    precision = f"tensorpar-{o.dtype}" + ("-rowwise" if o.dtype == "fp8" and o.fp8_recipe == "rowwise" else "")
+    mb = stage_memory(run.cfg, planned_layout(o), o.seq_len, o.global_batch_size, precision,
+                      stage=result["layout"]["pp_rank"], bucket_bytes=int(o.bucket_mb * 2**20),
+                      loss_chunk_tokens=o.loss_chunk_tokens or None)
+    return {"parameter_bytes": mb.parameters, "gradient_bytes": mb.gradients, "optimizer_bytes": mb.optimizer}
+
+
+def report(run, result: dict, planned: dict) -> str:
+    """The lines `tensorpar train --dry-run` prints."""
+    lay, o = result["layout"], run.options
+    lines = [f"dry run: rank {lay['rank']} of {lay['world_size']} (tp {lay['tp_rank']}/{o.tp}, "
+             f"pp {lay['pp_rank']}/{o.pp}, dp {lay['dp_rank']}/{o.dp}, cp {lay['cp_rank']}/{o.cp}) of "
+             f"{o.model}: {result['parameter_count']:,} parameters on this rank",
+             f"{'bytes':22} {'built (meta)':>16} {'planned':>16} {'planned/built':>14}"]
+    for key, name in (("parameter_bytes", "parameters"), ("gradient_bytes", "gradients"),
+                      ("optimizer_bytes", "optimizer states")):
+        built, plan = result[key], planned[key]
+        ratio = f"{plan / built:.4f}" if built else "-"
+        lines.append(f"{name:22} {built:>16,} {plan:>16,} {ratio:>14}")
+    lines.append(f"one micro-batch and step (without pipeline sends): {'op':>14} {'group':>12} {'calls':>7} "
+                 f"{'GiB':>10}")
+    for c in result["collectives"]:
+        lines.append(f"{'':51}{c['op']:>14} {c['group']:>12} {c['calls']:>7} {c['bytes'] / GiB:>10.3f}")
+    return "\n".join(lines)

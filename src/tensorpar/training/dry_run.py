@@ -1,0 +1,92 @@
+"""`tensorpar train --dry-run --world-size N [--rank R]`: one rank of a world of N, built for real without it.
+
+The run is validated at N ranks (every layout constraint), then PyTorch's fake process group stands in for the
+world (collectives return at once, no peer exists) and this rank builds its part of the real model, optimizer and
+ZeRO state on the meta device (shapes without storage: nothing is allocated, a 405B model's rank takes seconds).
+One micro-batch then runs forward and backward through the rank's stage, and one optimizer step: the collectives
+it would issue are counted by the mesh's `CommStats` as in a real run (under pipeline parallelism, without the
+stage's point-to-point sends: its input is a meta tensor of the activation's shape). Reported: the rank's
+parameter, gradient and optimizer bytes as its optimizer counts them, its layout, and those collectives.
+
+Data-dependent shapes (the rows of a vocabulary shard a batch looks up) are taken as "all of them" on meta. A
+mixture-of-experts model's micro-batch is not run (its routing decides the sizes of its all-to-alls): its rank
+reports the optimizer step's collectives only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from tensorpar.distributed.mesh import init_mesh
+from tensorpar.errors import TensorparError
+from tensorpar.optim.precision import param_dtype
+from tensorpar.training.session import build_model, build_optimizer
+from tensorpar.training.validate import PreparedRun
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """A fake process group of `world_size` ranks in which this process is `rank`."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:  # pragma: no cover - torch builds without the testing package
+        raise TensorparError(f"--dry-run needs PyTorch's fake process group (torch {torch.__version__} has none: "
+                             f"{e})") from None
+    if dist.is_initialized():
+        raise TensorparError("--dry-run runs in a process of its own, not inside a distributed job")
+    import torch.fx.experimental._config as fx_config
+
+    assume, fx_config.meta_nonzero_assume_all_nonzero = fx_config.meta_nonzero_assume_all_nonzero, True
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        fx_config.meta_nonzero_assume_all_nonzero = assume
+
+
+def dry_run(run: PreparedRun, rank: int) -> dict:
+    """Build rank `rank` of `run` (validated for its world) on the meta device and run one micro-batch and one
+    optimizer step; the rank's bytes and collectives."""
+    o = run.options
+    if not 0 <= rank < run.world_size:
+        raise TensorparError(f"--rank {rank} is not a rank of a world of {run.world_size}")
+    moe = run.cfg.is_moe
+    with fake_world(rank, run.world_size):
+        mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, cp=o.cp, ep=o.ep if moe else None,
+                         expert_tp=o.expert_tp if moe else 1, dp_replicate=o.dp_replicate, device="cpu")
+        model, _ = build_model(run, mesh, meta=True)
+        optimizer = build_optimizer(model, mesh, o)
+        mesh.stats.reset()
+        _one_step(model, optimizer, mesh, o, run.cfg.hidden_size)
+        memory = optimizer.memory()
+        layout = dict(rank=rank, world_size=run.world_size, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank,
+                      dp_rank=mesh.dp_rank, cp_rank=mesh.cp_rank)
+        collectives = [dict(op=op, group=group, calls=c.calls, bytes=c.bytes)
+                       for (op, group), c in sorted(mesh.stats.snapshot().items())]
+    return {"layout": layout, "parameter_count": sum(p.numel() for p in model.parameters()),
+            "parameter_bytes": memory["parameters"], "gradient_bytes": memory["gradients"],
+            "optimizer_bytes": memory["optimizer"], "collectives": collectives, "options": dataclasses.asdict(o)}
+
+
+def _one_step(model, optimizer, mesh, o, hidden: int) -> None:
+    """One micro-batch forward and backward through this rank's stage, then the optimizer step, all on meta."""
+    ids = torch.zeros(o.micro_batch_size, o.seq_len, dtype=torch.long, device="meta")
+    if model.first_stage:
+        x = ids
+    else:  # the previous stage's activations, as the pipeline would deliver them
+        seq = o.seq_len // o.cp // (o.tp if model.sequence_parallel else 1)
+        x = torch.zeros(o.micro_batch_size, seq, hidden, dtype=param_dtype(o.dtype), device="meta",
+                        requires_grad=True)
+    optimizer.begin_step(1)
+    if model.cfg.is_moe:  # the routing decides the all-to-all sizes: no values, no micro-batch; the step's traffic
+        sum(p.sum() * 0 for p in model.parameters() if p.requires_grad).backward()
+    else:
+        out = model(x, ids if model.last_stage else None, dropout_seed=0)
+        out.backward() if model.last_stage else out.backward(torch.zeros_like(out))
+    optimizer.finish_backward()
+    optimizer.clip_and_step(o.grad_clip)
