@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.distributed.comm import CommStats, Group
+from tensorpar.distributed.nodes import NodeLayout
 from tensorpar.errors import LayoutError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("TENSORPAR_TIMEOUT", "300"))
@@ -335,4 +336,9 @@ def _create_groups(ranks_by_name: dict[str, list[list[int]]], rank: int, world: 
     groups.setdefault("embed", Group("embed", [rank], None, stats, rank, timeout))
     world_pg = dist.group.WORLD if world > 1 else None
     groups["world"] = Group("world", list(range(world)), world_pg, stats, rank, timeout)
+    nodes = NodeLayout.from_env()
+    if nodes.multi_node and world > 1:  # a failed collective names the nodes it waited on
+        for group in groups.values():
+            group.where = nodes.describe(rank)
+            group.nodes = f" on nodes {[nodes.node_of(r) for r in group.ranks]}"
     return groups

@@ -1,0 +1,111 @@
+"""Reading a Slurm step's environment (in-process, no Slurm needed): node lists, tasks per node, which processes are
+tasks of an srun step, the torchrun variables they get; and where tensor-parallel groups fall across nodes. The
+processes of a faked 2 x 2 step train in tests/test_multinode.py."""
+
+import pytest
+
+from tensorpar.distributed.mesh import group_ranks
+from tensorpar.distributed.nodes import NodeLayout, tp_across_nodes
+from tensorpar.distributed.slurm import expand_nodelist, in_slurm_step, slurm_world, tasks_per_node
+from tensorpar.errors import TensorparError
+
+ADOPTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+           "MASTER_PORT")
+
+
+def step(**overrides):
+    """Task 3 of a 2 nodes x 2 tasks srun step: what srun puts in its environment (the parts tensorpar reads)."""
+    env = dict(SLURM_JOB_ID="123456", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_LOCALID="1", SLURM_NODEID="1",
+               SLURM_NTASKS="4", SLURM_STEP_NUM_TASKS="4", SLURM_STEP_NUM_NODES="2", SLURM_STEP_TASKS_PER_NODE="2(x2)",
+               SLURM_STEP_NODELIST="gpu[07-08]", SLURM_JOB_NODELIST="gpu[07-08]")
+    env.update(overrides)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+@pytest.mark.parametrize("text,hosts", [
+    ("gpu[01-04,07],cpu3", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "cpu3"]),
+    ("node1", ["node1"]),
+    ("n[008-010]", ["n008", "n009", "n010"]),
+    ("rack[1-2]-gpu[1,3]", ["rack1-gpu1", "rack1-gpu3", "rack2-gpu1", "rack2-gpu3"]),
+    ("a,b[9-10],c", ["a", "b9", "b10", "c"]),
+    ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
+])
+def test_the_node_list_expands_as_scontrol_show_hostnames_does(text, hosts):
+    assert expand_nodelist(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["gpu[01-", "gpu]1[", "gpu[a-b]", "gpu[3-1]", "a,,b", "", "gpu[[1]]"])
+def test_a_node_list_that_cannot_be_read_is_refused_naming_it(text):
+    with pytest.raises(TensorparError, match="cannot read the Slurm node list"):
+        expand_nodelist(text)
+
+
+def test_tasks_per_node_expands_repeats():
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert tasks_per_node("8") == [8]
+    with pytest.raises(TensorparError, match="tasks per node '2x3'"):
+        tasks_per_node("2x3")
+
+
+@pytest.mark.parametrize("env,inside", [
+    (step(), True),
+    (step(SLURM_STEP_ID=None), False),  # an salloc shell, or the batch script: a job, no step
+    (step(SLURM_STEP_ID="4294967294"), False),  # Slurm's batch step
+    (step(SLURM_STEP_ID="interactive"), False),
+    (step(RANK="3"), False),  # torchrun started by srun (one per node) sets its own
+    (step(SLURM_STEP_NUM_TASKS="1", SLURM_NTASKS="1"), False),  # one process: tensorpar may start local ones
+    (step(TENSORPAR_SLURM="0"), False),
+])
+def test_only_the_tasks_of_a_multi_task_srun_step_are_a_launched_world(env, inside):
+    assert in_slurm_step(env) == inside
+    assert (slurm_world(env) is not None) == inside
+
+
+def test_a_task_gets_torchruns_variables():
+    assert slurm_world(step()) == dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
+                                       GROUP_WORLD_SIZE="2", MASTER_ADDR="gpu07", MASTER_PORT=str(15000 + 3456))
+    # Set by the user (or the sbatch script): they win.
+    given = slurm_world(step(MASTER_ADDR="10.0.0.1", MASTER_PORT="6000"))
+    assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("10.0.0.1", "6000")
+    # The step's own node list, not the job's (a step may run on some of the job's nodes).
+    assert slurm_world(step(SLURM_JOB_NODELIST="cpu1,gpu[07-08]"))["MASTER_ADDR"] == "gpu07"
+    # Nodes running different numbers of tasks.
+    uneven = slurm_world(step(SLURM_STEP_TASKS_PER_NODE="3,1", SLURM_PROCID="3", SLURM_LOCALID="0"))
+    assert (uneven["LOCAL_WORLD_SIZE"], uneven["GROUP_WORLD_SIZE"]) == ("1", "2")
+    # Without the step's tasks per node: --ntasks-per-node, else the tasks over the step's nodes.
+    assert slurm_world(step(SLURM_STEP_TASKS_PER_NODE=None, SLURM_NTASKS_PER_NODE="2"))["LOCAL_WORLD_SIZE"] == "2"
+    assert slurm_world(step(SLURM_STEP_TASKS_PER_NODE=None))["LOCAL_WORLD_SIZE"] == "2"
+    with pytest.raises(TensorparError, match="inconsistent Slurm step: task 3 on node 1 of a step of 4 tasks"):
+        slurm_world(step(SLURM_STEP_TASKS_PER_NODE="4"))
+
+
+def test_a_slurm_task_reports_a_bad_layout_as_its_rank_and_node_before_any_rendezvous(cli, monkeypatch):
+    for name in ADOPTED:  # adopted into os.environ by the command line: undone after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for name, value in step().items():
+        monkeypatch.setenv(name, value)
+    code, _, err = cli("train", "--dp", "3")
+    assert code == 2 and err.startswith("tensorpar: error: [rank 3 on node 1 ("), err
+    assert "x dp=3 = 3 processes, but the world has 4" in err
+
+
+@pytest.mark.parametrize("tp,per_node,nodes", [(1, 2, 2), (2, 2, 2), (4, 2, 2), (2, 3, 2), (4, 8, 2), (8, 4, 4),
+                                                (3, 6, 2), (4, 6, 2), (2, 4, 1)])
+def test_the_warning_says_exactly_when_a_tp_group_spans_two_nodes(tp, per_node, nodes):
+    layout = NodeLayout(0, nodes, per_node, "h")
+    groups = group_ranks(tp, 1, per_node * nodes // tp)["tp"]  # the mesh's TP groups
+    spans = any(len({layout.node_of(r) for r in g}) > 1 for g in groups)
+    warning = tp_across_nodes(tp, layout)
+    assert (warning is not None) == spans, (tp, per_node, nodes, warning)
+    if warning:
+        divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
+        assert warning.startswith(f"warning: --tp {tp} with {per_node} processes per node")
+        assert f"--tp {' or '.join(map(str, divisors))}," in warning
+
+
+def test_a_rank_is_named_with_its_node_only_across_nodes():
+    torchrun = dict(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", GROUP_RANK="1", GROUP_WORLD_SIZE="2")
+    assert NodeLayout.from_env(torchrun).describe(3).startswith("rank 3 on node 1 (")
+    assert NodeLayout.from_env(dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")).describe(1) == "rank 1"
+    assert NodeLayout.from_env({}).describe(0) == "rank 0"
