@@ -2,12 +2,16 @@
 tasks of an srun step, the torchrun variables they get; and where tensor-parallel groups fall across nodes. The
 processes of a faked 2 x 2 step train in tests/test_multinode.py."""
 
-import pytest
+import os
+import shlex
 
-from tensorpar.distributed.mesh import group_ranks
+import pytest
+import torch
+
+from tensorpar.distributed.mesh import check_gpus_per_process, group_ranks
 from tensorpar.distributed.nodes import NodeLayout, tp_across_nodes
 from tensorpar.distributed.slurm import expand_nodelist, in_slurm_step, slurm_world, tasks_per_node
-from tensorpar.errors import TensorparError
+from tensorpar.errors import LayoutError, TensorparError
 
 ADOPTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
            "MASTER_PORT")
@@ -109,3 +113,25 @@ def test_a_rank_is_named_with_its_node_only_across_nodes():
     assert NodeLayout.from_env(torchrun).describe(3).startswith("rank 3 on node 1 (")
     assert NodeLayout.from_env(dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")).describe(1) == "rank 1"
     assert NodeLayout.from_env({}).describe(0) == "rank 0"
+
+
+def test_one_gpu_per_task_under_srun_gpus_per_task_is_not_mistaken_for_a_shared_gpu(monkeypatch):
+    """srun --gpus-per-task=1 shows each task only its own GPU: 2 tasks on a node, 1 GPU visible to each, is fine
+    there, and still refused where the tasks would share it."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(LayoutError, match="2 processes on this node but 1 GPU visible"):
+        check_gpus_per_process(torch.device("cuda", 0), None, 4)
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")
+    check_gpus_per_process(torch.device("cuda", 0), None, 4)
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "train_torchrun.sbatch"])
+def test_the_example_sbatch_scripts_give_tensorpar_flags_it_has(script):
+    from tensorpar.cli import build_parser
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "slurm", script)
+    text = open(path).read().replace("\\\n", " ")
+    command = next(ln for ln in text.splitlines() if not ln.startswith("#") and "tensorpar train" in ln)
+    args = build_parser().parse_args(shlex.split(command.split("tensorpar", 1)[1]))
+    assert args.command == "train" and "--signal=TERM@" in text

@@ -228,6 +228,8 @@ def check_gpus_per_process(device: torch.device, backend: str | None, world: int
         return
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     gpus = torch.cuda.device_count()
+    if gpus == 1 and "SLURM_GPUS_PER_TASK" in os.environ:  # srun --gpus-per-task: each task sees its own GPU
+        return
     if local_world > gpus:
         raise LayoutError(
             f"{local_world} processes on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible: NCCL needs "
