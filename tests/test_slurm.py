@@ -13,6 +13,8 @@ from tensorpar.distributed.nodes import NodeLayout, tp_across_nodes
 from tensorpar.distributed.slurm import expand_nodelist, in_slurm_step, slurm_world, tasks_per_node
 from tensorpar.errors import LayoutError, TensorparError
 
+from harness import run_cli
+
 ADOPTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
            "MASTER_PORT")
 
@@ -135,3 +137,25 @@ def test_the_example_sbatch_scripts_give_tensorpar_flags_it_has(script):
     command = next(ln for ln in text.splitlines() if not ln.startswith("#") and "tensorpar train" in ln)
     args = build_parser().parse_args(shlex.split(command.split("tensorpar", 1)[1]))
     assert args.command == "train" and "--signal=TERM@" in text
+
+
+def run_cli_on_nodes(argv, per_node, nodes):
+    """`tensorpar ARGV` on a pool rank that the environment places on node RANK // per_node of `nodes`."""
+    node_env = dict(LOCAL_WORLD_SIZE=str(per_node), GROUP_WORLD_SIZE=str(nodes),
+                    GROUP_RANK=str(int(os.environ["RANK"]) // per_node))
+    saved = {k: os.environ.get(k) for k in node_env}
+    os.environ.update(node_env)
+    try:
+        return run_cli(argv)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_rank_0_alone_warns_when_tp_spans_nodes_and_the_run_goes_on(pools, config_file, tmp_path):
+    argv = ["train", "--model", config_file, "--tp", "2", "--steps", "1", "--seq-len", "16", "--global-batch-size",
+            "2", "--no-progress", "--val-every", "0", "--out-dir", tmp_path]
+    results = pools(2).run(run_cli_on_nodes, argv, 1, 2)  # one process per node: the TP group spans both
+    assert [code for code, _, _ in results] == [0, 0], results
+    warned = [err.count("tensorpar: warning: --tp 2 with 1 processes per node (2 nodes)") for _, _, err in results]
+    assert warned == [1, 0], results
