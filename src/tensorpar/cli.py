@@ -1,8 +1,8 @@
 """The `tensorpar` command line: one entry point, one module per command.
 
 From a plain shell a command that needs several processes starts them itself; under torchrun,
-or as the tasks of a Slurm step (srun), it uses the launcher's. Errors a user can cause, usage errors included, print one line and exit
-with status 2.
+or as the tasks of a Slurm step (srun), it uses the launcher's. Errors a user can cause, usage
+errors included, print one line and exit with status 2.
 """
 
 from __future__ import annotations

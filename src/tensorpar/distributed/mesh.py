@@ -340,7 +340,8 @@ def _create_groups(ranks_by_name: dict[str, list[list[int]]], rank: int, world: 
     groups["world"] = Group("world", list(range(world)), world_pg, stats, rank, timeout)
     nodes = NodeLayout.from_env()
     if nodes.multi_node and world > 1:  # a failed collective names the nodes it waited on
+        numbered = nodes.node_of(rank) == nodes.node_rank  # node by node, as many ranks on each (else unknown)
         for group in groups.values():
             group.where = nodes.describe(rank)
-            group.nodes = f" on nodes {[nodes.node_of(r) for r in group.ranks]}"
+            group.nodes = f" on nodes {[nodes.node_of(r) for r in group.ranks]}" if numbered else ""
     return groups
