@@ -1,8 +1,8 @@
 """The `tensorpar` command line: one entry point, one module per command.
 
-From a plain shell a command that needs several processes starts them itself; under torchrun
-it uses the launcher's. Errors a user can cause, usage errors included, print one line and exit
-with status 2.
+From a plain shell a command that needs several processes starts them itself; under torchrun,
+or as the tasks of a Slurm step (srun), it uses the launcher's. Errors a user can cause, usage
+errors included, print one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import sys
 from tensorpar.commands import calibrate, convert, demo, diagnose, explain, generate, plan, prepare_data, train
 from tensorpar.commands import eval as eval_cmd
 from tensorpar.distributed.launch import follow_launcher, record_error
+from tensorpar.distributed.nodes import NodeLayout
+from tensorpar.distributed.slurm import adopt_slurm_step
 from tensorpar.errors import TensorparError
 
 COMMANDS = (train, eval_cmd, generate, demo, explain, plan, calibrate, convert, prepare_data, diagnose)
@@ -28,7 +30,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def _rank_prefix() -> str:
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return f"[rank {os.environ['RANK']}] "
+        return f"[{NodeLayout.from_env().describe(int(os.environ['RANK']))}] "
     return ""
 
 
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     follow_launcher()  # a rank of tensorpar's launcher dies with it, whatever happens next
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        adopt_slurm_step(os.environ)  # a task of an srun step: a rank of an already launched world
         args = build_parser().parse_args(argv)
         return int(args.run(args, argv) or 0)
     except TensorparError as e:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 
 import torch
 
 from tensorpar.distributed.launch import spawn_local, under_launcher, world_size
 from tensorpar.distributed.mesh import resolve_layout
+from tensorpar.distributed.nodes import NodeLayout, tp_across_nodes
 from tensorpar.errors import LayoutError
 from tensorpar.models.layout_checks import check_moe_layout
 
@@ -19,12 +21,16 @@ def launch(options, argv: list[str], run_rank) -> int:
     (each re-runs this command line, and so validates its options once itself).
 
     The layout is checked first, so a layout that cannot work fails before any process or
-    process group exists (under torchrun: on every rank, before the rendezvous).
+    process group exists (under torchrun: on every rank, before the rendezvous). Across several nodes, rank 0
+    warns when a tensor-parallel group would span two (see `tensorpar.distributed.nodes`).
     """
     world = world_size(options)
     resolve_layout(world, options.tp, options.pp, options.dp, options.cp)
     if under_launcher():
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+        warning = tp_across_nodes(options.tp, NodeLayout.from_env())
+        if warning and os.environ.get("RANK") == "0":
+            sys.stderr.write(f"tensorpar: {warning}\n")
         return run_rank()
     if world == 1:
         return run_rank()

@@ -164,6 +164,8 @@ class Group:
     group ranks. ``pg`` is the torch ProcessGroup (None for a group of one rank).
     """
 
+    where, nodes = "", ""  # across several nodes (set by the mesh): 'rank 2 on node 1 (host)', ' on nodes [0, 1]'
+
     def __init__(
         self,
         name: str,
@@ -255,7 +257,8 @@ class Group:
 
     def failure(self, op: str, what: str) -> CollectiveError:
         """The error for `op` on this group: which rank, which operation, which group and members, and `what`."""
-        return CollectiveError(f"rank {self.global_rank}: {op} on group '{self.name}' (ranks {self.ranks}) {what}")
+        return CollectiveError(f"{self.where or f'rank {self.global_rank}'}: {op} on group '{self.name}' "
+                               f"(ranks {self.ranks}{self.nodes}) {what}")
 
     def _failed(self, entry: dict, op: str, what: str) -> CollectiveError:
         """`failure`, after marking the flight record's `entry` failed and writing the record down."""

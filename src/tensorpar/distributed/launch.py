@@ -19,7 +19,8 @@ The launcher (`Supervisor`) never exits while one of its workers lives:
   process of the job, or someone signalled one rank) is a stop, not a failure: the others, which agree
   on the stop among themselves, get the grace period and no second signal.
 - On Linux each worker asks, first thing, to be killed if the launcher dies (PR_SET_PDEATHSIG,
-  `follow_launcher`), so even a launcher killed with SIGKILL leaves no orphan training on.
+  `follow_launcher`), so even a launcher killed with SIGKILL leaves no orphan training on. A worker of
+  torchrun's agent does the same with the agent.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import time
 SPAWNED_ENV = "TENSORPAR_SPAWNED"
 ERROR_FILE_ENV = "TENSORPAR_ERROR_FILE"
 LAUNCHER_PID_ENV = "TENSORPAR_LAUNCHER_PID"
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # torchrun's agent sets it in every worker it starts
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEFAULT_GRACE_S = 30.0
 FAILURE_GRACE_S = 5.0  # after a worker failed, the others are likely stuck in a collective: stop them soon
@@ -85,9 +87,15 @@ def record_error(message: str) -> None:
 
 
 def follow_launcher() -> None:
-    """In a worker of a tensorpar launcher: be killed when the launcher dies (Linux), or exit now if it already
-    has. Called first thing by the command line (a no-op elsewhere)."""
+    """In a worker of a tensorpar launcher or of torchrun's agent: be killed when the launcher dies (Linux), or
+    exit now if it already has. Called first thing by the command line (a no-op elsewhere).
+
+    torchrun starts each worker in a session of its own and does not do this: an agent killed with SIGKILL (or
+    its node's process group killed) would leave its workers training on, with the other nodes' ranks, as
+    orphans; with it they die, and the other nodes' ranks fail their next collective, naming it."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None and TORCHRUN_ENV in os.environ and "RANK" in os.environ:
+        launcher = str(os.getppid())  # torchrun's agent starts its workers itself
     if launcher is None:
         return
     if sys.platform.startswith("linux"):

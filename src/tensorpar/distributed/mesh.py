@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.distributed.comm import CommStats, Group
+from tensorpar.distributed.nodes import NodeLayout
 from tensorpar.errors import LayoutError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("TENSORPAR_TIMEOUT", "300"))
@@ -265,6 +266,8 @@ def check_gpus_per_process(device: torch.device, backend: str | None, world: int
         return
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     gpus = torch.cuda.device_count()
+    if gpus == 1 and "SLURM_GPUS_PER_TASK" in os.environ:  # srun --gpus-per-task: each task sees its own GPU
+        return
     if local_world > gpus:
         raise LayoutError(
             f"{local_world} processes on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible: NCCL needs "
@@ -387,4 +390,10 @@ def _create_groups(ranks_by_name: dict[str, list[list[int]]], rank: int, world: 
     groups.setdefault("embed", Group("embed", [rank], None, stats, rank, timeout))
     world_pg = dist.group.WORLD if world > 1 else None
     groups["world"] = Group("world", list(range(world)), world_pg, stats, rank, timeout)
+    nodes = NodeLayout.from_env()
+    if nodes.multi_node and world > 1:  # a failed collective names the nodes it waited on
+        numbered = nodes.node_of(rank) == nodes.node_rank  # node by node, as many ranks on each (else unknown)
+        for group in groups.values():
+            group.where = nodes.describe(rank)
+            group.nodes = f" on nodes {[nodes.node_of(r) for r in group.ranks]}" if numbered else ""
     return groups
