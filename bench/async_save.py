@@ -2,7 +2,7 @@
 """What --async-save costs the steps it overlaps: the step time while a save is being written in the background vs
 the step time with no save in flight, in the same run; and the stall a blocking save of the same model causes.
 
-    .venv/bin/python bench/async_save.py                        # ~50M parameters, 600 MB a save; a few minutes
+    .venv/bin/python bench/async_save.py                        # 69M parameters, 792 MiB a save; ~90 s
     .venv/bin/python bench/async_save.py --hidden 256 --layers 2 --steps 12 --save-every 6   # a quick check
     .venv/bin/python bench/async_save.py --threads 1            # leave a core to the writer thread
 
