@@ -162,8 +162,10 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_run_killed_during_a_save_leaves_the_previous_checkpoint_loadable(config_file, tmp_path):
-    """Two ranks, started as torchrun starts them, SIGKILLed together while the second save is half written."""
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["blocking", "async"])
+def test_a_run_killed_during_a_save_leaves_the_previous_checkpoint_loadable(config_file, tmp_path, mode):
+    """Two ranks, started as torchrun starts them, SIGKILLed together while the second save is half written (with
+    --async-save: by the writer thread, the training thread waiting for it at the end of the run)."""
     from tensorpar.checkpoints.sharded import dense_model_state
     from tensorpar.distributed.launch import free_port
     from tensorpar.models import ModelConfig, Transformer, load_full_state_dict
@@ -172,7 +174,7 @@ def test_a_run_killed_during_a_save_leaves_the_previous_checkpoint_loadable(conf
     script.write_text(SLOW_SECOND_SAVE)
     cmd = [sys.executable, str(script), "train", "--model", config_file, "--tp", "2", "--steps", "4", "--save", save,
            "--save-every", "2", "--seq-len", "16", "--global-batch-size", "4", "--no-progress", "--val-every", "0",
-           "--out-dir", str(tmp_path / "run")]
+           "--out-dir", str(tmp_path / "run"), *mode]
     port = str(free_port())
     ranks = [subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
                                             WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),

@@ -81,6 +81,67 @@ def _write_shard(tmp: str, file_name: str, params: dict, moments: dict, step: in
 
 
 # -- saving ---------------------------------------------------------------------------------------
+#
+# A save has three phases: `begin_save` (rank 0 makes the temporary folder), `take_shards` (what each rank writes:
+# its parameter shards, fp32 masters and AdamW moments, gathered over DP / expert-TP where sharded), the writes
+# (`write_shards`: files and hashes, no communication), and `commit_save` (every rank's file list gathered, then
+# rank 0 writes meta.json, renames the folder into place and replaces `latest`). `save_checkpoint` runs them in a row;
+# an asynchronous save (checkpoints/async_save.py) copies the shards to host memory and writes them in a thread.
+
+@dataclasses.dataclass
+class Shard:
+    """One file a rank writes: `params` (name -> local tensor, tagged with its ShardSpec) and their moments."""
+
+    file_name: str
+    params: dict
+    moments: dict
+    position: dict  # {"tp_rank", "pp_rank"} or {"ep_rank", "pp_rank"}
+
+
+def begin_save(root: str, step: int, mesh) -> str:
+    """Rank 0 makes the empty temporary folder of step `step`'s checkpoint (a collective); its path."""
+    tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    if mesh.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # the remains of a save that was killed
+        os.makedirs(tmp)
+    mesh.world_group.barrier()
+    return tmp
+
+
+def take_shards(model, optimizer, mesh) -> tuple[list[Shard], int]:
+    """(the files this rank writes, the AdamW step count). A collective over DP when ZeRO shards the moments (and
+    over expert-TP for the routed experts); call inside `optimizer.gathered()`: ZeRO-3 parameters are whole there."""
+    params = dict(model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
+    moments, opt_step = optimizer.local_state(names)
+    saved = {n: p for n, p in params.items() if not shard_spec(p).pipeline_duplicate}  # the first
+    dense = {n: p for n, p in saved.items() if not shard_spec(p).expert}  # stage saves the tied embedding
+    experts = {n: p for n, p in saved.items() if shard_spec(p).expert}
+    if experts and mesh.expert_tp_size > 1:
+        experts, moments = _gather_expert_width(experts, moments, mesh.expert_tp_group)
+    shards = []
+    if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # one writer per (tp, pp) position
+        shards.append(Shard(shard_file_name(mesh.tp_rank, mesh.pp_rank), dense, moments,
+                            {"tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank}))
+    if experts and mesh.expert_dp_group.rank == 0 and mesh.expert_tp_rank == 0:  # one per (ep, pp) position
+        shards.append(Shard(expert_file_name(mesh.ep_rank, mesh.pp_rank), experts, moments,
+                            {"ep_rank": mesh.ep_rank, "pp_rank": mesh.pp_rank}))
+    return shards, opt_step
+
+
+def write_shards(tmp: str, step: int, shards: list[Shard]) -> list[dict] | str:
+    """Write and hash this rank's files (no communication): their entries for meta.json, or what went wrong (the
+    file and the error) for `commit_save` to report on every rank."""
+    infos = []
+    for s in shards:
+        try:
+            infos.append(_write_shard(tmp, s.file_name, s.params, s.moments, step, s.position))
+        except (OSError, SafetensorError, RuntimeError) as e:
+            return f"writing '{os.path.join(tmp, s.file_name)}' failed: {type(e).__name__}: {e}"
+    return infos
+
 
 def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict, train: dict,
                     options: dict | None = None, run_id: str | None = None, keep_last: int = 3) -> str:
@@ -89,51 +150,68 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
     `train` holds what fixes the data order and the learning rate; `options`, the run's whole resolved
     configuration (so that a resumed run can say what changed); `run_id`, the run (a resumed run keeps its
     checkpoint's) whose checkpoints `keep_last` rotates, never another's."""
-    final = step_folder(root, step)
-    tmp = os.path.join(root, f".tmp-step-{step:06d}")
-    world = mesh.world_group
-    if mesh.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # the remains of a save that was killed
-        os.makedirs(tmp)
-    world.barrier()
-
+    tmp = begin_save(root, step, mesh)
     with optimizer.gathered():  # ZeRO-3 stores 1/dp of each parameter: gather them for the save
-        params = dict(model.named_parameters())
-        names = {id(p): n for n, p in params.items()}
-        moments, opt_step = optimizer.local_state(names)  # collective over DP when ZeRO shards the moments
-        saved = {n: p for n, p in params.items() if not shard_spec(p).pipeline_duplicate}  # the first
-        dense = {n: p for n, p in saved.items() if not shard_spec(p).expert}  # stage saves the tied embedding
-        experts = {n: p for n, p in saved.items() if shard_spec(p).expert}
-        if experts and mesh.expert_tp_size > 1:
-            experts, moments = _gather_expert_width(experts, moments, mesh.expert_tp_group)
-        info = []
-        if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # one writer per (tp, pp) position
-            info.append(_write_shard(tmp, shard_file_name(mesh.tp_rank, mesh.pp_rank), dense, moments, step,
-                                     {"tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank}))
-        if experts and mesh.expert_dp_group.rank == 0 and mesh.expert_tp_rank == 0:  # one per (ep, pp) position
-            info.append(_write_shard(tmp, expert_file_name(mesh.ep_rank, mesh.pp_rank), experts, moments, step,
-                                     {"ep_rank": mesh.ep_rank, "pp_rank": mesh.pp_rank}))
-    infos = [item for items in world.all_gather_object(info) for item in items]
+        shards, opt_step = take_shards(model, optimizer, mesh)
+        info = write_shards(tmp, step, shards)
+    return commit_save(root, step, info, mesh, dict(optimizer_step=opt_step, model=cfg.to_dict(), run_id=run_id,
+                                                    layout=layout, train=train, options=options), keep_last)
+
+
+def commit_save(root: str, step: int, info: list[dict] | str | None, mesh, facts: dict, keep_last: int) -> str:
+    """Put step `step`'s checkpoint in place once every rank has written its files (a collective: every rank calls
+    it, with the entries `write_shards` returned, the message of its failed write, or None while it is still
+    writing because another rank's write failed). `facts`: meta.json's
+    optimizer_step, model, run_id, layout, train and options. Rank 0 checks that every file is there at its size,
+    writes meta.json, renames the folder into place and replaces `latest`. A rank's failure fails every rank."""
+    final = step_folder(root, step)
+    world = mesh.world_group
+    gathered = world.all_gather_object(info)
+    failed = [f"rank {r}: {item}" for r, item in enumerate(gathered) if isinstance(item, str)]
+    if failed or None in gathered:
+        raise TensorparError(f"the save of step {step} failed ({'; '.join(failed)}); the previous checkpoint and "
+                             f"'{os.path.join(root, 'latest')}' are untouched")
+    infos = [item for items in gathered for item in items]
+    error = None
     if mesh.rank == 0:
-        files, tensors = {}, {}
-        for item in infos:
-            files[item["file"]] = {k: item[k] for k in ("bytes", "sha256", "tp_rank", "ep_rank", "pp_rank")
-                                   if k in item}
-            for name, spec in item["tensors"].items():
-                tensors.setdefault(name, {**spec, "pp_rank": item["pp_rank"]})
-        meta = {"format": FORMAT, "version": 1, "step": step, "optimizer_step": opt_step, "model": cfg.to_dict(),
-                "run_id": run_id, "layout": layout, "train": train, "options": options, "tensors": tensors,
-                "files": files,
-                "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
-        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        _move_aside(final)
-        os.replace(tmp, final)
-        _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
-        rotate(root, keep_last, run_id, step)
-    world.barrier()
+        try:
+            _put_in_place(root, step, infos, facts, keep_last)
+        except (OSError, TensorparError) as e:
+            error = f"rank 0: {e}"
+    error = world.all_gather_object(error)[0]  # also the barrier: no rank returns before `latest` has moved
+    if error:
+        raise TensorparError(f"the save of step {step} failed ({error}); '{os.path.join(root, 'latest')}' still "
+                             f"names the previous checkpoint")
     return final
+
+
+def _put_in_place(root: str, step: int, infos: list[dict], facts: dict, keep_last: int) -> None:
+    """Rank 0's part of a commit: meta.json in the temporary folder, the folder renamed into place, `latest`
+    replaced, old checkpoints rotated away."""
+    tmp, final = os.path.join(root, f".tmp-step-{step:06d}"), step_folder(root, step)
+    files, tensors = {}, {}
+    for item in infos:
+        files[item["file"]] = {k: item[k] for k in ("bytes", "sha256", "tp_rank", "ep_rank", "pp_rank") if k in item}
+        for name, spec in item["tensors"].items():
+            tensors.setdefault(name, {**spec, "pp_rank": item["pp_rank"]})
+    _check_written(tmp, files)
+    meta = {"format": FORMAT, "version": 1, "step": step, **facts, "tensors": tensors, "files": files,
+            "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
+    _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+    _move_aside(final)
+    os.replace(tmp, final)
+    _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
+    rotate(root, keep_last, facts["run_id"], step)
+
+
+def _check_written(tmp: str, files: dict) -> None:
+    """Every file the ranks reported is in `tmp` at the size they wrote (their hashes are of those bytes)."""
+    for name, f in files.items():
+        path = os.path.join(tmp, name)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size != f["bytes"]:
+            raise TensorparError(f"checkpoint shard '{path}' is {'missing' if size is None else f'{size} bytes'} "
+                                 f"after its rank wrote {f['bytes']}: the folder changed during the save")
 
 
 def _gather_expert_width(experts: dict, moments: dict, expert_tp_group) -> tuple[dict, dict]:

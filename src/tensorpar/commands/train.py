@@ -52,6 +52,8 @@ def print_summary(s: dict) -> None:
               f"{m['dropped_tokens']:,} routing choices dropped")
     if s.get("memory_mib_per_rank") and s["memory_mib_per_rank"][0]:
         print(memory_line(s["memory_mib_per_rank"]))
+    if s.get("async_save"):
+        print(async_save_line(s["async_save"]))
     if s.get("loss_plot"):
         print(f"loss curve: {s['loss_plot']}")
     if s.get("config"):
@@ -70,6 +72,19 @@ def memory_line(per_rank: list[dict]) -> str:
     rank = max(range(len(per_rank)), key=lambda r: sum(v for k, v in per_rank[r].items() if k != "allocated"))
     parts = ", ".join(f"{k} {v:.1f}" for k, v in per_rank[rank].items())
     return f"peak memory of rank {rank} (MiB): {parts}"
+
+
+def async_save_line(a: dict) -> str:
+    """--async-save: the host memory staged, and how long the saves took in the background and in steps."""
+    saves = a["saves"]
+    if not saves:
+        return f"async save: {a['staged_mib']:.1f} MiB staged (rank {a['staged_rank']}), no save"
+    write = sum(x["write_s"] for x in saves) / len(saves)
+    blocked = sum(x["stage_s"] + x["waited_s"] for x in saves) / len(saves)
+    steps = sum(x["committed_after_step"] - x["step"] for x in saves) / len(saves)
+    return (f"async save: {a['staged_mib']:.1f} MiB staged (rank {a['staged_rank']}); {len(saves)} saves, each "
+            f"written in {write:.2f}s in the background ({steps:.1f} steps on average before its commit), "
+            f"training blocked {blocked:.2f}s per save (copying, waiting)")
 
 
 def report_stop(s: dict) -> None:

@@ -172,6 +172,9 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                               group="checkpoints")
     save_every: int = option(0, "save every this many steps (0: only at the end)", group="checkpoints")
     keep_last: int = option(3, "checkpoints to keep", group="checkpoints")
+    async_save: bool = option(False, "save in the background: each save copies this rank's shards to host memory "
+                                     "(pinned on CUDA) and a thread writes them while training goes on; `latest` "
+                                     "moves once every rank has written its files", group="checkpoints")
     resume: str | None = option(None, "continue from a checkpoint up to --steps, at any layout", group="checkpoints")
     out_dir: str | None = option(None, "for the metrics, plots and resolved config (default runs/MODEL-tpT)",
                                  group="output")

@@ -193,7 +193,7 @@ def _run_steps(s: Session, result: LoopResult, sinks: list, progress, profiler: 
             result.stop_signal = signum
             if o.save and step > s.start_step:  # the last completed step, saved unless it just was
                 result.stop_checkpoint = s.save(step) if step > saved_step else step_folder(o.save, step)
-            break
+            break  # a pending asynchronous save is committed below
         profiler.begin(step)
         record = train_step(s, step)
         profiler.end(step)
@@ -213,6 +213,7 @@ def _run_steps(s: Session, result: LoopResult, sinks: list, progress, profiler: 
         result.records.append(record)
         for sink in sinks:
             sink.write(record)
+        s.poll_saves(step + 1)
         if o.save and _due(step + 1, o.save_every, last):
             s.save(step + 1)
             saved_step = step + 1
@@ -220,3 +221,4 @@ def _run_steps(s: Session, result: LoopResult, sinks: list, progress, profiler: 
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%")
             progress.update(1)
+    s.finish_saves(s.start_step + len(result.records))  # the run never ends with a save uncommitted

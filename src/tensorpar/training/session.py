@@ -10,6 +10,7 @@ import uuid
 
 import torch
 
+from tensorpar.checkpoints.async_save import AsyncCheckpointer
 from tensorpar.checkpoints.sharded import load_checkpoint, save_checkpoint
 from tensorpar.checkpoints.sources import load_model_source
 from tensorpar.config.choices import V_SHAPED_SCHEDULES
@@ -33,7 +34,7 @@ from tensorpar.training.validate import PreparedRun
 
 # Options that say how this invocation runs, not what it computes: a resumed run is expected to differ in them.
 _INVOCATION_OPTIONS = ("resume", "nproc", "device", "timeout", "grace_period", "progress", "stop_after",
-                       "return_state", "tensorboard", "wandb", "wandb_run", "memory_snapshot")
+                       "return_state", "tensorboard", "wandb", "wandb_run", "memory_snapshot", "async_save")
 # Options whose change makes the continued samples (and losses) differ from the original run's.
 _DATA_ORDER_OPTIONS = ("seed", "global_batch_size", "seq_len")
 
@@ -57,6 +58,7 @@ class Session:
     activations: ActivationMeter = dataclasses.field(default_factory=ActivationMeter)
     scaler: DynamicLossScaler | None = None  # fp16's dynamic loss scale
     corpus: list | None = None  # [(weight, TokenStream)] of --data: recorded in every checkpoint
+    async_saves: AsyncCheckpointer | None = None  # --async-save: saves written by a background thread
 
     @property
     def options(self):
@@ -72,17 +74,33 @@ class Session:
         return self.mesh.rank == 0
 
     def save(self, step: int) -> str:
-        """Save step `step`'s checkpoint (a collective: every rank calls it)."""
-        o, mesh = self.options, self.mesh
+        """Save step `step`'s checkpoint (a collective: every rank calls it); its folder. With --async-save the
+        save is only started (a pending one committed first): `poll_saves` and `finish_saves` commit it."""
+        o = self.options
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                                             "steps", "weight_decay", "grad_clip", "data")}
         if self.scaler is not None:
             train["loss_scaler"] = self.scaler.state_dict()
         if self.corpus is not None:
             train["data_sources"] = describe_corpus(o.data, self.corpus, self.dataset, step, o.global_batch_size)
-        return save_checkpoint(o.save, step, self.model, self.optimizer, mesh, cfg=self.run.cfg,
+        if self.async_saves is not None:
+            facts = dict(model=self.run.cfg.to_dict(), run_id=self.run_id, layout=self.layout.as_dict(), train=train,
+                         options=to_dict(o))
+            return self.async_saves.save(o.save, step, self.model, self.optimizer, facts, o.keep_last)
+        return save_checkpoint(o.save, step, self.model, self.optimizer, self.mesh, cfg=self.run.cfg,
                                layout=self.layout.as_dict(),
                                train=train, options=to_dict(o), run_id=self.run_id, keep_last=o.keep_last)
+
+    def poll_saves(self, steps_done: int) -> None:
+        """After a step: commit the pending asynchronous save if every rank has written it (a collective while
+        one is pending)."""
+        if self.async_saves is not None:
+            self.async_saves.poll(steps_done)
+
+    def finish_saves(self, steps_done: int) -> None:
+        """Wait for the pending asynchronous save and commit it (a collective)."""
+        if self.async_saves is not None:
+            self.async_saves.wait(steps_done)
 
 
 def build_model(run: PreparedRun, mesh: Mesh, meta: bool = False) -> tuple[Transformer, object]:
@@ -197,7 +215,8 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
         if saved:
             scaler.load_state_dict(saved)  # the scale survives a resume
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
-                   peak_flops(mesh.device, o.dtype), stop, run_id, scaler=scaler, corpus=corpus)
+                   peak_flops(mesh.device, o.dtype), stop, run_id, scaler=scaler, corpus=corpus,
+                   async_saves=AsyncCheckpointer(mesh) if o.async_save else None)
 
 
 _DERIVED = ("dp", "micro_batch_size", "min_lr", "warmup_steps")  # worked out by validate() when not given

@@ -84,6 +84,10 @@ def summarize(s: Session, result: LoopResult) -> dict:
                 "mean_load_imbalance": sum(r["moe_load_imbalance"] for r in records) / len(records),
                 "dropped_tokens": sum(r["moe_dropped_tokens"] for r in records),
             }
+    if s.async_saves is not None:  # the host memory its copies took on the rank that needs the most, and each save
+        staged = mesh.world_group.all_gather_object(s.async_saves.staged_bytes)
+        summary["async_save"] = {**s.async_saves.summary(), "staged_mib": max(staged) / 2**20,
+                                 "staged_rank": staged.index(max(staged))}
     if result.stop_signal is not None:
         summary.update(stopped_by=signal_name(result.stop_signal), stop_signal=result.stop_signal,
                        stopped_at_step=s.start_step + len(records), stop_checkpoint=result.stop_checkpoint)

@@ -67,6 +67,8 @@ def _first_start(o: TrainOptions) -> bool:
 
 def _check_save_folder(o: TrainOptions) -> None:
     """A run saves into a folder of its own: one that holds no checkpoint, or the one it resumes from."""
+    if o.async_save and not o.save:
+        raise TensorparError("--async-save needs --save DIR")
     if not o.save or not is_checkpoint(o.save):
         return
     if o.resume:
