@@ -24,7 +24,7 @@ from collections import defaultdict
 from tensorpar.data_parallel import DEFAULT_BUCKET_BYTES
 from tensorpar.layers.attention import kv_layout
 from tensorpar.planning.collective_cost import Collective, sum_bytes
-from tensorpar.planning.fp8_traffic import fp8_tp_collectives, fp8_zero3_traffic, is_fp8_gathered
+from tensorpar.planning.fp8_traffic import fp8_tp_collectives, fp8_units, fp8_zero3_traffic, is_fp8_gathered
 from tensorpar.planning.layout import (Layout, gradient_group, shard_group, stage_layer_indices,
                                        stage_layers)
 from tensorpar.planning.params import is_expert, local_parameters
@@ -326,11 +326,9 @@ def _replica_gradient_traffic(cfg, layout: Layout, stage: int | None, m: int, gr
         units = {**layers}
         units[root] = units.get(root, 0) + 1
         if fp8_gather:
-            fp8 = fp8_zero3_traffic(every, layout, grads, m, grad_bytes, zero3_reshard_after_forward)
-            out += fp8
-            for c in fp8:
-                if c.op == "reduce_scatter":
-                    units[c.nbytes // grad_bytes] = units.get(c.nbytes // grad_bytes, 0) + 1
+            out += fp8_zero3_traffic(every, layout, grads, m, grad_bytes, zero3_reshard_after_forward)
+            for padded, _ in fp8_units(every, shards):
+                units[padded] = units.get(padded, 0) + 1
     if layout.dp_replicate > 1:
         for n, k in units.items():
             out.append(Collective("all_reduce", "dp_replicate", n // shards * 4, k, "step", "HSDP: gradient "

@@ -49,24 +49,29 @@ def fp8_tp_collectives(cfg, layout, b: int, s: int, n_layers: int, recipe: str) 
     return [Collective("all_reduce", "tp", 4 * n, calls, phase, "fp8 amaxes") for (n, phase), calls in counts.items()]
 
 
+def fp8_units(params: list[tuple[str, int, int]], shards: int) -> list[tuple[int, int]]:
+    """ZeRO-3's fp8 units of a stage's (name, numel, ndim) parameters, one per block in block order: (elements
+    padded to a multiple of `shards`, how many weights)."""
+    blocks: dict[str, list[int]] = {}
+    for name, n, _ in params:
+        if is_fp8_gathered(name):
+            blocks.setdefault(name.split(".")[1], []).append(n)
+    return [(math.ceil(sum(numels) / shards) * shards, len(numels)) for numels in blocks.values()]
+
+
 def fp8_zero3_traffic(params: list[tuple[str, int, int]], layout, grads: str, m: int, grad_bytes: int,
                       reshard_after_forward: bool) -> list[Collective]:
     """The fp8 units' traffic over the step's `m` micro-batches: per block, its fp8 weights gathered in every
     forward (and again in the backward when resharded, but for the last block), each gather after the all-reduces
     of their amaxes, and their gradients reduce-scattered."""
-    blocks: dict[str, list[int]] = {}
-    for name, n, _ in params:
-        if is_fp8_gathered(name):
-            blocks.setdefault(name.split(".")[1], []).append(n)
+    units = fp8_units(params, layout.shards)
     out = []
-    keys = list(blocks)
-    for key, numels in blocks.items():
-        padded = math.ceil(sum(numels) / layout.shards) * layout.shards
-        gathers = m * (1 + (reshard_after_forward and key != keys[-1]))
+    for i, (padded, weights) in enumerate(units):
+        gathers = m * (1 + (reshard_after_forward and i != len(units) - 1))
         out.append(Collective("all_gather", grads, padded, gathers, "forward", "ZeRO-3 fp8 block gathers"))
-        out.append(Collective("all_reduce", grads, 4 * len(numels), gathers, "forward", "fp8 gather amaxes"))
+        out.append(Collective("all_reduce", grads, 4 * weights, gathers, "forward", "fp8 gather amaxes"))
         if layout.tp > 1:
-            out.append(Collective("all_reduce", "tp", 4 * len(numels), gathers, "forward", "fp8 gather amaxes"))
+            out.append(Collective("all_reduce", "tp", 4 * weights, gathers, "forward", "fp8 gather amaxes"))
         out.append(Collective("reduce_scatter", grads, padded * grad_bytes, m, "backward", "ZeRO-3 fp8 block "
                                                                                          "gradients"))
     return out
