@@ -26,6 +26,7 @@ import time
 import torch
 
 from tensorpar.errors import TensorparError
+from tensorpar.functional.autocast import autocast_dtype
 from tensorpar.functional.dropout import mix_seed
 from tensorpar.inference.kv_cache import KVCache
 
@@ -169,7 +170,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bo
         return new
     param = next(model.parameters())
     device = param.device
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else param.dtype
+    dtype = autocast_dtype(param)
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     pad = [width - n for n in lengths]

@@ -43,7 +43,7 @@ def _as_list(params: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor
 
 
 def _global_norm(params: list[torch.Tensor], mesh, sharded_over_dp: bool = False) -> torch.Tensor:
-    device = params[0].device if params and params[0].is_meta else mesh.device  # meta: a dry run
+    device = params[0].device if params else mesh.device  # the gradients' (meta in a dry run)
     total = torch.zeros((), dtype=torch.float32, device=device)
     experts = torch.zeros((), dtype=torch.float32, device=device)
     tp_size = mesh.tp_size
