@@ -139,10 +139,10 @@ def predicted_a2a(cfg, name: str, a, link) -> float:
     from tensorpar.config.hardware import Link
     from tensorpar.planning.collective_cost import collective_time
     from tensorpar.planning.communication import model_collectives
-    from tensorpar.planning.layout import Layout
+    from tensorpar.planning.candidates import Candidate
 
     tp, dp, ep = LAYOUTS[name]
-    layout = Layout(tp=tp, dp=dp, ep=ep, micro_batch_size=a.micro_batch)
+    layout = Candidate.of(tp=tp, dp=dp, ep=ep, micro_batch_size=a.micro_batch)
     m = a.global_batch // dp // a.micro_batch
     gloo = Link(bandwidth=link[1], latency=link[0])
     colls = [c for c in model_collectives(cfg, layout, a.micro_batch, a.seq_len) if c.group == "ep"]

@@ -43,10 +43,9 @@ def train(options):
     from tensorpar.training import run_training, validate
 
     run = validate(options)
-    o = run.options
-    moe = run.cfg.is_moe
-    return run_training(run, mesh=mesh(o.tp, o.pp, o.dp, o.cp, o.ep if moe else None, o.expert_tp if moe else 1,
-                                       o.device or "cpu", o.dp_replicate))
+    lay, moe = run.layout, run.cfg.is_moe
+    return run_training(run, mesh=mesh(lay.tp, lay.pp, lay.dp, lay.cp, lay.expert_parallel(moe),
+                                       lay.expert_tp if moe else 1, run.options.device or "cpu", lay.dp_replicate))
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:

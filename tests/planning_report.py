@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 from tensorpar.planning import memory, precision_recipes
 from tensorpar.planning import search as search_mod
-from tensorpar.planning.layout import Layout
+from tensorpar.planning.candidates import Candidate
 
 from planning_cases import CONFIGS, WORLD
 from test_planning_communication import (
@@ -70,7 +69,7 @@ def _report() -> None:  # pragma: no cover - run as a script
         prec = precision_recipes.PRECISIONS["tensorpar-fp32"]
         for config in ("tiny", "gpt2-124m-2l"):
             for tp in (1, 2, 4):
-                mb = memory.stage_memory(CONFIGS[config], Layout(tp=tp), 8, 1, prec)
+                mb = memory.stage_memory(CONFIGS[config], Candidate.of(tp=tp), 8, 1, prec)
                 real = check_parameter_memory(tp, config) if tp == 1 else pools(WORLD).run(check_parameter_memory, tp,
                                                                                           config)[0]
                 print(f"| {config} | {tp} | {mb.parameters:,} / {real[0]:,} | {mb.gradients:,} / {real[1]:,} | "
@@ -82,13 +81,13 @@ def _report() -> None:  # pragma: no cover - run as a script
         print("|---|---|---|---|---|---|---|---|---|---|")
         for tp, config, sp, rc, dtype in ACTIVATION_CASES:
             cfg = CONFIGS[config]
-            mb = memory.stage_memory(cfg, Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=rc), 32, 2,
+            mb = memory.stage_memory(cfg, Candidate.of(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=rc), 32, 2,
                                      f"tensorpar-{dtype}")
             pred = mb.activations + mb.weight_copies
             method = "hooks" if rc == "none" else "live"
             args = (tp, config, sp, rc, dtype, method)
             got = check_activations(*args) if tp == 1 else pools(WORLD).run(check_activations, *args)[0]
-            pb = memory.stage_memory(cfg, Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=rc), 32, 2,
+            pb = memory.stage_memory(cfg, Candidate.of(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=rc), 32, 2,
                                      "mixed-bf16").activations
             print(f"| {tp} | {config} | {'on' if sp else 'off'} | {rc} | {dtype} | {pred:,} | "
                   f"{got:,} | {method} | {100 * (pred - got) / got:+.3f}% | {pb:,} |")
@@ -100,7 +99,7 @@ def _report() -> None:  # pragma: no cover - run as a script
     print("|---|---|---|---|---|---|---|---|")
     for name, cfg, gpus, batch, published, layout in PUBLISHED:
         for v in (2, 1):
-            lay = dataclasses.replace(layout, virtual_stages=v)
+            lay = layout.replace(virtual_stages=v)
             plan, pred, _ = published_prediction(cfg, gpus, batch, lay)
             print(f"| {name} | TP{lay.tp} PP{lay.pp} DP{lay.dp} mbs 1 full recompute | "
                   f"{'interleaved v=2' if v == 2 else '1F1B'} | {published / 1e12:.0f} | {pred / 1e12:.1f} | "
@@ -114,11 +113,11 @@ def _report() -> None:  # pragma: no cover - run as a script
         for label, space in (("2021 features", ERA_SPACE), ("all features", FULL_SPACE)):
             plans = search_mod.search(cfg, cl, 2048, batch, "mixed-bf16", flash_attention=False, **space)
             feasible = [p for p in plans if p.feasible]
-            rank, _ = search_mod.find(plans, **dataclasses.asdict(layout))
+            rank, _ = search_mod.find(plans, **layout.as_dict())
             shape, count = mesh_rank(plans, layout)
             best = feasible[0]
             print(f"| {name} | {label} | {len(feasible)} | {rank + 1} (top {100 * (rank + 1) / len(feasible):.1f}%; "
-                  f"{100 * theirs.time.mfu:.1f}%) | {shape + 1} of {count} | {best.layout.label()} "
+                  f"{100 * theirs.time.mfu:.1f}%) | {shape + 1} of {count} | {best.candidate.label()} "
                   f"({100 * best.time.mfu:.1f}%, {best.memory.gib()['total']:.1f}) |")
 
 

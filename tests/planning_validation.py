@@ -224,7 +224,7 @@ def predicted_metric(run: Run, plan) -> float:
 
 def predict(run: Run):
     """(plan of the published layout at the planner's best free knobs, predicted metric, relative error)."""
-    plans = [p for p in _search(run, True) if p.layout.dp == run.layout["dp"]]
+    plans = [p for p in _search(run, True) if p.candidate.dp == run.layout["dp"]]
     feasible = [p for p in plans if p.feasible]
     best = (feasible or plans)[0]
     pred = predicted_metric(run, best)
@@ -237,7 +237,7 @@ def mesh_rank(run: Run) -> tuple[int, int]:
     best: dict = {}
     for p in _search(run, False):
         if p.feasible:
-            key = (p.layout.tp, p.layout.cp, p.layout.pp)
+            key = (p.candidate.tp, p.candidate.cp, p.candidate.pp)
             if key not in best or p.time.tokens_per_s > best[key]:
                 best[key] = p.time.tokens_per_s
     order = sorted(best, key=lambda k: -best[k])
@@ -261,7 +261,7 @@ def table(rank: bool = True) -> list[dict]:
         plan, pred, err = predict(run)
         row = {"run": run.name, "gpus": f"{run.gpus} x {run.gpu}", "published layout": run.layout,
                "published": _fmt(run, run.published), "predicted": _fmt(run, pred), "error": err,
-               "predicted layout": plan.layout.label(), "feasible": plan.feasible, "source": run.source}
+               "predicted layout": plan.candidate.label(), "feasible": plan.feasible, "source": run.source}
         if rank:
             row["rank"] = mesh_rank(run)
         rows.append(row)

@@ -188,6 +188,7 @@ def check_four_ranks(config_file, data):
 def check_two_ranks():
     """CP 2 (ring with full recomputation, learned positions) and PP 2 (1F1B, two micro-batches: the second stage
     gets the documents with the hidden states)."""
+    from tensorpar.layout import ParallelLayout
     from tensorpar.pipeline_parallel.runner import PipelineRunner
 
     errs = {f"cp2 {k}": v for k, v in _check_model(mesh(tp=1, cp=2), "tiny-gpt2", 16, LAYOUT_16,
@@ -199,7 +200,7 @@ def check_two_ranks():
     ref_loss.backward()
     stage = Transformer(cfg, m, seed=5, layers=[m.pp_rank], first_stage=m.pp_rank == 0, last_stage=m.pp_rank == 1)
     stage.train()
-    runner = PipelineRunner(stage, m, "1f1b", 1, 2, (1, 16, cfg.hidden_size))
+    runner = PipelineRunner(stage, m, ParallelLayout(pp=2), 2, (1, 16, cfg.hidden_size))
     documents = [PackedDocuments.from_tokens(w[:, :-1], EOS) for w in windows.split(1)]
     loss = runner.train_step(list(windows.split(1)), lambda i: None, 1.0, documents)
     errs.update({f"pp2 {k}": v for k, v in _errors(stage, reference, torch.tensor(loss), ref_loss).items()})

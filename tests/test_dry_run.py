@@ -82,3 +82,19 @@ def test_a_dry_run_of_a_rank_outside_the_world_or_a_layout_that_cannot_run_is_re
     assert code != 0 and "--rank 64 is not a rank of a world of 64" in err, err
     code, _, err = cli("train", "--model", "llama-8b", "--tp", "8", "--dry-run", "--world-size", "60")
     assert code != 0 and "60" in err, err
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 1)])
+def test_every_schedule_puts_the_planned_bytes_on_its_first_and_last_rank(schedule, v):
+    """Under zbv rank 0 holds both ends (the embedding and the head), under the others the last rank holds the head:
+    the planner attributes each rank's parameters as the dry run builds them."""
+    run = validate(TrainOptions(model="llama-8b", tp=8, pp=4, schedule=schedule, virtual_stages=v, zero=1,
+                                dtype="bf16", seq_len=4096, global_batch_size=64, micro_batch_size=1,
+                                progress=False), 64)
+    built = {}
+    for rank in (0, 63):  # pipeline ranks 0 and 3
+        result = dry_run(run, rank)
+        assert result["parameter_bytes"] == planned_bytes(run, result)["parameter_bytes"], (schedule, rank)
+        built[rank] = result["parameter_bytes"]
+    ends_on_rank_0 = built[0] > built[63]  # llama-8b's untied embedding and head: 2 x 128K x 4096 / 8 each
+    assert ends_on_rank_0 == (schedule == "zbv"), built

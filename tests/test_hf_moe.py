@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tensorpar.checkpoints.hf import load_hf_folder, save_hf_folder  # noqa: E402
 from tensorpar.checkpoints.hf_config import check_representable, config_from_hf, config_to_hf  # noqa: E402
 from tensorpar.cli import main  # noqa: E402
-from tensorpar.commands.common import fold_experts  # noqa: E402
+from tensorpar.commands.common import inference_layout  # noqa: E402
 from tensorpar.commands.generate import generate_text  # noqa: E402
 from tensorpar.config.options import EvalOptions, GenerateOptions  # noqa: E402
 from tensorpar.data import load_tokenizer  # noqa: E402
@@ -158,14 +158,14 @@ def test_export_refuses_what_mixtral_and_qwen2_moe_cannot_hold():
 def test_bad_expert_layouts_are_refused_before_any_process(hf_moe):
     cfg, _ = load_hf_folder(hf_moe["mixtral"]["folder"])
     options = EvalOptions(checkpoint="x", seq_len=SEQ)
-    assert fold_experts(dataclasses.replace(options, tp=2, ep=3), cfg).dp == 3  # 6 ranks: tp 2 x dp 3
-    assert fold_experts(dataclasses.replace(options, tp=2, ep=2), cfg).dp == 1
+    assert inference_layout(dataclasses.replace(options, tp=2, ep=3), cfg)[0].dp == 3  # 6 ranks: tp 2 x dp 3
+    assert inference_layout(dataclasses.replace(options, tp=2, ep=2), cfg)[0].dp == 1
     with pytest.raises(LayoutError, match=r"not divisible by the expert-parallel size 4.*\[1, 2, 3, 6\]"):
-        fold_experts(dataclasses.replace(options, ep=4), cfg)
+        inference_layout(dataclasses.replace(options, ep=4), cfg)[0]
     with pytest.raises(LayoutError, match=r"ep=3 does not fold onto the 2 ranks.*valid: \[1, 2\]"):
-        fold_experts(dataclasses.replace(options, tp=2, dp=1, ep=3), cfg)
+        inference_layout(dataclasses.replace(options, tp=2, dp=1, ep=3), cfg)[0]
     with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
-        fold_experts(dataclasses.replace(options, ep=2), get_config("tiny"))
+        inference_layout(dataclasses.replace(options, ep=2), get_config("tiny"))[0]
 
 
 def test_commands_refuse_a_bad_ep_in_the_launching_process(hf_moe, capsys):
@@ -207,7 +207,7 @@ def _command_at_ep_2(pools, hf_moe, name, argv):
     tests/test_generation.py."""
     cfg, _ = load_hf_folder(hf_moe[name]["folder"])
     options = (EvalOptions if argv[0] == "eval" else GenerateOptions)(checkpoint=hf_moe[name]["folder"], ep=2)
-    assert world_size(fold_experts(options, cfg)) == 2
+    assert world_size(inference_layout(options, cfg)[0]) == 2
     outputs = pools(2).run(run_cli, [*argv, "--checkpoint", hf_moe[name]["folder"], "--ep", "2"])
     assert all(code == 0 for code, _, _ in outputs), outputs
     return outputs[0][1]

@@ -47,7 +47,7 @@ def check_hsdp_step_comm(zero):
     from tensorpar.data_parallel import data_parallel_optimizer
     from tensorpar.models import Transformer, get_config
     from tensorpar.planning import collective_cost, communication
-    from tensorpar.planning.layout import Layout
+    from tensorpar.planning.candidates import Candidate
 
     from harness import mesh
 
@@ -68,7 +68,7 @@ def check_hsdp_step_comm(zero):
     opt.clip_and_step(1.0)
     m.dp_group.all_reduce(torch.zeros(()))  # the trainer's loss average
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    layout = Layout(dp=4, micro_batch_size=B, zero=zero, dp_replicate=2)
+    layout = Candidate.of(dp=4, micro_batch_size=B, zero=zero, dp_replicate=2)
     colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024)
     return counted, collective_cost.sum_bytes(colls)
 

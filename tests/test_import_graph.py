@@ -17,6 +17,7 @@ MAX_FUNCTION_LINES = 60
 LEVELS = [
     {"errors"},
     {"config"},
+    {"layout"},  # the parallel layout as one value, its rules and the pipeline split
     {"distributed", "data", "functional"},
     {"pipeline_parallel"},  # schedules, the runner and the split backward: no layer of its own
     {"tensor_parallel"},

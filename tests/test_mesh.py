@@ -6,8 +6,10 @@ import pytest
 import torch
 
 import tensorpar
-from tensorpar.distributed.mesh import check_expert_layout, group_ranks, resolve_layout
+from tensorpar.distributed.mesh import group_ranks
 from tensorpar.errors import LayoutError
+from tensorpar.layout import require, resolve_dp
+from tensorpar.layout.rules import fold_problem
 
 from harness import mesh
 
@@ -28,7 +30,7 @@ def test_expert_groups_fold_expert_tp_fastest_then_ep_then_expert_dp():
     plain = group_ranks(tp=2, pp=1, dp=2, ep=4)  # expert-TP 1: what it was before expert-TP
     assert plain["ep"] == [[0, 1, 2, 3]] and plain["edp"] == [[0], [1], [2], [3]]
     with pytest.raises(LayoutError, match=r"expert_tp=4 x ep=2 = 8 does not fold onto the 4 ranks.*\[1, 2\]"):
-        check_expert_layout(2, 1, 2, 2, expert_tp=4)
+        require(fold_problem(2, 1, 2, 2, expert_tp=4))
 
 
 @pytest.mark.parametrize(
@@ -36,7 +38,7 @@ def test_expert_groups_fold_expert_tp_fastest_then_ep_then_expert_dp():
     [(4, 2, 1, None, (2, 1, 2)), (4, 4, 1, None, (4, 1, 1)), (8, 2, 2, None, (2, 2, 2)), (4, 1, 4, 1, (1, 4, 1))],
 )
 def test_resolve_layout(world, tp, pp, dp, expected):
-    assert resolve_layout(world, tp, pp, dp) == expected
+    assert (tp, pp, resolve_dp(world, tp, 1, pp, dp)) == expected
 
 
 @pytest.mark.parametrize(
@@ -49,7 +51,7 @@ def test_resolve_layout(world, tp, pp, dp, expected):
 )
 def test_impossible_layouts_name_the_numbers(world, tp, pp, dp, needle):
     with pytest.raises(LayoutError, match=needle.replace("*", r"\*")):
-        resolve_layout(world, tp, pp, dp)
+        resolve_dp(world, tp, 1, pp, dp)
 
 
 def test_world_of_one_without_a_launcher():

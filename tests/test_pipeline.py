@@ -88,15 +88,17 @@ def check_measured_schedule(schedule, pp, microbatches, virtual_stages, slowdown
     many steps' bubbles: a rank descheduled while it should send (four processes share two cores) only ever adds
     idle time, so the least disturbed step is the best measure of the schedule's own bubble."""
     from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
+    from tensorpar.layout import ParallelLayout
+    from tensorpar.layout.stages import splits_backward
     from tensorpar.pipeline_parallel.runner import PipelineRunner
-    from tensorpar.pipeline_parallel.schedules import splits_backward
     from tensorpar.pipeline_parallel.schedule_view import measured_bubble
 
     m = mesh(tp=1, pp=pp)
     shape = (1, 4, 8)
     queue = WeightGradQueue() if splits_backward(schedule) else None
     stage = SleepingStage(pp, virtual_stages, shape, FORWARD_S * slowdown, BACKWARD_S * slowdown, queue)
-    runner = PipelineRunner(stage, m, schedule, virtual_stages, microbatches, shape, weight_grads=queue)
+    layout = ParallelLayout(pp=pp, schedule=schedule, virtual_stages=virtual_stages)
+    runner = PipelineRunner(stage, m, layout, microbatches, shape, weight_grads=queue)
     batches = [torch.zeros(1, 5, dtype=torch.long) for _ in range(microbatches)]
     stage.forward_s = stage.backward_s = 0.0
     runner.train_step(batches, lambda i: None)  # warm-up (connections), without the sleeps

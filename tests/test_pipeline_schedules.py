@@ -5,6 +5,7 @@ activation memory, deadlock detection. In-process, no ranks.
 import pytest
 
 from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.layout.stages import rank_of, stage_of
 from tensorpar.pipeline_parallel.schedule_simulation import simulate
 from tensorpar.pipeline_parallel.schedules import (
     Action,
@@ -13,8 +14,6 @@ from tensorpar.pipeline_parallel.schedules import (
     interleaved,
     one_f_one_b,
     peak_in_flight,
-    rank_of,
-    stage_of,
     theoretical_bubble,
 )
 

@@ -71,12 +71,12 @@ def test_reduce_scatter_is_fitted_and_priced_as_a_ring_on_gloo_too():
     from tensorpar.config.hardware import GPUSpec, Link
     from tensorpar.planning.cluster import make_cluster
     from tensorpar.planning.collective_cost import Collective, collectives_time
-    from tensorpar.planning.layout import Layout
+    from tensorpar.planning.candidates import Candidate
 
     assert calibration._steps_and_bytes("reduce_scatter", 1000, 2) == (1, 500)
     assert calibration._steps_and_bytes("all_reduce", 1000, 2) == (2, 1000)
     link = Link(1e9, 1e-3)
-    layout = Layout(tp=2, sequence_parallel=True)
+    layout = Candidate.of(tp=2, sequence_parallel=True)
     rs, ar = [Collective("reduce_scatter", "tp", 1 << 20)], [Collective("all_reduce", "tp", 1 << 20)]
     for lib in ("gloo", "nccl"):
         spec = GPUSpec(f"cpu-{lib}", 1 << 30, {"fp32": 1e11, "bf16": 1e11}, 1e10, link, link, "test", lib)

@@ -13,7 +13,7 @@ from tensorpar.config import hardware
 from tensorpar.models.config import get_config
 from tensorpar.planning import collective_cost, communication, memory, precision_recipes
 from tensorpar.planning import params as planned_params
-from tensorpar.planning.layout import Layout
+from tensorpar.planning.candidates import Candidate
 
 from harness import mesh as harness_mesh
 from planning_cases import CONFIGS, GPT2_SHAPE, WORLD  # noqa: F401
@@ -54,7 +54,7 @@ def check_model_comm_and_params(tp, config, sp, recompute, bf16):
         loss = model(ids, targets)
     loss.backward()
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    predicted = communication.comm_bytes_per_step(cfg, Layout(tp=tp, sequence_parallel=sp, recompute=recompute), B, S, 4,
+    predicted = communication.comm_bytes_per_step(cfg, Candidate.of(tp=tp, sequence_parallel=sp, recompute=recompute), B, S, 4,
                                          matmul_dtype_bytes=2 if bf16 else 4)
     params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
@@ -117,7 +117,7 @@ def check_training_step_comm(zero, micro_batches, fp8=""):
     opt.clip_and_step(1.0)
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    layout = Layout(tp=2, dp=2, sequence_parallel=True, micro_batch_size=B, zero=zero)
+    layout = Candidate.of(tp=2, dp=2, sequence_parallel=True, micro_batch_size=B, zero=zero)
     colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024, fp8_recipe=fp8)
     return counted, collective_cost.sum_bytes(colls)
 
@@ -133,17 +133,18 @@ def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
     """A pipelined trainer step (PipelineRunner + the bucketed DP optimizer), as tensorpar.training.trainer runs it."""
     from tensorpar.models import Transformer
     from tensorpar.data_parallel import data_parallel_optimizer
-    from tensorpar.pipeline_parallel.runner import PipelineRunner, rank_layers
+    from tensorpar.layout import ParallelLayout
+    from tensorpar.pipeline_parallel.runner import PipelineRunner
 
     cfg = get_config("tiny-gpt2")  # 4 layers: tied embeddings on the first and last stage, learned positions
     m = harness_mesh(tp=tp, pp=pp, dp=dp)
-    chunks = rank_layers(cfg.num_layers, pp, m.pp_rank, v)
-    model = Transformer(cfg, m, sequence_parallel=sp, seed=1, layers=[i for c in chunks for i in c],
+    run_layout = ParallelLayout(tp=tp, pp=pp, dp=dp, schedule=schedule, virtual_stages=v, sequence_parallel=sp)
+    model = Transformer(cfg, m, sequence_parallel=sp, seed=1, layers=run_layout.split(cfg.num_layers).layers_of(m.pp_rank),
                         first_stage=m.pp_rank == 0, last_stage=m.pp_rank == pp - 1)
     model.train()
     B, S, micro_batches = 2, 16, 4
     opt = data_parallel_optimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
-    runner = PipelineRunner(model, m, schedule, v, micro_batches, (B, S // tp if sp else S, cfg.hidden_size))
+    runner = PipelineRunner(model, m, run_layout, micro_batches, (B, S // tp if sp else S, cfg.hidden_size))
     torch.manual_seed(m.dp_rank)
     batches = [torch.randint(0, cfg.vocab_size, (B, S + 1)) for _ in range(micro_batches)]
     m.stats.reset()
@@ -153,7 +154,7 @@ def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
     opt.clip_and_step(1.0)
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    layout = Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, micro_batch_size=B, zero=zero, virtual_stages=v)
+    layout = Candidate.of(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, micro_batch_size=B, zero=zero, virtual_stages=v)
     colls = communication.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024)
     params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
     expected = planned_params.local_parameters(cfg, tp, pp, m.pp_rank, v)
@@ -165,7 +166,7 @@ PIPELINE_CASES = [(2, 2, 1, "1f1b", 1, 0, True), (1, 2, 2, "interleaved", 2, 1, 
 
 @pytest.mark.parametrize("tp,pp,dp,schedule,v,zero,sp", PIPELINE_CASES)
 def test_predicted_pipeline_step_comm_equals_counted(pools, tp, pp, dp, schedule, v, zero, sp):
-    layout = Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v)
+    layout = Candidate.of(tp=tp, pp=pp, dp=dp, virtual_stages=v)
     for rank, (counted, predicted, params, expected, peak, stage) in enumerate(pools(WORLD).run(
             check_pipeline_step_comm, tp, pp, dp, schedule, v, zero, sp)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
@@ -191,7 +192,7 @@ def check_context_parallel_comm(tp, cp, config, sp, recompute, bf16):
         loss = model(ids, ids.roll(-1, 1))
     loss.backward()
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    layout = Layout(tp=tp, cp=cp, sequence_parallel=sp, recompute=recompute)
+    layout = Candidate.of(tp=tp, cp=cp, sequence_parallel=sp, recompute=recompute)
     predicted = communication.comm_bytes_per_step(cfg, layout, B, S, 4, matmul_dtype_bytes=2 if bf16 else 4)
     return counted, predicted
 
@@ -217,12 +218,12 @@ def test_tp_overlap_pieces_change_calls_not_bytes():
 
     cfg = CONFIGS["tiny"]
     for sp in (False, True):
-        layout = Layout(tp=2, sequence_parallel=sp)
+        layout = Candidate.of(tp=2, sequence_parallel=sp)
         one = model_collectives(cfg, layout, 2, 16)
         two = model_collectives(cfg, layout, 2, 16, tp_pieces=2)
         assert sum_bytes(one) == sum_bytes(two) and any(c.pieces == 2 for c in two)
     cluster = make_cluster("h100", 8, intra_bandwidth=1e9, intra_latency=1e-3, link_efficiency=1.0)
-    layout = Layout(tp=2)
+    layout = Candidate.of(tp=2)
     whole = collectives_time([Collective("all_reduce", "tp", 1 << 20)], cluster, layout)
     halves = collectives_time([Collective("all_reduce", "tp", 1 << 20, pieces=2)], cluster, layout)
     assert halves == pytest.approx(whole + 2 * 1e-3)  # ring all-reduce over 2 ranks: 2 latencies per call

@@ -8,7 +8,7 @@ import json
 from tensorpar.models.config import get_config
 from tensorpar.planning import cluster
 from tensorpar.planning import search as search_mod
-from tensorpar.planning.layout import Layout
+from tensorpar.planning.candidates import Candidate
 from tensorpar.planning.step_time import predict_step_time
 
 OLD_FIELDS = {"tp", "pp", "dp", "zero", "sequence_parallel", "micro_batch_size", "recompute", "virtual_stages",
@@ -28,8 +28,8 @@ def test_70_layers_plan_on_12_uneven_stages():
     plans = search_mod.search(cfg, cl, 4096, 96, "megatron-bf16", tp=(8,), pp=(12,), max_micro_batch=1,
                               sequence_parallel=(True,))
     best = next(p for p in plans if p.feasible)
-    assert best.layout.pp == 12 and best.layout.pipeline_layers == (5,) + (6,) * 10 + (5,)
-    assert sum(best.layout.pipeline_layers) == 70
+    assert best.candidate.pp == 12 and best.candidate.pipeline_layers == (5,) + (6,) * 10 + (5,)
+    assert sum(best.candidate.pipeline_layers) == 70
 
 
 def test_cp2_ep8_and_zero_bubble_plan(capsys):
@@ -50,7 +50,7 @@ def test_cp2_ep8_and_zero_bubble_plan(capsys):
 
 def test_zero_bubble_bubbles_are_below_1f1b():
     cfg, cl = get_config("llama-8b"), cluster.make_cluster("h100", 32)
-    times = {s: predict_step_time(cfg, Layout(tp=1, pp=4, dp=8, micro_batch_size=1, schedule=s), cl, 4096, 64,
+    times = {s: predict_step_time(cfg, Candidate.of(tp=1, pp=4, dp=8, micro_batch_size=1, schedule=s), cl, 4096, 64,
                                   "megatron-bf16") for s in ("1f1b", "zb-h1", "zbv")}
     assert times["zbv"].bubble_s < times["zb-h1"].bubble_s < times["1f1b"].bubble_s
     # without TP traffic ZB-H1's bubble is about a third of 1F1B's (T_F = T_B = T_W)

@@ -14,7 +14,7 @@ from tensorpar.models.config import ModelConfig
 from tensorpar.planning import memory, precision_recipes
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
 from tensorpar.planning import params as planned_params
-from tensorpar.planning.layout import Layout
+from tensorpar.planning.candidates import Candidate
 
 from harness import mesh as harness_mesh
 from planning_cases import CONFIGS, GPT2_SHAPE, WORLD  # noqa: F401
@@ -48,7 +48,7 @@ def test_parameter_gradient_optimizer_bytes_equal_real_tensors(pools, tp, config
     cfg = CONFIGS[config]
     prec = precision_recipes.PRECISIONS["tensorpar-fp32"]
     params = planned_params.local_parameters(cfg, tp)
-    mb = memory.stage_memory(cfg, Layout(tp=tp), 8, 1, prec)
+    mb = memory.stage_memory(cfg, Candidate.of(tp=tp), 8, 1, prec)
     results = [check_parameter_memory(tp, config)] if tp == 1 else pools(WORLD).run(check_parameter_memory, tp, config)
     for rank, (p, g, o) in enumerate(results):
         assert (p, g, o) == (mb.parameters, mb.gradients, mb.optimizer), f"rank {rank}"
@@ -145,7 +145,7 @@ ACTIVATION_CASES += [(1, "tiny", False, "none", "fp32"), (1, "tiny-gpt2", False,
 def test_activation_memory_matches_saved_tensors(pools, tp, config, sp, recompute, dtype, chunk):
     cfg = CONFIGS[config]
     prec = f"tensorpar-{dtype}"
-    mb = memory.stage_memory(cfg, Layout(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=recompute),
+    mb = memory.stage_memory(cfg, Candidate.of(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=recompute),
                              32, 2, prec, loss_chunk_tokens=chunk)
     predicted = mb.activations + mb.weight_copies
     method = "hooks" if recompute == "none" else "live"
@@ -181,14 +181,14 @@ def test_fp8_linear_inputs_saved_in_one_byte_and_fp8_weight_caches():
     f = memory.playbook_layer_activations
     assert f(cfg, 1, False, b, s, "none", flash=False, linear_input_bytes=1) == sbh * 27 + 5 * a * s * s * b
     assert f(cfg, 8, True, b, s, "none", linear_input_bytes=1) == sbh * 27 // 8 + 4 * b * a * s // 8  # + flash LSE
-    fp8 = memory.stage_memory(cfg, Layout(), s, 1, "megatron-fp8")
-    bf16 = memory.stage_memory(cfg, Layout(), s, 1, "megatron-bf16")
+    fp8 = memory.stage_memory(cfg, Candidate.of(), s, 1, "megatron-fp8")
+    bf16 = memory.stage_memory(cfg, Candidate.of(), s, 1, "megatron-bf16")
     summary = planned_params.parameter_summary(cfg, 1, 1, 0, 1, None, 1)
     assert bf16.weight_copies == 0 and fp8.weight_copies == 2 * summary.layer_matmul_weights
     assert fp8.activations < bf16.activations and fp8.parameters == bf16.parameters
     # NeMo 2.0's recipe: the fp8 weight and its transpose are the parameter (2 bytes, no bf16 copy beside them),
     # gradients in bf16
-    params = memory.stage_memory(cfg, Layout(), s, 1, "megatron-fp8-params")
+    params = memory.stage_memory(cfg, Candidate.of(), s, 1, "megatron-fp8-params")
     assert params.weight_copies == 0 and params.parameters == bf16.parameters
     assert params.gradients * 2 == bf16.gradients and params.activations == fp8.activations
     from tensorpar.planning.precision_recipes import get_precision
@@ -220,7 +220,7 @@ def test_zero_memory_measured_by_a_run_matches_the_planner(pools, config_file, d
 
     measured = {zero: pools(dp).run(_zero_run, config_file, dp=dp, zero=zero)[0] for zero in (0, 1, 2, 3)}
     for zero, per_rank in measured.items():
-        mb = memory.stage_memory(TINY8, Layout(dp=dp, zero=zero, micro_batch_size=2), 16, 8, "tensorpar-fp32",
+        mb = memory.stage_memory(TINY8, Candidate.of(dp=dp, zero=zero, micro_batch_size=2), 16, 8, "tensorpar-fp32",
                                  bucket_bytes=int(ZERO_BUCKET_MB * 2**20))
         planned = (mb.parameters + mb.gradients + mb.optimizer) / 2**20
         for rank, mem in enumerate(per_rank):
@@ -239,7 +239,7 @@ def test_zero_memory_measured_by_a_run_matches_the_planner(pools, config_file, d
 def test_activation_memory_without_tp_overlap_matches_saved_tensors(pools, sp):
     """--no-tp-overlap under autocast: one bf16 copy of the shared input per linear (3 for q/k/v, 2 for gate/up)."""
     cfg = CONFIGS["tiny"]
-    layout = Layout(tp=2, sequence_parallel=sp, micro_batch_size=2)
+    layout = Candidate.of(tp=2, sequence_parallel=sp, micro_batch_size=2)
     off = memory.stage_memory(cfg, layout, 32, 2, "tensorpar-bf16-autocast", tp_overlap=False)
     on = memory.stage_memory(cfg, layout, 32, 2, "tensorpar-bf16-autocast")
     assert off.activations > on.activations

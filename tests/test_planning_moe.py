@@ -15,7 +15,7 @@ from tensorpar.models.transformer import Transformer
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.collective_cost import collective_time
 from tensorpar.planning.communication import model_collectives
-from tensorpar.planning.layout import Layout, enumerate_layouts, structural_problem
+from tensorpar.planning.candidates import Candidate, candidate_problem, enumerate_candidates
 from tensorpar.planning.memory import layout_memory
 from tensorpar.planning.params import local_parameters, parameter_summary
 from tensorpar.planning.precision_recipes import get_precision
@@ -75,19 +75,19 @@ def test_published_sizes_and_active_flops():
 
 def test_memory_shrinks_with_ep_and_the_expert_optimizer_shards_over_expert_dp():
     cfg = get_config("mixtral-8x7b")
-    mems = {ep: layout_memory(cfg, Layout(tp=1, dp=8, ep=ep, zero=1), 4096, 64, "tensorpar-bf16") for ep in (1, 2, 4, 8)}
+    mems = {ep: layout_memory(cfg, Candidate.of(tp=1, dp=8, ep=ep, zero=1), 4096, 64, "tensorpar-bf16") for ep in (1, 2, 4, 8)}
     for a, b in ((1, 2), (2, 4), (4, 8)):
         assert mems[b].parameters < mems[a].parameters and mems[b].total < mems[a].total
     # ZeRO-1: each rank holds E/ep experts' states sharded over expert-DP = 8/ep ranks: E/8 experts' either way.
     assert len({round(m.optimizer / 2**20) for m in mems.values()}) == 1
-    unsharded = layout_memory(cfg, Layout(tp=1, dp=8, ep=2, zero=0), 4096, 64, "tensorpar-bf16")
+    unsharded = layout_memory(cfg, Candidate.of(tp=1, dp=8, ep=2, zero=0), 4096, 64, "tensorpar-bf16")
     assert unsharded.optimizer > 3 * mems[2].optimizer
 
 
 def test_all_to_all_time_per_moe_layer():
     cfg = get_config("mixtral-8x7b")
     cluster = make_cluster("h100-80gb", 64)
-    layout = Layout(tp=1, dp=64, ep=8, micro_batch_size=1)
+    layout = Candidate.of(tp=1, dp=64, ep=8, micro_batch_size=1)
     colls = [c for c in model_collectives(cfg, layout, 1, 4096, act_bytes=2, matmul_bytes=2) if c.group == "ep"]
     rows = [c for c in colls if c.what.startswith("MoE")]
     assert {c.phase for c in rows} == {"forward", "backward"} and all(c.calls == 32 for c in rows)
@@ -96,32 +96,32 @@ def test_all_to_all_time_per_moe_layer():
     link = cluster.intra
     assert collective_time("all_to_all", 8e6, 8, link) == pytest.approx(7 * (link.latency + 1e6 / link.bandwidth))
     inside = predict_step_time(cfg, layout, cluster, 4096, 64)
-    across = predict_step_time(cfg, Layout(tp=1, dp=64, ep=8, micro_batch_size=1), make_cluster("h100-80gb", 64,
+    across = predict_step_time(cfg, Candidate.of(tp=1, dp=64, ep=8, micro_batch_size=1), make_cluster("h100-80gb", 64,
                                gpus_per_node=4), 4096, 64)
     assert 0 < inside.ep_comm_s < across.ep_comm_s
-    assert predict_step_time(cfg, Layout(tp=1, dp=64, ep=1), cluster, 4096, 64).ep_comm_s == 0
+    assert predict_step_time(cfg, Candidate.of(tp=1, dp=64, ep=1), cluster, 4096, 64).ep_comm_s == 0
 
 
 def test_search_over_ep_and_structural_rules():
     cfg = get_config("mixtral-8x7b")
     cluster = make_cluster("h100-80gb", 64)
-    eps = {lay.ep for lay in enumerate_layouts(cfg, cluster, 256, tp=(2,), pp=(4,), recompute=("none",), zero=(1,))}
+    eps = {lay.ep for lay in enumerate_candidates(cfg, cluster, 256, tp=(2,), pp=(4,), recompute=("none",), zero=(1,))}
     assert eps == {1, 2, 4, 8}  # divisors of 8 experts that divide tp x dp = 16
     plans = search(cfg, cluster, 4096, 256, recompute=("none", "full"), zero=(0, 1), max_micro_batch=2)
-    assert plans[0].feasible and any(p.feasible and p.layout.ep > 1 for p in plans[:10])
+    assert plans[0].feasible and any(p.feasible and p.candidate.ep > 1 for p in plans[:10])
     dense = get_config("llama-8b")
-    assert {lay.ep for lay in enumerate_layouts(dense, cluster, 256, tp=(8,), recompute=("none",), zero=(0,))} == {1}
-    assert "needs a mixture-of-experts model" in structural_problem(dense, Layout(tp=8, dp=8, ep=2), cluster, 4096, 256)
-    assert "does not divide tp x cp x dp = 4" in structural_problem(cfg, Layout(tp=2, dp=2, pp=16, ep=8), cluster,
+    assert {lay.ep for lay in enumerate_candidates(dense, cluster, 256, tp=(8,), recompute=("none",), zero=(0,))} == {1}
+    assert "needs a mixture-of-experts model" in candidate_problem(dense, Candidate.of(tp=8, dp=8, ep=2), cluster, 4096, 256)
+    assert "does not divide tp x cp x dp = 4" in candidate_problem(cfg, Candidate.of(tp=2, dp=2, pp=16, ep=8), cluster,
                                                                       4096, 256)
-    assert structural_problem(cfg, Layout(tp=1, dp=64, ep=8, zero=3), cluster, 4096, 256) == ""
+    assert candidate_problem(cfg, Candidate.of(tp=1, dp=64, ep=8, zero=3), cluster, 4096, 256) == ""
 
 
 def test_zero3_shards_experts_over_expert_dp_and_the_rest_over_dp():
     cfg = get_config("mixtral-8x7b")
     summary = parameter_summary(cfg, 1, ep=8)
     dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
-    mem = layout_memory(cfg, Layout(tp=1, dp=64, ep=8, zero=3), 4096, 64, "tensorpar-bf16")
+    mem = layout_memory(cfg, Candidate.of(tp=1, dp=64, ep=8, zero=3), 4096, 64, "tensorpar-bf16")
     bytes_per = get_precision("tensorpar-bf16").param_bytes
     assert mem.parameters == -(-bytes_per * dense // 64) + -(-bytes_per * expert // 8)  # expert-DP = 64 / 8
 
@@ -170,5 +170,5 @@ def test_moe_activation_memory_near_the_saved_tensors(dtype):
             p.data = p.data.bfloat16()
     model.train()
     measured = measure_saved_bytes(model, ids, targets, False, "hooks")
-    predicted = layout_memory(cfg, Layout(micro_batch_size=2), 32, 2, f"tensorpar-{dtype}").activations
+    predicted = layout_memory(cfg, Candidate.of(micro_batch_size=2), 32, 2, f"tensorpar-{dtype}").activations
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)

@@ -5,14 +5,13 @@ within 20%, and their layout among the planner's top choices.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
 from tensorpar.models.config import ModelConfig, get_config
 from tensorpar.planning import cluster, compute
 from tensorpar.planning import search as search_mod
-from tensorpar.planning.layout import Layout
+from tensorpar.planning.candidates import Candidate
 
 from planning_cases import CONFIGS, GPT2_SHAPE, WORLD  # noqa: F401
 
@@ -29,8 +28,8 @@ def test_search_ranks_feasible_first_and_explains_the_rest():
     assert "num_heads = 20 is not divisible by the tensor-parallel size 8" in reasons
     assert any(r.startswith("exceeds memory by") for r in reasons)
     # 36 layers on 8 stages: planned as the balanced uneven split (first and last stage one layer fewer)
-    assert any(p.layout.pp == 8 and p.layout.pipeline_layers == (4, 5, 5, 5, 5, 4, 4, 4) or
-               p.layout.pp == 8 and sorted(p.layout.pipeline_layers or ()) == [4, 4, 4, 4, 5, 5, 5, 5] for p in plans)
+    assert any(p.candidate.pp == 8 and p.candidate.pipeline_layers == (4, 5, 5, 5, 5, 4, 4, 4) or
+               p.candidate.pp == 8 and sorted(p.candidate.pipeline_layers or ()) == [4, 4, 4, 4, 5, 5, 5, 5] for p in plans)
     d = feasible[0].to_dict()
     for key in ("tp", "pp", "dp", "zero", "sequence_parallel", "micro_batch_size", "recompute", "feasible", "reason",
                 "memory", "step_time_s", "tokens_per_s", "mfu"):
@@ -45,8 +44,8 @@ def _gpt(hidden, layers, heads):
 
 
 PUBLISHED = [
-    ("gpt3-175b", _gpt(12288, 96, 96), 1024, 1536, 138e12, Layout(8, 16, 8, False, 1, "full", 0, 2)),
-    ("megatron-1t", _gpt(25600, 128, 160), 3072, 3072, 163e12, Layout(8, 64, 6, False, 1, "full", 0, 2)),
+    ("gpt3-175b", _gpt(12288, 96, 96), 1024, 1536, 138e12, Candidate.of(tp=8, pp=16, dp=8, micro_batch_size=1, recompute="full", virtual_stages=2)),
+    ("megatron-1t", _gpt(25600, 128, 160), 3072, 3072, 163e12, Candidate.of(tp=8, pp=64, dp=6, micro_batch_size=1, recompute="full", virtual_stages=2)),
 ]
 
 
@@ -68,7 +67,7 @@ def published_prediction(cfg, gpus, batch, layout):
 @pytest.mark.parametrize("name,cfg,gpus,batch,published,layout", PUBLISHED, ids=[p[0] for p in PUBLISHED])
 def test_published_throughput_within_20_percent(name, cfg, gpus, batch, published, layout):
     for v in (1, 2):  # interleaved (what they used) and plain 1F1B (sensitivity)
-        plan, predicted, _ = published_prediction(cfg, gpus, batch, dataclasses.replace(layout, virtual_stages=v))
+        plan, predicted, _ = published_prediction(cfg, gpus, batch, layout.replace(virtual_stages=v))
         assert plan.feasible, plan.reason
         assert abs(predicted / published - 1) < 0.20, f"{name} v={v}: {predicted / 1e12:.0f} vs {published / 1e12:.0f}"
 
@@ -76,7 +75,7 @@ def test_published_throughput_within_20_percent(name, cfg, gpus, batch, publishe
 def mesh_rank(plans, layout) -> tuple[int, int]:
     """(0-based rank, count) of the layout's (tp, pp) among mesh shapes, each at its best configuration."""
     meshes = sorted(search_mod.best_by_mesh(plans).values(), key=lambda p: -p.time.tokens_per_s)
-    return [(p.layout.tp, p.layout.pp) for p in meshes].index((layout.tp, layout.pp)), len(meshes)
+    return [(p.candidate.tp, p.candidate.pp) for p in meshes].index((layout.tp, layout.pp)), len(meshes)
 
 
 GPT3_BELOW_TOP_5 = pytest.mark.xfail(strict=True, reason=(
@@ -96,7 +95,7 @@ def test_published_exact_layout_is_among_the_top_5_of_its_era(name, cfg, gpus, b
     """Among what Megatron-LM could run in 2021 (no SP, no selective recomputation, no distributed optimizer,
     no uneven stages) their exact configuration is in the planner's top 5."""
     _, era = era_search(cfg, gpus, batch, layout)
-    rank, _ = search_mod.find(era, **dataclasses.asdict(layout))
+    rank, _ = search_mod.find(era, **layout.as_dict())
     assert rank < 5, f"{name}: their layout ranks {rank + 1} among {sum(p.feasible for p in era)} feasible"
 
 

@@ -159,7 +159,7 @@ def test_3d_layouts_train_like_one_process(pools, config_file, layout):
                          ids=["pp2-2.6-1f1b", "pp2-6.2-afab-zero1", "pp2-1.7-1f1b"])
 def test_uneven_pipeline_stages_train_like_one_process(pools, config_file, layout):
     """--pipeline-layers: the stages hold different numbers of the 8 layers; training is unchanged."""
-    from tensorpar.pipeline_parallel.runner import parse_pipeline_layers
+    from tensorpar.layout import parse_pipeline_layers
     from tensorpar.planning.params import local_parameters
 
     layout = {"tp": 1, "pp": 2, "dp": 2, **layout}
@@ -185,7 +185,7 @@ def four_layers(tmp_path_factory):
                                     dict(pipeline_layers="3,1", schedule="afab", dp=2, zero=1)],
                          ids=["pp2-1.3-1f1b-tp2", "pp2-3.1-afab-dp2-zero1"])
 def test_one_and_three_layers_per_stage_train_like_one_process(pools, four_layers, layout):
-    from tensorpar.pipeline_parallel.runner import parse_pipeline_layers
+    from tensorpar.layout import parse_pipeline_layers
     from tensorpar.planning.params import local_parameters
 
     config, path = four_layers

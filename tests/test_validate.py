@@ -46,15 +46,15 @@ def test_bad_pipeline_layer_splits_are_refused(config_file):
 
 def test_the_proposed_split_is_the_most_balanced_with_light_end_stages():
     from tensorpar.errors import LayoutError
-    from tensorpar.pipeline_parallel.runner import balanced_split, rank_layers, stage_layers
+    from tensorpar.layout import PipelineSplit, balanced_split
 
     assert balanced_split(70, 12) == [5] + [6] * 10 + [5]
     with pytest.raises(LayoutError, match="--pipeline-layers 5,6,6,6,6,6,6,6,6,6,6,5"):
-        stage_layers(70, 12)
-    assert stage_layers(20, 4, pipeline_layers=[4, 6, 6, 4]) == [
+        PipelineSplit(70, 12).stage_layers()
+    assert PipelineSplit(20, 4, counts=(4, 6, 6, 4)).stage_layers() == [
         list(range(0, 4)), list(range(4, 10)), list(range(10, 16)), list(range(16, 20))]
-    assert rank_layers(8, 2, 1, pipeline_layers=[1, 7]) == [list(range(1, 8))]
-    assert stage_layers(8, 2) == [list(range(4)), list(range(4, 8))]
+    assert PipelineSplit(8, 2, counts=(1, 7)).rank_layers(1) == [list(range(1, 8))]
+    assert PipelineSplit(8, 2).stage_layers() == [list(range(4)), list(range(4, 8))]
 
 
 def test_resume_from_a_folder_without_a_checkpoint_starts_from_scratch_and_says_so(config_file, tmp_path):

@@ -10,10 +10,9 @@ import sys
 import torch
 
 from tensorpar.distributed.launch import spawn_local, under_launcher, world_size
-from tensorpar.distributed.mesh import resolve_layout
 from tensorpar.distributed.nodes import NodeLayout, tp_across_nodes
 from tensorpar.errors import LayoutError
-from tensorpar.models.layout_checks import check_moe_layout
+from tensorpar.layout import ParallelLayout, resolve_dp
 
 
 def launch(options, argv: list[str], run_rank) -> int:
@@ -25,7 +24,7 @@ def launch(options, argv: list[str], run_rank) -> int:
     warns when a tensor-parallel group would span two (see `tensorpar.distributed.nodes`).
     """
     world = world_size(options)
-    resolve_layout(world, options.tp, options.pp, options.dp, options.cp)
+    resolve_dp(world, options.tp, options.cp, options.pp, options.dp)
     if under_launcher():
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         warning = tp_across_nodes(options.tp, NodeLayout.from_env())
@@ -37,15 +36,15 @@ def launch(options, argv: list[str], run_rank) -> int:
     return spawn_local(world, argv, grace_s=options.grace_period)
 
 
-def fold_experts(options, cfg):
-    """`options` of an inference command (eval, generate) with --ep checked against the model `cfg` and folded onto
-    the ranks, before any process exists. Without --dp (and --nproc), a run whose tp x cp ranks cannot hold the ep
-    expert-parallel ranks gets ep / gcd(tp x cp, ep) data-parallel groups, so that ep divides tp x cp x dp."""
+def inference_layout(options, cfg, seq_len: int | None = None):
+    """(`options` of an inference command (eval, generate, serve) with --ep folded onto the ranks, their checked
+    `ParallelLayout`), before any process exists. Without --dp (and --nproc), a run whose tp x cp ranks cannot hold
+    the ep expert-parallel ranks gets ep / gcd(tp x cp, ep) data-parallel groups, so that ep divides tp x cp x dp."""
     ep, tp, cp = options.ep, options.tp, options.cp
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise LayoutError(f"--ep must be a positive integer, got {ep!r}")
     if ep > 1 and options.dp is None and options.nproc is None and not under_launcher():
         options = dataclasses.replace(options, dp=ep // math.gcd(tp * cp, ep))
-    _, _, dp = resolve_layout(world_size(options), tp, options.pp, options.dp, cp)
-    check_moe_layout(cfg, tp, cp, dp, ep)
-    return options
+    layout = ParallelLayout.from_options(options, world_size(options))
+    layout.check(cfg, seq_len=seq_len, fp8=getattr(options, "dtype", "fp32") == "fp8")
+    return options, layout

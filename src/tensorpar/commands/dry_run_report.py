@@ -3,28 +3,22 @@ prediction for the same layout, and the collectives of one micro-batch and step.
 
 from __future__ import annotations
 
-from tensorpar.pipeline_parallel.runner import parse_pipeline_layers
-from tensorpar.planning.layout import Layout
+from tensorpar.planning.candidates import Candidate
 from tensorpar.planning.memory import stage_memory
 
 GiB = 2**30
 
 
-def planned_layout(o) -> Layout:
-    """The planner's Layout of a run's (resolved) TrainOptions."""
-    split = parse_pipeline_layers(o.pipeline_layers)
-    schedule = o.schedule if o.pp > 1 else "1f1b"
-    return Layout(tp=o.tp, pp=o.pp, dp=o.dp, sequence_parallel=o.sequence_parallel and o.tp > 1,
-                  micro_batch_size=o.micro_batch_size, recompute=o.recompute, zero=o.zero,
-                  virtual_stages=o.virtual_stages, cp=o.cp, ep=o.ep, schedule=schedule,
-                  pipeline_layers=tuple(split) if split else None, dp_replicate=o.dp_replicate)
+def planned_candidate(run) -> Candidate:
+    """What the planner evaluates for a validated run: its layout, micro-batch size and recomputation."""
+    return Candidate(run.layout, run.options.micro_batch_size, run.options.recompute)
 
 
 def planned_bytes(run, result: dict) -> dict:
     """The planner's parameter, gradient and optimizer bytes for the dry run's rank (its pipeline stage)."""
     o = run.options
     precision = f"tensorpar-{o.dtype}" + ("-rowwise" if o.dtype == "fp8" and o.fp8_recipe == "rowwise" else "")
-    mb = stage_memory(run.cfg, planned_layout(o), o.seq_len, o.global_batch_size, precision,
+    mb = stage_memory(run.cfg, planned_candidate(run), o.seq_len, o.global_batch_size, precision,
                       stage=result["layout"]["pp_rank"], bucket_bytes=int(o.bucket_mb * 2**20),
                       loss_chunk_tokens=o.loss_chunk_tokens or None)
     return {"parameter_bytes": mb.parameters, "gradient_bytes": mb.gradients, "optimizer_bytes": mb.optimizer}

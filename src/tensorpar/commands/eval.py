@@ -12,15 +12,15 @@ import math
 import os
 
 from tensorpar.checkpoints.sources import load_config, load_model_source
-from tensorpar.commands.common import fold_experts, launch
+from tensorpar.commands.common import inference_layout, launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import EvalOptions
 from tensorpar.data import check_vocab, eval_windows, load_tokenizer, open_stream, parse_data_spec, prepare_sources
-from tensorpar.distributed.mesh import init_mesh
+from tensorpar.distributed.mesh import build_mesh, world_from_env
 from tensorpar.errors import TensorparError
+from tensorpar.layout import ParallelLayout
 from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.models.compile import compile_blocks
-from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
 from tensorpar.training.evaluate import evaluate
 
@@ -31,24 +31,24 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def validate(options: EvalOptions) -> EvalOptions:
-    """Check everything that can be checked before a rank starts; the options with --ep folded onto the ranks."""
+def validate(options: EvalOptions):
+    """Check everything that can be checked before a rank starts: (the options with --ep folded onto the ranks,
+    their layout)."""
     check_choices(options)
     check_fp8(options.dtype, options.device)
     if len(parse_data_spec(options.data)) > 1:
         raise TensorparError(f"tensorpar eval takes one data source, not the mixture '{options.data}'")
     prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,
                     cache_dir=options.data_cache, progress=os.environ.get("RANK", "0") == "0")
-    cfg = load_config(options.checkpoint)
-    check_model_layout(cfg, options.tp, options.sequence_parallel, options.seq_len, options.cp)
-    return fold_experts(options, cfg)
+    return inference_layout(options, load_config(options.checkpoint), seq_len=options.seq_len)
 
 
-def evaluate_checkpoint(options: EvalOptions) -> dict:
-    """{"loss", "perplexity", "tokens"} of the checkpoint on the data (every rank of the running world)."""
+def evaluate_checkpoint(options: EvalOptions, layout: ParallelLayout | None = None) -> dict:
+    """{"loss", "perplexity", "tokens"} of the checkpoint on the data (every rank of the running world); `layout`:
+    the one `validate` checked (None: the options' on the running world)."""
     cfg = load_config(options.checkpoint)
-    mesh = init_mesh(tp=options.tp, pp=options.pp, dp=options.dp, cp=options.cp,
-                     ep=options.ep if cfg.is_moe else None, device=options.device, timeout=options.timeout)
+    layout = layout or ParallelLayout.from_options(options, world_from_env()[0])
+    mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
         tokens = open_stream(options.data, load_tokenizer(options.checkpoint), text_field=options.text_field,
@@ -67,10 +67,10 @@ def evaluate_checkpoint(options: EvalOptions) -> dict:
 
 
 def run(args, argv) -> int:
-    options = validate(options_from_args(EvalOptions, args, "eval"))
+    options, layout = validate(options_from_args(EvalOptions, args, "eval"))
 
     def run_rank() -> int:
-        result = evaluate_checkpoint(options)
+        result = evaluate_checkpoint(options, layout)
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result))
         return 0

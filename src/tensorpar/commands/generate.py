@@ -19,17 +19,17 @@ import os
 import sys
 
 from tensorpar.checkpoints.sources import load_config, load_model_source
-from tensorpar.commands.common import fold_experts, launch
+from tensorpar.commands.common import inference_layout, launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import GenerateOptions
 from tensorpar.data import load_tokenizer
 from tensorpar.data.tokenizer import HFTokenizer
 from tensorpar.distributed.launch import world_size
-from tensorpar.distributed.mesh import init_mesh
+from tensorpar.distributed.mesh import build_mesh, world_from_env
 from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.layout import ParallelLayout
 from tensorpar.inference.generation import check_generate_args, generate
 from tensorpar.models import Transformer, load_full_state_dict
-from tensorpar.models.layout_checks import check_model_layout
 from tensorpar.optim.precision import autocast
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
 
@@ -82,8 +82,8 @@ def _eos_ids(options, tokenizer):
 
 
 def validate(options: GenerateOptions):
-    """Everything that can be checked before a rank starts: (options with --ep folded onto the ranks, config,
-    tokenizer, prompts, sampling, eos)."""
+    """Everything that can be checked before a rank starts: (options with --ep folded onto the ranks, their layout,
+    config, tokenizer, prompts, sampling, eos)."""
     check_choices(options)
     check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
@@ -95,9 +95,8 @@ def validate(options: GenerateOptions):
     if options.cp != 1:
         raise LayoutError(f"generate runs without context parallelism (one new token a step has no sequence to "
                           f"split): --cp must be 1, got {options.cp}")
-    check_model_layout(cfg, options.tp)
-    options = fold_experts(options, cfg)
-    if options.ep == 1 and world_size(options) != options.tp:
+    options, layout = inference_layout(options, cfg)
+    if options.ep == 1 and layout.world != options.tp:
         raise LayoutError(f"generate runs on exactly --tp processes (one tensor-parallel group, no data "
                           f"parallelism; a mixture-of-experts model with --ep runs replicas of it): "
                           f"{world_size(options)} processes for --tp {options.tp}")
@@ -109,15 +108,16 @@ def validate(options: GenerateOptions):
     check_generate_args(prompts, options.max_new_tokens, cfg.vocab_size,
                         cfg.max_seq_len if cfg.position == "learned" else None,
                         temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"])
-    return options, cfg, tokenizer, prompts, sampling, _eos_ids(options, tokenizer)
+    return options, layout, cfg, tokenizer, prompts, sampling, _eos_ids(options, tokenizer)
 
 
-def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos) -> tuple[list[list[int]], dict]:
-    """(new token ids per prompt, timing stats) on every rank of the running world."""
+def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos,
+                  layout: ParallelLayout | None = None) -> tuple[list[list[int]], dict]:
+    """(new token ids per prompt, timing stats) on every rank of the running world; `layout`: the one `validate`
+    checked (None: the options' on the running world)."""
     cfg = load_config(options.checkpoint)
-    moe = cfg.is_moe and options.ep > 1
-    mesh = init_mesh(tp=options.tp, pp=1, dp=options.dp if moe else 1, ep=options.ep if cfg.is_moe else None,
-                     device=options.device, timeout=options.timeout)
+    layout = layout or ParallelLayout.from_options(options, world_from_env()[0])
+    mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
         model = Transformer(cfg, mesh, init=False, fp8=Fp8Recipe.of(options.dtype, options.fp8_recipe))
@@ -133,10 +133,11 @@ def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos) -
 
 
 def run(args, argv) -> int:
-    options, _, tokenizer, prompts, sampling, eos = validate(options_from_args(GenerateOptions, args, "generate"))
+    options, layout, _, tokenizer, prompts, sampling, eos = validate(options_from_args(GenerateOptions, args,
+                                                                                       "generate"))
 
     def run_rank() -> int:
-        new, stats = generate_text(options, tokenizer, prompts, sampling, eos)
+        new, stats = generate_text(options, tokenizer, prompts, sampling, eos, layout)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
         for ids in new:

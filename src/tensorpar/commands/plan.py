@@ -33,11 +33,12 @@ from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.hardware import GiB
 from tensorpar.config.options import PlanOptions
 from tensorpar.errors import TensorparError
+from tensorpar.layout import PipelineSplit, parse_pipeline_layers, require
+from tensorpar.layout.stages import chunks_per_rank
 from tensorpar.models import get_config
-from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
 from tensorpar.pipeline_parallel.schedule_simulation import simulate
 from tensorpar.pipeline_parallel.schedule_view import render_png, render_text as render_schedule_text
-from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, peak_in_flight, theoretical_bubble
+from tensorpar.pipeline_parallel.schedules import build_schedule, peak_in_flight, theoretical_bubble
 from tensorpar.planning.calibration import load_profile
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.memory import MemoryBreakdown
@@ -151,7 +152,7 @@ def plan_layouts(options):
         if options.pp is not None and options.pp != len(split):
             raise TensorparError(f"--pipeline-layers {options.pipeline_layers} has {len(split)} entries but --pp is "
                                  f"{options.pp}")
-        stage_layers(cfg.num_layers, len(split), 1, split)  # a bad split is refused here, not per layout
+        require(PipelineSplit(cfg.num_layers, len(split), counts=split).problem())  # refused here, not per layout
         space["pipeline_layers"] = tuple(split)
     plans = search(cfg, cluster, options.seq_len, options.global_batch_size, options.precision,
                    flash_attention=options.flash_attention, **space)
@@ -239,13 +240,13 @@ def _table_lines(shown, moe: bool) -> list[str]:
 
 def _table_row(i: int, p, moe: bool) -> str:
     """Row `i` of the table: plan `p`'s layout, memory in GiB, step time and the exposed communication shares."""
-    lay, mem, t = p.layout, p.memory.gib(), p.time
+    lay, mem, t = p.candidate, p.memory.gib(), p.time
     other = mem["transient"] + mem["overhead"]
     pct = lambda x: f"{100 * x / t.step_time_s:4.1f}%"  # noqa: E731
     return (
         f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} "
         f"{lay.virtual_stages:>2} {(lay.schedule[:5] if lay.pp > 1 else '-'):>5} {lay.micro_batch_size:>4} "
-        f"{'on' if lay.sp else 'off':>3} {lay.recompute:>9} {_zero_label(lay):>4} |"
+        f"{'on' if lay.sequence_parallel else 'off':>3} {lay.recompute:>9} {_zero_label(lay):>4} |"
         f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
         f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
         f" {t.step_time_s:7.2f} {t.tokens_per_s:10,.0f} {100 * t.mfu:5.1f}% |"
@@ -264,11 +265,11 @@ def _infeasible_lines(infeasible, any_feasible: bool) -> list[str]:
         examples.setdefault(_reason_kind(p.reason), p)
     for kind, n in kinds.most_common():
         ex = examples[kind]
-        lines.append(f"  {n:>5} {kind}; e.g. {ex.layout.label()}: {ex.reason}")
+        lines.append(f"  {n:>5} {kind}; e.g. {ex.candidate.label()}: {ex.reason}")
     close = [p for p in infeasible if p.memory is not None][:3]
     if close and not any_feasible:
         lines.append("  closest to fitting: " + "; ".join(
-            f"{p.layout.label()} needs {p.memory.total / GiB:.1f} GiB" for p in close))
+            f"{p.candidate.label()} needs {p.memory.total / GiB:.1f} GiB" for p in close))
     return lines
 
 
@@ -303,9 +304,9 @@ def _write_memory_bars(plt, plans, cluster, path: str, title: str, top: int) -> 
     feasible = [p for p in plans if p.feasible][: max(1, min(top, 20))]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(feasible) + 3), 5))
     if feasible:
-        labels = [f"#{i}\ntp{p.layout.tp} pp{p.layout.pp}\n"
-                  f"dp{p.layout.dp}{f' ep{p.layout.ep}' if p.layout.ep > 1 else ''} z{p.layout.zero}\n"
-                  f"{_RC[p.layout.recompute]}{' sp' if p.layout.sp else ''} mb{p.layout.micro_batch_size}"
+        labels = [f"#{i}\ntp{p.candidate.tp} pp{p.candidate.pp}\n"
+                  f"dp{p.candidate.dp}{f' ep{p.candidate.ep}' if p.candidate.ep > 1 else ''} z{p.candidate.zero}\n"
+                  f"{_RC[p.candidate.recompute]}{' sp' if p.candidate.sequence_parallel else ''} mb{p.candidate.micro_batch_size}"
                   for i, p in enumerate(feasible, 1)]
         bottom = [0.0] * len(feasible)
         for comp in MemoryBreakdown.COMPONENTS:
@@ -329,9 +330,9 @@ def _write_heatmap(plt, plans, path: str, title: str) -> None:
     """Write to `path` the Playbook-style tp x pp heatmap: each cell coloured by its best layout's tokens/s and
     labelled with it, or with why no layout of that mesh works."""
     best = best_by_mesh(plans)
-    tps = sorted({p.layout.tp for p in plans})
-    pps = sorted({p.layout.pp for p in plans})
-    tried = {(p.layout.tp, p.layout.pp): p for p in plans}
+    tps = sorted({p.candidate.tp for p in plans})
+    pps = sorted({p.candidate.pp for p in plans})
+    tried = {(p.candidate.tp, p.candidate.pp): p for p in plans}
     grid = [[best[(t, q)].time.tokens_per_s if (t, q) in best else float("nan") for q in pps] for t in tps]
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(pps) + 2), max(3.5, 0.9 * len(tps) + 1.5)))
     im = ax.imshow(grid, cmap="viridis", aspect="auto", origin="lower")
@@ -358,11 +359,11 @@ def _heatmap_cell(best, tried) -> str:
     """A heatmap cell's text: the best plan's tokens/s, MFU and layout, or why the mesh failed ('-': not tried)."""
     if best is None:
         return "-" if tried is None else ("no fit" if tried.memory is not None else "cannot\nsplit")
-    lay = best.layout
+    lay = best.candidate
     return (f"{best.time.tokens_per_s:,.0f}\nMFU {100 * best.time.mfu:.0f}%\ndp{lay.dp}"
             f"{f' ep{lay.ep}' if lay.ep > 1 else ''} "
             f"mb{lay.micro_batch_size} z{lay.zero}\n{_RC[lay.recompute]}"
-            f"{' sp' if lay.sp else ''}")
+            f"{' sp' if lay.sequence_parallel else ''}")
 
 
 # --------------------------------------------------------------------------- schedule mode

@@ -16,8 +16,8 @@ from tensorpar.commands.common import launch
 from tensorpar.commands.dry_run_report import planned_bytes, report
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import TrainOptions
-from tensorpar.config.run_layout import RunLayout
 from tensorpar.distributed.launch import SPAWNED_ENV, under_launcher, world_size
+from tensorpar.layout import ParallelLayout
 from tensorpar.training import run_training, validate
 from tensorpar.training.dry_run import dry_run
 from tensorpar.training.stop import GracefulStop
@@ -40,7 +40,8 @@ def with_output_defaults(options: TrainOptions) -> TrainOptions:
 def print_summary(s: dict) -> None:
     resumed = f" (resumed at step {s['start_step']})" if s.get("start_step") else ""
     print(f"\ntrained{resumed} {s['model']} ({s['parameters'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
-          f"{s['tokens']:,} tokens: {RunLayout(**s['layout']).describe()}")
+          f"{s['tokens']:,} tokens: {ParallelLayout(**s['layout']).describe()}, recompute={s['recompute']}, "
+          f"{s['dtype']}")
     val = f", validation {s['final_val_loss']:.4f}" if s.get("final_val_loss") is not None else ""
     print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{val}")
     print(f"{s['time_s']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% "

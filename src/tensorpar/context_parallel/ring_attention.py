@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 from tensorpar.config.choices import CP_IMPLS, CP_SPLITS
 from tensorpar.distributed.comm import Group
-from tensorpar.errors import LayoutError
+from tensorpar.layout import require
+from tensorpar.layout.rules import context_split_problem
 from tensorpar.functional.autocast import without_autocast
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
@@ -57,12 +58,8 @@ _TAG_FORWARD, _TAG_BACKWARD, _TAG_GRADIENT, _TAG_RETURN = 0, 1, 2, 3
 
 
 def check_context_split(seq_len: int, cp: int) -> None:
-    if cp > 1 and seq_len % (2 * cp):
-        raise LayoutError(
-            f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp}: context parallelism cuts the "
-            f"sequence into 2 x cp equal chunks (zigzag); use a multiple of {2 * cp} (not padded: padding would "
-            f"train on tokens you did not give)"
-        )
+    """A LayoutError unless a sequence of `seq_len` cuts into the 2 x cp equal chunks context parallelism deals."""
+    require(context_split_problem(seq_len, cp))
 
 
 def split_chunks(rank: int, cp: int, split: str = "zigzag") -> tuple[int, int]:

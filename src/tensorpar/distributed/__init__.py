@@ -4,8 +4,8 @@ simulation (`collective_algorithms`, `collective_simulation`). The collectives e
 autograd conjugates, live in that dimension's package (`tensorpar.tensor_parallel.mappings`, ...)."""
 
 from tensorpar.distributed.comm import CommStats, Group, as_group
-from tensorpar.distributed.mesh import Mesh, group_ranks, init_mesh, resolve_layout, world_from_env
+from tensorpar.distributed.mesh import Mesh, build_mesh, group_ranks, init_mesh, world_from_env
 
 __all__ = [
-    "CommStats", "Group", "as_group", "Mesh", "init_mesh", "group_ranks", "resolve_layout", "world_from_env",
+    "CommStats", "Group", "as_group", "Mesh", "build_mesh", "init_mesh", "group_ranks", "world_from_env",
 ]

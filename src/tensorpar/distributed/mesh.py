@@ -33,6 +33,8 @@ import torch.distributed as dist
 from tensorpar.distributed.comm import CommStats, Group
 from tensorpar.distributed.nodes import NodeLayout
 from tensorpar.errors import LayoutError
+from tensorpar.layout import ParallelLayout, require, resolve_dp
+from tensorpar.layout.rules import fold_problem, hsdp_problem
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("TENSORPAR_TIMEOUT", "300"))
 
@@ -46,55 +48,6 @@ def world_from_env() -> tuple[int, int, int]:
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", str(rank)))
     return world, rank, local
-
-
-def resolve_layout(world_size: int, tp: int, pp: int = 1, dp: int | None = None, cp: int = 1) -> tuple[int, int, int]:
-    """Check that tp x cp x pp x dp fits `world_size` (dp defaults to what is left) and return (tp, pp, dp)."""
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-    named = f"tp={tp}" + (f" x cp={cp}" if cp > 1 else "") + f" x pp={pp}"
-    product = "tp*" + ("cp*" if cp > 1 else "") + "pp"
-    fixed = tp * cp * pp
-    if dp is None:
-        if world_size % fixed:
-            raise LayoutError(f"layout {named} does not fit world size {world_size}: "
-                              f"{world_size} is not divisible by {product}={fixed}")
-        dp = world_size // fixed
-    if fixed * dp != world_size:
-        raise LayoutError(
-            f"layout {named} x dp={dp} = {fixed * dp} processes, but the world has {world_size}; "
-            f"the product must equal the world size"
-        )
-    return tp, pp, dp
-
-
-def check_expert_layout(tp: int, cp: int, dp: int, ep: int, expert_tp: int = 1) -> None:
-    """Refuse expert-parallel and expert-TP sizes that do not fold onto the tp x cp x dp ranks of a pipeline stage."""
-    for name, value in (("ep", ep), ("expert_tp", expert_tp)):
-        if not isinstance(value, int) or value < 1:
-            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
-    stage = tp * cp * dp
-    if stage % ep:
-        valid = [d for d in range(1, stage + 1) if stage % d == 0]
-        raise LayoutError(f"ep={ep} does not fold onto the {stage} ranks of a pipeline stage (tp={tp} x cp={cp} x "
-                          f"dp={dp}): expert parallelism regroups those ranks, so ep must divide {stage}; valid: {valid}")
-    if stage % (ep * expert_tp):
-        valid = [d for d in range(1, stage // ep + 1) if (stage // ep) % d == 0]
-        raise LayoutError(f"expert_tp={expert_tp} x ep={ep} = {ep * expert_tp} does not fold onto the {stage} ranks of "
-                          f"a pipeline stage (tp={tp} x cp={cp} x dp={dp}): expert-TP x EP must divide {stage}; "
-                          f"valid --expert-tp at ep={ep}: {valid}")
-
-
-def check_hsdp_layout(dp: int, dp_replicate: int, ep: int | None = None) -> None:
-    """HSDP's replicas must divide the DP size; routed experts keep their own expert-DP sharding (not combined)."""
-    if dp_replicate < 1 or dp % dp_replicate:
-        valid = [r for r in range(1, dp + 1) if dp % r == 0]
-        raise LayoutError(f"--dp-replicate {dp_replicate} must divide the data-parallel size {dp} (each replica holds "
-                          f"dp / dp-replicate shards); valid: {valid}")
-    if dp_replicate > 1 and ep is not None:
-        raise LayoutError("--dp-replicate (HSDP) is not combined with expert parallelism: the routed experts are "
-                          "sharded over their own expert-DP group; drop --dp-replicate or --ep")
 
 
 def rank_grid(tp: int, pp: int, dp: int, cp: int = 1) -> torch.Tensor:
@@ -169,6 +122,7 @@ class Mesh:
     expert_tp_group: Group | None = None  # None: a group of this rank alone
     dp_shard_group: Group | None = None  # None: the DP x CP group (no HSDP): what ZeRO shards over
     dp_replicate_group: Group | None = None  # None: a group of this rank alone: HSDP's replicas of each shard
+    layout: ParallelLayout | None = None  # what `build_mesh` laid out (its sizes; zero, schedule and SP as given)
 
     def __post_init__(self):
         if self.cp_group is None:
@@ -221,6 +175,11 @@ class Mesh:
                               f"(init_mesh(tp={tp}, pp={pp}, dp={dp}, cp={cp}"
                               + (f", ep={ep}, expert_tp={expert_tp}" if ep is not None else "")
                               + (f", dp_replicate={dp_replicate}" if dp_replicate > 1 else "") + "))")
+
+    def check_run(self, layout: ParallelLayout, moe: bool) -> None:
+        """`check_layout` of a run's layout (`moe`: the model has experts, so the mesh needs expert groups)."""
+        self.check_layout(layout.tp, layout.pp, layout.dp, layout.cp, layout.expert_parallel(moe),
+                          layout.expert_tp if moe else 1, layout.dp_replicate)
 
     def destroy(self) -> None:
         """Tear down the process groups this mesh created: all of them if it started the world, else its
@@ -289,27 +248,40 @@ def init_mesh(
     timeout: float | timedelta | None = None,
     stats: CommStats | None = None,
 ) -> Mesh:
-    """Lay tp x cp x dp x pp over the running world and create one process group per dimension.
+    """Lay tp x cp x dp x pp over the running world and create one process group per dimension: `build_mesh` of
+    the layout these sizes make (`dp` defaults to what the others leave of the world).
+
+    `ep` (mixture-of-experts models only; None for dense ones, which then create no expert groups): the
+    expert-parallel size, folded onto each stage's tp x cp x dp ranks (see the module docstring), with
+    `expert_tp` ranks splitting each expert's MLP. `dp_replicate` (HSDP): the DP ranks form that many replicas;
+    ZeRO shards within a replica (``dp_shard_group``) and all-reduces each shard's gradients across the replicas
+    (``dp_replicate_group``).
+    """
+    world, _, _ = world_from_env()
+    if ep is None and expert_tp != 1:
+        raise LayoutError(f"expert_tp={expert_tp} needs expert groups: pass ep= (a mixture-of-experts model)")
+    layout = ParallelLayout(tp=tp, cp=cp, pp=pp, dp=resolve_dp(world, tp, cp, pp, dp), dp_replicate=dp_replicate,
+                            ep=ep or 1, expert_tp=expert_tp)
+    return build_mesh(layout, moe=ep is not None, device=device, backend=backend, timeout=timeout, stats=stats)
+
+
+def build_mesh(layout: ParallelLayout, *, moe: bool = False, device: str | torch.device | None = None,
+               backend: str | None = None, timeout: float | timedelta | None = None,
+               stats: CommStats | None = None) -> Mesh:
+    """The process groups of `layout` over the running world (`moe`: with the expert groups a mixture-of-experts
+    model needs).
 
     The world comes from an initialised torch.distributed, from a launcher's environment
     (torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), or is a single process.
     The layout is checked before any process group is created, so a layout that cannot work
     fails at once on every rank. The backend is NCCL for CUDA devices and gloo otherwise.
-
-    `ep` (mixture-of-experts models only; None for dense ones, which then create no expert groups): the
-    expert-parallel size, folded onto each stage's tp x cp x dp ranks (see the module docstring), with
-    `expert_tp` ranks splitting each expert's MLP.
-
-    `dp_replicate` (HSDP): the DP ranks form that many replicas; ZeRO shards within a replica
-    (``dp_shard_group``) and all-reduces each shard's gradients across the replicas (``dp_replicate_group``).
     """
     world, rank, local_rank = world_from_env()
-    tp, pp, dp = resolve_layout(world, tp, pp, dp, cp)
-    check_hsdp_layout(dp, dp_replicate, ep)
-    if ep is not None:
-        check_expert_layout(tp, cp, dp, ep, expert_tp)
-    elif expert_tp != 1:
-        raise LayoutError(f"expert_tp={expert_tp} needs expert groups: pass ep= (a mixture-of-experts model)")
+    resolve_dp(world, layout.tp, layout.cp, layout.pp, layout.dp)
+    ep = layout.expert_parallel(moe)
+    require(hsdp_problem(layout.dp, layout.dp_replicate, layout.ep if moe else 1))
+    if moe:
+        require(fold_problem(layout.tp, layout.cp, layout.dp, layout.ep, layout.expert_tp))
     device = _pick_device(local_rank, device)
     if not dist.is_initialized():
         check_gpus_per_process(device, backend, world)
@@ -319,9 +291,12 @@ def init_mesh(
     stats = stats if stats is not None else CommStats()
     stats.flight.rank, stats.flight.world_size = rank, world
     backend, owns = _init_world(world, rank, device, backend, timeout)
-    groups = _create_groups(group_ranks(tp, pp, dp, cp, ep, expert_tp, dp_replicate), rank, world, stats, timeout,
-                            backend)
-    return _mesh_of(groups, rank, world, device, backend, stats, owns)
+    ranks = group_ranks(layout.tp, layout.pp, layout.dp, layout.cp, ep, layout.expert_tp if moe else 1,
+                        layout.dp_replicate)
+    groups = _create_groups(ranks, rank, world, stats, timeout, backend)
+    mesh = _mesh_of(groups, rank, world, device, backend, stats, owns)
+    mesh.layout = layout
+    return mesh
 
 
 def _mesh_of(groups: dict[str, Group], rank: int, world: int, device: torch.device, backend: str | None,

@@ -13,7 +13,6 @@ import math
 import torch
 from torch import nn
 
-from tensorpar.errors import LayoutError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,18 +102,6 @@ def full_tensor(local: torch.Tensor, spec: ShardSpec, owner) -> torch.Tensor:
     if spec.expert and spec.expert_tp_dim is not None:
         local = owner.expert_tp_group.all_gather(local.detach(), dim=spec.expert_tp_dim)
     return unshard_tensor(local, spec, group_for(spec, owner))
-
-
-def divide(numerator: int, denominator: int, what: str, dimension: str = "tensor-parallel",
-           short: str = "TP") -> int:
-    """numerator / denominator, or a LayoutError that names `what`, the `dimension` split over and its valid sizes."""
-    if numerator % denominator:
-        valid = [d for d in range(1, numerator + 1) if numerator % d == 0 and d <= 64]
-        raise LayoutError(
-            f"{what} = {numerator} is not divisible by the {dimension} size {denominator}; "
-            f"{short} sizes that divide it: {valid}"
-        )
-    return numerator // denominator
 
 
 def padded(size: int, tp_size: int) -> int:

@@ -16,25 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tensorpar.distributed.sharding import ShardSpec, divide, tag
-from tensorpar.errors import LayoutError
+from tensorpar.distributed.sharding import ShardSpec, tag
+from tensorpar.layout.rules import expert_width_per_rank, experts_per_rank
 from tensorpar.tensor_parallel.mlp import ACTIVATION_FNS
 from tensorpar.tensor_parallel.region import as_region
-
-
-def experts_per_rank(num_experts: int, ep: int) -> int:
-    """num_experts / ep, or a LayoutError naming the EP sizes that divide num_experts."""
-    if num_experts % ep:
-        valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise LayoutError(f"num_experts = {num_experts} is not divisible by the expert-parallel size {ep}: each EP "
-                          f"rank holds num_experts / ep experts; EP sizes that divide it: {valid}")
-    return num_experts // ep
-
-
-def expert_width_per_rank(expert_ffn_size: int, expert_tp: int) -> int:
-    """expert_ffn_size / expert_tp (each expert-TP rank holds that slice of every expert's width), or a LayoutError
-    naming the expert-TP sizes that divide it."""
-    return divide(expert_ffn_size, expert_tp, "expert_ffn_size", "expert-TP", "expert-TP")
 
 
 class GroupedExperts(nn.Module):

@@ -17,25 +17,15 @@ from torch import nn
 
 from tensorpar.context_parallel.ring_attention import ContextSplit, context_attention
 from tensorpar.distributed.comm import Group, as_group
-from tensorpar.distributed.sharding import ShardSpec, divide, tag
+from tensorpar.distributed.sharding import ShardSpec, tag
 from tensorpar.errors import LayoutError
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
 from tensorpar.functional.rope import apply_rope
+from tensorpar.layout import divide
+from tensorpar.layout.rules import kv_heads_per_rank
 from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.tensor_parallel.region import Projection, as_region
-
-
-def kv_layout(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
-    """(KV heads per rank, ranks sharing each KV head) for this TP size."""
-    if num_kv_heads >= tp_size:
-        return divide(num_kv_heads, tp_size, "num_kv_heads"), 1
-    if tp_size % num_kv_heads:
-        raise LayoutError(
-            f"num_kv_heads = {num_kv_heads} and the tensor-parallel size {tp_size} do not fit: with fewer KV heads "
-            f"than ranks, TP must be a multiple of num_kv_heads"
-        )
-    return 1, tp_size // num_kv_heads
 
 
 def _sum_over_replicas(grad: torch.Tensor, group: Group, replicas: int) -> torch.Tensor:
@@ -60,7 +50,7 @@ class KVParallelLinear(nn.Module):
                  device=None):
         super().__init__()
         self.tp_group = as_group(tp_group)
-        self.local_heads, self.replicas = kv_layout(num_kv_heads, self.tp_group.size)
+        self.local_heads, self.replicas = kv_heads_per_rank(num_kv_heads, self.tp_group.size)
         self.in_features, self.out_features = in_features, num_kv_heads * head_dim
         spec = ShardSpec(dim=0, full_size=self.out_features, padded_size=self.out_features, replicas=self.replicas)
         rows = self.local_heads * head_dim
@@ -91,7 +81,7 @@ class ParallelAttention(nn.Module):
         self.sequence_parallel, self.layer_index = self.region.sequence_parallel, layer_index
         self.head_dim = cfg.head_dim
         self.local_heads = divide(cfg.num_heads, tp, "num_heads")
-        self.local_kv_heads, self.kv_replicas = kv_layout(cfg.kv_heads, tp)
+        self.local_kv_heads, self.kv_replicas = kv_heads_per_rank(cfg.kv_heads, tp)
         self.dropout = cfg.dropout
         h, hd = cfg.hidden_size, cfg.head_dim
         qkv_bias = cfg.attention_qkv_bias

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tensorpar.config.choices import RECOMPUTE_MODES
 from tensorpar.context_parallel.cp_mappings import mean_from_cp
-from tensorpar.context_parallel.ring_attention import ContextSplit, check_context_split
+from tensorpar.context_parallel.ring_attention import ContextSplit
 from tensorpar.distributed.comm import as_group
 from tensorpar.distributed.sharding import ShardSpec, retag, tag
 from tensorpar.errors import LayoutError, TensorparError
@@ -29,6 +29,8 @@ from tensorpar.expert_parallel import MoELayer
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import mix_seed, seeded_dropout
 from tensorpar.functional.rope import inverse_frequencies, rope_cos_sin
+from tensorpar.layout import require
+from tensorpar.layout.rules import context_split_problem, positions_problem, sequence_parallel_problem
 from tensorpar.layers.attention import ParallelAttention
 from tensorpar.layers.norms import Norm
 from tensorpar.models.config import ModelConfig
@@ -214,16 +216,12 @@ class Transformer(nn.Module):
     # -- pieces -------------------------------------------------------------------------------
 
     def check_sequence(self, seq_len: int) -> None:
-        """`seq_len`: the whole sequence (all CP ranks' positions)."""
+        """`seq_len`: the whole sequence (all CP ranks' positions), checked by the layout's rules."""
         tp, cp = self.tp_group.size, self.cp_group.size
-        check_context_split(seq_len, cp)
-        if self.sequence_parallel and (seq_len // cp) % tp:
-            raise LayoutError(
-                f"sequence length {seq_len} is not divisible by the tensor-parallel size {tp}; sequence parallelism "
-                f"splits the sequence evenly across TP ranks: use a multiple of {tp} or drop --sequence-parallel"
-            )
-        if self.cfg.position == "learned" and seq_len > self.cfg.max_seq_len:
-            raise TensorparError(f"sequence length {seq_len} exceeds the model's {self.cfg.max_seq_len} positions")
+        require(positions_problem(self.cfg, seq_len))
+        require(context_split_problem(seq_len, cp))
+        if self.sequence_parallel:
+            require(sequence_parallel_problem(seq_len, tp, cp))
 
     def context(self, seq_len: int) -> ContextSplit | None:
         """How a sequence of `seq_len` positions lies across the CP ranks (None without context parallelism)."""

@@ -1,9 +1,10 @@
-"""Pipeline parallelism: run a schedule's actions (parallel/schedules.py) with real point-to-point transfers.
+"""Pipeline parallelism: run a schedule's actions (pipeline_parallel/schedules.py) with real point-to-point
+transfers.
 
-The model's layers are split into pp x v virtual stages of equal size (or, with v = 1, of the
-sizes of --pipeline-layers); rank r holds stages
-r, r + pp, ... (its chunks 0..v-1) in one `Transformer` whose parameter names keep the global
-layer indices. Stage 0 also embeds, the last stage also computes the head and the loss.
+The model's layers lie on the ranks as the layout's `PipelineSplit` says (tensorpar.layout.stages: pp x v virtual
+stages, even or of --pipeline-layers' sizes; rank r holds stages r, r + pp, ..., its chunks 0..v-1) in one
+`Transformer` whose parameter names keep the global layer indices. Stage 0 also embeds, the last stage also
+computes the head and the loss.
 
 A forward action receives the previous stage's activations (unless it is stage 0), runs the
 chunk and sends its output on (unless it is the last stage, which keeps the loss). A backward
@@ -29,103 +30,35 @@ import time
 import torch
 
 
-from tensorpar.config.choices import V_SHAPED_SCHEDULES
 from tensorpar.distributed.sharding import retag
-from tensorpar.errors import LayoutError, TensorparError
-from tensorpar.pipeline_parallel.schedules import (build_schedule, chunks_per_rank, is_v_shaped, rank_of,
-                                                   splits_backward, stage_of)
+from tensorpar.errors import TensorparError
+from tensorpar.layout import ParallelLayout
+from tensorpar.pipeline_parallel.schedules import build_schedule, is_v_shaped
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
-
-
-def parse_pipeline_layers(text: str | None) -> list[int] | None:
-    """The layer counts of `--pipeline-layers` ("4,6,6,4"), or None when it is not given."""
-    if text is None or str(text).strip() == "":
-        return None
-    try:
-        return [int(part) for part in str(text).split(",")]
-    except ValueError:
-        raise LayoutError(f"--pipeline-layers must be comma-separated layer counts such as 4,6,6,4, "
-                          f"got '{text}'") from None
-
-
-def balanced_split(num_layers: int, stages: int) -> list[int]:
-    """The most balanced layer counts of `stages` stages: the extra layers go to the middle stages, so the
-    first and the last stage (embedding, LM head) hold fewer when the split cannot be even."""
-    base, extra = divmod(num_layers, stages)
-    middle_first = sorted(range(stages), key=lambda s: abs(2 * s - (stages - 1)))
-    bigger = set(middle_first[:extra])
-    return [base + (s in bigger) for s in range(stages)]
-
-
-def _check_pipeline_layers(num_layers: int, pp: int, virtual_stages: int, counts: list[int]) -> None:
-    given = ",".join(map(str, counts))
-    if virtual_stages > 1:
-        raise LayoutError(f"--pipeline-layers {given} needs --virtual-stages 1 (interleaved schedules split the "
-                          f"layers evenly), got --virtual-stages {virtual_stages}")
-    if len(counts) != pp:
-        raise LayoutError(f"--pipeline-layers {given} has {len(counts)} entries; it needs one per pipeline stage "
-                          f"(--pp {pp}), e.g. {','.join(map(str, balanced_split(num_layers, pp)))}")
-    if min(counts) <= 0:
-        raise LayoutError(f"--pipeline-layers {given}: every pipeline stage needs at least one layer")
-    if sum(counts) != num_layers:
-        raise LayoutError(f"--pipeline-layers {given} sums to {sum(counts)} layers but the model has {num_layers}")
-
-
-def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1,
-                 pipeline_layers: list[int] | None = None) -> list[list[int]]:
-    """Layer indices of each virtual stage: pp x v stages of equal size, or the counts of `pipeline_layers`
-    (one per stage, --virtual-stages 1)."""
-    stages = pp * virtual_stages
-    if pipeline_layers is not None:
-        _check_pipeline_layers(num_layers, pp, virtual_stages, pipeline_layers)
-        counts = list(pipeline_layers)
-    elif num_layers % stages:
-        hint = (f"; or give uneven stages with --pipeline-layers {','.join(map(str, balanced_split(num_layers, pp)))}"
-                if virtual_stages == 1 and num_layers >= pp else "")
-        raise LayoutError(
-            f"{num_layers} layers cannot be split evenly into pp={pp} x virtual stages={virtual_stages} = {stages} "
-            f"pipeline stages; use a layout whose pp x virtual stages divides {num_layers}{hint}"
-        )
-    else:
-        counts = [num_layers // stages] * stages
-    starts = [sum(counts[:s]) for s in range(stages)]
-    return [list(range(start, start + n)) for start, n in zip(starts, counts)]
-
-
-def rank_layers(num_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1,
-                pipeline_layers: list[int] | None = None, v_shape: bool = False) -> list[list[int]]:
-    """The layers of each of this rank's chunks (chunk c is virtual stage c * pp + pp_rank; in a V, stages
-    pp_rank and 2 * pp - 1 - pp_rank)."""
-    stages = stage_layers(num_layers, pp, virtual_stages, pipeline_layers)
-    return [stages[stage_of(pp_rank, c, pp, v_shape)] for c in range(virtual_stages)]
-
-
-def holds_ends(pp: int, pp_rank: int, schedule: str) -> tuple[bool, bool]:
-    """(whether this rank holds the first stage, whether it holds the last) under `schedule`."""
-    return pp_rank == 0, pp_rank == (0 if str(schedule).lower() in V_SHAPED_SCHEDULES else pp - 1)
 
 
 class PipelineRunner:
     """Executes one optimizer step's micro-batches through the pipeline with a named schedule."""
 
-    def __init__(self, model, mesh, schedule: str, virtual_stages: int, num_microbatches: int,
+    def __init__(self, model, mesh, layout: ParallelLayout, num_microbatches: int,
                  activation_shape: tuple[int, ...], autocast=contextlib.nullcontext,
-                 activation_dtype: torch.dtype = torch.float32, pipeline_layers: list[int] | None = None,
-                 weight_grads: WeightGradQueue | None = None):
-        """`weight_grads`: under a schedule that splits the backward (zb-h1, zbv), the `WeightGradQueue` the model
-        was built with (its layers leave their weight gradients there until the schedule's W actions)."""
-        self.model, self.mesh = model, mesh
-        self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, chunks_per_rank(schedule, virtual_stages)
-        self.stages = self.pp * self.v
+                 activation_dtype: torch.dtype = torch.float32, weight_grads: WeightGradQueue | None = None):
+        """`layout`: the run's (its pipeline size is the mesh's; its schedule, chunks and split are run here).
+        `weight_grads`: under a schedule that splits the backward (zb-h1, zbv), the `WeightGradQueue` the model was
+        built with (its layers leave their weight gradients there until the schedule's W actions)."""
+        self.model, self.mesh, self.layout = model, mesh, layout
+        self.split = layout.split(model.cfg.num_layers)
+        self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, self.split.chunks
+        self.stages = self.split.stages
         self.last = self.stages - 1
-        plan = build_schedule(schedule, self.pp, num_microbatches, virtual_stages)
+        plan = build_schedule(layout.schedule, self.pp, num_microbatches, layout.virtual_stages)
         self.v_shape = is_v_shaped(plan)
-        self.chunks = rank_layers(model.cfg.num_layers, self.pp, self.rank, self.v, pipeline_layers, self.v_shape)
+        self.chunks = self.split.rank_layers(self.rank)
         self.actions = plan[self.rank]
-        if splits_backward(schedule) and weight_grads is None:
-            raise TensorparError(f"the {schedule} schedule splits the backward: build the model with a "
-                                 f"WeightGradQueue (Transformer(..., weight_grads=queue)) and pass the queue here")
-        self.weight_grads = weight_grads if splits_backward(schedule) else None
+        if layout.splits_backward and weight_grads is None:
+            raise TensorparError(f"the {layout.schedule} schedule splits the backward: build the model with a "
+                                 f"WeightGradQueue and pass the queue here")
+        self.weight_grads = weight_grads if layout.splits_backward else None
         embed = getattr(model, "embed", None)
         tied = embed is not None and getattr(getattr(model, "head", None), "weight", None) is embed.weight
         if self.v_shape and tied and self.v > 1:
@@ -141,10 +74,10 @@ class PipelineRunner:
         self.peak_in_flight = 0
 
     def _stage(self, chunk: int) -> int:
-        return stage_of(self.rank, chunk, self.pp, self.v_shape)
+        return self.split.stage_of(self.rank, chunk)
 
     def _rank_of(self, stage: int) -> int:
-        return rank_of(stage, self.pp, self.v_shape)[0]
+        return self.split.rank_of(stage)[0]
 
     def _send(self, tensor: torch.Tensor, stage: int, tag: int, sends: list) -> None:
         """Send `tensor` to the rank holding `stage` (or keep it, when that is this rank)."""

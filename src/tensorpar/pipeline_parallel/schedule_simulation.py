@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tensorpar.errors import TensorparError
-from tensorpar.pipeline_parallel.schedules import Action, is_v_shaped, rank_of, stage_of, validate_schedule
+from tensorpar.layout.stages import rank_of, stage_of
+from tensorpar.pipeline_parallel.schedules import Action, is_v_shaped, validate_schedule
 
 
 @dataclass

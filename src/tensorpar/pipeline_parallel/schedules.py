@@ -96,8 +96,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tensorpar.config.choices import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES
+from tensorpar.config.choices import PIPELINE_SCHEDULES
 from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.layout import require
+from tensorpar.layout.stages import schedule_problem
 
 
 ACTION_KINDS = ("F", "B", "W")
@@ -127,33 +129,8 @@ class Schedule(list):
 
 
 def is_v_shaped(schedule) -> bool:
-    """Whether ``schedule`` places its two chunks per rank in a V (see :class:`Schedule`)."""
+    """Whether the built ``schedule`` places its two chunks per rank in a V (see :class:`Schedule`)."""
     return bool(getattr(schedule, "v_shape", False))
-
-
-def stage_of(rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
-    """The virtual stage of chunk ``chunk`` on rank ``rank``: ``chunk * pp + rank``, or in a V
-    (``v_shape``, two chunks) ``rank`` for chunk 0 and ``2 * pp - 1 - rank`` for chunk 1."""
-    if v_shape:
-        return rank if chunk == 0 else 2 * pp - 1 - rank
-    return chunk * pp + rank
-
-
-def rank_of(stage: int, pp: int, v_shape: bool = False) -> tuple[int, int]:
-    """(rank, chunk) that holds virtual stage ``stage``: the inverse of :func:`stage_of`."""
-    if v_shape:
-        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
-    return stage % pp, stage // pp
-
-
-def splits_backward(name: str) -> bool:
-    """Whether schedule ``name`` splits each backward into B (input gradient) and W (weight gradients)."""
-    return str(name).lower() in SPLIT_BACKWARD_SCHEDULES
-
-
-def chunks_per_rank(name: str, virtual_stages: int | None = 1) -> int:
-    """Model chunks per rank that schedule ``name`` runs: 2 for "zbv" (a V), else ``virtual_stages``."""
-    return 2 if str(name).lower() in V_SHAPED_SCHEDULES else (virtual_stages or 1)
 
 
 def _check_int(name: str, value, minimum: int = 1) -> None:
@@ -202,12 +179,7 @@ def interleaved(pp: int, microbatches: int, virtual_stages: int) -> list[list[Ac
     _check_int("microbatches", microbatches)
     _check_int("virtual_stages", virtual_stages)
     m, v = microbatches, virtual_stages
-    if m % pp != 0:
-        good = [k * pp for k in range(max(1, m // pp), m // pp + 2)]
-        raise LayoutError(
-            f"the interleaved schedule needs the number of microbatches ({m}) to be a multiple of "
-            f"the pipeline-parallel size {pp}; nearby multiples: {good}"
-        )
+    require(schedule_problem("interleaved", pp, m, v))
     total = m * v
     group = pp * v
 
@@ -275,9 +247,7 @@ def zbv(pp: int, microbatches: int) -> list[list[Action]]:
     _check_int("pp", pp)
     _check_int("microbatches", microbatches)
     m = microbatches
-    if m < 2 * pp - 1:
-        raise LayoutError(f"the zbv schedule needs at least 2 * pp - 1 = {2 * pp - 1} micro-batches per step "
-                          f"(pp {pp}), got {m}: raise the global batch size or lower the micro-batch size")
+    require(schedule_problem("zbv", pp, m))
     out = []
     for r in range(pp):
         acts: list[Action] = []
@@ -313,21 +283,12 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
     if virtual_stages is None:
         virtual_stages = 1
     key = str(name).lower()
-    if key not in PIPELINE_SCHEDULES:
-        raise TensorparError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(PIPELINE_SCHEDULES)}")
     if key == "interleaved":
         return Schedule(interleaved(pp, microbatches, virtual_stages))
     _check_int("virtual_stages", virtual_stages)
+    require(schedule_problem(key, pp, None, virtual_stages))
     if key == "zbv":
-        if virtual_stages not in (1, 2):
-            raise LayoutError(f"schedule 'zbv' runs two model chunks per rank (a V); virtual_stages="
-                              f"{virtual_stages} is not 2")
         return Schedule(zbv(pp, microbatches), v_shape=True)
-    if virtual_stages != 1:
-        raise LayoutError(
-            f"schedule {key!r} has one model chunk per rank; virtual_stages={virtual_stages} "
-            "needs the 'interleaved' schedule"
-        )
     build = {"afab": afab, "1f1b": one_f_one_b, "zb-h1": zb_h1}[key]
     return Schedule(build(pp, microbatches))
 

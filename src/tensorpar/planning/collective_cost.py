@@ -26,7 +26,7 @@ and broadcast move the whole message at each of their ceil(log2 n) steps (the al
 `tensorpar.distributed.collective_algorithms` traces). `collective_time(..., algorithm="best")` takes the
 faster of the two, as NCCL's tuner does.
 
-Which link a group uses: `tensorpar.planning.layout.group_link`.
+Which link a group uses: `tensorpar.planning.candidates.group_link`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections import defaultdict
 
 from tensorpar.config.hardware import Link
 from tensorpar.errors import TensorparError
-from tensorpar.planning.layout import Layout, group_link, group_size
+from tensorpar.planning.candidates import Candidate, group_link
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "send", "all_to_all")
 
@@ -100,14 +100,14 @@ def sum_bytes(collectives: list[Collective]) -> dict[tuple[str, str], int]:
     return dict(out)
 
 
-def collectives_time(collectives: list[Collective], cluster, layout: Layout, algorithm: str = "best") -> float:
+def collectives_time(collectives: list[Collective], cluster, layout: Candidate, algorithm: str = "best") -> float:
     """Seconds the listed collectives take back to back (one after another, nothing overlapped). A reduce-scatter
     is priced by the ring formula on every library: on gloo tensorpar runs it as an all-to-all of the blocks and a
     local sum (`tensorpar.distributed.comm._reduce_scatter_by_all_to_all`), which moves what a ring moves, not
     through ProcessGroupGloo's own (a whole all-reduce of a clone)."""
     total = 0.0
     for c in collectives:
-        n = group_size(layout, c.group)
+        n = layout.group_size(c.group)
         link = group_link(cluster, layout, c.group)
         total += c.calls * c.pieces * collective_time(c.op, c.nbytes / c.pieces, n, link, algorithm)
     return total

@@ -22,16 +22,15 @@ import math
 from collections import defaultdict
 
 from tensorpar.data_parallel import DEFAULT_BUCKET_BYTES
-from tensorpar.layers.attention import kv_layout
+from tensorpar.layout.rules import kv_heads_per_rank
+from tensorpar.planning.candidates import Candidate, stage_layer_indices, stage_layers
 from tensorpar.planning.collective_cost import Collective, sum_bytes
 from tensorpar.planning.fp8_traffic import fp8_tp_collectives, fp8_units, fp8_zero3_traffic, is_fp8_gathered
-from tensorpar.planning.layout import (Layout, gradient_group, shard_group, stage_layer_indices,
-                                       stage_layers)
-from tensorpar.planning.params import is_expert, local_parameters
+from tensorpar.planning.params import is_expert, layout_parameters
 
 def model_collectives(
     cfg,
-    layout: Layout,
+    layout: Candidate,
     micro_batch: int,
     seq_len: int,
     *,
@@ -65,12 +64,12 @@ def model_collectives(
     out: list[Collective] = []
     if layout.tp > 1:
         if first:
-            out += _embedding_collectives(cfg, layout.sp, b, s, act_bytes, grad_bytes)
+            out += _embedding_collectives(cfg, layout.sequence_parallel, b, s, act_bytes, grad_bytes)
         out += _layer_collectives(cfg, layout, n_layers, b * s * cfg.hidden_size, act_bytes, mm, grad_bytes,
                                   tp_pieces)
         out += fp8_tp_collectives(cfg, layout, b, s, n_layers, fp8_recipe)
         if last:
-            out += _head_collectives(cfg, layout.sp, b, s, act_bytes, grad_bytes, label_smoothing)
+            out += _head_collectives(cfg, layout.sequence_parallel, b, s, act_bytes, grad_bytes, label_smoothing)
     if cfg.is_moe:
         n_moe = sum(cfg.is_moe_layer(i) for i in stage_layer_indices(cfg, layout, stage))
         out = moe_collectives(cfg, layout, out, b, s, n_layers, n_moe, act_bytes, mm, grad_bytes)
@@ -108,7 +107,7 @@ def _embedding_collectives(cfg, sp: bool, b: int, s: int, act_bytes: int, grad_b
     return out
 
 
-def _layer_collectives(cfg, layout: Layout, n_layers: int, bsh: int, act_bytes: int, mm: int, grad_bytes: int,
+def _layer_collectives(cfg, layout: Candidate, n_layers: int, bsh: int, act_bytes: int, mm: int, grad_bytes: int,
                        tp_pieces: int) -> list[Collective]:
     """The TP collectives of the stage's `n_layers` transformer layers: the attention and MLP entries and exits
     (SP gathers and reduce-scatters, or row-parallel all-reduces), what recomputation repeats, and the gradients
@@ -121,7 +120,7 @@ def _layer_collectives(cfg, layout: Layout, n_layers: int, bsh: int, act_bytes: 
     full = layout.recompute == "full"
     again_in = 2 if full else 0
     again_out = (2 if cfg.dropout > 0 else 1) if full else 0
-    if layout.sp:
+    if layout.sequence_parallel:
         _add(out, "all_gather", bsh * act_bytes, 2 * L, "forward", "attention / MLP input (SP gather)",
              pieces=tp_pieces)
         _add(out, "reduce_scatter", bsh * mm, 2 * L, "forward", "attention / MLP output (SP reduce-scatter)",
@@ -163,22 +162,26 @@ def _head_collectives(cfg, sp: bool, b: int, s: int, act_bytes: int, grad_bytes:
     return out
 
 
-def _pipeline_messages(cfg, layout: Layout, stage: int, b: int, s: int, act_bytes: int,
+def _pipeline_messages(cfg, layout: Candidate, stage: int, b: int, s: int, act_bytes: int,
                        scatter_gather: bool) -> list[Collective]:
     """Pipeline rank `stage`'s point-to-point messages of one micro-batch (tensorpar.pipeline_parallel.runner.PipelineRunner:
     fp32 hidden states forward, their gradients backward, once per chunk boundary; sequence shards under SP or
     with `scatter_gather`). Both the send and the matching recv are counted, each with the message's bytes."""
     out: list[Collective] = []
-    v, pp = layout.virtual_stages, layout.pp
-    msg = b * (s // layout.tp if (layout.sp or scatter_gather) else s) * cfg.hidden_size * act_bytes
-    _add(out, "send", msg, v - (stage == pp - 1), "forward", "activations to the next stage", "pp")
-    _add(out, "recv", msg, v - (stage == 0), "forward", "activations from the previous stage", "pp")
-    _add(out, "send", msg, v - (stage == 0), "backward", "activation gradients to the previous stage", "pp")
-    _add(out, "recv", msg, v - (stage == pp - 1), "backward", "activation gradients from the next stage", "pp")
+    split = layout.split(cfg.num_layers)
+    msg = b * (s // layout.tp if (layout.sequence_parallel or scatter_gather) else s) * cfg.hidden_size * act_bytes
+    virtual = [split.stage_of(stage, c) for c in range(split.chunks)]
+    # A chunk boundary crosses ranks unless both stages sit on this rank (the two middle stages of zbv's V).
+    nexts = sum(v < split.stages - 1 and split.rank_of(v + 1)[0] != stage for v in virtual)
+    prevs = sum(v > 0 and split.rank_of(v - 1)[0] != stage for v in virtual)
+    _add(out, "send", msg, nexts, "forward", "activations to the next stage", "pp")
+    _add(out, "recv", msg, prevs, "forward", "activations from the previous stage", "pp")
+    _add(out, "send", msg, prevs, "backward", "activation gradients to the previous stage", "pp")
+    _add(out, "recv", msg, nexts, "backward", "activation gradients from the next stage", "pp")
     return out
 
 
-def moe_collectives(cfg, layout: Layout, dense: list[Collective], b: int, s: int, n_layers: int, n_moe: int,
+def moe_collectives(cfg, layout: Candidate, dense: list[Collective], b: int, s: int, n_layers: int, n_moe: int,
                     act_bytes: int, mm: int, grad_bytes: int) -> list[Collective]:
     """`dense`, the collectives of a micro-batch as if every layer were dense, changed for the `n_moe` MoE layers
     among the stage's `n_layers` (tensorpar.expert_parallel), `s` tokens per sequence on this rank.
@@ -193,7 +196,7 @@ def moe_collectives(cfg, layout: Layout, dense: list[Collective], b: int, s: int
     residual dtype) and back (T k h, the matmul dtype); backward, the two row all-to-alls reversed; full
     recomputation repeats the forward ones."""
     out = list(dense)
-    tp, sp, h = layout.tp, layout.sp, cfg.hidden_size
+    tp, sp, h = layout.tp, layout.sequence_parallel, cfg.hidden_size
     bsh = b * s * h
     full = layout.recompute == "full"
     if tp > 1 and n_moe:
@@ -219,7 +222,7 @@ def moe_collectives(cfg, layout: Layout, dense: list[Collective], b: int, s: int
     return out
 
 
-def ring_collectives(cfg, layout: Layout, b: int, s: int, kv_bytes: int, n_layers: int, last: bool) -> list[Collective]:
+def ring_collectives(cfg, layout: Candidate, b: int, s: int, kv_bytes: int, n_layers: int, last: bool) -> list[Collective]:
     """The context-parallel ring of one micro-batch (tensorpar.context_parallel.ring_attention), `s` tokens per rank.
 
     Per layer: forward, the local K and V blocks sent cp - 1 times; backward, the same again, then their
@@ -228,7 +231,7 @@ def ring_collectives(cfg, layout: Layout, b: int, s: int, kv_bytes: int, n_layer
     promotes it), V in the matmul dtype (`kv_bytes`). Sends and receives are both counted, each with the
     message's bytes. The last stage also averages the loss over the CP ranks (two fp32 scalars)."""
     cp = layout.cp
-    block = b * kv_layout(cfg.kv_heads, layout.tp)[0] * cfg.head_dim * s
+    block = b * kv_heads_per_rank(cfg.kv_heads, layout.tp)[0] * cfg.head_dim * s
     k_bytes = 4 if cfg.position == "rope" else kv_bytes
     rings = 1 + (layout.recompute != "none")  # forward rings of K and V per layer, recomputation included
     out = []
@@ -246,7 +249,7 @@ def ring_collectives(cfg, layout: Layout, b: int, s: int, kv_bytes: int, n_layer
 
 def step_collectives(
     cfg,
-    layout: Layout,
+    layout: Candidate,
     seq_len: int,
     num_micro_batches: int,
     *,
@@ -299,16 +302,16 @@ def step_collectives(
     return out + _step_scalars(cfg, layout, stage, grad_bytes)
 
 
-def _replica_gradient_traffic(cfg, layout: Layout, stage: int | None, m: int, grad_bytes: int, param_bytes: int,
+def _replica_gradient_traffic(cfg, layout: Candidate, stage: int | None, m: int, grad_bytes: int, param_bytes: int,
                               bucket_bytes: int, zero2_per_micro_batch: bool,
                               zero3_reshard_after_forward: bool, fp8_gather: bool = False) -> list[Collective]:
     """The step's gradient and parameter traffic of the stage's non-expert parameters over their replicas
     (the DP x CP gradient group): DistributedOptimizer's buckets (ZeRO 0 to 2) or FullyShardedOptimizer's units
     (ZeRO-3), and under ZeRO the gradient norm's all-reduce over the shards. HSDP: ZeRO's traffic within a replica
     (group "dp_shard") and each shard's fp32 gradient slice all-reduced across the replicas ("dp_replicate")."""
-    grads, shards = shard_group(layout), layout.shards if layout.zero else 1
-    key = (repr(cfg), layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, param_bytes,
-           bucket_bytes, shards, layout.ep)
+    grads, shards = layout.shard_group, layout.shards if layout.zero else 1
+    key = (repr(cfg), layout.tp, layout.ep, 0 if stage is None else stage,
+           layout.split(cfg.num_layers) if layout.pp > 1 else None, param_bytes, bucket_bytes, shards)
     if key not in _BUCKET_CACHE:
         params = [p for p in params_of(cfg, layout, stage) if not is_expert(p[0])]
         _BUCKET_CACHE[key] = _bucket_table(params, param_bytes, bucket_bytes, shards)
@@ -355,7 +358,7 @@ def _zero3_traffic(root: int, layers: dict[int, int], last: int, grads: str, m: 
     return out
 
 
-def _step_scalars(cfg, layout: Layout, stage: int | None, grad_bytes: int) -> list[Collective]:
+def _step_scalars(cfg, layout: Candidate, stage: int | None, grad_bytes: int) -> list[Collective]:
     """The step's closing all-reduces: the gradient norm over TP and PP, the loss sent to every stage, the tied
     embedding's gradient between the first and last stage, and the trainer's loss average over DP."""
     out = []
@@ -364,7 +367,8 @@ def _step_scalars(cfg, layout: Layout, stage: int | None, grad_bytes: int) -> li
     if layout.pp > 1:
         out.append(Collective("all_reduce", "pp", 4, 1, "step", "loss to every stage"))
         out.append(Collective("all_reduce", "pp", 4, 1, "step", "gradient norm"))
-        if cfg.tie_embeddings and stage in (0, layout.pp - 1):
+        last_rank = layout.split(cfg.num_layers).last_rank
+        if cfg.tie_embeddings and last_rank != 0 and stage in (0, last_rank):
             n = math.ceil(cfg.vocab_size / layout.tp) * cfg.hidden_size  # this rank's rows of the padded table
             out.append(Collective("all_reduce", "embed", n * grad_bytes, 1, "step", "tied embedding gradient"))
     if layout.dp > 1:
@@ -401,9 +405,8 @@ def _gradient_traffic(sizes: dict[int, int], group: str, zero: int, m: int, zero
     return out
 
 
-def params_of(cfg, layout: Layout, stage: int | None) -> list[tuple[str, int, int]]:
-    return local_parameters(cfg, layout.tp, layout.pp, 0 if stage is None else stage, layout.virtual_stages, layout.ep,
-                            layout.pipeline_layers)
+def params_of(cfg, layout: Candidate, stage: int | None) -> list[tuple[str, int, int]]:
+    return layout_parameters(cfg, layout, stage)
 
 
 def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[int, int], int]:
@@ -439,7 +442,7 @@ def bucket_sizes(numels: list[int], elem_bytes: int, bucket_bytes: int) -> list[
 
 def comm_bytes_per_step(
     cfg,
-    layout: Layout,
+    layout: Candidate,
     micro_batch: int,
     seq_len: int,
     dtype_bytes: int = 4,
@@ -460,7 +463,7 @@ def comm_bytes_per_step(
     `dtype_bytes` is the residual stream's dtype (4: fp32, also under tensorpar's bf16 autocast),
     `matmul_dtype_bytes` the row-parallel outputs' (2 under bf16 autocast).
     """
-    layout = dataclasses.replace(layout, micro_batch_size=micro_batch)
+    layout = layout.replace(micro_batch_size=micro_batch)
     if include_optimizer:
         return sum_bytes(step_collectives(cfg, layout, seq_len, num_micro_batches, act_bytes=dtype_bytes,
                                           matmul_bytes=matmul_dtype_bytes, grad_bytes=grad_dtype_bytes,

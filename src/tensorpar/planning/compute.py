@@ -13,7 +13,7 @@ or of the attention core ``4 b s^2 h`` ("selective").
 from __future__ import annotations
 
 from tensorpar.models.flops import matmul_params
-from tensorpar.planning.layout import Layout, stage_layers
+from tensorpar.planning.candidates import Candidate, stage_layers
 from tensorpar.planning.precision_recipes import Precision
 
 
@@ -43,7 +43,7 @@ def down_proj_params(cfg) -> float:
     return (n_moe * moe + (cfg.num_layers - n_moe) * dense) / cfg.num_layers
 
 
-def stage_flops(cfg, layout: Layout, b: int, s: int, stage: int | None, precision: Precision) -> tuple[float, float]:
+def stage_flops(cfg, layout: Candidate, b: int, s: int, stage: int | None, precision: Precision) -> tuple[float, float]:
     """(training FLOPs, recomputation FLOPs) of one micro-batch through one stage (all its TP ranks)."""
     first, last, n = stage_layers(cfg, layout, stage)
     layer_p, head_p = flop_parts(cfg)

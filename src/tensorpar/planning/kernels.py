@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from tensorpar.distributed.sharding import padded
 from tensorpar.planning.devices import flash_attention_time, gemm_time, memory_time
-from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers
+from tensorpar.planning.candidates import Candidate, stage_layer_indices, stage_layers
 
 _CACHE: dict = {}
 
@@ -68,10 +68,10 @@ def _cast_bytes(gemms) -> tuple[float, float]:
     return fwd, bwd
 
 
-def layer_parts(cfg, layout: Layout, b: int, s: int, prec, cluster, moe: bool, flash: bool = True) -> dict:
+def layer_parts(cfg, layout: Candidate, b: int, s: int, prec, cluster, moe: bool, flash: bool = True) -> dict:
     """Seconds of one layer's parts for one micro-batch on one rank: gemm_fwd/bwd, attn_fwd/bwd, elem_fwd/bwd,
     and down_fwd (the MLP's output projection, which tensorpar's full recomputation skips)."""
-    key = (id(cfg), layout.tp, layout.cp, layout.ep, layout.sp, b, s, prec.name, id(cluster), moe, flash)
+    key = (id(cfg), layout.tp, layout.cp, layout.ep, layout.sequence_parallel, b, s, prec.name, id(cluster), moe, flash)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is cfg and hit[1] is cluster:
         return hit[2]
@@ -97,7 +97,7 @@ def layer_parts(cfg, layout: Layout, b: int, s: int, prec, cluster, moe: bool, f
     return out
 
 
-def _mlp_parts(cfg, layout: Layout, T: int, nb: int, moe: bool) -> tuple[list, list, float, float]:
+def _mlp_parts(cfg, layout: Candidate, T: int, nb: int, moe: bool) -> tuple[list, list, float, float]:
     """(the MLP's forward GEMMs as (m, n, k, count), those of its down projections, the elements its activation
     function reads per input, the bytes a mixture-of-experts layer's permutation moves) for T tokens on one rank:
     a dense TP MLP, or a router, the local experts' grouped GEMMs (balanced routing) and the shared experts."""
@@ -141,14 +141,14 @@ def _attention_time(b: int, s: int, c: int, heads: int, d: int, prec, cluster, f
     return a_fwd, a_bwd
 
 
-def _elementwise_time(cfg, layout: Layout, T: int, rope: float, mlp_act: float, permute: float, gemms: list, prec,
+def _elementwise_time(cfg, layout: Candidate, T: int, rope: float, mlp_act: float, permute: float, gemms: list, prec,
                       cluster) -> tuple[float, float]:
     """(forward, backward) seconds of a layer's memory-bound kernels on T tokens: norms, residual adds, RoPE
     (`rope` bytes), the MLP's activation (`mlp_act` elements) and MoE permutation (`permute` bytes), fp8's
     cast-transposes of `gemms`, each operator paying a launch; tensorpar's unfused operators each read and write
     about one activation."""
     h, t, nb, A = cfg.hidden_size, layout.tp, prec.matmul_bytes, prec.act_bytes
-    tok_h = T * h / (t if layout.sp else 1)
+    tok_h = T * h / (t if layout.sequence_parallel else 1)
     passes = 4 + 6 + (1 if cfg.dropout > 0 else 0)  # norms, residual adds (+ masks)
     act = (3 if cfg.gated_mlp else 2) * mlp_act * nb
     elem = passes * tok_h * A + rope + act + permute
@@ -166,7 +166,7 @@ def _elementwise_time(cfg, layout: Layout, T: int, rope: float, mlp_act: float, 
     return memory_time(elem_f + cast_f, hbm, curve, k_fwd), memory_time(elem_b + cast_b, hbm, curve, k_bwd)
 
 
-def head_time(cfg, layout: Layout, b: int, s: int, prec, cluster) -> tuple[float, float, float]:
+def head_time(cfg, layout: Candidate, b: int, s: int, prec, cluster) -> tuple[float, float, float]:
     """(forward, backward, weight-gradient) seconds of the LM head and loss on the last stage (one micro-batch,
     one rank)."""
     t = layout.tp
@@ -179,7 +179,7 @@ def head_time(cfg, layout: Layout, b: int, s: int, prec, cluster) -> tuple[float
     return f + softmax / 2, dg + wg + softmax / 2, wg
 
 
-def stage_compute_time(cfg, layout: Layout, b: int, s: int, stage, prec, cluster,
+def stage_compute_time(cfg, layout: Candidate, b: int, s: int, stage, prec, cluster,
                        flash: bool = True) -> tuple[float, float, float, float, float]:
     """(forward, backward, weight-gradient part of the backward, recomputation, attention) seconds of one
     micro-batch on one rank of `stage`."""

@@ -69,12 +69,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tensorpar.config.choices import LOSS_CHUNK_TOKENS, SPLIT_BACKWARD_SCHEDULES
+from tensorpar.config.choices import LOSS_CHUNK_TOKENS
 from tensorpar.config.hardware import GiB
 from tensorpar.distributed.sharding import padded
 from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
-from tensorpar.planning.layout import Layout, candidate_stages, stage_layers
-from tensorpar.planning.params import ParamSummary, local_parameters, parameter_summary
+from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
+from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
 
 OVERHEAD_FIXED_BYTES = int(1.5 * GiB)
@@ -98,7 +98,6 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
     the overlapped entry casts the input shared by q/k/v (gate/up) once under autocast, not once per linear."""
     A, M = act_bytes, (2 if autocast or act_bytes == 2 else 4)
     t = tp
-    sp = sp and tp > 1
     h, hd = cfg.hidden_size, cfg.head_dim
     sn = s // t if sp else s
     if recompute == "full":
@@ -174,7 +173,6 @@ def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast
     ``rope`` (cos/sin tables, every stage) and ``last`` (final norm, head input, loss; `chunked_loss`: the
     fused head and loss, which keep the per-token log-sum-exp instead of the softmax)."""
     A = act_bytes
-    sp = sp and tp > 1
     h = cfg.hidden_size
     sn = s // tp if sp else s
     first = 8 * b * s + (b * s if tp > 1 else 0)  # ids (masked to the local vocabulary) and the mask
@@ -202,7 +200,6 @@ def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute
     attention output and the MLP's down-projection input."""
     lin = nbytes if linear_input_bytes is None else linear_input_bytes
     t = tp
-    sp = sp and tp > 1
     h, a = cfg.hidden_size, cfg.num_heads
     bsh = b * s * h
     if recompute == "full":
@@ -227,7 +224,6 @@ def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute
 
 
 def playbook_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, nbytes: int = 2) -> dict[str, int]:
-    sp = sp and tp > 1
     bsh = b * s * cfg.hidden_size
     first = bsh // (tp if sp else 1) if cfg.dropout > 0 else 0  # embedding dropout mask
     last = nbytes * bsh // (tp if sp else 1) + nbytes * bsh  # final norm input, head input
@@ -235,7 +231,7 @@ def playbook_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, nbytes: i
     return {"first": first, "rope": 0, "last": last}
 
 
-def in_flight(layout: Layout, num_micro_batches: int, stage: int) -> int:
+def in_flight(layout: Candidate, num_micro_batches: int, stage: int) -> int:
     """Chunk-forwards whose activations pipeline rank `stage` holds at its peak (1F1B / interleaved)."""
     pp, v, m = layout.pp, layout.virtual_stages, num_micro_batches
     if pp == 1:
@@ -296,19 +292,17 @@ def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, d
     return states + master
 
 
-def zero_gradients_in_flight(cfg, layout: Layout, stage: int, prec: Precision, bucket_bytes: int) -> int:
+def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision, bucket_bytes: int) -> int:
     """Bytes of tensorpar's full-size gradient buffers alive at once under ZeRO-2 (two adjacent buckets and one
     bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' and one block's slice)."""
     dp = layout.shards
     if layout.zero == 3:
-        summary = parameter_summary(cfg, layout.tp, layout.pp, stage, pipeline_layers=layout.pipeline_layers,
-                                    virtual_stages=layout.virtual_stages)
+        summary = layout_summary(cfg, layout.layout.replace(ep=1), stage)
         _, _, n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)
         root = summary.numel - n_layers * summary.per_layer
         layer = math.ceil(summary.per_layer / dp) * dp
         return 4 * (root + min(2, n_layers) * layer + layer // dp)
-    params = local_parameters(cfg, layout.tp, layout.pp, stage, layout.virtual_stages, layout.ep,
-                              layout.pipeline_layers)
+    params = layout_parameters(cfg, layout, stage)
     sizes = [math.ceil(n / dp) * dp for n in bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)]
     pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
     return 4 * (max(pairs) + max(sizes) // dp)
@@ -325,7 +319,7 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
     return grad_mem
 
 
-def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
+def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precision: Precision | str,
                  stage: int = 0, flash_attention: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  tp_overlap: bool = True, loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size; `tp_overlap`:
@@ -333,13 +327,13 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
     training's default chunk, None for logits then the loss)."""
     prec = get_precision(precision)
     pp = layout.pp
-    summary = parameter_summary(cfg, layout.tp, pp, stage, layout.ep, layout.pipeline_layers, layout.virtual_stages)
+    summary = layout_summary(cfg, layout, stage)
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
     m = max(layout.num_micro_batches(global_batch), 1)
     param_mem, grad_mem, opt_mem, gathered = _state_bytes(cfg, layout, summary, n_layers, stage, prec, bucket_bytes)
     chunks = in_flight(layout, m, stage if pp > 1 else 0)
     # zero-bubble schedules keep the unfused head and loss (their split backward defers the head's weight gradient)
-    split_backward = layout.pp > 1 and layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    split_backward = layout.splits_backward
     chunked = bool(loss_chunk_tokens) and prec.activations == "tensorpar" and not split_backward
     activations, recomputed = _activation_bytes(cfg, layout, seq_len, m, chunks, n_layers, first, last, prec,
                                                 flash_attention, tp_overlap, chunked)
@@ -351,7 +345,7 @@ def stage_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision
                            stage, summary.numel)
 
 
-def _state_bytes(cfg, layout: Layout, summary: ParamSummary, n_layers: int, stage: int, prec: Precision,
+def _state_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: int, stage: int, prec: Precision,
                  bucket_bytes: int) -> tuple[int, int, int, int]:
     """(parameters, gradients, optimizer states, parameters ZeRO-3 gathers) in bytes on one rank of `stage`:
     ZeRO shards over every replica of the parameters (DP x CP; HSDP: one replica's ranks), routed experts over
@@ -377,7 +371,7 @@ def _state_bytes(cfg, layout: Layout, summary: ParamSummary, n_layers: int, stag
     return param_mem, grad_mem, opt_mem, gathered
 
 
-def _activation_bytes(cfg, layout: Layout, seq_len: int, m: int, chunks: int, n_layers: int, first: bool,
+def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int, n_layers: int, first: bool,
                       last: bool, prec: Precision, flash_attention: bool, tp_overlap: bool,
                       chunked_loss: bool = False) -> tuple[int, int]:
     """(activations at the peak, the layer activations recomputation brings back during backward) in bytes on one
@@ -389,10 +383,10 @@ def _activation_bytes(cfg, layout: Layout, seq_len: int, m: int, chunks: int, n_
     # share on every stage, as tensorpar places them by global index)
     moe_share = (sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / cfg.num_layers) if cfg.is_moe else 0.0
     if prec.activations == "tensorpar":
-        outer = tensorpar_outer_activations(cfg, layout.tp, layout.sp, b, s, prec.autocast, prec.act_bytes,
+        outer = tensorpar_outer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, prec.autocast, prec.act_bytes,
                                             chunked_loss)
     else:
-        outer = playbook_outer_activations(cfg, layout.tp, layout.sp, b, s, prec.act_bytes)
+        outer = playbook_outer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, prec.act_bytes)
     per_layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap, moe_share)
     recomputed = 0
     if layout.recompute != "none":  # during backward one layer's activations exist again
@@ -402,15 +396,15 @@ def _activation_bytes(cfg, layout: Layout, seq_len: int, m: int, chunks: int, n_
     return chunks * layers_per_chunk * per_layer + ends, recomputed
 
 
-def _layer_activations(cfg, layout: Layout, b: int, s: int, mode: str, prec: Precision, flash_attention: bool,
+def _layer_activations(cfg, layout: Candidate, b: int, s: int, mode: str, prec: Precision, flash_attention: bool,
                        tp_overlap: bool, moe_share: float) -> int:
     """Bytes one layer saves for one micro-batch under recomputation `mode`, in the precision's activation model;
     with MoE layers the mean over MoE and dense layers weighted by `moe_share`, rounded."""
     def one(moe):
         if prec.activations == "tensorpar":
-            return tensorpar_layer_activations(cfg, layout.tp, layout.sp, b, s, mode, prec.autocast, prec.act_bytes,
+            return tensorpar_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, prec.autocast, prec.act_bytes,
                                                moe, tp_overlap, prec.fp8_recipe)
-        return playbook_layer_activations(cfg, layout.tp, layout.sp, b, s, mode, flash_attention, prec.act_bytes,
+        return playbook_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, flash_attention, prec.act_bytes,
                                           moe, 1 if prec.gemm_dtype == "fp8" else None)
 
     if not moe_share:
@@ -418,7 +412,7 @@ def _layer_activations(cfg, layout: Layout, b: int, s: int, mode: str, prec: Pre
     return round(moe_share * one(True) + (1 - moe_share) * one(False))
 
 
-def _weight_copy_bytes(cfg, layout: Layout, summary: ParamSummary, n_layers: int, chunks: int, last: bool,
+def _weight_copy_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: int, chunks: int, last: bool,
                        prec: Precision, chunked_loss: bool = False) -> tuple[int, int]:
     """(weight copies kept from forward to backward, those alive only while a layer recomputes) in bytes: bf16
     autocast's copies of the matmul weights, or Transformer Engine's fp8 weights and transposes."""
@@ -444,7 +438,7 @@ def _weight_copy_bytes(cfg, layout: Layout, summary: ParamSummary, n_layers: int
     return 0, 0
 
 
-def layout_memory(cfg, layout: Layout, seq_len: int, global_batch: int, precision: Precision | str,
+def layout_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precision: Precision | str,
                   flash_attention: bool = True) -> MemoryBreakdown:
     """The most loaded GPU's breakdown (the first or the last pipeline stage; any stage with uneven stages)."""
     stages = candidate_stages(cfg, layout)

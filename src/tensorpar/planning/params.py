@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.distributed.sharding import divide, padded
-from tensorpar.errors import TensorparError
-from tensorpar.expert_parallel import experts_per_rank
-from tensorpar.layers.attention import kv_layout
-from tensorpar.models.layout_checks import check_model_layout
-from tensorpar.planning.layout import Layout, stage_layer_indices, stage_layers
+from tensorpar.distributed.sharding import padded
+from tensorpar.layout import ParallelLayout, divide
+from tensorpar.layout.rules import experts_per_rank, kv_heads_per_rank
 
 _PARAM_CACHE: dict = {}
 _CFG_KEYS: dict = {}
@@ -32,18 +29,26 @@ def _cfg_key(cfg) -> str:
 
 
 def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: int = 1,
-                     ep: int = 1, pipeline_layers: tuple[int, ...] | None = None) -> list[tuple[str, int, int]]:
-    """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline
-    stage `stage`, in `named_parameters()` order: vocabulary padded to a multiple of tp, KV heads
-    replicated when fewer than tp, norms and row-parallel biases replicated. A tied embedding is
-    held by the first stage and, as the head's copy, by the last. With `virtual_stages` v > 1 the rank
-    holds the layers of virtual stages stage, stage + pp, ... (tensorpar.pipeline_parallel.runner.rank_layers).
-    `ep`: the expert-parallel size (MoE models); `pipeline_layers`: the layers of each stage (--pipeline-layers;
-    None: an even split)."""
-    split = tuple(pipeline_layers) if pipeline_layers is not None and pp > 1 else None
-    key = (_cfg_key(cfg), tp, pp, stage if pp > 1 else 0, virtual_stages if pp > 1 else 1, ep, split)
+                     ep: int = 1, pipeline_layers: tuple[int, ...] | None = None,
+                     schedule: str | None = None) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline rank `stage` of
+    the layout these fields make (`layout_parameters`)."""
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, virtual_stages=virtual_stages, pipeline_layers=pipeline_layers,
+                            schedule=schedule)
+    return layout_parameters(cfg, layout, stage)
+
+
+def layout_parameters(cfg, layout, stage: int | None = 0) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline rank `stage`
+    of `layout` (a ParallelLayout or a planner's Candidate), in `named_parameters()` order: vocabulary padded to a
+    multiple of tp, KV heads replicated when fewer than tp, norms and row-parallel biases replicated. A tied
+    embedding is held by the rank of the first stage and, as the head's copy, by the rank of the last (both rank 0
+    in zbv's V); each rank holds its chunks' layers (`tensorpar.layout.PipelineSplit`)."""
+    stage = 0 if stage is None or layout.pp == 1 else stage
+    split = layout.split(cfg.num_layers) if layout.pp > 1 else None
+    key = (_cfg_key(cfg), layout.tp, layout.ep, stage, split)
     if key not in _PARAM_CACHE:
-        _PARAM_CACHE[key] = _local_parameters(cfg, tp, pp, stage, virtual_stages if pp > 1 else 1, ep, split)
+        _PARAM_CACHE[key] = _local_parameters(cfg, layout.tp, layout.ep, stage, split)
     return _PARAM_CACHE[key]
 
 
@@ -52,19 +57,15 @@ def is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _local_parameters(cfg, tp: int, pp: int, stage: int, v: int, ep: int,
-                      split: tuple[int, ...] | None) -> list[tuple[str, int, int]]:
-    check_model_layout(cfg, tp)
+def _local_parameters(cfg, tp: int, ep: int, stage: int, split) -> list[tuple[str, int, int]]:
+    ParallelLayout(tp=tp).check(cfg)
     h = cfg.hidden_size
     heads = cfg.num_heads // tp
-    kv_local, _ = kv_layout(cfg.kv_heads, tp)
+    kv_local, _ = kv_heads_per_rank(cfg.kv_heads, tp)
     f = cfg.ffn_hidden_size // tp
     vocab = padded(cfg.vocab_size, tp) // tp
-    layout = Layout(tp=tp, pp=pp, pipeline_layers=split, virtual_stages=v)
-    first, last, n = stage_layers(cfg, layout, stage if pp > 1 else None)
-    if n % v and split is None:
-        raise TensorparError(f"{n} layers per pipeline rank do not split into {v} virtual stages")
-    layers = stage_layer_indices(cfg, layout, stage if pp > 1 else None)
+    first, last = split.holds_ends(stage) if split is not None else (True, True)
+    layers = split.layers_of(stage) if split is not None else range(cfg.num_layers)
     out: list[tuple[str, int, int]] = []
     if first and cfg.position == "learned":
         out.append(("pos_embed", cfg.max_seq_len * h, 2))
@@ -152,13 +153,21 @@ _SUMMARY_CACHE: dict = {}
 
 
 def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0, ep: int = 1,
-                      pipeline_layers: tuple[int, ...] | None = None, virtual_stages: int = 1) -> ParamSummary:
-    """Totals of `local_parameters` (with uneven interleaved stages, `pipeline_layers` has pp x v counts and
-    `virtual_stages` must be v; otherwise the rank's chunks together hold the same parameters whatever v is)."""
-    v = virtual_stages if pipeline_layers is not None and len(pipeline_layers) != pp else 1
-    key = (_cfg_key(cfg), tp, pp, stage if pp > 1 else 0, ep, pipeline_layers, v)
+                      pipeline_layers: tuple[int, ...] | None = None, virtual_stages: int = 1,
+                      schedule: str | None = None) -> ParamSummary:
+    """Totals of `local_parameters` (`layout_summary` of the layout these fields make)."""
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, virtual_stages=virtual_stages, pipeline_layers=pipeline_layers,
+                            schedule=schedule)
+    return layout_summary(cfg, layout, stage)
+
+
+def layout_summary(cfg, layout, stage: int | None = 0) -> ParamSummary:
+    """Totals of `layout_parameters`."""
+    stage = 0 if stage is None or layout.pp == 1 else stage
+    split = layout.split(cfg.num_layers) if layout.pp > 1 else None
+    key = (_cfg_key(cfg), layout.tp, layout.ep, stage, split)
     if key not in _SUMMARY_CACHE:
-        params = local_parameters(cfg, tp, pp, stage, v, ep=ep, pipeline_layers=pipeline_layers)
+        params = layout_parameters(cfg, layout, stage)
         experts = [n for name, n, _ in params if is_expert(name)]
         layers = [p for p in params if p[0].startswith("layers.")]
         n_layers = len({p[0].split(".")[1] for p in layers}) or 1

@@ -1,5 +1,5 @@
-"""The layout search: every layout of `tensorpar.planning.layout.enumerate_layouts` for a model on a
-cluster, ranked by predicted throughput, with the reason each infeasible layout fails.
+"""The layout search: every candidate of `tensorpar.planning.candidates.enumerate_candidates` for a model on a
+cluster, ranked by predicted throughput, with the reason each infeasible candidate fails.
 
 Feasible layouts come first, best predicted tokens/s first (ties: less memory); then the
 infeasible ones, those closest to fitting first.
@@ -12,7 +12,7 @@ import dataclasses
 from tensorpar.config.hardware import GiB
 from tensorpar.errors import TensorparError
 from tensorpar.planning.cluster import Cluster
-from tensorpar.planning.layout import Layout, enumerate_layouts, structural_problem
+from tensorpar.planning.candidates import Candidate, candidate_problem, enumerate_candidates
 from tensorpar.planning.memory import MemoryBreakdown, layout_memory
 from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.step_time import StepTime, predict_step_time
@@ -20,7 +20,7 @@ from tensorpar.planning.step_time import StepTime, predict_step_time
 
 @dataclasses.dataclass
 class Plan:
-    layout: Layout
+    candidate: Candidate
     feasible: bool
     reason: str = ""
     memory: MemoryBreakdown | None = None
@@ -28,11 +28,11 @@ class Plan:
     excess_bytes: int = 0  # how far over the GPU's memory (infeasible for memory)
 
     def to_dict(self) -> dict:
-        lay = self.layout
+        cand, lay = self.candidate, self.candidate.layout
         out = {
             "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero,
-            "dp_replicate": lay.dp_replicate, "sequence_parallel": lay.sp,
-            "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute,
+            "dp_replicate": lay.dp_replicate, "sequence_parallel": lay.sequence_parallel,
+            "micro_batch_size": cand.micro_batch_size, "recompute": cand.recompute,
             "virtual_stages": lay.virtual_stages, "schedule": lay.schedule,
             "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
             "feasible": self.feasible, "reason": self.reason,
@@ -53,10 +53,11 @@ class Plan:
         return out
 
 
-def evaluate(cfg, layout: Layout, cluster: Cluster, seq_len: int, global_batch: int,
+def evaluate(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batch: int,
              precision="tensorpar-bf16", *, flash_attention: bool = True) -> Plan:
-    """Memory and time of one layout, or why it cannot run."""
-    reason = structural_problem(cfg, layout, cluster, seq_len, global_batch)
+    """Memory and time of one candidate, or why it cannot run."""
+    reason = candidate_problem(cfg, layout, cluster, seq_len, global_batch, 
+                               fp8=bool(get_precision(precision).fp8_recipe))
     if reason:
         return Plan(layout, False, reason)
     mem = layout_memory(cfg, layout, seq_len, global_batch, precision, flash_attention)
@@ -71,21 +72,21 @@ def evaluate(cfg, layout: Layout, cluster: Cluster, seq_len: int, global_batch: 
 
 def search(cfg, cluster: Cluster, seq_len: int, global_batch: int, precision="tensorpar-bf16", *,
            flash_attention: bool = True, **space) -> list[Plan]:
-    """Every layout of the search space (keywords of `enumerate_layouts`), ranked best first."""
+    """Every candidate of the search space (keywords of `enumerate_candidates`), ranked best first."""
     get_precision(precision)
     if cfg.position == "learned" and seq_len > cfg.max_seq_len:
         raise TensorparError(f"sequence length {seq_len} exceeds the model's {cfg.max_seq_len} learned positions")
     if seq_len < 1 or global_batch < 1:
         raise TensorparError("the sequence length and the global batch size must be positive")
     plans = [evaluate(cfg, lay, cluster, seq_len, global_batch, precision, flash_attention=flash_attention)
-             for lay in enumerate_layouts(cfg, cluster, global_batch, **space)]
+             for lay in enumerate_candidates(cfg, cluster, global_batch, **space)]
     return rank(plans)
 
 
 def rank(plans: list[Plan]) -> list[Plan]:
     feasible = sorted((p for p in plans if p.feasible),
-                      key=lambda p: (-round(p.time.tokens_per_s, 6), p.memory.total, p.layout.zero, p.layout.tp,
-                                     p.layout.pp, p.layout.sp))
+                      key=lambda p: (-round(p.time.tokens_per_s, 6), p.memory.total, p.candidate.zero, p.candidate.tp,
+                                     p.candidate.pp, p.candidate.sequence_parallel))
     memory = sorted((p for p in plans if not p.feasible and p.memory is not None), key=lambda p: p.excess_bytes)
     other = [p for p in plans if not p.feasible and p.memory is None]
     return feasible + memory + other
@@ -96,15 +97,15 @@ def best_by_mesh(plans: list[Plan]) -> dict[tuple[int, int], Plan]:
     out: dict[tuple[int, int], Plan] = {}
     for p in plans:
         if p.feasible:
-            key = (p.layout.tp, p.layout.pp)
+            key = (p.candidate.tp, p.candidate.pp)
             if key not in out or p.time.tokens_per_s > out[key].time.tokens_per_s:
                 out[key] = p
     return out
 
 
 def find(plans: list[Plan], **fields) -> tuple[int, Plan] | None:
-    """(0-based rank, plan) of the first plan whose layout has these field values."""
+    """(0-based rank, plan) of the first plan whose candidate has these field values."""
     for i, p in enumerate(plans):
-        if all(getattr(p.layout, k) == v for k, v in fields.items()):
+        if all(p.candidate.as_dict()[k] == v for k, v in fields.items()):
             return i, p
     return None

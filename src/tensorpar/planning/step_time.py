@@ -36,8 +36,8 @@ from tensorpar.planning.collective_cost import collectives_time
 from tensorpar.planning.communication import model_collectives, step_collectives
 from tensorpar.planning.compute import stage_flops
 from tensorpar.planning.kernels import optimizer_time, stage_compute_time
-from tensorpar.planning.layout import Layout, candidate_stages, stage_layers
-from tensorpar.planning.params import parameter_summary
+from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
+from tensorpar.planning.params import layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
 from tensorpar.tensor_parallel.tp_overlap import DEFAULT_CHUNKS, sp_pieces
 
@@ -88,7 +88,7 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True):
     # zero-bubble schedules' split backward turns it off
     if prec.activations != "tensorpar" or layout.schedule in ("zb-h1", "zbv"):
         pieces = 1
-    elif layout.sp:
+    elif layout.sequence_parallel:
         pieces = sp_pieces(b, s // layout.cp // layout.tp)
     else:
         pieces = min(DEFAULT_CHUNKS, b * s // layout.cp)
@@ -127,7 +127,7 @@ class StageTime:
         return self.forward + self.backward + self.recompute + self.tp + self.pp + self.cp + self.ep
 
 
-def pipeline_bubble(layout: Layout, st: StageTime) -> float:
+def pipeline_bubble(layout: Candidate, st: StageTime) -> float:
     """Seconds the pipeline's fill and drain leave idle, from each schedule's published bubble: 1F1B (p - 1) x
     the stage time, interleaved (p - 1) / v of it (Narayanan et al. 2021); ZB-H1 (p - 1)(T_F + T_B - T_W) and
     ZB-V (p - 1)(T_F + T_B - 2 T_W) / 2 (each rank holds two half-size chunks) with T_W the weight-gradient part
@@ -148,18 +148,17 @@ def pipeline_bubble(layout: Layout, st: StageTime) -> float:
     return (p - 1) / layout.virtual_stages * st.total
 
 
-def _busiest_dp_stage(cfg, layout: Layout) -> int:
+def _busiest_dp_stage(cfg, layout: Candidate) -> int:
     """The pipeline stage with the most parameters to reduce and update (stage 0 when the stages are even)."""
     if layout.pipeline_layers is None:
         return 0
     def numel(st):
-        return parameter_summary(cfg, layout.tp, layout.pp, st, layout.ep, layout.pipeline_layers,
-                                 layout.virtual_stages).numel
+        return layout_summary(cfg, layout, st).numel
 
     return max(candidate_stages(cfg, layout), key=numel)
 
 
-def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: int,
+def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batch: int,
                       precision: Precision | str = "tensorpar-bf16", *, algorithm: str = "best",
                       flash: bool = True) -> StepTime:
     prec = get_precision(precision)
@@ -203,7 +202,7 @@ def predict_step_time(cfg, layout: Layout, cluster, seq_len: int, global_batch: 
     )
 
 
-def _exposed_dp_time(cfg, layout: Layout, cluster, s: int, m: int, prec: Precision, algorithm: str,
+def _exposed_dp_time(cfg, layout: Candidate, cluster, s: int, m: int, prec: Precision, algorithm: str,
                      dp_stage: int | None, st_time: StageTime) -> float:
     """Seconds of stage `dp_stage`'s data-parallel traffic that compute does not hide: of the per-micro-batch
     collectives (ZeRO-3 gathers, ZeRO-2 reduce-scatters) and of the step's gradient reductions, what exceeds
@@ -232,18 +231,17 @@ def _exposed_dp_time(cfg, layout: Layout, cluster, s: int, m: int, prec: Precisi
     return dp_exposed
 
 
-def _optimizer_step_time(cfg, layout: Layout, cluster, dp_stage: int | None) -> float:
+def _optimizer_step_time(cfg, layout: Candidate, cluster, dp_stage: int | None) -> float:
     """Seconds of the optimizer step on one rank of `dp_stage`: its elements, 1/replicas of them under ZeRO (routed
     experts' 1/expert-DP), at OPTIMIZER_BYTES_PER_ELEMENT of HBM traffic each."""
-    summary = parameter_summary(cfg, layout.tp, layout.pp, dp_stage or 0, layout.ep, layout.pipeline_layers,
-                                layout.virtual_stages)
+    summary = layout_summary(cfg, layout, dp_stage or 0)
     dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
     sharded = layout.zero >= 1 and layout.shards > 1
     opt_elems = dense / layout.shards + expert / layout.expert_dp if sharded else dense + expert
     return optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
 
 
-def _recompute_flops(cfg, layout: Layout, b: int, s: int, m: int, prec: Precision) -> float:
+def _recompute_flops(cfg, layout: Candidate, b: int, s: int, m: int, prec: Precision) -> float:
     """The whole cluster's recomputation FLOPs in one step: every stage's, m micro-batches, dp replicas."""
     pp = layout.pp
     # The head is never recomputed: the stages' recomputation (pp x one stage's when they hold as many layers).

@@ -22,12 +22,12 @@ from tensorpar.distributed.comm import Group
 from tensorpar.distributed.sharding import (
     ShardSpec,
     default_linear_init,
-    divide,
     linear_bias_init,
     make_generator,
     tag,
     take_shard,
 )
+from tensorpar.layout import divide
 from tensorpar.tensor_parallel.mappings import gather_from_tp, scatter_to_tp
 from tensorpar.tensor_parallel.region import Projection, TPRegion, as_region
 

@@ -21,7 +21,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from tensorpar.distributed.mesh import init_mesh
+from tensorpar.distributed.mesh import build_mesh
 from tensorpar.errors import TensorparError
 from tensorpar.optim.precision import param_dtype
 from tensorpar.training.session import build_model, build_optimizer
@@ -55,14 +55,12 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
     o = run.options
     if not 0 <= rank < run.world_size:
         raise TensorparError(f"--rank {rank} is not a rank of a world of {run.world_size}")
-    moe = run.cfg.is_moe
     with fake_world(rank, run.world_size):
-        mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, cp=o.cp, ep=o.ep if moe else None,
-                         expert_tp=o.expert_tp if moe else 1, dp_replicate=o.dp_replicate, device="cpu")
+        mesh = build_mesh(run.layout, moe=run.cfg.is_moe, device="cpu")
         model, _ = build_model(run, mesh, meta=True)
         optimizer = build_optimizer(model, mesh, o)
         mesh.stats.reset()
-        _one_step(model, optimizer, mesh, o, run.cfg.hidden_size)
+        _one_step(model, optimizer, run)
         memory = optimizer.memory()
         layout = dict(rank=rank, world_size=run.world_size, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank,
                       dp_rank=mesh.dp_rank, cp_rank=mesh.cp_rank)
@@ -73,15 +71,15 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
             "optimizer_bytes": memory["optimizer"], "collectives": collectives, "options": dataclasses.asdict(o)}
 
 
-def _one_step(model, optimizer, mesh, o, hidden: int) -> None:
+def _one_step(model, optimizer, run: PreparedRun) -> None:
     """One micro-batch forward and backward through this rank's stage, then the optimizer step, all on meta."""
+    o = run.options
     ids = torch.zeros(o.micro_batch_size, o.seq_len, dtype=torch.long, device="meta")
     if model.first_stage:
         x = ids
     else:  # the previous stage's activations, as the pipeline would deliver them
-        seq = o.seq_len // o.cp // (o.tp if model.sequence_parallel else 1)
-        x = torch.zeros(o.micro_batch_size, seq, hidden, dtype=param_dtype(o.dtype), device="meta",
-                        requires_grad=True)
+        x = torch.zeros(o.micro_batch_size, run.layout.seq_shard(o.seq_len), run.cfg.hidden_size,
+                        dtype=param_dtype(o.dtype), device="meta", requires_grad=True)
     optimizer.begin_step(1)
     if model.cfg.is_moe:  # the routing decides the all-to-all sizes: no values, no micro-batch; the step's traffic
         sum(p.sum() * 0 for p in model.parameters() if p.requires_grad).backward()

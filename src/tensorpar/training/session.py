@@ -13,9 +13,7 @@ import torch
 from tensorpar.checkpoints.async_save import AsyncCheckpointer
 from tensorpar.checkpoints.sharded import load_checkpoint, save_checkpoint
 from tensorpar.checkpoints.sources import load_model_source
-from tensorpar.config.choices import V_SHAPED_SCHEDULES
 from tensorpar.config.fields import changed_options, to_dict, to_toml
-from tensorpar.config.run_layout import RunLayout
 from tensorpar.data import build_dataset, describe_corpus, open_corpus, tokenizer_from, validation_windows
 from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
 from tensorpar.distributed.mesh import Mesh
@@ -23,8 +21,8 @@ from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.models.compile import compile_blocks
 from tensorpar.optim.loss_scaler import DynamicLossScaler
 from tensorpar.optim.precision import param_dtype
-from tensorpar.pipeline_parallel.runner import PipelineRunner, holds_ends, parse_pipeline_layers, rank_layers
-from tensorpar.pipeline_parallel.schedules import splits_backward
+from tensorpar.layout import ParallelLayout
+from tensorpar.pipeline_parallel.runner import PipelineRunner
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
 from tensorpar.training.memory_meter import ActivationMeter
@@ -65,9 +63,9 @@ class Session:
         return self.run.options
 
     @property
-    def layout(self) -> RunLayout:
+    def layout(self) -> ParallelLayout:
         """The run's layout: what its checkpoints record and its summary reports."""
-        return RunLayout.of(self.options, self.mesh, sequence_parallel=self.model.sequence_parallel)
+        return self.run.layout
 
     @property
     def is_main(self) -> bool:
@@ -111,11 +109,10 @@ def build_model(run: PreparedRun, mesh: Mesh, meta: bool = False) -> tuple[Trans
     o, cfg = run.options, run.cfg
     stage = {}
     if mesh.pp_size > 1:
-        chunks = rank_layers(cfg.num_layers, mesh.pp_size, mesh.pp_rank, o.virtual_stages,
-                             parse_pipeline_layers(o.pipeline_layers), v_shape=o.schedule in V_SHAPED_SCHEDULES)
-        first, last = holds_ends(mesh.pp_size, mesh.pp_rank, o.schedule)
-        stage = dict(layers=[i for chunk in chunks for i in chunk], first_stage=first, last_stage=last)
-        if splits_backward(o.schedule):
+        split = run.layout.split(cfg.num_layers)
+        first, last = split.holds_ends(mesh.pp_rank)
+        stage = dict(layers=split.layers_of(mesh.pp_rank), first_stage=first, last_stage=last)
+        if run.layout.splits_backward:
             stage["weight_grads"] = WeightGradQueue(mesh.device)
     torch.manual_seed(o.seed)
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
@@ -196,12 +193,9 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
     start_step = resume(run, model, optimizer, mesh, corpus) if o.resume else 0
     runner = None
     if mesh.pp_size > 1:
-        seq_shard = o.seq_len // mesh.cp_size // (mesh.tp_size if model.sequence_parallel else 1)
-        runner = PipelineRunner(model, mesh, o.schedule, o.virtual_stages, run.num_micro_batches,
-                                (o.micro_batch_size, seq_shard, run.cfg.hidden_size),
-                                activation_dtype=param_dtype(o.dtype),
-                                pipeline_layers=parse_pipeline_layers(o.pipeline_layers),
-                                weight_grads=model.region.weight_grads)
+        runner = PipelineRunner(model, mesh, run.layout, run.num_micro_batches,
+                                (o.micro_batch_size, run.layout.seq_shard(o.seq_len), run.cfg.hidden_size),
+                                activation_dtype=param_dtype(o.dtype), weight_grads=model.region.weight_grads)
         if val_windows is not None:
             val_windows = val_windows[: (len(val_windows) // o.micro_batch_size) * o.micro_batch_size]
     if mesh.rank == 0 and o.out_dir:

@@ -60,6 +60,8 @@ def summarize(s: Session, result: LoopResult) -> dict:
         "model": o.init_from or o.model,
         "parameters": s.run.cfg.num_parameters(),
         "layout": s.layout.as_dict(),
+        "recompute": o.recompute,
+        "dtype": o.dtype,
         "steps": o.steps,
         "start_step": s.start_step,
         "tokens": tokens,

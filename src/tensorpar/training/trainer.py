@@ -12,7 +12,7 @@ import os
 
 from tensorpar.config.options import TrainOptions
 from tensorpar.distributed.launch import signal_name
-from tensorpar.distributed.mesh import Mesh, init_mesh
+from tensorpar.distributed.mesh import Mesh, build_mesh
 from tensorpar.training.loop import step_loop
 from tensorpar.training.session import build_session
 from tensorpar.training.stop import GracefulStop
@@ -33,13 +33,11 @@ def run_training(run: PreparedRun, stop: GracefulStop | None = None, mesh: Mesh 
     times in the same processes (a sweep, a test harness) may pass a mesh of the run's layout instead, kept
     afterwards: creating and tearing down the groups costs a fraction of a second per run on gloo."""
     o = run.options
-    ep, expert_tp = (o.ep, o.expert_tp) if run.cfg.is_moe else (None, 1)
     owned = mesh is None
     if owned:
-        mesh = init_mesh(tp=o.tp, pp=o.pp, dp=o.dp, cp=o.cp, ep=ep, expert_tp=expert_tp, dp_replicate=o.dp_replicate,
-                         device=o.device, timeout=o.timeout)
+        mesh = build_mesh(run.layout, moe=run.cfg.is_moe, device=o.device, timeout=o.timeout)
     else:
-        mesh.check_layout(o.tp, o.pp, o.dp, o.cp, ep, expert_tp, o.dp_replicate)
+        mesh.check_run(run.layout, run.cfg.is_moe)
     # Where each rank writes its flight record of collectives when one fails, the run is stopped, or it ends with
     # --dump-collectives-on-exit (`tensorpar diagnose OUT_DIR` reads them).
     mesh.stats.flight.folder = os.path.join(o.out_dir, "flight") if o.out_dir else None

@@ -1,8 +1,9 @@
 """Everything a training run can check before any process group exists: done once per process.
 
 `validate` turns `TrainOptions` into a `PreparedRun`: the options with every default the program
-works out filled in (dp, micro-batch size, warmup, final learning rate), the model's config, and
-the metadata of the checkpoint being resumed (its shards hashed once, here).
+works out filled in (dp, micro-batch size, warmup, final learning rate), the run's `ParallelLayout` (checked
+against the model, the sequence and the batch: `ParallelLayout.problems`), the model's config, and the metadata
+of the checkpoint being resumed (its shards hashed once, here).
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read
 from tensorpar.checkpoints.sources import load_config
 from tensorpar.config.fields import check_choices
 from tensorpar.config.options import TrainOptions
-from tensorpar.data import check_batch_layout, prepare_sources, tokenizer_from
+from tensorpar.data import prepare_sources, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
-from tensorpar.distributed.mesh import check_hsdp_layout, resolve_layout
 from tensorpar.errors import TensorparError
+from tensorpar.layout import ParallelLayout
 from tensorpar.models import ModelConfig, get_config
-from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
-from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
-from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, splits_backward
 from tensorpar.tensor_parallel.fp8_scaling import check_fp8
 from tensorpar.training.metric_sinks import check_sink_packages
 from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps
@@ -35,6 +33,7 @@ class PreparedRun:
 
     options: TrainOptions  # resolved: dp, micro_batch_size, min_lr and warmup_steps are never None
     requested: TrainOptions  # as given (flags, --config, defaults): what running the same command again gives
+    layout: ParallelLayout  # checked against the model, the sequence and the batch
     cfg: ModelConfig  # the model to train (dropout from the options)
     resume_meta: dict | None  # the metadata of the checkpoint resumed from, if any
     world_size: int
@@ -42,8 +41,7 @@ class PreparedRun:
 
     @property
     def num_micro_batches(self) -> int:
-        o = self.options
-        return o.global_batch_size // (o.dp * o.micro_batch_size)
+        return self.layout.num_micro_batches(self.options.global_batch_size, self.options.micro_batch_size)
 
 
 def model_config(options: TrainOptions) -> ModelConfig:
@@ -100,23 +98,6 @@ def _check_observability(o: TrainOptions) -> None:
         raise TensorparError("--profile-ranks needs --profile-steps A:B")
 
 
-def _check_hsdp(o: TrainOptions, dp: int, cfg: ModelConfig) -> None:
-    """--dp-replicate divides dp, shards something (ZeRO 1-3), and is not combined with expert parallelism."""
-    check_hsdp_layout(dp, o.dp_replicate, o.ep if cfg.is_moe and o.ep > 1 else None)
-    if o.dp_replicate > 1 and o.zero == 0:
-        raise TensorparError(f"--dp-replicate {o.dp_replicate} splits ZeRO's sharding into replicas, and --zero 0 "
-                             f"shards nothing: give --zero 1, 2 or 3 (or drop --dp-replicate)")
-
-
-def _check_fp8(o: TrainOptions) -> None:
-    """--dtype fp8 on a device and torch that have fp8 GEMMs, and not under a split backward."""
-    check_fp8(o.dtype, o.device)
-    if o.dtype == "fp8" and o.pp > 1 and splits_backward(o.schedule):
-        raise TensorparError(f"--dtype fp8 cannot run under --schedule {o.schedule} (a split backward leaves weight "
-                             f"gradients for later, which the fp8 GEMMs compute with the input gradient): use 1f1b "
-                             f"or interleaved")
-
-
 def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     """--document-mask finds the documents by the tokenizer's EOS id: one there must be, inside the vocabulary."""
     if not o.document_mask:
@@ -163,31 +144,20 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
     cfg = model_config(o)
-    check_model_layout(cfg, o.tp, o.sequence_parallel, o.seq_len, o.cp)
     world = world_size if world_size is not None else launched_world_size(o)
     parse_profile_ranks(o.profile_ranks, world)
-    _, _, dp = resolve_layout(world, o.tp, o.pp, o.dp, o.cp)
-    micro = o.micro_batch_size or o.global_batch_size // dp
-    check_batch_layout(o.global_batch_size, dp, micro)
-    _check_hsdp(o, dp, cfg)
-    check_moe_layout(cfg, o.tp, o.cp, dp, o.ep, sequence_parallel=o.sequence_parallel,
-                     micro_batch_size=micro, seq_len=o.seq_len, expert_tp=o.expert_tp)
-    pipeline_layers = parse_pipeline_layers(o.pipeline_layers)
-    virtual_stages = chunks_per_rank(o.schedule, o.virtual_stages) if o.pp > 1 else o.virtual_stages
-    if o.pp > 1 and splits_backward(o.schedule) and o.zero == 3:
-        raise TensorparError(f"--schedule {o.schedule} leaves weight gradients for later, which ZeRO-3's per-layer "
-                             f"gather and free do not allow: use --zero 0, 1 or 2 with it, or another schedule")
-    _check_fp8(o)
-    if o.pp > 1 or o.virtual_stages > 1 or pipeline_layers is not None:
-        build_schedule(o.schedule, o.pp, o.global_batch_size // (dp * micro), o.virtual_stages)
-        stage_layers(cfg.num_layers, o.pp, virtual_stages, pipeline_layers)
+    layout = ParallelLayout.from_options(o, world)
+    micro = o.micro_batch_size or o.global_batch_size // layout.dp
+    layout.check(cfg, seq_len=o.seq_len, global_batch=o.global_batch_size, micro_batch_size=micro,
+                 fp8=o.dtype == "fp8")
+    check_fp8(o.dtype, o.device)
     tokenizer = tokenizer_from(o.tokenizer, o.init_from)
     _check_document_mask(o, tokenizer, cfg)
     # Document sources are tokenized here, once (the ranks then open the cache).
     prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
                     cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
     resolved = dataclasses.replace(
-        o, dp=dp, micro_batch_size=micro, virtual_stages=virtual_stages, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
+        o, dp=layout.dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
         val_every=o.val_every if o.eval_every is None else o.eval_every,
         warmup_steps=min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps)
-    return PreparedRun(resolved, options, cfg, resume_meta, world, tuple(notes))
+    return PreparedRun(resolved, options, layout, cfg, resume_meta, world, tuple(notes))
