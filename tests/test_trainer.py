@@ -155,8 +155,11 @@ def test_3d_layouts_train_like_one_process(pools, config_file, layout):
 
 @pytest.mark.parametrize("layout", [dict(pipeline_layers="2,6", schedule="1f1b"),
                                     dict(pipeline_layers="6,2", schedule="afab", zero=1),
-                                    dict(pipeline_layers="1,7", schedule="1f1b")],
-                         ids=["pp2-2.6-1f1b", "pp2-6.2-afab-zero1", "pp2-1.7-1f1b"])
+                                    dict(pipeline_layers="1,7", schedule="1f1b"),
+                                    dict(pipeline_layers="1,3,3,1", schedule="interleaved", virtual_stages=2),
+                                    dict(pipeline_layers="3,1,2,2", schedule="zbv")],
+                         ids=["pp2-2.6-1f1b", "pp2-6.2-afab-zero1", "pp2-1.7-1f1b", "pp2-v2-1.3.3.1-interleaved",
+                              "pp2-3.1.2.2-zbv"])
 def test_uneven_pipeline_stages_train_like_one_process(pools, config_file, layout):
     """--pipeline-layers: the stages hold different numbers of the 8 layers; training is unchanged."""
     from tensorpar.layout import parse_pipeline_layers
@@ -166,7 +169,8 @@ def test_uneven_pipeline_stages_train_like_one_process(pools, config_file, layou
     results = _compare(pools, config_file, layout)
     # The split is real: the stages' optimizer states are in the ratio of their planned parameters.
     split = tuple(parse_pipeline_layers(layout["pipeline_layers"]))
-    planned = [sum(n for _, n, _ in local_parameters(layout_runs.CONFIG, 1, 2, s, pipeline_layers=split))
+    planned = [sum(n for _, n, _ in local_parameters(layout_runs.CONFIG, 1, 2, s, layout.get("virtual_stages", 1),
+                                                     pipeline_layers=split, schedule=layout["schedule"]))
                for s in (0, 1)]
     small, large = sorted({r["optimizer_state_bytes"] for r in results})
     assert small / large == pytest.approx(min(planned) / max(planned), rel=1e-3)
