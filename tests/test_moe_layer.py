@@ -135,13 +135,13 @@ def test_moe_model_trains_a_step_and_reinitialises_alike():
 
 def test_a_moe_model_runs_under_bf16_autocast():
     """Evaluation and generation in bf16 run under autocast: fp32 residual stream, bf16 expert matmuls."""
-    from tensorpar.optim.precision import autocast
+    from tensorpar.config.precision import Precision
 
     m = Transformer(CFG, None, seed=4).eval()
     ids = torch.randint(0, CFG.vocab_size, (2, 9))
     with torch.no_grad():
         ref = m(ids[:, :-1], ids[:, 1:]).item()
-        with autocast(torch.device("cpu"), "bf16"):
+        with Precision("bf16", training=False).autocast(torch.device("cpu")):
             got = m(ids[:, :-1], ids[:, 1:]).item()
     assert abs(got - ref) <= 0.02 * ref
 

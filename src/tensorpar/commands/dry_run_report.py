@@ -17,8 +17,7 @@ def planned_candidate(run) -> Candidate:
 def planned_bytes(run, result: dict) -> dict:
     """The planner's parameter, gradient and optimizer bytes for the dry run's rank (its pipeline stage)."""
     o = run.options
-    precision = f"tensorpar-{o.dtype}" + ("-rowwise" if o.dtype == "fp8" and o.fp8_recipe == "rowwise" else "")
-    mb = stage_memory(run.cfg, planned_candidate(run), o.seq_len, o.global_batch_size, precision,
+    mb = stage_memory(run.cfg, planned_candidate(run), o.seq_len, o.global_batch_size, run.precision.planner_name,
                       stage=result["layout"]["pp_rank"], bucket_bytes=int(o.bucket_mb * 2**20),
                       loss_chunk_tokens=o.loss_chunk_tokens or None)
     return {"parameter_bytes": mb.parameters, "gradient_bytes": mb.gradients, "optimizer_bytes": mb.optimizer}

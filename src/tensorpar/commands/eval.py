@@ -21,6 +21,7 @@ from tensorpar.errors import TensorparError
 from tensorpar.layout import ParallelLayout
 from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.models.compile import compile_blocks
+from tensorpar.config.precision import Precision
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
 from tensorpar.training.evaluate import evaluate
 
@@ -48,6 +49,7 @@ def evaluate_checkpoint(options: EvalOptions, layout: ParallelLayout | None = No
     the one `validate` checked (None: the options' on the running world)."""
     cfg = load_config(options.checkpoint)
     layout = layout or ParallelLayout.from_options(options, world_from_env()[0])
+    precision = Precision.of(options, training=False)
     mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
@@ -56,11 +58,11 @@ def evaluate_checkpoint(options: EvalOptions, layout: ParallelLayout | None = No
         check_vocab(tokens, cfg.vocab_size, options.data or "the default corpus")
         windows = eval_windows(tokens, options.seq_len)
         model = Transformer(cfg, mesh, sequence_parallel=options.sequence_parallel, init=False,
-                            cp_impl=options.cp_impl, fp8=Fp8Recipe.of(options.dtype, options.fp8_recipe))
+                            cp_impl=options.cp_impl, fp8=Fp8Recipe.of(precision))
         load_full_state_dict(model, state, source=options.checkpoint)
         if options.compile:
             compile_blocks(model)
-        loss = evaluate(model, windows, options.batch_size, mesh.device, options.dtype, dp_group=mesh.dp_group)
+        loss = evaluate(model, windows, options.batch_size, mesh.device, precision, dp_group=mesh.dp_group)
         return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(windows[:, 1:].numel())}
     finally:
         mesh.destroy()

@@ -30,7 +30,7 @@ from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layout import ParallelLayout
 from tensorpar.inference.generation import check_generate_args, generate
 from tensorpar.models import Transformer, load_full_state_dict
-from tensorpar.optim.precision import autocast
+from tensorpar.config.precision import Precision
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
 
 
@@ -120,11 +120,12 @@ def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos,
     mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
-        model = Transformer(cfg, mesh, init=False, fp8=Fp8Recipe.of(options.dtype, options.fp8_recipe))
+        precision = Precision.of(options, training=False)
+        model = Transformer(cfg, mesh, init=False, fp8=Fp8Recipe.of(precision))
         load_full_state_dict(model, state, source=options.checkpoint)
         del state
         stats: dict = {}
-        with autocast(mesh.device, options.dtype):
+        with precision.autocast(mesh.device):
             new = generate(model, prompts, options.max_new_tokens, eos_id=eos, stats=stats,
                            replica_group=mesh.dp_group, **sampling)
         return new, stats

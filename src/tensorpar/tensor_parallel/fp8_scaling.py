@@ -136,9 +136,9 @@ class Fp8Recipe:
             raise ValueError(f"unknown fp8 recipe {self.name!r}; choose one of {', '.join(FP8_RECIPES)}")
 
     @classmethod
-    def of(cls, dtype: str, recipe: str) -> "Fp8Recipe | None":
-        """The recipe a run's ``--dtype`` and ``--fp8-recipe`` ask for (None unless the dtype is fp8)."""
-        return cls(recipe) if dtype == "fp8" else None
+    def of(cls, precision) -> "Fp8Recipe | None":
+        """The recipe a run's `Precision` asks for (None unless its GEMMs run in fp8)."""
+        return cls(precision.fp8_recipe) if precision.fp8 else None
 
     @property
     def rowwise(self) -> bool:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from tensorpar.distributed.mesh import build_mesh
 from tensorpar.errors import TensorparError
-from tensorpar.optim.precision import param_dtype
 from tensorpar.training.session import build_model, build_optimizer
 from tensorpar.training.validate import PreparedRun
 
@@ -58,7 +57,7 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
     with fake_world(rank, run.world_size):
         mesh = build_mesh(run.layout, moe=run.cfg.is_moe, device="cpu")
         model, _ = build_model(run, mesh, meta=True)
-        optimizer = build_optimizer(model, mesh, o)
+        optimizer = build_optimizer(model, mesh, run)
         mesh.stats.reset()
         _one_step(model, optimizer, run)
         memory = optimizer.memory()
@@ -79,7 +78,7 @@ def _one_step(model, optimizer, run: PreparedRun) -> None:
         x = ids
     else:  # the previous stage's activations, as the pipeline would deliver them
         x = torch.zeros(o.micro_batch_size, run.layout.seq_shard(o.seq_len), run.cfg.hidden_size,
-                        dtype=param_dtype(o.dtype), device="meta", requires_grad=True)
+                        dtype=run.precision.param_dtype, device="meta", requires_grad=True)
     optimizer.begin_step(1)
     if model.cfg.is_moe:  # the routing decides the all-to-all sizes: no values, no micro-batch; the step's traffic
         sum(p.sum() * 0 for p in model.parameters() if p.requires_grad).backward()

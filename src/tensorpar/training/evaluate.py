@@ -7,14 +7,15 @@ import math
 import torch
 
 from tensorpar.functional.document_mask import PackedDocuments
-from tensorpar.optim.precision import autocast
+from tensorpar.config.precision import Precision
 
 
 @torch.no_grad()
-def evaluate(model, windows: torch.Tensor, batch_size: int, device, dtype: str, dp_group=None,
+def evaluate(model, windows: torch.Tensor, batch_size: int, device, precision: Precision, dp_group=None,
              eos_id: int | None = None) -> float:
     """Mean next-token loss over `windows` [N, L+1] (every rank gets the same value); with `eos_id`, attention
-    within the packed documents that EOS ends (validation of a run trained with --document-mask).
+    within the packed documents that EOS ends (validation of a run trained with --document-mask); the forwards run
+    under `precision`'s autocast.
 
     With `dp_group` (size d > 1) the batches are dealt round-robin to its ranks and the sums of the losses and
     target counts all-reduced over it. Every rank runs the same number of forwards (one with no batch of its
@@ -29,7 +30,7 @@ def evaluate(model, windows: torch.Tensor, batch_size: int, device, dtype: str, 
         index = first + rank
         own = index < num_batches
         batch = windows[(index if own else 0) * batch_size:][:batch_size].to(device)
-        with autocast(device, dtype):
+        with precision.autocast(device):
             documents = None if eos_id is None else PackedDocuments.from_tokens(batch[:, :-1], eos_id)
             loss = model(batch[:, :-1], batch[:, 1:], documents=documents)
         if own:

@@ -127,7 +127,7 @@ def validation_loss(s: Session) -> float:
     """The validation loss, with the training's document mask if any."""
     eos = s.tokenizer.eos_id if s.options.document_mask else None
     if s.runner is None:
-        return evaluate(s.model, s.val_windows, s.options.micro_batch_size, s.mesh.device, s.options.dtype,
+        return evaluate(s.model, s.val_windows, s.options.micro_batch_size, s.mesh.device, s.run.precision,
                         eos_id=eos)
     s.model.eval()
     batches = [w.to(s.mesh.device) for w in s.val_windows.split(s.options.micro_batch_size)]

@@ -8,7 +8,7 @@ import time
 import torch
 
 from tensorpar.config.hardware import GPUS
-from tensorpar.optim.precision import PARAM_DTYPES
+from tensorpar.config.precision import TORCH_DTYPES
 
 # CUDA device-name markers -> the GPU catalog (tensorpar.config.hardware), the one table of datasheet peaks.
 _CATALOG_BY_DEVICE_NAME = {"H200": "h200", "H100": "h100-80gb", "B200": "b200", "A100": "a100-80gb"}
@@ -31,7 +31,7 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
 def _measured_once(device: str, dtype: str, threads: int) -> float:
     """The matmul peak of this process on `device` with `threads` threads, measured on first use (0.3 s): a process
     that trains several times (a notebook, a test's worker pool) measures once."""
-    return measure_matmul_flops(torch.device(device), PARAM_DTYPES[dtype])
+    return measure_matmul_flops(torch.device(device), TORCH_DTYPES[dtype])
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> float:

@@ -20,7 +20,6 @@ from tensorpar.distributed.mesh import Mesh
 from tensorpar.models import Transformer, load_full_state_dict
 from tensorpar.models.compile import compile_blocks
 from tensorpar.optim.loss_scaler import DynamicLossScaler
-from tensorpar.optim.precision import param_dtype
 from tensorpar.layout import ParallelLayout
 from tensorpar.pipeline_parallel.runner import PipelineRunner
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
@@ -118,14 +117,14 @@ def build_model(run: PreparedRun, mesh: Mesh, meta: bool = False) -> tuple[Trans
     model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
                         init=o.init_from is None and not meta, device="meta" if meta else None, cp_impl=o.cp_impl,
                         cp_split=o.cp_split, tp_overlap=o.tp_overlap, loss_chunk_tokens=o.loss_chunk_tokens or None,
-                        fp8=Fp8Recipe.of(o.dtype, o.fp8_recipe), **stage)
+                        fp8=Fp8Recipe.of(run.precision), **stage)
     if o.init_from and not meta:
         _, state = load_model_source(o.init_from)
         names = dict(model.named_parameters())
         load_full_state_dict(model, {k: v for k, v in state.items() if k in names}, source=o.init_from)
-    if o.dtype != "fp32":  # bf16/fp16 (fp8: bf16) parameters; the optimizer keeps fp32 masters; buffers stay fp32
+    if run.precision.param_dtype != torch.float32:  # the optimizer keeps fp32 masters; buffers stay fp32
         for p in model.parameters():
-            p.data = p.data.to(param_dtype(o.dtype))
+            p.data = p.data.to(run.precision.param_dtype)
     if o.compile and not meta:
         compile_blocks(model)
     model.train()
@@ -146,13 +145,14 @@ def build_data(run: PreparedRun, tokenizer) -> tuple[object, torch.Tensor | None
     return dataset, dataset.val_windows(o.val_windows) if dataset.num_val_windows else None, corpus
 
 
-def build_optimizer(model, mesh: Mesh, o) -> BucketedOptimizer | FullyShardedOptimizer:
+def build_optimizer(model, mesh: Mesh, run: PreparedRun) -> BucketedOptimizer | FullyShardedOptimizer:
     """AdamW across the DP (x CP) group: gradients averaged (ZeRO-0), or states, gradients and (ZeRO-3) parameters
     sharded."""
-    stage = ({"reshard_after_forward": o.zero3_reshard_after_forward} if o.zero == 3
+    o, zero = run.options, run.layout.zero
+    stage = ({"reshard_after_forward": o.zero3_reshard_after_forward} if zero == 3
              else {"bucket_bytes": int(o.bucket_mb * 2**20)})
-    return data_parallel_optimizer(model, mesh, zero=o.zero, lr=o.lr, weight_decay=o.weight_decay,
-                                   reduce_dtype=param_dtype(o.grad_reduce_dtype), **stage)
+    return data_parallel_optimizer(model, mesh, zero=zero, lr=o.lr, weight_decay=o.weight_decay,
+                                   reduce_dtype=run.precision.reduce_dtype, **stage)
 
 
 def warn_if_data_changed(saved: dict | None, corpus: list, spec: str | None) -> None:
@@ -189,13 +189,13 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
     o = run.options
     model, tokenizer = build_model(run, mesh)
     dataset, val_windows, corpus = build_data(run, tokenizer)
-    optimizer = build_optimizer(model, mesh, o)
+    optimizer = build_optimizer(model, mesh, run)
     start_step = resume(run, model, optimizer, mesh, corpus) if o.resume else 0
     runner = None
     if mesh.pp_size > 1:
         runner = PipelineRunner(model, mesh, run.layout, run.num_micro_batches,
                                 (o.micro_batch_size, run.layout.seq_shard(o.seq_len), run.cfg.hidden_size),
-                                activation_dtype=param_dtype(o.dtype), weight_grads=model.region.weight_grads)
+                                activation_dtype=run.precision.param_dtype, weight_grads=model.region.weight_grads)
         if val_windows is not None:
             val_windows = val_windows[: (len(val_windows) // o.micro_batch_size) * o.micro_batch_size]
     if mesh.rank == 0 and o.out_dir:
@@ -203,13 +203,13 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
     # One id for the run's checkpoints: a resumed run keeps its checkpoint's, a new one takes rank 0's.
     run_id = mesh.world_group.all_gather_object((run.resume_meta or {}).get("run_id") or uuid.uuid4().hex)[0]
     scaler = None
-    if o.dtype == "fp16":
+    if run.precision.loss_scaling:
         scaler = DynamicLossScaler(o.loss_scale, growth_interval=o.loss_scale_window)
         saved = ((run.resume_meta or {}).get("train") or {}).get("loss_scaler")
         if saved:
             scaler.load_state_dict(saved)  # the scale survives a resume
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
-                   peak_flops(mesh.device, o.dtype), stop, run_id, scaler=scaler, corpus=corpus,
+                   peak_flops(mesh.device, run.precision.dtype), stop, run_id, scaler=scaler, corpus=corpus,
                    async_saves=AsyncCheckpointer(mesh) if o.async_save else None)
 
 

@@ -17,6 +17,7 @@ from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read
 from tensorpar.checkpoints.sources import load_config
 from tensorpar.config.fields import check_choices
 from tensorpar.config.options import TrainOptions
+from tensorpar.config.precision import Precision
 from tensorpar.data import prepare_sources, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
 from tensorpar.errors import TensorparError
@@ -34,6 +35,7 @@ class PreparedRun:
     options: TrainOptions  # resolved: dp, micro_batch_size, min_lr and warmup_steps are never None
     requested: TrainOptions  # as given (flags, --config, defaults): what running the same command again gives
     layout: ParallelLayout  # checked against the model, the sequence and the batch
+    precision: Precision  # --dtype, --fp8-recipe and --grad-reduce-dtype as one value
     cfg: ModelConfig  # the model to train (dropout from the options)
     resume_meta: dict | None  # the metadata of the checkpoint resumed from, if any
     world_size: int
@@ -148,8 +150,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     parse_profile_ranks(o.profile_ranks, world)
     layout = ParallelLayout.from_options(o, world)
     micro = o.micro_batch_size or o.global_batch_size // layout.dp
+    precision = Precision.of(o)
     layout.check(cfg, seq_len=o.seq_len, global_batch=o.global_batch_size, micro_batch_size=micro,
-                 fp8=o.dtype == "fp8")
+                 fp8=precision.fp8)
     check_fp8(o.dtype, o.device)
     tokenizer = tokenizer_from(o.tokenizer, o.init_from)
     _check_document_mask(o, tokenizer, cfg)
@@ -160,4 +163,4 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         o, dp=layout.dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
         val_every=o.val_every if o.eval_every is None else o.eval_every,
         warmup_steps=min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps)
-    return PreparedRun(resolved, options, layout, cfg, resume_meta, world, tuple(notes))
+    return PreparedRun(resolved, options, layout, precision, cfg, resume_meta, world, tuple(notes))
