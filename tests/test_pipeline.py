@@ -134,8 +134,11 @@ def test_tied_embeddings_stay_tied_across_pipeline_stages(pools, tmp_path):
     path = tmp_path / "gpt2.json"
     path.write_text(json.dumps(get_config("tiny-gpt2").replace(hidden_size=64, ffn_hidden_size=128).to_dict()))
     reference = pools(1).run(run, str(path))[0]
-    assert_same_training(pools(4).run(run, str(path), tp=2, pp=2, dp=1, schedule="1f1b"), reference)
-    assert_same_training(pools(4).run(run, str(path), tp=1, pp=2, dp=2, zero=1, schedule="afab"), reference)
+    # Two q-bias elements get gradients near AdamW's eps: one process reordering its sums moves that tensor by 2e-5.
+    floor = pools(1).run(run, str(path), micro_batch_size=2)[0]
+    assert_same_training(pools(4).run(run, str(path), tp=2, pp=2, dp=1, schedule="1f1b"), reference, floor=floor)
+    assert_same_training(pools(4).run(run, str(path), tp=1, pp=2, dp=2, zero=1, schedule="afab"), reference,
+                         floor=floor)
 
 
 def test_zero_bubble_measured_bubbles_against_1f1b(pools):

@@ -10,7 +10,7 @@ import json
 import pytest
 
 import layout_runs
-from layout_runs import assert_same_training, reference, run
+from layout_runs import assert_same_training, reassociated, reference, run
 
 # The tiny preset (4 layers, 2 KV heads) at seq 32; one micro-batch per DP rank unless accumulation is the point.
 TINY = dict(seed=3, seq_len=32, micro_batch_size=None)
@@ -20,12 +20,13 @@ def _world(layout):
     return layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
 
 
-def _compare(pools, model, layout, tol=1e-4, **settings):
+def _compare(pools, model, layout, tol=1e-4, floor=False, **settings):
     """Train `layout` (which may set its own micro-batch size) and one process with the same settings; assert the
-    same training."""
+    same training (`floor`: leaving out what float reassociation alone moves: `layout_runs.assert_same_training`)."""
     results = pools(_world(layout)).run(run, model, **{**settings, **layout})
     assert all(r["trajectory"] == results[0]["trajectory"] for r in results), "ranks disagree on the trajectory"
-    assert_same_training(results, reference(pools, model, **settings), tol)
+    assert_same_training(results, reference(pools, model, **settings), tol,
+                         reassociated(pools, model, **settings) if floor else None)
     return results
 
 
@@ -76,7 +77,9 @@ def test_twenty_steps_of_tp2_sp_follow_the_single_device_training(pools):
 def test_twenty_steps_of_3d_with_zero1_follow_the_single_device_training(pools, config_file):
     """TP 2 x PP 2 x DP 2 (8 ranks), 1F1B over 4 micro-batches per DP rank, ZeRO-1."""
     settings = dict(steps=20, warmup_steps=2)
-    _compare(pools, config_file, dict(tp=2, pp=2, dp=2, schedule="1f1b", zero=1), **settings)
+    # Step 10 of this trajectory sits where the gradient is sensitive: one process reordering its own sums moves its
+    # grad norm by 4.5e-5 there (2e-7 elsewhere), and a layout by up to 1.1e-4, depending on the CPU's kernels.
+    _compare(pools, config_file, dict(tp=2, pp=2, dp=2, schedule="1f1b", zero=1), floor=True, **settings)
     losses = [loss for loss, _ in reference(pools, config_file, **settings)["trajectory"]]
     assert losses[-1] < losses[0] - 0.5, "the reference does not learn: a vacuous comparison"
 
