@@ -260,6 +260,30 @@ class GenerateOptions(ExpertOptions, LaunchOptions):
 
 
 @dataclasses.dataclass
+class ServeOptions(ExpertOptions, LaunchOptions):
+    """`tensorpar serve`: an OpenAI-compatible server over the TP ranks, continuous batching, a paged KV cache."""
+
+    checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
+    host: str = option("127.0.0.1", "address rank 0's HTTP server listens on", group="server")
+    port: int = option(8000, "port rank 0's HTTP server listens on", group="server")
+    served_model_name: str | None = option(None, "the model's name in the API (default: --checkpoint as given)",
+                                           group="server")
+    max_running: int = option(64, "sequences in the running batch at most", group="batching")
+    max_queue: int = option(256, "sequences waiting to join the batch at most; a request beyond gets 429",
+                            group="batching")
+    token_budget: int = option(512, "tokens one step feeds at most (decoding sequences, then prefill chunks)",
+                               group="batching")
+    block_size: int = option(16, "token slots per block of the paged KV cache", group="batching")
+    kv_cache_tokens: int | None = option(None, "token slots of the paged KV pool on each rank (default: "
+                                               "max-running full-context sequences)", group="batching")
+    sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)
+    dtype: str = option("fp32", "fp32, bf16 autocast, or fp8 (bf16 autocast, the parallel linears' GEMMs in fp8)",
+                        choices=DTYPES, group=LAYOUT)
+    fp8_recipe: str = option("tensorwise", "--dtype fp8: one scale per tensor, or per row", choices=FP8_RECIPES,
+                             group=LAYOUT)
+
+
+@dataclasses.dataclass
 class PlanOptions:
     """`tensorpar plan`: rank layouts for a model on a cluster, or draw a pipeline schedule."""
 
