@@ -16,9 +16,9 @@ import time
 from typing import Callable
 
 from tensorpar.functional.dropout import mix_seed
-from tensorpar.serving.metrics import ServerMetrics
+from tensorpar.serving.server_metrics import ServerMetrics
 from tensorpar.serving.model_step import run_step
-from tensorpar.serving.plan import ItemResult, Sampling, StepItem, StepPlan, TokenLogprob, share_plan
+from tensorpar.serving.step_plan import ItemResult, Sampling, StepItem, StepPlan, TokenLogprob, share_plan
 from tensorpar.serving.scheduler import QueueFull, Scheduler, Sequence
 from tensorpar.serving.text import TextStream
 

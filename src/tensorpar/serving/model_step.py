@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tensorpar.serving.paged_cache import PagedKVPool, Segment
-from tensorpar.serving.plan import ItemResult, StepPlan
+from tensorpar.serving.step_plan import ItemResult, StepPlan
 from tensorpar.serving.sampling import sample_rows, token_logprobs
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.serving.engine import EngineRequest
-from tensorpar.serving.plan import Sampling
+from tensorpar.serving.step_plan import Sampling
 
 MAX_LOGPROBS = 20
 MAX_N = 16

@@ -9,7 +9,7 @@ import time
 import uuid
 
 from tensorpar.serving.engine import ChoiceEvent, RequestDone
-from tensorpar.serving.plan import TokenLogprob
+from tensorpar.serving.step_plan import TokenLogprob
 
 
 def new_id(kind: str) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tensorpar.inference.generation import gumbel_noise, keep_threshold, tp_argmax_rows
-from tensorpar.serving.plan import Sampling, TokenLogprob
+from tensorpar.serving.step_plan import Sampling, TokenLogprob
 
 
 def sample_rows(local_logits: torch.Tensor, model, rows: list[Sampling], steps: list[int]) -> torch.Tensor:
