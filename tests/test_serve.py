@@ -65,8 +65,12 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    folder = save_llama(tmp_path_factory.mktemp("llama"))
+def folder(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def served(folder, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("log") / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "tensorpar", "serve", "--checkpoint", folder, "--tp", "2", "--port",
@@ -93,6 +97,27 @@ def served(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
     log.close()
+
+
+# -- refused before any rank starts -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--pp", "2"], "drop --pp"),
+    (["--sequence-parallel"], "drop --sequence-parallel"),
+    (["--kv-cache-tokens", "100"], "give at least 256"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-running", "0"], "--max-running must be at least 1"),
+])
+def test_bad_options_are_refused_in_one_line(cli, folder, flags, needle):
+    code, _, err = cli("serve", "--checkpoint", folder, "--tp", "2", *flags)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_without_the_serve_extra_the_install_line(cli, folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    code, _, err = cli("serve", "--checkpoint", folder)
+    assert code == 2 and "pip install 'tensorpar[serve]'" in err and "uvicorn" in err, err
 
 
 # -- what is generated -------------------------------------------------------------------------------------------

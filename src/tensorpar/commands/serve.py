@@ -139,7 +139,8 @@ def serve_rank(options: ServeOptions, cfg, tokenizer, info: ModelInfo, kv_tokens
                 follow(model, pool, mesh.world_group, mesh.device)
                 return 0
             scheduler = Scheduler(BlockAllocator(pool.num_blocks, pool.block_size), token_budget=options.token_budget,
-                                  max_running=options.max_running, max_waiting=options.max_queue)
+                                  max_running=options.max_running, max_waiting=options.max_queue,
+                                  static=options.batching == "static")
             engine = Engine(model, pool, scheduler, tokenizer, mesh.world_group, context_len=info.context_len,
                             device=mesh.device)
             _serve_rank0(options, engine, tokenizer, info, pool)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.config.choices import (
+    BATCHING_MODES,
     BIN_DTYPES,
     CP_IMPLS,
     CP_SPLITS,
@@ -276,6 +277,9 @@ class ServeOptions(ExpertOptions, LaunchOptions):
     block_size: int = option(16, "token slots per block of the paged KV cache", group="batching")
     kv_cache_tokens: int | None = option(None, "token slots of the paged KV pool on each rank (default: "
                                                "max-running full-context sequences)", group="batching")
+    batching: str = option("continuous", "continuous: sequences join and leave the batch at every step; static: a "
+                                         "batch forms when the last one has finished (for comparison)",
+                           choices=BATCHING_MODES, group="batching")
     sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)
     dtype: str = option("fp32", "fp32, bf16 autocast, or fp8 (bf16 autocast, the parallel linears' GEMMs in fp8)",
                         choices=DTYPES, group=LAYOUT)

@@ -54,11 +54,13 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, *, token_budget: int, max_running: int, max_waiting: int):
+    def __init__(self, allocator: BlockAllocator, *, token_budget: int, max_running: int, max_waiting: int,
+                 static: bool = False):
+        """`static`: static batching, for comparison: sequences join only when the running batch has emptied."""
         if token_budget < 1 or max_running < 1 or max_waiting < 0:
             raise TensorparError(f"the scheduler needs a token budget and max_running of at least 1 and a queue of "
                                  f"at least 0, got {token_budget}, {max_running}, {max_waiting}")
-        self.allocator = allocator
+        self.allocator, self.static = allocator, static
         self.token_budget, self.max_running, self.max_waiting = token_budget, max_running, max_waiting
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # oldest first
@@ -105,17 +107,20 @@ class Scheduler:
             chunks.append((seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
-        while budget and self.waiting and len(self.running) < self.max_running:
+        forming = self.static and not self.running  # static batching: the batch forms only when it is empty
+        joining = forming or not self.static
+        while joining and (budget or forming) and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if not self.allocator.can_hold(seq.seq_id, seq.length):
                 break
             self.waiting.popleft()
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             n = min(seq.remaining, budget)
-            self.allocator.grow(seq.seq_id, seq.computed + n)
-            chunks.append((seq, n))
-            scheduled.add(seq.seq_id)
-            budget -= n
+            if n:
+                self.allocator.grow(seq.seq_id, seq.computed + n)
+                chunks.append((seq, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
         return chunks
 
     def _make_room(self, seq: Sequence, tokens: int, scheduled: set[int]) -> bool:
