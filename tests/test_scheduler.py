@@ -108,3 +108,17 @@ def test_paged_pool_holds_more_sequences_than_a_preallocated_cache_of_the_same_m
         _run(s, s.schedule())
         most = max(most, len(s.running))
     assert most >= 4 * (pool_tokens // context) and all(len(q.generated) == 30 for q in seqs)
+
+
+def test_static_batching_forms_a_batch_only_when_the_last_has_finished():
+    s = Scheduler(BlockAllocator(64, 4), token_budget=4, max_running=8, max_waiting=16, static=True)
+    first = [Sequence(i, [1, 2], max_tokens=1 + 3 * i) for i in range(3)]
+    s.add(first)
+    step = s.schedule()  # the whole batch joins, though the budget feeds only two prompts this step
+    assert len(s.running) == 3 and [q.seq_id for q, _ in step] == [0, 1]
+    late = Sequence(9, [1], max_tokens=1)
+    s.add([late])
+    while late not in s.running:
+        _run(s, step)
+        step = s.schedule()
+    assert [q.seq_id for q, _ in step] == [9] and all(len(q.generated) == q.max_tokens for q in first)

@@ -144,6 +144,10 @@ def test_greedy_completions_equal_transformers_and_generate(served, pools):
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks) == text and chunks[-1].choices[0].finish_reason
         assert _generate_cli(pools, served.folder, prompt, "--greedy") == text
+    stop = expected[0][4:7]  # the continuation ends before a stop string, which is not returned
+    out = served.client.completions.create(model=served.folder, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                           stop=[stop, "never"])
+    assert out.choices[0].text == expected[0][: expected[0].find(stop)] and out.choices[0].finish_reason == "stop"
 
 
 def test_chat_equals_transformers(served):
