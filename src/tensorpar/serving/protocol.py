@@ -207,7 +207,10 @@ def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequ
     if template is None:
         raise ApiError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                        "chat_template.jinja): use /v1/completions", param="messages")
-    prompt = tokenizer.encode(template.render(messages))
+    try:
+        prompt = tokenizer.encode(template.render(messages))
+    except ValueError as e:  # the template's own raise_exception: messages it does not take
+        raise ApiError(str(e), param="messages") from None
     prompts = _prompts({"prompt": prompt}, tokenizer, info)
     max_tokens = field(body, "max_completion_tokens", int, None, low=0)
     max_tokens = field(body, "max_tokens", int, max_tokens, low=0)
