@@ -1,5 +1,5 @@
-"""The paged KV cache and one serving step (`run_step`) against the model without a cache, at TP 1 and 2: packed
-prefill chunks and decodes give the full forward's logits, log-probs are the model's log_softmax (1e-5) with its top
+"""The paged KV cache and one serving step (`run_step`) against the model without a cache, at TP 1 and 2 and for an
+MoE model over 2 expert-parallel ranks: packed prefill chunks and decodes give the full forward's logits, log-probs are the model's log_softmax (1e-5) with its top
 tokens, and a seeded row samples what `tensorpar generate`'s sampler samples for it alone, whatever shares the step."""
 
 import pytest
@@ -23,16 +23,26 @@ STEPS = [[(0, 6), (1, 5), (2, 10)], [(0, 1), (1, 1), (2, 13)], [(0, 4)], [(1, 1)
 SAMPLED = Sampling(greedy=False, temperature=0.9, top_k=40, top_p=0.95, seed=5)
 
 
-def _model(tp):
-    model = Transformer(CFG, mesh(tp) if tp > 1 else None, seed=3).eval()
+MOE = get_config("tiny-moe").replace(num_layers=2)  # dropless routing: a token's experts do not depend on the batch
+
+
+def _model(tp, moe=False):
+    """The model at TP `tp`; `moe`: the MoE one, its experts over 2 expert-parallel ranks (replicas of the TP
+    group, as `serve --ep 2` runs it)."""
+    if moe:
+        return _model_of(Transformer(MOE, mesh(tp, dp=2 // tp, ep=2), seed=3).eval())
+    return _model_of(Transformer(CFG, mesh(tp) if tp > 1 else None, seed=3).eval())
+
+
+def _model_of(model):
     g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, CFG.vocab_size, (n,), generator=g) for n in LENGTHS]
+    seqs = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in LENGTHS]
     return model, seqs
 
 
-def check_paged_steps(tp):
+def check_paged_steps(tp, moe=False):
     """Largest |paged - full| logit and log-prob error over STEPS; the sampled tokens of each step."""
-    model, seqs = _model(tp)
+    model, seqs = _model(tp, moe)
     alloc, pool = BlockAllocator(20, 4), PagedKVPool.for_model(model, 20, 4)
     done, logit_err, lp_err, tokens = [0] * 3, 0.0, 0.0, []
     with torch.no_grad():
@@ -66,7 +76,7 @@ def _logprob_error(model, local_full, targets, result) -> float:
     """|served - log_softmax| over the result's prompt targets and top tokens (dense logits gathered here)."""
     group = model.tp_group
     dense = group.all_gather(model.mask_padding(local_full.float()).unsqueeze(0), dim=0)
-    dense = torch.cat(list(dense), dim=-1)[:, :CFG.vocab_size]
+    dense = torch.cat(list(dense), dim=-1)[:, :model.cfg.vocab_size]
     reference = torch.log_softmax(dense.double(), dim=-1)
     err = 0.0
     for p, (target, lp) in enumerate(zip(targets.tolist(), result.prompt_logprobs)):
@@ -93,6 +103,11 @@ def test_paged_steps_equal_the_full_forward_tp2(pools, tp1):
     for rank, (logit_err, lp_err, tokens) in enumerate(pools(2).run(check_paged_steps, 2)):
         assert logit_err <= 2e-5 and lp_err <= 1e-5, rank
         assert tokens == tp1[2], rank  # seeded samples: the same at every TP size
+
+
+def test_paged_steps_of_an_moe_model_over_expert_parallel_ranks(pools):
+    for rank, (logit_err, lp_err, _) in enumerate(pools(2).run(check_paged_steps, 1, True)):
+        assert logit_err <= 2e-5 and lp_err <= 1e-5, rank
 
 
 def check_rows_sample_alone(tp):
