@@ -123,13 +123,14 @@ def test_without_the_serve_extra_the_install_line(cli, folder, monkeypatch):
 # -- what is generated -------------------------------------------------------------------------------------------
 
 
-def _generate_cli(pools, folder, prompt, *flags):
-    """`tensorpar generate --json` at TP 2 (on the test pool's ranks): rank 0's text."""
-    argv = ["generate", "--checkpoint", folder, "--tp", "2", "--prompt", prompt, "--max-new-tokens", NEW, "--json",
-            *flags]
+def _generate_cli(pools, folder, prompts, *flags) -> list[str]:
+    """`tensorpar generate --json` at TP 2 (on the test pool's ranks): rank 0's text of each prompt."""
+    argv = ["generate", "--checkpoint", folder, "--tp", "2", "--max-new-tokens", NEW, "--json", *flags]
+    for prompt in prompts:
+        argv += ["--prompt", prompt]
     code, out, err = pools(2).run(run_cli, argv)[0]
     assert code == 0, err
-    return json.loads(out.splitlines()[0])["text"]
+    return [json.loads(line)["text"] for line in out.splitlines()]
 
 
 def test_greedy_completions_equal_transformers_and_generate(served, pools):
@@ -143,7 +144,7 @@ def test_greedy_completions_equal_transformers_and_generate(served, pools):
                                                   stream=True)
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks) == text and chunks[-1].choices[0].finish_reason
-        assert _generate_cli(pools, served.folder, prompt, "--greedy") == text
+    assert _generate_cli(pools, served.folder, PROMPTS, "--greedy") == expected
     stop = expected[0][4:7]  # the continuation ends before a stop string, which is not returned
     out = served.client.completions.create(model=served.folder, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
                                            stop=[stop, "never"])
@@ -205,8 +206,8 @@ def test_seeded_sampling_depends_on_the_seed_alone(served, pools):
         t.join()
     assert results["again"] == alone  # in a batch with others: the same tokens
     assert served.client.completions.create(**{**body, "seed": 124}).choices[0].text != alone
-    assert _generate_cli(pools, served.folder, PROMPTS[0], "--temperature", "0.8", "--top-p", "0.9", "--seed", "123",
-                         "--ignore-eos") == alone
+    assert _generate_cli(pools, served.folder, PROMPTS[:1], "--temperature", "0.8", "--top-p", "0.9", "--seed", "123",
+                         "--ignore-eos") == [alone]
 
 
 # -- lm-eval -----------------------------------------------------------------------------------------------------
