@@ -23,6 +23,7 @@ from tensorpar.serving.scheduler import QueueFull, Scheduler, Sequence
 from tensorpar.serving.text import TextStream
 
 HEARTBEAT_S = 2.0  # an idle rank 0 broadcasts an empty plan this often: far within any collective's timeout
+IDLE_POLL_S = 0.1  # an idle rank 0 looks at its inbox and the drain flag this often
 
 
 @dataclasses.dataclass
@@ -87,8 +88,7 @@ class Engine:
         self.world, self.device, self.context_len = world_group, device, context_len
         self.metrics = metrics or ServerMetrics()
         self.inbox: queue.Queue = queue.Queue()
-        self.draining = False
-        self.accepting = True
+        self.accepting = True  # False once draining
         self._choices: dict[int, _Choice] = {}
         self._requests: dict[int, list[_Choice]] = {}  # id(request) -> its choices
         self._next_seq = 0
@@ -103,10 +103,9 @@ class Engine:
         self.inbox.put(("cancel", request))
 
     def drain(self) -> None:
-        """Refuse new requests, finish those in flight, then stop every rank (on SIGTERM; safe in a signal
-        handler)."""
+        """Refuse new requests, finish those in flight, then stop every rank (on SIGTERM). A signal handler may call
+        it: it sets a flag, and takes no lock the interrupted loop could hold."""
         self.accepting = False
-        self.inbox.put(("drain", None))
 
     def metrics_text(self) -> str:
         return self.metrics.render(self.scheduler)
@@ -115,8 +114,8 @@ class Engine:
 
     def serve_forever(self) -> None:
         while True:
-            self._take_inbox(wait=self.scheduler.idle and not self.draining)
-            if self.draining and self.scheduler.idle:
+            self._take_inbox(wait=self.scheduler.idle and self.accepting)
+            if not self.accepting and self.scheduler.idle:
                 break
             chunks = self.scheduler.schedule()
             plan = StepPlan(tuple(self._item(seq, n) for seq, n in chunks))
@@ -129,20 +128,24 @@ class Engine:
         share_plan(self.world, StepPlan(stop=True), self.device)
 
     def _take_inbox(self, wait: bool) -> None:
-        try:
-            message = self.inbox.get(timeout=HEARTBEAT_S) if wait else self.inbox.get_nowait()
-        except queue.Empty:
-            if wait:
-                share_plan(self.world, StepPlan(), self.device)  # the heartbeat
-            return
+        """Take the requests and cancellations that came in; `wait` (idle): for one, up to the heartbeat."""
+        deadline = time.monotonic() + HEARTBEAT_S
+        while True:
+            try:
+                message = self.inbox.get(timeout=IDLE_POLL_S) if wait else self.inbox.get_nowait()
+                break
+            except queue.Empty:
+                if not wait or not self.accepting:
+                    return
+                if time.monotonic() >= deadline:
+                    share_plan(self.world, StepPlan(), self.device)  # the heartbeat
+                    return
         while True:
             kind, request = message
             if kind == "submit":
                 self._admit(request)
-            elif kind == "cancel":
-                self._drop(request, "cancelled")
             else:
-                self.draining = True
+                self._drop(request, "cancelled")
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
