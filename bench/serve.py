@@ -133,7 +133,7 @@ def load(port: int, model: str, requests: list[tuple[str, int]], clients: int) -
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
-    return dict(tokens_per_s=tokens[0] / seconds, ttft=percentiles(ttft), itl=percentiles(itl))
+    return dict(tokens_per_s=tokens[0] / seconds, ttft=percentiles(ttft), itl=percentiles(itl), tokens=tokens[0])
 
 
 def percentiles(values: list[float]) -> tuple[float, float, float]:
@@ -163,8 +163,9 @@ def transformers_generate(folder: str, requests: list[tuple[str, int]], batch: i
     return tokens / (time.perf_counter() - t0)
 
 
-def paged_capacity(folder: str, args, context: int) -> int:
-    """The most sequences a server whose pool holds 4 full-context sequences runs at once under 64 clients."""
+def paged_capacity(folder: str, args, context: int) -> tuple[int, int]:
+    """(the most sequences a server whose pool holds 4 full-context sequences runs at once under 64 clients, the
+    sequences it preempted); every request must get all its tokens."""
     server = Server(folder, args, "--kv-cache-tokens", str(4 * context), "--max-running", "64")
     most, done = [0], threading.Event()
 
@@ -175,13 +176,17 @@ def paged_capacity(folder: str, args, context: int) -> int:
 
     watcher = threading.Thread(target=watch)
     watcher.start()
+    requests = workload(args, 64)[:64]
     try:
-        load(server.port, folder, workload(args, 64)[:64], 64)
+        result = load(server.port, folder, requests, 64)
+        preempted = int(server.metric("preemptions_total"))
     finally:
         done.set()
         watcher.join()
         server.stop()
-    return most[0]
+    if result["tokens"] != sum(n for _, n in requests):
+        raise SystemExit(f"the paged run returned {result['tokens']} tokens of {sum(n for _, n in requests)}")
+    return most[0], preempted
 
 
 def main() -> None:
@@ -219,8 +224,9 @@ def main() -> None:
         hf = {c: transformers_generate(folder, workload(args, c), c, args.threads * args.tp) for c in levels}
         for c in levels:
             print(f"transformers generate (1 process, batch {c}): {hf[c]:.1f} tok/s", flush=True)
-        most = paged_capacity(folder, args, context)
-        print(f"paged pool of 4 x {context} tokens: at most {most} sequences at once (preallocated: 4)")
+        most, preempted = paged_capacity(folder, args, context)
+        print(f"paged pool of 4 x {context} tokens: at most {most} sequences at once (preallocated: 4), "
+              f"{preempted} preemptions, every token delivered")
     top = 16 if 16 in levels else levels[-1]
     base = rows["continuous", levels[0]]["tokens_per_s"]
     print(f"c{top}/c{levels[0]}={rows['continuous', top]['tokens_per_s'] / base:.2f} "
