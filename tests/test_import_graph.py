@@ -28,6 +28,7 @@ LEVELS = [
     {"data_parallel", "inference"},
     {"checkpoints"},
     {"training"},
+    {"serving"},  # the HTTP server, the engine and the paged KV cache: inference and checkpoints below it
     {"planning"},
     {"commands"},
     {"cli", "__init__"},

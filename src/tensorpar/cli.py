@@ -11,14 +11,14 @@ import argparse
 import os
 import sys
 
-from tensorpar.commands import calibrate, convert, demo, diagnose, explain, generate, plan, prepare_data, train
+from tensorpar.commands import calibrate, convert, demo, diagnose, explain, generate, plan, prepare_data, serve, train
 from tensorpar.commands import eval as eval_cmd
 from tensorpar.distributed.launch import follow_launcher, record_error
 from tensorpar.distributed.nodes import NodeLayout
 from tensorpar.distributed.slurm import adopt_slurm_step
 from tensorpar.errors import TensorparError
 
-COMMANDS = (train, eval_cmd, generate, demo, explain, plan, calibrate, convert, prepare_data, diagnose)
+COMMANDS = (train, eval_cmd, generate, serve, demo, explain, plan, calibrate, convert, prepare_data, diagnose)
 
 
 class ArgumentParser(argparse.ArgumentParser):

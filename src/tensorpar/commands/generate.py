@@ -65,11 +65,13 @@ def _prompts(options, tokenizer) -> list[list[int]]:
 
 
 def _eos_ids(options, tokenizer):
+    return None if options.ignore_eos else eos_ids(options.checkpoint, tokenizer)
+
+
+def eos_ids(checkpoint: str, tokenizer):
     """The EOS id(s) transformers' generate would stop at: generation_config.json, config.json, the tokenizer."""
-    if options.ignore_eos:
-        return None
     for name in ("generation_config.json", "config.json"):
-        path = os.path.join(options.checkpoint, name)
+        path = os.path.join(checkpoint, name)
         if os.path.isfile(path):
             try:
                 with open(path) as f:

@@ -21,3 +21,4 @@ PLANNED_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")  # the pipeline sche
 SEQUENCE_PARALLEL_SEARCH = ("both", "on", "off")  # plan --sequence-parallel
 CP_IMPLS = ("ring", "allgather")  # context-parallel attention (--cp-impl)
 CP_SPLITS = ("zigzag", "contiguous")  # how the sequence's chunks are dealt to the CP ranks (--cp-split)
+BATCHING_MODES = ("continuous", "static")  # tensorpar serve --batching

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.config.choices import (
+    BATCHING_MODES,
     BIN_DTYPES,
     CP_IMPLS,
     CP_SPLITS,
@@ -252,6 +253,33 @@ class GenerateOptions(ExpertOptions, LaunchOptions):
     seed: int | None = option(None, "sampling seed (default 0): same seed, same tokens", group="sampling")
     ignore_eos: bool = option(False, "always generate --max-new-tokens tokens")
     json: bool = option(False, "one JSON line per prompt: ids, text, tokens_per_s")
+    sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)
+    dtype: str = option("fp32", "fp32, bf16 autocast, or fp8 (bf16 autocast, the parallel linears' GEMMs in fp8)",
+                        choices=DTYPES, group=LAYOUT)
+    fp8_recipe: str = option("tensorwise", "--dtype fp8: one scale per tensor, or per row", choices=FP8_RECIPES,
+                             group=LAYOUT)
+
+
+@dataclasses.dataclass
+class ServeOptions(ExpertOptions, LaunchOptions):
+    """`tensorpar serve`: an OpenAI-compatible server over the TP ranks, continuous batching, a paged KV cache."""
+
+    checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
+    host: str = option("127.0.0.1", "address rank 0's HTTP server listens on", group="server")
+    port: int = option(8000, "port rank 0's HTTP server listens on", group="server")
+    served_model_name: str | None = option(None, "the model's name in the API (default: --checkpoint as given)",
+                                           group="server")
+    max_running: int = option(64, "sequences in the running batch at most", group="batching")
+    max_queue: int = option(256, "sequences waiting to join the batch at most; a request beyond gets 429",
+                            group="batching")
+    token_budget: int = option(512, "tokens one step feeds at most (decoding sequences, then prefill chunks)",
+                               group="batching")
+    block_size: int = option(16, "token slots per block of the paged KV cache", group="batching")
+    kv_cache_tokens: int | None = option(None, "token slots of the paged KV pool on each rank (default: "
+                                               "max-running full-context sequences)", group="batching")
+    batching: str = option("continuous", "continuous: sequences join and leave the batch at every step; static: a "
+                                         "batch forms when the last one has finished (for comparison)",
+                           choices=BATCHING_MODES, group="batching")
     sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)
     dtype: str = option("fp32", "fp32, bf16 autocast, or fp8 (bf16 autocast, the parallel linears' GEMMs in fp8)",
                         choices=DTYPES, group=LAYOUT)

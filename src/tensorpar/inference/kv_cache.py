@@ -15,6 +15,7 @@ slots are never attended to, and a row's absolute position is its slot minus its
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tensorpar.errors import TensorparError
 
@@ -77,6 +78,12 @@ class KVCache:
             mask = (mask & (k_slot >= self.pad[:, None, None])) | (k_slot == q_slot)  # [B, s, L]
             mask = mask[:, None]  # [B, 1, s, L]: the same for every head
         return mask, False
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v of the s new queries [B, heads, s, d] over the keys and values `append`
+        returned (heads repeated for grouped-query attention), masked by `attention_mask(s)`."""
+        mask, is_causal = self.attention_mask(q.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))

@@ -113,12 +113,12 @@ class ParallelAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, **mask)
 
     def cached_core(self, q, k, v, kv_cache):
-        """Attention of the new queries over every cached position (inference: no dropout, no recomputation)."""
+        """Attention of the new queries over every cached position (inference: no dropout, no recomputation). The
+        cache laid the keys out (`append`), so it pairs them with the queries: `kv_cache.attend(q, k, v)`."""
         if self.local_kv_heads != self.local_heads:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        mask, is_causal = kv_cache.attention_mask(q.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return kv_cache.attend(q, k, v)
 
     def forward(self, x: torch.Tensor, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
                 kv_cache=None, layer_key=None, context: ContextSplit | None = None,

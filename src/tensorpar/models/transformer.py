@@ -338,14 +338,22 @@ class Transformer(nn.Module):
         sits at absolute position `start_pos` (an int, or a [B] tensor for left-padded rows; default: where the
         cache ends), append their keys and values, and return this rank's vocabulary shard of the logits of the
         LAST position: [B, padded_vocab / tp]. Whole model on one TP group: no sequence or pipeline parallelism."""
+        start_pos = cache.start_positions() if start_pos is None else start_pos
+        positions = (torch.as_tensor(start_pos, device=ids.device)[..., None]
+                     + torch.arange(ids.shape[1], device=ids.device)).clamp(min=0)  # [s] or [B, s]; padding -> 0
+        h = self.cached_hidden(ids, cache, positions)
+        cache.advance(ids.shape[1])
+        return self.logits(self.final_norm(h[:, -1]))
+
+    def cached_hidden(self, ids: torch.Tensor, cache, positions: torch.Tensor) -> torch.Tensor:
+        """The last layer's hidden states [B, s, H] (before the final norm) of the new tokens `ids` [B, s] at the
+        absolute `positions` ([s] or [B, s]), their keys and values appended to `cache` (a `KVCache`, or any
+        object with its `append` / `attend` methods, such as the server's paged cache)."""
         if self.sequence_parallel or self.cp_group.size > 1:
             raise LayoutError("generation with a KV cache runs without sequence or context parallelism: build the "
                               "model with sequence_parallel=False and cp = 1 (the weights are the same)")
         if not (self.first_stage and self.last_stage):
             raise LayoutError("generation with a KV cache needs the whole model on every rank (pipeline size 1)")
-        start_pos = cache.start_positions() if start_pos is None else start_pos
-        positions = (torch.as_tensor(start_pos, device=ids.device)[..., None]
-                     + torch.arange(ids.shape[1], device=ids.device)).clamp(min=0)  # [s] or [B, s]; padding -> 0
         h = self.embed(ids)
         if self.pos_embed is not None:
             if int(positions.max()) >= self.cfg.max_seq_len:
@@ -355,8 +363,7 @@ class Transformer(nn.Module):
         rope = rope_cos_sin(positions, self.inv_freq, h.dtype) if self.cfg.position == "rope" else None
         for key, layer in self.layers.items():
             h = layer(h, rope, kv_cache=cache, layer_key=key)
-        cache.advance(ids.shape[1])
-        return self.logits(self.final_norm(h[:, -1]))
+        return h
 
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Set this rank's padding columns to -inf, so that they never win an argmax or a sample."""

@@ -1,0 +1,154 @@
+"""`tensorpar serve`: an OpenAI-compatible HTTP server over tensor-parallel ranks.
+
+    tensorpar serve --checkpoint DIR|HF_FOLDER [--tp T] [--ep E] [--dtype fp32|bf16|fp8] [--host H --port P]
+                    [--max-running N --max-queue Q --token-budget B --block-size S --kv-cache-tokens K]
+
+The ranks start as for `generate` (local processes, torchrun, or an srun step) and each builds its shard of the
+model and a paged KV pool of its KV heads; rank 0 runs the HTTP server and the engine (tensorpar.serving), which
+broadcasts each step's plan to every rank. SIGTERM (or Ctrl-C) drains: new requests get 503, those in flight finish,
+then every rank stops. Needs the `serve` extra (FastAPI, uvicorn): pip install 'tensorpar[serve]'.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from tensorpar.checkpoints.sources import load_config, load_model_source
+from tensorpar.commands.common import fold_experts, launch
+from tensorpar.commands.generate import eos_ids
+from tensorpar.config.fields import add_options, check_choices, options_from_args
+from tensorpar.config.options import ServeOptions
+from tensorpar.data import load_tokenizer
+from tensorpar.distributed.launch import world_size
+from tensorpar.distributed.mesh import init_mesh
+from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.functional.autocast import autocast_dtype
+from tensorpar.models import Transformer, load_full_state_dict
+from tensorpar.models.layout_checks import check_model_layout
+from tensorpar.optim.precision import autocast
+from tensorpar.serving.app import Handler, HttpServer, check_serve_extra, create_app
+from tensorpar.serving.blocks import BlockAllocator, blocks_for
+from tensorpar.serving.chat import load_chat_template
+from tensorpar.serving.engine import Engine, follow
+from tensorpar.serving.paged_cache import PagedKVPool
+from tensorpar.serving.protocol import ModelInfo
+from tensorpar.serving.scheduler import Scheduler
+from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API with tensor parallelism")
+    add_options(p, ServeOptions, config_file=True)
+    p.set_defaults(run=run)
+
+
+# -- the layout and the model: what `generate` checks and builds, in one place ---------------------------------------
+
+
+def check_layout(options: ServeOptions, cfg) -> ServeOptions:
+    """The layout checks of `generate` (one TP group holds the model; --ep folds replicas onto it); the options with
+    --ep folded."""
+    check_choices(options)
+    check_fp8(options.dtype, options.device)
+    for flag, value, ok in (("--sequence-parallel", options.sequence_parallel, False), ("--pp", options.pp, 1),
+                            ("--cp", options.cp, 1)):
+        if value != ok:
+            raise LayoutError(f"serve runs the model on one tensor-parallel group (no sequence, pipeline or "
+                              f"context parallelism): drop {flag}")
+    check_model_layout(cfg, options.tp)
+    options = fold_experts(options, cfg)
+    if options.ep == 1 and world_size(options) != options.tp:
+        raise LayoutError(f"serve runs on exactly --tp processes (one tensor-parallel group; a mixture-of-experts "
+                          f"model with --ep runs replicas of it): {world_size(options)} processes for --tp "
+                          f"{options.tp}")
+    return options
+
+
+def build_model(options: ServeOptions, cfg):
+    """(mesh, this rank's model in eval mode), as `generate` builds them."""
+    moe = cfg.is_moe and options.ep > 1
+    mesh = init_mesh(tp=options.tp, pp=1, dp=options.dp if moe else 1, ep=options.ep if cfg.is_moe else None,
+                     device=options.device, timeout=options.timeout)
+    cfg, state = load_model_source(options.checkpoint)
+    model = Transformer(cfg, mesh, init=False, fp8=Fp8Recipe.of(options.dtype, options.fp8_recipe))
+    load_full_state_dict(model, state, source=options.checkpoint)
+    return mesh, model.eval()
+
+
+# -- the server ------------------------------------------------------------------------------------------------------
+
+
+def _check_numbers(options: ServeOptions, context_len: int) -> int:
+    """The KV pool's size in tokens, after checking the server's numbers."""
+    if not 0 <= options.port <= 65535:
+        raise TensorparError(f"--port must be in [0, 65535], got {options.port}")
+    for flag, value in (("--max-running", options.max_running), ("--token-budget", options.token_budget),
+                        ("--block-size", options.block_size)):
+        if value < 1:
+            raise TensorparError(f"{flag} must be at least 1, got {value}")
+    if options.max_queue < 0:
+        raise TensorparError(f"--max-queue must be at least 0, got {options.max_queue}")
+    tokens = options.kv_cache_tokens or options.max_running * context_len
+    if tokens < context_len:
+        raise TensorparError(f"--kv-cache-tokens {tokens} cannot hold one sequence of the model's context "
+                             f"({context_len} tokens): give at least {context_len}")
+    return tokens
+
+
+def validate(options: ServeOptions):
+    """Everything checked before a rank starts: (options, config, tokenizer, the model's API facts, KV tokens)."""
+    check_serve_extra()
+    cfg = load_config(options.checkpoint)
+    options = check_layout(options, cfg)
+    kv_tokens = _check_numbers(options, cfg.max_seq_len)
+    tokenizer = load_tokenizer(options.checkpoint)
+    eos = eos_ids(options.checkpoint, tokenizer)
+    eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+    info = ModelInfo(options.served_model_name or options.checkpoint, cfg.max_seq_len, cfg.vocab_size, eos)
+    load_chat_template(options.checkpoint)  # a broken template fails here, not at the first chat request
+    return options, cfg, tokenizer, info, kv_tokens
+
+
+def _serve_rank0(options, engine: Engine, tokenizer, info: ModelInfo, pool) -> None:
+    handler = Handler(engine, tokenizer, info, load_chat_template(options.checkpoint))
+    http = HttpServer(create_app(handler), options.host, options.port)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: engine.drain())
+    http.start()
+    sys.stderr.write(f"tensorpar serve: http://{options.host}:{options.port}/v1 serves {info.name} (tp {options.tp}, "
+                     f"KV pool {pool.num_blocks} blocks of {pool.block_size} tokens, "
+                     f"{pool.memory_bytes() / 2**20:.1f} MiB per rank)\n")
+    sys.stderr.flush()
+    try:
+        engine.serve_forever()
+    finally:
+        http.stop()
+
+
+def serve_rank(options: ServeOptions, cfg, tokenizer, info: ModelInfo, kv_tokens: int) -> int:
+    mesh, model = build_model(options, cfg)
+    try:
+        with autocast(mesh.device, options.dtype):
+            dtype = autocast_dtype(next(model.parameters()))
+            pool = PagedKVPool.for_model(model, blocks_for(kv_tokens, options.block_size), options.block_size,
+                                         dtype=dtype)
+            if mesh.world_group.rank != 0:
+                for signum in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains, then tells this rank to stop
+                    signal.signal(signum, signal.SIG_IGN)
+                follow(model, pool, mesh.world_group, mesh.device)
+                return 0
+            scheduler = Scheduler(BlockAllocator(pool.num_blocks, pool.block_size), token_budget=options.token_budget,
+                                  max_running=options.max_running, max_waiting=options.max_queue,
+                                  static=options.batching == "static")
+            engine = Engine(model, pool, scheduler, tokenizer, mesh.world_group, context_len=info.context_len,
+                            device=mesh.device)
+            _serve_rank0(options, engine, tokenizer, info, pool)
+        return 0
+    finally:
+        mesh.destroy()
+
+
+def run(args, argv) -> int:
+    options, cfg, tokenizer, info, kv_tokens = validate(options_from_args(ServeOptions, args, "serve"))
+    return launch(options, argv, lambda: serve_rank(options, cfg, tokenizer, info, kv_tokens))

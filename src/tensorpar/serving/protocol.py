@@ -1,0 +1,229 @@
+"""The OpenAI API's requests, checked: a request body in, an `EngineRequest` out, or an `ApiError` that the server
+answers in OpenAI's error shape, {"error": {"message", "type", "param", "code"}}, with its HTTP status.
+
+Fields of the OpenAI API that change what is generated and that the server cannot honour (penalties, logit bias,
+best_of > 1, tools) are refused, never silently ignored; fields it does not know are ignored (as vLLM does). Two
+extensions vLLM also has: `top_k` and `ignore_eos`. Temperature 0 is greedy decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorpar.serving.engine import EngineRequest
+from tensorpar.serving.step_plan import Sampling
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP = 4
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the checks need to know of the served model."""
+
+    name: str
+    context_len: int
+    vocab_size: int
+    eos_ids: frozenset[int] = frozenset()
+
+
+def _type_name(kind) -> str:
+    names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
+             dict: "an object"}
+    return names[kind]
+
+
+def field(body: dict, name: str, kind, default=None, *, low=None, high=None, nullable: bool = True):
+    """body[name] checked: its type (an int is a number; a bool is not an int), its range; `default` if absent or
+    null (when nullable)."""
+    value = body.get(name)
+    if value is None:
+        if name in body and not nullable:
+            raise ApiError(f"'{name}' must be {_type_name(kind)}, got null", param=name)
+        return default
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise ApiError(f"'{name}' must be {_type_name(kind)}, got {type(value).__name__} {value!r:.40}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"at most {high}" if low is None else f"in [{low}, {high}]"
+        raise ApiError(f"'{name}' must be {bounds}, got {value}", param=name)
+    return value
+
+
+def check_model(body: dict, info: ModelInfo) -> None:
+    model = field(body, "model", str)
+    if model is None:
+        raise ApiError("'model' is required (GET /v1/models lists the served model)", param="model")
+    if model != info.name:
+        raise ApiError(f"The model `{model}` does not exist: this server serves `{info.name}`", status=404,
+                       param="model", code="model_not_found")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if field(body, name, float, neutral) != neutral:
+            raise ApiError(f"'{name}' is not supported by this server (leave it unset or {neutral:g})", param=name)
+    if field(body, "logit_bias", dict):
+        raise ApiError("'logit_bias' is not supported by this server (leave it unset)", param="logit_bias")
+    if field(body, "best_of", int, 1, low=1) != 1:
+        raise ApiError("'best_of' other than 1 is not supported by this server", param="best_of")
+    for name in ("tools", "functions", "suffix"):
+        if body.get(name):
+            raise ApiError(f"'{name}' is not supported by this server", param=name)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError("'stop' must be a string or an array of strings", param="stop")
+    if len(stop) > MAX_STOP:
+        raise ApiError(f"'stop' takes at most {MAX_STOP} sequences, got {len(stop)}", param="stop")
+    return tuple(stop)
+
+
+def sampling(body: dict) -> tuple[Sampling, int | None]:
+    """(the sampling parameters, the seed or None)."""
+    temperature = field(body, "temperature", float, 1.0, low=0.0, high=2.0)
+    top_p = field(body, "top_p", float, 1.0, low=0.0, high=1.0)
+    if top_p == 0.0:
+        raise ApiError("'top_p' must be in (0, 1], got 0", param="top_p")
+    top_k = field(body, "top_k", int, 0, low=-1)
+    seed = field(body, "seed", int)
+    return Sampling(greedy=temperature == 0.0, temperature=temperature or 1.0, top_k=max(top_k, 0),
+                    top_p=top_p), seed
+
+
+def _prompts(body: dict, tokenizer, info: ModelInfo) -> list[list[int]]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError("'prompt' is required: a string, an array of strings, an array of token ids or an array of "
+                       "arrays of token ids", param="prompt")
+    is_ids = lambda p: isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)  # noqa: E731
+    if isinstance(prompt, str):
+        prompts = [tokenizer.encode(prompt)]
+    elif is_ids(prompt) and prompt:
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [tokenizer.encode(p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise ApiError("'prompt' must be a string, an array of strings, an array of token ids or an array of "
+                       "arrays of token ids (none of them empty)", param="prompt")
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ApiError(f"prompt {i} is empty: the model needs at least one token", param="prompt")
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ApiError(f"prompt {i} has token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}",
+                           param="prompt")
+    return prompts
+
+
+def check_length(prompts: list[list[int]], max_tokens: int, info: ModelInfo) -> None:
+    longest = max(len(p) for p in prompts)
+    if longest + max_tokens > info.context_len:
+        raise ApiError(f"This model's maximum context length is {info.context_len} tokens. However, you requested "
+                       f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for the completion). "
+                       f"Please reduce the length of the prompt or the completion.", param="max_tokens",
+                       code="context_length_exceeded")
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = field(body, "stream", bool, False)
+    options = field(body, "stream_options", dict, {})
+    return stream, bool(field(options, "include_usage", bool, False))
+
+
+def completion_request(body, tokenizer, info: ModelInfo) -> tuple[EngineRequest, dict]:
+    """(the engine's request, what the answer needs: echo, stream, include_usage, prompts' text) of a
+    /v1/completions body."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    check_model(body, info)
+    _refuse_unsupported(body)
+    prompts = _prompts(body, tokenizer, info)
+    max_tokens = field(body, "max_tokens", int, None, low=0)
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_COMPLETION_TOKENS, info.context_len - max(len(p) for p in prompts))
+    check_length(prompts, max_tokens, info)
+    logprobs = field(body, "logprobs", int, None, low=0, high=MAX_LOGPROBS)
+    echo = field(body, "echo", bool, False)
+    n = field(body, "n", int, 1, low=1, high=MAX_N)
+    stream, usage = _stream(body)
+    sample, seed = sampling(body)
+    eos = frozenset() if field(body, "ignore_eos", bool, False) else info.eos_ids
+    request = EngineRequest(prompts, max_tokens, n, sample, seed, -1 if logprobs is None else logprobs,
+                            echo and logprobs is not None, _stop(body), eos)
+    return request, dict(echo=echo, stream=stream, include_usage=usage, logprobs=logprobs is not None)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty array of {\"role\", \"content\"} objects", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be a string or an array of text parts", param="messages")
+        out.append({**m, "content": content})
+    return out
+
+
+def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequest, dict]:
+    """As `completion_request`, for /v1/chat/completions: the messages rendered with the chat `template`
+    (`tensorpar.serving.chat.ChatTemplate`, or None when the checkpoint has none)."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    check_model(body, info)
+    _refuse_unsupported(body)
+    messages = _messages(body)
+    if template is None:
+        raise ApiError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
+                       "chat_template.jinja): use /v1/completions", param="messages")
+    try:
+        prompt = tokenizer.encode(template.render(messages))
+    except ValueError as e:  # the template's own raise_exception: messages it does not take
+        raise ApiError(str(e), param="messages") from None
+    prompts = _prompts({"prompt": prompt}, tokenizer, info)
+    max_tokens = field(body, "max_completion_tokens", int, None, low=0)
+    max_tokens = field(body, "max_tokens", int, max_tokens, low=0)
+    if max_tokens is None:
+        max_tokens = max(0, info.context_len - len(prompt))
+    check_length(prompts, max_tokens, info)
+    logprobs = field(body, "logprobs", bool, False)
+    top = field(body, "top_logprobs", int, 0, low=0, high=MAX_LOGPROBS)
+    if top and not logprobs:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    n = field(body, "n", int, 1, low=1, high=MAX_N)
+    stream, usage = _stream(body)
+    sample, seed = sampling(body)
+    eos = frozenset() if field(body, "ignore_eos", bool, False) else info.eos_ids
+    request = EngineRequest(prompts, max_tokens, n, sample, seed, top if logprobs else -1, False, _stop(body), eos)
+    return request, dict(echo=False, stream=stream, include_usage=usage, logprobs=logprobs)

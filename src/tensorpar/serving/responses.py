@@ -1,0 +1,169 @@
+"""The OpenAI API's answers: completions and chat completions, whole or as server-sent-event chunks, with log-probs
+in each endpoint's format (completions: tokens / token_logprobs / top_logprobs / text_offset; chat: content[])."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+
+from tensorpar.serving.engine import ChoiceEvent, RequestDone
+from tensorpar.serving.step_plan import TokenLogprob
+
+
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def sse(payload) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def usage(done: RequestDone) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+class TokenText:
+    """The text of single tokens (log-prob entries name tokens by their text)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self._cache = tokenizer, {}
+
+    def __call__(self, token: int) -> str:
+        if token not in self._cache:
+            self._cache[token] = self.tokenizer.decode([token])
+        return self._cache[token]
+
+
+def completion_logprobs(tokens: list[int], entries: list[TokenLogprob | None], text: TokenText,
+                        offset: int = 0) -> dict:
+    """The completions endpoint's log-probs of `tokens` (an entry None: the first prompt token, which has none); the
+    top alternatives include the token itself, as OpenAI's do."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(tokens, entries):
+        piece = text(token)
+        out["tokens"].append(piece)
+        out["text_offset"].append(offset)
+        offset += len(piece)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(entry.logprob)
+        top = {}
+        for t, lp in entry.top:
+            top.setdefault(text(t), lp)
+        top.setdefault(piece, entry.logprob)
+        out["top_logprobs"].append(top)
+    return out
+
+
+def chat_logprobs(tokens: list[int], entries: list[TokenLogprob], text: TokenText) -> dict:
+    def one(token, lp):
+        piece = text(token)
+        return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
+
+    return {"content": [dict(one(token, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top])
+                        for token, e in zip(tokens, entries)]}
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """One choice's answer so far."""
+
+    index: int
+    text: str = ""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+    def add(self, event: ChoiceEvent) -> None:
+        self.text += event.text
+        self.tokens += event.tokens
+        self.logprobs += event.logprobs
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
+        self.finish_reason = event.finish_reason or self.finish_reason
+
+
+class Answer:
+    """Builds one request's answer: `chunk(event)` for a stream, `whole(done)` at the end."""
+
+    def __init__(self, kind: str, model: str, request, options: dict, tokenizer, prompt_texts: list[str]):
+        self.kind, self.model, self.request, self.options = kind, model, request, options
+        self.id, self.created = new_id(kind), int(time.time())
+        self.text = TokenText(tokenizer)
+        self.prompt_texts = prompt_texts
+        n = request.n
+        self.choices = [ChoiceState(i) for i in range(len(request.prompts) * n)]
+        self.started: set[int] = set()
+
+    def _head(self, chunk: bool) -> dict:
+        obj = "chat.completion" + (".chunk" if chunk else "") if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _prompt(self, index: int) -> list[int]:
+        return self.request.prompts[index // self.request.n]
+
+    def _echo(self, index: int) -> tuple[str, list[int], list]:
+        """(text, tokens, log-prob entries) the choice starts with: its prompt when echoing."""
+        if not self.options["echo"]:
+            return "", [], []
+        prompt = self._prompt(index)
+        state = self.choices[index]
+        entries = [None] + list(state.prompt_logprobs or [])
+        return self.prompt_texts[index // self.request.n], prompt, entries[: len(prompt)]
+
+    def _completion_choice(self, state: ChoiceState, text: str, tokens, entries, first: bool) -> dict:
+        logprobs = None
+        if self.options["logprobs"]:
+            head_text, head_tokens, head_entries = self._echo(state.index) if first else ("", [], [])
+            logprobs = completion_logprobs(head_tokens + tokens, head_entries + entries, self.text)
+            text = head_text + text
+        elif first:
+            text = self._echo(state.index)[0] + text
+        return {"index": state.index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason}
+
+    def chunk(self, event: ChoiceEvent) -> list[str]:
+        """The server-sent events for one engine event."""
+        state = self.choices[event.index]
+        state.add(event)
+        first = event.index not in self.started
+        self.started.add(event.index)
+        if self.kind == "chat":
+            out = []
+            if first:
+                delta = {"role": "assistant", "content": ""}
+                out.append(sse({**self._head(True), "choices": [{"index": event.index, "delta": delta,
+                                                                  "logprobs": None, "finish_reason": None}]}))
+            if not (event.text or event.tokens or event.finish_reason):
+                return out
+            lp = chat_logprobs(event.tokens, event.logprobs, self.text) if self.options["logprobs"] else None
+            delta = {"content": event.text} if event.text or not event.finish_reason else {}
+            choice = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": event.finish_reason}
+            return out + [sse({**self._head(True), "choices": [choice]})]
+        if not (event.text or event.tokens or event.finish_reason or first):
+            return []
+        choice = self._completion_choice(state, event.text, event.tokens, event.logprobs, first)
+        choice["finish_reason"] = event.finish_reason
+        return [sse({**self._head(True), "choices": [choice]})]
+
+    def end(self, done: RequestDone) -> list[str]:
+        """The stream's last events: usage (if asked for), then [DONE]."""
+        out = []
+        if self.options["include_usage"]:
+            out.append(sse({**self._head(True), "choices": [], "usage": usage(done)}))
+        return out + [sse("[DONE]")]
+
+    def whole(self, done: RequestDone) -> dict:
+        """The whole answer (not streamed), once every choice has finished."""
+        if self.kind == "chat":
+            choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
+                        "logprobs": chat_logprobs(s.tokens, s.logprobs, self.text) if self.options["logprobs"]
+                        else None, "finish_reason": s.finish_reason} for s in self.choices]
+        else:
+            choices = [self._completion_choice(s, s.text, s.tokens, s.logprobs, True) for s in self.choices]
+        return {**self._head(False), "choices": choices, "usage": usage(done)}

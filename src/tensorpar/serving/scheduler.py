@@ -1,0 +1,149 @@
+"""Continuous batching: which tokens of which sequences the next step runs, within a token budget and the KV pool.
+
+Every step, each running sequence feeds the tokens it has that are not cached yet: one while it decodes (the token
+sampled last step), a chunk of its prompt while it prefills. Running sequences go first, oldest first, so decoding
+never waits behind a long prompt; a prompt longer than what is left of the step's `token_budget` is split into
+chunks over several steps (chunked prefill). Then waiting sequences join, first come first served, while the budget,
+`max_running` and the pool allow: one joins only when the pool can hold all the tokens it has, so that a prompt
+admitted is rarely preempted.
+
+When a running sequence needs a block and the pool has none free, the youngest running sequence (latest arrival) is
+preempted: its blocks are freed, it goes back to the front of the queue and is recomputed from its tokens (prompt and
+what it generated so far) when it is readmitted. Requests therefore wait, never fail, when memory runs out; the
+server refuses, before they start, sequences longer than the pool (see `tensorpar.commands.serve`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+from tensorpar.errors import TensorparError
+from tensorpar.serving.blocks import BlockAllocator
+
+
+class QueueFull(TensorparError):
+    """The waiting queue holds its maximum: the server answers 429."""
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One generated continuation: its prompt, what it has generated, and how many of its tokens are cached."""
+
+    seq_id: int
+    prompt: list[int]
+    max_tokens: int
+    arrival: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens whose keys and values are in the pool
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens known but not cached yet: what the next steps feed."""
+        return self.length - self.computed
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, *, token_budget: int, max_running: int, max_waiting: int,
+                 static: bool = False):
+        """`static`: static batching, for comparison: sequences join only when the running batch has emptied."""
+        if token_budget < 1 or max_running < 1 or max_waiting < 0:
+            raise TensorparError(f"the scheduler needs a token budget and max_running of at least 1 and a queue of "
+                                 f"at least 0, got {token_budget}, {max_running}, {max_waiting}")
+        self.allocator, self.static = allocator, static
+        self.token_budget, self.max_running, self.max_waiting = token_budget, max_running, max_waiting
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # oldest first
+        self.preemptions = 0
+        self._arrivals = 0
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue the sequences of one request (all or none: QueueFull when the queue cannot take them)."""
+        if len(self.waiting) + len(seqs) > self.max_waiting:
+            raise QueueFull(f"the server is overloaded: {len(self.waiting)} sequences are waiting (at most "
+                            f"{self.max_waiting}); retry later")
+        for seq in seqs:
+            seq.arrival = self._arrivals
+            self._arrivals += 1
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out (finished or cancelled) and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.seq_id)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next step: (sequence, how many of its uncached tokens to feed), running ones first. Grows the block
+        tables to hold them; may preempt."""
+        budget = self.token_budget
+        chunks: list[tuple[Sequence, int]] = []
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.remaining == 0 or seq not in self.running:  # nothing to feed, or preempted above
+                continue
+            n = min(seq.remaining, budget)
+            if not self._make_room(seq, seq.computed + n, scheduled):
+                continue
+            self.allocator.grow(seq.seq_id, seq.computed + n)
+            chunks.append((seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        forming = self.static and not self.running  # static batching: the batch forms only when it is empty
+        joining = forming or not self.static
+        while joining and (budget or forming) and self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if not self.allocator.can_hold(seq.seq_id, seq.length):
+                break
+            self.waiting.popleft()
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            n = min(seq.remaining, budget)
+            if n:
+                self.allocator.grow(seq.seq_id, seq.computed + n)
+                chunks.append((seq, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
+        return chunks
+
+    def _make_room(self, seq: Sequence, tokens: int, scheduled: set[int]) -> bool:
+        """Free blocks until `seq` can hold `tokens` tokens by preempting the youngest running sequences not yet in
+        this step (`seq` itself last); False when `seq` was the one preempted."""
+        while not self.allocator.can_hold(seq.seq_id, tokens):
+            victims = [s for s in self.running if s is not seq and s.seq_id not in scheduled]
+            victim = max(victims, key=lambda s: s.arrival) if victims else seq
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and queue it first, to be recomputed from its tokens."""
+        self.running.remove(seq)
+        self.allocator.free(seq.seq_id)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def advance(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """Count the tokens a step has cached."""
+        for seq, n in chunks:
+            seq.computed += n

@@ -1,0 +1,37 @@
+"""A continuation's text as it grows: incremental detokenization and stop strings.
+
+Each new token re-decodes the continuation (the tokenizer decides how bytes join into characters) and releases the
+text that can no longer change: it holds back an incomplete UTF-8 character (decoded as U+FFFD) and, when the
+request has stop strings, the last len(longest stop) - 1 characters, which could be the start of one. A stop string
+ends the continuation before it (OpenAI's rule: the stop string is not returned).
+"""
+
+from __future__ import annotations
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text, self.sent = "", 0
+
+    def add(self, ids: list[int]) -> tuple[str, bool]:
+        """(the text newly released, whether a stop string ended the continuation) after the tokens `ids`."""
+        text = self.tokenizer.decode(ids)
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.text = text[: min(found)]
+            return self.flush(), True
+        self.text = text
+        safe = len(text) - self.holdback
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.sent:
+            return "", False
+        delta, self.sent = text[self.sent:safe], safe
+        return delta, False
+
+    def flush(self) -> str:
+        """The rest of the text, at the end of the continuation."""
+        delta, self.sent = self.text[self.sent:], max(self.sent, len(self.text))
+        return delta
