@@ -48,3 +48,22 @@ def inference_layout(options, cfg, seq_len: int | None = None):
     layout = ParallelLayout.from_options(options, world_size(options))
     layout.check(cfg, seq_len=seq_len, fp8=getattr(options, "dtype", "fp32") == "fp8")
     return options, layout
+
+
+def decoding_layout(options, cfg, command: str):
+    """(options with --ep folded, their checked layout) of a command that decodes token by token (generate, serve):
+    one tensor-parallel group holds the whole model, with no sequence, pipeline or context parallelism (a new token
+    has no sequence to split); a mixture-of-experts model with --ep runs replicas of that group."""
+    if options.sequence_parallel:
+        raise LayoutError(f"{command} runs without sequence parallelism (decoding one token a step has nothing to "
+                          f"split along the sequence): drop --sequence-parallel")
+    for flag, value in (("--pp", options.pp), ("--cp", options.cp)):
+        if value != 1:
+            raise LayoutError(f"{command} runs the model on one tensor-parallel group, without pipeline or context "
+                              f"parallelism: {flag} must be 1, got {value}; drop {flag}")
+    options, layout = inference_layout(options, cfg)
+    if options.ep == 1 and layout.world != options.tp:
+        raise LayoutError(f"{command} runs on exactly --tp processes (one tensor-parallel group, no data "
+                          f"parallelism; a mixture-of-experts model with --ep runs replicas of it): "
+                          f"{layout.world} processes for --tp {options.tp}")
+    return options, layout

@@ -17,12 +17,11 @@ from tensorpar.config.fields import add_options, check_choices, options_from_arg
 from tensorpar.config.options import EvalOptions
 from tensorpar.data import check_vocab, eval_windows, load_tokenizer, open_stream, parse_data_spec, prepare_sources
 from tensorpar.distributed.mesh import build_mesh, world_from_env
-from tensorpar.errors import TensorparError
+from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layout import ParallelLayout
-from tensorpar.models import Transformer, load_full_state_dict
-from tensorpar.models.compile import compile_blocks
+from tensorpar.models.build import Execution, build_transformer
 from tensorpar.config.precision import Precision
-from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
+from tensorpar.tensor_parallel.fp8_scaling import check_fp8
 from tensorpar.training.evaluate import evaluate
 
 
@@ -37,6 +36,9 @@ def validate(options: EvalOptions):
     their layout)."""
     check_choices(options)
     check_fp8(options.dtype, options.device)
+    if options.pp != 1:
+        raise LayoutError(f"eval runs without pipeline parallelism (each rank runs every layer of its TP shard): "
+                          f"--pp must be 1, got {options.pp}")
     if len(parse_data_spec(options.data)) > 1:
         raise TensorparError(f"tensorpar eval takes one data source, not the mixture '{options.data}'")
     prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,
@@ -57,11 +59,8 @@ def evaluate_checkpoint(options: EvalOptions, layout: ParallelLayout | None = No
                              bin_dtype=options.bin_dtype, cache_dir=options.data_cache, progress=False).tokens
         check_vocab(tokens, cfg.vocab_size, options.data or "the default corpus")
         windows = eval_windows(tokens, options.seq_len)
-        model = Transformer(cfg, mesh, sequence_parallel=options.sequence_parallel, init=False,
-                            cp_impl=options.cp_impl, fp8=Fp8Recipe.of(precision))
-        load_full_state_dict(model, state, source=options.checkpoint)
-        if options.compile:
-            compile_blocks(model)
+        model = build_transformer(cfg, mesh, layout, precision, Execution.of(options), weights=state,
+                                  source=options.checkpoint)
         loss = evaluate(model, windows, options.batch_size, mesh.device, precision, dp_group=mesh.dp_group)
         return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(windows[:, 1:].numel())}
     finally:

@@ -19,19 +19,18 @@ import os
 import sys
 
 from tensorpar.checkpoints.sources import load_config, load_model_source
-from tensorpar.commands.common import inference_layout, launch
+from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import GenerateOptions
 from tensorpar.data import load_tokenizer
 from tensorpar.data.tokenizer import HFTokenizer
-from tensorpar.distributed.launch import world_size
 from tensorpar.distributed.mesh import build_mesh, world_from_env
-from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.errors import TensorparError
 from tensorpar.layout import ParallelLayout
 from tensorpar.inference.generation import check_generate_args, generate
-from tensorpar.models import Transformer, load_full_state_dict
+from tensorpar.models.build import build_transformer
 from tensorpar.config.precision import Precision
-from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
+from tensorpar.tensor_parallel.fp8_scaling import check_fp8
 
 
 def add_parser(sub) -> None:
@@ -89,19 +88,7 @@ def validate(options: GenerateOptions):
     check_choices(options)
     check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
-    if options.sequence_parallel:
-        raise LayoutError("generate runs without sequence parallelism (decoding one token a step has nothing to "
-                          "split along the sequence): drop --sequence-parallel")
-    if options.pp != 1:
-        raise LayoutError(f"generate runs without pipeline parallelism: --pp must be 1, got {options.pp}")
-    if options.cp != 1:
-        raise LayoutError(f"generate runs without context parallelism (one new token a step has no sequence to "
-                          f"split): --cp must be 1, got {options.cp}")
-    options, layout = inference_layout(options, cfg)
-    if options.ep == 1 and layout.world != options.tp:
-        raise LayoutError(f"generate runs on exactly --tp processes (one tensor-parallel group, no data "
-                          f"parallelism; a mixture-of-experts model with --ep runs replicas of it): "
-                          f"{world_size(options)} processes for --tp {options.tp}")
+    options, layout = decoding_layout(options, cfg, "generate")
     if options.max_new_tokens < 1:
         raise TensorparError(f"--max-new-tokens must be at least 1, got {options.max_new_tokens}")
     sampling = _sampling(options)
@@ -122,12 +109,11 @@ def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos,
     mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
-        precision = Precision.of(options, training=False)
-        model = Transformer(cfg, mesh, init=False, fp8=Fp8Recipe.of(precision))
-        load_full_state_dict(model, state, source=options.checkpoint)
+        model = build_transformer(cfg, mesh, layout, Precision.of(options, training=False), weights=state,
+                                  source=options.checkpoint).eval()
         del state
         stats: dict = {}
-        with precision.autocast(mesh.device):
+        with Precision.of(options, training=False).autocast(mesh.device):
             new = generate(model, prompts, options.max_new_tokens, eos_id=eos, stats=stats,
                            replica_group=mesh.dp_group, **sampling)
         return new, stats

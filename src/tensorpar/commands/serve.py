@@ -15,18 +15,17 @@ import signal
 import sys
 
 from tensorpar.checkpoints.sources import load_config, load_model_source
-from tensorpar.commands.common import fold_experts, launch
+from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.commands.generate import eos_ids
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import ServeOptions
+from tensorpar.config.precision import Precision
 from tensorpar.data import load_tokenizer
-from tensorpar.distributed.launch import world_size
-from tensorpar.distributed.mesh import init_mesh
-from tensorpar.errors import LayoutError, TensorparError
+from tensorpar.distributed.mesh import build_mesh
+from tensorpar.errors import TensorparError
 from tensorpar.functional.autocast import autocast_dtype
-from tensorpar.models import Transformer, load_full_state_dict
-from tensorpar.models.layout_checks import check_model_layout
-from tensorpar.optim.precision import autocast
+from tensorpar.layout import ParallelLayout
+from tensorpar.models.build import build_transformer
 from tensorpar.serving.app import Handler, HttpServer, check_serve_extra, create_app
 from tensorpar.serving.blocks import BlockAllocator, blocks_for
 from tensorpar.serving.chat import load_chat_template
@@ -34,7 +33,7 @@ from tensorpar.serving.engine import Engine, follow
 from tensorpar.serving.paged_cache import PagedKVPool
 from tensorpar.serving.protocol import ModelInfo
 from tensorpar.serving.scheduler import Scheduler
-from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe, check_fp8
+from tensorpar.tensor_parallel.fp8_scaling import check_fp8
 
 
 def add_parser(sub) -> None:
@@ -46,33 +45,12 @@ def add_parser(sub) -> None:
 # -- the layout and the model: what `generate` checks and builds, in one place ---------------------------------------
 
 
-def check_layout(options: ServeOptions, cfg) -> ServeOptions:
-    """The layout checks of `generate` (one TP group holds the model; --ep folds replicas onto it); the options with
-    --ep folded."""
-    check_choices(options)
-    check_fp8(options.dtype, options.device)
-    for flag, value, ok in (("--sequence-parallel", options.sequence_parallel, False), ("--pp", options.pp, 1),
-                            ("--cp", options.cp, 1)):
-        if value != ok:
-            raise LayoutError(f"serve runs the model on one tensor-parallel group (no sequence, pipeline or "
-                              f"context parallelism): drop {flag}")
-    check_model_layout(cfg, options.tp)
-    options = fold_experts(options, cfg)
-    if options.ep == 1 and world_size(options) != options.tp:
-        raise LayoutError(f"serve runs on exactly --tp processes (one tensor-parallel group; a mixture-of-experts "
-                          f"model with --ep runs replicas of it): {world_size(options)} processes for --tp "
-                          f"{options.tp}")
-    return options
-
-
-def build_model(options: ServeOptions, cfg):
+def build_model(options: ServeOptions, cfg, layout: ParallelLayout):
     """(mesh, this rank's model in eval mode), as `generate` builds them."""
-    moe = cfg.is_moe and options.ep > 1
-    mesh = init_mesh(tp=options.tp, pp=1, dp=options.dp if moe else 1, ep=options.ep if cfg.is_moe else None,
-                     device=options.device, timeout=options.timeout)
+    mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
     cfg, state = load_model_source(options.checkpoint)
-    model = Transformer(cfg, mesh, init=False, fp8=Fp8Recipe.of(options.dtype, options.fp8_recipe))
-    load_full_state_dict(model, state, source=options.checkpoint)
+    model = build_transformer(cfg, mesh, layout, Precision.of(options, training=False), weights=state,
+                              source=options.checkpoint)
     return mesh, model.eval()
 
 
@@ -99,15 +77,17 @@ def _check_numbers(options: ServeOptions, context_len: int) -> int:
 def validate(options: ServeOptions):
     """Everything checked before a rank starts: (options, config, tokenizer, the model's API facts, KV tokens)."""
     check_serve_extra()
+    check_choices(options)
+    check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
-    options = check_layout(options, cfg)
+    options, layout = decoding_layout(options, cfg, "serve")
     kv_tokens = _check_numbers(options, cfg.max_seq_len)
     tokenizer = load_tokenizer(options.checkpoint)
     eos = eos_ids(options.checkpoint, tokenizer)
     eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
     info = ModelInfo(options.served_model_name or options.checkpoint, cfg.max_seq_len, cfg.vocab_size, eos)
     load_chat_template(options.checkpoint)  # a broken template fails here, not at the first chat request
-    return options, cfg, tokenizer, info, kv_tokens
+    return options, layout, cfg, tokenizer, info, kv_tokens
 
 
 def _serve_rank0(options, engine: Engine, tokenizer, info: ModelInfo, pool) -> None:
@@ -126,10 +106,10 @@ def _serve_rank0(options, engine: Engine, tokenizer, info: ModelInfo, pool) -> N
         http.stop()
 
 
-def serve_rank(options: ServeOptions, cfg, tokenizer, info: ModelInfo, kv_tokens: int) -> int:
-    mesh, model = build_model(options, cfg)
+def serve_rank(options: ServeOptions, layout: ParallelLayout, cfg, tokenizer, info: ModelInfo, kv_tokens: int) -> int:
+    mesh, model = build_model(options, cfg, layout)
     try:
-        with autocast(mesh.device, options.dtype):
+        with Precision.of(options, training=False).autocast(mesh.device):
             dtype = autocast_dtype(next(model.parameters()))
             pool = PagedKVPool.for_model(model, blocks_for(kv_tokens, options.block_size), options.block_size,
                                          dtype=dtype)
@@ -150,5 +130,5 @@ def serve_rank(options: ServeOptions, cfg, tokenizer, info: ModelInfo, kv_tokens
 
 
 def run(args, argv) -> int:
-    options, cfg, tokenizer, info, kv_tokens = validate(options_from_args(ServeOptions, args, "serve"))
-    return launch(options, argv, lambda: serve_rank(options, cfg, tokenizer, info, kv_tokens))
+    options, layout, cfg, tokenizer, info, kv_tokens = validate(options_from_args(ServeOptions, args, "serve"))
+    return launch(options, argv, lambda: serve_rank(options, layout, cfg, tokenizer, info, kv_tokens))

@@ -17,13 +17,11 @@ from tensorpar.config.fields import changed_options, to_dict, to_toml
 from tensorpar.data import build_dataset, describe_corpus, open_corpus, tokenizer_from, validation_windows
 from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
 from tensorpar.distributed.mesh import Mesh
-from tensorpar.models import Transformer, load_full_state_dict
-from tensorpar.models.compile import compile_blocks
+from tensorpar.models import Transformer
+from tensorpar.models.build import Execution, build_transformer
 from tensorpar.optim.loss_scaler import DynamicLossScaler
 from tensorpar.layout import ParallelLayout
 from tensorpar.pipeline_parallel.runner import PipelineRunner
-from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
-from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
@@ -105,28 +103,10 @@ def build_model(run: PreparedRun, mesh: Mesh, meta: bool = False) -> tuple[Trans
     pipeline schedule that splits the backward (zb-h1, zbv) the model's layers leave their weight gradients in
     its `region.weight_grads` queue, which the pipeline runner empties. `meta`: on the meta device, no values
     (`--dry-run`)."""
-    o, cfg = run.options, run.cfg
-    stage = {}
-    if mesh.pp_size > 1:
-        split = run.layout.split(cfg.num_layers)
-        first, last = split.holds_ends(mesh.pp_rank)
-        stage = dict(layers=split.layers_of(mesh.pp_rank), first_stage=first, last_stage=last)
-        if run.layout.splits_backward:
-            stage["weight_grads"] = WeightGradQueue(mesh.device)
-    torch.manual_seed(o.seed)
-    model = Transformer(cfg, mesh, sequence_parallel=o.sequence_parallel, recompute=o.recompute, seed=o.seed,
-                        init=o.init_from is None and not meta, device="meta" if meta else None, cp_impl=o.cp_impl,
-                        cp_split=o.cp_split, tp_overlap=o.tp_overlap, loss_chunk_tokens=o.loss_chunk_tokens or None,
-                        fp8=Fp8Recipe.of(run.precision), **stage)
-    if o.init_from and not meta:
-        _, state = load_model_source(o.init_from)
-        names = dict(model.named_parameters())
-        load_full_state_dict(model, {k: v for k, v in state.items() if k in names}, source=o.init_from)
-    if run.precision.param_dtype != torch.float32:  # the optimizer keeps fp32 masters; buffers stay fp32
-        for p in model.parameters():
-            p.data = p.data.to(run.precision.param_dtype)
-    if o.compile and not meta:
-        compile_blocks(model)
+    o = run.options
+    weights = load_model_source(o.init_from)[1] if o.init_from and not meta else None
+    model = build_transformer(run.cfg, mesh, run.layout, run.precision, Execution.of(o), seed=o.seed,
+                              weights=weights, source=o.init_from or "state dict", meta=meta)
     model.train()
     return model, tokenizer_from(o.tokenizer, o.init_from)
 

@@ -1,0 +1,73 @@
+"""The model, built in one place: what train, eval, generate, serve, the dry run and the benchmarks all call.
+
+`build_transformer` makes this rank's part of a `Transformer` for a layout on a mesh: its pipeline stage (the layers its
+chunks hold, the embedding and head where it holds the ends), its tensor-parallel shards, the queue a split-backward
+schedule leaves weight gradients in, parameters in the precision's dtype (the optimizer keeps fp32 masters), seeded
+or loaded weights, and its blocks compiled when asked. `Execution` holds how the rank runs what it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tensorpar.config.precision import Precision
+from tensorpar.layout import ParallelLayout
+from tensorpar.models.compile import compile_blocks
+from tensorpar.models.state import load_full_state_dict
+from tensorpar.models.transformer import Transformer
+from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
+from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How a rank runs its part of the model: activation recomputation, TP collectives overlapped with the GEMMs,
+    context-parallel attention and its split, the fused head and loss, torch.compile of each block."""
+
+    recompute: str = "none"
+    tp_overlap: bool = True
+    cp_impl: str = "ring"
+    cp_split: str = "zigzag"
+    loss_chunk_tokens: int | None = None
+    compile: bool = False
+
+    @classmethod
+    def of(cls, options) -> "Execution":
+        """What a command's options ask for (the fields a command does not have take their defaults)."""
+        get = lambda name: getattr(options, name, getattr(cls, name))  # noqa: E731
+        return cls(get("recompute"), get("tp_overlap"), get("cp_impl"), get("cp_split"),
+                   get("loss_chunk_tokens") or None, get("compile"))
+
+
+def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision: Precision = Precision(),
+                execution: Execution = Execution(), *, seed: int = 0, weights: dict | None = None,
+                source: str = "state dict", meta: bool = False) -> Transformer:
+    """This rank's part of `cfg` under `layout` on `mesh` (None: the mesh's own), initialised from `seed`, or with
+    `weights` (a dense state dict, from `source`; a pipeline stage takes the tensors it holds). `meta`: on the meta
+    device, no values (the dry run). Training (`precision.training`) casts the parameters to bf16/fp16."""
+    layout = layout if layout is not None else mesh.layout
+    stage = {}
+    if layout is not None and layout.pp > 1:
+        split = layout.split(cfg.num_layers)
+        first, last = split.holds_ends(mesh.pp_rank)
+        stage = dict(layers=split.layers_of(mesh.pp_rank), first_stage=first, last_stage=last)
+        if layout.splits_backward:
+            stage["weight_grads"] = WeightGradQueue(mesh.device)
+    torch.manual_seed(seed)
+    model = Transformer(cfg, mesh, sequence_parallel=layout is not None and layout.sequence_parallel,
+                        recompute=execution.recompute, seed=seed, init=weights is None and not meta,
+                        device="meta" if meta else None, cp_impl=execution.cp_impl, cp_split=execution.cp_split,
+                        tp_overlap=execution.tp_overlap, loss_chunk_tokens=execution.loss_chunk_tokens,
+                        fp8=Fp8Recipe.of(precision), **stage)
+    if weights is not None and not meta:
+        names = dict(model.named_parameters())
+        load_full_state_dict(model, {k: v for k, v in weights.items() if k in names} if stage else weights,
+                             source=source)
+    if precision.param_dtype != torch.float32:  # buffers stay fp32
+        for p in model.parameters():
+            p.data = p.data.to(precision.param_dtype)
+    if execution.compile and not meta:
+        compile_blocks(model)
+    return model
