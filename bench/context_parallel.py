@@ -57,14 +57,15 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     import tensorpar
     from tensorpar.context_parallel.ring_attention import ContextSplit, ring_attention
-    from tensorpar.models import Transformer, get_config
+    from tensorpar.models import get_config
+    from tensorpar.models.build import build_transformer
 
     cp = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = tensorpar.init_mesh(tp=1, cp=cp, timeout=600)
     cfg = get_config(args.model)
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq_len + 1))
-    model = Transformer(cfg, mesh, seed=1)
+    model = build_transformer(cfg, mesh, seed=1)
     model.train()
     loss, saved = _saved_bytes(lambda: model(ids[:, :-1], ids[:, 1:]))
     loss.backward()

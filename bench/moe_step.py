@@ -80,7 +80,7 @@ def calibrate(group, sizes=(1024, 4 * 2**20), repeats=10) -> tuple[float, float]
 def worker(rank: int, world: int, port: int, a, name: str, out_path: str) -> None:
     from tensorpar.distributed.comm import CommStats
     from tensorpar.distributed.mesh import init_mesh
-    from tensorpar.models import Transformer
+    from tensorpar.models.build import build_transformer
     from tensorpar.data_parallel import data_parallel_optimizer
     from tensorpar.training.moe_metrics import moe_step_metrics
 
@@ -93,7 +93,7 @@ def worker(rank: int, world: int, port: int, a, name: str, out_path: str) -> Non
     cfg = model_config(a)
     link = calibrate(mesh.ep_group) if ep > 1 else None
     torch.manual_seed(0)
-    model = Transformer(cfg, mesh, seed=0, device=mesh.device)
+    model = build_transformer(cfg, mesh, seed=0)
     model.train()
     opt = data_parallel_optimizer(model, mesh, lr=1e-3, weight_decay=0.1, zero=1)
     g = torch.Generator().manual_seed(1)

@@ -94,7 +94,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import tensorpar
-    from tensorpar.models import Transformer, load_full_state_dict
+    from tensorpar.config.precision import Precision
+    from tensorpar.models.build import Execution, build_transformer
 
     variant = args.worker
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -117,10 +118,9 @@ def worker(args) -> None:
         mesh = tensorpar.init_mesh(tp=world, device=device)  # world of 1 for "single": no process group at all
 
         def build(tp_overlap=True):
-            built = Transformer(cfg, mesh, init=False, sequence_parallel=variant == "tensorpar-sp",
-                                tp_overlap=tp_overlap).to(dtype)
-            load_full_state_dict(built, to_tensorpar_names(state), source="dense weights")
-            return built.train()
+            layout = mesh.layout.replace(sequence_parallel=variant == "tensorpar-sp")
+            return build_transformer(cfg, mesh, layout, Precision(args.dtype), Execution(tp_overlap=tp_overlap),
+                                     weights=to_tensorpar_names(state), source="dense weights").to(dtype).train()
 
         model = build()
         barrier = mesh.tp_group.barrier

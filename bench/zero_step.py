@@ -47,12 +47,12 @@ def model_config(a):
 
 
 def build(variant: str, a, mesh):
-    from tensorpar.models import Transformer
+    from tensorpar.models.build import build_transformer
     from tensorpar.data_parallel import data_parallel_optimizer
     from tensorpar.data_parallel import FullyShardedOptimizer
 
     torch.manual_seed(0)
-    model = Transformer(model_config(a), mesh, seed=0, device=mesh.device)
+    model = build_transformer(model_config(a), mesh, seed=0)
     model.train()
     kw = dict(lr=1e-3, weight_decay=0.1)
     if variant == "fsdp2":
