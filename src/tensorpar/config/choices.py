@@ -21,3 +21,5 @@ PLANNED_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")  # the pipeline sche
 SEQUENCE_PARALLEL_SEARCH = ("both", "on", "off")  # plan --sequence-parallel
 CP_IMPLS = ("ring", "allgather")  # context-parallel attention (--cp-impl)
 CP_SPLITS = ("zigzag", "contiguous")  # how the sequence's chunks are dealt to the CP ranks (--cp-split)
+EXAMPLE_PACKINGS = ("packed", "padded")  # instruction examples: several to a row (attention within each), or one
+LONG_EXAMPLES = ("truncate", "drop")  # an instruction example longer than the row (--long-examples)

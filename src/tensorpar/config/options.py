@@ -15,8 +15,10 @@ from tensorpar.config.choices import (
     CP_IMPLS,
     CP_SPLITS,
     DTYPES,
+    EXAMPLE_PACKINGS,
     FP8_RECIPES,
     GRAD_REDUCE_DTYPES,
+    LONG_EXAMPLES,
     LOSS_CHUNK_TOKENS,
     ON_NAN,
     PIPELINE_SCHEDULES,
@@ -162,6 +164,18 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                  group="optimization")
     tokenizer: str | None = option(None, "a tokenizer.json or a folder holding one (default: --init-from's, "
                                          "else bytes)", group="data")
+    chat_template: str | None = option(None, "a Jinja chat template file for conversations in --data (default: the "
+                                             "tokenizer folder's)", metavar="FILE", group="data")
+    messages_field: str = option("messages", "the field of conversation rows ([{role, content}, ...]): the loss "
+                                             "covers the assistant's turns", group="data")
+    prompt_field: str = option("prompt", "the prompt field of prompt/completion rows (not learned)", group="data")
+    completion_field: str = option("completion", "the completion field of prompt/completion rows (learned, with "
+                                                 "an EOS after it)", group="data")
+    example_packing: str = option("packed", "conversations and prompt/completion rows: several to a sequence, none "
+                                            "attending to another, or one per sequence, padded",
+                                  choices=EXAMPLE_PACKINGS, group="data")
+    long_examples: str = option("truncate", "an example longer than --seq-len: cut to it, or left out (counted in "
+                                            "the summary either way)", choices=LONG_EXAMPLES, group="data")
     val_data: str | None = option(None, "validation data, any --data form (default: the last --val-fraction of "
                                         "--data)", group="data")
     val_fraction: float = option(0.05, "share of the token stream held out for validation", group="data")

@@ -27,6 +27,7 @@ from tensorpar.pipeline_parallel.runner import PipelineRunner, holds_ends, parse
 from tensorpar.pipeline_parallel.schedules import splits_backward
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
+from tensorpar.training.instruction_data import build_instruction_data
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
@@ -139,6 +140,9 @@ def build_data(run: PreparedRun, tokenizer) -> tuple[object, torch.Tensor | None
     """(the training dataset, the validation windows or None, the sources [(weight, TokenStream)] of --data).
     With --val-data the validation windows come from it and --data is all training."""
     o = run.options
+    examples = build_instruction_data(o, tokenizer, run.cfg.vocab_size)  # conversations, prompt/completion rows
+    if examples is not None:
+        return (*examples, None)
     kw = dict(text_field=o.text_field, bin_dtype=o.bin_dtype, cache_dir=o.data_cache, progress=False)
     corpus = open_corpus(o.data, tokenizer, run.cfg.vocab_size, **kw)
     dataset = build_dataset(corpus, o.seq_len, 0.0 if o.val_data else o.val_fraction)

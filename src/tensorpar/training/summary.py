@@ -77,6 +77,8 @@ def summarize(s: Session, result: LoopResult) -> dict:
         "pipeline_timeline": runner.timeline if runner is not None else None,
         "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
     }
+    if getattr(s.dataset, "stats", None):  # instruction data: examples truncated or left out, rows, fill
+        summary["examples"] = {"kind": s.dataset.kind, "packing": s.dataset.packing, **s.dataset.stats}
     if s.run.cfg.is_moe:
         if records:
             summary["moe"] = {

@@ -25,6 +25,7 @@ from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
 from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
 from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, splits_backward
 from tensorpar.tensor_parallel.fp8_scaling import check_fp8
+from tensorpar.training.instruction_data import check_instruction_data
 from tensorpar.training.metric_sinks import check_sink_packages
 from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps
 
@@ -117,6 +118,13 @@ def _check_fp8(o: TrainOptions) -> None:
                              f"or interleaved")
 
 
+def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
+    """Document sources are tokenized here, once (the ranks then open the cache); instruction rows are checked."""
+    if not check_instruction_data(o, tokenizer, cfg.vocab_size):
+        prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
+                        cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
+
+
 def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     """--document-mask finds the documents by the tokenizer's EOS id: one there must be, inside the vocabulary."""
     if not o.document_mask:
@@ -183,9 +191,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         stage_layers(cfg.num_layers, o.pp, virtual_stages, pipeline_layers)
     tokenizer = tokenizer_from(o.tokenizer, o.init_from)
     _check_document_mask(o, tokenizer, cfg)
-    # Document sources are tokenized here, once (the ranks then open the cache).
-    prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
-                    cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
+    _prepare_data(o, tokenizer, cfg)
     resolved = dataclasses.replace(
         o, dp=dp, micro_batch_size=micro, virtual_stages=virtual_stages, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
         val_every=o.val_every if o.eval_every is None else o.eval_every,
