@@ -23,3 +23,5 @@ CP_IMPLS = ("ring", "allgather")  # context-parallel attention (--cp-impl)
 CP_SPLITS = ("zigzag", "contiguous")  # how the sequence's chunks are dealt to the CP ranks (--cp-split)
 EXAMPLE_PACKINGS = ("packed", "padded")  # instruction examples: several to a row (attention within each), or one
 LONG_EXAMPLES = ("truncate", "drop")  # an instruction example longer than the row (--long-examples)
+LR_SCHEDULES = ("cosine", "wsd")  # --lr-schedule: warmup + cosine, or warmup-stable-decay
+WSD_DECAY_SHAPES = ("1-sqrt", "linear", "cosine")  # the shape of WSD's decay (--decay-shape)

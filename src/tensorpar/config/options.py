@@ -20,6 +20,7 @@ from tensorpar.config.choices import (
     GRAD_REDUCE_DTYPES,
     LONG_EXAMPLES,
     LOSS_CHUNK_TOKENS,
+    LR_SCHEDULES,
     ON_NAN,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
@@ -28,6 +29,7 @@ from tensorpar.config.choices import (
     RECOMPUTE_MODES,
     SEQUENCE_PARALLEL_SEARCH,
     TRAIN_DTYPES,
+    WSD_DECAY_SHAPES,
     ZERO_STAGES,
 )
 from tensorpar.config.fields import option
@@ -153,6 +155,13 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
     min_lr: float | None = option(None, "final learning rate of the cosine (default lr / 10)", group="optimization")
     warmup_steps: int | None = option(None, "linear warmup steps (default min(100, steps / 10))",
                                       group="optimization")
+    lr_schedule: str = option("cosine", "warmup then cosine decay to --min-lr, or WSD: warmup, the peak held, then "
+                                        "a decay to --min-lr over the last --decay-fraction of the steps",
+                              choices=LR_SCHEDULES, group="optimization")
+    decay_fraction: float = option(0.2, "--lr-schedule wsd: the share of --steps its decay takes", metavar="F",
+                                   group="optimization")
+    decay_shape: str = option("1-sqrt", "--lr-schedule wsd: how the decay falls (1-sqrt: Hägele et al. 2024)",
+                              choices=WSD_DECAY_SHAPES, group="optimization")
     weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings", group="optimization")
     grad_clip: float = option(1.0, "clip the dense gradient norm to this (0: no clipping)", group="optimization")
     on_nan: str = option("stop", "a gradient norm that is NaN or Inf (fp32/bf16; fp16's loss scale handles its own "

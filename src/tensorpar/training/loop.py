@@ -26,7 +26,7 @@ from tensorpar.errors import TensorparError
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import mix_seed
 from tensorpar.models.flops import train_flops_per_token
-from tensorpar.optim.lr_schedule import lr_at, set_lr
+from tensorpar.optim.lr_schedule import run_lr, set_lr
 from tensorpar.training.evaluate import evaluate
 from tensorpar.training.loss_weights import micro_batch_weights
 from tensorpar.training.memory_meter import step_memory
@@ -51,7 +51,7 @@ def train_step(s: Session, step: int) -> dict:
     """Forward, backward and the optimizer step of 0-based step `step`; its record (loss, grad_norm, lr, ...)."""
     o, mesh, device = s.options, s.mesh, s.mesh.device
     t0 = time.perf_counter()
-    lr = lr_at(step, max_lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=o.steps)
+    lr = run_lr(o, step)  # warmup + cosine, or WSD
     set_lr(s.optimizer.optimizer, lr)
     rows = as_batch(s.dataset.global_batch(step, o.seed, o.global_batch_size))
     batches = micro_batches(rows, mesh.dp_rank, mesh.dp_size, o.micro_batch_size)

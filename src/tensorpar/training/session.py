@@ -79,7 +79,8 @@ class Session:
         save is only started (a pending one committed first): `poll_saves` and `finish_saves` commit it."""
         o = self.options
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
-                                            "steps", "weight_decay", "grad_clip", "data")}
+                                            "steps", "weight_decay", "grad_clip", "data", "lr_schedule",
+                                            "decay_fraction", "decay_shape")}
         if self.scaler is not None:
             train["loss_scaler"] = self.scaler.state_dict()
         if self.corpus is not None:

@@ -22,6 +22,7 @@ from tensorpar.distributed.mesh import check_hsdp_layout, resolve_layout
 from tensorpar.errors import TensorparError
 from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
+from tensorpar.optim.lr_schedule import check_wsd
 from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
 from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, splits_backward
 from tensorpar.tensor_parallel.fp8_scaling import check_fp8
@@ -118,6 +119,12 @@ def _check_fp8(o: TrainOptions) -> None:
                              f"or interleaved")
 
 
+def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
+    """WSD's warmup and decay fit in the run."""
+    if o.lr_schedule == "wsd":
+        check_wsd(o.steps, min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps, o.decay_fraction)
+
+
 def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     """Document sources are tokenized here, once (the ranks then open the cache); instruction rows are checked."""
     if not check_instruction_data(o, tokenizer, cfg.vocab_size):
@@ -171,6 +178,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
     cfg = model_config(o)
+    _check_optimization(o, cfg)
     check_model_layout(cfg, o.tp, o.sequence_parallel, o.seq_len, o.cp)
     world = world_size if world_size is not None else launched_world_size(o)
     parse_profile_ranks(o.profile_ranks, world)
