@@ -22,6 +22,7 @@ from tensorpar.config.choices import (
     LOSS_CHUNK_TOKENS,
     LR_SCHEDULES,
     ON_NAN,
+    OPTIMIZERS,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
     PLAN_PRECISIONS,
@@ -162,6 +163,10 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                    group="optimization")
     decay_shape: str = option("1-sqrt", "--lr-schedule wsd: how the decay falls (1-sqrt: Hägele et al. 2024)",
                               choices=WSD_DECAY_SHAPES, group="optimization")
+    optimizer: str = option("adamw", "muon: Muon (momentum, Newton-Schulz orthogonalised, scaled to AdamW's RMS "
+                                     "as Moonlight does) for the hidden 2-D weights, AdamW for embeddings, head, "
+                                     "norms, biases and routers", choices=OPTIMIZERS, group="optimization")
+    muon_momentum: float = option(0.95, "--optimizer muon: the momentum (Nesterov)", group="optimization")
     weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings", group="optimization")
     grad_clip: float = option(1.0, "clip the dense gradient norm to this (0: no clipping)", group="optimization")
     on_nan: str = option("stop", "a gradient norm that is NaN or Inf (fp32/bf16; fp16's loss scale handles its own "

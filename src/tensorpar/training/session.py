@@ -80,7 +80,7 @@ class Session:
         o = self.options
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                                             "steps", "weight_decay", "grad_clip", "data", "lr_schedule",
-                                            "decay_fraction", "decay_shape")}
+                                            "decay_fraction", "decay_shape", "optimizer")}
         if self.scaler is not None:
             train["loss_scaler"] = self.scaler.state_dict()
         if self.corpus is not None:
@@ -160,7 +160,8 @@ def build_optimizer(model, mesh: Mesh, o) -> BucketedOptimizer | FullyShardedOpt
     stage = ({"reshard_after_forward": o.zero3_reshard_after_forward} if o.zero == 3
              else {"bucket_bytes": int(o.bucket_mb * 2**20)})
     return data_parallel_optimizer(model, mesh, zero=o.zero, lr=o.lr, weight_decay=o.weight_decay,
-                                   reduce_dtype=param_dtype(o.grad_reduce_dtype), **stage)
+                                   reduce_dtype=param_dtype(o.grad_reduce_dtype), optimizer=o.optimizer,
+                                   muon_momentum=o.muon_momentum, **stage)
 
 
 def warn_if_data_changed(saved: dict | None, corpus: list, spec: str | None) -> None:

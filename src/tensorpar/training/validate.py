@@ -23,6 +23,7 @@ from tensorpar.errors import TensorparError
 from tensorpar.models import ModelConfig, get_config
 from tensorpar.models.layout_checks import check_model_layout, check_moe_layout
 from tensorpar.optim.lr_schedule import check_wsd
+from tensorpar.optim.muon import check_muon
 from tensorpar.pipeline_parallel.runner import parse_pipeline_layers, stage_layers
 from tensorpar.pipeline_parallel.schedules import build_schedule, chunks_per_rank, splits_backward
 from tensorpar.tensor_parallel.fp8_scaling import check_fp8
@@ -120,9 +121,10 @@ def _check_fp8(o: TrainOptions) -> None:
 
 
 def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
-    """WSD's warmup and decay fit in the run."""
+    """WSD's warmup and decay fit in the run; Muon's momentum, and a model it trains."""
     if o.lr_schedule == "wsd":
         check_wsd(o.steps, min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps, o.decay_fraction)
+    check_muon(o.optimizer, o.muon_momentum, cfg.is_moe)
 
 
 def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
