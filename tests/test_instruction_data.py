@@ -1,5 +1,5 @@
-"""`tensorpar train` on conversations: the summary counts what became of the examples; what it cannot train on is
-refused in one line before any rank starts."""
+"""`tensorpar train` on conversations: the summary counts what became of the examples, the sample is prompted in
+the chat format; what it cannot train on is refused in one line before any rank starts."""
 
 import json
 
@@ -25,10 +25,12 @@ def test_the_summary_counts_the_examples(pools, chat):
     code, out, err = pools(1).run(run_cli, [
         "train", "--model", chat["model"], "--tokenizer", chat["tokenizer"], "--data", chat["data"], "--steps", 2,
         "--seq-len", 96, "--global-batch-size", 4, "--long-examples", "drop", "--no-progress",
-        "--out-dir", chat["root"] / "run"])[0]
+        "--out-dir", chat["root"] / "run", "--sample-tokens", 2, "--sample-prompt", "hi"])[0]
     assert code == 0, err
     line = next(line for line in out.splitlines() if line.startswith("examples:"))
     assert "60 conversations" in line and "left out as too long" in line and "packed into" in line
+    # the sample's prompt is a user's message in the chat format, ready for the assistant's answer
+    assert "<|start_header_id|>user<|end_header_id|>\\n\\nhi<|eot_id|><|start_header_id|>assistant" in out
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -209,7 +209,8 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
     metrics: str | None = option(None, "JSONL file, one object per step (default OUT_DIR/metrics.jsonl)",
                                  group="output")
     sample_tokens: int = option(0, "greedy sample this many tokens at the end", group="output")
-    sample_prompt: str = option("The ", "prompt of the sample", group="output")
+    sample_prompt: str = option("The ", "prompt of the sample (conversations in --data: the user's message, rendered "
+                                        "with the chat template and its generation prompt)", group="output")
     progress: bool = option(True, "no progress bar", flag="--no-progress", group="output")
     profile_steps: str | None = option(None, "profile training steps A to B (1-based, inclusive) with torch.profiler: "
                                              "one Chrome / Perfetto trace per rank in OUT_DIR/profile/rank{r}.json.gz,"

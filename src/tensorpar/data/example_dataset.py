@@ -22,6 +22,7 @@ import torch
 
 from tensorpar.config.choices import EXAMPLE_PACKINGS, LONG_EXAMPLES
 from tensorpar.data.batch import IGNORE_INDEX, Batch
+from tensorpar.data.chat_template import ChatTemplate
 from tensorpar.data.dataset import check_step, epoch_permutation
 from tensorpar.data.examples import Examples
 from tensorpar.errors import TensorparError
@@ -79,11 +80,11 @@ class ExampleDataset:
     `describe_samples`), giving `Batch`es."""
 
     def __init__(self, examples: Examples, seq_len: int, packing: str = "packed", long_examples: str = "truncate",
-                 val_fraction: float = 0.0, pad_id: int = 0):
+                 val_fraction: float = 0.0, pad_id: int = 0, template: ChatTemplate | None = None):
         if packing not in EXAMPLE_PACKINGS or long_examples not in LONG_EXAMPLES:
             raise TensorparError(f"packing must be one of {EXAMPLE_PACKINGS} and long examples one of {LONG_EXAMPLES}, got "
                                  f"{packing!r} and {long_examples!r}")
-        self.seq_len, self.packing, self.kind = seq_len, packing, examples.kind
+        self.seq_len, self.packing, self.kind, self.template = seq_len, packing, examples.kind, template
         self.stats = {"examples": len(examples.ids), "truncated": 0, "dropped_long": 0, "dropped_empty": 0}
         pieces = _fit(examples, seq_len, long_examples, self.stats)
         num_val = int(len(pieces) * val_fraction)
@@ -133,6 +134,13 @@ class ExampleDataset:
     def _batch(arrays, index: torch.Tensor) -> Batch:
         inputs, targets, example = arrays
         return Batch(inputs[index], targets[index], None if example is None else example[index])
+
+    def prompt(self, text: str) -> str:
+        """What a model trained on these examples is prompted with for `text`: a user's message rendered with the
+        chat template and its generation prompt (conversations), or `text` itself."""
+        if self.template is None:
+            return text
+        return self.template.render([{"role": "user", "content": text}], add_generation_prompt=True)
 
     def describe_samples(self, step: int, seed: int, global_batch_size: int) -> str:
         return f"rows {self.sample_indices(step, seed, global_batch_size).tolist()} ({self.packing} examples)"

@@ -59,9 +59,10 @@ def build_instruction_data(o: TrainOptions, tokenizer, vocab_size: int) -> tuple
     kind = instruction_kind(o)
     if kind is None:
         return None
-    examples = load_examples(o.data, tokenizer, example_fields(o), _template(o, kind))
+    template = _template(o, kind)
+    examples = load_examples(o.data, tokenizer, example_fields(o), template)
     for ids in examples.ids:
         check_vocab(ids, vocab_size, f"'{os.path.basename(o.data)}' (tokenized)")
     pad = tokenizer.eos_id if getattr(tokenizer, "eos_id", None) is not None else 0
-    dataset = ExampleDataset(examples, o.seq_len, o.example_packing, o.long_examples, o.val_fraction, pad)
+    dataset = ExampleDataset(examples, o.seq_len, o.example_packing, o.long_examples, o.val_fraction, pad, template)
     return dataset, dataset.val_batch(o.val_windows)

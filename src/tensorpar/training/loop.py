@@ -2,8 +2,9 @@
 
 One optimizer step: the step's global batch (fixed by seed and global batch size alone), this
 DP rank's rows cut into micro-batches, forward/backward on each (gradients accumulate locally,
-or flow through the pipeline schedule), gradients averaged (or reduce-scattered, ZeRO) over DP,
-clipped by the dense global norm, AdamW with a cosine schedule. Rank 0 shows a progress bar and
+or flow through the pipeline schedule; each micro-batch's loss weighted by its share of the step's
+valid targets: training/loss_weights.py), gradients averaged (or reduce-scattered, ZeRO) over DP,
+clipped by the dense global norm, AdamW (or Muon) with a cosine (or WSD) schedule. Rank 0 shows a progress bar and
 writes each step's metrics record to its sinks (metrics.jsonl, TensorBoard, W&B: training/metric_sinks.py).
 """
 

@@ -45,9 +45,10 @@ def _sample(s: Session, summary: dict) -> None:
         summary["sample"] = None
         summary["sample_note"] = "no sample: generation runs with tensor parallelism only (use --pp 1 --cp 1)"
         return
-    prompt = s.tokenizer.encode(o.sample_prompt)
-    new = greedy_generate(s.model, prompt, o.sample_tokens, eos_id=getattr(s.tokenizer, "eos_id", None))
-    summary["sample"] = o.sample_prompt + s.tokenizer.decode(new)
+    text = s.dataset.prompt(o.sample_prompt) if hasattr(s.dataset, "prompt") else o.sample_prompt  # chat: rendered
+    eos = getattr(s.tokenizer, "eos_id", None)
+    new = greedy_generate(s.model, s.tokenizer.encode(text), o.sample_tokens, eos_id=eos)
+    summary["sample"] = text + s.tokenizer.decode(new)
 
 
 def summarize(s: Session, result: LoopResult) -> dict:
