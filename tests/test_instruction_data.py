@@ -18,7 +18,7 @@ def chat(tmp_path_factory):
     model.write_text(json.dumps(get_config("tiny").replace(hidden_size=32, ffn_hidden_size=64, num_layers=2,
                                                            vocab_size=chat_data.VOCAB).to_dict()))
     return dict(root=root, model=str(model), tokenizer=chat_data.write_tokenizer_folder(root / "llama3", "llama3"),
-                data=chat_data.write_chat_jsonl(root / "chat.jsonl", 60))
+                data=chat_data.write_chat_jsonl(root / "chat.jsonl", 200))
 
 
 def test_the_summary_counts_the_examples(pools, chat):
@@ -28,7 +28,7 @@ def test_the_summary_counts_the_examples(pools, chat):
         "--out-dir", chat["root"] / "run", "--sample-tokens", 2, "--sample-prompt", "hi"])[0]
     assert code == 0, err
     line = next(line for line in out.splitlines() if line.startswith("examples:"))
-    assert "60 conversations" in line and "left out as too long" in line and "packed into" in line
+    assert "200 conversations" in line and "left out as too long" in line and "packed into" in line
     # the sample's prompt is a user's message in the chat format, ready for the assistant's answer
     assert "<|start_header_id|>user<|end_header_id|>\\n\\nhi<|eot_id|><|start_header_id|>assistant" in out
 
