@@ -20,6 +20,13 @@ def test_byte_tokenizer_round_trip():
     assert tok.decode([0xFF]) == "\ufffd"                   # invalid UTF-8 replaced
 
 
+def test_offsets_name_the_characters_each_id_comes_from():
+    """What a chat's labels are read from: for bytes, each byte of a character points at that character."""
+    ids, offsets = ByteTokenizer().encode_with_offsets("aü🙂")
+    assert ids == list("aü🙂".encode("utf-8"))
+    assert offsets == [(0, 1)] + [(1, 2)] * 2 + [(2, 3)] * 4
+
+
 def _write_hf_tokenizer(directory):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers

@@ -80,9 +80,10 @@ def test_tp_transformer_matches_single_device(pools, tp, config, sp, recompute):
         assert not bad, f"rank {rank}: {bad}"
 
 
-def check_context_parallel_model(tp, cp, config, sp, recompute, impl):
+def check_context_parallel_model(tp, cp, config, sp, recompute, impl, prompt_on_a_rank=False):
     """At cp ranks each holding its zigzag chunks: the loss, this rank's logits, and every gradient averaged over
-    the CP ranks (what the optimizer applies) equal the single-device model's."""
+    the CP ranks (what the optimizer applies) equal the single-device model's. `prompt_on_a_rank`: every target of
+    CP rank 1's chunks (positions 4-11 at cp 2) ignored, as a chat's prompt may be."""
     m = mesh(tp=tp, cp=cp, dp=4 // (tp * cp))
     cfg = CONFIGS[config]
     seq_len = 16
@@ -90,6 +91,8 @@ def check_context_parallel_model(tp, cp, config, sp, recompute, impl):
     ids = torch.randint(0, cfg.vocab_size, (2, seq_len))
     targets = torch.randint(0, cfg.vocab_size, (2, seq_len))
     targets[0, :3] = -100  # ignored targets, all on one CP rank: the mean weighs each rank by its tokens
+    if prompt_on_a_rank:
+        targets[:, 4:12] = -100
 
     reference = Transformer(cfg, Group.single("tp"), seed=5)
     ref_loss = reference(ids, targets)
@@ -131,4 +134,11 @@ def check_context_parallel_model(tp, cp, config, sp, recompute, impl):
 def test_context_parallel_transformer_matches_single_device(pools, tp, cp, config, sp, recompute, impl):
     for rank, errs in enumerate(pools(4).run(check_context_parallel_model, tp, cp, config, sp, recompute, impl)):
         bad = {k: f"{v:.1e}" for k, v in errs.items() if v > 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_a_context_parallel_rank_without_a_learned_target_adds_nothing(pools):
+    """A CP rank whose positions are all prompt (ignored targets) adds nothing to the loss, not 0 / 0."""
+    for rank, errs in enumerate(pools(4).run(check_context_parallel_model, 1, 2, "tiny", False, "none", "ring", True)):
+        bad = {k: f"{v:.1e}" for k, v in errs.items() if not v <= 1e-5}
         assert not bad, f"rank {rank}: {bad}"

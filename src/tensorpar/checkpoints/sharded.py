@@ -69,8 +69,9 @@ def _write_shard(tmp: str, file_name: str, params: dict, moments: dict, step: in
     for name, p in params.items():
         # bf16/fp16 training saves its fp32 master weights: a resume continues exactly
         tensors[f"param/{name}"] = moments[name].get("master", p.detach()).contiguous().cpu()
-        for kind in ("exp_avg", "exp_avg_sq"):
-            tensors[f"{kind}/{name}"] = moments[name][kind].contiguous().cpu()
+        for kind, value in moments[name].items():  # the optimizer's state: AdamW's moments, or Muon's momentum
+            if kind != "master":
+                tensors[f"{kind}/{name}"] = value.contiguous().cpu()
     path = os.path.join(tmp, file_name)
     save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
     return {
@@ -410,6 +411,16 @@ class CheckpointReader:
     def names(self) -> list[str]:
         return list(self.meta["tensors"])
 
+    def has(self, name: str, kind: str) -> bool:
+        """Whether the checkpoint holds `kind` (e.g. "momentum_buffer") of tensor `name`."""
+        info = self.meta["tensors"][name]
+        if info.get("group") == "ep":
+            file_name = self.by_expert_rank[(0, info["pp_rank"])]
+        else:
+            file_name = self.by_position[(0, info["pp_rank"])]
+        with safe_open(os.path.join(self.step_dir, file_name), framework="pt") as f:
+            return f"{kind}/{name}" in f.keys()
+
 
 def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = True) -> dict:
     """Load weights (and, given an optimizer, AdamW moments) into this rank's shards; returns the metadata.
@@ -428,7 +439,8 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
             spec = shard_spec(p)  # split over TP, or EP (and expert-TP) for the routed experts
             p.copy_(local_shard(reader.dense(name), spec, model))
             if optimizer is not None:  # the moments, and the fp32 weights for the masters of bf16/fp16 training
-                moments[name] = {k: local_shard(reader.dense(name, k), spec, model) for k in ("exp_avg", "exp_avg_sq")}
+                kinds = [k for k in optimizer.kinds_of(name, p.shape) if reader.has(name, k)]  # another optimizer's
+                moments[name] = {k: local_shard(reader.dense(name, k), spec, model) for k in kinds}  # -> zeros
                 moments[name]["master"] = local_shard(reader.dense(name).float(), spec, model)
         if optimizer is not None:
             optimizer.reload_parameters()

@@ -37,6 +37,14 @@ def with_output_defaults(options: TrainOptions) -> TrainOptions:
                                                                                                   "metrics.jsonl"))
 
 
+def examples_line(e: dict) -> str:
+    """What became of the instruction examples: how many trained, cut, left out, and how full the rows are."""
+    return (f"examples: {e['examples']:,} {e['kind']}: {e['train_examples']:,} training and {e['val_examples']:,} "
+            f"validation, {e['truncated']:,} truncated to --seq-len, {e['dropped_long']:,} left out as too long, "
+            f"{e['dropped_empty']:,} with nothing to learn; {e['packing']} into {e['train_rows']:,} rows "
+            f"({100 * e['fill']:.0f}% filled, {e['learned_tokens']:,} learned tokens)")
+
+
 def print_summary(s: dict) -> None:
     resumed = f" (resumed at step {s['start_step']})" if s.get("start_step") else ""
     print(f"\ntrained{resumed} {s['model']} ({s['parameters'] / 1e6:.2f}M parameters) for {s['steps']} steps on "
@@ -46,6 +54,8 @@ def print_summary(s: dict) -> None:
     print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{val}")
     print(f"{s['time_s']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% "
           f"(of the {s['peak_flops_source']})")
+    if s.get("examples"):
+        print(examples_line(s["examples"]))
     if s.get("moe"):
         m = s["moe"]
         print(f"experts: aux loss {m['final_aux_loss']:.4f}, z-loss {m['final_z_loss']:.4f} (last step), load "

@@ -16,10 +16,14 @@ from tensorpar.config.choices import (
     CP_IMPLS,
     CP_SPLITS,
     DTYPES,
+    EXAMPLE_PACKINGS,
     FP8_RECIPES,
     GRAD_REDUCE_DTYPES,
+    LONG_EXAMPLES,
     LOSS_CHUNK_TOKENS,
+    LR_SCHEDULES,
     ON_NAN,
+    OPTIMIZERS,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
     PLAN_PRECISIONS,
@@ -27,6 +31,7 @@ from tensorpar.config.choices import (
     RECOMPUTE_MODES,
     SEQUENCE_PARALLEL_SEARCH,
     TRAIN_DTYPES,
+    WSD_DECAY_SHAPES,
     ZERO_STAGES,
 )
 from tensorpar.config.fields import option
@@ -152,6 +157,17 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
     min_lr: float | None = option(None, "final learning rate of the cosine (default lr / 10)", group="optimization")
     warmup_steps: int | None = option(None, "linear warmup steps (default min(100, steps / 10))",
                                       group="optimization")
+    lr_schedule: str = option("cosine", "warmup then cosine decay to --min-lr, or WSD: warmup, the peak held, then "
+                                        "a decay to --min-lr over the last --decay-fraction of the steps",
+                              choices=LR_SCHEDULES, group="optimization")
+    decay_fraction: float = option(0.2, "--lr-schedule wsd: the share of --steps its decay takes", metavar="F",
+                                   group="optimization")
+    decay_shape: str = option("1-sqrt", "--lr-schedule wsd: how the decay falls (1-sqrt: Hägele et al. 2024)",
+                              choices=WSD_DECAY_SHAPES, group="optimization")
+    optimizer: str = option("adamw", "muon: Muon (momentum, Newton-Schulz orthogonalised, scaled to AdamW's RMS "
+                                     "as Moonlight does) for the hidden 2-D weights, AdamW for embeddings, head, "
+                                     "norms, biases and routers", choices=OPTIMIZERS, group="optimization")
+    muon_momentum: float = option(0.95, "--optimizer muon: the momentum (Nesterov)", group="optimization")
     weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings", group="optimization")
     grad_clip: float = option(1.0, "clip the dense gradient norm to this (0: no clipping)", group="optimization")
     on_nan: str = option("stop", "a gradient norm that is NaN or Inf (fp32/bf16; fp16's loss scale handles its own "
@@ -163,6 +179,18 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                  group="optimization")
     tokenizer: str | None = option(None, "a tokenizer.json or a folder holding one (default: --init-from's, "
                                          "else bytes)", group="data")
+    chat_template: str | None = option(None, "a Jinja chat template file for conversations in --data (default: the "
+                                             "tokenizer folder's)", metavar="FILE", group="data")
+    messages_field: str = option("messages", "the field of conversation rows ([{role, content}, ...]): the loss "
+                                             "covers the assistant's turns", group="data")
+    prompt_field: str = option("prompt", "the prompt field of prompt/completion rows (not learned)", group="data")
+    completion_field: str = option("completion", "the completion field of prompt/completion rows (learned, with "
+                                                 "an EOS after it)", group="data")
+    example_packing: str = option("packed", "conversations and prompt/completion rows: several to a sequence, none "
+                                            "attending to another, or one per sequence, padded",
+                                  choices=EXAMPLE_PACKINGS, group="data")
+    long_examples: str = option("truncate", "an example longer than --seq-len: cut to it, or left out (counted in "
+                                            "the summary either way)", choices=LONG_EXAMPLES, group="data")
     val_data: str | None = option(None, "validation data, any --data form (default: the last --val-fraction of "
                                         "--data)", group="data")
     val_fraction: float = option(0.05, "share of the token stream held out for validation", group="data")
@@ -182,7 +210,8 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
     metrics: str | None = option(None, "JSONL file, one object per step (default OUT_DIR/metrics.jsonl)",
                                  group="output")
     sample_tokens: int = option(0, "greedy sample this many tokens at the end", group="output")
-    sample_prompt: str = option("The ", "prompt of the sample", group="output")
+    sample_prompt: str = option("The ", "prompt of the sample (conversations in --data: the user's message, rendered "
+                                        "with the chat template and its generation prompt)", group="output")
     progress: bool = option(True, "no progress bar", flag="--no-progress", group="output")
     profile_steps: str | None = option(None, "profile training steps A to B (1-based, inclusive) with torch.profiler: "
                                              "one Chrome / Perfetto trace per rank in OUT_DIR/profile/rank{r}.json.gz,"

@@ -18,8 +18,9 @@ class _MeanFromCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, count, group):
         totals = group.all_reduce(torch.stack([x.detach().float() * count, count.float()]))
-        ctx.scale = group.size * count.float() / totals[1]  # this rank's share of the tokens, times cp
-        return (totals[0] / totals[1]).to(x.dtype)
+        total = totals[1].clamp(min=1)  # no token on any rank (a micro-batch of prompts only): 0, not NaN
+        ctx.scale = group.size * count.float() / total  # this rank's share of the tokens, times cp
+        return (totals[0] / total).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):

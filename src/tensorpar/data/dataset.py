@@ -148,6 +148,12 @@ def eval_windows(tokens, seq_len: int) -> torch.Tensor:
     return _windows(stream, seq_len).clone()
 
 
+def epoch_permutation(n: int, seed: int, epoch: int, stream_id: int | None = None) -> np.ndarray:
+    """The order of `n` training samples in epoch `epoch`: fixed by the seed (and a mixture's source number)."""
+    entropy = [seed, epoch] if stream_id is None else [seed, epoch, stream_id]
+    return np.random.default_rng(entropy).permutation(n)
+
+
 class TokenDataset:
     """A token stream split into training windows (the start) and validation windows (the end).
 
@@ -187,8 +193,7 @@ class TokenDataset:
         if key not in self._perms:
             if len(self._perms) >= 4:  # a step touches at most a few epochs; keep the cache small
                 self._perms.clear()
-            entropy = [seed, epoch] if self.stream_id is None else [seed, epoch, self.stream_id]
-            self._perms[key] = np.random.default_rng(entropy).permutation(self.num_train_windows)
+            self._perms[key] = epoch_permutation(self.num_train_windows, seed, epoch, self.stream_id)
         return self._perms[key]
 
     def shuffled_indices(self, start: int, stop: int, seed: int) -> np.ndarray:
@@ -228,11 +233,10 @@ class TokenDataset:
                 f"val_windows={self.num_val_windows})")
 
 
-def micro_batches(
-    global_batch: torch.Tensor, dp_rank: int, dp_size: int, micro_batch_size: int
-) -> list[torch.Tensor]:
-    """This DP rank's contiguous rows of the global batch, cut into micro-batches of `micro_batch_size` rows."""
-    g = global_batch.shape[0]
+def micro_batches(global_batch, dp_rank: int, dp_size: int, micro_batch_size: int) -> list:
+    """This DP rank's contiguous rows of the global batch (token windows, or a `Batch`), cut into micro-batches of
+    `micro_batch_size` rows."""
+    g = len(global_batch)
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise LayoutError(f"dp rank {dp_rank} is not valid for dp size {dp_size}")
     check_batch_layout(g, dp_size, micro_batch_size)

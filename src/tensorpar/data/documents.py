@@ -137,7 +137,7 @@ def _column_texts(file: str, batch, field: str, first_row: int) -> list[str]:
         raise TensorparError(f"'{file}': no column '{field}' (columns: {', '.join(batch.schema.names)}; choose "
                              f"one with --text-field)")
     column = batch.column(batch.schema.get_field_index(field))
-    pa, _ = _pyarrow(file)
+    pa, _ = pyarrow_modules(file)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise TensorparError(f"'{file}': column '{field}' holds {column.type}, not text")
     if column.null_count:
@@ -147,7 +147,7 @@ def _column_texts(file: str, batch, field: str, first_row: int) -> list[str]:
 
 
 def _parquet(file: str, field: str) -> Iterator[tuple[list[str], int]]:
-    _, pq = _pyarrow(file)
+    _, pq = pyarrow_modules(file)
     try:
         reader = pq.ParquetFile(file)
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... for a bad file
@@ -170,7 +170,7 @@ def _parquet(file: str, field: str) -> Iterator[tuple[list[str], int]]:
 
 
 def _arrow(file: str, field: str) -> Iterator[tuple[list[str], int]]:
-    pa, _ = _pyarrow(file)
+    pa, _ = pyarrow_modules(file)
     row = 0
     try:
         source = pa.memory_map(file, "r")
@@ -191,7 +191,7 @@ def _arrow(file: str, field: str) -> Iterator[tuple[list[str], int]]:
             yield texts, source.tell()
 
 
-def _pyarrow(file: str):
+def pyarrow_modules(file: str):
     """(pyarrow, pyarrow.parquet), imported on first use: only runs that read these formats pay for it."""
     try:
         import pyarrow  # noqa: PLC0415

@@ -32,6 +32,15 @@ class ByteTokenizer:
         """`encode` of each text."""
         return [list(t.encode("utf-8")) for t in texts]
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(`encode(text)`, the [start, end) characters of `text` each id comes from: a character's every byte)."""
+        ids, offsets = [], []
+        for i, char in enumerate(text):
+            data = char.encode("utf-8")
+            ids.extend(data)
+            offsets.extend([(i, i + 1)] * len(data))
+        return ids, offsets
+
     @property
     def fingerprint(self) -> str:
         """What identifies the tokenizer's ids (a cache of tokenized data is keyed by it)."""
@@ -91,6 +100,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens (no BOS/EOS added)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(`encode(text)`, the [start, end) characters of `text` each id comes from)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return list(encoding.ids), list(encoding.offsets)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` of each text, batched: the Rust library spreads the batch over its threads

@@ -19,9 +19,9 @@ OPTIMIZERS = {0: AllReduceOptimizer, 1: Zero1Optimizer, 2: Zero2Optimizer, 3: Fu
 
 
 def data_parallel_optimizer(model, mesh, *, zero: int = 0, **kwargs) -> BucketedOptimizer | FullyShardedOptimizer:
-    """AdamW over `model`'s parameters across the mesh's DP (x CP) group at ZeRO stage `zero`. `kwargs`: lr,
-    weight_decay, betas, eps, reduce_dtype, and the stage's own (bucket_bytes for 0-2; reshard_after_forward and
-    prefetch for 3)."""
+    """AdamW (or with ``optimizer="muon"`` Muon for the hidden matrices: muon_matrices.py) over `model`'s parameters
+    across the mesh's DP (x CP) group at ZeRO stage `zero`. `kwargs`: lr, weight_decay, betas, eps, reduce_dtype,
+    optimizer, muon_momentum, and the stage's own (bucket_bytes for 0-2; reshard_after_forward and prefetch for 3)."""
     if zero not in ZERO_STAGES:
         raise TensorparError(f"ZeRO stage must be one of {sorted(ZERO_STAGES)}, got {zero}")
     return OPTIMIZERS[zero](model, mesh, **kwargs)

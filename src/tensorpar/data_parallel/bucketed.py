@@ -36,7 +36,7 @@ from tensorpar.data_parallel.flat_buffer import BytesInUse, nbytes
 from tensorpar.data_parallel.shard_pieces import adamw_step_count, state_bytes
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
-from tensorpar.optim.adamw import adamw
+from tensorpar.data_parallel.muon_matrices import step_rule, whole_parameters
 from tensorpar.optim.grad_norm import unscale_and_clip
 
 
@@ -55,7 +55,7 @@ class BucketedOptimizer:
 
     def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, bucket_bytes: int | float = DEFAULT_BUCKET_BYTES,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, optimizer: str = "adamw", muon_momentum: float = 0.95):
         # Gradients are averaged (ZeRO: sharded) over every rank that holds the same parameters and saw other
         # tokens: DP, times CP under context parallelism.
         self.mesh, self.dp = mesh, mesh.dp_cp_group
@@ -84,7 +84,9 @@ class BucketedOptimizer:
         self.grad_bytes = BytesInUse()
         self._allocate_grads()
         self.weights = self._build_weights(params, weight_decay)
-        self.optimizer = adamw(self.weights.param_groups(), lr=lr, betas=betas, eps=eps)
+        slices = getattr(self.weights, "slices", None) or whole_parameters(self.buckets)
+        self.optimizer = step_rule(model, mesh, self.weights, slices, optimizer, lr=lr, betas=betas, eps=eps,
+                                   momentum=muon_momentum)
 
     # -- what each stage decides --------------------------------------------------------------------------
 
@@ -180,12 +182,16 @@ class BucketedOptimizer:
         return contextlib.nullcontext()
 
     def local_state(self, names: dict[int, str]) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
-        """({parameter name: {"exp_avg", "exp_avg_sq"}} for this rank's local parameters, AdamW step count).
+        """({parameter name: its optimizer state} for this rank's local parameters, the step count).
         With ZeRO the moments are all-gathered over DP (a collective: call on every rank)."""
         return self.weights.local_state(self.optimizer, names, with_master=self.mixed), adamw_step_count(self.optimizer)
 
+    def kinds_of(self, name: str, shape) -> tuple[str, ...]:
+        """The optimizer state the parameter `name` keeps (AdamW's moments, or Muon's momentum)."""
+        return self.optimizer.kinds_of(name, shape)
+
     def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
-        """Set AdamW moments (local parameter layout, as `local_state` returns) and the step count."""
+        """Set the optimizer state (local parameter layout, as `local_state` returns) and the step count."""
         self.weights.load_local_state(self.optimizer, states, step, names)
 
     def reload_parameters(self) -> None:

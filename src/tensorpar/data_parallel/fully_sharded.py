@@ -51,7 +51,7 @@ from tensorpar.data_parallel.reduce_scatter_queue import ReduceScatterQueue, sum
 from tensorpar.data_parallel.shard_pieces import adamw_step_count, state_bytes
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
-from tensorpar.optim.adamw import adamw
+from tensorpar.data_parallel.muon_matrices import step_rule
 from tensorpar.optim.grad_norm import unscale_and_clip
 from tensorpar.layers.attention import KVParallelLinear
 from tensorpar.tensor_parallel import fp8_scaling
@@ -177,7 +177,7 @@ class FullyShardedOptimizer:
 
     def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, reshard_after_forward: bool = True, prefetch: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, optimizer: str = "adamw", muon_momentum: float = 0.95):
         self.mesh, self.dp, self.reduce_dtype = mesh, mesh.dp_cp_group, reduce_dtype
         # HSDP: units sharded within a replica, their gradient slices all-reduced across the replicas
         self.shards = getattr(mesh, "dp_shard_group", None) or self.dp
@@ -223,7 +223,8 @@ class FullyShardedOptimizer:
             for p in u.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
-        self.optimizer = adamw(self.weights.param_groups(), lr=lr, betas=betas, eps=eps)
+        self.optimizer = step_rule(model, mesh, self.weights, self.weights.slices, optimizer, lr=lr, betas=betas,
+                                   eps=eps, momentum=muon_momentum)
 
     def _block_units(self, key: str, block: nn.Module, expert_dp, fp8: set[int]) -> list[_Unit]:
         """The units of one block, gathered and freed together: its dense parameters (over DP x CP; the weights in
@@ -356,6 +357,10 @@ class FullyShardedOptimizer:
         experts': over expert-DP) (a collective)."""
         mixed = any(u.slice.separate for u in self._all)
         return self.weights.local_state(self.optimizer, names, with_master=mixed), adamw_step_count(self.optimizer)
+
+    def kinds_of(self, name: str, shape) -> tuple[str, ...]:
+        """The optimizer state the parameter `name` keeps (AdamW's moments, or Muon's momentum)."""
+        return self.optimizer.kinds_of(name, shape)
 
     def load_local_state(self, states: dict[str, dict[str, torch.Tensor]], step: int, names: dict[int, str]) -> None:
         self.weights.load_local_state(self.optimizer, states, step, names)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tensorpar.data_parallel.flat_buffer import FlatBuffer, nbytes
-from tensorpar.data_parallel.shard_pieces import MOMENTS, Piece, cut_pieces, gather_moments, load_moments
+from tensorpar.data_parallel.shard_pieces import Piece, cut_pieces, gather_moments, load_moments
 from tensorpar.optim.adamw import takes_weight_decay
 
 
@@ -137,14 +137,18 @@ class ModelWeights:
         out = {}
         for p in self.params:
             st = optimizer.state.get(p, {})
-            out[names[id(p)]] = {k: (st[k].clone() if k in st else torch.zeros_like(p)) for k in MOMENTS}
+            out[names[id(p)]] = {k: (st[k].clone() if k in st else torch.zeros_like(p))
+                                 for k in optimizer.kinds_of(names[id(p)], p.shape)}
         return out
 
     def load_local_state(self, optimizer, states: dict, step: int, names: dict[int, str]) -> None:
+        """The optimizer state of every parameter from `states` (a kind the checkpoint lacks starts at zeros)."""
         step_tensor = torch.tensor(float(step))
         for p in self.params:
             st = states[names[id(p)]]
-            optimizer.state[p] = {"step": step_tensor.clone(), **{k: st[k].to(p).clone() for k in MOMENTS}}
+            optimizer.state[p] = {"step": step_tensor.clone(),
+                                  **{k: st[k].to(p).clone() if k in st else torch.zeros_like(p)
+                                     for k in optimizer.kinds_of(names[id(p)], p.shape)}}
 
     def reload(self) -> None:
         pass

@@ -18,7 +18,6 @@ from torch import nn
 from tensorpar.distributed.sharding import shard_spec, tag
 from tensorpar.optim.adamw import takes_weight_decay
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclasses.dataclass
@@ -49,15 +48,22 @@ def cut_pieces(params, shapes, offsets, lo_b: int, hi_b: int, master: torch.Tens
     return pieces
 
 
+def _kinds(optimizer, names: dict[int, str], buffer) -> dict[int, tuple[str, ...]]:
+    """What each parameter of `buffer` keeps (`optimizer.kinds_of`), by parameter id."""
+    return {id(p): optimizer.kinds_of(names[id(p)], shape) for p, shape in zip(buffer.params, buffer.shapes)}
+
+
 def gather_moments(slices, optimizer, dp_group, names: dict[int, str], with_master: bool = False) -> dict:
-    """{parameter name: {"exp_avg", "exp_avg_sq"}} of every parameter of the master `slices` (each a `MasterSlice`
-    of a flat buffer sharded over `dp_group`), all-gathered over `dp_group` (a collective). ``with_master``: also
-    "master", the fp32 master weights (which bf16/fp16 training saves as the parameters)."""
+    """{parameter name: its optimizer state (AdamW's "exp_avg", "exp_avg_sq"; Muon's "momentum_buffer")} of every
+    parameter of the master `slices` (each a `MasterSlice` of a flat buffer sharded over `dp_group`), all-gathered
+    over `dp_group` (a collective). ``with_master``: also "master", the fp32 master weights (which bf16/fp16
+    training saves as the parameters)."""
     out = {}
     for s in slices:
         b, lo_b = s.buffer, s.lo
+        kinds = _kinds(optimizer, names, b)
         full = {}
-        for key in MOMENTS + (("master",) if with_master else ()):
+        for key in dict.fromkeys(k for ks in kinds.values() for k in ks + (("master",) if with_master else ())):
             local = torch.zeros_like(s.master)
             for piece in s.pieces:
                 state = optimizer.state.get(piece.opt_param, {})
@@ -68,24 +74,28 @@ def gather_moments(slices, optimizer, dp_group, names: dict[int, str], with_mast
             full[key] = torch.empty(b.padded, dtype=s.master.dtype, device=s.master.device)
             dp_group.all_gather_async(full[key], local).wait()
         for p, offset, shape in zip(b.params, b.offsets, b.shapes):
-            out[names[id(p)]] = {k: v[offset : offset + shape.numel()].view(shape).clone() for k, v in full.items()}
+            keep = kinds[id(p)] + (("master",) if with_master else ())
+            out[names[id(p)]] = {k: full[k][offset : offset + shape.numel()].view(shape).clone() for k in keep}
     return out
 
 
 def load_moments(slices, optimizer, states: dict, step: int, names: dict[int, str]) -> None:
-    """Set the AdamW moments of every piece from `states` (the layout `gather_moments` returns) and the step, and
-    the fp32 master weights from "master" where given (the checkpoint's fp32 parameters)."""
+    """Set the optimizer state of every piece from `states` (the layout `gather_moments` returns; a kind the
+    checkpoint lacks starts at zeros: it was saved by another optimizer) and the step, and the fp32 master weights
+    from "master" where given (the checkpoint's fp32 parameters)."""
     step_tensor = torch.tensor(float(step))
     for s in slices:
+        kinds = _kinds(optimizer, names, s.buffer)
         for piece in s.pieces:
             st = states[names[id(piece.param)]]
+            part = slice(piece.lo - piece.offset, piece.hi - piece.offset)
             if "master" in st:
                 with torch.no_grad():
-                    piece.opt_param.copy_(st["master"].flatten()[piece.lo - piece.offset : piece.hi - piece.offset])
+                    piece.opt_param.copy_(st["master"].flatten()[part])
             optimizer.state[piece.opt_param] = {
                 "step": step_tensor.clone(),
-                **{k: st[k].flatten()[piece.lo - piece.offset : piece.hi - piece.offset].to(piece.opt_param).clone()
-                   for k in MOMENTS},
+                **{k: (st[k].flatten()[part].to(piece.opt_param).clone() if k in st
+                       else torch.zeros_like(piece.opt_param)) for k in kinds[id(piece.param)]},
             }
 
 

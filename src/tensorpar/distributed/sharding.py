@@ -151,11 +151,15 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_size: int
 def unshard_tensor(local: torch.Tensor, spec: ShardSpec, tp_group) -> torch.Tensor:
     """The dense tensor, reassembled from every rank's part (a collective over `tp_group`)."""
     if spec.dim is None or tp_group.size == 1:
-        full = local
-    else:
-        gathered = tp_group.all_gather(local.detach(), dim=spec.dim)
-        parts = gathered.chunk(tp_group.size, spec.dim)[:: spec.replicas]
-        full = torch.cat(parts, spec.dim)
-    if spec.dim is not None and spec.full_size is not None:
-        full = full.narrow(spec.dim, 0, spec.full_size)
-    return full
+        return join_shards([local], spec)
+    gathered = tp_group.all_gather(local.detach(), dim=spec.dim)
+    return join_shards(list(gathered.chunk(tp_group.size, spec.dim)), spec)
+
+
+def join_shards(parts: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The dense tensor from the parts of every TP rank, in rank order (no communication): `shard_tensor`
+    undone."""
+    if spec.dim is None:
+        return parts[0]
+    full = torch.cat(parts[:: spec.replicas], spec.dim) if len(parts) > 1 else parts[0]
+    return full.narrow(spec.dim, 0, spec.full_size) if spec.full_size is not None else full

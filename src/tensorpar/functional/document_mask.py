@@ -31,10 +31,15 @@ class PackedDocuments:
     def from_tokens(cls, ids: torch.Tensor, eos_id: int) -> "PackedDocuments":
         """The documents of the token windows `ids` [B, S], each ending at (and including) an `eos_id`."""
         eos = (ids == eos_id).long()
-        index = eos.cumsum(1) - eos  # the EOSes strictly before each position
-        arange = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        starts = torch.ones_like(eos, dtype=torch.bool)
-        starts[:, 1:] = eos[:, :-1].bool()
+        return cls.from_index(eos.cumsum(1) - eos)  # the EOSes strictly before each position
+
+    @classmethod
+    def from_index(cls, index: torch.Tensor) -> "PackedDocuments":
+        """The documents whose number at each position is `index` [B, S] (non-decreasing along each row): packed
+        instruction examples, whose rows say where each one lies."""
+        arange = torch.arange(index.shape[1], device=index.device).expand_as(index)
+        starts = torch.ones_like(index, dtype=torch.bool)
+        starts[:, 1:] = index[:, 1:] != index[:, :-1]
         first = torch.where(starts, arange, torch.zeros_like(arange)).cummax(1).values
         return cls(index, arange - first)
 

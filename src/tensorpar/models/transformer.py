@@ -100,6 +100,13 @@ def sequence_shard(tp_group, sequence_parallel: bool, context: ContextSplit | No
     return shard + (context.group.rank * tp_group.size if context is not None else 0)
 
 
+def _mean_over_valid(loss_sum: torch.Tensor, targets: torch.Tensor, cp_group) -> torch.Tensor:
+    """A rank's summed loss over its valid targets as their mean (0 where it has none), then the token-weighted mean
+    over the CP ranks."""
+    count = (targets != -100).sum()
+    return mean_from_cp(loss_sum / count.clamp(min=1), count, cp_group)
+
+
 class Transformer(nn.Module):
     """A GPT-2 or Llama-style decoder whose layers are split across `mesh`'s TP group.
 
@@ -266,17 +273,19 @@ class Transformer(nn.Module):
         return self.head(h)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean next-token loss over the targets that are not -100 (under context parallelism, of every CP rank)."""
-        loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size)
-        return mean_from_cp(loss, (targets != -100).sum(), self.cp_group)
+        """The mean next-token loss over the targets that are not -100 (under context parallelism, of every CP rank;
+        a CP rank whose positions hold none, as a chat's prompt may, adds nothing)."""
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size,
+                                            reduction="sum")
+        return _mean_over_valid(loss, targets, self.cp_group)
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`loss(logits(h), targets)`, with the head and the loss fused per `loss_chunk_tokens` when the model was
         built with it (under the zero-bubble split backward the head keeps the unfused path: see its `loss`)."""
         if self.loss_chunk_tokens is None:
             return self.loss(self.logits(h), targets)
-        loss = self.head.loss(h, targets, chunk_tokens=self.loss_chunk_tokens)
-        return mean_from_cp(loss, (targets != -100).sum(), self.cp_group)
+        loss = self.head.loss(h, targets, chunk_tokens=self.loss_chunk_tokens, reduction="sum")
+        return _mean_over_valid(loss, targets, self.cp_group)
 
     # -- forward ------------------------------------------------------------------------------
 

@@ -9,6 +9,9 @@ from torch.optim.adamw import adamw as _adamw
 from tensorpar.errors import TensorparError
 
 
+ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a parameter's AdamW state holds besides its step (and checkpoints keep)
+
+
 def takes_weight_decay(param: torch.Tensor | torch.Size) -> bool:
     """Matrices and embeddings (ndim >= 2) decay; biases and norm weights do not. Takes a parameter or its shape
     (ZeRO-3 frees a parameter's storage between uses)."""
@@ -39,6 +42,10 @@ class AdamW:
         for g in self.param_groups:
             g.update(foreach=not self.fused, fused=self.fused)
         self.state: dict[torch.Tensor, dict] = {}
+
+    def kinds_of(self, name: str, shape) -> tuple[str, ...]:
+        """The state the parameter `name` of `shape` keeps (besides its step): what checkpoints save of it."""
+        return ADAMW_STATE
 
     def _state(self, p: torch.Tensor) -> dict:
         st = self.state.get(p)

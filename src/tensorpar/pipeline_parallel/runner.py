@@ -30,6 +30,7 @@ import time
 import torch
 
 
+from tensorpar.data.batch import as_batch
 from tensorpar.distributed.sharding import retag
 from tensorpar.errors import TensorparError
 from tensorpar.layout import ParallelLayout
@@ -106,45 +107,48 @@ class PipelineRunner:
         self.mesh.pp_group.irecv(buf, src, tag=tag).wait()
         return buf
 
-    def _forward_action(self, mb: int, chunk: int, batch: torch.Tensor, dropout_seed, sends: list,
-                        aux_scale: float = 1.0, documents=None):
+    def _forward_action(self, mb: int, chunk: int, batch, dropout_seed, sends: list, aux_scale: float = 1.0,
+                        documents=None):
         """Receive the input (unless stage 0), run the chunk, send the output on (unless the last stage).
-        Returns (input, output, start of compute); on the last stage the output is the loss. `aux_scale`: what the
-        loss's backward is scaled by (MoE router losses take it too); `documents`: the micro-batch's packed
-        documents, or None."""
+        Returns (input, output, start of compute); on the last stage the output is the loss. `batch`: token
+        windows [mb, L+1] or a `Batch` (inputs and targets); `aux_scale`: what MoE router losses' backward is scaled
+        by; `documents`: the micro-batch's packed documents, or None."""
         stage = self._stage(chunk)
-        x = batch[:, :-1] if stage == 0 else self._recv(self._tag(mb, stage, False), stage - 1)
+        batch = as_batch(batch)
+        x = batch.inputs if stage == 0 else self._recv(self._tag(mb, stage, False), stage - 1)
         if stage > 0 and torch.is_grad_enabled():
             x.requires_grad_()
         t0 = time.perf_counter()
-        out = self._forward_chunk(x, chunk, batch[:, 1:] if stage == self.last else None, dropout_seed, aux_scale,
+        out = self._forward_chunk(x, chunk, batch.targets if stage == self.last else None, dropout_seed, aux_scale,
                                   documents)
         if stage != self.last:
             out = out.to(self.activation_dtype)
             self._send(out.detach(), stage + 1, self._tag(mb, stage + 1, False), sends)
         return x, out, t0
 
-    def _finish(self, sends: list, loss_sum: torch.Tensor, count: int) -> float:
-        """Wait for the sends, share the last stage's loss with the other stages, return the mean."""
+    def _finish(self, sends: list, loss_sum: torch.Tensor) -> float:
+        """Wait for the sends, share the last stage's weighted loss with the other stages, return it."""
         for work, _ in sends:
             work.wait()
         self.mesh.pp_group.all_reduce(loss_sum)
-        return loss_sum.item() / count
+        return loss_sum.item()
 
-    def train_step(self, microbatches: list[torch.Tensor], dropout_seed, loss_scale: float = 1.0,
-                   documents: list | None = None) -> float:
-        """Forward and backward of every micro-batch ([mb, L+1] token windows, inputs and targets);
-        returns the mean loss over them (on every rank). `dropout_seed(i)` gives micro-batch i's seed; the
-        backward starts from the loss times `loss_scale` (fp16's dynamic loss scaling); `documents[i]`, if given,
-        micro-batch i's packed documents (of its inputs)."""
+    def train_step(self, microbatches: list, dropout_seed, loss_scale: float = 1.0, documents: list | None = None,
+                   weights: list[float] | None = None) -> float:
+        """Forward and backward of every micro-batch ([mb, L+1] token windows, or `Batch`es of inputs and targets);
+        returns the sum of their losses times `weights` (on every rank; default: 1 / M each, the mean). The backward
+        starts from micro-batch i's loss times `loss_scale` x `weights[i]` (training/loss_weights.py: the exact
+        token-weighted normalisation; `loss_scale`: fp16's dynamic loss scaling). `dropout_seed(i)` gives
+        micro-batch i's seed; `documents[i]`, if given, micro-batch i's packed documents (of its inputs)."""
+        weights = weights or [1.0 / self.num_microbatches] * self.num_microbatches
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
         self.timeline, self.peak_in_flight = [], 0
         for action in self.actions:
             with self._range(action):
-                loss_sum = self._run_action(action, microbatches, dropout_seed, loss_scale, saved, sends, loss_sum,
-                                            documents)
-        return self._finish(sends, loss_sum, self.num_microbatches)
+                loss_sum = self._run_action(action, microbatches, dropout_seed, (loss_scale, weights), saved, sends,
+                                            loss_sum, documents)
+        return self._finish(sends, loss_sum)
 
     def _range(self, action):
         """A named range for torch.profiler while the run is profiled (--profile-steps)."""
@@ -152,19 +156,21 @@ class PipelineRunner:
             return contextlib.nullcontext()
         return torch.profiler.record_function(f"pipeline {action.kind} mb{action.microbatch} chunk{action.chunk}")
 
-    def _run_action(self, action, microbatches, dropout_seed, loss_scale: float, saved: dict, sends: list,
-                    loss_sum: torch.Tensor, documents: list | None = None) -> torch.Tensor:
+    def _run_action(self, action, microbatches, dropout_seed, scales: tuple[float, list[float]], saved: dict,
+                    sends: list, loss_sum: torch.Tensor, documents: list | None = None) -> torch.Tensor:
         """One action of the schedule: a chunk's forward (F), backward (B, or its input-gradient half) or weight
-        gradients (W); returns the loss summed so far."""
+        gradients (W); returns the weighted loss summed so far. `scales`: (the loss scale, the micro-batches'
+        weights)."""
         mb, chunk = action.microbatch, action.chunk
         stage = self._stage(chunk)
+        loss_scale, weights = scales
         if action.kind == "F":
             x, out, t0 = self._forward_action(mb, chunk, microbatches[mb], dropout_seed(mb), sends,
                                               loss_scale / self.num_microbatches,
                                               None if documents is None else documents[mb])
             if stage == self.last:
-                loss_sum += out.detach().float()
-                out = out * (loss_scale / self.num_microbatches)
+                loss_sum += out.detach().float() * weights[mb]
+                out = out * (loss_scale * weights[mb])
             saved[(mb, chunk)] = (x if stage > 0 else None, out)
             self.peak_in_flight = max(self.peak_in_flight, len(saved))
         elif action.kind == "B":
@@ -183,14 +189,16 @@ class PipelineRunner:
         return loss_sum
 
     @torch.no_grad()
-    def forward_only(self, microbatches: list[torch.Tensor], documents: list | None = None) -> float:
-        """Mean loss over `microbatches` without backward (validation), every micro-batch through every stage;
-        `documents` as in `train_step`."""
+    def forward_only(self, microbatches: list, documents: list | None = None,
+                     weights: list[float] | None = None) -> float:
+        """The losses of `microbatches` without backward (validation), every micro-batch through every stage,
+        summed with `weights` (default: their mean); `documents` as in `train_step`."""
+        weights = weights or [1.0 / len(microbatches)] * len(microbatches)
         sends, loss_sum = [], torch.zeros((), device=self.mesh.device)
         for mb, batch in enumerate(microbatches):
             for chunk in range(self.v):
                 _, out, _ = self._forward_action(mb, chunk, batch, None, sends, 1.0,
                                                  None if documents is None else documents[mb])
                 if self._stage(chunk) == self.last:
-                    loss_sum += out.float()
-        return self._finish(sends, loss_sum, len(microbatches))
+                    loss_sum += out.float() * weights[mb]
+        return self._finish(sends, loss_sum)

@@ -2,8 +2,9 @@
 
 One optimizer step: the step's global batch (fixed by seed and global batch size alone), this
 DP rank's rows cut into micro-batches, forward/backward on each (gradients accumulate locally,
-or flow through the pipeline schedule), gradients averaged (or reduce-scattered, ZeRO) over DP,
-clipped by the dense global norm, AdamW with a cosine schedule. Rank 0 shows a progress bar and
+or flow through the pipeline schedule; each micro-batch's loss weighted by its share of the step's
+valid targets: training/loss_weights.py), gradients averaged (or reduce-scattered, ZeRO) over DP,
+clipped by the dense global norm, AdamW (or Muon) with a cosine (or WSD) schedule. Rank 0 shows a progress bar and
 writes each step's metrics record to its sinks (metrics.jsonl, TensorBoard, W&B: training/metric_sinks.py).
 """
 
@@ -21,12 +22,14 @@ from tqdm import tqdm
 from tensorpar.checkpoints.sharded import step_folder
 from tensorpar.config.fields import to_dict
 from tensorpar.data import micro_batches
+from tensorpar.data.batch import Batch, as_batch
 from tensorpar.errors import TensorparError
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import mix_seed
 from tensorpar.models.flops import train_flops_per_token
-from tensorpar.optim.lr_schedule import lr_at, set_lr
+from tensorpar.optim.lr_schedule import run_lr, set_lr
 from tensorpar.training.evaluate import evaluate
+from tensorpar.training.loss_weights import micro_batch_weights
 from tensorpar.training.memory_meter import step_memory
 from tensorpar.training.memory_snapshot import MemorySnapshot
 from tensorpar.training.metric_sinks import open_sinks
@@ -35,22 +38,26 @@ from tensorpar.training.profiling import StepProfiler
 from tensorpar.training.session import Session
 
 
-def packed_documents(s: Session, windows: list[torch.Tensor]) -> list[PackedDocuments] | None:
-    """The packed documents of each batch of token windows' inputs under --document-mask (ended by the tokenizer's
-    EOS), else None."""
+def packed_documents(s: Session, batches: list[Batch]) -> list[PackedDocuments] | None:
+    """The packed documents of each batch: its instruction examples (packed rows), or under --document-mask the
+    documents the tokenizer's EOS ends; else None."""
+    if batches and batches[0].example is not None:
+        return [PackedDocuments.from_index(b.example) for b in batches]
     if not s.options.document_mask:
         return None
-    return [PackedDocuments.from_tokens(w[:, :-1], s.tokenizer.eos_id) for w in windows]
+    return [PackedDocuments.from_tokens(b.inputs, s.tokenizer.eos_id) for b in batches]
 
 
 def train_step(s: Session, step: int) -> dict:
     """Forward, backward and the optimizer step of 0-based step `step`; its record (loss, grad_norm, lr, ...)."""
     o, mesh, device = s.options, s.mesh, s.mesh.device
     t0 = time.perf_counter()
-    lr = lr_at(step, max_lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=o.steps)
+    lr = run_lr(o, step)  # warmup + cosine, or WSD
     set_lr(s.optimizer.optimizer, lr)
-    batches = [b.to(device) for b in micro_batches(s.dataset.global_batch(step, o.seed, o.global_batch_size),
-                                                  mesh.dp_rank, mesh.dp_size, o.micro_batch_size)]
+    rows = as_batch(s.dataset.global_batch(step, o.seed, o.global_batch_size))
+    batches = micro_batches(rows, mesh.dp_rank, mesh.dp_size, o.micro_batch_size)
+    weights = micro_batch_weights(batches, rows.valid_targets(), mesh.dp_size)  # sum of losses / all valid targets
+    batches = [b.to(device) for b in batches]
 
     def seed_of(i: int) -> int:  # the dropout seed of micro-batch i: the same whatever the layout
         return mix_seed(o.seed, step, mesh.dp_rank * len(batches) + i)
@@ -61,13 +68,13 @@ def train_step(s: Session, step: int) -> dict:
     scale = s.scaler.scale if s.scaler is not None else 1.0
     with s.activations.measuring(s.model):
         if s.runner is not None:
-            step_loss += s.runner.train_step(batches, seed_of, scale, documents)
+            step_loss += s.runner.train_step(batches, seed_of, scale, documents, weights)
         else:
             for i, batch in enumerate(batches):  # bf16/fp16: the parameters themselves are cast, no autocast
-                loss = s.model(batch[:, :-1], batch[:, 1:], dropout_seed=seed_of(i), aux_scale=scale / len(batches),
+                loss = s.model(batch.inputs, batch.targets, dropout_seed=seed_of(i), aux_scale=scale / len(batches),
                                documents=None if documents is None else documents[i])
-                (loss * (scale / len(batches))).backward()
-                step_loss += loss.detach().float() / len(batches)
+                (loss * (scale * weights[i])).backward()
+                step_loss += loss.detach().float() * weights[i]
     s.optimizer.finish_backward()
     grad_norm = s.optimizer.clip_and_step(o.grad_clip, s.scaler)
     mesh.dp_group.all_reduce(step_loss)
@@ -130,8 +137,11 @@ def validation_loss(s: Session) -> float:
         return evaluate(s.model, s.val_windows, s.options.micro_batch_size, s.mesh.device, s.run.precision,
                         eos_id=eos)
     s.model.eval()
-    batches = [w.to(s.mesh.device) for w in s.val_windows.split(s.options.micro_batch_size)]
-    loss = s.runner.forward_only(batches, packed_documents(s, batches))
+    rows = as_batch(s.val_windows)
+    batches = rows.split(s.options.micro_batch_size)
+    weights = micro_batch_weights(batches, rows.valid_targets(), 1)
+    batches = [b.to(s.mesh.device) for b in batches]
+    loss = s.runner.forward_only(batches, packed_documents(s, batches), weights)
     s.model.train()
     return loss
 

@@ -22,6 +22,7 @@ from tensorpar.models.build import Execution, build_transformer
 from tensorpar.optim.loss_scaler import DynamicLossScaler
 from tensorpar.layout import ParallelLayout
 from tensorpar.pipeline_parallel.runner import PipelineRunner
+from tensorpar.training.instruction_data import build_instruction_data
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
@@ -73,7 +74,8 @@ class Session:
         save is only started (a pending one committed first): `poll_saves` and `finish_saves` commit it."""
         o = self.options
         train = {k: getattr(o, k) for k in ("seed", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
-                                            "steps", "weight_decay", "grad_clip", "data")}
+                                            "steps", "weight_decay", "grad_clip", "data", "lr_schedule",
+                                            "decay_fraction", "decay_shape", "optimizer")}
         if self.scaler is not None:
             train["loss_scaler"] = self.scaler.state_dict()
         if self.corpus is not None:
@@ -115,6 +117,9 @@ def build_data(run: PreparedRun, tokenizer) -> tuple[object, torch.Tensor | None
     """(the training dataset, the validation windows or None, the sources [(weight, TokenStream)] of --data).
     With --val-data the validation windows come from it and --data is all training."""
     o = run.options
+    examples = build_instruction_data(o, tokenizer, run.cfg.vocab_size)  # conversations, prompt/completion rows
+    if examples is not None:
+        return (*examples, None)
     kw = dict(text_field=o.text_field, bin_dtype=o.bin_dtype, cache_dir=o.data_cache, progress=False)
     corpus = open_corpus(o.data, tokenizer, run.cfg.vocab_size, **kw)
     dataset = build_dataset(corpus, o.seq_len, 0.0 if o.val_data else o.val_fraction)
@@ -132,7 +137,8 @@ def build_optimizer(model, mesh: Mesh, run: PreparedRun) -> BucketedOptimizer | 
     stage = ({"reshard_after_forward": o.zero3_reshard_after_forward} if zero == 3
              else {"bucket_bytes": int(o.bucket_mb * 2**20)})
     return data_parallel_optimizer(model, mesh, zero=zero, lr=o.lr, weight_decay=o.weight_decay,
-                                   reduce_dtype=run.precision.reduce_dtype, **stage)
+                                   reduce_dtype=run.precision.reduce_dtype, optimizer=o.optimizer,
+                                   muon_momentum=o.muon_momentum, **stage)
 
 
 def warn_if_data_changed(saved: dict | None, corpus: list, spec: str | None) -> None:

@@ -45,9 +45,10 @@ def _sample(s: Session, summary: dict) -> None:
         summary["sample"] = None
         summary["sample_note"] = "no sample: generation runs with tensor parallelism only (use --pp 1 --cp 1)"
         return
-    prompt = s.tokenizer.encode(o.sample_prompt)
-    new = greedy_generate(s.model, prompt, o.sample_tokens, eos_id=getattr(s.tokenizer, "eos_id", None))
-    summary["sample"] = o.sample_prompt + s.tokenizer.decode(new)
+    text = s.dataset.prompt(o.sample_prompt) if hasattr(s.dataset, "prompt") else o.sample_prompt  # chat: rendered
+    eos = getattr(s.tokenizer, "eos_id", None)
+    new = greedy_generate(s.model, s.tokenizer.encode(text), o.sample_tokens, eos_id=eos)
+    summary["sample"] = text + s.tokenizer.decode(new)
 
 
 def summarize(s: Session, result: LoopResult) -> dict:
@@ -79,6 +80,8 @@ def summarize(s: Session, result: LoopResult) -> dict:
         "pipeline_timeline": runner.timeline if runner is not None else None,
         "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
     }
+    if getattr(s.dataset, "stats", None):  # instruction data: examples truncated or left out, rows, fill
+        summary["examples"] = {"kind": s.dataset.kind, "packing": s.dataset.packing, **s.dataset.stats}
     if s.run.cfg.is_moe:
         if records:
             summary["moe"] = {

@@ -23,7 +23,10 @@ from tensorpar.distributed.launch import world_size as launched_world_size
 from tensorpar.errors import TensorparError
 from tensorpar.layout import ParallelLayout
 from tensorpar.models import ModelConfig, get_config
+from tensorpar.optim.lr_schedule import check_wsd
+from tensorpar.optim.muon import check_muon
 from tensorpar.tensor_parallel.fp8_scaling import check_fp8
+from tensorpar.training.instruction_data import check_instruction_data
 from tensorpar.training.metric_sinks import check_sink_packages
 from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps
 
@@ -100,6 +103,20 @@ def _check_observability(o: TrainOptions) -> None:
         raise TensorparError("--profile-ranks needs --profile-steps A:B")
 
 
+def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
+    """WSD's warmup and decay fit in the run; Muon's momentum, and a model it trains."""
+    if o.lr_schedule == "wsd":
+        check_wsd(o.steps, min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps, o.decay_fraction)
+    check_muon(o.optimizer, o.muon_momentum, cfg.is_moe)
+
+
+def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
+    """Document sources are tokenized here, once (the ranks then open the cache); instruction rows are checked."""
+    if not check_instruction_data(o, tokenizer, cfg.vocab_size):
+        prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
+                        cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
+
+
 def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     """--document-mask finds the documents by the tokenizer's EOS id: one there must be, inside the vocabulary."""
     if not o.document_mask:
@@ -146,6 +163,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
     cfg = model_config(o)
+    _check_optimization(o, cfg)
     world = world_size if world_size is not None else launched_world_size(o)
     parse_profile_ranks(o.profile_ranks, world)
     layout = ParallelLayout.from_options(o, world)
@@ -156,9 +174,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     check_fp8(o.dtype, o.device)
     tokenizer = tokenizer_from(o.tokenizer, o.init_from)
     _check_document_mask(o, tokenizer, cfg)
-    # Document sources are tokenized here, once (the ranks then open the cache).
-    prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
-                    cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
+    _prepare_data(o, tokenizer, cfg)
     resolved = dataclasses.replace(
         o, dp=layout.dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
         val_every=o.val_every if o.eval_every is None else o.eval_every,

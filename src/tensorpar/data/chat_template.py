@@ -1,0 +1,207 @@
+"""A tokenizer's chat template, rendered with Jinja2 exactly as transformers' `apply_chat_template` renders it, and
+where the assistant's turns lie in the rendered text.
+
+The template comes from a Hugging Face tokenizer folder (`chat_template` in tokenizer_config.json, or
+chat_template.jinja beside it) or from a file (`--chat-template FILE`). It is compiled in Jinja2's immutable
+sandbox with transformers' settings (trim_blocks, lstrip_blocks, the loopcontrols extension, its `tojson`
+filter, `raise_exception` and `strftime_now`) and sees what transformers gives it: the messages (keys whose
+value is null dropped, a message's reasoning also under `reasoning_content`), `add_generation_prompt`, and the
+tokenizer's special tokens (`bos_token`, `eos_token`, ... from tokenizer_config.json).
+
+The assistant's turns: where the template marks them with ``{% generation %} ... {% endgeneration %}`` (as
+transformers' `return_assistant_tokens_mask` reads them), the marked text. Otherwise by rendering prefixes:
+assistant message i spans from the end of the messages before it rendered with the generation prompt to the
+end of the messages up to it (its content and whatever the template closes the turn with, e.g. <|eot_id|> or
+<|im_end|>). That needs each such render to be a prefix of the whole conversation's; a template for which it is
+not (one that rewrites earlier turns, e.g. drops their reasoning) is refused, naming the conversation and the
+message, with the way out: a template with generation markers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+
+from tensorpar.errors import TensorparError
+
+# The tokenizer_config.json entries transformers passes to the template (its special_tokens_map).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _jinja():
+    try:
+        import jinja2  # noqa: PLC0415 - only runs that read conversations need it
+        import jinja2.ext  # noqa: PLC0415
+        import jinja2.sandbox  # noqa: PLC0415
+    except ImportError:
+        raise TensorparError("rendering chat templates needs the 'jinja2' package (pip install jinja2)") from None
+    return jinja2
+
+
+def _token_text(value):
+    """A special token's text: tokenizer_config.json writes it as a string or as {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TensorparError(f"cannot read '{path}': {e}") from None
+    if not isinstance(data, dict):
+        raise TensorparError(f"'{path}' holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _template_of(config: dict, folder: str) -> str | None:
+    """The default chat template of a tokenizer folder: chat_template.jinja, else tokenizer_config.json's."""
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: transformers uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it is rendered with."""
+
+    def __init__(self, text: str, special_tokens: dict[str, str], source: str):
+        jinja2 = _jinja()
+        self.source, self.text = source, text
+        self.special_tokens = dict(special_tokens)
+        self.marked = _has_generation_tag(text)  # the template marks the assistant's text itself
+        self._spans: list[tuple[int, int]] | None = None  # filled while a render tracks generation blocks
+        self._blocks: list[str] = []
+        try:
+            self._template = _environment(jinja2, self).from_string(text)
+        except jinja2.TemplateSyntaxError as e:
+            raise TensorparError(f"chat template of {source}: line {e.lineno}: {e.message}") from None
+
+    @classmethod
+    def load(cls, tokenizer_folder: str | None, template_file: str | None = None) -> "ChatTemplate":
+        """The template of `template_file` if given, else the tokenizer folder's; the special tokens from the
+        folder's tokenizer_config.json either way."""
+        folder = tokenizer_folder if tokenizer_folder and os.path.isdir(tokenizer_folder) else (
+            os.path.dirname(tokenizer_folder) if tokenizer_folder else None)
+        config_path = os.path.join(folder, "tokenizer_config.json") if folder else None
+        config = _read_json(config_path) if config_path and os.path.isfile(config_path) else {}
+        tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKEN_KEYS if isinstance(_token_text(config.get(k)), str)}
+        if template_file is not None:
+            if not os.path.isfile(template_file):
+                raise TensorparError(f"--chat-template file '{template_file}' does not exist")
+            with open(template_file, encoding="utf-8") as f:
+                return cls(f.read(), tokens, f"'{template_file}'")
+        text = _template_of(config, folder) if folder else None
+        if text is None:
+            where = f"the tokenizer folder '{folder}'" if folder else "the tokenizer (none was given: bytes)"
+            raise TensorparError(f"conversations need a chat template and {where} has none (no chat_template in "
+                                 f"tokenizer_config.json, no chat_template.jinja): give --tokenizer a Hugging Face "
+                                 f"tokenizer folder that has one, or --chat-template FILE")
+        return cls(text, tokens, f"the tokenizer folder '{folder}'")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as the template writes it (what `apply_chat_template(..., tokenize=False)` returns)."""
+        jinja2 = _jinja()
+        try:
+            return self._template.render(messages=plain_messages(messages), tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as e:
+            raise TensorparError(f"chat template of {self.source}: {e}") from None
+
+    def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered conversation, the [start, end) character spans of the assistant's turns in it)."""
+        if self.marked:
+            return self._render_tracked(messages)
+        text = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise _not_a_prefix(i, before, upto, text)
+            spans.append((len(before), len(upto)))
+        return text, spans
+
+    def _render_tracked(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """Render block by block, recording where each {% generation %} block lands (transformers' way)."""
+        jinja2 = _jinja()
+        self._spans, self._blocks = [], []
+        try:
+            for block in self._template.generate(messages=plain_messages(messages), tools=None, documents=None,
+                                                 add_generation_prompt=False, **self.special_tokens):
+                self._blocks.append(block)
+            return "".join(self._blocks), self._spans
+        except jinja2.TemplateError as e:
+            raise TensorparError(f"chat template of {self.source}: {e}") from None
+        finally:
+            self._spans = None
+
+    def _generation_block(self, caller) -> str:
+        text = caller()
+        if self._spans is not None:
+            start = len("".join(self._blocks))
+            self._spans.append((start, start + len(text)))
+        return text
+
+
+def _not_a_prefix(i: int, before: str, upto: str, text: str) -> TensorparError:
+    what = ("the messages before it, rendered with the generation prompt, are not how the conversation up to it "
+            "starts" if not upto.startswith(before) else "the conversation up to it is not how the whole one starts")
+    return TensorparError(f"message {i} (assistant): {what}, so the template rewrites earlier turns and its tokens "
+                          f"cannot be told from the prompt's; give --chat-template FILE with a template that marks "
+                          f"the assistant's text with {{% generation %}} ... {{% endgeneration %}}")
+
+
+def _has_generation_tag(text: str) -> bool:
+    return re.search(r"\{%-?\s*generation\s*-?%\}", text) is not None
+
+
+def plain_messages(messages: list[dict]) -> list[dict]:
+    """The messages as transformers hands them to the template: keys whose value is None dropped, and a message's
+    reasoning (under any of its names) also as `reasoning_content` and `thinking`."""
+    out = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def _environment(jinja2, owner: ChatTemplate):
+    """Jinja2's immutable sandbox with transformers' settings, filters and globals, and the generation tag."""
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_support"), [], [], body).set_lineno(lineno)
+
+        def _support(self, caller):
+            return owner._generation_block(caller)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env

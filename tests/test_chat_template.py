@@ -1,0 +1,120 @@
+"""Chat templates: rendered exactly as transformers renders them (text and token ids) from the same local tokenizer
+folder, and the loss covers exactly the assistant's turns, token by token."""
+
+import json
+
+import pytest
+
+from tensorpar.data import HFTokenizer
+from tensorpar.data.chat_template import ChatTemplate
+from tensorpar.data.examples import CHAT, PAIRS, ExampleFields, example_kind, load_examples, tokenize_conversation
+from tensorpar.errors import TensorparError
+
+import chat_data
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {style: chat_data.write_tokenizer_folder(root / style, style) for style in chat_data.STYLES}
+
+
+CONVERSATIONS = chat_data.conversations(40, seed=1) + [
+    [{"role": "user", "content": "  padded  "}, {"role": "assistant", "content": "ünïcödé 🙂 answer\n"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+     {"role": "assistant", "content": "a", "tool_calls": None}],  # a null key is dropped, as transformers does
+]
+
+
+@pytest.mark.parametrize("style", ["llama3", "qwen"])
+def test_the_rendered_text_and_ids_equal_transformers_apply_chat_template(folders, style):
+    hf = transformers.AutoTokenizer.from_pretrained(folders[style])
+    template, tokenizer = ChatTemplate.load(folders[style]), HFTokenizer(folders[style])
+    for conversation in CONVERSATIONS:
+        for prompt in (False, True):
+            assert template.render(conversation, prompt) == hf.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=prompt)
+        ids, _ = tokenize_conversation(template, tokenizer, conversation)
+        expected = hf.apply_chat_template(conversation, tokenize=True)
+        assert ids.tolist() == list(getattr(expected, "input_ids", None) or expected)
+
+
+# What each assistant turn is in the rendered text: its content and what the template closes the turn with.
+TURN = {"llama3": lambda content: content.strip() + "<|eot_id|>", "qwen": lambda content: content + "<|im_end|>\n",
+        "marked": lambda content: content + "<|im_end|>"}
+
+
+@pytest.mark.parametrize("style", ["llama3", "qwen", "marked"])
+def test_the_loss_covers_exactly_the_assistant_turns(folders, style):
+    """Token by token: the learned tokens are exactly those that overlap an assistant turn of the rendered text
+    (found here independently, by searching for each turn after the previous one), and together they spell the
+    turns: each answer and its end-of-turn token, nothing of the system or user messages."""
+    template, tokenizer = ChatTemplate.load(folders[style]), HFTokenizer(folders[style])
+    for conversation in CONVERSATIONS:
+        text = template.render(conversation)
+        ids, learn = tokenize_conversation(template, tokenizer, conversation)
+        spans, start = [], 0
+        for message in conversation:
+            if message["role"] == "assistant":
+                start = text.index(TURN[style](message["content"]), start)
+                spans.append((start, start + len(TURN[style](message["content"]))))
+                start = spans[-1][1]
+        _, offsets = tokenizer.encode_with_offsets(text)
+        expected = [any(a < e and b > s for s, e in spans) for a, b in offsets]
+        assert learn.tolist() == expected
+        learned = tokenizer._tok.decode(ids[learn].tolist(), skip_special_tokens=False)
+        assert learned == "".join(TURN[style](m["content"]) for m in conversation if m["role"] == "assistant")
+
+
+def test_generation_markers_give_transformers_assistant_mask(folders):
+    hf = transformers.AutoTokenizer.from_pretrained(folders["marked"])
+    template, tokenizer = ChatTemplate.load(folders["marked"]), HFTokenizer(folders["marked"])
+    assert template.marked
+    for conversation in CONVERSATIONS:
+        out = hf.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, learn = tokenize_conversation(template, tokenizer, conversation)
+        assert ids.tolist() == list(out["input_ids"]) and learn.astype(int).tolist() == list(out["assistant_masks"])
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(folders, tmp_path):
+    """Without generation markers the turns are found by rendering prefixes; a template that renders the last
+    assistant turn unlike the others (so a prefix is not a prefix of the whole) is refused, naming the way out."""
+    rewriting = tmp_path / "rewrites.jinja"
+    rewriting.write_text("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[old]"
+                         "{% else %}<{{ m['role'] }}>{{ m['content'] }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    template = ChatTemplate.load(folders["qwen"], str(rewriting))
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with pytest.raises(TensorparError, match=r"message 1 \(assistant\).*generation %\}"):
+        template.render_with_spans(messages)
+
+
+def test_a_missing_template_and_bad_rows_are_refused_in_one_line(folders, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_text(open(f"{folders['qwen']}/tokenizer.json").read())
+    with pytest.raises(TensorparError, match="has none.*--chat-template FILE"):
+        ChatTemplate.load(str(bare))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n"
+                    + json.dumps({"messages": "not a list"}) + "\n")
+    tokenizer = HFTokenizer(folders["qwen"])
+    with pytest.raises(TensorparError, match=r"rows.jsonl' line 2: the messages must be a non-empty list"):
+        load_examples(str(rows), tokenizer, ExampleFields(), ChatTemplate.load(folders["qwen"]))
+
+
+def test_prompt_completion_rows_learn_the_completion_and_eos(folders, tmp_path):
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text(json.dumps({"question": "2 plus 2?", "answer": " 4"}) + "\n")
+    fields = ExampleFields(prompt="question", completion="answer")
+    assert example_kind(str(rows), fields) == PAIRS and example_kind(str(rows), ExampleFields()) is None
+    tokenizer = HFTokenizer(folders["qwen"])
+    examples = load_examples(str(rows), tokenizer, fields, None)
+    ids, learn = examples.ids[0], examples.learn[0]
+    prompt = tokenizer.encode("2 plus 2?")
+    assert ids.tolist() == prompt + tokenizer.encode(" 4") + [tokenizer.eos_id]
+    assert learn.tolist() == [False] * len(prompt) + [True] * (len(ids) - len(prompt))
+    assert example_kind(chat_data.write_chat_jsonl(tmp_path / "c.jsonl", 2), ExampleFields()) == CHAT
