@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.distributed.comm import Group
 from tensorpar.layers import TPRegion, VocabParallelLMHead, vocab_parallel_cross_entropy
 from tensorpar.models import Transformer, get_config
@@ -95,7 +96,8 @@ def check_model(tp, config, sequence_parallel, chunk):
     targets[0, :2] = -100
     losses, grads = [], []
     for loss_chunk_tokens in (None, chunk):
-        model = Transformer(cfg, m, seed=5, sequence_parallel=sequence_parallel, loss_chunk_tokens=loss_chunk_tokens)
+        model = Transformer(cfg, Placement.on(m, sequence_parallel=sequence_parallel, loss_chunk_tokens=loss_chunk_tokens),
+                            seed=5)
         loss = model(ids, targets)
         loss.backward()
         losses.append(loss.detach())
@@ -124,7 +126,7 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="does not match"):
         head.loss(h, targets[:2], chunk_tokens=2)
     with pytest.raises(Exception, match="loss_chunk_tokens"):
-        Transformer(CONFIGS["tiny"], Group.single("tp"), loss_chunk_tokens=0)
+        Transformer(CONFIGS["tiny"], Placement.on(Group.single("tp"), loss_chunk_tokens=0))
 
 
 def test_bf16_autocast_and_the_split_backward():

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.data.corpus import default_corpus_text
 from tensorpar.context_parallel.ring_attention import ContextSplit, context_attention
 from tensorpar.distributed.comm import Group
@@ -154,7 +155,7 @@ def _check_model(m, config, seq_len, layout, **build):
     cfg = CONFIGS[config]
     ids, targets = packed(seq_len, layout)
     reference, ref_loss, ref_logits = _dense_reference(cfg, ids, targets)
-    model = Transformer(cfg, m, seed=5, **build)
+    model = Transformer(cfg, Placement.on(m, **build), seed=5)
     model.train()
     docs = PackedDocuments.from_tokens(ids, EOS)
     loss = model(ids, targets, documents=docs)
@@ -198,7 +199,7 @@ def check_two_ranks():
     reference = Transformer(cfg, Group.single("tp"), seed=5)
     ref_loss = sum(each_document_alone(reference, w[:, :-1], w[:, 1:])[0] for w in windows.split(1)) / 2
     ref_loss.backward()
-    stage = Transformer(cfg, m, seed=5, layers=[m.pp_rank], first_stage=m.pp_rank == 0, last_stage=m.pp_rank == 1)
+    stage = Transformer(cfg, Placement.on(m, stage=PipelineStage((m.pp_rank,), m.pp_rank == 0, m.pp_rank == 1)), seed=5)
     stage.train()
     runner = PipelineRunner(stage, m, ParallelLayout(pp=2), 2, (1, 16, cfg.hidden_size))
     documents = [PackedDocuments.from_tokens(w[:, :-1], EOS) for w in windows.split(1)]

@@ -11,6 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper  # noqa: E402
 
+from tensorpar.layers.micro_batch import MicroBatchContext
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.checkpoints.sources import load_model_source  # noqa: E402
 from tensorpar.cli import main  # noqa: E402
 from tensorpar.distributed.comm import Group  # noqa: E402
@@ -107,7 +109,7 @@ def test_cache_refuses_sequence_parallelism_and_overflow(saved):
     attn = model.layers["0"].attn
     attn.sequence_parallel = True
     with pytest.raises(TensorparError, match="without sequence parallelism"):
-        attn(torch.zeros(1, 2, cfg.hidden_size), kv_cache=KVCache.for_model(model, 1, 4), layer_key="0")
+        attn(torch.zeros(1, 2, cfg.hidden_size), MicroBatchContext(kv_cache=KVCache.for_model(model, 1, 4)))
 
 
 # -- greedy and sampling: transformers, batches, seeds, TP sizes --------------------------------------------------
@@ -273,7 +275,7 @@ def check_uncached_greedy(tp):
     prompt = [5, 17, 200, 3, 99]  # odd length: padded under SP at tp=2
     expected = generate(Transformer(cfg, m, seed=3), [prompt], 8)[0]
     plain = greedy_generate(Transformer(cfg, m, seed=3), prompt, 8)
-    sp = greedy_generate(Transformer(cfg, m, seed=3, sequence_parallel=True), prompt, 8)
+    sp = greedy_generate(Transformer(cfg, Placement.on(m, sequence_parallel=True), seed=3), prompt, 8)
     return expected, plain, sp
 
 

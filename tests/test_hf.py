@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.checkpoints.hf import (  # noqa: E402
     hf_to_tensorpar,
     is_hf_folder,
@@ -110,7 +111,7 @@ def test_name_mapping_round_trip_is_bit_exact(hf_models, name):
     cfg = config_from_hf(json.loads((folder / "config.json").read_text()))
     saved = load_file(str(folder / "model.safetensors"))
     state = hf_to_tensorpar(saved, cfg)
-    assert set(state) == set(dict(Transformer(cfg, init=False, device="meta").named_parameters()))
+    assert set(state) == set(dict(Transformer(cfg, Placement.on(device="meta"), init=False).named_parameters()))
     back = tensorpar_to_hf(state, cfg)
     assert set(back) == set(saved)
     for key, tensor in saved.items():

@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.checkpoints.hf import load_hf_folder, save_hf_folder  # noqa: E402
 from tensorpar.checkpoints.hf_config import check_representable, config_from_hf, config_to_hf  # noqa: E402
 from tensorpar.cli import main  # noqa: E402
@@ -246,7 +247,7 @@ def test_generate_command_at_ep_2(pools, hf_moe):
 def gradients_in_worker(folder, tp, sequence_parallel, ids):
     """(loss, gradients of the replicated MoE parameters) of one training forward/backward at this TP size."""
     cfg, state = load_hf_folder(folder)
-    model = Transformer(cfg, mesh(tp=tp), sequence_parallel=sequence_parallel, init=False)
+    model = Transformer(cfg, Placement.on(mesh(tp=tp), sequence_parallel=sequence_parallel), init=False)
     load_full_state_dict(model, state, "test")
     loss = model(ids[:, :-1], ids[:, 1:])
     loss.backward()

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tensorpar.models.placement import Placement
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.expert_parallel import MoELayer, experts_per_rank
 from tensorpar.expert_parallel.router import capacity
@@ -150,7 +151,7 @@ def test_full_recomputation_counts_the_routing_statistics_once():
     ids = torch.randint(0, CFG.vocab_size, (2, 9))
     counts = {}
     for recompute in ("none", "full"):
-        m = Transformer(CFG.replace(num_layers=2), None, seed=1, recompute=recompute).train()
+        m = Transformer(CFG.replace(num_layers=2), Placement.on(recompute=recompute), seed=1).train()
         m(ids[:, :-1], ids[:, 1:]).backward()  # "full" runs each layer's forward again in this backward
         counts[recompute] = [layer.stats.vector for layer in m.moe_layers().values()]
     assert all(torch.equal(a, b) for a, b in zip(counts["none"], counts["full"]))

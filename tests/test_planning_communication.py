@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.config import hardware
 from tensorpar.models.config import get_config
 from tensorpar.planning import collective_cost, communication, memory, precision_recipes
@@ -46,7 +47,7 @@ def check_model_comm_and_params(tp, config, sp, recompute, bf16):
     B, S = 2, 16
     ids = torch.randint(0, cfg.vocab_size, (B, S))
     targets = torch.randint(0, cfg.vocab_size, (B, S))
-    model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, recompute=recompute), seed=1)
     model.train()
     m.stats.reset()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
@@ -99,7 +100,7 @@ def check_training_step_comm(zero, micro_batches, fp8=""):
     m = harness_mesh(tp=2, dp=2)
     torch.manual_seed(m.dp_rank)
     B, S = 2, 16
-    model = Transformer(cfg, m, sequence_parallel=True, seed=1, fp8=Fp8Recipe(fp8) if fp8 else None)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=True, fp8=Fp8Recipe(fp8) if fp8 else None), seed=1)
     model.train()
     if zero == 3:
         opt = FullyShardedOptimizer(model, m, lr=1e-3, weight_decay=0.1)
@@ -139,8 +140,8 @@ def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
     cfg = get_config("tiny-gpt2")  # 4 layers: tied embeddings on the first and last stage, learned positions
     m = harness_mesh(tp=tp, pp=pp, dp=dp)
     run_layout = ParallelLayout(tp=tp, pp=pp, dp=dp, schedule=schedule, virtual_stages=v, sequence_parallel=sp)
-    model = Transformer(cfg, m, sequence_parallel=sp, seed=1, layers=run_layout.split(cfg.num_layers).layers_of(m.pp_rank),
-                        first_stage=m.pp_rank == 0, last_stage=m.pp_rank == pp - 1)
+    stage = PipelineStage.of(run_layout, cfg.num_layers, m.pp_rank)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, stage=stage), seed=1)
     model.train()
     B, S, micro_batches = 2, 16, 4
     opt = data_parallel_optimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
@@ -184,7 +185,7 @@ def check_context_parallel_comm(tp, cp, config, sp, recompute, bf16):
     torch.manual_seed(0)
     B, S = 2, 16
     ids = torch.randint(0, cfg.vocab_size, (B, S))
-    model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, recompute=recompute), seed=1)
     model.train()
     m.stats.reset()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)

@@ -9,6 +9,7 @@ import gc
 import pytest
 import torch
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.config.choices import LOSS_CHUNK_TOKENS
 from tensorpar.models.config import ModelConfig
 from tensorpar.planning import memory, precision_recipes
@@ -118,8 +119,8 @@ def check_activations(tp, config, sp, recompute, dtype, method, tp_overlap=True,
     ids = torch.randint(0, cfg.vocab_size, (B, S))
     targets = torch.randint(0, cfg.vocab_size, (B, S))
     fp8 = Fp8Recipe(dtype.partition("-")[2] or "tensorwise") if dtype.startswith("fp8") else None
-    model = Transformer(cfg, m, sequence_parallel=sp, recompute=recompute, seed=1, tp_overlap=tp_overlap,
-                        loss_chunk_tokens=loss_chunk_tokens, fp8=fp8)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, recompute=recompute, tp_overlap=tp_overlap,
+                                          loss_chunk_tokens=loss_chunk_tokens, fp8=fp8), seed=1)
     if dtype == "bf16" or fp8 is not None:
         for p in model.parameters():
             p.data = p.data.bfloat16()

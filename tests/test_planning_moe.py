@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.config.choices import LOSS_CHUNK_TOKENS
 from tensorpar.distributed.comm import CommStats, Group
 from tensorpar.models import get_config
@@ -42,7 +43,7 @@ class _Mesh:
 
 
 def _real(cfg, tp=1, ep=1):
-    model = Transformer(cfg, _Mesh(tp, ep), init=False, device="meta")
+    model = Transformer(cfg, Placement.on(_Mesh(tp, ep), device="meta"), init=False)
     return [(name, p.numel(), p.dim()) for name, p in model.named_parameters()]
 
 
@@ -164,7 +165,7 @@ def test_moe_activation_memory_near_the_saved_tensors(dtype):
     cfg = get_config("tiny-moe")
     torch.manual_seed(0)
     ids, targets = torch.randint(0, cfg.vocab_size, (2, 32)), torch.randint(0, cfg.vocab_size, (2, 32))
-    model = Transformer(cfg, None, seed=1, loss_chunk_tokens=LOSS_CHUNK_TOKENS)  # the head and loss as training runs them
+    model = Transformer(cfg, Placement.on(loss_chunk_tokens=LOSS_CHUNK_TOKENS), seed=1)  # head and loss as in training
     if dtype == "bf16":
         for p in model.parameters():
             p.data = p.data.bfloat16()

@@ -1,5 +1,6 @@
 """The planner with uneven pipeline stages (Layout.pipeline_layers, as `tensorpar train --pipeline-layers`)."""
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.models.transformer import Transformer
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.candidates import Candidate, candidate_problem, stage_layer_indices, stage_layers
@@ -16,8 +17,8 @@ def test_planned_stage_parameters_are_the_real_stage_parameters():
     assert stage_layers(TINY8, layout, 1) == (False, True, 6)
     assert stage_layer_indices(TINY8, layout, 1) == list(range(2, 8))
     for stage in (0, 1):
-        real = Transformer(TINY8, None, init=False, layers=stage_layer_indices(TINY8, layout, stage),
-                           first_stage=stage == 0, last_stage=stage == 1)
+        real = Transformer(TINY8, Placement.on(stage=PipelineStage(tuple(stage_layer_indices(TINY8, layout, stage)),
+                                                                   stage == 0, stage == 1)), init=False)
         planned = local_parameters(TINY8, 1, 2, stage, pipeline_layers=layout.pipeline_layers)
         assert [(name, n) for name, n, _ in planned] == [(k, p.numel()) for k, p in real.named_parameters()]
     light, heavy = (stage_memory(TINY8, layout, 16, 8, "tensorpar-fp32", stage=s) for s in (0, 1))

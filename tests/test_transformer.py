@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.distributed.comm import Group
 from tensorpar.distributed.sharding import shard_spec, unshard_tensor
 from tensorpar.models import Transformer, get_config
@@ -36,7 +37,7 @@ def check_model(tp, config, sequence_parallel, recompute):
     reference = Transformer(cfg, Group.single("tp"), seed=5)
     ref_loss = reference(ids, targets)
     ref_loss.backward()
-    model = Transformer(cfg, m, seed=5, sequence_parallel=sequence_parallel, recompute=recompute)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sequence_parallel, recompute=recompute), seed=5)
     model.train()
     loss = model(ids, targets)
     loss.backward()
@@ -98,7 +99,7 @@ def check_context_parallel_model(tp, cp, config, sp, recompute, impl, prompt_on_
     ref_loss = reference(ids, targets)
     ref_loss.backward()
     ref_logits = reference(ids).detach()
-    model = Transformer(cfg, m, seed=5, sequence_parallel=sp, recompute=recompute, cp_impl=impl)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, recompute=recompute, cp_impl=impl), seed=5)
     model.train()
     loss = model(ids, targets)
     loss.backward()

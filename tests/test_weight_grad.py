@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.distributed.comm import Group
 from tensorpar.errors import TensorparError
 from tensorpar.expert_parallel.experts import GroupedExperts
@@ -120,7 +121,7 @@ def test_whole_model_defers_every_weight_gradient(model):
     shared experts) gets its gradient only from W, and the same gradient as the plain backward."""
     cfg = get_config(model).replace(num_layers=2, dropout=0.0)
     ids = torch.randint(0, cfg.vocab_size, (2, 17))
-    _compare_split(lambda q: Transformer(cfg, seed=3, weight_grads=q), lambda: [ids[:, :-1], ids[:, 1:]], tol=1e-5)
+    _compare_split(lambda q: Transformer(cfg, Placement.on(weight_grads=q), seed=3), lambda: [ids[:, :-1], ids[:, 1:]], tol=1e-5)
 
 
 def check_tensor_parallel_split(tp, sequence_parallel, model):
@@ -130,7 +131,7 @@ def check_tensor_parallel_split(tp, sequence_parallel, model):
     cfg = (TINY8 if model == "tiny8" else get_config(model)).replace(num_layers=2, dropout=0.0)
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 17))
-    build = lambda q: Transformer(cfg, m, sequence_parallel=sequence_parallel, seed=3, weight_grads=q)  # noqa: E731
+    build = lambda q: Transformer(cfg, Placement.on(m, sequence_parallel=sequence_parallel, weight_grads=q), seed=3)  # noqa: E731
     _compare_split(build, lambda: [ids[:, :-1], ids[:, 1:]], tol=1e-5)
     return m.stats.calls()
 

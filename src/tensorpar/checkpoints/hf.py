@@ -33,6 +33,7 @@ from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.state import dense_shape
+from tensorpar.models.placement import Placement
 from tensorpar.models.transformer import Transformer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -50,7 +51,7 @@ _IGNORED = {
 
 def _dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """tensorpar's dense parameter names and shapes for `cfg`, from a model built on the meta device."""
-    model = Transformer(cfg, init=False, device="meta")
+    model = Transformer(cfg, Placement.on(None, device="meta"), init=False)
     return {name: dense_shape(p, shard_spec(p)) for name, p in model.named_parameters()}
 
 

@@ -23,6 +23,7 @@ from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
 from tensorpar.functional.rope import apply_rope
 from tensorpar.layout import divide
+from tensorpar.layers.micro_batch import MicroBatchContext
 from tensorpar.layout.rules import kv_heads_per_rank
 from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.tensor_parallel.region import Projection, as_region
@@ -120,12 +121,11 @@ class ParallelAttention(nn.Module):
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         return kv_cache.attend(q, k, v)
 
-    def forward(self, x: torch.Tensor, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
-                kv_cache=None, layer_key=None, context: ContextSplit | None = None,
-                documents: PackedDocuments | None = None):
-        """With `kv_cache` (inference, no sequence parallelism): `rope` holds the new tokens' absolute positions;
-        their keys and values are appended to the cache under `layer_key` and attention spans all cached ones.
-        With `documents` (the packed documents of the whole window): attention within each document only."""
+    def forward(self, x: torch.Tensor, ctx: MicroBatchContext = MicroBatchContext()):
+        """Attention of the micro-batch `ctx` describes: with its `kv_cache` (inference, no sequence parallelism)
+        `ctx.rope` holds the new tokens' absolute positions, their keys and values go into the cache and attention
+        spans every cached one; with its `documents` (of the whole window), within each packed document only."""
+        kv_cache = ctx.kv_cache
         if kv_cache is not None and self.sequence_parallel:
             raise LayoutError("the KV-cache path runs without sequence parallelism")
         q, k, v = self.region.enter(x, [self.q_proj.projection(), self.k_proj.projection(), self.v_proj.projection()])
@@ -133,16 +133,16 @@ class ParallelAttention(nn.Module):
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope
+        if ctx.rope is not None:
+            cos, sin = ctx.rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
-            k, v = kv_cache.append(self.layer_index if layer_key is None else layer_key, k, v)
+            k, v = kv_cache.append(self.layer_index, k, v)
             out = self.cached_core(q, k, v, kv_cache)
-        elif recompute_core:
-            out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, dropout_seed, context, documents,
+        elif ctx.recompute_core:
+            out = torch.utils.checkpoint.checkpoint(self.core, q, k, v, ctx.dropout_seed, ctx.cp, ctx.documents,
                                                     use_reentrant=False)
         else:
-            out = self.core(q, k, v, dropout_seed, context, documents)
+            out = self.core(q, k, v, ctx.dropout_seed, ctx.cp, ctx.documents)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
         return self.o_proj(out)

@@ -15,6 +15,7 @@ import torch
 from tensorpar.config.precision import Precision
 from tensorpar.layout import ParallelLayout
 from tensorpar.models.compile import compile_blocks
+from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.models.state import load_full_state_dict
 from tensorpar.models.transformer import Transformer
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
@@ -47,23 +48,20 @@ def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision
     """This rank's part of `cfg` under `layout` on `mesh` (None: the mesh's own), initialised from `seed`, or with
     `weights` (a dense state dict, from `source`; a pipeline stage takes the tensors it holds). `meta`: on the meta
     device, no values (the dry run). Training (`precision.training`) casts the parameters to bf16/fp16."""
-    layout = layout if layout is not None else mesh.layout
-    stage = {}
-    if layout is not None and layout.pp > 1:
-        split = layout.split(cfg.num_layers)
-        first, last = split.holds_ends(mesh.pp_rank)
-        stage = dict(layers=split.layers_of(mesh.pp_rank), first_stage=first, last_stage=last)
-        if layout.splits_backward:
-            stage["weight_grads"] = WeightGradQueue(mesh.device)
+    layout = layout if layout is not None else getattr(mesh, "layout", None)
+    pipelined = layout is not None and layout.pp > 1
+    placement = Placement.on(
+        mesh, sequence_parallel=layout is not None and layout.sequence_parallel, tp_overlap=execution.tp_overlap,
+        weight_grads=WeightGradQueue(mesh.device) if pipelined and layout.splits_backward else None,
+        fp8=Fp8Recipe.of(precision), cp_impl=execution.cp_impl, cp_split=execution.cp_split,
+        stage=PipelineStage.of(layout, cfg.num_layers, mesh.pp_rank) if pipelined else PipelineStage(),
+        recompute=execution.recompute, loss_chunk_tokens=execution.loss_chunk_tokens,
+        device="meta" if meta else None)
     torch.manual_seed(seed)
-    model = Transformer(cfg, mesh, sequence_parallel=layout is not None and layout.sequence_parallel,
-                        recompute=execution.recompute, seed=seed, init=weights is None and not meta,
-                        device="meta" if meta else None, cp_impl=execution.cp_impl, cp_split=execution.cp_split,
-                        tp_overlap=execution.tp_overlap, loss_chunk_tokens=execution.loss_chunk_tokens,
-                        fp8=Fp8Recipe.of(precision), **stage)
+    model = Transformer(cfg, placement, seed=seed, init=weights is None and not meta)
     if weights is not None and not meta:
         names = dict(model.named_parameters())
-        load_full_state_dict(model, {k: v for k, v in weights.items() if k in names} if stage else weights,
+        load_full_state_dict(model, {k: v for k, v in weights.items() if k in names} if pipelined else weights,
                              source=source)
     if precision.param_dtype != torch.float32:  # buffers stay fp32
         for p in model.parameters():

@@ -19,10 +19,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tensorpar.config.choices import RECOMPUTE_MODES
 from tensorpar.context_parallel.cp_mappings import mean_from_cp
 from tensorpar.context_parallel.ring_attention import ContextSplit
-from tensorpar.distributed.comm import as_group
 from tensorpar.distributed.sharding import ShardSpec, retag, tag
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.expert_parallel import MoELayer
@@ -31,73 +29,16 @@ from tensorpar.functional.dropout import mix_seed, seeded_dropout
 from tensorpar.functional.rope import inverse_frequencies, rope_cos_sin
 from tensorpar.layout import require
 from tensorpar.layout.rules import context_split_problem, positions_problem, sequence_parallel_problem
-from tensorpar.layers.attention import ParallelAttention
+from tensorpar.layers.micro_batch import MicroBatchContext
 from tensorpar.layers.norms import Norm
+from tensorpar.models.block import TransformerBlock, recomputable, sequence_shard
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.init import init_weights
-from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
+from tensorpar.models.placement import Placement, as_placement
 from tensorpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.tensor_parallel.embedding import VocabParallelEmbedding
 from tensorpar.tensor_parallel.lm_head import VocabParallelLMHead
 from tensorpar.tensor_parallel.mappings import copy_to_tp
-from tensorpar.tensor_parallel.mlp import ParallelMLP
-from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
-from tensorpar.tensor_parallel.region import TPRegion
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, region: TPRegion, layer_index: int, device=None, ep_group=None,
-                 cp_group=None, expert_tp_group=None, exit_region: TPRegion | None = None):
-        """`exit_region`: the region the MLP's down projection leaves by, when not `region` (full recomputation)."""
-        super().__init__()
-        self.layer_index, self.dropout = layer_index, cfg.dropout
-        self.tp_group, self.sequence_parallel = region.group, region.sequence_parallel
-        self.attn_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
-        self.attn = ParallelAttention(cfg, region, layer_index, device=device)
-        self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
-        self.moe = cfg.is_moe_layer(layer_index)
-        if self.moe:
-            self.mlp = MoELayer(cfg, region, as_group(ep_group, "ep"), as_group(cp_group, "cp"), device=device,
-                                expert_tp_group=as_group(expert_tp_group, "expert_tp"))
-        else:
-            self.mlp = ParallelMLP(cfg, region, device=device, exit_region=exit_region)
-
-    def _drop(self, x, site: int, dropout_seed, context):
-        """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
-        if not self.training or self.dropout == 0:
-            return x
-        shard = sequence_shard(self.tp_group, self.sequence_parallel, context)
-        return seeded_dropout(x, self.dropout, mix_seed(dropout_seed, self.layer_index, site, shard), True)
-
-    def forward(self, x, rope=None, dropout_seed: int | None = None, recompute_core: bool = False,
-                kv_cache=None, layer_key=None, context: ContextSplit | None = None, aux_scale: float = 1.0,
-                record_stats: bool = True, documents: PackedDocuments | None = None):
-        attn = self.attn(self.attn_norm(x), rope, dropout_seed, recompute_core, kv_cache=kv_cache, layer_key=layer_key,
-                         context=context, documents=documents)
-        x = x + self._drop(attn, 0, dropout_seed, context)
-        h = self.mlp_norm(x)
-        h = self.mlp(h, context, aux_scale, record_stats) if self.moe else self.mlp(h)
-        return x + self._drop(h, 1, dropout_seed, context)
-
-
-def _recomputable(layer):
-    """`layer` as the function activation checkpointing calls twice: the forward, then its recomputation in
-    the backward, which is told so (`record_stats=False`: an MoE layer's routing statistics count once)."""
-    calls = 0
-
-    def run(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        return layer(*args, record_stats=calls == 1, **kwargs)
-
-    return run
-
-
-def sequence_shard(tp_group, sequence_parallel: bool, context: ContextSplit | None) -> int:
-    """Which part of the sequence this rank's activations hold outside the TP regions (for dropout seeds):
-    0 on every rank without sequence or context parallelism, else distinct per CP rank and (with SP) TP rank."""
-    shard = tp_group.rank if sequence_parallel else 0
-    return shard + (context.group.rank * tp_group.size if context is not None else 0)
 
 
 def _mean_over_valid(loss_sum: torch.Tensor, targets: torch.Tensor, cp_group) -> torch.Tensor:
@@ -108,85 +49,45 @@ def _mean_over_valid(loss_sum: torch.Tensor, targets: torch.Tensor, cp_group) ->
 
 
 class Transformer(nn.Module):
-    """A GPT-2 or Llama-style decoder whose layers are split across `mesh`'s TP group.
+    """A GPT-2 or Llama-style decoder: its architecture `cfg`, laid on the ranks as its `Placement` says
+    (tensorpar.models.placement: the TP region, CP, EP, the pipeline stage, recomputation, the loss's chunks;
+    None or a mesh: the default placement on it).
 
     `forward(ids)` returns this rank's vocabulary shard of the logits, [B, S, padded_vocab / tp];
     `forward(ids, targets)` the mean next-token cross-entropy over targets that are not -100.
     Weights are initialised from `seed` as full tensors and then sharded, so any TP size starts
     from the same dense model (``init=False`` leaves them uninitialised, for loading).
 
-    A pipeline stage is the same class holding `layers` (global indices; parameter names keep
-    them, so checkpoints and initialisation agree across layouts), the embedding when
-    `first_stage`, and the final norm and head when `last_stage`; its forward then takes and/or
+    A pipeline stage is the same class holding its stage's layers (global indices; parameter names keep
+    them, so checkpoints and initialisation agree across layouts), the embedding when it holds the first
+    stage, and the final norm and head when it holds the last; its forward then takes and/or
     returns hidden states. With tied embeddings the last stage holds a copy of the embedding
     (`ShardSpec.pipeline_duplicate`), kept equal to the first stage's by summing their gradients.
 
-    ``tp_overlap`` (the default) hides the TP collectives at the edges of each TP region behind the
-    GEMMs beside them (tensorpar.tensor_parallel.tp_overlap); ``tp_overlap=False`` issues them as plain
-    blocking collectives (the same function, the same bytes), to measure the difference. With
-    ``weight_grads`` (a `WeightGradQueue`, for the zero-bubble schedules) every layer's backward leaves its
-    weight gradients in the queue. Both go into the model's `TPRegion` (`self.region`), which every layer
-    asks how to enter and leave a TP region.
-
-    ``loss_chunk_tokens``: the training loss runs the head and the cross-entropy fused, that many tokens at a
-    time, never holding the whole [B, S, V / tp] logits (`VocabParallelLMHead.loss`); None: logits, then the
-    loss. `logits()` (eval, generation) is the same either way.
-
-    ``fp8``: an `Fp8Recipe`: the GEMMs of the column/row-parallel linears and of the experts run in fp8
-    (`TPRegion.fp8`); the embedding, head, norms, router and attention keep the parameters' dtype.
+    Each layer asks the placement's `TPRegion` (`self.region`) how to enter and leave a TP region: SP, the
+    collectives overlapped with the GEMMs, a zero-bubble schedule's `WeightGradQueue`, fp8 GEMMs (the embedding,
+    head, norms, router and attention keep the parameters' dtype). With `loss_chunk_tokens` the training loss runs
+    the head and the cross-entropy fused, that many tokens at a time, never holding the whole [B, S, V / tp]
+    logits; `logits()` (eval, generation) is the same either way. Every block of a forward pass gets one
+    `MicroBatchContext` (rotary tables, dropout seed, CP split, packed documents, ...).
     """
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        mesh=None,
-        *,
-        sequence_parallel: bool = False,
-        recompute: str = "none",
-        seed: int = 0,
-        init: bool = True,
-        device=None,
-        layers=None,
-        first_stage: bool = True,
-        last_stage: bool = True,
-        cp_impl: str = "ring",
-        cp_split: str = "zigzag",
-        tp_overlap: bool = True,
-        weight_grads: WeightGradQueue | None = None,
-        loss_chunk_tokens: int | None = None,
-        fp8: Fp8Recipe | None = None,
-    ):
+    def __init__(self, cfg: ModelConfig, placement: Placement | None = None, *, seed: int = 0, init: bool = True):
         super().__init__()
-        if recompute not in RECOMPUTE_MODES:
-            raise TensorparError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-        self.cfg = cfg
-        self.tp_group = as_group(mesh, "tp")
-        self.cp_group = as_group(mesh, "cp")
-        self.ep_group = as_group(mesh, "ep")
-        self.expert_tp_group = as_group(mesh, "expert_tp")
-        self.cp_split, self.cp_impl = cp_split, cp_impl
-        self.region = TPRegion(self.tp_group, sequence_parallel, tp_overlap, weight_grads, fp8)
+        placement = as_placement(placement)
+        self.cfg, self.placement, self.region = cfg, placement, placement.region
+        # The groups by name, as a mesh has them: sharded initialisation and checkpoints ask the model for them.
+        self.tp_group, self.cp_group = placement.region.group, placement.cp_group
+        self.ep_group, self.expert_tp_group = placement.ep_group, placement.expert_tp_group
         self.sequence_parallel = self.region.sequence_parallel
-        self.recompute = recompute
-        if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
-            raise TensorparError(f"loss_chunk_tokens must be a positive number of tokens or None, "
-                                 f"got {loss_chunk_tokens}")
-        self.loss_chunk_tokens = loss_chunk_tokens
-        device = device if device is not None else getattr(mesh, "device", None)
-        region = self.region
-        # Full recomputation stops re-running a block's forward once every tensor its backward saved is back, so a
-        # plain row-parallel exit's reduction is not repeated; in the overlapped exit that reduction runs inside the
-        # op that saves them, and would be. The block's last exit (the MLP's) therefore leaves by plain collectives.
-        exit_region = region.without_overlap() if recompute == "full" else region
-
-        self.first_stage, self.last_stage = first_stage, last_stage
-        layers = range(cfg.num_layers) if layers is None else layers
+        self.recompute, self.loss_chunk_tokens = placement.recompute, placement.loss_chunk_tokens
+        self.first_stage, self.last_stage = placement.stage.first, placement.stage.last
+        device = placement.device
+        layers = range(cfg.num_layers) if placement.stage.layers is None else placement.stage.layers
         self.embed = self.pos_embed = self.final_norm = self.head = None
         self._build_inputs(device)
         # Keyed by global layer index, so that a stage's parameter names are the dense model's.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, region, i, device, self.ep_group, self.cp_group,
-                                                              self.expert_tp_group, exit_region)
-                                     for i in layers})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, placement, i, device) for i in layers})
         self._build_outputs(device)
         if cfg.position == "rope":
             self.register_buffer("inv_freq", inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -232,9 +133,7 @@ class Transformer(nn.Module):
 
     def context(self, seq_len: int) -> ContextSplit | None:
         """How a sequence of `seq_len` positions lies across the CP ranks (None without context parallelism)."""
-        if self.cp_group.size == 1:
-            return None
-        return ContextSplit(self.cp_group, seq_len, self.cp_split, self.cp_impl)
+        return self.placement.context(seq_len)
 
     def positions(self, seq_len: int, context: ContextSplit | None, device,
                   documents: PackedDocuments | None = None) -> torch.Tensor:
@@ -326,15 +225,14 @@ class Transformer(nn.Module):
             h = x
             seq_len = h.shape[1] * (self.tp_group.size if self.sequence_parallel else 1) * self.cp_group.size
             context = self.context(seq_len)
-        rope = self.rope(seq_len, h.dtype, context, documents)  # like transformers: cos/sin in the hidden states' dtype
+        ctx = MicroBatchContext(self.rope(seq_len, h.dtype, context, documents), dropout_seed, context, documents,
+                                aux_scale, recompute_core=self.recompute == "selective" and self.training)
         for key in layer_keys:
             layer = self.layers[str(key)]
             if self.recompute == "full" and self.training:
-                h = checkpoint(_recomputable(layer), h, rope, dropout_seed, context=context, aux_scale=aux_scale,
-                               documents=documents, use_reentrant=False)
+                h = checkpoint(recomputable(layer), h, ctx, use_reentrant=False)
             else:
-                h = layer(h, rope, dropout_seed, recompute_core=self.recompute == "selective" and self.training,
-                          context=context, aux_scale=aux_scale, documents=documents)
+                h = layer(h, ctx)
         if not head:
             return h
         h = self.final_norm(h)
@@ -370,8 +268,9 @@ class Transformer(nn.Module):
                                      f"{self.cfg.max_seq_len} learned positions")
             h = h + self.pos_embed[positions]
         rope = rope_cos_sin(positions, self.inv_freq, h.dtype) if self.cfg.position == "rope" else None
-        for key, layer in self.layers.items():
-            h = layer(h, rope, kv_cache=cache, layer_key=key)
+        ctx = MicroBatchContext(rope, kv_cache=cache)
+        for layer in self.layers.values():
+            h = layer(h, ctx)
         return h
 
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:

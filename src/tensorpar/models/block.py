@@ -1,0 +1,65 @@
+"""One transformer block: x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))) (the MLP a mixture of
+experts on MoE layers). Its forward takes the hidden states and the micro-batch's `MicroBatchContext`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tensorpar.context_parallel.ring_attention import ContextSplit
+from tensorpar.expert_parallel import MoELayer
+from tensorpar.functional.dropout import mix_seed, seeded_dropout
+from tensorpar.layers.attention import ParallelAttention
+from tensorpar.layers.micro_batch import MicroBatchContext
+from tensorpar.layers.norms import Norm
+from tensorpar.tensor_parallel.mlp import ParallelMLP
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg, placement, layer_index: int, device=None):
+        """`placement`: the model's `Placement` (its TP region, and the exit region of the MLP's down projection)."""
+        super().__init__()
+        region = placement.region
+        self.layer_index, self.dropout = layer_index, cfg.dropout
+        self.tp_group, self.sequence_parallel = region.group, region.sequence_parallel
+        self.attn_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
+        self.attn = ParallelAttention(cfg, region, layer_index, device=device)
+        self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
+        self.moe = cfg.is_moe_layer(layer_index)
+        if self.moe:
+            self.mlp = MoELayer(cfg, region, placement.ep_group, placement.cp_group, device=device,
+                                expert_tp_group=placement.expert_tp_group)
+        else:
+            self.mlp = ParallelMLP(cfg, region, device=device, exit_region=placement.exit_region)
+
+    def _drop(self, x, site: int, ctx: MicroBatchContext):
+        """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
+        if not self.training or self.dropout == 0:
+            return x
+        shard = sequence_shard(self.tp_group, self.sequence_parallel, ctx.cp)
+        return seeded_dropout(x, self.dropout, mix_seed(ctx.dropout_seed, self.layer_index, site, shard), True)
+
+    def forward(self, x, ctx: MicroBatchContext = MicroBatchContext()):
+        x = x + self._drop(self.attn(self.attn_norm(x), ctx), 0, ctx)
+        h = self.mlp_norm(x)
+        h = self.mlp(h, ctx.cp, ctx.aux_scale, ctx.record_stats) if self.moe else self.mlp(h)
+        return x + self._drop(h, 1, ctx)
+
+
+def recomputable(layer):
+    """`layer` as the function activation checkpointing calls twice: the forward, then its recomputation in
+    the backward, which is told so (`record_stats=False`: an MoE layer's routing statistics count once)."""
+    calls = 0
+
+    def run(x, ctx: MicroBatchContext):
+        nonlocal calls
+        calls += 1
+        return layer(x, ctx.replace(record_stats=calls == 1))
+
+    return run
+
+
+def sequence_shard(tp_group, sequence_parallel: bool, context: ContextSplit | None) -> int:
+    """Which part of the sequence this rank's activations hold outside the TP regions (for dropout seeds):
+    0 on every rank without sequence or context parallelism, else distinct per CP rank and (with SP) TP rank."""
+    shard = tp_group.rank if sequence_parallel else 0
+    return shard + (context.group.rank * tp_group.size if context is not None else 0)
