@@ -40,7 +40,7 @@ from tensorpar.tensor_parallel.lm_head import VocabParallelLMHead
 from tensorpar.tensor_parallel.mappings import copy_to_tp
 from tensorpar.tensor_parallel.mlp import ParallelMLP
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
-from tensorpar.tensor_parallel.region import TPRegion
+from tensorpar.tensor_parallel.region import TPRegion, tp_region
 
 
 class TransformerBlock(nn.Module):
@@ -156,7 +156,8 @@ class Transformer(nn.Module):
         self.ep_group = as_group(mesh, "ep")
         self.expert_tp_group = as_group(mesh, "expert_tp")
         self.cp_split, self.cp_impl = cp_split, cp_impl
-        self.region = TPRegion(self.tp_group, sequence_parallel, tp_overlap, weight_grads, fp8)
+        self.region = tp_region(self.tp_group, sequence_parallel=sequence_parallel, overlap=tp_overlap,
+                                weight_grads=weight_grads, fp8=fp8)
         self.sequence_parallel = self.region.sequence_parallel
         self.recompute = recompute
         if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
