@@ -1,7 +1,7 @@
-"""`tp_region` (tensor_parallel/region.py) composes a region's edges with its GEMMs by the rules in its docstring: SP and
-overlap only on more than one rank, overlap only with dense GEMMs, fp8 with a split backward refused. Checked in this
-process: building a region makes no collective. What each composition computes is checked against the dense layers
-by test_linear.py (plain / overlapped, SP), test_fp8.py and test_weight_grad.py."""
+"""`tp_region` (tensor_parallel/region.py) composes a region's edges with its GEMMs by the rules in its docstring:
+SP and overlap only on more than one rank, overlap only with dense GEMMs, fp8 with a split backward refused. Checked
+in this process: building a region makes no collective. What each composition computes is checked against the dense
+layers by test_linear.py (plain / overlapped, SP), test_fp8.py and test_weight_grad.py."""
 
 import pytest
 
