@@ -7,7 +7,7 @@ from torch import nn
 
 from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.distributed.comm import Group
-from tensorpar.layers import TPRegion, VocabParallelLMHead, vocab_parallel_cross_entropy
+from tensorpar.layers import VocabParallelLMHead, tp_region, vocab_parallel_cross_entropy
 from tensorpar.models import Transformer, get_config
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 
@@ -41,7 +41,7 @@ def _run(head, h, targets, m, label_smoothing, chunk_tokens=None):
 def check_fused_head_loss(tp, cases, sequence_parallel=False):
     """`cases`: (vocab, label_smoothing, chunk_tokens, bias, tokens per sequence). Every error, per case."""
     m = mesh(tp=tp)
-    region = TPRegion(m.tp_group, sequence_parallel=sequence_parallel)
+    region = tp_region(m.tp_group, sequence_parallel=sequence_parallel)
     results = []
     for vocab, label_smoothing, chunk, bias, seq in cases:
         torch.manual_seed(vocab + tp + chunk)
@@ -145,7 +145,7 @@ def test_bf16_autocast_and_the_split_backward():
     assert all(rel_err(a, b) <= 1e-2 for a, b in zip(grads[1:], ref_grads[1:]))
 
     queue = WeightGradQueue()
-    split = VocabParallelLMHead.from_dense(nn.Linear(H, 1001, bias=False), TPRegion(group, weight_grads=queue))
+    split = VocabParallelLMHead.from_dense(nn.Linear(H, 1001, bias=False), tp_region(group, weight_grads=queue))
     split.loss(h.requires_grad_(), targets, chunk_tokens=7).backward()
     assert split.weight.grad is None and h.grad is not None
     queue.close("mb")

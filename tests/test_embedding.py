@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorpar.layers import TPRegion, VocabParallelEmbedding
+from tensorpar.layers import VocabParallelEmbedding, tp_region
 
 from harness import mesh
 from test_linear import TP_SIZES, B, H, S, _errors  # noqa: F401
@@ -21,7 +21,7 @@ def check_embedding(tp, vocab, replicated, sequence_parallel):
     out = dense(ids)
     (out * probe).sum().backward()
 
-    layer = VocabParallelEmbedding.from_dense(dense, TPRegion(g, sequence_parallel=sequence_parallel),
+    layer = VocabParallelEmbedding.from_dense(dense, tp_region(g, sequence_parallel=sequence_parallel),
                                              replicated=replicated)
     local_out = layer(ids)
     if sequence_parallel:

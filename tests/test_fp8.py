@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tensorpar.distributed.comm import Group
-from tensorpar.layers import ColumnParallelLinear, RowParallelLinear, TPRegion
+from tensorpar.layers import ColumnParallelLinear, RowParallelLinear, tp_region
 from tensorpar.tensor_parallel.fp8_scaling import FP8_RECIPES, Fp8Recipe, fp8_unsupported
 
 from checks import rel_err
@@ -78,14 +78,14 @@ def check_fp8_layers(tp):
         h[..., -2] = 0
     errs, counts = {}, {}
     for recipe in FP8_RECIPES:
-        one = TPRegion(Group.single("tp"), fp8=Fp8Recipe(recipe))
+        one = tp_region(Group.single("tp"), fp8=Fp8Recipe(recipe))
         y1, dx1, dw1 = _run(ColumnParallelLinear.from_dense(col_dense, one), x, gc)
         z1, dh1, dv1 = _run(RowParallelLinear.from_dense(row_dense, one), h, gr)
         ry, rdx, rdw = reference(x, col_dense.weight.detach(), gc, recipe)
         errs[f"{recipe} tp1 vs reference"] = max(rel_err(y1 - col_dense.bias, ry), rel_err(dx1, rdx),
                                                  rel_err(dw1, rdw))
         for sp in (False, True):
-            region = TPRegion(g, sequence_parallel=sp, fp8=Fp8Recipe(recipe))
+            region = tp_region(g, sequence_parallel=sp, fp8=Fp8Recipe(recipe))
             seq = (lambda t: t.chunk(tp, 1)[r]) if sp and tp > 1 else (lambda t: t)
             col = ColumnParallelLinear.from_dense(col_dense, region)
             m.stats.reset()

@@ -10,8 +10,8 @@ from torch import nn
 from tensorpar.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    TPRegion,
     VocabParallelEmbedding,
+    tp_region,
 )
 
 from checks import rel_err
@@ -38,7 +38,7 @@ def check_mlp(tp, sequence_parallel, tp_overlap=False, batch=B):
     y = fc2(F.gelu(fc1(x)))
     (y * probe).sum().backward()
 
-    region = TPRegion(g, sequence_parallel=sequence_parallel, overlap=tp_overlap)
+    region = tp_region(g, sequence_parallel=sequence_parallel, overlap=tp_overlap)
     col = ColumnParallelLinear.from_dense(fc1, region)
     row = RowParallelLinear.from_dense(fc2, region)
     if sequence_parallel:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.layers import TPRegion, VocabParallelLMHead, vocab_parallel_cross_entropy
+from tensorpar.layers import VocabParallelLMHead, tp_region, vocab_parallel_cross_entropy
 
 from checks import rel_err
 from harness import mesh
@@ -23,7 +23,7 @@ def check_lm_head(tp, vocab, label_smoothing, bias=False, sequence_parallel=Fals
     targets = torch.randint(0, vocab, (B, S))
     targets[0, :3] = -100  # ignored positions
     targets[1, 0] = vocab - 1  # the last real row, next to the padding
-    head = VocabParallelLMHead.from_dense(dense, TPRegion(g, sequence_parallel=sequence_parallel))
+    head = VocabParallelLMHead.from_dense(dense, tp_region(g, sequence_parallel=sequence_parallel))
     # The reference in float64: the exact answer, so that the comparison measures the parallel head's fp32
     # rounding alone (an fp32 reference adds its own, which at 50257 classes is as large as the head's).
     dense, h = dense.double(), h.detach().double().requires_grad_()

@@ -15,6 +15,7 @@ from tensorpar.layers import (
     TPRegion,
     VocabParallelEmbedding,
     VocabParallelLMHead,
+    tp_region,
 )
 from tensorpar.layers.norms import Norm
 from tensorpar.models import Transformer, get_config
@@ -72,7 +73,7 @@ def _compare_split(build, inputs, seed=0, tol=1e-6):
 
 def _region(queue, name="tp"):
     """One rank's region, with the split backward when `queue` is given."""
-    return TPRegion(Group.single(name), weight_grads=queue)
+    return tp_region(Group.single(name), weight_grads=queue)
 
 
 x3 = lambda *shape: lambda: [torch.randn(*shape)]  # noqa: E731

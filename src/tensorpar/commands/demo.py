@@ -19,9 +19,9 @@ from tensorpar.errors import LayoutError
 from tensorpar.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    TPRegion,
     VocabParallelEmbedding,
     VocabParallelLMHead,
+    tp_region,
     vocab_parallel_cross_entropy,
 )
 
@@ -50,7 +50,8 @@ class ParallelToy(nn.Module):
     def __init__(self, dense: DenseToy, mesh, sequence_parallel: bool):
         super().__init__()
         self.mesh, self.sp = mesh, sequence_parallel
-        region = TPRegion(mesh.tp_group, sequence_parallel)  # how every layer enters and leaves the TP regions
+        # how every layer enters and leaves the TP regions
+        region = tp_region(mesh.tp_group, sequence_parallel=sequence_parallel)
         self.embed = VocabParallelEmbedding.from_dense(dense.embed, region)
         self.fc1 = ColumnParallelLinear.from_dense(dense.fc1, region)
         self.fc2 = RowParallelLinear.from_dense(dense.fc2, region)

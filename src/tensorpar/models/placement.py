@@ -18,7 +18,7 @@ from tensorpar.distributed.comm import Group, as_group
 from tensorpar.errors import TensorparError
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
-from tensorpar.tensor_parallel.region import TPRegion
+from tensorpar.tensor_parallel.region import TPRegion, tp_region
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,8 @@ class Placement:
         """The placement of a rank of `mesh` (a Mesh, a TP Group, or None for one process): the TP region of its TP group
         (`tensorpar.tensor_parallel.region`: SP, overlap, a split backward's `weight_grads` queue, fp8 GEMMs), its
         CP / EP / expert-TP groups, and the rest as given; the device defaults to the mesh's."""
-        region = TPRegion(as_group(mesh, "tp"), sequence_parallel, tp_overlap, weight_grads, fp8)
+        region = tp_region(as_group(mesh, "tp"), sequence_parallel=sequence_parallel, overlap=tp_overlap,
+                           weight_grads=weight_grads, fp8=fp8)
         others = None if isinstance(mesh, Group) else mesh  # a TP group alone: one rank in every other dimension
         return cls(region, as_group(others, "cp"), as_group(others, "ep"), as_group(others, "expert_tp"), cp_impl,
                    cp_split, stage, recompute, loss_chunk_tokens,

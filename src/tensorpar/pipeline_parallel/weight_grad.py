@@ -2,8 +2,9 @@
 
 Zero-bubble pipeline schedules (ZB-H1, ZB-V) run the backward of a micro-batch in two halves: B, the
 gradient of the stage's input, which the previous stage waits for, and W, the gradients of the weights,
-which nobody waits for and so can fill idle time. A model built with a `WeightGradQueue` (in its `TPRegion`,
-tensorpar.tensor_parallel.region, which every layer asks) computes only B in its backward and leaves W in the queue;
+which nobody waits for and so can fill idle time. A model built with a `WeightGradQueue` (its `TPRegion`'s GEMMs
+are then `SplitBackwardGemms`, tensorpar.tensor_parallel.region_gemms, which run every layer's products through the
+ops below) computes only B in its backward and leaves W in the queue;
 `queue.close(key)` names the W work of the backward pass that just ran and `queue.run(key)` computes it
 and accumulates it into ``param.grad`` through autograd, one call per pass, so that gradient hooks (data
 parallelism's buckets) fire once per parameter per pass, as after a plain backward. Without a queue (the
