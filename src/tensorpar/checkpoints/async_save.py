@@ -140,7 +140,7 @@ class AsyncCheckpointer:
             m = shard.moments[name]
             params[name] = tag(self._copy((shard.file_name, "param", name), m.get("master", p.detach())),
                                shard_spec(p))
-            moments[name] = {k: self._copy((shard.file_name, k, name), m[k]) for k in ("exp_avg", "exp_avg_sq")}
+            moments[name] = {k: self._copy((shard.file_name, k, name), v) for k, v in m.items() if k != "master"}
         return Shard(shard.file_name, params, moments, shard.position)
 
     def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,12 @@ def _llama_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
     return pairs
 
 
+def hf_linear_names(cfg: ModelConfig) -> dict[str, str]:
+    """{tensorpar name: Hugging Face name} of a Llama-family model's attention and dense MLP weights (`q_proj`, ...,
+    `down_proj`): what a PEFT adapter's names are made of."""
+    return {tp: hf for hf, tp in _llama_pairs(cfg) if tp.endswith("_proj.weight")} if cfg.family == "llama" else {}
+
+
 def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """tensorpar's dense state dict -> Hugging Face GPT2LMHeadModel / LlamaForCausalLM / Mixtral / Qwen2-MoE tensors
     (full names, no lm_head for tied embeddings). Bit-exact inverse of `hf_to_tensorpar`."""

@@ -34,6 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
+from tensorpar.checkpoints.peft_adapter import write_checkpoint_adapter
 from tensorpar.distributed.sharding import ShardSpec, local_shard, shard_spec, tag
 from tensorpar.errors import TensorparError
 from tensorpar.models.state import dense_shape
@@ -117,6 +118,7 @@ def take_shards(model, optimizer, mesh) -> tuple[list[Shard], int]:
     params = dict(model.named_parameters())
     names = {id(p): n for n, p in params.items()}
     moments, opt_step = optimizer.local_state(names)
+    moments = {n: moments.get(n, {}) for n in params}  # frozen parameters (LoRA's base) keep no optimizer state
     saved = {n: p for n, p in params.items() if not shard_spec(p).pipeline_duplicate}  # the first
     dense = {n: p for n, p in saved.items() if not shard_spec(p).expert}  # stage saves the tied embedding
     experts = {n: p for n, p in saved.items() if shard_spec(p).expert}
@@ -145,18 +147,21 @@ def write_shards(tmp: str, step: int, shards: list[Shard]) -> list[dict] | str:
 
 
 def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict, train: dict,
-                    options: dict | None = None, run_id: str | None = None, keep_last: int = 3) -> str:
+                    options: dict | None = None, run_id: str | None = None, keep_last: int = 3,
+                    lora: dict | None = None) -> str:
     """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder. A
     complete checkpoint already at this step is kept, renamed superseded-step-N-K, never overwritten.
     `train` holds what fixes the data order and the learning rate; `options`, the run's whole resolved
     configuration (so that a resumed run can say what changed); `run_id`, the run (a resumed run keeps its
-    checkpoint's) whose checkpoints `keep_last` rotates, never another's."""
+    checkpoint's) whose checkpoints `keep_last` rotates, never another's; `lora`, a LoRA run's adapters
+    (`LoraSpec.as_dict`), also written as a PEFT adapter folder, `adapter/`, in the step folder."""
     tmp = begin_save(root, step, mesh)
     with optimizer.gathered():  # ZeRO-3 stores 1/dp of each parameter: gather them for the save
         shards, opt_step = take_shards(model, optimizer, mesh)
         info = write_shards(tmp, step, shards)
     return commit_save(root, step, info, mesh, dict(optimizer_step=opt_step, model=cfg.to_dict(), run_id=run_id,
-                                                    layout=layout, train=train, options=options), keep_last)
+                                                    layout=layout, train=train, options=options, lora=lora),
+                       keep_last)
 
 
 def commit_save(root: str, step: int, info: list[dict] | str | None, mesh, facts: dict, keep_last: int) -> str:
@@ -199,6 +204,7 @@ def _put_in_place(root: str, step: int, infos: list[dict], facts: dict, keep_las
     meta = {"format": FORMAT, "version": 1, "step": step, **facts, "tensors": tensors, "files": files,
             "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
     _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+    write_checkpoint_adapter(tmp, meta, CheckpointReader(tmp, meta).dense)  # a LoRA run's: tmp/adapter, PEFT's
     _move_aside(final)
     os.replace(tmp, final)
     _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
@@ -438,7 +444,7 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
         for name, p in params.items():
             spec = shard_spec(p)  # split over TP, or EP (and expert-TP) for the routed experts
             p.copy_(local_shard(reader.dense(name), spec, model))
-            if optimizer is not None:  # the moments, and the fp32 weights for the masters of bf16/fp16 training
+            if optimizer is not None and p.requires_grad:  # moments, and fp32 weights for bf16/fp16 training's masters
                 kinds = [k for k in optimizer.kinds_of(name, p.shape) if reader.has(name, k)]  # another optimizer's
                 moments[name] = {k: local_shard(reader.dense(name, k), spec, model) for k in kinds}  # -> zeros
                 moments[name]["master"] = local_shard(reader.dense(name).float(), spec, model)

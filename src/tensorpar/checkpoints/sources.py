@@ -1,5 +1,6 @@
 """Where a model comes from: `--checkpoint DIR` / `--init-from DIR` accept a Hugging Face folder or a
-tensorpar checkpoint (its latest step, or a step folder)."""
+tensorpar checkpoint (its latest step, or a step folder); a LoRA run's checkpoint, or a PEFT adapter given beside
+the model (`--lora-adapter`), gives the model with its adapters merged into the weights."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import os
 
 from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
+from tensorpar.checkpoints.peft_adapter import merge_adapters, read_adapter
 from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
+from tensorpar.tensor_parallel.lora import LoraSpec, is_adapter
 
 
 def _check_folder(path: str) -> None:
@@ -35,10 +38,28 @@ def load_config(path: str):
     )
 
 
-def load_model_source(path: str):
-    """(ModelConfig, dense state dict in tensorpar names) of a checkpoint folder."""
+def load_unmerged(path: str, adapter: str | None = None) -> tuple[ModelConfig, dict, LoraSpec | None, dict]:
+    """(ModelConfig, the base weights, the LoRA spec or None, the adapters' weights) of a checkpoint folder and, with
+    `adapter`, a PEFT adapter folder of its model (a checkpoint holding adapters of its own takes none more); dense
+    tensors in tensorpar names."""
     load_config(path)
     if is_checkpoint(path):
         meta, state = dense_model_state(path)
-        return ModelConfig(**meta["model"]), state
-    return load_hf_folder(path)
+        cfg, spec = ModelConfig(**meta["model"]), (LoraSpec.from_dict(meta["lora"]) if meta.get("lora") else None)
+    else:
+        (cfg, state), spec = load_hf_folder(path), None
+    if adapter is not None:
+        if spec is not None:
+            raise TensorparError(f"'{path}' holds LoRA adapters already (a LoRA run's checkpoint): --lora-adapter "
+                                 f"would add a second set; merge them first (tensorpar convert --merge-lora)")
+        spec, adapters = read_adapter(adapter, cfg)
+        state = {**state, **adapters}
+    base = {k: v for k, v in state.items() if not is_adapter(k)}
+    return cfg, base, spec, {k: v for k, v in state.items() if is_adapter(k)}
+
+
+def load_model_source(path: str, adapter: str | None = None):
+    """(ModelConfig, dense state dict in tensorpar names) of a checkpoint folder, LoRA adapters (a LoRA run's, or
+    the PEFT folder `adapter`) merged into the weights."""
+    cfg, base, spec, adapters = load_unmerged(path, adapter)
+    return cfg, (merge_adapters({**base, **adapters}, spec) if spec is not None else base)

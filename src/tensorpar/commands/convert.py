@@ -3,6 +3,11 @@
 A tensorpar checkpoint (of any layout) becomes a Hugging Face folder (config.json + model.safetensors
 that transformers loads); a Hugging Face folder becomes a one-shard tensorpar checkpoint that any
 layout can load or resume from. Weights are copied bit for bit; DST must not exist or be empty.
+
+LoRA: `--merge-lora` folds adapters into their weights as PEFT's merge_and_unload does (W + (B @ A) * alpha / r):
+those of a LoRA run's checkpoint, or a PEFT adapter folder given with `--lora-adapter` beside the model. Without it,
+a LoRA run's checkpoint becomes the Hugging Face folder of its base model with the adapter in DST/adapter (PEFT's
+folder), as transformers and PEFT load them.
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ from __future__ import annotations
 import os
 
 from tensorpar.checkpoints.hf import is_hf_folder, save_hf_folder
+from tensorpar.checkpoints.peft_adapter import ADAPTER_FOLDER, merge_adapters, write_adapter
 from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
-from tensorpar.checkpoints.sources import load_model_source
+from tensorpar.checkpoints.sources import load_unmerged
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import ConvertOptions
 from tensorpar.errors import TensorparError
@@ -33,11 +39,27 @@ def run(args, argv) -> int:
     to = options.to or ("tensorpar" if source_is_hf else "hf")
     if os.path.exists(options.dest) and os.listdir(options.dest):
         raise TensorparError(f"'{options.dest}' exists and is not empty: refusing to overwrite it")
-    cfg, state = load_model_source(options.source)
+    if options.lora_adapter and not options.merge_lora:
+        raise TensorparError("--lora-adapter is merged into the model by --merge-lora (the adapter alone is a PEFT "
+                             "folder already): add --merge-lora")
+    cfg, state, lora, adapters = load_unmerged(options.source, options.lora_adapter)
+    if options.merge_lora and lora is None:
+        raise TensorparError(f"--merge-lora: '{options.source}' holds no LoRA adapters (it is not a LoRA run's "
+                             f"checkpoint): give the adapter with --lora-adapter DIR")
+    if lora is not None and not options.merge_lora and to == "tensorpar":
+        raise TensorparError(f"'{options.source}' is a LoRA run's checkpoint already: --merge-lora writes its merged "
+                             f"model as a one-shard checkpoint")
+    if options.merge_lora:
+        state = merge_adapters({**state, **adapters}, lora)
+    adapter_note = ""
     if to == "hf":
         save_hf_folder(options.dest, cfg, state)
+        if lora is not None and not options.merge_lora:
+            write_adapter(os.path.join(options.dest, ADAPTER_FOLDER), cfg, lora, adapters)
+            adapter_note = f"; its LoRA adapter in {os.path.join(options.dest, ADAPTER_FOLDER)} (PEFT)"
     else:
         write_dense_checkpoint(options.dest, cfg, state)
+    merged = ", LoRA merged" if options.merge_lora else ""
     print(f"wrote {to} {'folder' if to == 'hf' else 'checkpoint'} {options.dest} ({sum(t.numel() for t in state.values()):,} "
-          f"parameters, {cfg.family})")
+          f"parameters, {cfg.family}{merged}){adapter_note}")
     return 0

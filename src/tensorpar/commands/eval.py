@@ -11,6 +11,7 @@ import json
 import math
 import os
 
+from tensorpar.checkpoints.peft_adapter import check_adapter
 from tensorpar.checkpoints.sources import load_config, load_model_source
 from tensorpar.commands.common import inference_layout, launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
@@ -43,7 +44,9 @@ def validate(options: EvalOptions):
         raise TensorparError(f"tensorpar eval takes one data source, not the mixture '{options.data}'")
     prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,
                     cache_dir=options.data_cache, progress=os.environ.get("RANK", "0") == "0")
-    return inference_layout(options, load_config(options.checkpoint), seq_len=options.seq_len)
+    cfg = load_config(options.checkpoint)
+    check_adapter(options.lora_adapter, cfg)
+    return inference_layout(options, cfg, seq_len=options.seq_len)
 
 
 def evaluate_checkpoint(options: EvalOptions, layout: ParallelLayout | None = None) -> dict:
@@ -54,7 +57,7 @@ def evaluate_checkpoint(options: EvalOptions, layout: ParallelLayout | None = No
     precision = Precision.of(options, training=False)
     mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
     try:
-        cfg, state = load_model_source(options.checkpoint)
+        cfg, state = load_model_source(options.checkpoint, options.lora_adapter)
         tokens = open_stream(options.data, load_tokenizer(options.checkpoint), text_field=options.text_field,
                              bin_dtype=options.bin_dtype, cache_dir=options.data_cache, progress=False).tokens
         check_vocab(tokens, cfg.vocab_size, options.data or "the default corpus")

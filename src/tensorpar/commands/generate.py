@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from tensorpar.checkpoints.peft_adapter import check_adapter
 from tensorpar.checkpoints.sources import load_config, load_model_source
 from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
@@ -88,6 +89,7 @@ def validate(options: GenerateOptions):
     check_choices(options)
     check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
+    check_adapter(options.lora_adapter, cfg)
     options, layout = decoding_layout(options, cfg, "generate")
     if options.max_new_tokens < 1:
         raise TensorparError(f"--max-new-tokens must be at least 1, got {options.max_new_tokens}")
@@ -108,7 +110,7 @@ def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos,
     layout = layout or ParallelLayout.from_options(options, world_from_env()[0])
     mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
     try:
-        cfg, state = load_model_source(options.checkpoint)
+        cfg, state = load_model_source(options.checkpoint, options.lora_adapter)
         model = build_transformer(cfg, mesh, layout, Precision.of(options, training=False), weights=state,
                                   source=options.checkpoint).eval()
         del state

@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from tensorpar.checkpoints.peft_adapter import check_adapter
 from tensorpar.checkpoints.sources import load_config, load_model_source
 from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.commands.generate import eos_ids
@@ -48,7 +49,7 @@ def add_parser(sub) -> None:
 def build_model(options: ServeOptions, cfg, layout: ParallelLayout):
     """(mesh, this rank's model in eval mode), as `generate` builds them."""
     mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
-    cfg, state = load_model_source(options.checkpoint)
+    cfg, state = load_model_source(options.checkpoint, options.lora_adapter)
     model = build_transformer(cfg, mesh, layout, Precision.of(options, training=False), weights=state,
                               source=options.checkpoint)
     return mesh, model.eval()
@@ -80,6 +81,7 @@ def validate(options: ServeOptions):
     check_choices(options)
     check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
+    check_adapter(options.lora_adapter, cfg)
     options, layout = decoding_layout(options, cfg, "serve")
     kv_tokens = _check_numbers(options, cfg.max_seq_len)
     tokenizer = load_tokenizer(options.checkpoint)

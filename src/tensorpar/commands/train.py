@@ -54,6 +54,11 @@ def print_summary(s: dict) -> None:
     print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{val}")
     print(f"{s['time_s']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% "
           f"(of the {s['peak_flops_source']})")
+    if s.get("lora"):
+        a, share = s["lora"], s["lora"]["trainable_parameters"] / s["parameters"]
+        print(f"LoRA: rank {a['rank']}, alpha {a['alpha']:g} on {','.join(a['targets'])}: "
+              f"{a['trainable_parameters']:,} parameters trained ({100 * share:.2f}% of the model's), the rest frozen; "
+              f"a PEFT adapter in each checkpoint's adapter/ folder")
     if s.get("examples"):
         print(examples_line(s["examples"]))
     if s.get("moe"):

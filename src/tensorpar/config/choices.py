@@ -27,3 +27,4 @@ LONG_EXAMPLES = ("truncate", "drop")  # an instruction example longer than the r
 LR_SCHEDULES = ("cosine", "wsd")  # --lr-schedule: warmup + cosine, or warmup-stable-decay
 WSD_DECAY_SHAPES = ("1-sqrt", "linear", "cosine")  # the shape of WSD's decay (--decay-shape)
 OPTIMIZERS = ("adamw", "muon")  # --optimizer (muon: Muon for the hidden 2-D weights, AdamW for the rest)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # --lora-targets: the linears a LoRA adapter can sit on

@@ -20,6 +20,7 @@ from tensorpar.config.choices import (
     FP8_RECIPES,
     GRAD_REDUCE_DTYPES,
     LONG_EXAMPLES,
+    LORA_TARGETS,
     LOSS_CHUNK_TOKENS,
     LR_SCHEDULES,
     ON_NAN,
@@ -90,7 +91,30 @@ class DataOptions(TokenCacheOptions):
 
 
 @dataclasses.dataclass
-class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
+class LoraAdapterOptions:
+    """A PEFT LoRA adapter folder (train: continue it; eval, generate, serve: apply it to the model)."""
+
+    lora_adapter: str | None = option(None, "a PEFT LoRA adapter folder (adapter_config.json + "
+                                            "adapter_model.safetensors) of the model: train continues it (with "
+                                            "--init-from the base model); eval, generate and serve merge it into "
+                                            "the weights", metavar="DIR", group="lora")
+
+
+@dataclasses.dataclass
+class LoraOptions(LoraAdapterOptions):
+    """Low-rank adapters on the model's linears, the base weights frozen (train)."""
+
+    lora_rank: int = option(0, "train LoRA adapters of this rank on --lora-targets, every other weight frozen "
+                               "(0: train every weight)", metavar="R", group="lora")
+    lora_alpha: float | None = option(None, "the adapters' alpha: their product is scaled by alpha / rank "
+                                            "(default: the rank)", metavar="A", group="lora")
+    lora_targets: str = option(",".join(LORA_TARGETS), "comma-separated linears the adapters sit on, of "
+                                                       f"{', '.join(LORA_TARGETS)}", metavar="T,T,...", group="lora")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input", metavar="P", group="lora")
+
+
+@dataclasses.dataclass
+class TrainOptions(LoraOptions, DataOptions, ExpertOptions, LaunchOptions):
     """`tensorpar train`: everything a training run needs. From Python, outputs (metrics, plots) are written only
     where `metrics` / `out_dir` say; the command line defaults them to runs/MODEL-tpT/."""
 
@@ -249,7 +273,7 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
 
 
 @dataclasses.dataclass
-class EvalOptions(DataOptions, ExpertOptions, LaunchOptions):
+class EvalOptions(LoraAdapterOptions, DataOptions, ExpertOptions, LaunchOptions):
     """`tensorpar eval`: the mean next-token loss of a checkpoint on a token stream."""
 
     checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
@@ -267,7 +291,7 @@ class EvalOptions(DataOptions, ExpertOptions, LaunchOptions):
 
 
 @dataclasses.dataclass
-class GenerateOptions(ExpertOptions, LaunchOptions):
+class GenerateOptions(LoraAdapterOptions, ExpertOptions, LaunchOptions):
     """`tensorpar generate`: continue prompts with a KV cache sharded by heads."""
 
     checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
@@ -290,7 +314,7 @@ class GenerateOptions(ExpertOptions, LaunchOptions):
 
 
 @dataclasses.dataclass
-class ServeOptions(ExpertOptions, LaunchOptions):
+class ServeOptions(LoraAdapterOptions, ExpertOptions, LaunchOptions):
     """`tensorpar serve`: an OpenAI-compatible server over the TP ranks, continuous batching, a paged KV cache."""
 
     checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
@@ -440,6 +464,10 @@ class ConvertOptions:
     dest: str | None = option(None, "the folder to write (must not exist, or be empty)", positional=True,
                               metavar="dest")
     to: str | None = option(None, "output format (default: the other one)", choices=("hf", "tensorpar"))
+    merge_lora: bool = option(False, "merge LoRA adapters (a LoRA run's checkpoint's, or --lora-adapter's) into the "
+                                     "weights: W + alpha / r * B A, as PEFT's merge_and_unload")
+    lora_adapter: str | None = option(None, "a PEFT LoRA adapter folder of the source model, for --merge-lora",
+                                      metavar="DIR")
 
 
 @dataclasses.dataclass

@@ -26,6 +26,8 @@ from tensorpar.layout import divide
 from tensorpar.layers.micro_batch import MicroBatchContext
 from tensorpar.layout.rules import kv_heads_per_rank
 from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from tensorpar.tensor_parallel.lora import (Adapter, LoraSite, LoraSpec, add_column_adapters, adapter_region,
+                                           column_factors, lora_site)
 from tensorpar.tensor_parallel.region import Projection, as_region
 
 
@@ -44,11 +46,12 @@ class KVParallelLinear(nn.Module):
     all-reduce over the TP group of a buffer holding one slot per distinct shard, in the backward).
 
     Its product is applied by the attention, which enters the TP region with q, k and v together
-    (`TPRegion.enter` with the three projections).
+    (`TPRegion.enter` with the three projections). `lora`: a LoRA adapter on it (A replicated, B split as the weight,
+    its replicas' gradients summed as the weight's), which the attention adds (`add_column_adapters`).
     """
 
     def __init__(self, in_features: int, num_kv_heads: int, head_dim: int, tp_group=None, bias: bool = True,
-                 device=None):
+                 device=None, lora: LoraSite | None = None, sequence_parallel: bool = False):
         super().__init__()
         self.tp_group = as_group(tp_group)
         self.local_heads, self.replicas = kv_heads_per_rank(num_kv_heads, self.tp_group.size)
@@ -57,13 +60,24 @@ class KVParallelLinear(nn.Module):
         rows = self.local_heads * head_dim
         self.weight = tag(nn.Parameter(torch.empty(rows, in_features, device=device)), spec)
         self.bias = tag(nn.Parameter(torch.empty(rows, device=device)), spec) if bias else None
+        self.lora = lora
+        if lora is not None:
+            self.lora_A, self.lora_B = column_factors(lora, in_features, rows, spec, sequence_parallel, device)
+
+    def _grad_reduce(self):
+        if self.replicas == 1:
+            return None
+        return functools.partial(_sum_over_replicas, group=self.tp_group, replicas=self.replicas)
 
     def projection(self) -> Projection:
         """The product's weight and bias; replicated heads sum their gradients over the copies."""
-        reduce = None
-        if self.replicas > 1:
-            reduce = functools.partial(_sum_over_replicas, group=self.tp_group, replicas=self.replicas)
-        return Projection(self.weight, self.bias, reduce)
+        return Projection(self.weight, self.bias, self._grad_reduce())
+
+    def adapter(self) -> Adapter | None:
+        """The LoRA adapter (None without one); B's gradient summed over the copies as the weight's."""
+        if self.lora is None:
+            return None
+        return Adapter(self.lora_A.weight, self.lora_B.weight, self.lora, self.training, self._grad_reduce())
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, local_heads={self.local_heads}, replicas={self.replicas}"
@@ -72,9 +86,11 @@ class KVParallelLinear(nn.Module):
 class ParallelAttention(nn.Module):
     """Causal self-attention: [B, S, H] (or [B, S/tp, H] under sequence parallelism) in and out."""
 
-    def __init__(self, cfg, region=None, layer_index: int = 0, device=None, exit_region=None):
+    def __init__(self, cfg, region=None, layer_index: int = 0, device=None, exit_region=None,
+                 lora: LoraSpec | None = None):
         """`region`: the model's `TPRegion` (or a mesh / group: plain collectives); `exit_region`, if given, the
-        one the output projection leaves by (default: `region`)."""
+        one the output projection leaves by (default: `region`); `lora`: the run's LoRA adapters (on the
+        projections its targets name)."""
         super().__init__()
         self.region = as_region(region)
         self.tp_group = self.region.group
@@ -85,12 +101,16 @@ class ParallelAttention(nn.Module):
         self.local_kv_heads, self.kv_replicas = kv_heads_per_rank(cfg.kv_heads, tp)
         self.dropout = cfg.dropout
         h, hd = cfg.hidden_size, cfg.head_dim
-        qkv_bias = cfg.attention_qkv_bias
-        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, self.region, qkv_bias, device=device, init=False)
-        self.k_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device=device)
-        self.v_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device=device)
+        qkv_bias, sp = cfg.attention_qkv_bias, self.sequence_parallel
+        site = functools.partial(lora_site, lora, layer_index)
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, self.region, qkv_bias, device=device, init=False,
+                                           lora=site("q"))
+        self.k_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device, site("k"), sp)
+        self.v_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device, site("v"), sp)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, exit_region or self.region, cfg.bias, device=device,
-                                        init=False)
+                                        init=False, lora=site("o"))
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        self.adapter_region = adapter_region(self.region, any(p.lora is not None for p in qkv))
 
     def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None,
              documents: PackedDocuments | None = None):
@@ -128,7 +148,10 @@ class ParallelAttention(nn.Module):
         kv_cache = ctx.kv_cache
         if kv_cache is not None and self.sequence_parallel:
             raise LayoutError("the KV-cache path runs without sequence parallelism")
-        q, k, v = self.region.enter(x, [self.q_proj.projection(), self.k_proj.projection(), self.v_proj.projection()])
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = self.region.enter(x, [p.projection() for p in qkv])
+        if self.adapter_region is not None:
+            q, k, v = add_column_adapters(self.adapter_region, x, [q, k, v], [p.adapter() for p in qkv], ctx)
         b, s = q.shape[:2]
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
@@ -145,4 +168,4 @@ class ParallelAttention(nn.Module):
         else:
             out = self.core(q, k, v, ctx.dropout_seed, ctx.cp, ctx.documents)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
-        return self.o_proj(out)
+        return self.o_proj(out, ctx)

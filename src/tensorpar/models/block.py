@@ -22,14 +22,15 @@ class TransformerBlock(nn.Module):
         self.layer_index, self.dropout = layer_index, cfg.dropout
         self.tp_group, self.sequence_parallel = region.group, region.sequence_parallel
         self.attn_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
-        self.attn = ParallelAttention(cfg, region, layer_index, device=device)
+        self.attn = ParallelAttention(cfg, region, layer_index, device=device, lora=placement.lora)
         self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:
             self.mlp = MoELayer(cfg, region, placement.ep_group, placement.cp_group, device=device,
                                 expert_tp_group=placement.expert_tp_group)
         else:
-            self.mlp = ParallelMLP(cfg, region, device=device, exit_region=placement.exit_region)
+            self.mlp = ParallelMLP(cfg, region, device=device, exit_region=placement.exit_region, lora=placement.lora,
+                                   layer_index=layer_index)
 
     def _drop(self, x, site: int, ctx: MicroBatchContext):
         """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
@@ -41,7 +42,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x, ctx: MicroBatchContext = MicroBatchContext()):
         x = x + self._drop(self.attn(self.attn_norm(x), ctx), 0, ctx)
         h = self.mlp_norm(x)
-        h = self.mlp(h, ctx.cp, ctx.aux_scale, ctx.record_stats) if self.moe else self.mlp(h)
+        h = self.mlp(h, ctx.cp, ctx.aux_scale, ctx.record_stats) if self.moe else self.mlp(h, ctx)
         return x + self._drop(h, 1, ctx)
 
 

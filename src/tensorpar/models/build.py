@@ -15,11 +15,13 @@ import torch
 from tensorpar.config.precision import Precision
 from tensorpar.layout import ParallelLayout
 from tensorpar.models.compile import compile_blocks
+from tensorpar.models.init import initial_adapters
 from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.models.state import load_full_state_dict
 from tensorpar.models.transformer import Transformer
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
+from tensorpar.tensor_parallel.lora import LoraSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +46,11 @@ class Execution:
 
 def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision: Precision = Precision(),
                 execution: Execution = Execution(), *, seed: int = 0, weights: dict | None = None,
-                source: str = "state dict", meta: bool = False) -> Transformer:
+                source: str = "state dict", meta: bool = False, lora: LoraSpec | None = None) -> Transformer:
     """This rank's part of `cfg` under `layout` on `mesh` (None: the mesh's own), initialised from `seed`, or with
     `weights` (a dense state dict, from `source`; a pipeline stage takes the tensors it holds). `meta`: on the meta
-    device, no values (the dry run). Training (`precision.training`) casts the parameters to bf16/fp16."""
+    device, no values (the dry run). Training (`precision.training`) casts the parameters to bf16/fp16. `lora`: LoRA
+    adapters on the linears it targets, the rest frozen; adapters `weights` lacks start from `seed`."""
     layout = layout if layout is not None else getattr(mesh, "layout", None)
     pipelined = layout is not None and layout.pp > 1
     placement = Placement.on(
@@ -56,11 +59,13 @@ def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision
         fp8=Fp8Recipe.of(precision), cp_impl=execution.cp_impl, cp_split=execution.cp_split,
         stage=PipelineStage.of(layout, cfg.num_layers, mesh.pp_rank) if pipelined else PipelineStage(),
         recompute=execution.recompute, loss_chunk_tokens=execution.loss_chunk_tokens,
-        device="meta" if meta else None)
+        device="meta" if meta else None, lora=lora)
     torch.manual_seed(seed)
     model = Transformer(cfg, placement, seed=seed, init=weights is None and not meta)
     if weights is not None and not meta:
         names = dict(model.named_parameters())
+        if lora is not None:
+            weights = {**initial_adapters(model, seed), **weights}
         load_full_state_dict(model, {k: v for k, v in weights.items() if k in names} if pipelined else weights,
                              source=source)
     if precision.param_dtype != torch.float32:  # buffers stay fp32

@@ -3,7 +3,8 @@
 Each parameter's full tensor is drawn from its own generator, seeded by (seed, parameter name),
 so the result depends on neither the TP size nor the order in which parameters are created.
 GPT-2's scheme: N(0, 0.02) for matrices and embeddings, N(0, 0.02 / sqrt(2 * layers)) for the
-projections that write into the residual stream, zero biases, unit norm weights.
+projections that write into the residual stream, zero biases, unit norm weights. LoRA adapters start as PEFT's do:
+A drawn as nn.Linear draws its weight (kaiming-uniform), B zero, so that the adapted model starts as its base.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import zlib
 
 import torch
 
-from tensorpar.distributed.sharding import local_shard, shard_spec
+from tensorpar.distributed.sharding import default_linear_init, local_shard, shard_spec
 from tensorpar.functional.dropout import mix_seed
 from tensorpar.models.state import dense_shape
+from tensorpar.tensor_parallel.lora import is_adapter
 
 RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "mlp.down_proj.weight", "experts.down_proj",
                         "shared_experts.down_proj.weight")
@@ -25,12 +27,16 @@ def full_init(name: str, shape: tuple[int, ...], cfg, seed: int) -> torch.Tensor
     """The dense initial value of parameter `name`."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if name.endswith(".bias"):
+    if name.endswith(".bias") or name.endswith("lora_B.weight"):
         return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(mix_seed(seed, zlib.crc32(name.encode())))
+    if name.endswith("lora_A.weight"):
+        full = torch.empty(shape)
+        default_linear_init(full, generator)
+        return full
     std = cfg.init_std
     if name.endswith(RESIDUAL_PROJECTIONS):
         std = std / math.sqrt(2 * cfg.num_layers)
-    generator = torch.Generator().manual_seed(mix_seed(seed, zlib.crc32(name.encode())))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
@@ -40,3 +46,10 @@ def init_weights(model, seed: int) -> None:
         spec = shard_spec(param)
         full = full_init(name, dense_shape(param, spec), model.cfg, seed)
         param.copy_(local_shard(full, spec, model))
+
+
+def initial_adapters(model, seed: int) -> dict[str, torch.Tensor]:
+    """The dense initial values of `model`'s LoRA adapters (what `init_weights` gives them): for a model whose base
+    weights are loaded."""
+    return {name: full_init(name, dense_shape(p, shard_spec(p)), model.cfg, seed)
+            for name, p in model.named_parameters() if is_adapter(name)}

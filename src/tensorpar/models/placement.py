@@ -3,7 +3,8 @@ and a `Placement`.
 
 A placement holds the TP region (how the layers' edges communicate and how their GEMMs run), the context-parallel
 group with its attention and split, the expert-parallel and expert-TP groups, the pipeline stage this rank holds,
-activation recomputation, the fused head and loss's chunk, and the device. `Placement.on(mesh, ...)` makes one from
+activation recomputation, the fused head and loss's chunk, the device, and the LoRA adapters a fine-tuning run adds to
+the linears (every other weight then frozen). `Placement.on(mesh, ...)` makes one from
 a mesh and the run's knobs (`tensorpar.models.build.build_transformer` is the one place the training, eval, generate
 and serve commands do); `Placement.on(None)` is one process with everything.
 """
@@ -18,6 +19,7 @@ from tensorpar.distributed.comm import Group, as_group
 from tensorpar.errors import TensorparError
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
+from tensorpar.tensor_parallel.lora import LoraSpec
 from tensorpar.tensor_parallel.region import TPRegion, tp_region
 
 
@@ -53,6 +55,7 @@ class Placement:
     recompute: str = "none"
     loss_chunk_tokens: int | None = None
     device: object = None
+    lora: LoraSpec | None = None
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_MODES:
@@ -65,16 +68,18 @@ class Placement:
     def on(cls, mesh=None, *, sequence_parallel: bool = False, tp_overlap: bool = True,
            weight_grads: WeightGradQueue | None = None, fp8: Fp8Recipe | None = None, cp_impl: str = "ring",
            cp_split: str = "zigzag", stage: PipelineStage = PipelineStage(), recompute: str = "none",
-           loss_chunk_tokens: int | None = None, device=None) -> "Placement":
+           loss_chunk_tokens: int | None = None, device=None,
+           lora: LoraSpec | None = None) -> "Placement":
         """The placement of a rank of `mesh` (a Mesh, a TP Group, or None for one process): the TP region of its TP group
         (`tensorpar.tensor_parallel.region`: SP, overlap, a split backward's `weight_grads` queue, fp8 GEMMs), its
-        CP / EP / expert-TP groups, and the rest as given; the device defaults to the mesh's."""
+        CP / EP / expert-TP groups, and the rest as given (`lora`: LoRA adapters on the linears it targets); the device
+        defaults to the mesh's."""
         region = tp_region(as_group(mesh, "tp"), sequence_parallel=sequence_parallel, overlap=tp_overlap,
                            weight_grads=weight_grads, fp8=fp8)
         others = None if isinstance(mesh, Group) else mesh  # a TP group alone: one rank in every other dimension
         return cls(region, as_group(others, "cp"), as_group(others, "ep"), as_group(others, "expert_tp"), cp_impl,
                    cp_split, stage, recompute, loss_chunk_tokens,
-                   device if device is not None else getattr(mesh, "device", None))
+                   device if device is not None else getattr(mesh, "device", None), lora)
 
     @property
     def exit_region(self) -> TPRegion:

@@ -38,6 +38,7 @@ from tensorpar.models.placement import Placement, as_placement
 from tensorpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.tensor_parallel.embedding import VocabParallelEmbedding
 from tensorpar.tensor_parallel.lm_head import VocabParallelLMHead
+from tensorpar.tensor_parallel.lora import is_adapter
 from tensorpar.tensor_parallel.mappings import copy_to_tp
 
 
@@ -70,6 +71,9 @@ class Transformer(nn.Module):
     the head and the cross-entropy fused, that many tokens at a time, never holding the whole [B, S, V / tp]
     logits; `logits()` (eval, generation) is the same either way. Every block of a forward pass gets one
     `MicroBatchContext` (rotary tables, dropout seed, CP split, packed documents, ...).
+
+    With the placement's `lora` the linears it targets carry LoRA adapters (`tensorpar.tensor_parallel.lora`), which
+    are then the only parameters that require gradients: every other weight is frozen.
     """
 
     def __init__(self, cfg: ModelConfig, placement: Placement | None = None, *, seed: int = 0, init: bool = True):
@@ -92,6 +96,9 @@ class Transformer(nn.Module):
         if cfg.position == "rope":
             self.register_buffer("inv_freq", inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
                                  .to(device), persistent=False)
+        if placement.lora is not None:
+            for name, p in self.named_parameters():
+                p.requires_grad_(is_adapter(name))
         if init:
             init_weights(self, seed)
 

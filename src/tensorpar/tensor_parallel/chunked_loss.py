@@ -83,8 +83,9 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float().masked_fill(ignored, 0.0)
         w, b = weight.to(dt), None if bias is None else bias.to(dt)
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]  # not a frozen head's
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         with without_autocast(h.device.type):
             for lo in range(0, h.shape[0], ctx.chunk_tokens):
                 hi = min(h.shape[0], lo + ctx.chunk_tokens)
@@ -96,14 +97,15 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 g.mul_(scale[lo:hi, None])
                 g = g.to(dt)
                 grad_h[lo:hi] = g @ w
-                if dt == torch.float32:
+                if grad_w is not None and dt == torch.float32:
                     grad_w.addmm_(g.t(), h_chunk)
-                else:
+                elif grad_w is not None:
                     grad_w += (g.t() @ h_chunk).float()
                 if grad_b is not None:
                     grad_b += g.sum(0, dtype=torch.float32)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w.to(weight.dtype), grad_b, None, None, None, None, None, None
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def chunked_head_cross_entropy(

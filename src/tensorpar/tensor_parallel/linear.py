@@ -24,10 +24,13 @@ from tensorpar.distributed.sharding import (
     default_linear_init,
     linear_bias_init,
     make_generator,
+    shard_tensor,
     tag,
     take_shard,
 )
 from tensorpar.layout import divide
+from tensorpar.tensor_parallel.lora import (Adapter, LoraSite, add_column_adapters, add_row_adapter, adapter_region,
+                                           column_factors, row_factors)
 from tensorpar.tensor_parallel.mappings import gather_from_tp, scatter_to_tp
 from tensorpar.tensor_parallel.region import Projection, TPRegion, as_region
 
@@ -48,6 +51,7 @@ def full_linear_params(in_features, out_features, bias, init_method, seed):
 
 class _ParallelLinear(nn.Module):
     split_dim: int  # 0 for column-parallel, 1 for row-parallel
+    lora: LoraSite | None = None  # a LoRA adapter: its factors are the submodules `lora_A` and `lora_B`
 
     def __init__(self, in_features, out_features, region, device, dtype):
         super().__init__()
@@ -83,6 +87,22 @@ class _ParallelLinear(nn.Module):
         layer._load_full(module.weight.detach(), None if module.bias is None else module.bias.detach())
         return layer
 
+    def _init_adapter(self, seed: int | None) -> None:
+        """PEFT's initial adapter: A drawn as nn.Linear draws its weight (from `seed`), B zero: the layer starts as
+        its base."""
+        full = torch.empty(self.lora.rank, self.in_features)
+        default_linear_init(full, make_generator(seed))
+        with torch.no_grad():
+            a = self.lora_A.weight
+            a.copy_(shard_tensor(full, a.shard_spec, self.tp_group.rank, self.tp_group.size))
+            self.lora_B.weight.zero_()
+
+    def adapter(self) -> Adapter | None:
+        """This layer's LoRA adapter (its factors, scale, dropout), or None (`tensorpar.tensor_parallel.lora`)."""
+        if self.lora is None:
+            return None
+        return Adapter(self.lora_A.weight, self.lora_B.weight, self.lora, self.training)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp_group.size}, "
@@ -104,6 +124,10 @@ class ColumnParallelLinear(_ParallelLinear):
     mesh / group / None for plain collectives. Layers that share one input (q/k/v, gate/up) are entered
     together by their owner (`region.enter(x, [a.projection(), b.projection()])`), so that the backward
     all-reduce (or reduce-scatter) happens once for all of them.
+
+    `lora`: a LoRA adapter on the layer (`tensorpar.tensor_parallel.lora`: A replicated, B split by output features;
+    its down-projection's r-wide result enters the region beside x), added by `forward` or by the owner
+    (`add_column_adapters`).
     """
 
     split_dim = 0
@@ -121,6 +145,7 @@ class ColumnParallelLinear(_ParallelLinear):
         device=None,
         dtype=None,
         init: bool = True,
+        lora: LoraSite | None = None,
     ):
         super().__init__(in_features, out_features, region, device, dtype)
         if gather_output and self.sequence_parallel:
@@ -138,15 +163,24 @@ class ColumnParallelLinear(_ParallelLinear):
                 nn.Parameter(torch.empty(self.out_per_rank, **self._factory)),
                 ShardSpec(dim=0, full_size=out_features, padded_size=out_features),
             )
+        if lora is not None:
+            self.lora, self.adapter_region = lora, adapter_region(self.region, lora)
+            self.lora_A, self.lora_B = column_factors(lora, in_features, self.out_per_rank, self.weight.shard_spec,
+                                                      self.sequence_parallel, device)
         if init:
             self._load_full(*full_linear_params(in_features, out_features, bias, init_method, seed))
+            if lora is not None:
+                self._init_adapter(seed)
 
     def projection(self) -> Projection:
         """This layer's product, for a caller that enters the region with several layers sharing one input."""
         return Projection(self.weight, self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        """`ctx`: the micro-batch's context (the adapter's dropout seed), when the layer has an adapter."""
         (y,) = self.region.enter(x, [self.projection()])
+        if self.lora is not None:
+            (y,) = add_column_adapters(self.adapter_region, x, [y], [self.adapter()], ctx)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -159,6 +193,9 @@ class RowParallelLinear(_ParallelLinear):
     `reduce_from_tp` (g: all-reduce / identity in backward) or, with sequence parallelism,
     `reduce_scatter_to_sp` (reduce-scatter / all-gather in backward), in pieces overlapped with the
     GEMM when the region says so. The bias is added once, after the reduction.
+
+    `lora`: a LoRA adapter on the layer (`tensorpar.tensor_parallel.lora`: A split by input features, B replicated;
+    its down-projection summed over the group by `region.reduce`, then multiplied by B).
     """
 
     split_dim = 1
@@ -176,6 +213,7 @@ class RowParallelLinear(_ParallelLinear):
         device=None,
         dtype=None,
         init: bool = True,
+        lora: LoraSite | None = None,
     ):
         super().__init__(in_features, out_features, region, device, dtype)
         if self.sequence_parallel and not input_is_parallel:
@@ -194,10 +232,18 @@ class RowParallelLinear(_ParallelLinear):
                 nn.Parameter(torch.empty(out_features, **self._factory)),
                 ShardSpec(dim=None, reduce_grad_across_tp=self.sequence_parallel),
             )
+        if lora is not None:
+            self.lora, self.adapter_region = lora, adapter_region(self.region, lora)
+            self.lora_A, self.lora_B = row_factors(lora, self.in_per_rank, in_features, out_features,
+                                                   self.sequence_parallel, device)
         if init:
             self._load_full(*full_linear_params(in_features, out_features, bias, init_method, seed))
+            if lora is not None:
+                self._init_adapter(seed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        """`ctx`: the micro-batch's context (the adapter's dropout seed), when the layer has an adapter."""
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        return self.region.leave(x, self.weight, self.bias)
+        y = self.region.leave(x, self.weight, self.bias)
+        return y if self.lora is None else add_row_adapter(self.adapter_region, x, y, self.adapter(), ctx)

@@ -226,10 +226,10 @@ def _reduce_scattered_product_by_batch(x, weight, group: Group, chunks: int):
     return out
 
 
-def _gathered_grad_products_by_batch(dy, x, weight, group: Group, chunks: int):
+def _gathered_grad_products_by_batch(dy, x, weight, group: Group, chunks: int, need_dw: bool = True):
     """The SP backward of the row-parallel product with the pieces along the batch: all-gather the output
     gradient's shards `dy` [B, s, out] slice by slice, computing each slice's input gradient (in place, its rows
-    of dx) and weight-gradient share as it arrives. Returns (dx [B, tp*s, in], dW)."""
+    of dx) and weight-gradient share as it arrives. Returns (dx [B, tp*s, in], dW, None for a frozen weight)."""
     b, s, n_out = dy.shape
     tp, k = group.size, _pieces(b, chunks)
     c, seq, n_in = b // k, group.size * s, x.shape[-1]
@@ -243,12 +243,13 @@ def _gathered_grad_products_by_batch(dy, x, weight, group: Group, chunks: int):
         pending[j].wait()
         g = received[j].view(tp, c, s, n_out).transpose(0, 1).reshape(c * seq, n_out)  # sequence order
         torch.mm(g, weight, out=dx[rows].view(c * seq, n_in))
-        part = g.t().mm(x[rows].reshape(c * seq, n_in))
-        dw = part if dw is None else dw.add_(part)
+        if need_dw:
+            part = g.t().mm(x[rows].reshape(c * seq, n_in))
+            dw = part if dw is None else dw.add_(part)
     return dx, dw
 
 
-def _gathered_grad_products_by_sequence(dy, x, weight, group: Group, chunks: int):
+def _gathered_grad_products_by_sequence(dy, x, weight, group: Group, chunks: int, need_dw: bool = True):
     """`_gathered_grad_products_by_batch` with the pieces along the sequence (a micro-batch of one sequence)."""
     b, seq, n_in = x.shape
     tp = group.size
@@ -265,8 +266,9 @@ def _gathered_grad_products_by_sequence(dy, x, weight, group: Group, chunks: int
         pending[j].wait()
         g = received[j].view(tp, b, c, -1)
         dx[:, :, j] = torch.matmul(g, weight).transpose(0, 1)
-        part = _flat(g).t().mm(_flat(x_pieces[:, :, j].transpose(0, 1)))
-        dw = part if dw is None else dw.add_(part)
+        if need_dw:
+            part = _flat(g).t().mm(_flat(x_pieces[:, :, j].transpose(0, 1)))
+            dw = part if dw is None else dw.add_(part)
     return dx.view(b, seq, n_in), dw
 
 
@@ -287,19 +289,20 @@ class _RowParallelOut(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         db = _flat(dy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dy = dy.to(x.dtype)  # the product's gradient, in the dtype the product (and its reduction) had
+        need_dw = ctx.needs_input_grad[1]  # not for a frozen weight (LoRA's base)
         if not ctx.sequence_parallel:
-            return (torch.matmul(dy, weight).to(x_dtype), _flat(dy).t().mm(_flat(x)).to(w_dtype), db,
-                    None, None, None)
+            dw = _flat(dy).t().mm(_flat(x)).to(w_dtype) if need_dw else None
+            return torch.matmul(dy, weight).to(x_dtype), dw, db, None, None, None
         group = ctx.group
         # Each rank saw its sequence shard only: the replicated bias's gradient is summed over the ranks,
         # travelling while the all-gather and the GEMMs below run.
         bias_pending = group.all_reduce_async(db) if db is not None else None
         by_batch = _by_batch(x.shape[0], ctx.chunks)
         gathered_grad_products = _gathered_grad_products_by_batch if by_batch else _gathered_grad_products_by_sequence
-        dx, dw = gathered_grad_products(dy, x, weight, group, ctx.chunks)
+        dx, dw = gathered_grad_products(dy, x, weight, group, ctx.chunks, need_dw)
         if bias_pending is not None:
             bias_pending.wait()
-        return dx.to(x_dtype), dw.to(w_dtype), db, None, None, None
+        return dx.to(x_dtype), None if dw is None else dw.to(w_dtype), db, None, None, None
 
 
 class _CopyParamsToTP(torch.autograd.Function):

@@ -11,6 +11,7 @@ import uuid
 import torch
 
 from tensorpar.checkpoints.async_save import AsyncCheckpointer
+from tensorpar.checkpoints.peft_adapter import read_adapter
 from tensorpar.checkpoints.sharded import load_checkpoint, save_checkpoint
 from tensorpar.checkpoints.sources import load_model_source
 from tensorpar.config.fields import changed_options, to_dict, to_toml
@@ -80,13 +81,14 @@ class Session:
             train["loss_scaler"] = self.scaler.state_dict()
         if self.corpus is not None:
             train["data_sources"] = describe_corpus(o.data, self.corpus, self.dataset, step, o.global_batch_size)
+        lora = self.run.lora.as_dict() if self.run.lora is not None else None
         if self.async_saves is not None:
             facts = dict(model=self.run.cfg.to_dict(), run_id=self.run_id, layout=self.layout.as_dict(), train=train,
-                         options=to_dict(o))
+                         options=to_dict(o), lora=lora)
             return self.async_saves.save(o.save, step, self.model, self.optimizer, facts, o.keep_last)
         return save_checkpoint(o.save, step, self.model, self.optimizer, self.mesh, cfg=self.run.cfg,
-                               layout=self.layout.as_dict(),
-                               train=train, options=to_dict(o), run_id=self.run_id, keep_last=o.keep_last)
+                               layout=self.layout.as_dict(), train=train, options=to_dict(o), run_id=self.run_id,
+                               keep_last=o.keep_last, lora=lora)
 
     def poll_saves(self, steps_done: int) -> None:
         """After a step: commit the pending asynchronous save if every rank has written it (a collective while
@@ -104,11 +106,14 @@ def build_model(run: PreparedRun, mesh: Mesh, meta: bool = False) -> tuple[Trans
     """(this rank's part of the model, the tokenizer): seeded initial weights, or those of `init_from`. Under a
     pipeline schedule that splits the backward (zb-h1, zbv) the model's layers leave their weight gradients in
     its `region.weight_grads` queue, which the pipeline runner empties. `meta`: on the meta device, no values
-    (`--dry-run`)."""
+    (`--dry-run`). With LoRA (`run.lora`) every weight but the adapters' is frozen; the adapters start as PEFT's, or
+    from --lora-adapter's folder."""
     o = run.options
     weights = load_model_source(o.init_from)[1] if o.init_from and not meta else None
+    if o.lora_adapter and not meta:
+        weights = {**weights, **read_adapter(o.lora_adapter, run.cfg)[1]}
     model = build_transformer(run.cfg, mesh, run.layout, run.precision, Execution.of(o), seed=o.seed,
-                              weights=weights, source=o.init_from or "state dict", meta=meta)
+                              weights=weights, source=o.init_from or "state dict", meta=meta, lora=run.lora)
     model.train()
     return model, tokenizer_from(o.tokenizer, o.init_from)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 
+from tensorpar.checkpoints.peft_adapter import adapter_shapes
 from tensorpar.distributed.launch import signal_name
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.inference import greedy_generate
@@ -51,6 +53,14 @@ def _sample(s: Session, summary: dict) -> None:
     summary["sample"] = text + s.tokenizer.decode(new)
 
 
+def lora_summary(run) -> dict | None:
+    """A LoRA run's adapters: rank, alpha, targets, dropout, and how many parameters they hold (None: no adapters)."""
+    if run.lora is None:
+        return None
+    trained = sum(math.prod(shape) for shape in adapter_shapes(run.cfg, run.lora).values())
+    return {**run.lora.as_dict(), "trainable_parameters": trained}
+
+
 def summarize(s: Session, result: LoopResult) -> dict:
     """The run's summary (the same on every rank but for the paths of what rank 0 wrote)."""
     o, mesh, runner = s.options, s.mesh, s.runner
@@ -80,6 +90,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
         "pipeline_timeline": runner.timeline if runner is not None else None,
         "pipeline_peak_in_flight": runner.peak_in_flight if runner is not None else None,
     }
+    summary["lora"] = lora_summary(s.run)
     if getattr(s.dataset, "stats", None):  # instruction data: examples truncated or left out, rows, fill
         summary["examples"] = {"kind": s.dataset.kind, "packing": s.dataset.packing, **s.dataset.stats}
     if s.run.cfg.is_moe:

@@ -26,6 +26,8 @@ from tensorpar.models import ModelConfig, get_config
 from tensorpar.optim.lr_schedule import check_wsd
 from tensorpar.optim.muon import check_muon
 from tensorpar.tensor_parallel.fp8_scaling import check_fp8
+from tensorpar.tensor_parallel.lora import LoraSpec
+from tensorpar.training.adapters import lora_spec
 from tensorpar.training.instruction_data import check_instruction_data
 from tensorpar.training.metric_sinks import check_sink_packages
 from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps
@@ -43,6 +45,7 @@ class PreparedRun:
     resume_meta: dict | None  # the metadata of the checkpoint resumed from, if any
     world_size: int
     notes: tuple[str, ...] = ()  # what the user should hear once (e.g. "no checkpoint yet: starting from scratch")
+    lora: LoraSpec | None = None  # LoRA adapters on the linears, every other weight frozen (None: all weights train)
 
     @property
     def num_micro_batches(self) -> int:
@@ -164,6 +167,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
     cfg = model_config(o)
     _check_optimization(o, cfg)
+    lora = lora_spec(o, cfg, resume_meta)
     world = world_size if world_size is not None else launched_world_size(o)
     parse_profile_ranks(o.profile_ranks, world)
     layout = ParallelLayout.from_options(o, world)
@@ -179,4 +183,4 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         o, dp=layout.dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
         val_every=o.val_every if o.eval_every is None else o.eval_every,
         warmup_steps=min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps)
-    return PreparedRun(resolved, options, layout, precision, cfg, resume_meta, world, tuple(notes))
+    return PreparedRun(resolved, options, layout, precision, cfg, resume_meta, world, tuple(notes), lora)

@@ -1,0 +1,75 @@
+"""LoRA under every layout: TP 2 and 4 (+ SP), CP, DP with ZeRO-1/2/3 and PP (1f1b and the zero-bubble split
+backward) train what one process trains; only the adapters change, the base weights stay bit for bit what they were,
+in fp32 and in bf16 with fp8 GEMMs."""
+
+import pytest
+import torch
+
+from tensorpar.checkpoints.peft_adapter import merge_adapters
+from tensorpar.models import Transformer, full_state_dict
+from tensorpar.models.placement import Placement
+from tensorpar.tensor_parallel.lora import LoraSpec, is_adapter
+
+from conftest import TINY8
+from layout_runs import BASE, assert_same_training, reference, run
+
+# One micro-batch per DP rank (the pipelines: four of two sequences), four steps of BASE's.
+LORA = dict(lora_rank=4, lora_alpha=8.0, micro_batch_size=None)
+LAYOUTS = [dict(tp=2), dict(tp=2, sequence_parallel=True, dp=2, zero=1), dict(tp=4, sequence_parallel=True),
+           dict(cp=2, dp=2, zero=3), dict(dp=2, zero=2), dict(pp=2, micro_batch_size=2),
+           dict(pp=2, schedule="zb-h1", micro_batch_size=2)]
+IDS = ["tp2", "tp2-sp-dp2-zero1", "tp4-sp", "cp2-dp2-zero3", "dp2-zero2", "pp2", "pp2-zb-h1"]
+
+
+@pytest.fixture(scope="module")
+def initial():
+    """The dense weights the runs start from (BASE's seed): the seeded base, A drawn as PEFT draws it, B zero."""
+    model = Transformer(TINY8, Placement.on(None, lora=LoraSpec(4, 8.0)), seed=BASE["seed"])
+    return full_state_dict(model)
+
+
+def _world(layout):
+    return layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+
+
+def assert_only_adapters_trained(state, initial, dtype=torch.float32):
+    """Every base weight bit for bit its initial value (in the run's dtype); every adapter's B moved off zero."""
+    assert state.keys() == initial.keys()
+    for name, value in state.items():
+        if is_adapter(name):
+            if name.endswith("lora_B.weight"):
+                assert value.abs().max() > 0, f"{name} never trained"
+        else:
+            assert value.dtype == dtype and torch.equal(value, initial[name].to(dtype)), f"{name} changed"
+
+
+def test_the_single_process_run_trains_the_adapters_alone(pools, config_file, initial):
+    ref = reference(pools, config_file, **LORA)
+    assert_only_adapters_trained(ref["state"], initial)
+    assert ref["trajectory"][-1][0] < ref["trajectory"][0][0]
+
+
+def _trained_model(result):
+    """A run's trajectory and the weights of the model it trained, W + s B A (PEFT's merge). B starts at zero, so
+    the factors themselves are compared through their product: an element of B whose first gradient sits within
+    float noise of AdamW's eps (about one of the model's 28,000 B elements here) takes a noise-sized step, which
+    no weight of the base dilutes; its effect on what the layer computes is that noise's."""
+    return {"trajectory": result["trajectory"], "state": merge_adapters(result["state"], LoraSpec(4, 8.0))}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_lora_layouts_train_like_one_process(pools, config_file, initial, layout):
+    ref = reference(pools, config_file, **LORA)
+    results = pools(_world(layout)).run(run, config_file, **{**LORA, **layout})
+    assert all(r["trajectory"] == results[0]["trajectory"] for r in results), "ranks disagree on the trajectory"
+    assert_same_training([_trained_model(results[0])], _trained_model(ref), tol=1e-4)
+    assert_only_adapters_trained(results[0]["state"], initial)
+
+
+def test_bf16_base_with_fp8_gemms_stays_frozen(pools, config_file, initial):
+    """--dtype fp8: the base weights are bf16 parameters multiplied in fp8 and never stepped; the adapters train
+    (bf16 parameters, fp32 masters), their products in bf16."""
+    result = pools(2).run(run, config_file, **LORA, tp=2, dtype="fp8")[0]
+    assert_only_adapters_trained(result["state"], initial, torch.bfloat16)
+    losses = [loss for loss, _ in result["trajectory"]]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
