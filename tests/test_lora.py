@@ -1,6 +1,6 @@
-"""LoRA under every layout: TP 2 and 4 (+ SP), CP, DP with ZeRO-1/2/3 and PP (1f1b and the zero-bubble split
-backward) train what one process trains; only the adapters change, the base weights stay bit for bit what they were,
-in fp32 and in bf16 with fp8 GEMMs."""
+"""LoRA under every layout: TP 2 and 4 (+ SP), CP, DP with ZeRO-1/2/3, PP (1f1b and the zero-bubble split
+backward) and, on a mixture-of-experts model's attention, EP train what one process trains; only the adapters change,
+the base weights stay bit for bit what they were, in fp32 and in bf16 with fp8 GEMMs."""
 
 import pytest
 import torch
@@ -49,12 +49,12 @@ def test_the_single_process_run_trains_the_adapters_alone(pools, config_file, in
     assert ref["trajectory"][-1][0] < ref["trajectory"][0][0]
 
 
-def _trained_model(result):
+def _trained_model(result, spec=LoraSpec(4, 8.0)):
     """A run's trajectory and the weights of the model it trained, W + s B A (PEFT's merge). B starts at zero, so
     the factors themselves are compared through their product: an element of B whose first gradient sits within
     float noise of AdamW's eps (about one of the model's 28,000 B elements here) takes a noise-sized step, which
     no weight of the base dilutes; its effect on what the layer computes is that noise's."""
-    return {"trajectory": result["trajectory"], "state": merge_adapters(result["state"], LoraSpec(4, 8.0))}
+    return {"trajectory": result["trajectory"], "state": merge_adapters(result["state"], spec)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
@@ -73,3 +73,13 @@ def test_bf16_base_with_fp8_gemms_stays_frozen(pools, config_file, initial):
     assert_only_adapters_trained(result["state"], initial, torch.bfloat16)
     losses = [loss for loss, _ in result["trajectory"]]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_attention_adapters_on_a_mixture_of_experts_model_train_like_one_process(pools):
+    """A MoE model takes adapters on its attention (its routed experts frozen, stacked weights PEFT adapts
+    otherwise): DP 2 x EP 2 with ZeRO-1 trains what one process trains."""
+    moe = dict(LORA, lora_targets="q,k,v,o")
+    ref = reference(pools, "tiny-moe", **moe)
+    results = pools(2).run(run, "tiny-moe", **moe, dp=2, ep=2, zero=1)
+    spec = LoraSpec(4, 8.0, ("q", "k", "v", "o"))
+    assert_same_training([_trained_model(results[0], spec)], _trained_model(ref, spec), tol=1e-4)

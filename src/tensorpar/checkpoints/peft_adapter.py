@@ -142,13 +142,6 @@ def read_adapter_config(folder: str) -> LoraSpec:
             from None
 
 
-def check_adapter(folder: str | None, cfg: ModelConfig) -> None:
-    """Refuse, before any rank starts, a --lora-adapter folder (None: none given) that the model `cfg` cannot take:
-    an unreadable or unsupported config, or adapters on linears the model cannot carry."""
-    if folder is not None:
-        check_lora_model(cfg, read_adapter_config(folder))
-
-
 def read_adapter(folder: str, cfg: ModelConfig) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     """(its spec, its tensors in tensorpar names) of a PEFT adapter folder of the model `cfg`: every adapter the
     config names present, at the model's shapes."""

@@ -9,7 +9,7 @@ import os
 
 from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
-from tensorpar.checkpoints.peft_adapter import merge_adapters, read_adapter
+from tensorpar.checkpoints.peft_adapter import check_lora_model, merge_adapters, read_adapter, read_adapter_config
 from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
@@ -38,6 +38,22 @@ def load_config(path: str):
     )
 
 
+def _saved_lora(meta: dict) -> LoraSpec | None:
+    return LoraSpec.from_dict(meta["lora"]) if meta.get("lora") else None
+
+
+def check_adapter(path: str, adapter: str | None) -> None:
+    """Refuse, before any rank starts, a PEFT adapter folder (`--lora-adapter`; None: none) that the model of `path`
+    cannot take: an unreadable or unsupported adapter config, adapters on linears the model has not, or a LoRA run's
+    checkpoint, which holds adapters of its own."""
+    if adapter is None:
+        return
+    check_lora_model(load_config(path), read_adapter_config(adapter))
+    if is_checkpoint(path) and _saved_lora(read_meta(path, verify=False)[1]) is not None:
+        raise TensorparError(f"'{path}' holds LoRA adapters already (a LoRA run's checkpoint): --lora-adapter would "
+                             f"add a second set; merge them first (tensorpar convert --merge-lora)")
+
+
 def load_unmerged(path: str, adapter: str | None = None) -> tuple[ModelConfig, dict, LoraSpec | None, dict]:
     """(ModelConfig, the base weights, the LoRA spec or None, the adapters' weights) of a checkpoint folder and, with
     `adapter`, a PEFT adapter folder of its model (a checkpoint holding adapters of its own takes none more); dense
@@ -45,13 +61,11 @@ def load_unmerged(path: str, adapter: str | None = None) -> tuple[ModelConfig, d
     load_config(path)
     if is_checkpoint(path):
         meta, state = dense_model_state(path)
-        cfg, spec = ModelConfig(**meta["model"]), (LoraSpec.from_dict(meta["lora"]) if meta.get("lora") else None)
+        cfg, spec = ModelConfig(**meta["model"]), _saved_lora(meta)
     else:
         (cfg, state), spec = load_hf_folder(path), None
     if adapter is not None:
-        if spec is not None:
-            raise TensorparError(f"'{path}' holds LoRA adapters already (a LoRA run's checkpoint): --lora-adapter "
-                                 f"would add a second set; merge them first (tensorpar convert --merge-lora)")
+        check_adapter(path, adapter)
         spec, adapters = read_adapter(adapter, cfg)
         state = {**state, **adapters}
     base = {k: v for k, v in state.items() if not is_adapter(k)}

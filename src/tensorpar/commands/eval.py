@@ -11,8 +11,7 @@ import json
 import math
 import os
 
-from tensorpar.checkpoints.peft_adapter import check_adapter
-from tensorpar.checkpoints.sources import load_config, load_model_source
+from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
 from tensorpar.commands.common import inference_layout, launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import EvalOptions
@@ -45,7 +44,7 @@ def validate(options: EvalOptions):
     prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,
                     cache_dir=options.data_cache, progress=os.environ.get("RANK", "0") == "0")
     cfg = load_config(options.checkpoint)
-    check_adapter(options.lora_adapter, cfg)
+    check_adapter(options.checkpoint, options.lora_adapter)
     return inference_layout(options, cfg, seq_len=options.seq_len)
 
 

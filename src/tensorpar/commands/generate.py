@@ -18,8 +18,7 @@ import json
 import os
 import sys
 
-from tensorpar.checkpoints.peft_adapter import check_adapter
-from tensorpar.checkpoints.sources import load_config, load_model_source
+from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
 from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import GenerateOptions
@@ -89,7 +88,7 @@ def validate(options: GenerateOptions):
     check_choices(options)
     check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
-    check_adapter(options.lora_adapter, cfg)
+    check_adapter(options.checkpoint, options.lora_adapter)
     options, layout = decoding_layout(options, cfg, "generate")
     if options.max_new_tokens < 1:
         raise TensorparError(f"--max-new-tokens must be at least 1, got {options.max_new_tokens}")

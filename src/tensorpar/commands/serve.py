@@ -14,8 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from tensorpar.checkpoints.peft_adapter import check_adapter
-from tensorpar.checkpoints.sources import load_config, load_model_source
+from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
 from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.commands.generate import eos_ids
 from tensorpar.config.fields import add_options, check_choices, options_from_args
@@ -81,7 +80,7 @@ def validate(options: ServeOptions):
     check_choices(options)
     check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
-    check_adapter(options.lora_adapter, cfg)
+    check_adapter(options.checkpoint, options.lora_adapter)
     options, layout = decoding_layout(options, cfg, "serve")
     kv_tokens = _check_numbers(options, cfg.max_seq_len)
     tokenizer = load_tokenizer(options.checkpoint)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.checkpoints.peft_adapter import check_lora_model, read_adapter_config
+from tensorpar.checkpoints.peft_adapter import check_lora_model, read_adapter, read_adapter_config
 from tensorpar.config.options import LoraOptions, TrainOptions
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
@@ -21,12 +21,15 @@ def _given(o: TrainOptions) -> list[str]:
     return [flag for name, flag in flags if getattr(o, name) != getattr(_DEFAULTS, name)]
 
 
-def _from_adapter(o: TrainOptions) -> LoraSpec:
-    """The spec of the PEFT adapter --lora-adapter continues (its --lora-dropout may be changed)."""
+def _from_adapter(o: TrainOptions, cfg: ModelConfig) -> LoraSpec:
+    """The spec of the PEFT adapter --lora-adapter continues (its --lora-dropout may be changed); its tensors are
+    checked against the model here, once."""
     if not o.init_from:
         raise TensorparError("--lora-adapter continues an adapter of the model --init-from names: give --init-from "
                              "with the base model it was trained on")
     spec = read_adapter_config(o.lora_adapter)
+    check_lora_model(cfg, spec)
+    read_adapter(o.lora_adapter, cfg)
     asked = LoraSpec.parse(o.lora_rank or spec.rank, o.lora_alpha if o.lora_alpha is not None else spec.alpha,
                            o.lora_targets if o.lora_targets != _DEFAULTS.lora_targets else ",".join(spec.targets),
                            spec.dropout)
@@ -43,7 +46,7 @@ def lora_spec(o: TrainOptions, cfg: ModelConfig, resume_meta: dict | None) -> Lo
     if o.lora_rank < 0:
         raise TensorparError(f"--lora-rank must be 0 (no adapters) or at least 1, got {o.lora_rank}")
     if o.lora_adapter:
-        spec = _from_adapter(o)
+        spec = _from_adapter(o, cfg)
     elif o.lora_rank:
         spec = LoraSpec.parse(o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout)
     elif _given(o):

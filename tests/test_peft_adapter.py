@@ -1,0 +1,126 @@
+"""A LoRA run's checkpoints against PEFT: the adapter folder saved in each checkpoint loads with `peft` onto the
+transformers model and gives tensorpar's logits; `convert --merge-lora` writes PEFT's merged model; the checkpoint
+resumes at another layout; a PEFT adapter continues in training; bad adapters and flags are refused in one line."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tensorpar.checkpoints.sources import load_unmerged
+from tensorpar.cli import main
+from tensorpar.models import Transformer
+from tensorpar.models.placement import Placement
+from tensorpar.models.state import load_full_state_dict
+
+from layout_runs import BASE, assert_same_training, run
+
+LORA = dict(lora_rank=4, lora_alpha=8.0, micro_batch_size=None)
+
+
+@pytest.fixture(scope="module")
+def lora_run(pools, config_file, tmp_path_factory):
+    """Four steps of LoRA at TP 2 + SP, saved at steps 2 and 4, and its checkpoint converted to a Hugging Face folder
+    (the base model, its adapter in hf/adapter)."""
+    root = tmp_path_factory.mktemp("lora")
+    ckpt = str(root / "ckpt")
+    result = pools(2).run(run, config_file, **LORA, tp=2, sequence_parallel=True, save=ckpt, save_every=2)[0]
+    return dict(root=root, ckpt=ckpt, result=result, adapter=os.path.join(ckpt, "step-000004", "adapter"))
+
+
+@pytest.fixture(scope="module")
+def hf_base(lora_run):
+    """`tensorpar convert CKPT hf`: the base model as a Hugging Face folder, its adapter in hf/adapter."""
+    folder = str(lora_run["root"] / "hf")
+    assert main(["convert", lora_run["ckpt"], folder]) == 0
+    assert os.path.isfile(os.path.join(folder, "adapter", "adapter_model.safetensors"))
+    return folder
+
+
+def _peft_model(hf_folder: str, adapter: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32),
+                                     adapter).eval()
+
+
+def test_the_saved_adapter_gives_tensorpars_logits_in_peft(lora_run, hf_base):
+    with open(os.path.join(lora_run["adapter"], "adapter_config.json")) as f:
+        config = json.load(f)
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    cfg, base, spec, adapters = load_unmerged(lora_run["ckpt"])
+    model = Transformer(cfg, Placement.on(None, lora=spec), init=False).eval()
+    load_full_state_dict(model, {**base, **adapters})
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    peft_model = _peft_model(hf_base, lora_run["adapter"])
+    with torch.no_grad():
+        ours = model(ids)[..., : cfg.vocab_size]
+        theirs = peft_model(ids).logits
+        with peft_model.disable_adapter():
+            without = peft_model(ids).logits
+    assert ((ours - theirs).norm() / theirs.norm()).item() <= 1e-5
+    assert ((without - theirs).norm() / theirs.norm()).item() > 1e-3, "the adapter changes nothing: a weak check"
+
+
+def test_merge_lora_writes_pefts_merged_model(lora_run, hf_base, cli):
+    merged = str(lora_run["root"] / "merged")
+    code, out, err = cli("convert", lora_run["ckpt"], merged, "--merge-lora")
+    assert code == 0, err
+    ours = load_file(os.path.join(merged, "model.safetensors"))
+    theirs = _peft_model(hf_base, lora_run["adapter"]).merge_and_unload().state_dict()
+    assert ours and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not torch.equal(ours["model.layers.0.mlp.down_proj.weight"],
+                           load_file(os.path.join(hf_base, "model.safetensors"))["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_a_lora_checkpoint_resumes_at_another_layout(pools, config_file, lora_run):
+    """Saved at step 2 at TP 2 + SP, resumed at DP 2 with ZeRO-3: steps 3 and 4 as the straight run's."""
+    straight = lora_run["result"]
+    resumed = pools(2).run(run, config_file, **LORA, dp=2, zero=3,
+                           resume=os.path.join(lora_run["ckpt"], "step-000002"))[0]
+    assert_same_training([resumed], {"trajectory": straight["trajectory"][2:], "state": straight["state"]}, tol=1e-4)
+
+
+def test_a_peft_adapter_continues_in_training(pools, config_file, lora_run, hf_base):
+    """--init-from the base and --lora-adapter: the model starts with the adapter's weights (lr 0 keeps them), at
+    another TP size than it was trained at."""
+    result = pools(2).run(run, config_file, **LORA, tp=2, init_from=hf_base, lora_adapter=lora_run["adapter"],
+                          steps=1, lr=0.0, min_lr=0.0)[0]
+    trained = lora_run["result"]["state"]
+    assert all(torch.equal(result["state"][k], v) for k, v in trained.items()), "not the adapter's weights"
+
+
+def test_bad_adapters_and_flags_are_refused(cli, config_file, lora_run, hf_base, tmp_path):
+    dora = tmp_path / "dora"
+    shutil.copytree(lora_run["adapter"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    train = ("train", "--model", config_file, "--steps", "2", "--no-progress")
+    cases = [
+        (train + ("--lora-alpha", "16"), "--lora-alpha set the LoRA adapters of --lora-rank R: give it too"),
+        (train + ("--lora-rank", "4", "--lora-targets", "q,qkv"), "LoRA targets must be a non-empty list of q, k"),
+        (train + ("--lora-rank", "-1"), "--lora-rank must be 0 (no adapters) or at least 1, got -1"),
+        (train + ("--lora-rank", "4", "--lora-dropout", "1"), "the LoRA dropout must be in [0, 1), got 1.0"),
+        (("train", "--model", "tiny-gpt2", "--lora-rank", "4"), "LoRA needs a Llama-family model"),
+        (("train", "--model", "tiny-moe", "--lora-rank", "4"), "LoRA on mixture-of-experts MLPs (--lora-targets "
+                                                                "gate,up,down) is not supported"),
+        (train + ("--lora-rank", "4", "--optimizer", "muon"), "--optimizer muon orthogonalises whole weight"),
+        (train + ("--lora-adapter", lora_run["adapter"]), "--lora-adapter continues an adapter of the model "
+                                                          "--init-from names"),
+        (("train", "--init-from", hf_base, "--lora-adapter", str(dora)), "use_dora = True is not supported"),
+        (("train", "--init-from", hf_base, "--lora-adapter", lora_run["adapter"], "--lora-rank", "8"),
+         "has rank 4, alpha 8 and targets q,k,v,o,gate,up,down"),
+        (("train", "--resume", lora_run["ckpt"], "--steps", "6"), "was trained with LoRA adapters (--lora-rank 4 "
+                                                                  "--lora-alpha 8 --lora-targets q,k,v,o,gate,up,down"),
+        (("eval", "--checkpoint", lora_run["ckpt"], "--seq-len", "16", "--lora-adapter", lora_run["adapter"]),
+         "holds LoRA adapters already"),
+        (("convert", hf_base, str(tmp_path / "a"), "--merge-lora"), "holds no LoRA adapters"),
+        (("convert", hf_base, str(tmp_path / "b"), "--lora-adapter", lora_run["adapter"]), "add --merge-lora"),
+    ]
+    for argv, message in cases:
+        code, out, err = cli(*argv)
+        assert code == 2 and message in err and err.count("\n") == 1, (argv, err)
