@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tensorpar-installed
 
-.PHONY: setup demo demo-layers demo-finetune test bench clean
+.PHONY: setup demo demo-layers demo-finetune demo-lora test bench clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -24,6 +24,23 @@ demo-finetune: $(STAMP)
 		--data runs/chat-example/chat.jsonl --tp 2 --steps 150 --seq-len 128 --global-batch-size 16 \
 		--lr-schedule wsd --optimizer muon --out-dir runs/chat-example/run --sample-tokens 12 \
 		--sample-prompt "What is 3 plus 4?"
+
+# LoRA on CPU (about 3 minutes): the chat model of demo-finetune trained on sums answered in digits ("3 plus 4 is 7."),
+# then a rank-8 LoRA adapter at TP=2 + SP teaching it to answer in words ("3 plus 4 is seven.") with the base frozen;
+# each checkpoint holds a PEFT adapter folder (runs/lora-example/lora/step-000060/adapter), merged into a Hugging Face
+# model at the end.
+demo-lora: $(STAMP)
+	$(PY) examples/finetune/make_chat_example.py runs/lora-example
+	rm -rf runs/lora-example/base runs/lora-example/lora runs/lora-example/merged
+	$(PY) -m tensorpar train --model runs/lora-example/model.json --tokenizer runs/lora-example/tokenizer \
+		--data runs/lora-example/chat.jsonl --tp 2 --steps 100 --seq-len 128 --global-batch-size 16 \
+		--lr-schedule wsd --optimizer muon --out-dir runs/lora-example/base-run --save runs/lora-example/base \
+		--sample-tokens 12 --sample-prompt "What is 3 plus 4?"
+	$(PY) -m tensorpar train --init-from runs/lora-example/base --tokenizer runs/lora-example/tokenizer \
+		--data runs/lora-example/chat-words.jsonl --tp 2 --sequence-parallel --lora-rank 8 --lora-alpha 16 \
+		--steps 60 --lr 1e-2 --seq-len 128 --global-batch-size 16 --out-dir runs/lora-example/lora-run \
+		--save runs/lora-example/lora --sample-tokens 12 --sample-prompt "What is 3 plus 4?"
+	$(PY) -m tensorpar convert runs/lora-example/lora runs/lora-example/merged --merge-lora
 
 # The four TP building blocks on a toy model, rank by rank, with every collective counted.
 demo-layers: $(STAMP)

@@ -62,6 +62,9 @@ def lora_spec(o: TrainOptions, cfg: ModelConfig, resume_meta: dict | None) -> Lo
                 f"{','.join(saved.targets)})")
             raise TensorparError(f"checkpoint '{o.resume}' was trained with {was}: resume it with the same flags")
     if spec is not None:
+        if o.dry_run:
+            raise TensorparError("--dry-run compares a rank's bytes with the planner's, which does not model LoRA "
+                                 "(a frozen base, states for the adapters alone): drop --lora-rank for the dry run")
         check_lora_model(cfg, spec)
         if o.optimizer == "muon":
             raise TensorparError("--optimizer muon orthogonalises whole weight matrices, and LoRA trains low-rank "

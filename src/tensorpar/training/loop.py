@@ -84,7 +84,8 @@ def train_step(s: Session, step: int) -> dict:
     elif not math.isfinite(loss):
         raise TensorparError(f"loss became {loss} at step {step + 1}; try a lower --lr or --grad-clip")
     record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
-              "step_time_s": time.perf_counter() - t0, "memory_mib": step_memory(s.optimizer, s.activations, device)}
+              "step_time_s": time.perf_counter() - t0,
+              "memory_mib": step_memory(s.optimizer, s.activations, device, s.model)}
     if s.scaler is not None:  # the scale this step ran with, and whether its gradients overflowed
         record.update(loss_scale=scale)
     if s.scaler is not None or not math.isfinite(record["grad_norm"]):

@@ -62,9 +62,13 @@ class ActivationMeter:
             yield
 
 
-def step_memory(optimizer, activations: ActivationMeter, device: torch.device) -> dict[str, float]:
-    """This rank's peak memory of the step just taken, in MiB, by kind."""
+def step_memory(optimizer, activations: ActivationMeter, device: torch.device, model=None) -> dict[str, float]:
+    """This rank's peak memory of the step just taken, in MiB, by kind; with `model`, its frozen parameters (LoRA's
+    base weights, which the optimizer does not hold) as "frozen"."""
     out = {k: v / MiB for k, v in optimizer.memory().items()}
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad) if model else 0
+    if frozen:
+        out["frozen"] = frozen / MiB
     out["activations"] = activations.bytes.peak / MiB
     if device.type == "cuda":
         out["allocated"] = torch.cuda.max_memory_allocated(device) / MiB
