@@ -77,6 +77,23 @@ def test_merge_lora_writes_pefts_merged_model(lora_run, hf_base, cli):
                            load_file(os.path.join(hf_base, "model.safetensors"))["model.layers.0.mlp.down_proj.weight"])
 
 
+def test_eval_and_generate_merge_the_checkpoints_or_the_given_adapter(cli, lora_run, hf_base, tmp_path):
+    """A LoRA run's checkpoint and its base with --lora-adapter are the same model to eval and generate (the adapter
+    merged), another than the base alone."""
+    import numpy as np
+
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 200, 400, dtype=np.int32))
+    adapter = ("--lora-adapter", lora_run["adapter"])
+    evals = [json.loads(cli("eval", "--checkpoint", source, "--data", tokens, "--seq-len", "16", *extra)[1])["loss"]
+             for source, extra in ((lora_run["ckpt"], ()), (hf_base, adapter), (hf_base, ()))]
+    assert abs(evals[0] - evals[1]) <= 1e-6 * evals[0] and abs(evals[0] - evals[2]) > 1e-4 * evals[0]
+    generate = ("--prompt-ids", "1,2,3,4", "--max-new-tokens", "8", "--json")
+    ids = [json.loads(cli("generate", "--checkpoint", source, *generate, *extra)[1])["ids"]
+           for source, extra in ((lora_run["ckpt"], ()), (hf_base, adapter))]
+    assert ids[0] == ids[1]
+
+
 def test_a_lora_checkpoint_resumes_at_another_layout(pools, config_file, lora_run):
     """Saved at step 2 at TP 2 + SP, resumed at DP 2 with ZeRO-3: steps 3 and 4 as the straight run's."""
     straight = lora_run["result"]
