@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tensorpar.checkpoints.sources import load_unmerged
+from tensorpar.checkpoints.sources import load_model_source, load_unmerged
 from tensorpar.cli import main
 from tensorpar.models import Transformer
 from tensorpar.models.placement import Placement
@@ -64,6 +64,30 @@ def test_the_saved_adapter_gives_tensorpars_logits_in_peft(lora_run, hf_base):
             without = peft_model(ids).logits
     assert ((ours - theirs).norm() / theirs.norm()).item() <= 1e-5
     assert ((without - theirs).norm() / theirs.norm()).item() > 1e-3, "the adapter changes nothing: a weak check"
+
+
+def test_an_adapter_peft_made_gives_pefts_logits_in_tensorpar(hf_base, tmp_path):
+    """The other way: an adapter made by `peft.get_peft_model` (all linears, B drawn at random, rank 8) loads into
+    tensorpar, unmerged for training and merged for eval / generate, with PEFT's logits."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
+    peft_model = get_peft_model(hf, LoraConfig(r=8, lora_alpha=4, target_modules="all-linear",
+                                               init_lora_weights=False)).eval()
+    peft_model.save_pretrained(tmp_path / "made")
+    cfg, base, spec, adapters = load_unmerged(hf_base, str(tmp_path / "made"))
+    assert (spec.rank, spec.scaling, len(adapters)) == (8, 0.5, 2 * 7 * cfg.num_layers)
+    unmerged = Transformer(cfg, Placement.on(None, lora=spec), init=False).eval()
+    load_full_state_dict(unmerged, {**base, **adapters})
+    merged = Transformer(cfg, Placement.on(None), init=False).eval()
+    load_full_state_dict(merged, load_model_source(hf_base, str(tmp_path / "made"))[1])
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = peft_model(ids).logits
+        for model in (unmerged, merged):
+            assert ((model(ids)[..., : cfg.vocab_size] - theirs).norm() / theirs.norm()).item() <= 1e-5
 
 
 def test_merge_lora_writes_pefts_merged_model(lora_run, hf_base, cli):

@@ -40,7 +40,9 @@ PEFT_MODULES = {t: f"{t}_proj" for t in LORA_TARGETS}  # --lora-targets name -> 
 _PLAIN = (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("lora_bias", False),
           ("fan_in_fan_out", False), ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {}),
           ("layers_to_transform", None), ("layers_pattern", None), ("target_parameters", None),
-          ("exclude_modules", None), ("layer_replication", None), ("trainable_token_indices", None))
+          ("exclude_modules", None), ("layer_replication", None), ("trainable_token_indices", None),
+          ("alora_invocation_tokens", None), ("use_qalora", False), ("use_bdlora", None), ("arrow_config", None),
+          ("monteclora_config", None), ("kasa_config", None), ("velora_config", None))
 
 
 def check_lora_model(cfg: ModelConfig, spec: LoraSpec) -> None:
@@ -106,13 +108,17 @@ def write_checkpoint_adapter(step_dir: str, meta: dict, dense) -> str | None:
 
 
 def _targets(modules, path: str) -> tuple[str, ...]:
+    """--lora-targets of PEFT's target_modules: "all-linear", or names that end in q_proj, ..., down_proj (PEFT
+    matches them as suffixes, and saves "all-linear" as every module's full name); that every layer has them is
+    checked against the weights (`read_adapter`)."""
     if modules == "all-linear":
         return LORA_TARGETS
     by_module = {m: t for t, m in PEFT_MODULES.items()}
-    if not isinstance(modules, list) or not all(isinstance(m, str) and m in by_module for m in modules):
+    names = [m.rsplit(".", 1)[-1] for m in modules] if isinstance(modules, list) else None
+    if not names or not all(isinstance(m, str) for m in modules) or not all(n in by_module for n in names):
         raise TensorparError(f"'{path}': target_modules {modules!r} is not a list of {', '.join(by_module)} (nor "
                              f"\"all-linear\")")
-    return tuple(t for t in LORA_TARGETS if PEFT_MODULES[t] in modules)
+    return tuple(t for t in LORA_TARGETS if PEFT_MODULES[t] in names)
 
 
 def read_adapter_config(folder: str) -> LoraSpec:

@@ -48,7 +48,9 @@ def check_adapter(path: str, adapter: str | None) -> None:
     checkpoint, which holds adapters of its own."""
     if adapter is None:
         return
-    check_lora_model(load_config(path), read_adapter_config(adapter))
+    cfg = load_config(path)
+    check_lora_model(cfg, read_adapter_config(adapter))
+    read_adapter(adapter, cfg)  # every adapter the config names, at the model's shapes
     if is_checkpoint(path) and _saved_lora(read_meta(path, verify=False)[1]) is not None:
         raise TensorparError(f"'{path}' holds LoRA adapters already (a LoRA run's checkpoint): --lora-adapter would "
                              f"add a second set; merge them first (tensorpar convert --merge-lora)")
