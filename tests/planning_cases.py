@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tensorpar.models.config import get_config
+from tensorpar.models import get_config
 
 WORLD = 4  # one pool of 4 gloo processes for every check: TP 2 runs as 2 TP groups x DP 2, TP 4 as one
 
