@@ -157,9 +157,22 @@ class Rotary:
     def depends_on_span(self) -> bool:
         return rope_type(self.scaling) in ("dynamic", "longrope")
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype, span: int | None = None):
+    @property
+    def switch_length(self) -> int | None:
+        """longrope's original length, beyond which its long factors apply (None for the other types)."""
+        return self.scaling["original_max_position_embeddings"] if rope_type(self.scaling) == "longrope" else None
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, span=None):
         """cos and sin of integer `positions` (see `rope_cos_sin`) for a forward pass whose positions reach `span`
-        (the largest + 1; only the span-dependent types read it)."""
+        (the largest + 1; only the span-dependent types read it): an int, or a tensor of the positions' shape giving
+        each position the span of its own sequence (generation: each row's; a server step: each sequence's)."""
+        if self.depends_on_span and torch.is_tensor(span):
+            spans = span.expand_as(positions)
+            values = spans.unique()
+            table = [frequencies(self.dim, self.theta, self.scaling, self.max_positions, int(v)) for v in values]
+            index = torch.searchsorted(values, spans.contiguous())
+            inv_freq = torch.stack([t[0] for t in table]).to(positions.device)[index]
+            return rope_cos_sin(positions, inv_freq, dtype, table[0][1])  # the attention factor is the config's
         if self.depends_on_span:  # recomputed per forward pass: a step of generation moves the span
             inv_freq, attention = frequencies(self.dim, self.theta, self.scaling, self.max_positions, span)
         else:
@@ -172,7 +185,7 @@ class Rotary:
 
 
 def rope_tables(rotaries: dict[str, Rotary], positions: torch.Tensor, dtype: torch.dtype,
-                span: int | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                span=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """cos and sin of `positions` for each layer type of `rotaries` (computed once per distinct `Rotary`)."""
     made: dict[int, tuple] = {}
     for rotary in rotaries.values():
@@ -184,7 +197,8 @@ def rope_tables(rotaries: dict[str, Rotary], positions: torch.Tensor, dtype: tor
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
     """cos and sin (times `scale`, the attention factor of yarn and longrope) for integer `positions`: [S, dim] for
     positions [S] (shared by the batch), [B, 1, S, dim] for per-row positions [B, S] (packed documents, left-padded
-    prompts); both broadcast over [B, heads, S, dim]."""
+    prompts); both broadcast over [B, heads, S, dim]. `inv_freq`: [dim / 2], or one set per position
+    (positions.shape + [dim / 2])."""
     freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     if positions.dim() == 2:

@@ -17,6 +17,9 @@ Every TP rank runs the same loop and ends with the same tokens; the logits stay 
   softmax normaliser (one all-gather of a max and a sum per row) and each rank's top-C values, with C
   growing until the gathered candidates hold the nucleus. The full logits are never gathered unless
   the nucleus itself needs the whole vocabulary.
+- LongRoPE (Phi-3) switches from its short to its long factors once a sequence passes its original length; as
+  transformers' Phi-3 does, the step at which a row reaches it runs the whole sequence again (prefill of every row's
+  tokens so far) instead of one token, so that the cached keys take the long factors too.
 """
 
 from __future__ import annotations
@@ -175,7 +178,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bo
     width = max(lengths)
     pad = [width - n for n in lengths]
     ids = torch.tensor([[0] * p + [int(t) for t in prompt] for p, prompt in zip(pad, prompts)], device=device)
-    cache = KVCache.for_model(model, len(prompts), width + max_new_tokens - 1, dtype=dtype, pad=pad)
+    new_cache = lambda: KVCache.for_model(model, len(prompts), width + max_new_tokens - 1, dtype=dtype,  # noqa: E731
+                                          pad=pad)
+    cache = new_cache()
+    switch = model.rope_switch_length()  # the position at which the cache is computed again, or None
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
     was_training = model.training
@@ -197,7 +203,12 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bo
                 prefill_s = time.perf_counter() - t0
             if all(done) or step == max_new_tokens - 1:
                 break
-            logits = model.forward_cached(tokens[:, None], cache)  # finished rows run on, ignored
+            ids = torch.cat([ids, tokens[:, None]], dim=1)
+            if switch is not None and bool((torch.as_tensor(cache.start_positions()) == switch).any()):
+                cache = new_cache()  # a row reaches the long factors: every row's sequence again, from the start
+                logits = model.forward_cached(ids, cache)
+            else:
+                logits = model.forward_cached(tokens[:, None], cache)  # finished rows run on, ignored
         seconds = time.perf_counter() - t0
     finally:
         model.train(was_training)

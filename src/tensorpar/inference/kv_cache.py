@@ -78,6 +78,12 @@ class KVCache:
         """Absolute position of the next token: an int, or a [B] tensor when rows are left-padded."""
         return self.length if self.pad is None else self.length - self.pad
 
+    @staticmethod
+    def spans(positions: torch.Tensor):
+        """How far each row's positions reach (the largest + 1): an int for positions shared by the rows ([s]), a
+        [B, 1] tensor for per-row positions ([B, s]). RoPE that depends on it (dynamic NTK, longrope) reads it."""
+        return int(positions.max()) + 1 if positions.dim() == 1 else positions.amax(-1, keepdim=True) + 1
+
     def attention_mask(self, s: int, keys: int | None = None,
                        window: int | None = None) -> tuple[torch.Tensor | None, bool]:
         """(attn_mask, is_causal) for attention of s new queries at slots length.. over the `keys` slots that end

@@ -125,7 +125,8 @@ class Transformer(nn.Module):
         if not self.last_stage:
             return
         cfg = self.cfg
-        self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, self.region, device=device)
+        self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, self.region, device=device,
+                               offset=cfg.norm_offset)
         if cfg.tie_embeddings:
             self.head = VocabParallelLMHead.tied(self.embed)
         else:
@@ -276,6 +277,11 @@ class Transformer(nn.Module):
         cache.advance(ids.shape[1])
         return self.logits(self.final_norm(h[:, -1]))
 
+    def rope_switch_length(self) -> int | None:
+        """The position from which longrope's long factors apply (its original length), for generation to compute the
+        cache again there; None for the other RoPE types."""
+        return None if self.rotaries is None else self.rotaries["full_attention"].switch_length
+
     def cached_hidden(self, ids: torch.Tensor, cache, positions: torch.Tensor) -> torch.Tensor:
         """The last layer's hidden states [B, s, H] (before the final norm) of the new tokens `ids` [B, s] at the
         absolute `positions` ([s] or [B, s]), their keys and values appended to `cache` (a `KVCache`, or any
@@ -293,7 +299,8 @@ class Transformer(nn.Module):
             h = h + self.pos_embed[positions]
         rope = None
         if self.rotaries is not None:
-            span = int(positions.max()) + 1 if any(r.depends_on_span for r in self.rotaries.values()) else None
+            # RoPE that depends on how far positions reach sees each sequence's own reach (the cache says which).
+            span = cache.spans(positions) if any(r.depends_on_span for r in self.rotaries.values()) else None
             rope = rope_tables(self.rotaries, positions, h.dtype, span)
         ctx = MicroBatchContext(rope, kv_cache=cache)
         for layer in self.layers.values():

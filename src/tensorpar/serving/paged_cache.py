@@ -143,5 +143,11 @@ class PagedStep:
                 out[:, :, a:b] = pattern.attend(q[:, :, a:b], ki, vi, mask)
         return out
 
+    def spans(self, positions: torch.Tensor) -> torch.Tensor:
+        """How far each packed token's sequence reaches in this step (its segment's end), [1, T]: RoPE that depends
+        on it (dynamic NTK, longrope) sees each sequence's own."""
+        return torch.cat([torch.full((seg.length,), end) for seg, end in zip(self.segments, self.ends)])[None].to(
+            positions.device)
+
     def advance(self, s: int) -> None:
         """Nothing to count: the scheduler keeps each sequence's length."""
