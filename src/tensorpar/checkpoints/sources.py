@@ -25,9 +25,14 @@ def load_config(path: str):
     _check_folder(path)
     if is_checkpoint(path):
         return ModelConfig(**read_meta(path, verify=False)[1]["model"])
-    if is_hf_folder(path):
-        with open(os.path.join(path, "config.json")) as f:
-            return config_from_hf(json.load(f))
+    config = os.path.join(path, "config.json")
+    if is_hf_folder(path) or (os.path.isfile(config) and any(n.endswith(".safetensors") for n in os.listdir(path))):
+        try:
+            with open(config) as f:
+                hf = json.load(f)
+        except (OSError, ValueError) as e:
+            raise TensorparError(f"'{config}' is not readable JSON: {e}") from None
+        return config_from_hf(hf)  # a model type it does not support: named, with the supported ones
     raise TensorparError(
         f"checkpoint '{path}' is not a Hugging Face model folder (config.json with model_type "
         f"{', '.join(SUPPORTED_MODEL_TYPES)}, "
