@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, check_representable, config_from_hf, config_to_hf
 from tensorpar.checkpoints.hf_families import fuse, layer_pairs, unfuse
 from tensorpar.checkpoints.hf_moe import experts_from_hf, experts_to_hf, moe_layer_pairs, unfuse_experts
+from tensorpar.data.tokenizer_files import special_token_ids, write_tokenizer
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
@@ -272,10 +273,11 @@ def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, state
 
 
-def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor]) -> None:
-    """Write `dense_state` (tensorpar names, e.g. from `full_state_dict`) as a Hugging Face folder:
-    config.json (GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM / Qwen2MoeForCausalLM) and
-    model.safetensors."""
+def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor], tokenizer=None) -> None:
+    """Write `dense_state` (tensorpar names, e.g. from `full_state_dict`) as a Hugging Face folder: config.json (its
+    family's architecture) and model.safetensors; with `tokenizer` (a ByteTokenizer or an HFTokenizer), its files
+    too (`tensorpar.data.tokenizer_files.write_tokenizer`: tokenizer.json, tokenizer_config.json,
+    generation_config.json, ...), whose special token ids config.json names."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise TensorparError(f"'{folder}' exists and is not a folder")
@@ -298,7 +300,7 @@ def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor])
         tensors[name] = t
     dtype = tensors[f"{_GPT2_PREFIX if cfg.family == 'gpt2' else _LLAMA_PREFIX}"
                     f"{'wte' if cfg.family == 'gpt2' else 'embed_tokens'}.weight"].dtype
-    hf_config = config_to_hf(cfg, dtype)
+    hf_config = config_to_hf(cfg, dtype, special_token_ids(tokenizer) if tokenizer is not None else None)
 
     # Write next to the target and rename, so that an interrupted save never leaves a truncated file behind.
     weights, config = folder / WEIGHTS_FILE, folder / "config.json"
@@ -309,5 +311,7 @@ def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor])
             json.dump(hf_config, f, indent=2, sort_keys=True)
             f.write("\n")
         os.replace(str(config) + ".tmp", config)
+        if tokenizer is not None:
+            write_tokenizer(str(folder), tokenizer, cfg.max_seq_len)
     except OSError as e:
         raise TensorparError(f"cannot write the Hugging Face folder '{folder}': {e}") from None
