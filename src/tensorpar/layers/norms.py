@@ -107,7 +107,7 @@ class ProjectionNorm(nn.Module):
             squares = squares / self.replicas  # every distinct shard was counted on each of its replicas
         x = x * torch.rsqrt(squares / self.features + self.eps)
         weight = with_grad_reduce(self.weight, replica_grad_reduce(self.tp_group, self.replicas))
-        return ((self.offset + weight) * x).to(dtype)
+        return ((weight if not self.offset else self.offset + weight) * x).to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.features} features, {self.weight.shape[0]} here, replicas={self.replicas}, eps={self.eps}"
