@@ -34,7 +34,10 @@ def load_config(path: str):
                 hf = json.load(f)
         except (OSError, ValueError) as e:
             raise TensorparError(f"'{config}' is not readable JSON: {e}") from None
-        return config_from_hf(hf)  # a model type it does not support: named, with the supported ones
+        try:
+            return config_from_hf(hf)  # a model type it does not support: named, with the supported ones
+        except TensorparError as e:
+            raise TensorparError(f"{config}: {e}") from None
     raise TensorparError(
         f"checkpoint '{path}' is not a Hugging Face model folder (config.json with model_type "
         f"{', '.join(SUPPORTED_MODEL_TYPES)}, "
