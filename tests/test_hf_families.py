@@ -83,6 +83,14 @@ def test_eval_loss_matches_transformers_at_tp(pools, families, tp):
             assert abs(loss - expected) <= TOL * expected, (name, tp, rank, loss, expected)
 
 
+def test_qwen3_moe_over_expert_parallel_ranks(pools, families):
+    """Qwen3-MoE's experts split over 2 expert-parallel ranks (`tensorpar eval --ep 2`'s work on its two ranks)."""
+    expected = families["qwen3_moe"]["loss"]
+    for r in pools(2).run(evaluate_in_worker, checkpoint=families["qwen3_moe"]["folder"], data=families["data"],
+                          seq_len=SEQ, batch_size=3, ep=2):
+        assert abs(r["loss"] - expected) <= TOL * expected, (r, expected)
+
+
 def test_greedy_generate_matches_transformers(pools, families):
     """At TP 1 (`tensorpar generate`'s work) and TP 2: prompts longer than the windows, batched and left-padded."""
     for name in NAMES:
