@@ -66,6 +66,9 @@ class HFFamily:
     - `activations`: the hidden_act (or `activation_field`) values it runs, as tensorpar names them;
     - `scaled_embedding`: the embedding times sqrt(hidden_size); `scores`: reads query_pre_attn_scalar and the
       soft caps; `local_rope`: RoPE parameters per layer type; `partial_rope`: partial_rotary_factor;
+    - `rope_types`: the RoPE scaling types its config class accepts (None: all of transformers'); `rope_aliases`:
+      the old names it reads as others (Phi-3's "su" and "yarn" are its longrope), whose original length comes
+      from the top-level `original_max_position_embeddings` first (Phi-3's);
     - `fused`: q/k/v and gate/up stored fused (Phi-3)."""
 
     model_type: str
@@ -80,6 +83,8 @@ class HFFamily:
     scores: bool = False
     local_rope: bool = False
     partial_rope: bool = False
+    rope_types: tuple | None = None
+    rope_aliases: dict = dataclasses.field(default_factory=dict)
     fused: bool = False
 
 
@@ -121,7 +126,8 @@ FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
              local_rope=True),
     HFFamily("phi3", "Phi3ForCausalLM", _sizes(32064, 3072, 8192, 32, 32, None, 4096, 1e-5, sliding_window=None),
              fixed={k: v for k, v in PLAIN.items() if k != "partial_rotary_factor"}, windows="uniform",
-             partial_rope=True, fused=True),
+             partial_rope=True, rope_types=("default", "longrope"), rope_aliases={"su": "longrope", "yarn": "longrope"},
+             fused=True),
     HFFamily("olmo2", "Olmo2ForCausalLM", _sizes(50304, 4096, 11008, 32, 32, None, 2048, 1e-5),
              fixed=dict(PLAIN, qk_norm="projection", norm_placement="post"), biases="attention"),
     # The decoders of Mixtral and Qwen2-MoE (a ModelConfig of family "llama" with experts; their MoE fields and

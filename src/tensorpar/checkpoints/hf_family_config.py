@@ -50,13 +50,12 @@ def _rope_sources(hf: dict, fam) -> tuple[dict, dict, str]:
 
 def _scaling(source: dict, field: str, hf: dict, fam, max_positions: int) -> dict | None:
     """The rope_scaling of a ModelConfig from a RoPE parameters dict (None for the default type)."""
-    kind = rope_type(source)
-    if fam.model_type == "phi3" and kind in ("su", "yarn"):
-        kind = "longrope"  # as Phi3Config does
+    kind = fam.rope_aliases.get(rope_type(source), rope_type(source))  # as Phi3Config reads "su" and "yarn"
     if kind == "default":
         return None
-    if kind not in ROPE_TYPES:
-        raise unsupported(f"{field}.rope_type", kind, f"supported: {', '.join(ROPE_TYPES)}")
+    supported = fam.rope_types or ROPE_TYPES
+    if kind not in supported:
+        raise unsupported(f"{field}.rope_type", kind, f"supported: {', '.join(supported)}")
     scaling = {k: v for k, v in source.items() if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}
     scaling["rope_type"] = kind
     for name in _FLOATS:
@@ -64,7 +63,7 @@ def _scaling(source: dict, field: str, hf: dict, fam, max_positions: int) -> dic
             scaling[name] = positive_float(scaling, name)
     if kind in ("llama3", "yarn", "longrope"):
         # As transformers: Phi-3's top-level original length first, else the dict's, else the model's own.
-        original = hf.get("original_max_position_embeddings") if fam.model_type == "phi3" else None
+        original = hf.get("original_max_position_embeddings") if fam.rope_aliases else None
         original = original or scaling.get("original_max_position_embeddings") or \
             hf.get("original_max_position_embeddings", max_positions)
         scaling["original_max_position_embeddings"] = positive_int({"original_max_position_embeddings": original},
@@ -219,8 +218,8 @@ def decoder_export_problems(cfg: ModelConfig) -> list[str]:
         bad.append("layer_types (needs every layer alike)")
     if fam.local_rope and cfg.rope_local_theta is None and cfg.rope_scaling:
         bad.append("rope_local_theta=None (needs the sliding layers' own, unscaled base)")
-    if fam.model_type == "phi3" and rope_type(cfg.rope_scaling) not in ("default", "longrope"):
-        bad.append(f"rope_scaling={rope_type(cfg.rope_scaling)!r} (needs default or longrope)")
+    if fam.rope_types and rope_type(cfg.rope_scaling) not in fam.rope_types:
+        bad.append(f"rope_scaling={rope_type(cfg.rope_scaling)!r} (needs one of {', '.join(fam.rope_types)})")
     if fam.scaled_embedding and cfg.embedding_multiplier != cfg.hidden_size ** 0.5:
         bad.append(f"embedding_multiplier={cfg.embedding_multiplier!r} (needs sqrt(hidden_size))")
     return bad

@@ -137,11 +137,6 @@ def frequencies(dim: int, theta: float, scaling: dict | None = None, max_positio
     raise NotImplementedError(f"RoPE scaling '{kind}' is not supported (supported: {', '.join(ROPE_TYPES)})")
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """The inverse frequencies of RoPE over a whole head of `head_dim` (types that do not depend on the span)."""
-    return frequencies(head_dim, theta, scaling)[0]
-
-
 @dataclasses.dataclass(frozen=True)
 class Rotary:
     """RoPE of one kind of layer: base `theta`, `scaling` (a `ModelConfig.rope_scaling`), the model's
