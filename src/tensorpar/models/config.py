@@ -21,7 +21,6 @@ experts every token uses (tensorpar.expert_parallel). The default, ``num_experts
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from tensorpar.errors import TensorparError
 from tensorpar.functional.rope import scaling_problems
