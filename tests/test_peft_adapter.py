@@ -146,7 +146,7 @@ def test_bad_adapters_and_flags_are_refused(cli, config_file, lora_run, hf_base,
         (train + ("--lora-rank", "4", "--lora-targets", "q,qkv"), "LoRA targets must be a non-empty list of q, k"),
         (train + ("--lora-rank", "-1"), "--lora-rank must be 0 (no adapters) or at least 1, got -1"),
         (train + ("--lora-rank", "4", "--lora-dropout", "1"), "the LoRA dropout must be in [0, 1), got 1.0"),
-        (("train", "--model", "tiny-gpt2", "--lora-rank", "4"), "LoRA needs a Llama-family model"),
+        (("train", "--model", "tiny-gpt2", "--lora-rank", "4"), "LoRA needs a Llama-style model"),
         (("train", "--model", "tiny-moe", "--lora-rank", "4"), "LoRA on mixture-of-experts MLPs (--lora-targets "
                                                                 "gate,up,down) is not supported"),
         (train + ("--lora-rank", "4", "--optimizer", "muon"), "--optimizer muon orthogonalises whole weight"),

@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tensorpar.checkpoints.hf import hf_linear_names
+from tensorpar.checkpoints.hf_families import family_of
 from tensorpar.config.choices import LORA_TARGETS
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
@@ -46,12 +47,17 @@ _PLAIN = (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("lora_b
 
 
 def check_lora_model(cfg: ModelConfig, spec: LoraSpec) -> None:
-    """Refuse adapters a model cannot carry, with the reason: GPT-2's fused q/k/v (c_attn) and Conv1D layers, and
-    the routed experts of mixture-of-experts layers."""
-    if cfg.family != "llama":
-        raise TensorparError(f"LoRA needs a Llama-family model (q/k/v/o and gate/up/down linears, as PEFT adapts "
-                             f"Llama, Qwen and Mistral); this model is of the {cfg.family} family, whose q, k and v "
-                             f"are one fused Conv1D")
+    """Refuse adapters a model cannot carry, with the reason: GPT-2's Conv1D layers and fused q/k/v (c_attn), Phi-3's
+    fused q/k/v and gate/up, and the routed experts of mixture-of-experts layers."""
+    if cfg.family == "gpt2":
+        raise TensorparError("LoRA needs a Llama-style model (q/k/v/o and gate/up/down linears, as PEFT adapts Llama, "
+                             "Qwen, Mistral, Gemma); this model is of the gpt2 family, whose q, k and v are one fused "
+                             "Conv1D")
+    fused = [t for t in spec.targets if t in ("q", "k", "v", "gate", "up")]
+    if family_of(cfg).fused and fused:
+        raise TensorparError(f"LoRA on {cfg.family}'s fused projections (--lora-targets {','.join(fused)}): PEFT adapts "
+                             f"its qkv_proj and gate_up_proj whole, with one A for the parts, which tensorpar's "
+                             f"per-projection adapters are not; use --lora-targets o,down")
     mlp = [t for t in spec.targets if t in ("gate", "up", "down")]
     if cfg.is_moe and mlp:
         raise TensorparError(f"LoRA on mixture-of-experts MLPs (--lora-targets {','.join(mlp)}) is not supported: "

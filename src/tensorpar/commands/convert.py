@@ -1,8 +1,10 @@
 """`tensorpar convert SRC DST`: between tensorpar checkpoints and Hugging Face folders, both ways.
 
 A tensorpar checkpoint (of any layout) becomes a Hugging Face folder (config.json + model.safetensors
-that transformers loads); a Hugging Face folder becomes a one-shard tensorpar checkpoint that any
-layout can load or resume from. Weights are copied bit for bit; DST must not exist or be empty.
+that transformers loads, with the tokenizer the run used: its files, or the byte-level default written as a
+tokenizer.json, and generation_config.json); a Hugging Face folder becomes a one-shard tensorpar checkpoint that any
+layout can load or resume from, carrying the folder's tokenizer files. Weights are copied bit for bit; DST must not
+exist or be empty.
 
 LoRA: `--merge-lora` folds adapters into their weights as PEFT's merge_and_unload does (W + (B @ A) * alpha / r):
 those of a LoRA run's checkpoint, or a PEFT adapter folder given with `--lora-adapter` beside the model. Without it,
@@ -17,7 +19,7 @@ import os
 from tensorpar.checkpoints.hf import is_hf_folder, save_hf_folder
 from tensorpar.checkpoints.peft_adapter import ADAPTER_FOLDER, merge_adapters, write_adapter
 from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
-from tensorpar.checkpoints.sources import load_unmerged
+from tensorpar.checkpoints.sources import checkpoint_tokenizer, load_unmerged, tokenizer_files
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import ConvertOptions
 from tensorpar.errors import TensorparError
@@ -29,16 +31,9 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args, argv) -> int:
-    options = options_from_args(ConvertOptions, args, "convert")
-    source_is_hf = is_hf_folder(options.source)
-    if not source_is_hf and not (os.path.isdir(options.source) and is_checkpoint(options.source)):
-        if not os.path.exists(options.source):
-            raise TensorparError(f"'{options.source}' does not exist")
-        raise TensorparError(f"'{options.source}' is neither a tensorpar checkpoint nor a Hugging Face model folder")
-    to = options.to or ("tensorpar" if source_is_hf else "hf")
-    if os.path.exists(options.dest) and os.listdir(options.dest):
-        raise TensorparError(f"'{options.dest}' exists and is not empty: refusing to overwrite it")
+def _model(options: ConvertOptions, to: str):
+    """(config, the weights to write, the LoRA spec or None, the adapters' weights): a LoRA run's checkpoint or
+    --lora-adapter's adapters merged with --merge-lora, else kept apart (for DST/adapter)."""
     if options.lora_adapter and not options.merge_lora:
         raise TensorparError("--lora-adapter is merged into the model by --merge-lora (the adapter alone is a PEFT "
                              "folder already): add --merge-lora")
@@ -51,15 +46,33 @@ def run(args, argv) -> int:
                              f"model as a one-shard checkpoint")
     if options.merge_lora:
         state = merge_adapters({**state, **adapters}, lora)
-    adapter_note = ""
+    return cfg, state, lora, adapters
+
+
+def run(args, argv) -> int:
+    options = options_from_args(ConvertOptions, args, "convert")
+    source_is_hf = is_hf_folder(options.source)
+    if not source_is_hf and not (os.path.isdir(options.source) and is_checkpoint(options.source)):
+        if not os.path.exists(options.source):
+            raise TensorparError(f"'{options.source}' does not exist")
+        raise TensorparError(f"'{options.source}' is neither a tensorpar checkpoint nor a Hugging Face model folder")
+    to = options.to or ("tensorpar" if source_is_hf else "hf")
+    if os.path.exists(options.dest) and os.listdir(options.dest):
+        raise TensorparError(f"'{options.dest}' exists and is not empty: refusing to overwrite it")
+    cfg, state, lora, adapters = _model(options, to)
     if to == "hf":
-        save_hf_folder(options.dest, cfg, state)
+        tokenizer = checkpoint_tokenizer(options.source, cfg)
+        save_hf_folder(options.dest, cfg, state, tokenizer)
+        carried = "no tokenizer: the checkpoint does not say which it was trained with" if tokenizer is None else \
+            f"tokenizer {tokenizer.name}"
         if lora is not None and not options.merge_lora:
             write_adapter(os.path.join(options.dest, ADAPTER_FOLDER), cfg, lora, adapters)
-            adapter_note = f"; its LoRA adapter in {os.path.join(options.dest, ADAPTER_FOLDER)} (PEFT)"
+            carried += f"; its LoRA adapter in {os.path.join(options.dest, ADAPTER_FOLDER)} (PEFT)"
     else:
-        write_dense_checkpoint(options.dest, cfg, state)
+        files = tokenizer_files(options.source)
+        write_dense_checkpoint(options.dest, cfg, state, tokenizer_files=files)
+        carried = f"tokenizer files {', '.join(sorted(files))}" if files else "no tokenizer files"
     merged = ", LoRA merged" if options.merge_lora else ""
     print(f"wrote {to} {'folder' if to == 'hf' else 'checkpoint'} {options.dest} ({sum(t.numel() for t in state.values()):,} "
-          f"parameters, {cfg.family}{merged}){adapter_note}")
+          f"parameters, {cfg.family}{merged}; {carried})")
     return 0

@@ -35,13 +35,13 @@ class ParallelMLP(nn.Module):
         self.region = as_region(region)
         self.tp_group, self.sequence_parallel = self.region.group, self.region.sequence_parallel
         self.act = ACTIVATION_FNS[cfg.activation]
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        h, f, bias = cfg.hidden_size, cfg.ffn_hidden_size, cfg.mlp_has_bias
         column = dict(device=device, init=False)
         site = functools.partial(lora_site, lora, layer_index)
-        self.gate_proj = (ColumnParallelLinear(h, f, self.region, cfg.bias, lora=site("gate"), **column)
+        self.gate_proj = (ColumnParallelLinear(h, f, self.region, bias, lora=site("gate"), **column)
                           if cfg.gated_mlp else None)
-        self.up_proj = ColumnParallelLinear(h, f, self.region, cfg.bias, lora=site("up"), **column)
-        self.down_proj = RowParallelLinear(f, h, exit_region or self.region, cfg.bias, device=device, init=False,
+        self.up_proj = ColumnParallelLinear(h, f, self.region, bias, lora=site("up"), **column)
+        self.down_proj = RowParallelLinear(f, h, exit_region or self.region, bias, device=device, init=False,
                                            lora=site("down"))
         self.adapter_region = adapter_region(self.region, site("gate") or site("up"))
 
