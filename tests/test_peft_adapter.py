@@ -10,11 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tensorpar.checkpoints.peft_adapter import check_lora_model
 from tensorpar.checkpoints.sources import load_model_source, load_unmerged
 from tensorpar.cli import main
-from tensorpar.models import Transformer
+from tensorpar.errors import TensorparError
+from tensorpar.models import Transformer, get_config
 from tensorpar.models.placement import Placement
 from tensorpar.models.state import load_full_state_dict
+from tensorpar.tensor_parallel.lora import LoraSpec
 
 from layout_runs import BASE, assert_same_training, run
 
@@ -88,6 +91,32 @@ def test_an_adapter_peft_made_gives_pefts_logits_in_tensorpar(hf_base, tmp_path)
         theirs = peft_model(ids).logits
         for model in (unmerged, merged):
             assert ((model(ids)[..., : cfg.vocab_size] - theirs).norm() / theirs.norm()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_adapters_on_other_families_give_pefts_logits(family, tmp_path):
+    """Qwen 3 (q and k normalised per head after their projections, adapters included) and Gemma 2 (sandwich norms,
+    soft caps): an adapter PEFT made on the transformers model gives its logits in tensorpar."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    config_cls, model_cls = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(vocab_size=96, hidden_size=32, intermediate_size=48, head_dim=16,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    hf = getattr(transformers, model_cls)(config).eval()
+    hf.save_pretrained(tmp_path / "base")
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                               init_lora_weights=False)).eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    cfg, base, spec, adapters = load_unmerged(str(tmp_path / "base"), str(tmp_path / "adapter"))
+    model = Transformer(cfg, Placement.on(None, lora=spec), init=False).eval()
+    load_full_state_dict(model, {**base, **adapters})
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = peft_model(ids).logits
+        assert ((model(ids)[..., :96] - theirs).norm() / theirs.norm()).item() <= 1e-5
 
 
 def test_merge_lora_writes_pefts_merged_model(lora_run, hf_base, cli):
@@ -165,3 +194,7 @@ def test_bad_adapters_and_flags_are_refused(cli, config_file, lora_run, hf_base,
     for argv, message in cases:
         code, out, err = cli(*argv)
         assert code == 2 and message in err and err.count("\n") == 1, (argv, err)
+    phi3 = get_config("tiny").replace(family="phi3")
+    with pytest.raises(TensorparError, match="LoRA on phi3's fused projections .--lora-targets q,k,v,gate,up."):
+        check_lora_model(phi3, LoraSpec(4, 8.0))
+    check_lora_model(phi3, LoraSpec(4, 8.0, ("o", "down")))
