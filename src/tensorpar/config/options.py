@@ -15,8 +15,10 @@ from tensorpar.config.choices import (
     BIN_DTYPES,
     CP_IMPLS,
     CP_SPLITS,
+    DOCUMENT_ATTENTION,
     DTYPES,
     EXAMPLE_PACKINGS,
+    EXPERT_GEMMS,
     FP8_RECIPES,
     GRAD_REDUCE_DTYPES,
     LONG_EXAMPLES,
@@ -66,6 +68,9 @@ class ExpertOptions:
                         "tp x cp x dp ranks of a stage regrouped into ep x expert-DP for the MoE layers (ep must "
                         "divide tp x cp x dp; eval and generate without --dp start ep / gcd(tp x cp, ep) data-parallel "
                         "replicas so that it does)", group=LAYOUT)
+    expert_gemm: str = option("grouped", "the routed experts' GEMMs: one grouped GEMM per projection "
+                                         "(torch._grouped_mm where it runs), or one GEMM per expert",
+                              choices=EXPERT_GEMMS, group=LAYOUT)
 
 
 @dataclasses.dataclass
@@ -101,6 +106,10 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                         "positions restarting at each, the documents ending at the tokenizer's "
                                         "EOS (which belongs to the document it ends); training and its validation",
                                  group="model")
+    document_attention: str = option("auto", "--document-mask's attention: varlen (padded per-length batches, SDPA "
+                                             "causal, no mask), flex (flex_attention, CUDA), dense (an [S, S] mask); "
+                                             "auto: varlen on CPU and CUDA", choices=DOCUMENT_ATTENTION,
+                                     group="model")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
     expert_tp: int = option(1, "expert tensor-parallel size (mixture-of-experts models): each expert's MLP split "
                                "Megatron-style over this many ranks, folded fastest (expert-TP x EP x expert-DP); "

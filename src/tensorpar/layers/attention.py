@@ -22,6 +22,7 @@ from tensorpar.errors import LayoutError
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
 from tensorpar.functional.rope import apply_rope
+from tensorpar.functional.varlen_attention import document_attention
 from tensorpar.layout import divide
 from tensorpar.layers.micro_batch import MicroBatchContext
 from tensorpar.layout.rules import kv_heads_per_rank
@@ -72,10 +73,13 @@ class KVParallelLinear(nn.Module):
 class ParallelAttention(nn.Module):
     """Causal self-attention: [B, S, H] (or [B, S/tp, H] under sequence parallelism) in and out."""
 
-    def __init__(self, cfg, region=None, layer_index: int = 0, device=None, exit_region=None):
+    def __init__(self, cfg, region=None, layer_index: int = 0, device=None, exit_region=None,
+                 document_attention: str = "auto"):
         """`region`: the model's `TPRegion` (or a mesh / group: plain collectives); `exit_region`, if given, the
-        one the output projection leaves by (default: `region`)."""
+        one the output projection leaves by (default: `region`); `document_attention`: the kernel of attention
+        within packed documents (`tensorpar.functional.varlen_attention`)."""
         super().__init__()
+        self.document_attention = document_attention
         self.region = as_region(region)
         self.tp_group = self.region.group
         tp = self.tp_group.size
@@ -101,17 +105,20 @@ class ParallelAttention(nn.Module):
             dropout = self.dropout if self.training else 0.0
             seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
             return context_attention(q, k, v, context, dropout, seed, documents)
+        dropout = self.dropout if self.training else 0.0
+        if dropout > 0:  # inside the TP region: each rank's heads get their own masks
+            with fork_rng_seeded(mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank), q.device):
+                return self._attend(q, k, v, documents, dropout)
+        return self._attend(q, k, v, documents, dropout)
+
+    def _attend(self, q, k, v, documents: PackedDocuments | None, dropout: float):
+        """Causal SDPA, or within each packed document by the placement's kernel (`document_attention`)."""
+        if documents is not None:
+            return document_attention(q, k, v, documents, self.document_attention, dropout)
         if self.local_kv_heads != self.local_heads:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        # A document mask is SDPA's boolean mask (causal within each document); else SDPA's own causal mask.
-        mask = dict(attn_mask=documents.causal_mask()) if documents is not None else dict(is_causal=True)
-        if self.training and self.dropout > 0:
-            # Inside the TP region: each rank's heads get their own masks.
-            seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank)
-            with fork_rng_seeded(seed, q.device):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, **mask)
-        return F.scaled_dot_product_attention(q, k, v, **mask)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
     def cached_core(self, q, k, v, kv_cache):
         """Attention of the new queries over every cached position (inference: no dropout, no recomputation). The

@@ -22,7 +22,8 @@ class TransformerBlock(nn.Module):
         self.layer_index, self.dropout = layer_index, cfg.dropout
         self.tp_group, self.sequence_parallel = region.group, region.sequence_parallel
         self.attn_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
-        self.attn = ParallelAttention(cfg, region, layer_index, device=device)
+        self.attn = ParallelAttention(cfg, region, layer_index, device=device,
+                                      document_attention=placement.document_attention)
         self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:

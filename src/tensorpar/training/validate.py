@@ -21,6 +21,7 @@ from tensorpar.config.precision import Precision
 from tensorpar.data import prepare_sources, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
 from tensorpar.errors import TensorparError
+from tensorpar.functional.varlen_attention import check_document_attention
 from tensorpar.layout import ParallelLayout
 from tensorpar.models import ModelConfig, get_config
 from tensorpar.optim.lr_schedule import check_wsd
@@ -118,7 +119,9 @@ def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
 
 
 def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
-    """--document-mask finds the documents by the tokenizer's EOS id: one there must be, inside the vocabulary."""
+    """The kernel of attention within documents runs here; --document-mask finds the documents by the tokenizer's EOS
+    id: one there must be, inside the vocabulary."""
+    check_document_attention(o.document_attention, o.device, o.dropout)
     if not o.document_mask:
         return
     eos = getattr(tokenizer, "eos_id", None)
