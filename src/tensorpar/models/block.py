@@ -28,7 +28,7 @@ class TransformerBlock(nn.Module):
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:
             self.mlp = MoELayer(cfg, region, placement.ep_group, placement.cp_group, device=device,
-                                expert_tp_group=placement.expert_tp_group)
+                                expert_tp_group=placement.expert_tp_group, expert_gemm=placement.expert_gemm)
         else:
             self.mlp = ParallelMLP(cfg, region, device=device, exit_region=placement.exit_region)
 
