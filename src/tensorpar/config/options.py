@@ -26,6 +26,7 @@ from tensorpar.config.choices import (
     LR_SCHEDULES,
     ON_NAN,
     OPTIMIZERS,
+    OPTIMIZER_STATE_DTYPES,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
     PLAN_PRECISIONS,
@@ -74,6 +75,26 @@ class ExpertOptions:
 
 
 @dataclasses.dataclass
+class MemoryLeverOptions:
+    """Memory levers (`tensorpar.config.memory_levers`): what train runs with and plan models."""
+
+    optimizer_offload: bool = option(False, "keep AdamW's states and the fp32 master weights in host memory and step "
+                                            "there (pinned on CUDA)", group="memory")
+    activation_offload: bool = option(False, "move the tensors saved for the backward to host memory and back "
+                                             "(pinned and overlapped on CUDA)", group="memory")
+    optimizer_state_dtype: str = option("fp32", "AdamW's moments in this dtype (the master weights stay fp32)",
+                                        choices=OPTIMIZER_STATE_DTYPES, group="memory")
+
+
+@dataclasses.dataclass
+class PlanMemoryOptions(MemoryLeverOptions):
+    """The memory levers plan models, and the host memory they may fill."""
+
+    host_memory_gib: float | None = option(None, "host memory per GPU the offloading levers may use (default 256: a "
+                                                 "DGX H100's 2 TiB over 8 GPUs)", group="memory")
+
+
+@dataclasses.dataclass
 class TokenCacheOptions:
     """How document sources become tokens (train, eval, prepare-data)."""
 
@@ -95,7 +116,7 @@ class DataOptions(TokenCacheOptions):
 
 
 @dataclasses.dataclass
-class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
+class TrainOptions(DataOptions, ExpertOptions, LaunchOptions, MemoryLeverOptions):
     """`tensorpar train`: everything a training run needs. From Python, outputs (metrics, plots) are written only
     where `metrics` / `out_dir` say; the command line defaults them to runs/MODEL-tpT/."""
 
@@ -326,7 +347,7 @@ class ServeOptions(ExpertOptions, LaunchOptions):
 
 
 @dataclasses.dataclass
-class PlanOptions:
+class PlanOptions(PlanMemoryOptions):
     """`tensorpar plan`: rank layouts for a model on a cluster, or draw a pipeline schedule."""
 
     model: str | None = option(None, "preset name or config .json", group="layout mode")

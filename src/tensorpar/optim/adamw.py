@@ -7,6 +7,7 @@ from torch import nn
 from torch.optim.adamw import adamw as _adamw
 
 from tensorpar.errors import TensorparError
+from tensorpar.optim.adamw_bf16 import adamw_bf16_states
 
 
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a parameter's AdamW state holds besides its step (and checkpoints keep)
@@ -34,7 +35,7 @@ class AdamW:
     written against)."""
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, state_dtype: torch.dtype = torch.float32):
         self.param_groups = [{"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **g,
                               "params": list(g["params"])} for g in groups]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -42,6 +43,8 @@ class AdamW:
         for g in self.param_groups:
             g.update(foreach=not self.fused, fused=self.fused)
         self.state: dict[torch.Tensor, dict] = {}
+        # bf16 moments (--optimizer-state-dtype bf16) step by tensorpar.optim.adamw_bf16; fp32 ones by torch's AdamW
+        self.state_dtype = state_dtype
 
     def kinds_of(self, name: str, shape) -> tuple[str, ...]:
         """The state the parameter `name` of `shape` keeps (besides its step): what checkpoints save of it."""
@@ -52,9 +55,17 @@ class AdamW:
         if not st:  # as torch.optim.Adam initialises it: the step on the CPU unless fused
             step = (torch.zeros((), dtype=torch.float32, device=p.device) if self.fused
                     else torch.tensor(0.0, dtype=_scalar_dtype()))
-            st = self.state[p] = {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            st = self.state[p] = {"step": step, **{key: torch.zeros_like(p, memory_format=torch.preserve_format,
+                                                                          dtype=self.moment_dtype(p))
+                                                    for key in ADAMW_STATE}}
+        for key in ADAMW_STATE:  # moments loaded from a checkpoint are fp32
+            if st[key].dtype != self.moment_dtype(p):
+                st[key] = st[key].to(self.moment_dtype(p))
         return st
+
+    def moment_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of `p`'s moments: the parameter's own (torch's AdamW), or bf16 (fp32 parameters only)."""
+        return p.dtype if self.state_dtype == torch.float32 else self.state_dtype
 
     @torch.no_grad()
     def step(self) -> None:
@@ -65,6 +76,11 @@ class AdamW:
                 continue
             states = [self._state(p) for p in params]
             beta1, beta2 = g["betas"]
+            if self.state_dtype != torch.float32:
+                adamw_bf16_states(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                                  [s["exp_avg_sq"] for s in states], [s["step"] for s in states], beta1=beta1,
+                                  beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"])
+                continue
             _adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                    [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=g["foreach"],
                    capturable=False, differentiable=False, fused=g["fused"], grad_scale=None, found_inf=None,
@@ -114,6 +130,8 @@ def build_optimizer(
     return adamw(groups, lr=lr, betas=betas, eps=eps)
 
 
-def adamw(groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> AdamW:
-    """AdamW over parameter groups (each a dict with "params" and its "weight_decay")."""
-    return AdamW(groups, lr=lr, betas=betas, eps=eps)
+def adamw(groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+          state_dtype: torch.dtype = torch.float32) -> AdamW:
+    """AdamW over parameter groups (each a dict with "params" and its "weight_decay"), its moments in
+    `state_dtype`."""
+    return AdamW(groups, lr=lr, betas=betas, eps=eps, state_dtype=state_dtype)
