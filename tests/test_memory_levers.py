@@ -130,3 +130,36 @@ def test_activation_offload_copies_each_storage_once_and_again_after_an_in_place
     assert torch.equal(offload.unpack(third), torch.arange(2.0, 4.0) + 1)
     del first, second, third
     assert offload.bytes.now == 0
+
+
+def test_the_dry_run_counts_the_offloaded_optimizer_as_the_planner_does():
+    from tensorpar.commands.dry_run_report import planned_bytes
+    from tensorpar.training import validate
+    from tensorpar.training.dry_run import dry_run
+
+    run = validate(TrainOptions(model="tiny", tp=2, dp=4, zero=1, dtype="bf16", seq_len=64, global_batch_size=8,
+                                micro_batch_size=1, dry_run=True, optimizer_offload=True,
+                                optimizer_state_dtype="bf16", activation_offload=True), world_size=8)
+    result = dry_run(run, rank=5)
+    planned = planned_bytes(run, result)
+    assert result["optimizer_bytes"] == planned["optimizer_bytes"] == 0
+    assert abs(result["host_optimizer_bytes"] - planned["host_optimizer_bytes"]) <= 1e-3 * planned["host_optimizer_bytes"]
+    assert planned["host_activation_bytes"] > 0
+
+
+def test_plan_json_reports_the_host_memory_of_the_levers(cli):
+    import json
+
+    args = ["plan", "--model", "llama-8b", "--gpus", 8, "--gpu", "h100-80gb", "--seq-len", 4096,
+            "--global-batch-size", 64, "--tp", 1, "--pp", 1, "--zero", 1, "--recompute", "none", "--json"]
+    plain = json.loads(cli(*args)[1])
+    levers = json.loads(cli(*args, "--optimizer-offload", "--activation-offload", "--optimizer-state-dtype", "bf16")[1])
+    by_mbs = {row["micro_batch_size"]: row for row in plain}
+    for row in levers:
+        if row["memory"] is None:
+            continue
+        ref = by_mbs[row["micro_batch_size"]]
+        assert row["memory"]["optimizer"] == 0 and row["memory"]["activations"] == 0
+        assert row["host_memory"]["optimizer"] > 0 and row["host_memory"]["activations"] == pytest.approx(
+            ref["memory"]["activations"] + ref["memory"]["weight_copies"])
+        assert ref["host_memory"]["total"] == 0 and row["memory"]["total"] < ref["memory"]["total"]
