@@ -50,14 +50,19 @@ class AdamW:
         """The state the parameter `name` of `shape` keeps (besides its step): what checkpoints save of it."""
         return ADAMW_STATE
 
+    def new_step(self, p: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+        """Parameter `p`'s step count where torch.optim.AdamW keeps it (and its kernels expect it): on `p`'s device
+        for the fused kernel, a CPU scalar otherwise. Checkpoint loaders build the step they restore with it."""
+        if self.fused:
+            return torch.tensor(float(value), dtype=torch.float32, device=p.device)
+        return torch.tensor(float(value), dtype=_scalar_dtype())
+
     def _state(self, p: torch.Tensor) -> dict:
         st = self.state.get(p)
-        if not st:  # as torch.optim.Adam initialises it: the step on the CPU unless fused
-            step = (torch.zeros((), dtype=torch.float32, device=p.device) if self.fused
-                    else torch.tensor(0.0, dtype=_scalar_dtype()))
-            st = self.state[p] = {"step": step, **{key: torch.zeros_like(p, memory_format=torch.preserve_format,
-                                                                          dtype=self.moment_dtype(p))
-                                                    for key in ADAMW_STATE}}
+        if not st:  # as torch.optim.Adam initialises it
+            st = self.state[p] = {"step": self.new_step(p),
+                                  **{key: torch.zeros_like(p, memory_format=torch.preserve_format,
+                                                           dtype=self.moment_dtype(p)) for key in ADAMW_STATE}}
         for key in ADAMW_STATE:  # moments loaded from a checkpoint are fp32
             if st[key].dtype != self.moment_dtype(p):
                 st[key] = st[key].to(self.moment_dtype(p))
