@@ -96,7 +96,7 @@ class HostMasterWeights(MasterWeights):
 
 class HostStep:
     """The step rule (AdamW) over host masters: each step copies the device gradients to the host first. Reads as
-    the rule it wraps (`param_groups`, `state`, `kinds_of`)."""
+    the rule it wraps (`param_groups`, `state`, `kinds_of`, `new_step`)."""
 
     def __init__(self, rule, weights: HostMasterWeights):
         self.rule, self.weights = rule, weights
@@ -111,6 +111,9 @@ class HostStep:
 
     def kinds_of(self, name: str, shape) -> tuple[str, ...]:
         return self.rule.kinds_of(name, shape)
+
+    def new_step(self, p: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+        return self.rule.new_step(p, value)
 
     def step(self) -> None:
         self.weights.gradients_to_host()

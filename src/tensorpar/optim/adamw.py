@@ -39,12 +39,13 @@ class AdamW:
         self.param_groups = [{"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **g,
                               "params": list(g["params"])} for g in groups]
         params = [p for g in self.param_groups for p in g["params"]]
-        self.fused = bool(params) and all(p.is_cuda for p in params)
+        # bf16 moments (--optimizer-state-dtype bf16) step by tensorpar.optim.adamw_bf16 (step counts on the CPU);
+        # fp32 ones by torch's AdamW
+        self.state_dtype = state_dtype
+        self.fused = bool(params) and all(p.is_cuda for p in params) and state_dtype == torch.float32
         for g in self.param_groups:
             g.update(foreach=not self.fused, fused=self.fused)
         self.state: dict[torch.Tensor, dict] = {}
-        # bf16 moments (--optimizer-state-dtype bf16) step by tensorpar.optim.adamw_bf16; fp32 ones by torch's AdamW
-        self.state_dtype = state_dtype
 
     def kinds_of(self, name: str, shape) -> tuple[str, ...]:
         """The state the parameter `name` of `shape` keeps (besides its step): what checkpoints save of it."""
