@@ -9,12 +9,14 @@ model at seq-len 8192 on a JSONL corpus of ~256-token documents, by kernel (`--d
 
 Each variant runs in a process of its own (`tensorpar.training.train`, one rank, `--steps` steps of one window),
 which reports its peak resident memory (ru_maxrss: the whole process, torch included), on CUDA the allocator's peak,
-the median step time after the first, and its wall time. The last line is
+the median step time after the first, its wall time and its CPU seconds (all threads, the whole run: on a shared
+machine the steadier figure). The last line is
 
-    varlen/dense memory=X.XX step=Y.YY varlen/none memory=... step=...   (ratios of the peaks and step times)
+    varlen/dense memory=X.XX step=Y.YY cpu=Z.ZZ varlen/none ...   (ratios of the peaks, step times, CPU seconds)
 
     .venv/bin/python bench/document_attention.py                       # CPU, about 2 minutes on 2 cores
-    .venv/bin/python bench/document_attention.py --device cuda --variants none,dense,varlen,flex --steps 5
+    .venv/bin/python bench/document_attention.py --device cuda --model llama-1b --dtype bf16 \
+        --variants none,dense,varlen,flex --steps 5
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ def child(a) -> None:
     from tensorpar.training import TrainOptions, train
 
     torch.set_num_threads(a.threads)
-    t0 = time.perf_counter()
-    s = train(TrainOptions(model=a.model, seq_len=a.seq_len, global_batch_size=1, steps=a.steps, warmup_steps=0,
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    s = train(TrainOptions(model=a.model, dtype=a.dtype, seq_len=a.seq_len, global_batch_size=1, steps=a.steps,
+                           warmup_steps=0,
                            data=a.data, data_cache=a.cache, document_mask=a.child != "none",
                            document_attention="auto" if a.child == "none" else a.child, device=a.device,
                            val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None))
     steps = [r["step_time_s"] for r in s["history"]]
-    out = {"wall_s": time.perf_counter() - t0, "step_s": statistics.median(steps[1:] or steps),
+    out = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+           "step_s": statistics.median(steps[1:] or steps),
            "first_step_s": steps[0], "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "loss": s["history"][-1]["loss"]}
     if a.device == "cuda":
@@ -70,6 +74,7 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--variants", default="none,dense,varlen")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -82,23 +87,26 @@ def main() -> int:
     folder = tempfile.mkdtemp()
     data = os.path.join(folder, "docs.jsonl")
     write_corpus(data, (a.seq_len + 1) * (a.steps + 1))
-    print(f"model {a.model}, one window of {a.seq_len} tokens a step, documents of 192-319 bytes (byte tokens), "
+    print(f"model {a.model} ({a.dtype}), one window of {a.seq_len} tokens a step, documents of 192-319 bytes (byte tokens), "
           f"{a.steps} steps, {a.device}, torch {torch.__version__}, {a.threads} threads", flush=True)
-    print(f"{'variant':8} {'step s':>8} {'1st step s':>10} {'wall s':>7} {'peak RSS MiB':>12} {'CUDA peak MiB':>13}",
-          flush=True)
+    print(f"{'variant':8} {'step s':>8} {'1st step s':>10} {'wall s':>7} {'CPU s':>7} {'peak RSS MiB':>12} "
+          f"{'CUDA peak MiB':>13}", flush=True)
     results = {}
     for name in a.variants.split(","):
         cmd = [sys.executable, __file__, "--child", name, "--data", data, "--cache", os.path.join(folder, "cache"),
                "--model", a.model, "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--device", a.device,
+               "--dtype", a.dtype,
                "--threads", str(a.threads)]
         line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         r = results[name] = json.loads(line)
-        print(f"{name:8} {r['step_s']:8.2f} {r['first_step_s']:10.2f} {r['wall_s']:7.1f} {r['max_rss_mib']:12.0f} "
+        print(f"{name:8} {r['step_s']:8.2f} {r['first_step_s']:10.2f} {r['wall_s']:7.1f} {r['cpu_s']:7.1f} "
+              f"{r['max_rss_mib']:12.0f} "
               f"{r.get('cuda_peak_mib', float('nan')):13.0f}", flush=True)
     mem = "cuda_peak_mib" if a.device == "cuda" else "max_rss_mib"
-    ratios = [f"{x}/{y} memory={results[x][mem] / results[y][mem]:.2f} step={results[x]['step_s'] / results[y]['step_s']:.2f}"
-              for x, y in (("varlen", "dense"), ("varlen", "none"), ("flex", "dense"), ("flex", "varlen"))
-              if x in results and y in results]
+    pairs = (("varlen", "dense"), ("varlen", "none"), ("flex", "dense"), ("flex", "varlen"))
+    ratios = [f"{x}/{y} memory={results[x][mem] / results[y][mem]:.2f} "
+              f"step={results[x]['step_s'] / results[y]['step_s']:.2f} cpu={results[x]['cpu_s'] / results[y]['cpu_s']:.2f}"
+              for x, y in pairs if x in results and y in results]
     print(" ".join(ratios))
     return 0
 

@@ -9,6 +9,11 @@
 # fp8      bench/precision.py: bf16 vs fp8 (tensorwise, rowwise) step time on llama-1b
 # tp_step  bench/tp_step.py: tensorpar's model against plain PyTorch on one GPU
 # profile  bench/profile_train.py: where llama-1b's step time goes
+# Not in the default list (name them): issue 43's speed and memory checks
+# doc_attention  bench/document_attention.py: llama-1b at seq-len 8192 on ~256-token documents, no mask / dense /
+#                varlen / flex: peak memory and step time
+# moe_gemm       bench/moe_step.py: grouped (torch._grouped_mm, bf16) vs looped expert GEMMs on one GPU
+# levers         bench/memory_levers.py: llama-1b bf16 with each memory lever: GPU and host bytes, step time
 set -u
 OUT="${1:?usage: bench/gpu_checks.sh OUT_DIR [STEPS...]}"
 shift
@@ -41,3 +46,9 @@ step tp_step 120 "$PY" bench/tp_step.py --device cuda --dtype bf16 --hidden 2048
 step compile 240 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 10 --sample-tokens 0 --val-fraction 0 --val-every 0 \
     --no-progress --out-dir "$RUNS/compile" --metrics "$OUT/compile.jsonl" --compile
 step profile 120 "$PY" bench/profile_train.py "${LLAMA[@]}" --steps 4 --rows 25
+step doc_attention 300 "$PY" bench/document_attention.py --device cuda --model llama-1b --dtype bf16 \
+    --variants none,dense,varlen,flex --steps 5 --threads 8
+step moe_gemm 240 "$PY" bench/moe_step.py --layouts single --device cuda --dtype bf16 --hidden 1024 --expert-ffn 2816 \
+    --experts 16 --seq-len 1024 --global-batch 8 --micro-batch 2 --steps 5 --threads 8
+step levers 400 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \
+    --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8

@@ -9,11 +9,12 @@
 
 Each variant trains `--steps` steps (`tensorpar.training.train`, one rank, in a process of its own) and reports its
 peak memory by kind as the run counts it (`memory_mib`: parameters, gradients, optimizer, activations on the
-device; host_optimizer, host_activations on the host), on CUDA the allocator's peak (`allocated`), and the median
-step time after the first. Printed: a row per variant; the last line is
+device; host_optimizer, host_activations on the host), on CUDA the allocator's peak (`allocated`), the median
+step time after the first and the CPU seconds of the whole run (all threads: on a shared machine the steadier
+figure). Printed: a row per variant; the last line is
 
-    LEVER/none device=X.XX host_mib=H step=Y.YY ...   (device: the ledger's device total, or on CUDA the allocator's
-                                                        peak, over the run without levers; step: step-time ratio)
+    LEVER/none device=X.XX host_mib=H step=Y.YY cpu=Z.ZZ ...   (device: the ledger's device total, or on CUDA the
+                                        allocator's peak, over the run without levers; step, cpu: time ratios)
 
     .venv/bin/python bench/memory_levers.py                      # tiny, CPU, about 2 minutes
     .venv/bin/python bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \\
@@ -27,6 +28,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -40,6 +42,7 @@ def child(a) -> None:
     from tensorpar.training import TrainOptions, train
 
     torch.set_num_threads(a.threads)
+    cpu0 = time.process_time()
     s = train(TrainOptions(model=a.model, dtype=a.dtype, seq_len=a.seq_len, global_batch_size=a.global_batch_size,
                            micro_batch_size=a.micro_batch_size, steps=a.steps, warmup_steps=0, device=a.device,
                            val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None,
@@ -49,7 +52,8 @@ def child(a) -> None:
     for r in s["history"]:
         for kind, mib in r["memory_mib"].items():
             memory[kind] = max(mib, memory.get(kind, 0.0))
-    print(json.dumps({"step_s": statistics.median(steps[1:] or steps), "memory": memory,
+    print(json.dumps({"step_s": statistics.median(steps[1:] or steps), "cpu_s": time.process_time() - cpu0,
+                      "memory": memory,
                       "loss": s["history"][-1]["loss"]}), flush=True)
 
 
@@ -72,7 +76,7 @@ def main() -> int:
     print(f"{a.model} {a.dtype}, {a.global_batch_size} x {a.seq_len} tokens a step (micro-batch {a.micro_batch_size}), "
           f"{a.steps} steps, {a.device}, torch {torch.__version__}; peak MiB by kind, median step after the first")
     print(f"{'variant':20} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'host opt':>9} {'host act':>9} "
-          f"{'allocated':>9} {'step s':>8} {'loss':>8}", flush=True)
+          f"{'allocated':>9} {'step s':>8} {'CPU s':>7} {'loss':>8}", flush=True)
     results = {}
     for name in a.variants.split(","):
         argv = [sys.executable, __file__, "--child", name] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
@@ -82,13 +86,14 @@ def main() -> int:
         m = r["memory"]
         print(f"{name:20} {m['parameters']:8.1f} {m['gradients']:8.1f} {m['optimizer']:8.1f} {m['activations']:8.1f} "
               f"{m.get('host_optimizer', 0):9.1f} {m.get('host_activations', 0):9.1f} "
-              f"{m.get('allocated', float('nan')):9.1f} {r['step_s']:8.3f} {r['loss']:8.4f}", flush=True)
+              f"{m.get('allocated', float('nan')):9.1f} {r['step_s']:8.3f} {r['cpu_s']:7.1f} {r['loss']:8.4f}", flush=True)
     device = (lambda m: m["allocated"]) if a.device == "cuda" else (lambda m: sum(m.get(k, 0.0) for k in DEVICE_KINDS))
     base = results.get("none")
     if base is not None:
         print(" ".join(f"{n}/none device={device(r['memory']) / device(base['memory']):.2f} "
                        f"host_mib={r['memory'].get('host_optimizer', 0) + r['memory'].get('host_activations', 0):.0f} "
-                       f"step={r['step_s'] / base['step_s']:.2f}" for n, r in results.items() if n != "none"))
+                       f"step={r['step_s'] / base['step_s']:.2f} cpu={r['cpu_s'] / base['cpu_s']:.2f}"
+                       for n, r in results.items() if n != "none"))
     return 0
 
 

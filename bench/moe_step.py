@@ -30,7 +30,8 @@ a rank's experts, torch._grouped_mm) and ``loop`` (one GEMM per expert); the all
     .venv/bin/python bench/moe_step.py --layouts single --device cuda --dtype bf16 --hidden 1024 --expert-ffn 2816 \
         --experts 16 --seq-len 1024     # grouped vs loop on one GPU (the grouped kernel: bf16 on sm90+)
 
-The line before the last is ``grouped/loop LAYOUT=X.XX ...`` (step-time ratios, with both kinds run); the last is
+The line before the last is ``grouped/loop LAYOUT=X.XX (cpu Y.YY) ...`` (ratios of the median step's wall time and of
+rank 0's CPU seconds in it, with both kinds run); the last is
 ``a2a_share dp2-ep2=X.XX dp4-ep4=Y.YY tp2-dp2-ep4=Z.ZZ imbalance=I.II`` (the largest imbalance of the EP
 layouts).
 """
@@ -115,7 +116,7 @@ def worker(rank: int, world: int, port: int, a, name: str, gemm: str, out_path: 
         mesh.world_group.barrier()
         stats.reset()
         stats.timing = step >= a.warmup
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         opt.begin_step(len(batches))
         total = 0.0
         for batch in batches:
@@ -126,11 +127,11 @@ def worker(rank: int, world: int, port: int, a, name: str, gemm: str, out_path: 
         opt.clip_and_step(1.0, None)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         stats.timing = False
         metrics = moe_step_metrics(model, cfg, mesh)
         if step >= a.warmup:
-            steps.append({"step_s": elapsed, "a2a_s": stats.seconds("all_to_all", "ep"),
+            steps.append({"step_s": elapsed, "cpu_s": cpu, "a2a_s": stats.seconds("all_to_all", "ep"),
                           "a2a_bytes": stats.bytes("all_to_all", "ep"), "a2a_calls": stats.calls("all_to_all", "ep"),
                           "comm_s": stats.seconds(), "imbalance": metrics["moe_load_imbalance"], "loss": total})
     if rank == 0:
@@ -206,7 +207,8 @@ def main() -> int:
           "layers); planned: the planner's all-to-alls of this layout (balanced routing) on the gloo link "
           "calibrated above")
     if "grouped" in gemms and "loop" in gemms:
-        print("grouped/loop " + " ".join(f"{n}={step_s[n, 'grouped'] / step_s[n, 'loop']:.2f}" for n in names))
+        print("grouped/loop " + " ".join(f"{n}={step_s[n, 'grouped'][0] / step_s[n, 'loop'][0]:.2f} "
+                                          f"(cpu {step_s[n, 'grouped'][1] / step_s[n, 'loop'][1]:.2f})" for n in names))
     if shares:
         print("a2a_share " + " ".join(f"{k}={v:.2f}" for k, v in shares.items()) + f" imbalance={max(imbalances):.2f}")
     return 0
@@ -215,7 +217,7 @@ def main() -> int:
 def report_row(cfg, a, name: str, gemm: str, r: dict) -> tuple[float, float, float]:
     """Print one layout's row; (its median step seconds, all-to-all share, mean imbalance)."""
     tp, dp, ep = LAYOUTS[name]
-    med = {k: statistics.median(s[k] for s in r["steps"]) for k in ("step_s", "a2a_s", "comm_s", "a2a_bytes")}
+    med = {k: statistics.median(s[k] for s in r["steps"]) for k in ("step_s", "cpu_s", "a2a_s", "comm_s", "a2a_bytes")}
     calls = r["steps"][0]["a2a_calls"]
     imbalance = statistics.mean(s["imbalance"] for s in r["steps"])
     share = med["a2a_s"] / med["step_s"]
@@ -229,7 +231,7 @@ def report_row(cfg, a, name: str, gemm: str, r: dict) -> tuple[float, float, flo
     print(f"{name:12} {gemm:>7} {tp * dp:>5} {med['step_s']:7.3f} {med['a2a_s']:7.3f} {100 * share:8.1f}% "
           f"{med['a2a_bytes'] / 2**20:8.2f} {calls:>6} {100 * med['comm_s'] / med['step_s']:7.1f}% "
           f"{imbalance:9.2f} |{plan}", flush=True)
-    return med["step_s"], share, imbalance
+    return (med["step_s"], med["cpu_s"]), share, imbalance
 
 
 if __name__ == "__main__":

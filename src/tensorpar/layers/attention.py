@@ -101,11 +101,10 @@ class ParallelAttention(nn.Module):
         """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes); with
         `context`, over the whole sequence of which this CP rank holds its chunks (ring or all-gather); with
         `documents` (of the whole window), within each packed document only."""
+        dropout = self.dropout if self.training else 0.0
         if context is not None:
-            dropout = self.dropout if self.training else 0.0
             seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
             return context_attention(q, k, v, context, dropout, seed, documents)
-        dropout = self.dropout if self.training else 0.0
         if dropout > 0:  # inside the TP region: each rank's heads get their own masks
             with fork_rng_seeded(mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank), q.device):
                 return self._attend(q, k, v, documents, dropout)
