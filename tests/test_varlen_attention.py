@@ -1,6 +1,6 @@
 """Attention within packed documents without an [S, S] mask: the varlen kernel (padded length buckets, SDPA causal)
 equals SDPA with the dense document mask (output and q / k / v gradients, fp32, GQA, one-token documents, a row
-that is one document), the flex kernel's block mask does too (forward: torch has no flex backward on CPU), and a
+that is one document; with a sliding window, a soft cap and a score scale), the flex kernel's block mask does too (forward: torch has no flex backward on CPU), and a
 training step of the model at seq-len 8192 with ~256-token documents creates no tensor of S x S elements (while the
 dense kernel does, at 1024)."""
 
@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensorpar.errors import TensorparError
+from tensorpar.functional.attention_pattern import AttentionPattern
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.varlen_attention import (bucket_length, check_document_attention, document_attention,
                                                     flex_document_attention)
@@ -42,13 +43,20 @@ def test_bucket_lengths_hold_each_document_within_one_and_a_half_times_its_lengt
     assert [bucket_length(n) for n in (1, 2, 3, 5, 7, 192, 193, 257)] == [1, 2, 3, 6, 8, 192, 256, 384]
 
 
-def test_varlen_equals_the_dense_mask():
+PATTERNS = {"plain": AttentionPattern(), "window": AttentionPattern(window=5),
+            "softcap-scale-window": AttentionPattern(scale=0.2, softcap=3.0, window=12)}
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_varlen_equals_the_dense_mask(pattern):
+    """With the layer's pattern too: a window shorter than some documents (band masks per bucket), a soft cap (the
+    softmax written out) and a score scale."""
     docs = _documents(64, ENDS)
     probe = torch.randn(3, 4, 64, 8, generator=torch.Generator().manual_seed(2))
     results = {}
     for kernel in ("dense", "varlen"):
         q, k, v = _qkv(3, 64)
-        out = document_attention(q, k, v, docs, kernel)
+        out = document_attention(q, k, v, docs, kernel, pattern=PATTERNS[pattern])
         (out * probe).sum().backward()
         results[kernel] = [out.detach(), q.grad, k.grad, v.grad]
     errs = [rel_err(a, b) for a, b in zip(results["varlen"], results["dense"])]
@@ -68,8 +76,9 @@ def test_flex_block_mask_equals_the_dense_mask():
     documents: the compiled kernel on CUDA takes the same mask (tests/test_cuda.py trains with it)."""
     docs = _documents(64, ENDS)
     q, k, v = (t.detach() for t in _qkv(3, 64))
-    dense = document_attention(q, k, v, docs, "dense")
-    assert rel_err(flex_document_attention(q, k, v, docs, compiled=False), dense) <= 1e-6
+    for pattern in PATTERNS.values():
+        dense = document_attention(q, k, v, docs, "dense", pattern=pattern)
+        assert rel_err(flex_document_attention(q, k, v, docs, compiled=False, pattern=pattern), dense) <= 1e-6
 
 
 def test_flex_is_refused_where_it_cannot_train():

@@ -13,8 +13,11 @@ Three kernels compute the same function (a query attends the keys of its own doc
 - ``dense``: SDPA with the [B, 1, S, S] boolean mask of `PackedDocuments.causal_mask` (the reference, and the
   fallback on devices the others do not serve).
 
-``auto`` is ``varlen`` on CPU and CUDA, else ``dense``. A sliding window can take the same path: each bucket's
-band mask is [L, L], not [S, S].
+``auto`` is ``varlen`` on CPU and CUDA, else ``dense``. Each kernel applies the layer's `AttentionPattern` (score
+scale, soft cap, sliding window): a window is, for varlen, a band mask per bucket ([L, L], not [S, S]; within a
+document the distance between two positions is the window's), for flex part of the block mask, for dense ANDed
+into the mask; a soft cap makes the varlen and dense kernels write the softmax out (SDPA has none) and flex apply it
+as its score_mod.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 
 from tensorpar.config.choices import DOCUMENT_ATTENTION
 from tensorpar.errors import TensorparError
+from tensorpar.functional.attention_pattern import AttentionPattern
 from tensorpar.functional.document_mask import PackedDocuments
 
 
@@ -101,7 +105,8 @@ def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def varlen_attention(q, k, v, documents: PackedDocuments, dropout_p: float = 0.0) -> torch.Tensor:
+def varlen_attention(q, k, v, documents: PackedDocuments, dropout_p: float = 0.0,
+                     pattern: AttentionPattern = AttentionPattern()) -> torch.Tensor:
     """Causal attention of q [B, H, S, D] over k, v [B, H_kv, S, D] within each document, by padded length
     buckets (see the module). Returns [B, H, S, D]."""
     b, h, s, d = q.shape
@@ -111,8 +116,8 @@ def varlen_attention(q, k, v, documents: PackedDocuments, dropout_p: float = 0.0
     for gather in buckets.gathers:
         n, pad = gather.shape
         qb, kb, vb = (t.index_select(0, gather.flatten()).view(n, pad, t.shape[1], d).transpose(1, 2) for t in flat)
-        out = F.scaled_dot_product_attention(qb, _repeat_heads(kb, h), _repeat_heads(vb, h), is_causal=True,
-                                             dropout_p=dropout_p)
+        band = pattern.causal_mask(pad, q.device) if pattern.windowed(pad) else None
+        out = pattern.attend(qb, _repeat_heads(kb, h), _repeat_heads(vb, h), band, band is None, dropout_p)
         outs.append(out.transpose(1, 2).reshape(n * pad, h, d))
     out = torch.cat(outs).index_select(0, buckets.scatter)
     return out.view(b, s, h, d).transpose(1, 2)
@@ -125,46 +130,54 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _block_mask(documents: PackedDocuments):
-    """flex_attention's block mask of the window's documents (memoised per device)."""
+def _block_mask(documents: PackedDocuments, window: int | None):
+    """flex_attention's block mask of the window's documents (and a sliding `window`), memoised per device."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = ("flex", documents.index.device)
+    key = ("flex", documents.index.device, window)
     if key not in documents._memo:
         index = documents.index
 
         def same_document(b, h, q_idx, kv_idx):
-            return (index[b, q_idx] == index[b, kv_idx]) & (kv_idx <= q_idx)
+            seen = (index[b, q_idx] == index[b, kv_idx]) & (kv_idx <= q_idx)
+            return seen if window is None else seen & (q_idx - kv_idx < window)
 
         b, s = index.shape
         documents._memo[key] = create_block_mask(same_document, b, None, s, s, device=index.device)
     return documents._memo[key]
 
 
-def flex_document_attention(q, k, v, documents: PackedDocuments, compiled: bool = True) -> torch.Tensor:
+def flex_document_attention(q, k, v, documents: PackedDocuments, compiled: bool = True,
+                            pattern: AttentionPattern = AttentionPattern()) -> torch.Tensor:
     """The same by flex_attention with the documents' block mask (`compiled`: torch.compile'd, as it must be to
-    be fast; eager runs it as a masked reference)."""
+    be fast; eager runs it as a masked reference); a soft cap as its score_mod."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    cap = pattern.softcap
+    score_mod = None if cap is None else (lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap)
     fn = _compiled_flex() if compiled else flex_attention
-    return fn(q, k, v, block_mask=_block_mask(documents), enable_gqa=k.shape[1] != q.shape[1])
+    return fn(q, k, v, score_mod=score_mod, block_mask=_block_mask(documents, pattern.window),
+              scale=pattern.scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def dense_document_attention(q, k, v, documents: PackedDocuments, dropout_p: float = 0.0) -> torch.Tensor:
-    """The same by SDPA with the dense [B, 1, S, S] mask (O(S^2) memory: the reference)."""
-    h = q.shape[1]
-    return F.scaled_dot_product_attention(q, _repeat_heads(k, h), _repeat_heads(v, h),
-                                          attn_mask=documents.causal_mask(), dropout_p=dropout_p)
+def dense_document_attention(q, k, v, documents: PackedDocuments, dropout_p: float = 0.0,
+                             pattern: AttentionPattern = AttentionPattern()) -> torch.Tensor:
+    """The same by the dense [B, 1, S, S] mask (O(S^2) memory: the reference)."""
+    h, s = q.shape[1], q.shape[2]
+    mask = documents.causal_mask()
+    if pattern.windowed(s):
+        mask = mask & pattern.causal_mask(s, q.device)
+    return pattern.attend(q, _repeat_heads(k, h), _repeat_heads(v, h), mask, False, dropout_p)
 
 
-def document_attention(q, k, v, documents: PackedDocuments, kernel: str = "auto",
-                       dropout_p: float = 0.0) -> torch.Tensor:
+def document_attention(q, k, v, documents: PackedDocuments, kernel: str = "auto", dropout_p: float = 0.0,
+                       pattern: AttentionPattern = AttentionPattern()) -> torch.Tensor:
     """Causal attention of q [B, H, S, D] over k, v [B, H_kv, S, D] (H a multiple of H_kv) within each packed
-    document of `documents`, by `kernel` (see the module; ``auto`` resolved by the tensors' device). Dropout, if
-    any, draws from torch's current RNG (the caller seeds it)."""
+    document of `documents`, by `kernel` (see the module; ``auto`` resolved by the tensors' device), the scores
+    as `pattern` makes them. Dropout, if any, draws from torch's current RNG (the caller seeds it)."""
     kernel = document_kernel(kernel, q.device, dropout_p)
     if kernel == "varlen":
-        return varlen_attention(q, k, v, documents, dropout_p)
+        return varlen_attention(q, k, v, documents, dropout_p, pattern)
     if kernel == "flex":
-        return flex_document_attention(q, k, v, documents)
-    return dense_document_attention(q, k, v, documents, dropout_p)
+        return flex_document_attention(q, k, v, documents, pattern=pattern)
+    return dense_document_attention(q, k, v, documents, dropout_p, pattern)

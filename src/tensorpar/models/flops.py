@@ -1,8 +1,10 @@
 """Model FLOPs per trained token (PaLM's accounting), for MFU and the planner.
 
-FLOPs per trained token: 6 x (parameters that take part in a matmul) + 12 x layers x hidden x
-sequence (attention scores and their use, forward and backward). Embedding lookups are not
-matmuls; a tied output head is counted once, as the matmul it is.
+FLOPs per trained token: 6 x (parameters that take part in a matmul) + 12 x (query heads x head size) x the keys
+each query's layer attends to, summed over the layers (attention scores and their use, forward and backward): the
+sequence, or a sliding layer's window when shorter (PaLM's 12 x layers x hidden x sequence for a model whose heads
+span the hidden size and attend to the whole sequence). Embedding lookups are not matmuls; a tied output head is
+counted once, as the matmul it is.
 """
 
 from __future__ import annotations
@@ -19,5 +21,12 @@ def matmul_params(cfg) -> int:
     return n
 
 
+def attention_flops_per_token(cfg, seq_len: int) -> float:
+    """12 x heads x head size x the keys a query attends to, summed over the layers (a window caps them)."""
+    width = cfg.num_heads * cfg.head_dim
+    keys = sum(min(seq_len, cfg.attention_window(i) or seq_len) for i in range(cfg.num_layers))
+    return 12.0 * width * keys
+
+
 def train_flops_per_token(cfg, seq_len: int) -> float:
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
+    return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
