@@ -37,7 +37,7 @@ def test_grouped_mm_equals_the_loop_over_experts(sizes, out, inp):
     assert grouped_mm_runs(x, weight) == (inp % 4 == 0 and out % 4 == 0)  # 16-byte rows of fp32
 
 
-def _grouped_against_loop(m, dtype=torch.float32) -> dict:
+def _grouped_against_loop(m) -> dict:
     """Relative errors of the loss, logits and every gradient of a tiny-moe model with grouped experts against the
     same model with looped ones on mesh `m` (None: one process); the grouped kernel's calls are counted."""
     calls, grouped = [0], region_gemms.grouped_mm
@@ -52,7 +52,7 @@ def _grouped_against_loop(m, dtype=torch.float32) -> dict:
         ids = torch.randint(0, TINY_MOE2.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
         found = {}
         for gemm in ("loop", "grouped"):
-            model = Transformer(TINY_MOE2, Placement.on(m, expert_gemm=gemm), seed=3).to(dtype)
+            model = Transformer(TINY_MOE2, Placement.on(m, expert_gemm=gemm), seed=3)
             model.train()
             loss = model(ids[:, :-1], ids[:, 1:])
             loss.backward()
