@@ -16,16 +16,18 @@ from tensorpar.config.choices import (
     BIN_DTYPES,
     CP_IMPLS,
     CP_SPLITS,
+    DOCUMENT_ATTENTION,
     DTYPES,
     EXAMPLE_PACKINGS,
+    EXPERT_GEMMS,
     FP8_RECIPES,
     GRAD_REDUCE_DTYPES,
     LONG_EXAMPLES,
-    LORA_TARGETS,
     LOSS_CHUNK_TOKENS,
     LR_SCHEDULES,
     ON_NAN,
     OPTIMIZERS,
+    OPTIMIZER_STATE_DTYPES,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
     PLAN_PRECISIONS,
@@ -37,6 +39,7 @@ from tensorpar.config.choices import (
     ZERO_STAGES,
 )
 from tensorpar.config.fields import option
+from tensorpar.config.lora_options import LoraAdapterOptions, LoraOptions
 
 LAYOUT = "layout"
 LAUNCH = "processes"
@@ -72,6 +75,29 @@ class ExpertOptions:
                         "tp x cp x dp ranks of a stage regrouped into ep x expert-DP for the MoE layers (ep must "
                         "divide tp x cp x dp; eval and generate without --dp start ep / gcd(tp x cp, ep) data-parallel "
                         "replicas so that it does)", group=LAYOUT)
+    expert_gemm: str = option("grouped", "the routed experts' GEMMs: one grouped GEMM per projection "
+                                         "(torch._grouped_mm where it runs), or one GEMM per expert",
+                              choices=EXPERT_GEMMS, group=LAYOUT)
+
+
+@dataclasses.dataclass
+class MemoryLeverOptions:
+    """Memory levers (`tensorpar.config.memory_levers`): what train runs with and plan models."""
+
+    optimizer_offload: bool = option(False, "keep AdamW's states and the fp32 master weights in host memory and step "
+                                            "there (pinned on CUDA)", group="memory")
+    activation_offload: bool = option(False, "move the tensors saved for the backward to host memory and back "
+                                             "(pinned and overlapped on CUDA)", group="memory")
+    optimizer_state_dtype: str = option("fp32", "AdamW's moments in this dtype (the master weights stay fp32)",
+                                        choices=OPTIMIZER_STATE_DTYPES, group="memory")
+
+
+@dataclasses.dataclass
+class PlanMemoryOptions(MemoryLeverOptions):
+    """The memory levers plan models, and the host memory they may fill."""
+
+    host_memory_gib: float | None = option(None, "host memory per GPU the offloading levers may use (default 256: a "
+                                                 "DGX H100's 2 TiB over 8 GPUs)", group="memory")
 
 
 @dataclasses.dataclass
@@ -96,30 +122,7 @@ class DataOptions(TokenCacheOptions):
 
 
 @dataclasses.dataclass
-class LoraAdapterOptions:
-    """A PEFT LoRA adapter folder (train: continue it; eval, generate, serve: apply it to the model)."""
-
-    lora_adapter: str | None = option(None, "a PEFT LoRA adapter folder (adapter_config.json + "
-                                            "adapter_model.safetensors) of the model: train continues it (with "
-                                            "--init-from the base model); eval, generate and serve merge it into "
-                                            "the weights", metavar="DIR", group="lora")
-
-
-@dataclasses.dataclass
-class LoraOptions(LoraAdapterOptions):
-    """Low-rank adapters on the model's linears, the base weights frozen (train)."""
-
-    lora_rank: int = option(0, "train LoRA adapters of this rank on --lora-targets, every other weight frozen "
-                               "(0: train every weight)", metavar="R", group="lora")
-    lora_alpha: float | None = option(None, "the adapters' alpha: their product is scaled by alpha / rank "
-                                            "(default: the rank)", metavar="A", group="lora")
-    lora_targets: str = option(",".join(LORA_TARGETS), "comma-separated linears the adapters sit on, of "
-                                                       f"{', '.join(LORA_TARGETS)}", metavar="T,T,...", group="lora")
-    lora_dropout: float = option(0.0, "dropout on the adapters' input", metavar="P", group="lora")
-
-
-@dataclasses.dataclass
-class TrainOptions(LoraOptions, DataOptions, ExpertOptions, LaunchOptions):
+class TrainOptions(LoraOptions, DataOptions, ExpertOptions, LaunchOptions, MemoryLeverOptions):
     """`tensorpar train`: everything a training run needs. From Python, outputs (metrics, plots) are written only
     where `metrics` / `out_dir` say; the command line defaults them to runs/MODEL-tpT/."""
 
@@ -130,6 +133,10 @@ class TrainOptions(LoraOptions, DataOptions, ExpertOptions, LaunchOptions):
                                         "positions restarting at each, the documents ending at the tokenizer's "
                                         "EOS (which belongs to the document it ends); training and its validation",
                                  group="model")
+    document_attention: str = option("auto", "--document-mask's attention: varlen (padded per-length batches, SDPA "
+                                             "causal, no mask), flex (flex_attention, CUDA), dense (an [S, S] mask); "
+                                             "auto: varlen on CPU and CUDA", choices=DOCUMENT_ATTENTION,
+                                     group="model")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
     expert_tp: int = option(1, "expert tensor-parallel size (mixture-of-experts models): each expert's MLP split "
                                "Megatron-style over this many ranks, folded fastest (expert-TP x EP x expert-DP); "
@@ -346,7 +353,7 @@ class ServeOptions(LoraAdapterOptions, ExpertOptions, LaunchOptions):
 
 
 @dataclasses.dataclass
-class PlanOptions:
+class PlanOptions(PlanMemoryOptions):
     """`tensorpar plan`: rank layouts for a model on a cluster, or draw a pipeline schedule."""
 
     model: str | None = option(None, "preset name or config .json", group="layout mode")

@@ -61,6 +61,9 @@ Pipeline: with 1F1B the first stage holds ``min(pp, m)`` micro-batches of activa
 i.e. L (1 + (pp - 1)/(pp v)) layers' worth, as Korthikanti et al. state. Without PP one
 micro-batch is in flight (gradient accumulation runs them one after another).
 
+Memory levers (`tensorpar.planning.offload_memory`): bf16 AdamW moments, the optimizer and the activations in
+host memory (``host_optimizer``, ``host_activations``; not in the GPU's total).
+
 Margin: ``overhead`` = 1.5 GiB (CUDA context, NCCL and cuBLAS workspaces) + 5% of everything
 else (allocator fragmentation, small temporaries). A layout is feasible when the total,
 overhead included, fits the GPU's memory.
@@ -72,10 +75,12 @@ import dataclasses
 import math
 
 from tensorpar.config.choices import LOSS_CHUNK_TOKENS
+from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.config.hardware import GiB
 from tensorpar.distributed.sharding import padded
 from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
 from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
+from tensorpar.planning.offload_memory import host_optimizer_bytes, levered_precision
 from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
 
@@ -284,6 +289,8 @@ class MemoryBreakdown:
     overhead: int
     stage: int
     parameter_count: int
+    host_optimizer: int = 0  # --optimizer-offload: the optimizer's bytes in host memory
+    host_activations: int = 0  # --activation-offload: the saved tensors in host memory
 
     @property
     def total(self) -> int:
@@ -293,9 +300,15 @@ class MemoryBreakdown:
     COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "weight_copies", "transient", "overhead")
 
     def gib(self) -> dict[str, float]:
+        """The GPU's bytes by component and in total, GiB."""
         out = {k: getattr(self, k) / GiB for k in self.COMPONENTS}
         out["total"] = self.total / GiB
         return out
+
+    def host_gib(self) -> dict[str, float]:
+        """The host memory the memory levers use, GiB."""
+        return {"optimizer": self.host_optimizer / GiB, "activations": self.host_activations / GiB,
+                "total": (self.host_optimizer + self.host_activations) / GiB}
 
 
 def optimizer_state_bytes(params, precision: Precision, zero: int = 0, dp: int = 1) -> int:
@@ -349,11 +362,13 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
 
 def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precision: Precision | str,
                  stage: int = 0, flash_attention: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 tp_overlap: bool = True, loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS) -> MemoryBreakdown:
+                 tp_overlap: bool = True, loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
+                 levers: MemoryLevers = MemoryLevers()) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size; `tp_overlap`:
     tensorpar's TP overlap, its default, on as in training; `loss_chunk_tokens`: tensorpar's fused head and loss,
-    training's default chunk, None for logits then the loss)."""
-    prec = get_precision(precision)
+    training's default chunk, None for logits then the loss), and the host memory the `levers` use
+    (`tensorpar.planning.offload_memory`)."""
+    prec = levered_precision(get_precision(precision), levers)
     pp = layout.pp
     summary = layout_summary(cfg, layout, stage)
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
@@ -367,10 +382,17 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
                                                 flash_attention, tp_overlap, chunked)
     weight_copies, copies_alive = _weight_copy_bytes(cfg, layout, summary, n_layers, chunks, last, prec, chunked)
     transient = gathered + recomputed + copies_alive
+    host_opt = host_act = 0
+    if levers.optimizer_offload:
+        opt_mem, host_opt = 0, host_optimizer_bytes(summary, layout, prec)
+    if levers.activation_offload:  # one layer's saved tensors come back for its backward
+        host_act, activations, weight_copies = activations + weight_copies, 0, 0
+        transient += _layer_activations(cfg, layout, layout.micro_batch_size, seq_len // layout.cp, layout.recompute,
+                                        prec, flash_attention, tp_overlap, 1.0 if cfg.is_moe else 0.0)
     subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
     return MemoryBreakdown(param_mem, grad_mem, opt_mem, activations, weight_copies, transient, overhead,
-                           stage, summary.numel)
+                           stage, summary.numel, host_opt, host_act)
 
 
 def _state_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: int, stage: int, prec: Precision,
@@ -467,8 +489,8 @@ def _weight_copy_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: 
 
 
 def layout_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precision: Precision | str,
-                  flash_attention: bool = True) -> MemoryBreakdown:
+                  flash_attention: bool = True, levers: MemoryLevers = MemoryLevers()) -> MemoryBreakdown:
     """The most loaded GPU's breakdown (the first or the last pipeline stage; any stage with uneven stages)."""
     stages = candidate_stages(cfg, layout)
-    return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention) for st in stages),
-               key=lambda mb: mb.total)
+    return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention, levers=levers)
+                for st in stages), key=lambda mb: mb.total)

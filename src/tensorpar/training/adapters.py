@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.checkpoints.peft_adapter import check_lora_model, read_adapter, read_adapter_config
-from tensorpar.config.options import LoraOptions, TrainOptions
+from tensorpar.config.lora_options import LoraOptions
+from tensorpar.config.options import TrainOptions
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
 from tensorpar.tensor_parallel.lora import LoraSpec
