@@ -13,6 +13,8 @@ its `AttentionPattern`: the score scale, Gemma 2's soft cap, the sliding window 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
