@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Mixtral and Qwen2-MoE, safetensors) to and from tensorpar's dense state
-dicts (the experts of MoE layers: `tensorpar.checkpoints.hf_moe`).
+"""Hugging Face checkpoints (GPT-2, Llama, Mixtral, Qwen2-MoE, DeepSeek-V3 and GLM-4.5, safetensors) to and from
+tensorpar's dense state dicts (the experts of MoE layers: `tensorpar.checkpoints.hf_moe`; DeepSeek-V3 and GLM-4.5:
+`tensorpar.checkpoints.hf_deepseek`).
 
 Configs are mapped by `tensorpar.checkpoints.hf_config`.
 
@@ -25,14 +26,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, check_representable, config_from_hf, config_to_hf
+from tensorpar.checkpoints.hf_deepseek import deepseek_from_hf, deepseek_to_hf, held_mtp_layers, is_mtp_copy
+from tensorpar.checkpoints.hf_deepseek_config import DEEPSEEK_MODEL_TYPES
 from tensorpar.checkpoints.hf_moe import experts_from_hf, experts_to_hf, moe_layer_pairs, unfuse_experts
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
-from tensorpar.models.state import dense_shape
+from tensorpar.models.state import dense_shape, model_state
 from tensorpar.models.placement import Placement
 from tensorpar.models.transformer import Transformer
 
@@ -44,6 +48,7 @@ _IGNORED = {
     "gpt2": re.compile(r"^transformer\.h\.\d+\.attn\.(bias|masked_bias)$"),
     "llama": re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
 }
+_IGNORED.update(dict.fromkeys(DEEPSEEK_MODEL_TYPES, _IGNORED["llama"]))
 
 
 # -- names ----------------------------------------------------------------------------------------
@@ -52,13 +57,13 @@ _IGNORED = {
 def _dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """tensorpar's dense parameter names and shapes for `cfg`, from a model built on the meta device."""
     model = Transformer(cfg, Placement.on(None, device="meta"), init=False)
-    return {name: dense_shape(p, shard_spec(p)) for name, p in model.named_parameters()}
+    return {name: dense_shape(p, shard_spec(p)) for name, p in model_state(model).items()}
 
 
 def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The Hugging Face tensor names and shapes for `cfg` (what `tensorpar_to_hf` writes)."""
     meta = {name: torch.empty(shape, device="meta") for name, shape in _dense_shapes(cfg).items()}
-    return {name: tuple(t.shape) for name, t in tensorpar_to_hf(meta, cfg).items()}
+    return {name: tuple(t.shape) for name, t in tensorpar_to_hf(meta, cfg).items() if not is_mtp_copy(name, cfg)}
 
 
 def _canonical(name: str, family: str) -> str:
@@ -113,6 +118,8 @@ def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         raise TensorparError(f"tensorpar state dict does not match the {cfg.family} config: missing {missing[:5]}"
                              f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                              f"{'...' if len(unexpected) > 5 else ''}")
+    if cfg.family in DEEPSEEK_MODEL_TYPES:
+        return deepseek_to_hf(state, cfg)
     if cfg.family == "llama":
         out = {hf: state[tp] for hf, tp in _llama_pairs(cfg)}
         for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
@@ -145,7 +152,7 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
     origin: dict[str, str] = {}  # canonical name -> name as stored, for messages
     for name, tensor in hf_state.items():
         key = _canonical(name, family)
-        if _IGNORED[family].match(key) or (key == "lm_head.weight" and cfg.tie_embeddings):
+        if _IGNORED[family].match(key) or (key == "lm_head.weight" and cfg.tie_embeddings) or is_mtp_copy(key, cfg):
             continue
         if key in state:
             raise TensorparError(f"{source}: '{origin[key]}' and '{name}' are the same tensor under two names")
@@ -167,6 +174,8 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
             raise TensorparError(f"{where(origin[key])}: tensor '{origin[key]}' has shape {tuple(state[key].shape)}, "
                                  f"the config expects {shape}")
 
+    if family in DEEPSEEK_MODEL_TYPES:
+        return deepseek_from_hf(state, cfg, _dense_shapes(cfg))
     if family == "llama":
         out = {tp: state[hf] for hf, tp in _llama_pairs(cfg)}
         for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
@@ -246,6 +255,24 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def read_hf_config(path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder's config.json, with as many multi-token prediction modules as its
+    weights hold (transformers saves none; their names are read, not the tensors)."""
+    folder = Path(path)
+    config_path = folder / "config.json"
+    try:
+        cfg = config_from_hf(_read_json(config_path, "Hugging Face config"))
+    except TensorparError as e:
+        raise TensorparError(f"{config_path}: {e}") from None
+    if cfg.num_mtp_layers:
+        names = []
+        for file in _safetensors_files(folder):
+            with safe_open(str(file), framework="pt") as f:
+                names += list(f.keys())
+        cfg = cfg.replace(num_mtp_layers=held_mtp_layers(cfg, names))
+    return cfg
+
+
 def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, dense state dict in tensorpar's names) from a Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE
     safetensors folder,
@@ -254,13 +281,7 @@ def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not folder.is_dir():
         raise TensorparError(f"Hugging Face folder '{folder}' does not exist" if not folder.exists()
                              else f"'{folder}' is not a folder (a Hugging Face checkpoint is a folder)")
-    config_path = folder / "config.json"
-    hf = _read_json(config_path, "Hugging Face config")
-    try:
-        cfg = config_from_hf(hf)
-    except TensorparError as e:
-        raise TensorparError(f"{config_path}: {e}") from None
-
+    cfg = read_hf_config(folder)
     hf_state: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for file in _safetensors_files(folder):

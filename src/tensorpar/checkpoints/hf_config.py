@@ -1,5 +1,5 @@
 """Hugging Face config.json <-> tensorpar's ModelConfig, for GPT-2, Llama, Mixtral and Qwen2-MoE (the MoE fields:
-`tensorpar.checkpoints.hf_moe_config`).
+`tensorpar.checkpoints.hf_moe_config`), DeepSeek-V3 and GLM-4.5 (`tensorpar.checkpoints.hf_deepseek_config`).
 
     config_from_hf(hf_dict)          config.json -> ModelConfig (refuses what the model cannot compute)
     config_to_hf(cfg)                ModelConfig -> a config.json dict transformers loads
@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from tensorpar.checkpoints.hf_deepseek_config import (
+    ARCHITECTURES as DEEPSEEK_ARCHITECTURES,
+    DEEPSEEK_MODEL_TYPES,
+    deepseek_config_from_hf,
+    deepseek_config_to_hf,
+    deepseek_export_problems,
+)
 from tensorpar.checkpoints.hf_fields import boolean, positive_float, positive_int, require, unsupported
 from tensorpar.checkpoints.hf_moe_config import (
     MOE_MODEL_TYPES,
@@ -20,7 +27,7 @@ from tensorpar.checkpoints.hf_moe_config import (
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama") + MOE_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama") + MOE_MODEL_TYPES + DEEPSEEK_MODEL_TYPES
 # Hugging Face activation names -> tensorpar's (same function; gelu_new is the tanh approximation).
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
                      "silu": "silu", "swish": "silu"}
@@ -39,6 +46,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
                            "quantized checkpoints are not supported")
     if model_type in MOE_MODEL_TYPES:
         return moe_config_from_hf(hf, _decoder_fields(hf, model_type))
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        return deepseek_config_from_hf(hf)
     return _gpt2_config(hf) if model_type == "gpt2" else _llama_config(hf)
 
 
@@ -177,7 +186,13 @@ def _llama_config(hf: dict) -> ModelConfig:
 
 def check_representable(cfg: ModelConfig) -> None:
     """Refuse configs that have no Hugging Face GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM /
-    Qwen2MoeForCausalLM equivalent."""
+    Qwen2MoeForCausalLM / DeepseekV3ForCausalLM / Glm4MoeForCausalLM equivalent."""
+    if cfg.family in DEEPSEEK_MODEL_TYPES:
+        bad = deepseek_export_problems(cfg)
+        if bad:
+            raise TensorparError(f"this {cfg.family} config has no Hugging Face {DEEPSEEK_ARCHITECTURES[cfg.family]} "
+                                 f"equivalent: {', '.join(bad)}")
+        return
     if cfg.family == "gpt2" and not cfg.is_moe:
         wanted = dict(norm="layernorm", position="learned", gated_mlp=False, bias=True, num_kv_heads=cfg.num_heads)
         actual = dict(norm=cfg.norm, position=cfg.position, gated_mlp=cfg.gated_mlp, bias=cfg.bias,
@@ -205,7 +220,10 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict:
     """A config.json dict that transformers loads as a GPT2Config / LlamaConfig / MixtralConfig / Qwen2MoeConfig (the
     inverse of config_from_hf)."""
     check_representable(cfg)
-    out = _gpt2_hf_fields(cfg) if cfg.family == "gpt2" else _decoder_hf_fields(cfg)
+    if cfg.family in DEEPSEEK_MODEL_TYPES:
+        out = deepseek_config_to_hf(cfg)
+    else:
+        out = _gpt2_hf_fields(cfg) if cfg.family == "gpt2" else _decoder_hf_fields(cfg)
     if dtype is not None:
         out["torch_dtype"] = str(dtype).removeprefix("torch.")
     return out

@@ -3,11 +3,10 @@ tensorpar checkpoint (its latest step, or a step folder)."""
 
 from __future__ import annotations
 
-import json
 import os
 
-from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder
-from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
+from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder, read_hf_config
+from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES
 from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
@@ -26,8 +25,7 @@ def load_config(path: str):
     if is_checkpoint(path):
         return ModelConfig(**read_meta(path, verify=False)[1]["model"])
     if is_hf_folder(path):
-        with open(os.path.join(path, "config.json")) as f:
-            return config_from_hf(json.load(f))
+        return read_hf_config(path)
     raise TensorparError(
         f"checkpoint '{path}' is not a Hugging Face model folder (config.json with model_type "
         f"{', '.join(SUPPORTED_MODEL_TYPES)}, "

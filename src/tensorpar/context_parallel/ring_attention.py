@@ -214,7 +214,7 @@ class _RingAttention(torch.autograd.Function):
             dqs = [torch.zeros_like(t) for t in qs]
             block_k, block_v = k, v
             grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-            grad_v = torch.zeros_like(grad_k)
+            grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)  # latent attention: Dv != D
             for step in range(n):
                 src = (r - step) % n
                 pending = _exchange(group, [block_k, block_v], step, n, _TAG_BACKWARD)
@@ -291,15 +291,17 @@ def _exchange(group: Group, tensors, step: int, n: int, tag: int) -> _Exchange |
 
 
 def ring_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                   documents: PackedDocuments | None = None):
+                   documents: PackedDocuments | None = None, scale: float | None = None):
     """Causal attention of this rank's queries [B, H, L/cp, D] over the whole sequence's keys and values, of which
-    this rank holds [B, H_kv, L/cp, D] (H a multiple of H_kv): the ring. Returns [B, H, L/cp, D]. With
-    `documents` (of the whole window), within each document only, skipping the blocks that leaves empty."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    this rank holds [B, H_kv, L/cp, D] (values [B, H_kv, L/cp, Dv]; H a multiple of H_kv): the ring. Returns
+    [B, H, L/cp, Dv]. With `documents` (of the whole window), within each document only, skipping the blocks that
+    leaves empty. `scale`: of the scores (default 1 / sqrt(D))."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _RingAttention.apply(q, k, v, split, scale, dropout_p, dropout_seed, documents)
 
 
-def _within_documents(q, k_all, v_all, keys, split: ContextSplit, documents: PackedDocuments, dropout_p: float):
+def _within_documents(q, k_all, v_all, keys, split: ContextSplit, documents: PackedDocuments, dropout_p: float,
+                      scale: float | None = None):
     """Each local chunk's queries against the gathered keys from the earliest start of their documents up to the
     chunk's end (the keys before it are masked for every query: not computed)."""
     order = torch.argsort(keys)  # the gathered keys in sequence order
@@ -310,29 +312,40 @@ def _within_documents(q, k_all, v_all, keys, split: ContextSplit, documents: Pac
         lo, hi = first[qc], (qc + 1) * c
         mask = documents.allowed(torch.arange(qc * c, hi, device=q.device), torch.arange(lo, hi, device=q.device))
         outs.append(F.scaled_dot_product_attention(q[:, :, qi * c:(qi + 1) * c], k_seq[:, :, lo:hi],
-                                                   v_seq[:, :, lo:hi], attn_mask=mask, dropout_p=dropout_p))
+                                                   v_seq[:, :, lo:hi], attn_mask=mask, dropout_p=dropout_p,
+                                                   scale=scale))
     return torch.cat(outs, dim=2)
 
 
 def allgather_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                        documents: PackedDocuments | None = None):
+                        documents: PackedDocuments | None = None, scale: float | None = None):
     """The same result by all-gathering K and V over the CP group (backward: reduce-scatter of their gradients)."""
     group = split.group
     k_all = gather_from_sp(k.contiguous(), group, dim=2)
     v_all = gather_from_sp(v.contiguous(), group, dim=2)
-    repeat = q.shape[1] // k.shape[1]
+    return attend_gathered(q, k_all, v_all, split, dropout_p, dropout_seed, documents, scale)
+
+
+def attend_gathered(q, k_all, v_all, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                    documents: PackedDocuments | None = None, scale: float | None = None):
+    """This rank's queries [B, H, L/cp, D] over keys and values all-gathered over the CP group in rank order
+    ([B, H_kv, L, D], [B, H_kv, L, Dv]: what `gather_from_sp(..., dim=2)` returns), with the causal (or document)
+    mask of their positions: `allgather_attention`'s second half, for a caller that gathers something smaller and
+    expands it (latent attention gathers its compressed latent)."""
+    group = split.group
+    repeat = q.shape[1] // k_all.shape[1]
     k_all, v_all = _repeat(k_all, repeat), _repeat(v_all, repeat)
     keys = torch.cat([split.positions(q.device, rank) for rank in range(group.size)])
     with fork_rng_seeded(mix_seed(dropout_seed, group.rank), q.device) if dropout_p > 0 else contextlib.nullcontext():
         if documents is not None:
-            return _within_documents(q, k_all, v_all, keys, split, documents, dropout_p)
+            return _within_documents(q, k_all, v_all, keys, split, documents, dropout_p, scale)
         mask = keys.unsqueeze(0) <= split.positions(q.device).unsqueeze(1)  # [L/cp, L]: True where attended
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def context_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                      documents: PackedDocuments | None = None):
+                      documents: PackedDocuments | None = None, scale: float | None = None):
     """Attention across the CP ranks of `split`, by its `impl` (ring or allgather); with `documents` (of the whole
-    window), within each document only."""
+    window), within each document only; `scale`: of the scores (default 1 / sqrt(head_dim))."""
     fn = ring_attention if split.impl == "ring" else allgather_attention
-    return fn(q, k, v, split, dropout_p, dropout_seed, documents)
+    return fn(q, k, v, split, dropout_p, dropout_seed, documents, scale)

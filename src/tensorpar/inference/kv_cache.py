@@ -4,7 +4,9 @@ Each rank keeps only its own KV heads (`ParallelAttention.local_kv_heads`: its s
 heads, or the one replicated KV head its query heads use when there are fewer KV heads than
 ranks), so the cache costs 1/tp of the dense model's per rank and needs no communication.
 
-Per layer, k and v are preallocated [B, local_kv_heads, max_len, head_dim]. Slots 0..length-1
+Per layer, k and v are preallocated [B, local_kv_heads, max_len, head_dim] (an attention's `cache_layout`: latent
+attention caches its compressed latent and rotary key instead, [B, 1, max_len, kv_lora_rank] and
+[B, 1, max_len, qk_rope_head_dim], whole on every rank). Slots 0..length-1
 are filled. A forward step appends its new keys and values in every layer at slots
 length..length+s-1 (`append`, which returns views of everything so far) and then `advance(s)`.
 
@@ -22,10 +24,14 @@ from tensorpar.errors import TensorparError
 
 class KVCache:
     def __init__(self, layer_keys, batch: int, local_kv_heads: int, max_len: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device=None, pad: torch.Tensor | None = None):
-        shape = (batch, local_kv_heads, max_len, head_dim)
-        self.k = {str(key): torch.zeros(shape, dtype=dtype, device=device) for key in layer_keys}
-        self.v = {str(key): torch.zeros(shape, dtype=dtype, device=device) for key in layer_keys}
+                 dtype: torch.dtype = torch.float32, device=None, pad: torch.Tensor | None = None,
+                 value_layout: tuple[int, int] | None = None):
+        """`value_layout`: (heads, dim) of the values when they differ from the keys' (local_kv_heads, head_dim)."""
+        value_heads, value_dim = value_layout or (local_kv_heads, head_dim)
+        self.k = {str(key): torch.zeros((batch, local_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+                  for key in layer_keys}
+        self.v = {str(key): torch.zeros((batch, value_heads, max_len, value_dim), dtype=dtype, device=device)
+                  for key in layer_keys}
         self.batch, self.max_len = batch, max_len
         self.length = 0
         if pad is not None:
@@ -37,14 +43,15 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int, *, dtype: torch.dtype | None = None, pad=None) -> "KVCache":
-        """An empty cache for every layer of `model` (this rank's KV heads), on the model's device."""
-        attn = next(iter(model.layers.values())).attn
+        """An empty cache for every layer of `model` (what its attention caches: this rank's KV heads), on the
+        model's device."""
+        (heads, dim), values = next(iter(model.decoder_layers().values())).attn.cache_layout()
         param = next(model.parameters())
-        return cls(list(model.layers), batch, attn.local_kv_heads, max_len, attn.head_dim,
-                   dtype=dtype or param.dtype, device=param.device, pad=pad)
+        return cls(model.decoder_keys, batch, heads, max_len, dim, dtype=dtype or param.dtype, device=param.device,
+                   pad=pad, value_layout=values)
 
     def append(self, layer_key, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, local_kv_heads, s, head_dim] at slots length..length+s-1 of this layer; return views
+        """Store k, v [B, heads, s, dim] at slots length..length+s-1 of this layer; return views
         of slots 0..length+s-1 (everything this step attends to). The length moves on only with `advance`."""
         key, end = str(layer_key), self.length + k.shape[2]
         if end > self.max_len:
@@ -79,11 +86,12 @@ class KVCache:
             mask = mask[:, None]  # [B, 1, s, L]: the same for every head
         return mask, False
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v of the s new queries [B, heads, s, d] over the keys and values `append`
-        returned (heads repeated for grouped-query attention), masked by `attention_mask(s)`."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """softmax(q k^T * scale) v (default scale 1 / sqrt(d)) of the s new queries [B, heads, s, d] over the keys
+        and values `append` returned (heads repeated for grouped-query attention, latents expanded), masked by
+        `attention_mask(s)`."""
         mask, is_causal = self.attention_mask(q.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))

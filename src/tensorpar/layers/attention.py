@@ -92,6 +92,10 @@ class ParallelAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, exit_region or self.region, cfg.bias, device=device,
                                         init=False)
 
+    def cache_layout(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, dim) of what a KV cache holds per token and layer on this rank, as (keys, values)."""
+        return (self.local_kv_heads, self.head_dim), (self.local_kv_heads, self.head_dim)
+
     def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None,
              documents: PackedDocuments | None = None):
         """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes); with

@@ -9,6 +9,7 @@ from tensorpar.context_parallel.ring_attention import ContextSplit
 from tensorpar.expert_parallel import MoELayer
 from tensorpar.functional.dropout import mix_seed, seeded_dropout
 from tensorpar.layers.attention import ParallelAttention
+from tensorpar.layers.latent_attention import LatentAttention
 from tensorpar.layers.micro_batch import MicroBatchContext
 from tensorpar.layers.norms import Norm
 from tensorpar.tensor_parallel.mlp import ParallelMLP
@@ -22,7 +23,8 @@ class TransformerBlock(nn.Module):
         self.layer_index, self.dropout = layer_index, cfg.dropout
         self.tp_group, self.sequence_parallel = region.group, region.sequence_parallel
         self.attn_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
-        self.attn = ParallelAttention(cfg, region, layer_index, device=device)
+        attention = LatentAttention if cfg.is_mla else ParallelAttention
+        self.attn = attention(cfg, region, layer_index, device=device)
         self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:
@@ -47,13 +49,15 @@ class TransformerBlock(nn.Module):
 
 def recomputable(layer):
     """`layer` as the function activation checkpointing calls twice: the forward, then its recomputation in
-    the backward, which is told so (`record_stats=False`: an MoE layer's routing statistics count once)."""
+    the backward, which is told so (`record_stats=False`: an MoE layer's routing statistics count once). It takes
+    the layer's inputs, the `MicroBatchContext` last."""
     calls = 0
 
-    def run(x, ctx: MicroBatchContext):
+    def run(*args):
         nonlocal calls
         calls += 1
-        return layer(x, ctx.replace(record_stats=calls == 1))
+        *inputs, ctx = args
+        return layer(*inputs, ctx.replace(record_stats=calls == 1))
 
     return run
 

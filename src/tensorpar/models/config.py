@@ -8,6 +8,11 @@ Mixture-of-experts models (Mixtral, Qwen-MoE) are the same dataclass with ``num_
 ``moe_layer_freq``-th layer's MLP becomes a router over ``num_experts`` expert MLPs of width
 ``moe_ffn_hidden_size``, of which each token uses ``experts_per_token``, plus ``num_shared_experts``
 experts every token uses (tensorpar.expert_parallel). The default, ``num_experts=0``, is a dense model.
+
+The DeepSeek-V3 class (DeepSeek-V3, Kimi K2, GLM-4.5; docs/deepseek.md) adds, grouped below: multi-head latent
+attention (``kv_lora_rank`` set: tensorpar.layers.latent_attention), partial rotary embeddings, the auxiliary-loss-free
+router bias and its update, group-limited top-k, the routed experts' scaling, dense first layers and multi-token
+prediction (tensorpar.models.mtp).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from tensorpar.errors import TensorparError
 
 ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
 ROUTER_SCORES = ("softmax", "sigmoid")
+FAMILIES = ("gpt2", "llama", "deepseek_v3", "glm4_moe")  # how Hugging Face checkpoints map onto the model
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "gpt2" or "llama": decides how Hugging Face checkpoints map onto the model
+    family: str  # one of FAMILIES: decides how Hugging Face checkpoints map onto the model
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -56,11 +62,29 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0  # ST-MoE router z-loss: mean squared logsumexp of the router logits
     capacity_factor: float | None = None  # None: dropless; else each expert takes at most
     #   ceil(capacity_factor * seq_len * experts_per_token / num_experts) tokens of a sequence, the rest are dropped
+    # DeepSeek-V3 class (issue 40). Multi-head latent attention when kv_lora_rank is set: queries through a
+    # q_lora_rank latent (None: one plain projection), keys and values from one kv_lora_rank latent, each head's key
+    # qk_nope_head_dim wide plus a rotary part of qk_rope_head_dim shared by the heads, values v_head_dim wide.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rotary dimensions as interleaved pairs (DeepSeek's weights), not halves
+    partial_rotary_factor: float = 1.0  # RoPE on this fraction of each head's dimensions (GLM-4.5: 0.5)
+    first_k_dense_replace: int = 0  # the first k layers keep a dense MLP
+    n_group: int = 1  # group-limited routing: experts in n_group groups, tokens choose among the best topk_group
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are scaled by it
+    expert_bias: bool = False  # auxiliary-loss-free balancing: a per-expert bias added to the scores to choose
+    bias_update_speed: float = 0.0  # after each step: bias += speed * sign(mean load - expert's load)
+    num_mtp_layers: int = 0  # multi-token prediction modules (token t+2, t+3, ...), on the last stage
+    mtp_loss_weight: float = 0.1  # their mean loss joins the training objective times this
 
     def __post_init__(self):
         problems = []
-        if self.family not in ("gpt2", "llama"):
-            problems.append(f"family must be 'gpt2' or 'llama', got {self.family!r}")
+        if self.family not in FAMILIES:
+            problems.append(f"family must be one of {FAMILIES}, got {self.family!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             problems.append(f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
         if self.position not in ("learned", "rope"):
@@ -71,12 +95,13 @@ class ModelConfig:
             problems.append(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.kv_heads:
             problems.append(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.kv_heads}")
-        if self.position == "rope" and self.head_dim % 2:
-            problems.append(f"RoPE needs an even head dimension, got {self.head_dim}")
+        if self.position == "rope" and self.rotary_dim % 2:
+            problems.append(f"RoPE needs an even number of rotary dimensions, got {self.rotary_dim}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
         if self.num_experts:
             problems += self._moe_problems()
+        problems += self._deepseek_problems()
         if problems:
             raise TensorparError("invalid model config: " + "; ".join(problems))
 
@@ -100,13 +125,72 @@ class ModelConfig:
             problems.append(f"capacity_factor must be positive (or None: dropless), got {self.capacity_factor}")
         return problems
 
+    def _deepseek_problems(self) -> list[str]:
+        """The DeepSeek-V3-class fields' rules (multi-head latent attention, routing, multi-token prediction)."""
+        problems = []
+        if self.is_mla:
+            dims = dict(kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                        qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
+            if self.q_lora_rank is not None:
+                dims["q_lora_rank"] = self.q_lora_rank
+            bad = {k: v for k, v in dims.items() if not v > 0}
+            if bad:
+                problems.append(f"multi-head latent attention needs positive {', '.join(bad)}, got {bad}")
+            if self.position != "rope" or self.kv_heads != self.num_heads:
+                problems.append("multi-head latent attention needs position='rope' and num_kv_heads = num_heads")
+        elif self.q_lora_rank is not None:
+            problems.append("q_lora_rank needs multi-head latent attention (kv_lora_rank)")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or (self.is_mla and self.partial_rotary_factor != 1.0):
+            problems.append(f"partial_rotary_factor must be in (0, 1] (1 with latent attention, whose rotary part is "
+                            f"qk_rope_head_dim), got {self.partial_rotary_factor}")
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            problems.append(f"first_k_dense_replace must be in [0, num_layers], got {self.first_k_dense_replace}")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group or (self.num_experts % self.n_group):
+            problems.append(f"group-limited routing needs n_group dividing num_experts {self.num_experts} and "
+                            f"1 <= topk_group <= n_group, got n_group={self.n_group}, topk_group={self.topk_group}")
+        elif self.n_group > 1 and self.experts_per_token > self.topk_group * (self.num_experts // self.n_group):
+            problems.append(f"experts_per_token {self.experts_per_token} exceeds the experts of topk_group "
+                            f"{self.topk_group} groups of {self.num_experts // self.n_group}")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            problems.append("group-limited routing scores a group by its best two experts: n_group must leave "
+                            "at least 2 experts per group")
+        if (self.expert_bias or self.n_group > 1) and self.router_score != "sigmoid":
+            problems.append("expert_bias and group-limited routing need router_score='sigmoid'")
+        if not self.routed_scaling_factor > 0 or self.bias_update_speed < 0:
+            problems.append("routed_scaling_factor must be > 0 and bias_update_speed >= 0")
+        if self.bias_update_speed and not self.expert_bias:
+            problems.append("bias_update_speed needs expert_bias=True")
+        if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
+            problems.append("num_mtp_layers and mtp_loss_weight must be >= 0")
+        if self.num_mtp_layers and self.position != "rope":
+            problems.append("multi-token prediction needs position='rope' (its modules add no learned positions)")
+        return problems
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether the attention is multi-head latent attention (tensorpar.layers.latent_attention)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotary dimensions of a query or key head: latent attention's qk_rope_head_dim, else the first
+        partial_rotary_factor of the head."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def num_blocks(self) -> int:
+        """Transformer blocks: the layers, then the multi-token prediction modules' blocks (global indices
+        num_layers..num_layers + num_mtp_layers - 1)."""
+        return self.num_layers + self.num_mtp_layers
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
     def is_moe_layer(self, layer_index: int) -> bool:
         """Whether layer `layer_index` (0-based) has a mixture of experts instead of a dense MLP."""
-        return self.num_experts > 0 and (layer_index + 1) % self.moe_layer_freq == 0
+        return (self.num_experts > 0 and (layer_index + 1) % self.moe_layer_freq == 0
+                and layer_index >= self.first_k_dense_replace)
 
     @property
     def expert_ffn_size(self) -> int:
@@ -144,21 +228,34 @@ class ModelConfig:
         shared = self._mlp_parameters(self.num_shared_experts * f) if self.num_shared_experts else 0
         return e * h + routed + shared + (h if self.shared_expert_gate else 0)
 
-    def num_parameters(self, active: bool = False) -> int:
-        """Parameters of the dense model (tied embeddings counted once); MoE models: all experts, or with
-        ``active=True`` those one token uses (the top-k routed experts)."""
-        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
+    def attention_parameters(self) -> int:
+        """Parameters of one layer's attention (its norm excluded)."""
+        h = self.hidden_size
+        if self.is_mla:
+            heads, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+            down_bias = self.attention_qkv_bias
+            r, c = self.q_lora_rank, self.kv_lora_rank
+            q = h * heads * qk if r is None else h * r + (r if down_bias else 0) + r + r * heads * qk
+            kv = h * (c + self.qk_rope_head_dim) + ((c + self.qk_rope_head_dim) if down_bias else 0) + c
+            kv += c * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + heads * self.v_head_dim * h + (h if self.bias else 0)
         kv = self.kv_heads * self.head_dim
-        attn = h * h + 2 * h * kv + h * h + (h + 2 * kv if self.attention_qkv_bias else 0) + (h if self.bias else 0)
+        return h * h + 2 * h * kv + h * h + (h + 2 * kv if self.attention_qkv_bias else 0) + (h if self.bias else 0)
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the dense model (tied embeddings counted once; multi-token prediction modules included);
+        MoE models: all experts, or with ``active=True`` those one token uses (the top-k routed experts)."""
+        h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
         mlp = self._mlp_parameters(f)
         norm = h * (2 if self.norm == "layernorm" else 1)
-        per_layer = attn + mlp + 2 * norm
+        per_layer = self.attention_parameters() + mlp + 2 * norm
         embed = v * h + (self.max_seq_len * h if self.position == "learned" else 0)
         head = 0 if self.tie_embeddings else v * h
-        moe_layers = sum(self.is_moe_layer(i) for i in range(L))
+        blocks = self.num_blocks
+        moe_layers = sum(self.is_moe_layer(i) for i in range(blocks))
         moe = moe_layers * (self.moe_layer_parameters(active) - mlp)
-        return L * per_layer + moe + embed + head + norm
-
+        mtp = self.num_mtp_layers * (3 * norm + 2 * h * h)  # each module's two input norms, projection, output norm
+        return blocks * per_layer + moe + embed + head + norm + mtp
 
 def _gpt2(hidden, layers, heads, **kw) -> ModelConfig:
     return ModelConfig(
@@ -173,6 +270,24 @@ def _llama(hidden, layers, heads, kv, ffn, vocab=128256, theta=500000.0, tie=Fal
         ffn_hidden_size=ffn, max_seq_len=max_seq, norm="rmsnorm", activation="silu", gated_mlp=True,
         position="rope", rope_theta=theta, tie_embeddings=tie, bias=False, **kw,
     )
+
+
+def _deepseek(hidden, layers, heads, ffn, vocab, experts, moe_ffn, *, q_lora=1536, kv_lora=512, nope=128, rope=64,
+              v=128, theta=10000.0, max_seq=163840, **kw) -> ModelConfig:
+    """A DeepSeek-V3-class MoE: latent attention, sigmoid routing with the balancing bias, top-8, one shared expert."""
+    defaults = dict(experts_per_token=8, num_shared_experts=1, router_score="sigmoid", expert_bias=True,
+                    bias_update_speed=0.001, rope_interleave=True)
+    return ModelConfig(
+        family="deepseek_v3", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, ffn_hidden_size=ffn, max_seq_len=max_seq, norm="rmsnorm", norm_eps=1e-6,
+        activation="silu", gated_mlp=True, position="rope", rope_theta=theta, tie_embeddings=False, bias=False,
+        num_experts=experts, moe_ffn_hidden_size=moe_ffn, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, **{**defaults, **kw})
+
+
+def _yarn(factor, beta_fast=32.0, beta_slow=1.0) -> dict:
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 4096, "beta_fast": beta_fast,
+            "beta_slow": beta_slow, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -206,6 +321,18 @@ PRESETS: dict[str, ModelConfig] = {
                              experts_per_token=4, num_shared_experts=4, moe_ffn_hidden_size=1408,
                              shared_expert_gate=True, qkv_bias=True, norm_topk_prob=False,
                              router_aux_loss_coef=0.001),
+    # DeepSeek-V3 class (docs/deepseek.md). tiny-deepseek trains in seconds on CPU: latent attention, 8 experts in 4
+    # groups (a token sees 2), the balancing bias, a dense first layer and one multi-token prediction module.
+    "tiny-deepseek": _deepseek(64, 4, 4, 128, 257, 8, 32, q_lora=32, kv_lora=16, nope=16, rope=8, v=16,
+                               max_seq=1024, experts_per_token=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                               first_k_dense_replace=1, num_mtp_layers=1, router_aux_loss_coef=0.001),
+    # DeepSeek-V3 (671B + a 14B MTP module; DeepSeek-AI 2024) and Kimi K2 (1T; 384 experts, 64 heads, one group, no
+    # MTP), as published on the Hugging Face hub.
+    "deepseek-v3": _deepseek(7168, 61, 128, 18432, 129280, 256, 2048, n_group=8, topk_group=4,
+                             routed_scaling_factor=2.5, first_k_dense_replace=3, num_mtp_layers=1,
+                             router_aux_loss_coef=0.0001, rope_scaling=_yarn(40.0)),
+    "kimi-k2": _deepseek(7168, 61, 64, 18432, 163840, 384, 2048, theta=50000.0, max_seq=131072,
+                         routed_scaling_factor=2.827, first_k_dense_replace=1, rope_scaling=_yarn(32.0, 1.0, 1.0)),
 }
 
 
