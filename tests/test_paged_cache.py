@@ -24,13 +24,15 @@ SAMPLED = Sampling(greedy=False, temperature=0.9, top_k=40, top_p=0.95, seed=5)
 
 
 MOE = get_config("tiny-moe").replace(num_layers=2)  # dropless routing: a token's experts do not depend on the batch
+LATENT = get_config("tiny-deepseek").replace(num_layers=2)  # latent attention: the pool holds latents and rotary keys
 
 
 def _model(tp, moe=False):
     """The model at TP `tp`; `moe`: the MoE one, its experts over 2 expert-parallel ranks (replicas of the TP
-    group, as `serve --ep 2` runs it)."""
+    group, as `serve --ep 2` runs it); `moe="latent"`: a DeepSeek-V3-class one (latent attention) likewise."""
     if moe:
-        return _model_of(Transformer(MOE, mesh(tp, dp=2 // tp, ep=2), seed=3).eval())
+        cfg = LATENT if moe == "latent" else MOE
+        return _model_of(Transformer(cfg, mesh(tp, dp=2 // tp, ep=2), seed=3).eval())
     return _model_of(Transformer(CFG, mesh(tp) if tp > 1 else None, seed=3).eval())
 
 
@@ -105,8 +107,9 @@ def test_paged_steps_equal_the_full_forward_tp2(pools, tp1):
         assert tokens == tp1[2], rank  # seeded samples: the same at every TP size
 
 
-def test_paged_steps_of_an_moe_model_over_expert_parallel_ranks(pools):
-    for rank, (logit_err, lp_err, _) in enumerate(pools(2).run(check_paged_steps, 1, True)):
+@pytest.mark.parametrize("kind", [True, "latent"])
+def test_paged_steps_of_an_moe_model_over_expert_parallel_ranks(pools, kind):
+    for rank, (logit_err, lp_err, _) in enumerate(pools(2).run(check_paged_steps, 1, kind)):
         assert logit_err <= 2e-5 and lp_err <= 1e-5, rank
 
 

@@ -145,6 +145,17 @@ class ModelConfig:
                             f"qk_rope_head_dim), got {self.partial_rotary_factor}")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             problems.append(f"first_k_dense_replace must be in [0, num_layers], got {self.first_k_dense_replace}")
+        if self.is_moe:
+            problems += self._routing_problems()
+        if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
+            problems.append("num_mtp_layers and mtp_loss_weight must be >= 0")
+        if self.num_mtp_layers and self.position != "rope":
+            problems.append("multi-token prediction needs position='rope' (its modules add no learned positions)")
+        return problems
+
+    def _routing_problems(self) -> list[str]:
+        """The DeepSeek-V3-class routing fields' rules (group-limited top-k, the balancing bias, the scaling)."""
+        problems = []
         if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group or (self.num_experts % self.n_group):
             problems.append(f"group-limited routing needs n_group dividing num_experts {self.num_experts} and "
                             f"1 <= topk_group <= n_group, got n_group={self.n_group}, topk_group={self.topk_group}")
@@ -160,10 +171,6 @@ class ModelConfig:
             problems.append("routed_scaling_factor must be > 0 and bias_update_speed >= 0")
         if self.bias_update_speed and not self.expert_bias:
             problems.append("bias_update_speed needs expert_bias=True")
-        if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
-            problems.append("num_mtp_layers and mtp_loss_weight must be >= 0")
-        if self.num_mtp_layers and self.position != "rope":
-            problems.append("multi-token prediction needs position='rope' (its modules add no learned positions)")
         return problems
 
     @property

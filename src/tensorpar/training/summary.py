@@ -8,6 +8,7 @@ from tensorpar.distributed.launch import signal_name
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.inference import greedy_generate
 from tensorpar.models import full_state_dict
+from tensorpar.models.state import model_state
 from tensorpar.pipeline_parallel.schedule_view import measured_bubble, render_measured
 from tensorpar.training.loop import LoopResult
 from tensorpar.training.metrics import draw_or_warn, plot_loss_curve
@@ -16,7 +17,7 @@ from tensorpar.training.session import Session
 
 def dense_weights(model, mesh) -> dict:
     """The whole dense model's weights on every rank: gathered over TP, then merged over pipeline stages."""
-    params = dict(model.named_parameters())
+    params = model_state(model)  # the persistent buffers (routers' balancing biases) too
     state = {k: v for k, v in full_state_dict(model).items() if not shard_spec(params[k]).pipeline_duplicate}
     merged = {}
     for part in mesh.pp_group.all_gather_object(state):
