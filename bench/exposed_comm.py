@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from tensorpar.distributed import comm
+from tensorpar.distributed import collective_calls
 
 
 class _Done:
@@ -47,18 +47,8 @@ class _Done:
         return True
 
 
-class _NoCollectives:
-    """torch.distributed as tensorpar's comm module sees it, with all_reduce a no-op (barrier and the rest real)."""
-
-    def __init__(self, real):
-        self._real = real
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    @staticmethod
-    def all_reduce(tensor, op=None, group=None, async_op=False):
-        return _Done() if async_op else None
+def _no_all_reduce(tensor, op=None, group=None, async_op=False):
+    return _Done() if async_op else None
 
 
 def _no_all_gather(out, tensor, group=None, async_op=False):
@@ -74,15 +64,17 @@ def _no_reduce_scatter(out, tensor, op=None, group=None, async_op=False):
 @contextlib.contextmanager
 def no_collectives():
     """Within: tensorpar's all-reduces, all-gathers and reduce-scatters are no-ops (barriers still synchronise)."""
-    names = ("dist", "_all_gather_single", "_reduce_scatter_single", "_reduce_scatter_by_all_to_all")
-    saved = [getattr(comm, name) for name in names]
-    for name, fake in zip(names, (_NoCollectives(saved[0]), _no_all_gather, _no_reduce_scatter, _no_reduce_scatter)):
-        setattr(comm, name, fake)
+    fakes = {"all_reduce": _no_all_reduce, "all_gather_single": _no_all_gather,
+             "reduce_scatter_single": _no_reduce_scatter}
+    saved = [(calls, name, getattr(calls, name)) for calls in (collective_calls.DIRECT, collective_calls.GLOO)
+             for name in fakes]
+    for calls, name, _ in saved:
+        setattr(calls, name, fakes[name])
     try:
         yield
     finally:
-        for name, real in zip(names, saved):
-            setattr(comm, name, real)
+        for calls, name, real in saved:
+            setattr(calls, name, real)
 
 
 def cpu_share(group, numel: int, repeats: int = 10) -> dict:

@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the whole global batch at once")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="tiny")
@@ -49,7 +50,8 @@ def main() -> int:
         dtype, _, recipe = name.partition("-")
         t0 = time.perf_counter()
         s = train(TrainOptions(model=a.model, dtype=dtype, fp8_recipe=recipe or "tensorwise", steps=a.steps,
-                               global_batch_size=a.global_batch_size, seq_len=a.seq_len, device=a.device,
+                               global_batch_size=a.global_batch_size, micro_batch_size=a.micro_batch_size,
+                               seq_len=a.seq_len, device=a.device,
                                val_every=0, progress=False, metrics=None, out_dir=None))
         tail = [r["loss"] for r in s["history"][-10:]]
         steps = [r["step_time_s"] for r in s["history"][len(s["history"]) // 2:]]  # after warm-up

@@ -4,7 +4,7 @@
 
 ProcessGroupGloo's reduce_scatter_tensor all-reduces a clone of the whole tensor and copies one block out;
 tensorpar's `Group.reduce_scatter` on gloo is an all-to-all of the blocks and a local sum
-(`tensorpar.distributed.comm._reduce_scatter_by_all_to_all`). Prints rank 0's median wall and CPU
+(`tensorpar.distributed.collective_calls.reduce_scatter_by_all_to_all`). Prints rank 0's median wall and CPU
 milliseconds of each (1 thread per rank, ranks in step, 10 calls after 2 warm-ups) and checks that both give
 the same block.
 """

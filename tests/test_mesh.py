@@ -89,6 +89,11 @@ def test_more_ranks_than_gpus_on_a_node_is_refused_before_the_rendezvous(monkeyp
         tensorpar.init_mesh(tp=2, device="cuda")
 
 
+def test_nccl_on_a_cpu_run_is_refused_before_any_rank_starts(cli):
+    code, _, err = cli("train", "--tp", "2", "--device", "cpu", "--backend", "nccl", "--steps", "1")
+    assert code == 2 and "--backend nccl needs CUDA devices, and this run's device is cpu" in err, err
+
+
 def check_membership(tp, pp, dp):
     m = mesh(tp=tp, pp=pp, dp=dp)
     seen = {}

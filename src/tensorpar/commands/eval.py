@@ -52,7 +52,7 @@ def evaluate_checkpoint(options: EvalOptions, layout: ParallelLayout | None = No
     cfg = load_config(options.checkpoint)
     layout = layout or ParallelLayout.from_options(options, world_from_env()[0])
     precision = Precision.of(options, training=False)
-    mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
+    mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, backend=options.backend, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
         tokens = open_stream(options.data, load_tokenizer(options.checkpoint), text_field=options.text_field,

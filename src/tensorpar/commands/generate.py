@@ -106,7 +106,7 @@ def generate_text(options: GenerateOptions, tokenizer, prompts, sampling, eos,
     checked (None: the options' on the running world)."""
     cfg = load_config(options.checkpoint)
     layout = layout or ParallelLayout.from_options(options, world_from_env()[0])
-    mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
+    mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, backend=options.backend, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint)
         model = build_transformer(cfg, mesh, layout, Precision.of(options, training=False), weights=state,

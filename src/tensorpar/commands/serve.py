@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
 
 def build_model(options: ServeOptions, cfg, layout: ParallelLayout):
     """(mesh, this rank's model in eval mode), as `generate` builds them."""
-    mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, timeout=options.timeout)
+    mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, backend=options.backend, timeout=options.timeout)
     cfg, state = load_model_source(options.checkpoint)
     model = build_transformer(cfg, mesh, layout, Precision.of(options, training=False), weights=state,
                               source=options.checkpoint)

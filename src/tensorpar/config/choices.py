@@ -26,4 +26,5 @@ EXAMPLE_PACKINGS = ("packed", "padded")  # instruction examples: several to a ro
 LONG_EXAMPLES = ("truncate", "drop")  # an instruction example longer than the row (--long-examples)
 LR_SCHEDULES = ("cosine", "wsd")  # --lr-schedule: warmup + cosine, or warmup-stable-decay
 WSD_DECAY_SHAPES = ("1-sqrt", "linear", "cosine")  # the shape of WSD's decay (--decay-shape)
+BACKENDS = ("nccl", "gloo")  # --backend (gloo on CUDA: several ranks share one GPU, collectives through host memory)
 OPTIMIZERS = ("adamw", "muon")  # --optimizer (muon: Muon for the hidden 2-D weights, AdamW for the rest)

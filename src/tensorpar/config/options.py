@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.config.choices import (
+    BACKENDS,
     BATCHING_MODES,
     BIN_DTYPES,
     CP_IMPLS,
@@ -51,6 +52,10 @@ class LaunchOptions:
     nproc: int | None = option(None, "processes to start from a plain shell (default tp*pp*dp); ignored under "
                                      "torchrun", group=LAYOUT)
     device: str | None = option(None, "default: this rank's GPU if any, else cpu", group=LAYOUT)
+    backend: str | None = option(None, "torch.distributed backend (default: nccl on CUDA, gloo on cpu); gloo on CUDA "
+                                        "lets several ranks share one GPU, their collectives staged through host "
+                                        "memory (for testing every layout on one GPU, not for speed)",
+                                 choices=BACKENDS, group=LAUNCH)
     timeout: float | None = option(None, "seconds a collective may wait for a peer before the job fails, naming "
                                          "the rank and the operation (default $TENSORPAR_TIMEOUT or 300)",
                                    group=LAUNCH)

@@ -143,10 +143,9 @@ class ModelWeights:
 
     def load_local_state(self, optimizer, states: dict, step: int, names: dict[int, str]) -> None:
         """The optimizer state of every parameter from `states` (a kind the checkpoint lacks starts at zeros)."""
-        step_tensor = torch.tensor(float(step))
         for p in self.params:
             st = states[names[id(p)]]
-            optimizer.state[p] = {"step": step_tensor.clone(),
+            optimizer.state[p] = {"step": optimizer.new_step(p, step),
                                   **{k: st[k].to(p).clone() if k in st else torch.zeros_like(p)
                                      for k in optimizer.kinds_of(names[id(p)], p.shape)}}
 

@@ -83,7 +83,6 @@ def load_moments(slices, optimizer, states: dict, step: int, names: dict[int, st
     """Set the optimizer state of every piece from `states` (the layout `gather_moments` returns; a kind the
     checkpoint lacks starts at zeros: it was saved by another optimizer) and the step, and the fp32 master weights
     from "master" where given (the checkpoint's fp32 parameters)."""
-    step_tensor = torch.tensor(float(step))
     for s in slices:
         kinds = _kinds(optimizer, names, s.buffer)
         for piece in s.pieces:
@@ -93,7 +92,7 @@ def load_moments(slices, optimizer, states: dict, step: int, names: dict[int, st
                 with torch.no_grad():
                     piece.opt_param.copy_(st["master"].flatten()[part])
             optimizer.state[piece.opt_param] = {
-                "step": step_tensor.clone(),
+                "step": optimizer.new_step(piece.opt_param, step),
                 **{k: (st[k].flatten()[part].to(piece.opt_param).clone() if k in st
                        else torch.zeros_like(piece.opt_param)) for k in kinds[id(piece.param)]},
             }

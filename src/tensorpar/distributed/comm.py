@@ -29,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tensorpar.distributed.collective_calls import collective_calls
 from tensorpar.distributed.flight_recorder import FlightRecorder
 from tensorpar.errors import CollectiveError
 
@@ -120,42 +121,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# torch >= 2.12 names the tensor-to-tensor collectives *_single; older releases *_into_tensor / *_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _ThenSum:
-    """The handle of `_reduce_scatter_by_all_to_all`: waits for the all-to-all, then sums the received blocks."""
-
-    def __init__(self, work, finish):
-        self.work, self.finish = work, finish
-
-    def wait(self, *args, **kwargs) -> bool:
-        self.work.wait(*args, **kwargs)
-        self.finish()
-        return True
-
-
-def _reduce_scatter_by_all_to_all(output, tensor, op=None, group=None, async_op=False):
-    """Sum-reduce-scatter as an all-to-all of the ranks' blocks and a local sum over what arrived, for gloo.
-    ProcessGroupGloo's own reduce-scatter all-reduces a clone of the whole tensor and copies one block out;
-    this way moves (size-1)/size of the tensor per rank, as a ring reduce-scatter does, and takes 0.43-0.65x
-    torch's time for 4.2 MB at 2 and 3 ranks on this project's 2-core machine (bench/reduce_scatter_gloo.py).
-    The blocks are summed in group-rank order. Same signature as torch's reduce_scatter_tensor."""
-    size = dist.get_world_size(group)
-    received = tensor.new_empty(tensor.numel())
-    work = dist.all_to_all_single(received, tensor.reshape(-1), group=group, async_op=async_op)
-
-    def finish():
-        torch.sum(received.view(size, -1), dim=0, out=output.view(-1))
-
-    if not async_op:
-        finish()
-        return None
-    return _ThenSum(work, finish)
-
-
 class Group:
     """A named process group whose collectives are counted, timed on request, and explained on failure.
 
@@ -187,7 +152,7 @@ class Group:
         self.timeout = timeout
         if self.size > 1 and pg is None:
             raise ValueError(f"group {name} has {self.size} ranks but no process group")
-        self._gloo = pg is not None and "gloo" in str(dist.get_backend(pg))
+        self.calls = collective_calls(pg)  # torch.distributed's own, or gloo's (CUDA tensors through host memory)
 
     @classmethod
     def single(cls, name: str = "tp", stats: CommStats | None = None) -> "Group":
@@ -249,12 +214,6 @@ class Group:
         """A named range "op/group" for torch.profiler while the run is profiled (else nothing, at no cost)."""
         return torch.profiler.record_function(f"{op}/{self.name}") if self.stats.profiling else contextlib.nullcontext()
 
-    def _reduce_scatter_fn(self, tensor: torch.Tensor, op: str):
-        """torch's reduce-scatter, or on gloo (CPU tensors, sum) `_reduce_scatter_by_all_to_all`."""
-        if self._gloo and op == "sum" and not tensor.is_cuda:
-            return _reduce_scatter_by_all_to_all
-        return _reduce_scatter_single
-
     def failure(self, op: str, what: str) -> CollectiveError:
         """The error for `op` on this group: which rank, which operation, which group and members, and `what`."""
         return CollectiveError(f"{self.where or f'rank {self.global_rank}'}: {op} on group '{self.name}' "
@@ -276,7 +235,7 @@ class Group:
         """Reduce `tensor` across the group, in place; returns it."""
         if self.size == 1:
             return tensor
-        self._run("all_reduce", tensor, lambda: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.pg))
+        self._run("all_reduce", tensor, lambda: self.calls.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.pg))
         return tensor
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> "Pending":
@@ -284,15 +243,14 @@ class Group:
         if self.size == 1:
             return Pending(None, self, "all_reduce")
         return self._launch("all_reduce", tensor,
-                            lambda: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.pg, async_op=True))
+                            lambda: self.calls.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.pg, async_op=True))
 
     def reduce_scatter_async(self, output: torch.Tensor, tensor: torch.Tensor, op: str = "sum") -> "Pending":
         """Start reducing the flat `tensor` (size x output.numel() elements) into this rank's `output`."""
         if self.size == 1:
             output.copy_(tensor.view_as(output))
             return Pending(None, self, "reduce_scatter")
-        reduce_scatter = self._reduce_scatter_fn(tensor, op)
-        return self._launch("reduce_scatter", tensor, lambda: reduce_scatter(
+        return self._launch("reduce_scatter", tensor, lambda: self.calls.reduce_scatter_single(
             output, tensor, op=_REDUCE_OPS[op], group=self.pg, async_op=True))
 
     def all_gather_async(self, output: torch.Tensor, tensor: torch.Tensor) -> "Pending":
@@ -300,18 +258,18 @@ class Group:
         if self.size == 1:
             output.copy_(tensor.view_as(output))
             return Pending(None, self, "all_gather")
-        return self._launch("all_gather", output, lambda: _all_gather_single(output, tensor, group=self.pg,
-                                                                              async_op=True))
+        return self._launch("all_gather", output, lambda: self.calls.all_gather_single(output, tensor, group=self.pg,
+                                                                                   async_op=True))
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> "Pending":
         """Start sending `tensor` to group rank `dst`; keep `tensor` alive until wait().
 
         gloo matches messages by (peer, tag); NCCL ignores tags and matches in issue order."""
-        return self._launch("send", tensor, lambda: dist.isend(tensor, self._global(dst), group=self.pg, tag=tag))
+        return self._launch("send", tensor, lambda: self.calls.isend(tensor, self._global(dst), group=self.pg, tag=tag))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> "Pending":
         """Start receiving into `tensor` from group rank `src`; the data is there after wait()."""
-        return self._launch("recv", tensor, lambda: dist.irecv(tensor, self._global(src), group=self.pg, tag=tag))
+        return self._launch("recv", tensor, lambda: self.calls.irecv(tensor, self._global(src), group=self.pg, tag=tag))
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim` (all equal shapes), in group-rank order."""
@@ -320,7 +278,7 @@ class Group:
         dim = dim % tensor.dim()
         tensor = tensor.contiguous()
         out = torch.empty((self.size * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        self._run("all_gather", out, lambda: _all_gather_single(out, tensor, group=self.pg))
+        self._run("all_gather", out, lambda: self.calls.all_gather_single(out, tensor, group=self.pg))
         if dim == 0:
             return out
         # [size*d0, ...] -> [size, d0, ..., d, ...] -> [d0, ..., size, d, ...] -> [d0, ..., size*d, ...]
@@ -347,8 +305,8 @@ class Group:
             tensor = tensor.reshape(split).movedim(dim, 0).reshape([self.size * out_shape[0]] + out_shape[1:])
         tensor = tensor.contiguous()
         out = torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
-        reduce_scatter = self._reduce_scatter_fn(tensor, op)
-        self._run("reduce_scatter", tensor, lambda: reduce_scatter(out, tensor, op=_REDUCE_OPS[op], group=self.pg))
+        self._run("reduce_scatter", tensor,
+                  lambda: self.calls.reduce_scatter_single(out, tensor, op=_REDUCE_OPS[op], group=self.pg))
         return out
 
     def all_to_all(self, tensor: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
@@ -358,7 +316,7 @@ class Group:
             return tensor
         tensor = tensor.contiguous()
         out = tensor.new_empty((sum(recv_sizes),) + tuple(tensor.shape[1:]))
-        self._run("all_to_all", tensor, lambda: dist.all_to_all_single(
+        self._run("all_to_all", tensor, lambda: self.calls.all_to_all_single(
             out, tensor, output_split_sizes=list(recv_sizes), input_split_sizes=list(send_sizes), group=self.pg))
         return out
 
@@ -366,14 +324,14 @@ class Group:
         """Copy group rank `src`'s `tensor` into every rank's `tensor`, in place."""
         if self.size == 1:
             return tensor
-        self._run("broadcast", tensor, lambda: dist.broadcast(tensor, self._global(src), group=self.pg))
+        self._run("broadcast", tensor, lambda: self.calls.broadcast(tensor, self._global(src), group=self.pg))
         return tensor
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op: str = "sum") -> torch.Tensor:
         """Reduce `tensor` onto group rank `dst` (in place there; other ranks' buffers are undefined after)."""
         if self.size == 1:
             return tensor
-        self._run("reduce", tensor, lambda: dist.reduce(tensor, self._global(dst), op=_REDUCE_OPS[op], group=self.pg))
+        self._run("reduce", tensor, lambda: self.calls.reduce(tensor, self._global(dst), op=_REDUCE_OPS[op], group=self.pg))
         return tensor
 
     def scatter(self, tensor: torch.Tensor | None, src: int = 0, dim: int = 0, shape=None, dtype=None, device=None):
@@ -394,7 +352,7 @@ class Group:
         self._run(
             "scatter",
             full,
-            lambda: dist.scatter(out, chunks, src=self._global(src), group=self.pg),
+            lambda: self.calls.scatter(out, chunks, src=self._global(src), group=self.pg),
             elements=out.numel() * self.size,
         )
         return out
@@ -408,7 +366,7 @@ class Group:
         self._run(
             "gather",
             tensor,
-            lambda: dist.gather(tensor, bufs, dst=self._global(dst), group=self.pg),
+            lambda: self.calls.gather(tensor, bufs, dst=self._global(dst), group=self.pg),
             elements=tensor.numel() * self.size,
         )
         return torch.cat(bufs, dim) if bufs is not None else None
@@ -416,11 +374,11 @@ class Group:
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send `tensor` to group rank `dst` (blocking)."""
         tensor = tensor.contiguous()
-        self._run("send", tensor, lambda: dist.send(tensor, self._global(dst), group=self.pg))
+        self._run("send", tensor, lambda: self.calls.send(tensor, self._global(dst), group=self.pg))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into `tensor` from group rank `src` (blocking); returns it."""
-        self._run("recv", tensor, lambda: dist.recv(tensor, self._global(src), group=self.pg))
+        self._run("recv", tensor, lambda: self.calls.recv(tensor, self._global(src), group=self.pg))
         return tensor
 
     def barrier(self) -> None:

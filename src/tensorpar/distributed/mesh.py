@@ -231,7 +231,15 @@ def check_gpus_per_process(device: torch.device, backend: str | None, world: int
         raise LayoutError(
             f"{local_world} processes on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible: NCCL needs "
             f"one GPU per process. Run at most {gpus} process{'es' if gpus != 1 else ''} per node, or pass "
-            f"--device cpu (gloo)")
+            f"--device cpu (gloo), or --backend gloo to share the GPU for testing (collectives through host memory)")
+
+
+def check_backend(device: str | torch.device | None, backend: str | None) -> None:
+    """NCCL moves CUDA tensors only: refuse `--backend nccl` for a run on another device, before any rank starts."""
+    resolved = _pick_device(0, device)
+    if backend == "nccl" and resolved.type != "cuda":
+        raise LayoutError(f"--backend nccl needs CUDA devices, and this run's device is {resolved.type}: drop "
+                          f"--backend (gloo is the default there)")
 
 
 def init_mesh(

@@ -47,12 +47,18 @@ class AdamW:
         """The state the parameter `name` of `shape` keeps (besides its step): what checkpoints save of it."""
         return ADAMW_STATE
 
+    def new_step(self, p: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+        """Parameter `p`'s step count where torch.optim.AdamW keeps it (and its kernels expect it): on `p`'s device
+        for the fused kernel, a CPU scalar otherwise. Checkpoint loaders build the step they restore with it."""
+        if self.fused:
+            return torch.tensor(float(value), dtype=torch.float32, device=p.device)
+        return torch.tensor(float(value), dtype=_scalar_dtype())
+
     def _state(self, p: torch.Tensor) -> dict:
         st = self.state.get(p)
-        if not st:  # as torch.optim.Adam initialises it: the step on the CPU unless fused
-            step = (torch.zeros((), dtype=torch.float32, device=p.device) if self.fused
-                    else torch.tensor(0.0, dtype=_scalar_dtype()))
-            st = self.state[p] = {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        if not st:  # as torch.optim.Adam initialises it
+            st = self.state[p] = {"step": self.new_step(p),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         return st
 

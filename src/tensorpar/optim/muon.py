@@ -110,6 +110,10 @@ class Muon:
         (what checkpoints save of it)."""
         return MUON_STATE if uses_muon(name, shape) else ADAMW_STATE
 
+    def new_step(self, p: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+        """Parameter `p`'s step count as its optimizer keeps it (`AdamW.new_step`)."""
+        return self.adamw.new_step(p, value)
+
     def _momentum(self, p: torch.Tensor) -> dict:
         st = self.state.get(p)
         if not st:

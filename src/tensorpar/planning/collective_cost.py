@@ -103,7 +103,7 @@ def sum_bytes(collectives: list[Collective]) -> dict[tuple[str, str], int]:
 def collectives_time(collectives: list[Collective], cluster, layout: Candidate, algorithm: str = "best") -> float:
     """Seconds the listed collectives take back to back (one after another, nothing overlapped). A reduce-scatter
     is priced by the ring formula on every library: on gloo tensorpar runs it as an all-to-all of the blocks and a
-    local sum (`tensorpar.distributed.comm._reduce_scatter_by_all_to_all`), which moves what a ring moves, not
+    local sum (`tensorpar.distributed.collective_calls.reduce_scatter_by_all_to_all`), which moves what a ring moves, not
     through ProcessGroupGloo's own (a whole all-reduce of a clone)."""
     total = 0.0
     for c in collectives:

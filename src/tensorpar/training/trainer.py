@@ -35,7 +35,7 @@ def run_training(run: PreparedRun, stop: GracefulStop | None = None, mesh: Mesh 
     o = run.options
     owned = mesh is None
     if owned:
-        mesh = build_mesh(run.layout, moe=run.cfg.is_moe, device=o.device, timeout=o.timeout)
+        mesh = build_mesh(run.layout, moe=run.cfg.is_moe, device=o.device, backend=o.backend, timeout=o.timeout)
     else:
         mesh.check_run(run.layout, run.cfg.is_moe)
     # Where each rank writes its flight record of collectives when one fails, the run is stopped, or it ends with

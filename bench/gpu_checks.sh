@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every GPU check of one lent GPU, in one go, each step under its own time limit; logs and metrics go to OUT_DIR.
+#
+#     bash bench/gpu_checks.sh OUT_DIR [STEPS...]     # STEPS: tests llama fp8 tp_step compile profile (default all)
+#
+# tests    tests/test_cuda.py: one GPU against the CPU, and 2- and 4-rank layouts sharing the GPU over gloo
+# llama    llama-1b through `tensorpar train` (bf16, 4 x 4 micro-batches of 2,048 tokens): MFU, eager
+# compile  the same with --compile
+# fp8      bench/precision.py: bf16 vs fp8 (tensorwise, rowwise) step time on llama-1b
+# tp_step  bench/tp_step.py: tensorpar's model against plain PyTorch on one GPU
+# profile  bench/profile_train.py: where llama-1b's step time goes
+set -u
+OUT="${1:?usage: bench/gpu_checks.sh OUT_DIR [STEPS...]}"
+shift
+STEPS="${*:-tests llama fp8 tp_step compile profile}"
+PY="${PYTHON:-python3}"
+RUNS="${TMPDIR:-/tmp}/tensorpar-gpu-checks"  # the runs' folders (plots, configs); OUT_DIR keeps logs and metrics
+mkdir -p "$OUT" "$RUNS"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LLAMA=(--model llama-1b --device cuda --dtype bf16 --seq-len 2048 --micro-batch-size 4 --global-batch-size 16)
+
+step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output in OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    case " $STEPS " in *" $name "*) ;; *) return ;; esac
+    echo "== $name ($(date +%T), limit ${limit}s): $*"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: exit $? after ${SECONDS}s in all"
+    tail -n 25 "$OUT/$name.log"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$RUNS/machine.txt"
+step tests 240 env TENSORPAR_TEST_CUDA=1 "$PY" -m pytest -q tests/test_cuda.py --durations=8 -p no:cacheprovider
+step llama 120 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 10 --sample-tokens 0 --val-fraction 0 --val-every 0 \
+    --no-progress --out-dir "$RUNS/llama" --metrics "$OUT/llama.jsonl"
+step fp8 180 "$PY" bench/precision.py --device cuda --model llama-1b --precisions bf16,fp8-tensorwise,fp8-rowwise \
+    --steps 10 --seq-len 2048 --global-batch-size 16 --micro-batch-size 4 --threads 8
+step tp_step 120 "$PY" bench/tp_step.py --device cuda --dtype bf16 --hidden 2048 --layers 16 --heads 16 \
+    --seq-len 2048 --batch 8 --vocab 32768 --variants single,plain --steps 10 --comm-steps 0
+step compile 240 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 10 --sample-tokens 0 --val-fraction 0 --val-every 0 \
+    --no-progress --out-dir "$RUNS/compile" --metrics "$OUT/compile.jsonl" --compile
+step profile 120 "$PY" bench/profile_train.py "${LLAMA[@]}" --steps 4 --rows 25
