@@ -14,4 +14,8 @@ CONFIGS = {
     "tiny": get_config("tiny").replace(num_layers=2),  # Llama-style, 4 heads / 2 KV heads (replicated at TP 4)
     "tiny-gpt2": get_config("tiny-gpt2").replace(num_layers=2),  # LayerNorm, biases, learned positions, tied
     "gpt2-124m-2l": GPT2_SHAPE,
+    # DeepSeek-V3's latent attention in a dense 2-layer model: q and kv latents, rotary keys, values narrower than keys
+    "tiny-mla": get_config("tiny-deepseek").replace(num_layers=2, num_experts=0, num_mtp_layers=0, n_group=1,
+                                                    topk_group=1, expert_bias=False, bias_update_speed=0.0),
 }
+CONFIGS["tiny-mla-mtp"] = CONFIGS["tiny-mla"].replace(num_mtp_layers=1)  # and a multi-token prediction module

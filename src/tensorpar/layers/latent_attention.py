@@ -67,6 +67,13 @@ class ReplicatedLinear(nn.Module):
         return self.region.linear(x, self.weight, self.bias, summed=self.region.sequence_parallel)
 
 
+def _widened(v: torch.Tensor, width: int) -> torch.Tensor:
+    """Values zero-padded to the keys' `width`: SDPA's fused (flash) kernels take one head width for q, k and v, and
+    otherwise fall back to the unfused one, which keeps the [S, S] probabilities of every head for the backward. The
+    zero columns give zero outputs, cut off after."""
+    return v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1]))
+
+
 def latent_softmax_scale(cfg) -> float:
     """The scale of latent attention's scores: (qk_nope_head_dim + qk_rope_head_dim)^-1/2, times YaRN's
     mscale(factor, mscale_all_dim)^2 when the RoPE scaling sets it (DeepSeek-V3)."""
@@ -131,16 +138,20 @@ class LatentAttention(nn.Module):
     def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None,
              documents: PackedDocuments | None = None):
         """softmax(q k^T * scale) v over this rank's heads (what selective recomputation recomputes); with `context`,
-        across the CP ranks (ring); with `documents`, within each packed document."""
+        across the CP ranks (ring, which takes values narrower than the keys as they are); with `documents`, within
+        each packed document."""
         dropout = self.dropout if self.training else 0.0
         seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
         if context is not None:
             return context_attention(q, k, v, context, dropout, seed, documents, self.scale)
         mask = dict(attn_mask=documents.causal_mask()) if documents is not None else dict(is_causal=True)
+        v = _widened(v, q.shape[-1])
         if dropout > 0:
             with fork_rng_seeded(seed, q.device):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=self.scale, **mask)
-        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **mask)
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=self.scale, **mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, **mask)
+        return out[..., :self.v_dim]
 
     def _gathered_core(self, q, c_kv, k_rope, ctx: MicroBatchContext):
         """The all-gather form of context parallelism: the latent and the rotary key gathered over CP, expanded here."""
@@ -149,7 +160,8 @@ class LatentAttention(nn.Module):
         k, v = self.expand(c_all, k_rope_all)
         dropout = self.dropout if self.training else 0.0
         seed = mix_seed(ctx.dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
-        return attend_gathered(q, k, v, cp, dropout, seed, ctx.documents, self.scale)
+        out = attend_gathered(q, k, _widened(v, q.shape[-1]), cp, dropout, seed, ctx.documents, self.scale)
+        return out[..., :self.v_dim]
 
     def forward(self, x: torch.Tensor, ctx: MicroBatchContext = MicroBatchContext()):
         """As `ParallelAttention.forward`: with `ctx.kv_cache` (inference) the new tokens' latents go into the cache

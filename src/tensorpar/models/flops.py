@@ -1,8 +1,9 @@
 """Model FLOPs per trained token (PaLM's accounting), for MFU and the planner.
 
 FLOPs per trained token: 6 x (parameters that take part in a matmul) + 12 x layers x hidden x
-sequence (attention scores and their use, forward and backward). Embedding lookups are not
-matmuls; a tied output head is counted once, as the matmul it is.
+sequence (attention scores and their use, forward and backward): per head 6 x sequence x (key width + value width),
+which latent attention's wider keys (qk_nope + qk_rope) and narrower values make its own. Multi-token prediction
+modules count as layers. Embedding lookups are not matmuls; a tied output head is counted once, as the matmul it is.
 """
 
 from __future__ import annotations
@@ -20,4 +21,7 @@ def matmul_params(cfg) -> int:
 
 
 def train_flops_per_token(cfg, seq_len: int) -> float:
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
+    key, value = ((cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim) if cfg.is_mla
+                  else (cfg.head_dim, cfg.head_dim))
+    head_again = cfg.num_mtp_layers * cfg.vocab_size * cfg.hidden_size  # each MTP module uses the head once more
+    return 6.0 * (matmul_params(cfg) + head_again) + 6.0 * cfg.num_blocks * cfg.num_heads * (key + value) * seq_len

@@ -74,6 +74,7 @@ from tensorpar.config.hardware import GiB
 from tensorpar.distributed.sharding import padded
 from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
 from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
+from tensorpar.planning.latent import key_value_widths, latent_attention_activations, latent_width, mtp_activations
 from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
 
@@ -127,6 +128,8 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
     masks = 0
     if cfg.dropout > 0:
         masks = 2 * (A if (cfg.bias or not autocast) else M) * b * sn * h
+    if cfg.is_mla:  # latent attention's own tensors (tensorpar.planning.latent)
+        attn_in, attn = 0, latent_attention_activations(cfg, tp, sp, b, s, recompute, autocast, act_bytes)
     return 2 * norm + attn_in + mlp_in + attn + mlp + masks + _fp8_input_bytes(cfg, fp8, recompute, b, s, t, moe)
 
 
@@ -178,7 +181,7 @@ def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast
     first = 8 * b * s + (b * s if tp > 1 else 0)  # ids (masked to the local vocabulary) and the mask
     if cfg.dropout > 0:
         first += A * b * sn * h
-    rope = 2 * A * s * cfg.head_dim if cfg.position == "rope" else 0
+    rope = 2 * A * s * cfg.rotary_dim if cfg.position == "rope" else 0
     if cfg.norm == "rmsnorm":
         last = A * b * sn * h + 4 * b * sn * h + 4 * b * sn
     else:
@@ -208,6 +211,9 @@ def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute
     outside = nbytes * 2 * bsh + lin * 2 * bsh + (2 * bsh if dropout else 0)  # 2 norm inputs, 2 linear inputs, masks
     kv = cfg.kv_heads * cfg.head_dim
     inside = nbytes * b * s * (h + 2 * kv)  # q, k, v
+    if cfg.is_mla:  # per head a key of d_k, a value of d_v, and the latent they come from
+        dk, dv = key_value_widths(cfg)
+        inside = nbytes * b * s * (cfg.num_heads * (2 * dk + dv) + latent_width(cfg))
     inside += lin * bsh  # the attention output (the output projection's input)
     mlp = (_mlp_saved(cfg) - 1) * nbytes + lin  # per [b, s, f] element: the last one is the down projection's input
     if moe:
@@ -393,6 +399,11 @@ def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int,
         whole = _layer_activations(cfg, layout, b, s, "none", prec, flash_attention, tp_overlap, moe_share)
         recomputed = whole if layout.recompute == "full" else whole - per_layer
     ends = mbs_in_flight * ((outer["first"] if first else 0) + outer["rope"]) + (outer["last"] if last else 0)
+    if last and cfg.num_mtp_layers:  # the multi-token prediction modules' blocks, norms and heads
+        mtp_layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap,
+                                       float(cfg.is_moe_layer(cfg.num_layers)))
+        ends += mtp_activations(cfg, layout.tp, layout.sequence_parallel, b, s, prec.autocast, prec.act_bytes,
+                                mtp_layer, outer["last"])
     return chunks * layers_per_chunk * per_layer + ends, recomputed
 
 
