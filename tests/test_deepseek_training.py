@@ -18,7 +18,7 @@ from layout_runs import assert_same_training
 
 STEPS = 10
 CFG = get_config("tiny-deepseek")
-BASE = dict(steps=STEPS, seed=7, global_batch_size=8, micro_batch_size=2, seq_len=16, lr=3e-3, warmup_steps=2,
+BASE = dict(steps=STEPS, seed=7, global_batch_size=8, micro_batch_size=4, seq_len=16, lr=3e-3, warmup_steps=2,
             val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu",
             return_state=True)
 KEYS = ("mtp_loss", "moe_aux_loss", "moe_load_imbalance")

@@ -123,8 +123,9 @@ class PipelineRunner:
             x.requires_grad_()
         t0 = time.perf_counter()
         last = stage == self.last
+        mtp = last and bool(getattr(self.model, "mtp_keys", None))  # multi-token prediction reads the token ids
         out = self._forward_chunk(x, chunk, batch.targets if last else None, dropout_seed, aux_scale, documents,
-                                  batch.inputs if last else None)
+                                  batch.inputs if mtp else None)
         if stage != self.last:
             out = out.to(self.activation_dtype)
             self._send(out.detach(), stage + 1, self._tag(mb, stage + 1, False), sends)

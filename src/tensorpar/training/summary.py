@@ -90,6 +90,9 @@ def summarize(s: Session, result: LoopResult) -> dict:
                 "mean_load_imbalance": sum(r["moe_load_imbalance"] for r in records) / len(records),
                 "dropped_tokens": sum(r["moe_dropped_tokens"] for r in records),
             }
+    if s.run.cfg.num_mtp_layers and records:
+        summary["mtp"] = {"first_loss": records[0]["mtp_loss"], "final_loss": records[-1]["mtp_loss"],
+                          "modules": s.run.cfg.num_mtp_layers, "weight": s.run.cfg.mtp_loss_weight}
     if s.async_saves is not None:  # the host memory its copies took on the rank that needs the most, and each save
         staged = mesh.world_group.all_gather_object(s.async_saves.staged_bytes)
         summary["async_save"] = {**s.async_saves.summary(), "staged_mib": max(staged) / 2**20,
