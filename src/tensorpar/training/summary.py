@@ -25,6 +25,19 @@ def dense_weights(model, mesh) -> dict:
     return merged
 
 
+def _model_metrics(cfg, records: list[dict]) -> dict:
+    """What the run's MoE layers (routing) and multi-token prediction modules (their loss) did over its steps."""
+    out = {}
+    if cfg.is_moe and records:
+        out["moe"] = {"final_aux_loss": records[-1]["moe_aux_loss"], "final_z_loss": records[-1]["moe_z_loss"],
+                      "mean_load_imbalance": sum(r["moe_load_imbalance"] for r in records) / len(records),
+                      "dropped_tokens": sum(r["moe_dropped_tokens"] for r in records)}
+    if cfg.num_mtp_layers and records:
+        out["mtp"] = {"first_loss": records[0]["mtp_loss"], "final_loss": records[-1]["mtp_loss"],
+                      "modules": cfg.num_mtp_layers, "weight": cfg.mtp_loss_weight}
+    return out
+
+
 def _pipeline(s: Session, summary: dict) -> None:
     """The last step's measured timeline of every stage: its bubble, and (rank 0) its picture.
 
@@ -83,16 +96,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
     }
     if getattr(s.dataset, "stats", None):  # instruction data: examples truncated or left out, rows, fill
         summary["examples"] = {"kind": s.dataset.kind, "packing": s.dataset.packing, **s.dataset.stats}
-    if s.run.cfg.is_moe:
-        if records:
-            summary["moe"] = {
-                "final_aux_loss": records[-1]["moe_aux_loss"], "final_z_loss": records[-1]["moe_z_loss"],
-                "mean_load_imbalance": sum(r["moe_load_imbalance"] for r in records) / len(records),
-                "dropped_tokens": sum(r["moe_dropped_tokens"] for r in records),
-            }
-    if s.run.cfg.num_mtp_layers and records:
-        summary["mtp"] = {"first_loss": records[0]["mtp_loss"], "final_loss": records[-1]["mtp_loss"],
-                          "modules": s.run.cfg.num_mtp_layers, "weight": s.run.cfg.mtp_loss_weight}
+    summary.update(_model_metrics(s.run.cfg, records))
     if s.async_saves is not None:  # the host memory its copies took on the rank that needs the most, and each save
         staged = mesh.world_group.all_gather_object(s.async_saves.staged_bytes)
         summary["async_save"] = {**s.async_saves.summary(), "staged_mib": max(staged) / 2**20,
