@@ -124,7 +124,7 @@ class LatentAttention(nn.Module):
 
     def _column(self, x: torch.Tensor, layer: ColumnParallelLinear) -> torch.Tensor:
         """A column-parallel up-projection of an input already in the TP region."""
-        return self.region.gemms.column(x, [layer.projection()], self.tp_group)[0]
+        return self.region.column(x, [layer.projection()])[0]
 
     def expand(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [B, heads, L, nope + rope] and values [B, heads, L, v] of this rank's heads from the latent
