@@ -27,7 +27,7 @@ import sys
 import tempfile
 
 from tensorpar.distributed.launch import threads_per_process
-from tensorpar.models.config import get_config
+from tensorpar.models import get_config
 from tensorpar.planning.calibration import load_profile
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.layout import Layout

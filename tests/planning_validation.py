@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.models.config import ModelConfig, get_config
+from tensorpar.models import ModelConfig, get_config
 from tensorpar.planning import compute
 from tensorpar.planning import search as search_mod
 from tensorpar.planning.cluster import make_cluster

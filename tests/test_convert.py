@@ -1,4 +1,7 @@
-"""`tensorpar convert`: tensorpar checkpoint -> Hugging Face folder -> checkpoint -> folder, bit-exact."""
+"""`tensorpar convert`: tensorpar checkpoint -> Hugging Face folder -> checkpoint -> folder, bit-exact, the tokenizer
+carried along; what the export holds is what transformers' AutoTokenizer and pipeline need."""
+
+import json
 
 import pytest
 import torch
@@ -26,3 +29,59 @@ def test_convert_round_trip_is_bit_exact_and_transformers_loads_the_export(saved
     assert sum(p.numel() for p in model.parameters()) == CONFIG.num_parameters()
     code, _, err = cli("convert", save, hf_dir)
     assert code == 2 and "refusing to overwrite" in err
+    # The byte tokenizer the run used travels as files, unchanged through the round trip.
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (hf_dir / name).read_bytes() == (hf_again / name).read_bytes(), name
+    assert json.loads((hf_dir / "config.json").read_text())["eos_token_id"] == 256
+
+
+def test_the_export_generates_in_transformers_pipeline_what_tensorpar_generates(saved, tmp_path, cli):  # noqa: F811
+    """A trained byte-tokenizer checkpoint (the demo's model, smaller), converted: AutoTokenizer has tensorpar's ids,
+    and pipeline("text-generation")'s greedy text from a text prompt is `tensorpar generate --prompt`'s."""
+    transformers = pytest.importorskip("transformers")
+    from tensorpar.data import ByteTokenizer
+
+    save, _, _ = saved
+    code, _, err = cli("convert", save, tmp_path / "hf")
+    assert code == 0, err
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "The héllo — 漢字 "
+    assert tokenizer(text)["input_ids"] == ByteTokenizer().encode(text) and tokenizer.eos_token_id == 256
+    generator = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
+    expected = generator("The ", max_new_tokens=24, do_sample=False, return_full_text=False)[0]["generated_text"]
+    code, out, err = cli("generate", "--checkpoint", save, "--prompt", "The ", "--greedy", "--max-new-tokens", 24,
+                         "--json")
+    assert code == 0, err
+    assert expected and json.loads(out.strip().splitlines()[-1])["text"] == expected
+
+
+def test_a_runs_tokenizer_folder_travels_with_its_checkpoints_and_exports(pools, tmp_path, cli):
+    """Trained with --tokenizer (a Qwen-style folder, chat template included): each checkpoint carries its files,
+    `tensorpar generate` finds them from the checkpoint's root, and the export copies them for transformers."""
+    transformers = pytest.importorskip("transformers")
+    import chat_data
+    from tensorpar.data import load_tokenizer
+    from tensorpar.models import get_config
+
+    folder = chat_data.write_tokenizer_folder(tmp_path / "qwen", "qwen")
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(get_config("tiny").replace(hidden_size=32, ffn_hidden_size=64, num_layers=1,
+                                                           vocab_size=chat_data.VOCAB).to_dict()))
+    save = tmp_path / "ckpt"
+    pools(1).run(run, str(model), steps=1, save=str(save), tokenizer=folder, global_batch_size=2)
+    step = save / "step-000001"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (step / name).read_bytes() == (tmp_path / "qwen" / name).read_bytes(), name
+    assert json.loads((step / "meta.json").read_text())["tokenizer"] == ["tokenizer.json", "tokenizer_config.json"]
+    assert load_tokenizer(str(save)).fingerprint == load_tokenizer(folder).fingerprint
+
+    code, _, err = cli("convert", save, tmp_path / "hf")
+    assert code == 0, err
+    assert (tmp_path / "hf" / "tokenizer_config.json").read_bytes() == (tmp_path / "qwen" / "tokenizer_config.json") \
+        .read_bytes()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    messages = [{"role": "user", "content": "What is 3 plus 4?"}]
+    assert "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>" in hf_tokenizer.apply_chat_template(messages, tokenize=False)
+    assert hf_tokenizer("a sum of 7")["input_ids"] == load_tokenizer(folder).encode("a sum of 7")
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == load_tokenizer(folder).eos_id == hf_tokenizer.eos_token_id

@@ -27,7 +27,9 @@ from layout_runs import assert_same_training, reference, run
 TRAINING = dict(steps=20, warmup_steps=5, global_batch_size=2, micro_batch_size=2, seq_len=16, document_mask=True)
 EOS = 256  # the byte-level tokenizer's
 CONFIGS = {"tiny": get_config("tiny").replace(num_layers=2),  # RoPE, GQA
-           "tiny-gpt2": get_config("tiny-gpt2").replace(num_layers=2)}  # learned positions, tied embeddings
+           "tiny-gpt2": get_config("tiny-gpt2").replace(num_layers=2),  # learned positions, tied embeddings
+           # Mistral's sliding window (3, shorter than most documents) within the documents' masks
+           "windowed": get_config("tiny").replace(num_layers=2, family="mistral", sliding_window=3)}
 
 
 def packed_windows(seq_len: int, ends: list[list[int]]) -> torch.Tensor:

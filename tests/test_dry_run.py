@@ -101,3 +101,18 @@ def test_every_schedule_puts_the_planned_bytes_on_its_first_and_last_rank(schedu
         built[rank] = result["parameter_bytes"]
     ends_on_rank_0 = built[0] > built[63]  # llama-8b's untied embedding and head: 2 x 128K x 4096 / 8 each
     assert ends_on_rank_0 == (schedule == "zbv"), built
+
+
+@pytest.mark.parametrize("model,layout", [("gemma3-12b", dict(tp=8, pp=4, sequence_parallel=True)),
+                                          ("qwen3-30b-a3b", dict(tp=2, pp=2, ep=8)),
+                                          ("olmo2-7b", dict(tp=8, pp=2)), ("qwen2.5-7b", dict(tp=4, pp=2)),
+                                          ("mistral-7b", dict(tp=16))])
+def test_the_families_published_shapes_hold_the_planned_bytes(model, layout):
+    """Sandwich norms, qk-norm per head (Gemma 3, Qwen3) or over the projection split by heads (OLMo 2), q/k/v
+    biases (Qwen2.5), KV heads replicated (Mistral's 8 at TP 16): the last rank of 64 holds the planner's bytes."""
+    run = validate(TrainOptions(model=model, zero=1, dtype="bf16", seq_len=4096, global_batch_size=64,
+                                micro_batch_size=1, progress=False, **layout), 64)
+    result = dry_run(run, 63)
+    planned = planned_bytes(run, result)
+    for key in ("parameter_bytes", "gradient_bytes"):
+        assert result[key] == planned[key], (key, result[key], planned[key])

@@ -56,9 +56,9 @@ def test_config_to_hf_round_trip(name):
 @pytest.mark.parametrize("model_type,field,value", [
     ("bert", "model_type", "bert"),
     ("llama", "hidden_act", "gelu"),
-    ("llama", "head_dim", 32),
-    ("llama", "mlp_bias", False),  # with attention_bias=True
-    ("llama", "rope_type", "yarn"),
+    ("llama", "head_dim", 15),  # RoPE needs an even head size (a head size of its own is fine: 32, say)
+    ("llama", "attention_bias", "yes"),
+    ("llama", "rope_type", "proportional"),  # transformers' Gemma-4 RoPE: not one tensorpar computes
     ("llama", "num_key_value_heads", 3),
     ("gpt2", "activation_function", "quick_gelu"),
     ("gpt2", "scale_attn_by_inverse_layer_idx", True),

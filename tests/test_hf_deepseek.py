@@ -5,7 +5,8 @@ Two tiny random models are written by transformers' `save_pretrained`, every par
 biases perturbed (so that routing is decided by them and a wrong mapping shows): DeepSeek-V3 with latent attention
 (q_lora_rank, kv_lora_rank, decoupled rotary keys, interleaved rotary weights, v_head_dim != qk_head_dim), YaRN with
 mscale, 8 experts in 4 groups of which each token sees 2, routed_scaling_factor 2.5 and a dense first layer;
-GLM-4.5 with grouped-query attention, q/k/v biases, RoPE on half of each head and 8 experts in one group.
+GLM-4.5 with grouped-query attention, q/k/v biases, 12-wide heads (not hidden / heads) with their query / key norms,
+RoPE on half of each head and 8 experts in one group.
 """
 
 import dataclasses
@@ -42,7 +43,8 @@ HF_CONFIGS = {
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
         qk_nope_head_dim=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, rope_parameters=YARN),
-    "glm4_moe": lambda: transformers.Glm4MoeConfig(**COMMON, num_key_value_heads=2, attention_bias=True),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(**COMMON, num_key_value_heads=2, attention_bias=True, head_dim=12,
+                                                   use_qk_norm=True),
 }
 
 
@@ -92,8 +94,8 @@ def test_configs_map_to_tensorpar(hf_models):
                                                                   "yarn", 0)  # transformers saves no MTP module
     assert [ds.is_moe_layer(i) for i in range(3)] == [False, True, True]
     glm, _ = load_hf_folder(hf_models["glm4_moe"]["folder"])
-    assert (glm.is_mla, glm.kv_heads, glm.qkv_bias, glm.bias, glm.partial_rotary_factor, glm.rotary_dim,
-            glm.expert_bias) == (False, 2, True, False, 0.5, 4, True)
+    assert (glm.is_mla, glm.kv_heads, glm.qkv_bias, glm.bias, glm.partial_rotary_factor, glm.head_dim, glm.rotary_dim,
+            glm.qk_norm, glm.expert_bias) == (False, 2, True, False, 0.5, 12, 6, "head", True)
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
@@ -138,7 +140,7 @@ def test_fields_tensorpar_cannot_honour_are_refused():
                        ({**ds, "num_key_value_heads": 2}, "num_key_value_heads=2"),
                        ({**ds, "topk_method": "greedy"}, "topk_method='greedy'"),
                        ({**ds, "rope_parameters": {**YARN, "rope_type": "longrope"}}, "longrope"),
-                       ({**glm, "use_qk_norm": True}, "use_qk_norm"),
+                       ({**glm, "n_shared_experts": 0}, "n_shared_experts=0"),
                        ({**glm, "hidden_act": "gelu"}, "hidden_act")):
         with pytest.raises(TensorparError, match=needle):
             config_from_hf(hf)

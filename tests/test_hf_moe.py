@@ -138,8 +138,9 @@ def test_fields_tensorpar_cannot_represent_are_refused():
     assert config_from_hf({**mixtral, "sliding_window": 64}).num_experts == 6  # covers every position: no effect
     _refused({**mixtral, "router_jitter_noise": 0.1}, "router_jitter_noise")
     _refused({**qwen, "use_sliding_window": True, "sliding_window": 8, "layer_types": None}, "sliding_window=8")
-    _refused({**qwen, "mlp_only_layers": [1]}, r"mlp_only_layers=\[1\].*layers \[1\] would be MoE")
-    assert config_from_hf({**qwen, "mlp_only_layers": [0]}).moe_layer_freq == 2  # layer 0 is dense anyway
+    dense = config_from_hf({**qwen, "mlp_only_layers": [1]})  # layer 1 keeps a dense MLP
+    assert dense.mlp_only_layers == (1,) and [dense.is_moe_layer(i) for i in range(2)] == [False, False]
+    assert config_from_hf({**qwen, "mlp_only_layers": [0]}).mlp_only_layers == ()  # layer 0 is dense anyway
     _refused({**qwen, "shared_expert_intermediate_size": 30}, "shared_expert_intermediate_size=30")
 
 

@@ -24,16 +24,21 @@ SAMPLED = Sampling(greedy=False, temperature=0.9, top_k=40, top_p=0.95, seed=5)
 
 
 MOE = get_config("tiny-moe").replace(num_layers=2)  # dropless routing: a token's experts do not depend on the batch
+# Gemma 2's attention: a window of 5 on the first layer (shorter than every sequence), soft caps, its own score scale.
+WINDOWED = CFG.replace(family="gemma2", sliding_window=5, layer_types=("sliding_attention", "full_attention"),
+                       attn_logit_softcap=2.0, final_logit_softcap=3.0, query_pre_attn_scalar=24.0,
+                       norm_placement="sandwich", norm_offset=1.0, embedding_multiplier=8.0)
+
+
 LATENT = get_config("tiny-deepseek").replace(num_layers=2)  # latent attention: the pool holds latents and rotary keys
 
 
-def _model(tp, moe=False):
-    """The model at TP `tp`; `moe`: the MoE one, its experts over 2 expert-parallel ranks (replicas of the TP
-    group, as `serve --ep 2` runs it); `moe="latent"`: a DeepSeek-V3-class one (latent attention) likewise."""
+def _model(tp, moe=False, cfg=CFG):
+    """The model of `cfg` at TP `tp`; `moe`: the MoE one, its experts over 2 expert-parallel ranks (replicas of the
+    TP group, as `serve --ep 2` runs it); `moe="latent"`: a DeepSeek-V3-class one (latent attention) likewise."""
     if moe:
-        cfg = LATENT if moe == "latent" else MOE
-        return _model_of(Transformer(cfg, mesh(tp, dp=2 // tp, ep=2), seed=3).eval())
-    return _model_of(Transformer(CFG, mesh(tp) if tp > 1 else None, seed=3).eval())
+        return _model_of(Transformer(LATENT if moe == "latent" else MOE, mesh(tp, dp=2 // tp, ep=2), seed=3).eval())
+    return _model_of(Transformer(cfg, mesh(tp) if tp > 1 else None, seed=3).eval())
 
 
 def _model_of(model):
@@ -42,9 +47,9 @@ def _model_of(model):
     return model, seqs
 
 
-def check_paged_steps(tp, moe=False):
+def check_paged_steps(tp, moe=False, cfg=CFG):
     """Largest |paged - full| logit and log-prob error over STEPS; the sampled tokens of each step."""
-    model, seqs = _model(tp, moe)
+    model, seqs = _model(tp, moe, cfg)
     alloc, pool = BlockAllocator(20, 4), PagedKVPool.for_model(model, 20, 4)
     done, logit_err, lp_err, tokens = [0] * 3, 0.0, 0.0, []
     with torch.no_grad():
@@ -105,6 +110,13 @@ def test_paged_steps_equal_the_full_forward_tp2(pools, tp1):
     for rank, (logit_err, lp_err, tokens) in enumerate(pools(2).run(check_paged_steps, 2)):
         assert logit_err <= 2e-5 and lp_err <= 1e-5, rank
         assert tokens == tp1[2], rank  # seeded samples: the same at every TP size
+
+
+def test_paged_steps_of_a_windowed_soft_capped_model(pools):
+    """A sliding layer's keys before its window are masked in prefill chunks (a prompt continued included) and
+    decodes alike; the soft caps and score scale as the full forward's."""
+    for rank, (logit_err, lp_err, _) in enumerate(pools(2).run(check_paged_steps, 2, False, WINDOWED)):
+        assert logit_err <= 2e-5 and lp_err <= 1e-5, rank
 
 
 @pytest.mark.parametrize("kind", [True, "latent"])

@@ -91,3 +91,27 @@ def test_plan_pp_overlap_hides_the_interleaved_sends(capsys):
     assert rows["1"]["step_time_s"] < rows["0"]["step_time_s"]
     assert _main(*base, "--pp-overlap", "1.5") == 2
     assert "the pipeline p2p overlap must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+FAMILY_PRESETS = ["qwen2.5-7b", "qwen3-8b", "qwen3-30b-a3b", "mistral-7b", "gemma2-9b", "gemma3-12b", "phi3-mini",
+                  "olmo2-7b"]
+
+
+def test_the_families_published_shapes_are_planned(capsys):
+    """Each family's preset plans at TP 4 x PP 2 on 16 GPUs; the FLOPs the planner counts know Gemma 2's and Mistral's
+    windows (fewer attended keys than the same model without them)."""
+    from tensorpar.models import get_config
+    from tensorpar.models.flops import train_flops_per_token
+
+    for model in FAMILY_PRESETS:
+        assert _main("--model", model, "--gpus", "16", "--gpu", "h100-80gb", "--seq-len", "8192", "--global-batch-size",
+                     "64", "--tp", "4", "--pp", "2", "--json") == 0, model
+        rows = json.loads(capsys.readouterr().out)
+        assert any(r["feasible"] for r in rows), (model, rows[:1])
+    for model, window in (("mistral-7b", 4096), ("gemma2-9b", 4096)):
+        cfg = get_config(model)
+        full = cfg.replace(sliding_window=None, layer_types=None)
+        attention = lambda c: train_flops_per_token(c, 8192) - train_flops_per_token(c, 0)  # noqa: E731
+        sliding = sum(cfg.attention_window(i) is not None for i in range(cfg.num_layers))
+        saved = (8192 - window) / 8192 * sliding / cfg.num_layers
+        assert attention(cfg) == pytest.approx(attention(full) * (1 - saved)), model

@@ -11,7 +11,7 @@ import torch
 
 from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.config import hardware
-from tensorpar.models.config import get_config
+from tensorpar.models import get_config
 from tensorpar.planning import collective_cost, communication, memory, precision_recipes
 from tensorpar.planning import params as planned_params
 from tensorpar.planning.candidates import Candidate

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tensorpar.models.config import get_config
+from tensorpar.models import get_config
 from tensorpar.planning import cluster
 from tensorpar.planning import search as search_mod
 from tensorpar.planning.candidates import Candidate

@@ -44,7 +44,7 @@ def check_parameter_memory(tp, config):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("config", ["tiny", "gpt2-124m-2l"])
+@pytest.mark.parametrize("config", ["tiny", "gpt2-124m-2l", "olmo-like"])
 def test_parameter_gradient_optimizer_bytes_equal_real_tensors(pools, tp, config):
     cfg = CONFIGS[config]
     prec = precision_recipes.PRECISIONS["tensorpar-fp32"]
@@ -144,6 +144,12 @@ CHUNKS = [LOSS_CHUNK_TOKENS] * len(ACTIVATION_CASES) + [None] * 4
 # Logits, then the loss (--loss-chunk-tokens 0): the softmax and, under autocast, the head's bf16 weight copy.
 ACTIVATION_CASES += [(1, "tiny", False, "none", "fp32"), (1, "tiny-gpt2", False, "none", "bf16-autocast"),
                      (2, "tiny", True, "none", "bf16-autocast"), (2, "tiny-gpt2", False, "full", "bf16")]
+
+
+# The decoder variants: norms after the sublayers, q / k norms, soft caps (their s x s scores), a window's mask.
+ACTIVATION_CASES += [(1, "gemma-like", False, "none", "fp32"), (1, "gemma-like", False, "none", "bf16-autocast"),
+                     (2, "gemma-like", True, "selective", "bf16"), (2, "olmo-like", True, "none", "fp32")]
+CHUNKS += [None, LOSS_CHUNK_TOKENS, None, LOSS_CHUNK_TOKENS]
 
 
 @pytest.mark.parametrize("tp,config,sp,recompute,dtype,chunk", [c + (k,) for c, k in zip(ACTIVATION_CASES, CHUNKS)])

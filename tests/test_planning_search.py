@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorpar.models.config import ModelConfig, get_config
+from tensorpar.models import ModelConfig, get_config
 from tensorpar.planning import cluster, compute
 from tensorpar.planning import search as search_mod
 from tensorpar.planning.candidates import Candidate

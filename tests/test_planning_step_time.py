@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorpar.models.config import get_config
+from tensorpar.models import get_config
 from tensorpar.planning import cluster, step_time
 from tensorpar.planning.candidates import Candidate
 

@@ -94,3 +94,41 @@ def test_a_sequence_that_does_not_split_into_2cp_chunks_is_refused():
     check_context_split(7, 1)
     with pytest.raises(LayoutError, match="sequence length 20 is not divisible by 2 x cp = 8.*not padded"):
         check_context_split(20, 4)
+
+
+def check_pattern(impl: str, with_documents: bool):
+    """A sliding window of 5 (chunks of 4: the ring skips the blocks before it), a soft cap of 2 and a scale of its
+    own, with packed documents or without, at CP 4 against the same arithmetic over the whole sequence."""
+    from tensorpar.functional.attention_pattern import AttentionPattern
+    from tensorpar.functional.document_mask import PackedDocuments
+
+    m, seq_len = mesh(tp=1, cp=4, dp=1), 32
+    pattern = AttentionPattern(scale=0.3, softcap=2.0, window=5)
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(B, h, seq_len, D, requires_grad=True) for h in (H, H_KV, H_KV))
+    probe = torch.randn(B, H, seq_len, D)
+    docs = None
+    if with_documents:
+        ids = torch.randint(0, 9, (B, seq_len), generator=torch.Generator().manual_seed(2))
+        docs = PackedDocuments.from_tokens(ids, eos_id=0)
+    every = torch.arange(seq_len)
+    mask = pattern.visible(every, every) if docs is None else pattern.visible(every, every) & docs.causal_mask()
+    dense = pattern.attend(q, *(t.repeat_interleave(H // H_KV, 1) for t in (k, v)), mask)
+    (dense * probe).sum().backward()
+
+    ctx = ContextSplit(m.cp_group, seq_len, "zigzag", impl, attended_blocks=[0])
+    pos = ctx.positions()
+    local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+    out = context_attention(*local, ctx, 0.0, None, docs, pattern)
+    (out * probe[:, :, pos]).sum().backward()
+    errs = {"output": rel_err(out, dense.detach()[:, :, pos])}
+    errs.update({f"d{n}": rel_err(mine.grad, full.grad[:, :, pos]) for n, mine, full in zip("qkv", local, (q, k, v))})
+    return errs, ctx.attended_blocks[0]
+
+
+@pytest.mark.parametrize("impl,with_documents", [("ring", False), ("ring", True), ("allgather", True)])
+def test_window_soft_cap_and_scale_equal_dense_attention(pools, impl, with_documents):
+    for rank, (errs, attended) in enumerate(pools(4).run(check_pattern, impl, with_documents)):
+        assert max(errs.values()) <= 1e-5, (rank, errs)
+        if impl == "ring":  # each of the two local chunks sees its own and at most the previous one, both passes
+            assert attended <= 2 * 2 * 2, (rank, attended)

@@ -1,10 +1,11 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Mixtral, Qwen2-MoE, DeepSeek-V3 and GLM-4.5, safetensors) to and from
-tensorpar's dense state dicts (the experts of MoE layers: `tensorpar.checkpoints.hf_moe`; DeepSeek-V3 and GLM-4.5:
-`tensorpar.checkpoints.hf_deepseek`).
+"""Hugging Face checkpoints (GPT-2; the Llama-style families of `tensorpar.checkpoints.hf_families`: Llama, Mistral,
+Qwen2, Qwen3, Gemma 2 and 3, Phi-3, OLMo 2; Mixtral, Qwen2-MoE and Qwen3-MoE; safetensors) to and from tensorpar's
+dense state dicts (the experts of MoE layers: `tensorpar.checkpoints.hf_moe`; DeepSeek-V3 and GLM-4.5, their
+routers' balancing biases and multi-token prediction modules: `tensorpar.checkpoints.hf_deepseek`).
 
 Configs are mapped by `tensorpar.checkpoints.hf_config`.
 
-    is_hf_folder(path)               does `path` look like a GPT-2 / Llama / Mixtral / Qwen2-MoE folder?
+    is_hf_folder(path)               does `path` look like a folder of a supported model type?
     hf_to_tensorpar(hf_state, cfg)   Hugging Face tensor names -> tensorpar's dense names
     tensorpar_to_hf(state, cfg)      the inverse (bit-exact round trip)
     load_hf_folder(path)             (ModelConfig, dense state dict), ready for `load_full_state_dict`
@@ -12,8 +13,9 @@ Configs are mapped by `tensorpar.checkpoints.hf_config`.
 
 GPT-2 stores its linears as Conv1D, [in, out]; tensorpar (like nn.Linear and Llama) keeps [out, in],
 so GPT-2 weights are transposed, and the fused query/key/value matrix `c_attn` is split into
-q_proj, k_proj and v_proj. Llama's names map one to one (its checkpoints already use the
-rotate-half RoPE convention tensorpar uses). Tied models may or may not store `lm_head.weight`:
+q_proj, k_proj and v_proj. The Llama-style families' names map one to one (their checkpoints already use the
+rotate-half RoPE convention tensorpar uses), their norms by where they sit (`hf_families.layer_pairs`), and
+Phi-3's fused qkv_proj and gate_up_proj are split on load and fused again on export. Tied models may or may not store `lm_head.weight`:
 it is ignored when the embeddings are tied, and never written for them.
 """
 
@@ -32,7 +34,9 @@ from safetensors.torch import load_file, save_file
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, check_representable, config_from_hf, config_to_hf
 from tensorpar.checkpoints.hf_deepseek import deepseek_from_hf, deepseek_to_hf, held_mtp_layers, is_mtp_copy
 from tensorpar.checkpoints.hf_deepseek_config import DEEPSEEK_MODEL_TYPES
+from tensorpar.checkpoints.hf_families import fuse, layer_pairs, unfuse
 from tensorpar.checkpoints.hf_moe import experts_from_hf, experts_to_hf, moe_layer_pairs, unfuse_experts
+from tensorpar.data.tokenizer_files import special_token_ids, write_tokenizer
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
@@ -48,7 +52,6 @@ _IGNORED = {
     "gpt2": re.compile(r"^transformer\.h\.\d+\.attn\.(bias|masked_bias)$"),
     "llama": re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
 }
-_IGNORED.update(dict.fromkeys(DEEPSEEK_MODEL_TYPES, _IGNORED["llama"]))
 
 
 # -- names ----------------------------------------------------------------------------------------
@@ -87,30 +90,22 @@ def _gpt2_layer_names(i: int) -> list[tuple[str, str]]:
 
 
 def _llama_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(Hugging Face name, tensorpar name) pairs of a Llama-style family's tensors (Phi-3's q, k, v, gate and up
+    unfused), its routed experts aside."""
     pairs = [(f"{_LLAMA_PREFIX}embed_tokens.weight", "embed.weight"),
              (f"{_LLAMA_PREFIX}norm.weight", "final_norm.weight")]
-    suffixes = ("weight", "bias") if cfg.bias else ("weight",)
-    qkv_suffixes = ("weight", "bias") if cfg.attention_qkv_bias else ("weight",)
     for i in range(cfg.num_layers):
-        h, t = f"{_LLAMA_PREFIX}layers.{i}.", f"layers.{i}."
-        pairs += [(h + "input_layernorm.weight", t + "attn_norm.weight"),
-                  (h + "post_attention_layernorm.weight", t + "mlp_norm.weight")]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            pairs += [(f"{h}self_attn.{proj}.{s}", f"{t}attn.{proj}.{s}")
-                      for s in (suffixes if proj == "o_proj" else qkv_suffixes)]
+        pairs += layer_pairs(cfg, i)
         if cfg.is_moe_layer(i):
             pairs += moe_layer_pairs(cfg, i)
-            continue
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            pairs += [(f"{h}mlp.{proj}.{s}", f"{t}mlp.{proj}.{s}") for s in suffixes]
     if not cfg.tie_embeddings:
         pairs.append(("lm_head.weight", "head.weight"))
     return pairs
 
 
 def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """tensorpar's dense state dict -> Hugging Face GPT2LMHeadModel / LlamaForCausalLM / Mixtral / Qwen2-MoE tensors
-    (full names, no lm_head for tied embeddings). Bit-exact inverse of `hf_to_tensorpar`."""
+    """tensorpar's dense state dict -> the Hugging Face tensors of its family (full names, no lm_head for tied
+    embeddings). Bit-exact inverse of `hf_to_tensorpar`."""
     check_representable(cfg)
     expected = set(_dense_shapes(cfg))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -120,11 +115,11 @@ def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
                              f"{'...' if len(unexpected) > 5 else ''}")
     if cfg.family in DEEPSEEK_MODEL_TYPES:
         return deepseek_to_hf(state, cfg)
-    if cfg.family == "llama":
+    if cfg.family != "gpt2":
         out = {hf: state[tp] for hf, tp in _llama_pairs(cfg)}
         for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
             out.update(experts_to_hf(state, cfg, i))
-        return out
+        return fuse(out, cfg)
     out = {f"{_GPT2_PREFIX}wte.weight": state["embed.weight"], f"{_GPT2_PREFIX}wpe.weight": state["pos_embed"]}
     for i in range(cfg.num_layers):
         t, h = f"layers.{i}.attn.", f"{_GPT2_PREFIX}h.{i}.attn.c_attn."
@@ -152,12 +147,13 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
     origin: dict[str, str] = {}  # canonical name -> name as stored, for messages
     for name, tensor in hf_state.items():
         key = _canonical(name, family)
-        if _IGNORED[family].match(key) or (key == "lm_head.weight" and cfg.tie_embeddings) or is_mtp_copy(key, cfg):
+        if _IGNORED["gpt2" if family == "gpt2" else "llama"].match(key) or \
+                (key == "lm_head.weight" and cfg.tie_embeddings) or is_mtp_copy(key, cfg):
             continue
         if key in state:
             raise TensorparError(f"{source}: '{origin[key]}' and '{name}' are the same tensor under two names")
         state[key], origin[key] = tensor, name
-    if cfg.is_moe:
+    if cfg.is_moe and family not in DEEPSEEK_MODEL_TYPES:
         unfuse_experts(state, origin, cfg)
 
     shapes = _hf_shapes(cfg)
@@ -176,7 +172,8 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
 
     if family in DEEPSEEK_MODEL_TYPES:
         return deepseek_from_hf(state, cfg, _dense_shapes(cfg))
-    if family == "llama":
+    if family != "gpt2":
+        state = unfuse(state, cfg)
         out = {tp: state[hf] for hf, tp in _llama_pairs(cfg)}
         for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
             out.update(experts_from_hf(state, cfg, i))
@@ -200,8 +197,7 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
 
 def hf_to_tensorpar(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
                     source: str = "Hugging Face state dict") -> dict[str, torch.Tensor]:
-    """Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE tensors -> tensorpar's dense state dict (for
-    `load_full_state_dict`).
+    """Hugging Face tensors of a supported family -> tensorpar's dense state dict (for `load_full_state_dict`).
 
     Accepts names with or without the base-model prefix; ignores GPT-2's attention-mask buffers and,
     for tied embeddings, `lm_head.weight`. Missing, unknown or wrongly shaped tensors are errors.
@@ -256,27 +252,31 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_hf_config(path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face folder's config.json, with as many multi-token prediction modules as its
-    weights hold (transformers saves none; their names are read, not the tensors)."""
+    """The ModelConfig of a Hugging Face folder's config.json (`with_held_mtp_layers`)."""
     folder = Path(path)
     config_path = folder / "config.json"
     try:
         cfg = config_from_hf(_read_json(config_path, "Hugging Face config"))
     except TensorparError as e:
         raise TensorparError(f"{config_path}: {e}") from None
-    if cfg.num_mtp_layers:
-        names = []
-        for file in _safetensors_files(folder):
-            with safe_open(str(file), framework="pt") as f:
-                names += list(f.keys())
-        cfg = cfg.replace(num_mtp_layers=held_mtp_layers(cfg, names))
-    return cfg
+    return with_held_mtp_layers(cfg, folder)
+
+
+def with_held_mtp_layers(cfg: ModelConfig, folder) -> ModelConfig:
+    """`cfg` with as many multi-token prediction modules as the folder's weights hold (transformers saves none; their
+    names are read, not the tensors)."""
+    if not cfg.num_mtp_layers:
+        return cfg
+    names = []
+    for file in _safetensors_files(Path(folder)):
+        with safe_open(str(file), framework="pt") as f:
+            names += list(f.keys())
+    return cfg.replace(num_mtp_layers=held_mtp_layers(cfg, names))
 
 
 def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, dense state dict in tensorpar's names) from a Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE
-    safetensors folder,
-    single-file or sharded (`model.safetensors.index.json`). Tensors keep their stored dtype, on the CPU."""
+    """(config, dense state dict in tensorpar's names) from a Hugging Face safetensors folder of a supported model
+    type, single-file or sharded (`model.safetensors.index.json`). Tensors keep their stored dtype, on the CPU."""
     folder = Path(path)
     if not folder.is_dir():
         raise TensorparError(f"Hugging Face folder '{folder}' does not exist" if not folder.exists()
@@ -298,10 +298,11 @@ def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, state
 
 
-def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor]) -> None:
-    """Write `dense_state` (tensorpar names, e.g. from `full_state_dict`) as a Hugging Face folder:
-    config.json (GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM / Qwen2MoeForCausalLM) and
-    model.safetensors."""
+def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor], tokenizer=None) -> None:
+    """Write `dense_state` (tensorpar names, e.g. from `full_state_dict`) as a Hugging Face folder: config.json (its
+    family's architecture) and model.safetensors; with `tokenizer` (a ByteTokenizer or an HFTokenizer), its files
+    too (`tensorpar.data.tokenizer_files.write_tokenizer`: tokenizer.json, tokenizer_config.json,
+    generation_config.json, ...), whose special token ids config.json names."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise TensorparError(f"'{folder}' exists and is not a folder")
@@ -324,7 +325,7 @@ def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor])
         tensors[name] = t
     dtype = tensors[f"{_GPT2_PREFIX if cfg.family == 'gpt2' else _LLAMA_PREFIX}"
                     f"{'wte' if cfg.family == 'gpt2' else 'embed_tokens'}.weight"].dtype
-    hf_config = config_to_hf(cfg, dtype)
+    hf_config = config_to_hf(cfg, dtype, special_token_ids(tokenizer) if tokenizer is not None else None)
 
     # Write next to the target and rename, so that an interrupted save never leaves a truncated file behind.
     weights, config = folder / WEIGHTS_FILE, folder / "config.json"
@@ -335,5 +336,7 @@ def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor])
             json.dump(hf_config, f, indent=2, sort_keys=True)
             f.write("\n")
         os.replace(str(config) + ".tmp", config)
+        if tokenizer is not None:
+            write_tokenizer(str(folder), tokenizer, cfg.max_seq_len)
     except OSError as e:
         raise TensorparError(f"cannot write the Hugging Face folder '{folder}': {e}") from None

@@ -10,14 +10,16 @@ moe_intermediate_size (sigmoid scores, the `e_score_correction_bias` that choose
 routed_scaling_factor, norm_topk_prob) plus n_shared_experts experts every token uses; the first layers are dense
 MLPs of intermediate_size. DeepSeek-V3's attention is multi-head latent attention (q_lora_rank, kv_lora_rank,
 qk_nope/rope_head_dim, v_head_dim; rope_interleave: DeepSeek's weights lay the rotary dimensions out in pairs) with
-YaRN as its rope_parameters say; GLM-4.5's is grouped-query attention with q/k/v biases (attention_bias) and RoPE on
-the first partial_rotary_factor of each head. num_nextn_predict_layers multi-token prediction modules are read
+YaRN as its rope_parameters say; GLM-4.5's is grouped-query attention with q/k/v biases (attention_bias), heads of
+head_dim (`head_size`), per-head query and key norms when use_qk_norm (`qk_norm="head"`) and RoPE on the first
+partial_rotary_factor of each head. num_nextn_predict_layers multi-token prediction modules are read
 when the folder holds their weights (transformers writes none: then 0). The balancing bias's update speed is not a
 Hugging Face field: imported models take DeepSeek-V3's 0.001 (it acts in training only).
 """
 
 from __future__ import annotations
 
+from tensorpar.checkpoints.hf_families import PLAIN
 from tensorpar.checkpoints.hf_fields import boolean, non_negative_float, positive_float, positive_int, unsupported
 from tensorpar.models.config import ModelConfig
 
@@ -91,13 +93,11 @@ def _attention(hf: dict, model_type: str, hidden: int, heads: int) -> dict:
                     v_head_dim=positive_int(hf, "v_head_dim", 128),
                     rope_interleave=boolean(hf, "rope_interleave", True), bias=False)
     head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim != hidden // heads:
-        raise unsupported("head_dim", head_dim, f"tensorpar needs hidden_size / num_attention_heads = {hidden // heads}")
-    if boolean(hf, "use_qk_norm", False):
-        raise unsupported("use_qk_norm", True, "GLM-4.5's per-head query/key norms are not supported yet")
+    head_size = None if head_dim is None or head_dim * heads == hidden else positive_int(hf, "head_dim")
     if heads % kv_heads:
         raise unsupported("num_key_value_heads", kv_heads, f"does not divide num_attention_heads {heads}")
-    return dict(num_kv_heads=kv_heads, qkv_bias=boolean(hf, "attention_bias", False), bias=False)
+    return dict(num_kv_heads=kv_heads, qkv_bias=boolean(hf, "attention_bias", False), bias=False, head_size=head_size,
+                qk_norm="head" if boolean(hf, "use_qk_norm", False) else "none")
 
 
 def _routing(hf: dict, model_type: str, layers: int) -> dict:
@@ -129,8 +129,8 @@ def deepseek_config_from_hf(hf: dict) -> ModelConfig:
     layers = positive_int(hf, "num_hidden_layers", d["num_hidden_layers"])
     if hf.get("hidden_act", "silu") != "silu":
         raise unsupported("hidden_act", hf["hidden_act"], f"{model_type}'s gated MLP is supported with silu only")
-    if hidden % heads:
-        raise unsupported("hidden_size", hidden, f"not divisible by num_attention_heads {heads}")
+    if hidden % heads and (model_type == "deepseek_v3" or hf.get("head_dim") is None):
+        raise unsupported("hidden_size", hidden, f"not divisible by num_attention_heads {heads} (and no head_dim)")
     theta, scaling, partial = _rope(hf, model_type)
     if model_type == "deepseek_v3" and partial != 1.0:
         raise unsupported("partial_rotary_factor", partial, "latent attention's rotary part is qk_rope_head_dim")
@@ -148,22 +148,28 @@ def deepseek_config_from_hf(hf: dict) -> ModelConfig:
 
 def deepseek_export_problems(cfg: ModelConfig) -> list[str]:
     """'field=value (needs ...)' for each field `cfg` would have to change to export as its family's architecture."""
-    wanted = dict(norm="rmsnorm", position="rope", gated_mlp=True, activation="silu", bias=False,
-                  router_score="sigmoid", expert_bias=True, moe_layer_freq=1, capacity_factor=None,
-                  shared_expert_gate=False, is_moe=True, has_shared_experts=True)
+    wanted = dict(PLAIN, norm="rmsnorm", position="rope", gated_mlp=True, activation="silu", bias=False,
+                  mlp_bias_effective=False, router_score="sigmoid", expert_bias=True, moe_layer_freq=1,
+                  capacity_factor=None, shared_expert_gate=False, is_moe=True, has_shared_experts=True,
+                  sliding_window=None, mlp_only_layers=(), is_mla=cfg.family == "deepseek_v3")
+    del wanted["partial_rotary_factor"]  # GLM-4.5's own; latent attention refuses another than 1 anyway
     if cfg.family == "deepseek_v3":
-        wanted.update(is_mla=True, qkv_bias_effective=False)
+        wanted["qkv_bias_effective"] = False
+    elif cfg.qk_norm in ("none", "head"):  # GLM-4.5's use_qk_norm: each head's
+        del wanted["qk_norm"]
     else:
-        wanted.update(is_mla=False)
-    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type")) not in ("default", "yarn"):
+        wanted["qk_norm"] = "none or head"
+    rope_type = (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type")) or "default"
+    if rope_type not in ("default", "yarn"):
         wanted["rope_type"] = "default or yarn"
-    actual = dict(norm=cfg.norm, position=cfg.position, gated_mlp=cfg.gated_mlp, activation=cfg.activation,
-                  bias=cfg.bias, router_score=cfg.router_score, expert_bias=cfg.expert_bias,
-                  moe_layer_freq=cfg.moe_layer_freq, capacity_factor=cfg.capacity_factor,
+    actual = {k: getattr(cfg, k) for k in PLAIN}
+    actual.update(norm=cfg.norm, position=cfg.position, gated_mlp=cfg.gated_mlp, activation=cfg.activation,
+                  bias=cfg.bias, mlp_bias_effective=cfg.mlp_has_bias, router_score=cfg.router_score,
+                  expert_bias=cfg.expert_bias, moe_layer_freq=cfg.moe_layer_freq, capacity_factor=cfg.capacity_factor,
                   shared_expert_gate=cfg.shared_expert_gate, is_moe=cfg.is_moe,
-                  has_shared_experts=cfg.num_shared_experts > 0, is_mla=cfg.is_mla,
-                  qkv_bias_effective=cfg.attention_qkv_bias,
-                  rope_type=(cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type")))
+                  has_shared_experts=cfg.num_shared_experts > 0, sliding_window=cfg.sliding_window,
+                  mlp_only_layers=cfg.mlp_only_layers, is_mla=cfg.is_mla, qkv_bias_effective=cfg.attention_qkv_bias,
+                  rope_type=rope_type)
     return [f"{k.removesuffix('_effective')}={actual[k]!r} (needs {v!r})" for k, v in wanted.items() if actual[k] != v]
 
 
@@ -192,5 +198,5 @@ def deepseek_config_to_hf(cfg: ModelConfig) -> dict:
                    rope_interleave=cfg.rope_interleave, attention_bias=False)
     else:
         rope["partial_rotary_factor"] = cfg.partial_rotary_factor
-        out.update(head_dim=cfg.head_dim, attention_bias=cfg.attention_qkv_bias, use_qk_norm=False)
+        out.update(head_dim=cfg.head_dim, attention_bias=cfg.attention_qkv_bias, use_qk_norm=cfg.qk_norm == "head")
     return out

@@ -1,4 +1,5 @@
-"""The mixture-of-experts layers of Hugging Face Mixtral and Qwen2-MoE checkpoints <-> tensorpar's names.
+"""The mixture-of-experts layers of Hugging Face Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints <-> tensorpar's names
+(Qwen3-MoE's as Qwen2-MoE's, without the shared expert).
 
 Hub checkpoints (and what transformers 5 `save_pretrained` writes: it converts its fused in-memory experts back)
 keep one tensor per expert; tensorpar stacks the experts of a layer ([E, F, H] / [E, H, F]):
@@ -25,8 +26,9 @@ import torch
 from tensorpar.checkpoints.hf_moe_config import moe_architecture
 from tensorpar.models.config import ModelConfig
 
-_PROJ_NAMES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
-               "qwen2_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}}
+_QWEN_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+_PROJ_NAMES = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}, "qwen2_moe": _QWEN_NAMES,
+               "qwen3_moe": _QWEN_NAMES}
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
 _MIXTRAL_MLP = re.compile(r"^(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.\d+\.w[123]\.weight)$")
 

@@ -1,7 +1,8 @@
-"""Hugging Face Mixtral and Qwen2-MoE config.json fields <-> tensorpar's mixture-of-experts ModelConfig fields.
+"""Hugging Face Mixtral, Qwen2-MoE and Qwen3-MoE config.json fields <-> tensorpar's mixture-of-experts ModelConfig
+fields.
 
     moe_config_from_hf(hf, decoder)   config.json -> ModelConfig (`decoder`: the Llama-style fields already read)
-    moe_architecture(cfg)             "mixtral" or "qwen2_moe": what an MoE config exports as
+    moe_architecture(cfg)             "mixtral", "qwen2_moe" or "qwen3_moe": what an MoE config exports as
     moe_export_problems(cfg)          why `cfg` has no such equivalent ([] when it has one)
     moe_config_to_hf(cfg)             the MoE fields of the exported config.json
 
@@ -11,7 +12,10 @@ when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (else a 
 intermediate_size); experts of width moe_intermediate_size, top-k probabilities renormalised only with
 norm_topk_prob; a shared expert of width shared_expert_intermediate_size (a multiple of the expert width, as
 num_shared_experts experts) scaled by sigmoid(shared_expert_gate x); biases on q/k/v only (qkv_bias).
-Sliding-window attention is refused unless its window covers every position the model takes.
+Qwen3-MoE (Qwen3MoeForCausalLM, family "qwen3_moe"): Qwen3's decoder (qk-norm, its own head_dim), MoE layers as
+Qwen2-MoE's (decoder_sparse_step, mlp_only_layers, norm_topk_prob) without a shared expert.
+Mixtral's and Qwen2-MoE's sliding-window attention is refused unless its window covers every position the model
+takes (Qwen3-MoE's is read with its decoder).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 from tensorpar.checkpoints.hf_fields import boolean, non_negative_float, positive_int, unsupported
 from tensorpar.models.config import ModelConfig
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _check_sliding_window(hf: dict, model_type: str, max_positions: int) -> None:
@@ -28,8 +32,9 @@ def _check_sliding_window(hf: dict, model_type: str, max_positions: int) -> None
     if model_type == "qwen2_moe" and used and hf.get("layer_types") is not None:
         used = "sliding_attention" in hf["layer_types"]
     if used and (not isinstance(window, int) or 0 < window < max_positions):
-        raise unsupported("sliding_window", window, f"sliding-window attention is not supported; a window of at "
-                                                    f"least max_position_embeddings ({max_positions}) is accepted")
+        raise unsupported("sliding_window", window, f"{model_type}'s sliding-window attention is not supported; a "
+                                                    f"window of at least max_position_embeddings ({max_positions}) "
+                                                    f"is accepted")
 
 
 def _mixtral(hf: dict, decoder: dict) -> ModelConfig:
@@ -38,61 +43,79 @@ def _mixtral(hf: dict, decoder: dict) -> ModelConfig:
     if jitter:
         raise unsupported("router_jitter_noise", jitter, "router input jitter is not supported; use 0")
     experts = positive_int(hf, "num_local_experts", hf.get("num_experts", 8))
-    return ModelConfig(**decoder, ffn_hidden_size=width, bias=False, num_experts=experts,
+    return ModelConfig(**decoder, ffn_hidden_size=width, num_experts=experts,
                        experts_per_token=positive_int(hf, "num_experts_per_tok", 2), moe_ffn_hidden_size=width,
                        norm_topk_prob=True, router_aux_loss_coef=non_negative_float(hf, "router_aux_loss_coef", 0.001))
 
 
-def _qwen2_moe(hf: dict, decoder: dict) -> ModelConfig:
-    layers = decoder["num_layers"]
-    width = positive_int(hf, "moe_intermediate_size", 1408)
-    shared = positive_int(hf, "shared_expert_intermediate_size", 5632)
-    if shared % width:
-        raise unsupported("shared_expert_intermediate_size", shared, f"tensorpar's shared experts are a multiple "
-                                                                     f"of moe_intermediate_size {width} wide")
-    step = positive_int(hf, "decoder_sparse_step", 1)
+def _dense_layers(hf: dict, layers: int) -> tuple[int, ...]:
     dense_only = hf.get("mlp_only_layers") or []
     if not isinstance(dense_only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                    for i in dense_only):
         raise unsupported("mlp_only_layers", dense_only, "expected a list of layer indices")
-    overlap = sorted(i for i in set(dense_only) if 0 <= i < layers and (i + 1) % step == 0)
-    if overlap:
-        raise unsupported("mlp_only_layers", dense_only, f"layers {overlap} would be MoE layers under "
-                                                         f"decoder_sparse_step={step}; tensorpar places MoE layers "
-                                                         f"by decoder_sparse_step alone")
-    return ModelConfig(**decoder, ffn_hidden_size=positive_int(hf, "intermediate_size", 5632), bias=False,
-                       qkv_bias=boolean(hf, "qkv_bias", True), num_experts=positive_int(hf, "num_experts", 60),
-                       experts_per_token=positive_int(hf, "num_experts_per_tok", 4), moe_ffn_hidden_size=width,
-                       num_shared_experts=shared // width, shared_expert_gate=True, moe_layer_freq=step,
+    return tuple(sorted({i for i in dense_only if 0 <= i < layers}))
+
+
+def _qwen_moe(hf: dict, decoder: dict, model_type: str) -> ModelConfig:
+    """Qwen2-MoE (a gated shared expert, q/k/v biases) or Qwen3-MoE (no shared expert; its decoder's biases)."""
+    layers = decoder["num_layers"]
+    qwen3 = model_type == "qwen3_moe"
+    width = positive_int(hf, "moe_intermediate_size", 768 if qwen3 else 1408)
+    step = positive_int(hf, "decoder_sparse_step", 1)
+    shared = {}
+    if not qwen3:
+        shared_width = positive_int(hf, "shared_expert_intermediate_size", 5632)
+        if shared_width % width:
+            raise unsupported("shared_expert_intermediate_size", shared_width, f"tensorpar's shared experts are a "
+                                                                               f"multiple of moe_intermediate_size "
+                                                                               f"{width} wide")
+        shared = dict(num_shared_experts=shared_width // width, shared_expert_gate=True,
+                      qkv_bias=boolean(hf, "qkv_bias", True))
+    dense = tuple(i for i in _dense_layers(hf, layers) if (i + 1) % step == 0)  # the others are dense anyway
+    return ModelConfig(**{**decoder, **shared}, ffn_hidden_size=positive_int(hf, "intermediate_size",
+                                                                           6144 if qwen3 else 5632),
+                       num_experts=positive_int(hf, "num_local_experts" if "num_local_experts" in hf else "num_experts",
+                                                128 if qwen3 else 60),
+                       experts_per_token=positive_int(hf, "num_experts_per_tok", 8 if qwen3 else 4),
+                       moe_ffn_hidden_size=width, moe_layer_freq=step, mlp_only_layers=dense,
                        norm_topk_prob=boolean(hf, "norm_topk_prob", False),
                        router_aux_loss_coef=non_negative_float(hf, "router_aux_loss_coef", 0.001))
 
 
 def moe_config_from_hf(hf: dict, decoder: dict) -> ModelConfig:
-    """A ModelConfig from a Mixtral / Qwen2-MoE config.json; `decoder`: its Llama-style fields."""
+    """A ModelConfig from a Mixtral / Qwen2-MoE / Qwen3-MoE config.json; `decoder`: its Llama-style fields."""
     model_type = hf["model_type"]
+    if model_type == "qwen3_moe":
+        return _qwen_moe(hf, decoder, model_type)
     for field in ("attention_bias", "mlp_bias"):  # Llama's switches, which these models do not read
         if boolean(hf, field, False):
             raise unsupported(field, True, f"{model_type} has no such bias")
     _check_sliding_window(hf, model_type, decoder["max_seq_len"])
-    return _mixtral(hf, decoder) if model_type == "mixtral" else _qwen2_moe(hf, decoder)
+    return _mixtral(hf, decoder) if model_type == "mixtral" else _qwen_moe(hf, decoder, model_type)
 
 
 def moe_architecture(cfg: ModelConfig) -> str:
-    """Shared experts make a Qwen2-MoE model, none a Mixtral one."""
+    """A config of family qwen3_moe is Qwen3-MoE; of family llama, shared experts make a Qwen2-MoE model, none a
+    Mixtral one."""
+    if cfg.family == "qwen3_moe":
+        return "qwen3_moe"
     return "qwen2_moe" if cfg.num_shared_experts else "mixtral"
 
 
 def moe_export_problems(cfg: ModelConfig) -> list[str]:
     """'field=value (needs ...)' for each field `cfg` would have to change to export as `moe_architecture(cfg)`."""
-    wanted = dict(bias=False, router_score="softmax", capacity_factor=None)
-    if moe_architecture(cfg) == "mixtral":
-        wanted.update(qkv_bias_effective=False, norm_topk_prob=True, moe_layer_freq=1)
+    wanted = dict(router_score="softmax", capacity_factor=None)
+    arch = moe_architecture(cfg)
+    if arch == "mixtral":
+        wanted.update(bias=False, qkv_bias_effective=False, norm_topk_prob=True, moe_layer_freq=1, mlp_only_layers=())
+    elif arch == "qwen2_moe":
+        wanted.update(bias=False, shared_expert_gate=True)
     else:
-        wanted.update(shared_expert_gate=True)
+        wanted.update(num_shared_experts=0)
     actual = dict(bias=cfg.bias, router_score=cfg.router_score, capacity_factor=cfg.capacity_factor,
                   qkv_bias_effective=cfg.attention_qkv_bias, norm_topk_prob=cfg.norm_topk_prob,
-                  moe_layer_freq=cfg.moe_layer_freq, shared_expert_gate=cfg.shared_expert_gate)
+                  moe_layer_freq=cfg.moe_layer_freq, shared_expert_gate=cfg.shared_expert_gate,
+                  mlp_only_layers=cfg.mlp_only_layers, num_shared_experts=cfg.num_shared_experts)
     names = {"qkv_bias_effective": "qkv_bias"}
     return [f"{names.get(k, k)}={actual[k]!r} (needs {v!r})" for k, v in wanted.items() if actual[k] != v]
 
@@ -104,8 +127,11 @@ def moe_config_to_hf(cfg: ModelConfig) -> dict:
     if moe_architecture(cfg) == "mixtral":
         return dict(common, architectures=["MixtralForCausalLM"], model_type="mixtral",
                     num_local_experts=cfg.num_experts, intermediate_size=cfg.expert_ffn_size, router_jitter_noise=0.0)
-    return dict(common, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=cfg.num_experts,
-                intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.expert_ffn_size,
+    qwen = dict(common, num_experts=cfg.num_experts, intermediate_size=cfg.ffn_hidden_size,
+                moe_intermediate_size=cfg.expert_ffn_size, decoder_sparse_step=cfg.moe_layer_freq,
+                mlp_only_layers=list(cfg.mlp_only_layers), norm_topk_prob=cfg.norm_topk_prob)
+    if moe_architecture(cfg) == "qwen3_moe":  # its decoder's fields (windows included) are the decoder's
+        return {k: v for k, v in qwen.items() if k != "sliding_window"}
+    return dict(qwen, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
                 shared_expert_intermediate_size=cfg.num_shared_experts * cfg.expert_ffn_size,
-                decoder_sparse_step=cfg.moe_layer_freq, mlp_only_layers=[], norm_topk_prob=cfg.norm_topk_prob,
                 qkv_bias=cfg.attention_qkv_bias, use_sliding_window=False)

@@ -34,6 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
+from tensorpar.data.tokenizer_files import copy_files
 from tensorpar.distributed.sharding import ShardSpec, local_shard, shard_spec, tag
 from tensorpar.errors import TensorparError
 from tensorpar.models.state import dense_shape, model_state
@@ -145,25 +146,28 @@ def write_shards(tmp: str, step: int, shards: list[Shard]) -> list[dict] | str:
 
 
 def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict, train: dict,
-                    options: dict | None = None, run_id: str | None = None, keep_last: int = 3) -> str:
+                    options: dict | None = None, run_id: str | None = None, keep_last: int = 3,
+                    tokenizer_files: dict | None = None) -> str:
     """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder. A
     complete checkpoint already at this step is kept, renamed superseded-step-N-K, never overwritten.
     `train` holds what fixes the data order and the learning rate; `options`, the run's whole resolved
     configuration (so that a resumed run can say what changed); `run_id`, the run (a resumed run keeps its
-    checkpoint's) whose checkpoints `keep_last` rotates, never another's."""
+    checkpoint's) whose checkpoints `keep_last` rotates, never another's; `tokenizer_files` (name -> path), the
+    files of the run's tokenizer, copied into the checkpoint (none: the byte tokenizer)."""
     tmp = begin_save(root, step, mesh)
     with optimizer.gathered():  # ZeRO-3 stores 1/dp of each parameter: gather them for the save
         shards, opt_step = take_shards(model, optimizer, mesh)
         info = write_shards(tmp, step, shards)
     return commit_save(root, step, info, mesh, dict(optimizer_step=opt_step, model=cfg.to_dict(), run_id=run_id,
-                                                    layout=layout, train=train, options=options), keep_last)
+                                                    layout=layout, train=train, options=options,
+                                                    tokenizer_files=tokenizer_files or {}), keep_last)
 
 
 def commit_save(root: str, step: int, info: list[dict] | str | None, mesh, facts: dict, keep_last: int) -> str:
     """Put step `step`'s checkpoint in place once every rank has written its files (a collective: every rank calls
     it, with the entries `write_shards` returned, the message of its failed write, or None while it is still
     writing because another rank's write failed). `facts`: meta.json's
-    optimizer_step, model, run_id, layout, train and options. Rank 0 checks that every file is there at its size,
+    optimizer_step, model, run_id, layout, train and options, and the tokenizer's files to copy. Rank 0 checks that every file is there at its size,
     writes meta.json, renames the folder into place and replaces `latest`. A rank's failure fails every rank."""
     final = step_folder(root, step)
     world = mesh.world_group
@@ -196,6 +200,8 @@ def _put_in_place(root: str, step: int, infos: list[dict], facts: dict, keep_las
         for name, spec in item["tensors"].items():
             tensors.setdefault(name, {**spec, "pp_rank": item["pp_rank"]})
     _check_written(tmp, files)
+    facts = dict(facts)
+    facts["tokenizer"] = copy_files(facts.pop("tokenizer_files", {}), tmp) or "byte"
     meta = {"format": FORMAT, "version": 1, "step": step, **facts, "tensors": tensors, "files": files,
             "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
     _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
@@ -359,13 +365,14 @@ def read_meta(path: str, verify: bool = True) -> tuple[str, dict]:
 
 def check_compatible(meta: dict, cfg, source: str) -> None:
     """Refuse a checkpoint of another model, naming the fields that differ."""
-    saved = meta["model"]
+    known = {f.name for f in dataclasses.fields(cfg)}
+    # As a config of its own: a field the checkpoint predates (the MoE ones) had its default value then, and JSON's
+    # lists are the config's tuples.
+    saved = type(cfg)(**{k: v for k, v in meta["model"].items() if k in known}).to_dict()
     current = cfg.to_dict()
     ignore = {"dropout"}
-    # a field the checkpoint predates (the MoE ones) had its default value then
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
-    diffs = [f"{k}: checkpoint {saved.get(k, defaults.get(k))!r} vs model {current[k]!r}"
-             for k in current if k not in ignore and saved.get(k, defaults.get(k)) != current[k]]
+    diffs = [f"{k}: checkpoint {saved[k]!r} vs model {current[k]!r}"
+             for k in current if k not in ignore and saved[k] != current[k]]
     if diffs:
         raise TensorparError(f"checkpoint '{source}' is of another model: " + "; ".join(diffs[:4]))
 
@@ -457,9 +464,11 @@ def dense_model_state(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, {name: reader.dense(name) for name in reader.names()}
 
 
-def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step: int = 0) -> str:
-    """A single-shard checkpoint of dense weights (no optimizer state): what `tensorpar convert` writes.
-    Refuses a folder that already holds a checkpoint."""
+def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step: int = 0,
+                           tokenizer_files: dict | None = None) -> str:
+    """A single-shard checkpoint of dense weights (no optimizer state): what `tensorpar convert` writes, with the
+    files of its tokenizer (name -> path; none: the byte tokenizer). Refuses a folder that already holds a
+    checkpoint."""
     if os.path.exists(root) and os.listdir(root):
         raise TensorparError(f"'{root}' exists and is not empty: refusing to overwrite it")
     os.makedirs(root, exist_ok=True)
@@ -474,7 +483,7 @@ def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step:
     meta = {"format": FORMAT, "version": 1, "step": step, "optimizer_step": 0, "model": cfg.to_dict(),
             "layout": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "virtual_stages": 1, "schedule": None,
                        "sequence_parallel": False},
-            "train": {}, "rng": "none needed",
+            "train": {}, "rng": "none needed", "tokenizer": copy_files(tokenizer_files or {}, tmp) or "byte",
             "tensors": {k: {"shape": list(v.shape), "dim": None, "full_size": None, "padded_size": None,
                             "replicas": 1, "pp_rank": 0} for k, v in state.items()},
             "files": {file_name: {"bytes": os.path.getsize(path), "sha256": _sha256(path), "tp_rank": 0, "pp_rank": 0}}}

@@ -3,11 +3,14 @@ tensorpar checkpoint (its latest step, or a step folder)."""
 
 from __future__ import annotations
 
+import json
 import os
 
-from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder, read_hf_config
-from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES
-from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta
+from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder, with_held_mtp_layers
+from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
+from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta, resolve
+from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tensorpar.data.tokenizer_files import source_files
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
 
@@ -24,8 +27,18 @@ def load_config(path: str):
     _check_folder(path)
     if is_checkpoint(path):
         return ModelConfig(**read_meta(path, verify=False)[1]["model"])
-    if is_hf_folder(path):
-        return read_hf_config(path)
+    config = os.path.join(path, "config.json")
+    if is_hf_folder(path) or (os.path.isfile(config) and any(n.endswith(".safetensors") for n in os.listdir(path))):
+        try:
+            with open(config) as f:
+                hf = json.load(f)
+        except (OSError, ValueError) as e:
+            raise TensorparError(f"'{config}' is not readable JSON: {e}") from None
+        try:
+            # a model type it does not support: named, with the supported ones
+            return with_held_mtp_layers(config_from_hf(hf), path)
+        except TensorparError as e:
+            raise TensorparError(f"{config}: {e}") from None
     raise TensorparError(
         f"checkpoint '{path}' is not a Hugging Face model folder (config.json with model_type "
         f"{', '.join(SUPPORTED_MODEL_TYPES)}, "
@@ -40,3 +53,25 @@ def load_model_source(path: str):
         meta, state = dense_model_state(path)
         return ModelConfig(**meta["model"]), state
     return load_hf_folder(path)
+
+
+def checkpoint_tokenizer(path: str, cfg: ModelConfig):
+    """The tokenizer a checkpoint folder was made with, to export with it: the files it carries (a Hugging Face
+    folder's, or those a run copied into its checkpoint), else the byte tokenizer when the checkpoint says it was
+    trained with it (or, from before checkpoints said, when its vocabulary is the byte tokenizer's); None when
+    unknown."""
+    if is_hf_folder(path) or not is_checkpoint(path):
+        tokenizer = load_tokenizer(path)
+        return tokenizer if isinstance(tokenizer, HFTokenizer) else None
+    step_dir = resolve(path)
+    if os.path.isfile(os.path.join(step_dir, "tokenizer.json")):
+        return HFTokenizer(step_dir)
+    meta = read_meta(step_dir, verify=False)[1]
+    byte = meta.get("tokenizer", "byte" if cfg.vocab_size == ByteTokenizer.vocab_size else None) == "byte"
+    return ByteTokenizer() if byte else None
+
+
+def tokenizer_files(path: str) -> dict[str, str]:
+    """name -> path of the tokenizer files of a model folder (a Hugging Face folder's tokenizer.json and the files
+    beside it); {} when it has none."""
+    return source_files(load_tokenizer(path))

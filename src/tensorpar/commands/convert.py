@@ -1,8 +1,10 @@
 """`tensorpar convert SRC DST`: between tensorpar checkpoints and Hugging Face folders, both ways.
 
 A tensorpar checkpoint (of any layout) becomes a Hugging Face folder (config.json + model.safetensors
-that transformers loads); a Hugging Face folder becomes a one-shard tensorpar checkpoint that any
-layout can load or resume from. Weights are copied bit for bit; DST must not exist or be empty.
+that transformers loads, with the tokenizer the run used: its files, or the byte-level default written as a
+tokenizer.json, and generation_config.json); a Hugging Face folder becomes a one-shard tensorpar checkpoint that any
+layout can load or resume from, carrying the folder's tokenizer files. Weights are copied bit for bit; DST must not
+exist or be empty.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 
 from tensorpar.checkpoints.hf import is_hf_folder, save_hf_folder
 from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
-from tensorpar.checkpoints.sources import load_model_source
+from tensorpar.checkpoints.sources import checkpoint_tokenizer, load_model_source, tokenizer_files
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import ConvertOptions
 from tensorpar.errors import TensorparError
@@ -35,9 +37,14 @@ def run(args, argv) -> int:
         raise TensorparError(f"'{options.dest}' exists and is not empty: refusing to overwrite it")
     cfg, state = load_model_source(options.source)
     if to == "hf":
-        save_hf_folder(options.dest, cfg, state)
+        tokenizer = checkpoint_tokenizer(options.source, cfg)
+        save_hf_folder(options.dest, cfg, state, tokenizer)
+        carried = "no tokenizer: the checkpoint does not say which it was trained with" if tokenizer is None else \
+            f"tokenizer {tokenizer.name}"
     else:
-        write_dense_checkpoint(options.dest, cfg, state)
+        files = tokenizer_files(options.source)
+        write_dense_checkpoint(options.dest, cfg, state, tokenizer_files=files)
+        carried = f"tokenizer files {', '.join(sorted(files))}" if files else "no tokenizer files"
     print(f"wrote {to} {'folder' if to == 'hf' else 'checkpoint'} {options.dest} ({sum(t.numel() for t in state.values()):,} "
-          f"parameters, {cfg.family})")
+          f"parameters, {cfg.family}; {carried})")
     return 0

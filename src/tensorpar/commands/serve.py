@@ -24,6 +24,7 @@ from tensorpar.data import load_tokenizer
 from tensorpar.distributed.mesh import build_mesh
 from tensorpar.errors import TensorparError
 from tensorpar.functional.autocast import autocast_dtype
+from tensorpar.functional.rope import rope_type
 from tensorpar.layout import ParallelLayout
 from tensorpar.models.build import build_transformer
 from tensorpar.serving.app import Handler, HttpServer, check_serve_extra, create_app
@@ -80,6 +81,10 @@ def validate(options: ServeOptions):
     check_choices(options)
     check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
+    if rope_type(cfg.rope_scaling) == "longrope":
+        raise TensorparError("serve: this model's RoPE is longrope (rope_scaling), whose cached keys transformers "
+                             "computes again when a sequence passes the original length; the server's paged cache "
+                             "does not: use `tensorpar generate`, which does")
     options, layout = decoding_layout(options, cfg, "serve")
     kv_tokens = _check_numbers(options, cfg.max_seq_len)
     tokenizer = load_tokenizer(options.checkpoint)

@@ -28,6 +28,11 @@ each local chunk to the keys from the earliest start of its documents on, never 
 Every rank holds the whole window's document ids (they come with the token ids), so the masks cost no
 communication; the K/V blocks still go round the whole ring.
 
+A sliding window (`AttentionPattern.window`: Mistral, Gemma's local layers) is skipped the same way: a block whose
+keys all lie before every query's window is neither computed nor merged, and the blocks at the window's edge take
+its mask (with the documents', when both). Gemma 2's soft cap of the scores enters each block's scores, and its
+derivative (1 - tanh^2) the backward's.
+
 Attention dropout inside the ring draws one mask per (query chunk, key chunk) pair from the layer's
 seed, so forward and backward (and recomputation) agree; the masks are a function of the chunks, not
 of which rank computes them. Communication per layer and micro-batch (ring, cp ranks): forward
@@ -39,16 +44,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 
 import torch
-import torch.nn.functional as F
 
 from tensorpar.config.choices import CP_IMPLS, CP_SPLITS
 from tensorpar.distributed.comm import Group
 from tensorpar.layout import require
 from tensorpar.layout.rules import context_split_problem
+from tensorpar.functional.attention_pattern import AttentionPattern
 from tensorpar.functional.autocast import without_autocast
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
@@ -132,22 +136,29 @@ def _dropout_keep(shape, p: float, seed: int, qc: int, kc: int, device) -> torch
     return keep.float() / (1.0 - p)
 
 
-def _attends(split: ContextSplit, documents: PackedDocuments | None, qc: int, kc: int) -> bool:
-    """Whether query chunk `qc` sees any key of chunk `kc`: an earlier (or the same) chunk, and with documents
-    one that holds part of a document its queries are in."""
-    return kc <= qc and (documents is None or documents.live_blocks(split.chunk_len)[qc][kc])
+def _attends(split: ContextSplit, documents: PackedDocuments | None, pattern: AttentionPattern, qc: int,
+             kc: int) -> bool:
+    """Whether query chunk `qc` sees any key of chunk `kc`: an earlier (or the same) chunk within the window, and with
+    documents one that holds part of a document its queries are in."""
+    c = split.chunk_len
+    return (kc <= qc and pattern.block_seen(qc * c, kc * c, c, c)
+            and (documents is None or documents.live_blocks(c)[qc][kc]))
 
 
-def _scores(q, k, scale: float, split: ContextSplit, documents: PackedDocuments | None, qc: int,
-            kc: int) -> torch.Tensor:
-    """The block's scaled scores, -inf where the query may not attend the key (later, or another document)."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+def _scores(q, k, pattern: AttentionPattern, split: ContextSplit, documents: PackedDocuments | None, qc: int,
+            kc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the block's scaled and soft-capped scores, -inf where the query may not attend the key (later, outside the
+    window, another document); tanh of the scaled scores over the cap, for the backward, or None without one)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * pattern.scale_for(q.shape[-1])
+    tanh = None
+    if pattern.softcap is not None:
+        tanh = torch.tanh(s / pattern.softcap)
+        s = tanh * pattern.softcap
     c = s.shape[-1]
+    mask = pattern.block_visible(qc * c, kc * c, c, c, s.device)
     if documents is not None:
-        return s.masked_fill(~documents.block_mask(qc, kc, c), float("-inf"))
-    if kc == qc:
-        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+        mask = documents.block_mask(qc, kc, c) if mask is None else documents.block_mask(qc, kc, c) & mask
+    return (s if mask is None else s.masked_fill(~mask, float("-inf"))), tanh
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -161,7 +172,8 @@ class _RingAttention(torch.autograd.Function):
     sent to their owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, split: ContextSplit, scale: float, dropout_p: float, dropout_seed, documents):
+    def forward(ctx, q, k, v, split: ContextSplit, pattern: AttentionPattern, dropout_p: float, dropout_seed,
+                documents):
         group, n, r = split.group, split.group.size, split.group.rank
         repeat = q.shape[1] // k.shape[1]
         c = split.chunk_len
@@ -178,10 +190,10 @@ class _RingAttention(torch.autograd.Function):
                 started, attended = time.thread_time(), 0
                 for qi, qc in enumerate(mine):
                     for ki, kc in enumerate(split.chunks(src)):
-                        if not _attends(split, documents, qc, kc):
+                        if not _attends(split, documents, pattern, qc, kc):
                             continue
                         attended += 1
-                        s = _scores(qs[qi], ks[ki], scale, split, documents, qc, kc)
+                        s, _ = _scores(qs[qi], ks[ki], pattern, split, documents, qc, kc)
                         lse = torch.logsumexp(s, dim=-1)
                         p = torch.exp(s - _finite(lse).unsqueeze(-1))
                         if dropout_p > 0:
@@ -193,14 +205,15 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat(outs, dim=2)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.split, ctx.scale, ctx.dropout_p, ctx.dropout_seed = split, scale, dropout_p, dropout_seed
+        ctx.split, ctx.pattern, ctx.dropout_p, ctx.dropout_seed = split, pattern, dropout_p, dropout_seed
         ctx.documents = documents
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        split, scale, dropout_p, dropout_seed = ctx.split, ctx.scale, ctx.dropout_p, ctx.dropout_seed
+        split, pattern, dropout_p, dropout_seed = ctx.split, ctx.pattern, ctx.dropout_p, ctx.dropout_seed
+        scale = pattern.scale_for(q.shape[-1])
         documents = ctx.documents
         group, n, r = split.group, split.group.size, split.group.rank
         repeat = q.shape[1] // k.shape[1]
@@ -225,10 +238,10 @@ class _RingAttention(torch.autograd.Function):
                 started, attended = time.thread_time(), 0
                 for qi, qc in enumerate(mine):
                     for ki, kc in enumerate(split.chunks(src)):
-                        if not _attends(split, documents, qc, kc):
+                        if not _attends(split, documents, pattern, qc, kc):
                             continue
                         attended += 1
-                        s = _scores(qs[qi], ks[ki], scale, split, documents, qc, kc)
+                        s, tanh = _scores(qs[qi], ks[ki], pattern, split, documents, qc, kc)
                         p = torch.exp(s - lses[qi].unsqueeze(-1))
                         dp = torch.matmul(dos[qi], vs[ki].transpose(-1, -2))
                         kept = p
@@ -237,6 +250,8 @@ class _RingAttention(torch.autograd.Function):
                             kept, dp = p * keep, dp * keep
                         dvs[ki] += torch.matmul(kept.transpose(-1, -2), dos[qi])
                         ds = p * (dp - deltas[qi].unsqueeze(-1))
+                        if tanh is not None:  # through the soft cap: d(cap tanh(x / cap)) / dx = 1 - tanh^2
+                            ds = ds * (1 - tanh * tanh)
                         dqs[qi] += torch.matmul(ds, ks[ki]) * scale
                         dks[ki] += torch.matmul(ds.transpose(-1, -2), qs[qi]) * scale
                 grad_k += torch.cat([_fold(t, repeat) for t in dks], dim=2)
@@ -291,61 +306,63 @@ def _exchange(group: Group, tensors, step: int, n: int, tag: int) -> _Exchange |
 
 
 def ring_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                   documents: PackedDocuments | None = None, scale: float | None = None):
+                   documents: PackedDocuments | None = None, pattern: AttentionPattern = AttentionPattern()):
     """Causal attention of this rank's queries [B, H, L/cp, D] over the whole sequence's keys and values, of which
     this rank holds [B, H_kv, L/cp, D] (values [B, H_kv, L/cp, Dv]; H a multiple of H_kv): the ring. Returns
-    [B, H, L/cp, Dv]. With `documents` (of the whole window), within each document only, skipping the blocks that
-    leaves empty. `scale`: of the scores (default 1 / sqrt(D))."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, split, scale, dropout_p, dropout_seed, documents)
+    [B, H, L/cp, Dv]. With
+    `documents` (of the whole window), within each document only, skipping the blocks that leaves empty; the
+    scores as `pattern` makes them (scale, soft cap, window), skipping the blocks outside the window."""
+    return _RingAttention.apply(q, k, v, split, pattern, dropout_p, dropout_seed, documents)
 
 
 def _within_documents(q, k_all, v_all, keys, split: ContextSplit, documents: PackedDocuments, dropout_p: float,
-                      scale: float | None = None):
-    """Each local chunk's queries against the gathered keys from the earliest start of their documents up to the
-    chunk's end (the keys before it are masked for every query: not computed)."""
+                      pattern: AttentionPattern):
+    """Each local chunk's queries against the gathered keys from the earliest start of their documents (or of their
+    window) up to the chunk's end (the keys before it are masked for every query: not computed)."""
     order = torch.argsort(keys)  # the gathered keys in sequence order
     k_seq, v_seq = k_all.index_select(2, order), v_all.index_select(2, order)
     c, first = split.chunk_len, documents.first_visible(split.chunk_len)
     outs = []
     for qi, qc in enumerate(split.chunks()):
         lo, hi = first[qc], (qc + 1) * c
-        mask = documents.allowed(torch.arange(qc * c, hi, device=q.device), torch.arange(lo, hi, device=q.device))
-        outs.append(F.scaled_dot_product_attention(q[:, :, qi * c:(qi + 1) * c], k_seq[:, :, lo:hi],
-                                                   v_seq[:, :, lo:hi], attn_mask=mask, dropout_p=dropout_p,
-                                                   scale=scale))
+        if pattern.window is not None:
+            lo = max(lo, qc * c - pattern.window + 1)
+        queries, visible = torch.arange(qc * c, hi, device=q.device), torch.arange(lo, hi, device=q.device)
+        mask = documents.allowed(queries, visible) & pattern.visible(queries, visible)
+        outs.append(pattern.attend(q[:, :, qi * c:(qi + 1) * c], k_seq[:, :, lo:hi], v_seq[:, :, lo:hi], mask,
+                                   dropout_p=dropout_p))
     return torch.cat(outs, dim=2)
 
 
 def allgather_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                        documents: PackedDocuments | None = None, scale: float | None = None):
+                        documents: PackedDocuments | None = None, pattern: AttentionPattern = AttentionPattern()):
     """The same result by all-gathering K and V over the CP group (backward: reduce-scatter of their gradients)."""
     group = split.group
     k_all = gather_from_sp(k.contiguous(), group, dim=2)
     v_all = gather_from_sp(v.contiguous(), group, dim=2)
-    return attend_gathered(q, k_all, v_all, split, dropout_p, dropout_seed, documents, scale)
+    return attend_gathered(q, k_all, v_all, split, dropout_p, dropout_seed, documents, pattern)
 
 
 def attend_gathered(q, k_all, v_all, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                    documents: PackedDocuments | None = None, scale: float | None = None):
+                    documents: PackedDocuments | None = None, pattern: AttentionPattern = AttentionPattern()):
     """This rank's queries [B, H, L/cp, D] over keys and values all-gathered over the CP group in rank order
-    ([B, H_kv, L, D], [B, H_kv, L, Dv]: what `gather_from_sp(..., dim=2)` returns), with the causal (or document)
-    mask of their positions: `allgather_attention`'s second half, for a caller that gathers something smaller and
-    expands it (latent attention gathers its compressed latent)."""
+    ([B, H_kv, L, D], [B, H_kv, L, Dv]: what `gather_from_sp(..., dim=2)` returns), with the causal (or document,
+    window) mask of their positions: `allgather_attention`'s second half, for a caller that gathers something
+    smaller and expands it (latent attention gathers its compressed latent)."""
     group = split.group
     repeat = q.shape[1] // k_all.shape[1]
     k_all, v_all = _repeat(k_all, repeat), _repeat(v_all, repeat)
     keys = torch.cat([split.positions(q.device, rank) for rank in range(group.size)])
     with fork_rng_seeded(mix_seed(dropout_seed, group.rank), q.device) if dropout_p > 0 else contextlib.nullcontext():
         if documents is not None:
-            return _within_documents(q, k_all, v_all, keys, split, documents, dropout_p, scale)
-        mask = keys.unsqueeze(0) <= split.positions(q.device).unsqueeze(1)  # [L/cp, L]: True where attended
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+            return _within_documents(q, k_all, v_all, keys, split, documents, dropout_p, pattern)
+        mask = pattern.visible(split.positions(q.device), keys)  # [L/cp, L]: True where attended
+        return pattern.attend(q, k_all, v_all, mask, dropout_p=dropout_p)
 
 
 def context_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                      documents: PackedDocuments | None = None, scale: float | None = None):
+                      documents: PackedDocuments | None = None, pattern: AttentionPattern = AttentionPattern()):
     """Attention across the CP ranks of `split`, by its `impl` (ring or allgather); with `documents` (of the whole
-    window), within each document only; `scale`: of the scores (default 1 / sqrt(head_dim))."""
+    window), within each document only; the scores as `pattern` makes them (scale, soft cap, sliding window)."""
     fn = ring_attention if split.impl == "ring" else allgather_attention
-    return fn(q, k, v, split, dropout_p, dropout_seed, documents, scale)
+    return fn(q, k, v, split, dropout_p, dropout_seed, documents, pattern)

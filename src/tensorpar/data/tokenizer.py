@@ -101,6 +101,10 @@ class HFTokenizer:
         """Token ids of `text`, without special tokens (no BOS/EOS added)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token` (None when the vocabulary lacks it)."""
+        return self._tok.token_to_id(token)
+
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """(`encode(text)`, the [start, end) characters of `text` each id comes from)."""
         encoding = self._tok.encode(text, add_special_tokens=False)
@@ -128,11 +132,24 @@ class HFTokenizer:
         return f"HFTokenizer('{self.path}', vocab_size={self.vocab_size})"
 
 
+def _tokenizer_file(folder: str) -> str:
+    """`folder`'s tokenizer.json, or that of the step folder its `latest` file names (a tensorpar checkpoint's root:
+    a run's checkpoints carry its tokenizer's files)."""
+    file = os.path.join(folder, "tokenizer.json")
+    try:
+        with open(os.path.join(folder, "latest")) as f:
+            latest = os.path.join(folder, f.read().strip(), "tokenizer.json")
+    except OSError:
+        return file
+    return file if os.path.isfile(file) or not os.path.isfile(latest) else latest
+
+
 def load_tokenizer(checkpoint_dir: str | None):
-    """HFTokenizer if `checkpoint_dir` holds tokenizer.json and `tokenizers` imports, else ByteTokenizer()."""
+    """HFTokenizer if `checkpoint_dir` (or, for a checkpoint's root, its latest step) holds tokenizer.json and
+    `tokenizers` imports, else ByteTokenizer()."""
     if checkpoint_dir is None:
         return ByteTokenizer()
-    file = os.path.join(checkpoint_dir, "tokenizer.json")
+    file = _tokenizer_file(checkpoint_dir)
     if not os.path.isfile(file):
         return ByteTokenizer()
     try:

@@ -17,6 +17,9 @@ Every TP rank runs the same loop and ends with the same tokens; the logits stay 
   softmax normaliser (one all-gather of a max and a sum per row) and each rank's top-C values, with C
   growing until the gathered candidates hold the nucleus. The full logits are never gathered unless
   the nucleus itself needs the whole vocabulary.
+- LongRoPE (Phi-3) switches from its short to its long factors once a sequence passes its original length; as
+  transformers' Phi-3 does, the step at which a row reaches it runs the whole sequence again (prefill of every row's
+  tokens so far) instead of one token, so that the cached keys take the long factors too.
 """
 
 from __future__ import annotations
@@ -146,6 +149,33 @@ def check_generate_args(prompts, max_new_tokens: int, vocab_size: int, max_posit
                              f"{max_positions} learned positions")
 
 
+class _Batch:
+    """The prompts left-padded into one batch, the token ids so far and their KV cache."""
+
+    def __init__(self, model, prompts: list[list[int]], max_new_tokens: int):
+        param = next(model.parameters())
+        self.model, self.dtype = model, autocast_dtype(param)
+        width = max(len(p) for p in prompts)
+        self.pad = [width - len(p) for p in prompts]
+        self.ids = torch.tensor([[0] * p + [int(t) for t in prompt] for p, prompt in zip(self.pad, prompts)],
+                                device=param.device)
+        self.max_len = width + max_new_tokens - 1
+        self.switch = model.rope_switch_length()  # the position at which the cache is computed again, or None
+
+    def prefill(self) -> torch.Tensor:
+        """Every row's sequence so far through a new cache: the logits of its last position."""
+        self.cache = KVCache.for_model(self.model, len(self.pad), self.max_len, dtype=self.dtype, pad=self.pad)
+        return self.model.forward_cached(self.ids, self.cache)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The logits after each row's new token (`tokens` [B]); when a row reaches longrope's long factors, every
+        row's sequence again, from the start."""
+        self.ids = torch.cat([self.ids, tokens[:, None]], dim=1)
+        if self.switch is not None and bool((torch.as_tensor(self.cache.start_positions()) == self.switch).any()):
+            return self.prefill()
+        return self.model.forward_cached(tokens[:, None], self.cache)
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, stats: dict | None = None,
@@ -168,21 +198,14 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bo
     new: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
         return new
-    param = next(model.parameters())
-    device = param.device
-    dtype = autocast_dtype(param)
-    lengths = [len(p) for p in prompts]
-    width = max(lengths)
-    pad = [width - n for n in lengths]
-    ids = torch.tensor([[0] * p + [int(t) for t in prompt] for p, prompt in zip(pad, prompts)], device=device)
-    cache = KVCache.for_model(model, len(prompts), width + max_new_tokens - 1, dtype=dtype, pad=pad)
+    batch = _Batch(model, prompts, max_new_tokens)
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
     was_training = model.training
     model.eval()
     try:
         t0 = time.perf_counter()
-        logits = model.forward_cached(ids, cache)
+        logits = batch.prefill()
         done = [False] * len(prompts)
         prefill_s = None
         for step in range(max_new_tokens):
@@ -197,7 +220,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bo
                 prefill_s = time.perf_counter() - t0
             if all(done) or step == max_new_tokens - 1:
                 break
-            logits = model.forward_cached(tokens[:, None], cache)  # finished rows run on, ignored
+            logits = batch.step(tokens)  # finished rows run on, ignored
         seconds = time.perf_counter() - t0
     finally:
         model.train(was_training)

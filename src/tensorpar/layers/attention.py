@@ -5,6 +5,10 @@ are at least as many KV heads as ranks. With fewer KV heads than ranks (Llama-70
 at TP 16, say) each KV head is replicated on the tp / num_kv_heads consecutive ranks whose
 query heads use it, and its gradient is summed across them. The output projection is
 row-parallel: one all-reduce (or reduce-scatter under sequence parallelism) per attention.
+
+What the config varies, the layer computes for its own heads: q and k normalised before RoPE (per head, or over the
+whole projection with its sums of squares all-reduced: `tensorpar.layers.norms`), the RoPE of its layer type, and
+its `AttentionPattern`: the score scale, Gemma 2's soft cap, the sliding window of a sliding layer.
 """
 
 from __future__ import annotations
@@ -12,30 +16,22 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tensorpar.context_parallel.ring_attention import ContextSplit, context_attention
-from tensorpar.distributed.comm import Group, as_group
+from tensorpar.distributed.comm import as_group
 from tensorpar.distributed.sharding import ShardSpec, tag
 from tensorpar.errors import LayoutError
+from tensorpar.functional.attention_pattern import AttentionPattern
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
 from tensorpar.functional.rope import apply_rope
 from tensorpar.layout import divide
 from tensorpar.layers.micro_batch import MicroBatchContext
+from tensorpar.layers.norms import HeadNorm, ProjectionNorm, replica_grad_reduce
 from tensorpar.layout.rules import kv_heads_per_rank
 from tensorpar.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from tensorpar.tensor_parallel.region import Projection, as_region
-
-
-def _sum_over_replicas(grad: torch.Tensor, group: Group, replicas: int) -> torch.Tensor:
-    """All-reduce over `group` of a buffer with one slot per distinct shard: the sum over the ranks holding this one."""
-    slot = group.rank // replicas
-    buffer = grad.new_zeros((group.size // replicas,) + tuple(grad.shape))
-    buffer[slot] = grad
-    group.all_reduce(buffer)
-    return buffer[slot]
 
 
 class KVParallelLinear(nn.Module):
@@ -60,13 +56,22 @@ class KVParallelLinear(nn.Module):
 
     def projection(self) -> Projection:
         """The product's weight and bias; replicated heads sum their gradients over the copies."""
-        reduce = None
-        if self.replicas > 1:
-            reduce = functools.partial(_sum_over_replicas, group=self.tp_group, replicas=self.replicas)
-        return Projection(self.weight, self.bias, reduce)
+        return Projection(self.weight, self.bias, replica_grad_reduce(self.tp_group, self.replicas))
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, local_heads={self.local_heads}, replicas={self.replicas}"
+
+
+def _qk_norms(cfg, region, local_heads: int, local_kv_heads: int, kv_replicas: int, device):
+    """The norms of q and k (None, None without qk_norm): each head's, or the whole projection's."""
+    if cfg.qk_norm == "head":
+        return tuple(HeadNorm(cfg.head_dim, cfg.norm_eps, region, device, cfg.norm_offset) for _ in range(2))
+    if cfg.qk_norm == "projection":
+        group, hd = region.group, cfg.head_dim
+        return (ProjectionNorm(cfg.num_heads, local_heads, hd, cfg.norm_eps, group, 1, device, cfg.norm_offset),
+                ProjectionNorm(cfg.kv_heads, local_kv_heads, hd, cfg.norm_eps, group, kv_replicas, device,
+                               cfg.norm_offset))
+    return None, None
 
 
 class ParallelAttention(nn.Module):
@@ -84,6 +89,8 @@ class ParallelAttention(nn.Module):
         self.local_heads = divide(cfg.num_heads, tp, "num_heads")
         self.local_kv_heads, self.kv_replicas = kv_heads_per_rank(cfg.kv_heads, tp)
         self.dropout = cfg.dropout
+        self.layer_type = cfg.layer_type(layer_index)
+        self.pattern = AttentionPattern(cfg.attention_scale, cfg.attn_logit_softcap, cfg.attention_window(layer_index))
         h, hd = cfg.hidden_size, cfg.head_dim
         qkv_bias = cfg.attention_qkv_bias
         self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, self.region, qkv_bias, device=device, init=False)
@@ -91,6 +98,14 @@ class ParallelAttention(nn.Module):
         self.v_proj = KVParallelLinear(h, cfg.kv_heads, hd, self.tp_group, qkv_bias, device=device)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, exit_region or self.region, cfg.bias, device=device,
                                         init=False)
+        self.q_norm, self.k_norm = _qk_norms(cfg, self.region, self.local_heads, self.local_kv_heads,
+                                             self.kv_replicas, device)
+
+    def _repeat_kv(self, k, v):
+        if self.local_kv_heads == self.local_heads:
+            return k, v
+        repeat = self.local_heads // self.local_kv_heads
+        return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
     def cache_layout(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, dim) of what a KV cache holds per token and layer on this rank, as (keys, values)."""
@@ -98,32 +113,34 @@ class ParallelAttention(nn.Module):
 
     def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None,
              documents: PackedDocuments | None = None):
-        """softmax(q k^T / sqrt(d)) v over this rank's heads (the part selective recomputation recomputes); with
-        `context`, over the whole sequence of which this CP rank holds its chunks (ring or all-gather); with
-        `documents` (of the whole window), within each packed document only."""
+        """softmax(scores) v over this rank's heads (the part selective recomputation recomputes), the scores as the
+        layer's pattern makes them (scale, soft cap, window); with `context`, over the whole sequence of which this
+        CP rank holds its chunks (ring or all-gather); with `documents` (of the whole window), within each packed
+        document only."""
         if context is not None:
             dropout = self.dropout if self.training else 0.0
             seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
-            return context_attention(q, k, v, context, dropout, seed, documents)
-        if self.local_kv_heads != self.local_heads:
-            repeat = self.local_heads // self.local_kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        # A document mask is SDPA's boolean mask (causal within each document); else SDPA's own causal mask.
-        mask = dict(attn_mask=documents.causal_mask()) if documents is not None else dict(is_causal=True)
+            return context_attention(q, k, v, context, dropout, seed, documents, self.pattern)
+        k, v = self._repeat_kv(k, v)
+        # A document mask or a window is a boolean mask (causal within each document, within the window); else
+        # SDPA's own causal mask.
+        s, mask = q.shape[2], documents.causal_mask() if documents is not None else None
+        if self.pattern.windowed(s):
+            window = self.pattern.causal_mask(s, q.device)
+            mask = window if mask is None else mask & window
+        attend = functools.partial(self.pattern.attend, q, k, v, mask, mask is None)
         if self.training and self.dropout > 0:
             # Inside the TP region: each rank's heads get their own masks.
             seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank)
             with fork_rng_seeded(seed, q.device):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, **mask)
-        return F.scaled_dot_product_attention(q, k, v, **mask)
+                return attend(self.dropout)
+        return attend()
 
     def cached_core(self, q, k, v, kv_cache):
         """Attention of the new queries over every cached position (inference: no dropout, no recomputation). The
-        cache laid the keys out (`append`), so it pairs them with the queries: `kv_cache.attend(q, k, v)`."""
-        if self.local_kv_heads != self.local_heads:
-            repeat = self.local_heads // self.local_kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        return kv_cache.attend(q, k, v)
+        cache laid the keys out (`append`), so it pairs them with the queries: `kv_cache.attend(q, k, v, pattern)`."""
+        k, v = self._repeat_kv(k, v)
+        return kv_cache.attend(q, k, v, self.pattern)
 
     def forward(self, x: torch.Tensor, ctx: MicroBatchContext = MicroBatchContext()):
         """Attention of the micro-batch `ctx` describes: with its `kv_cache` (inference, no sequence parallelism)
@@ -133,12 +150,14 @@ class ParallelAttention(nn.Module):
         if kv_cache is not None and self.sequence_parallel:
             raise LayoutError("the KV-cache path runs without sequence parallelism")
         q, k, v = self.region.enter(x, [self.q_proj.projection(), self.k_proj.projection(), self.v_proj.projection()])
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         b, s = q.shape[:2]
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         if ctx.rope is not None:
-            cos, sin = ctx.rope
+            cos, sin = ctx.rope[self.layer_type]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_index, k, v)

@@ -39,6 +39,7 @@ from torch import nn
 from tensorpar.context_parallel.ring_attention import ContextSplit, attend_gathered, context_attention
 from tensorpar.distributed.sharding import ShardSpec, tag
 from tensorpar.errors import LayoutError
+from tensorpar.functional.attention_pattern import AttentionPattern
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
 from tensorpar.functional.rope import apply_rope, apply_rope_interleaved, mscale_softmax_factor
@@ -93,7 +94,8 @@ class LatentAttention(nn.Module):
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.q_rank, self.kv_rank = cfg.q_lora_rank, cfg.kv_lora_rank
         self.rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
-        self.scale, self.dropout = latent_softmax_scale(cfg), cfg.dropout
+        self.dropout, self.layer_type = cfg.dropout, cfg.layer_type(layer_index)
+        self.pattern = AttentionPattern(scale=latent_softmax_scale(cfg))  # no soft cap, no window
         h, qk, down_bias = cfg.hidden_size, self.nope + self.rope_dim, cfg.attention_qkv_bias
         if self.q_rank is None:
             self.q_proj = ColumnParallelLinear(h, heads * qk, region, False, device=device, init=False)
@@ -143,14 +145,14 @@ class LatentAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
         if context is not None:
-            return context_attention(q, k, v, context, dropout, seed, documents, self.scale)
-        mask = dict(attn_mask=documents.causal_mask()) if documents is not None else dict(is_causal=True)
+            return context_attention(q, k, v, context, dropout, seed, documents, self.pattern)
+        mask = documents.causal_mask() if documents is not None else None
         v = _widened(v, q.shape[-1])
         if dropout > 0:
             with fork_rng_seeded(seed, q.device):
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=self.scale, **mask)
+                out = self.pattern.attend(q, k, v, mask, mask is None, dropout)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, **mask)
+            out = self.pattern.attend(q, k, v, mask, mask is None)
         return out[..., :self.v_dim]
 
     def _gathered_core(self, q, c_kv, k_rope, ctx: MicroBatchContext):
@@ -160,7 +162,7 @@ class LatentAttention(nn.Module):
         k, v = self.expand(c_all, k_rope_all)
         dropout = self.dropout if self.training else 0.0
         seed = mix_seed(ctx.dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
-        out = attend_gathered(q, k, _widened(v, q.shape[-1]), cp, dropout, seed, ctx.documents, self.scale)
+        out = attend_gathered(q, k, _widened(v, q.shape[-1]), cp, dropout, seed, ctx.documents, self.pattern)
         return out[..., :self.v_dim]
 
     def forward(self, x: torch.Tensor, ctx: MicroBatchContext = MicroBatchContext()):
@@ -179,12 +181,12 @@ class LatentAttention(nn.Module):
             q = self._column(c_q, self.q_b_proj)
         q_nope, q_rope = q.view(b, s, self.local_heads, -1).transpose(1, 2).split([self.nope, self.rope_dim], -1)
         c_kv, k_rope = c_kv.unsqueeze(1), k_rope.unsqueeze(1)  # [B, 1, S, .]: one "head", shared
-        cos, sin = ctx.rope
+        cos, sin = ctx.rope[self.layer_type]
         q = torch.cat([q_nope, self.rotate(q_rope, cos, sin)], dim=-1)
         k_rope = self.rotate(k_rope, cos, sin)
         if kv_cache is not None:
             c_kv, k_rope = kv_cache.append(self.layer_index, c_kv, k_rope)
-            out = kv_cache.attend(q, *self.expand(c_kv, k_rope), scale=self.scale)
+            out = kv_cache.attend(q, *self.expand(c_kv, k_rope), self.pattern)
         elif ctx.cp is not None and ctx.cp.impl == "allgather":
             out = self._gathered_core(q, c_kv, k_rope, ctx)
         elif ctx.recompute_core:

@@ -12,7 +12,8 @@ from tensorpar.functional.document_mask import PackedDocuments
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatchContext:
-    """- `rope`: cos/sin of this rank's positions (None for learned positions);
+    """- `rope`: cos/sin of this rank's positions by layer type ("full_attention", "sliding_attention"; None for
+      learned positions);
     - `dropout_seed`: the micro-batch's dropout seed (masks are derived from it per layer, site and shard);
     - `cp`: how the sequence lies over the context-parallel ranks (None without CP);
     - `documents`: the packed documents of the whole window (attention within each), or None;
@@ -21,7 +22,7 @@ class MicroBatchContext:
     - `kv_cache`: inference: the new tokens' keys and values go there and attention spans the cache;
     - `record_stats`: False when full recomputation replays a forward (MoE statistics count once)."""
 
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     dropout_seed: int | None = None
     cp: ContextSplit | None = None
     documents: PackedDocuments | None = None

@@ -1,6 +1,7 @@
 """Model configs and presets, the tensor-parallel transformer, dense state dicts, Hugging Face import."""
 
-from tensorpar.models.config import PRESETS, ModelConfig, get_config
+from tensorpar.models.config import ModelConfig
+from tensorpar.models.presets import PRESETS, get_config
 from tensorpar.models.state import full_state_dict, load_full_state_dict
 from tensorpar.models.transformer import Transformer
 

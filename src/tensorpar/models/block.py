@@ -1,5 +1,9 @@
 """One transformer block: x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))) (the MLP a mixture of
-experts on MoE layers). Its forward takes the hidden states and the micro-batch's `MicroBatchContext`."""
+experts on MoE layers). Its forward takes the hidden states and the micro-batch's `MicroBatchContext`.
+
+Where the norms sit is the config's `norm_placement`: before each sublayer ("pre": `attn_norm`, `mlp_norm`), before
+and after ("sandwich", Gemma: also `post_attn_norm`, `post_mlp_norm` on the sublayer's output, before the residual
+sum) or after only ("post", OLMo 2: `post_attn_norm`, `post_mlp_norm`)."""
 
 from __future__ import annotations
 
@@ -22,16 +26,21 @@ class TransformerBlock(nn.Module):
         region = placement.region
         self.layer_index, self.dropout = layer_index, cfg.dropout
         self.tp_group, self.sequence_parallel = region.group, region.sequence_parallel
-        self.attn_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
+        before, after = cfg.norm_placement in ("pre", "sandwich"), cfg.norm_placement in ("sandwich", "post")
+        norm = lambda wanted: Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device,  # noqa: E731
+                                   offset=cfg.norm_offset) if wanted else None
+        self.attn_norm = norm(before)
         attention = LatentAttention if cfg.is_mla else ParallelAttention
         self.attn = attention(cfg, region, layer_index, device=device)
-        self.mlp_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device)
+        self.post_attn_norm = norm(after)
+        self.mlp_norm = norm(before)
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:
             self.mlp = MoELayer(cfg, region, placement.ep_group, placement.cp_group, device=device,
                                 expert_tp_group=placement.expert_tp_group)
         else:
             self.mlp = ParallelMLP(cfg, region, device=device, exit_region=placement.exit_region)
+        self.post_mlp_norm = norm(after)
 
     def _drop(self, x, site: int, ctx: MicroBatchContext):
         """Residual dropout, outside the TP regions: same mask on every TP rank unless the sequence is sharded."""
@@ -41,10 +50,16 @@ class TransformerBlock(nn.Module):
         return seeded_dropout(x, self.dropout, mix_seed(ctx.dropout_seed, self.layer_index, site, shard), True)
 
     def forward(self, x, ctx: MicroBatchContext = MicroBatchContext()):
-        x = x + self._drop(self.attn(self.attn_norm(x), ctx), 0, ctx)
-        h = self.mlp_norm(x)
+        h = self.attn(_maybe(self.attn_norm, x), ctx)
+        x = x + self._drop(_maybe(self.post_attn_norm, h), 0, ctx)
+        h = _maybe(self.mlp_norm, x)
         h = self.mlp(h, ctx.cp, ctx.aux_scale, ctx.record_stats) if self.moe else self.mlp(h)
-        return x + self._drop(h, 1, ctx)
+        return x + self._drop(_maybe(self.post_mlp_norm, h), 1, ctx)
+
+
+def _maybe(norm, x):
+    """`norm(x)`, or `x` where the block has no norm there."""
+    return x if norm is None else norm(x)
 
 
 def recomputable(layer):

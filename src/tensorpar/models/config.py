@@ -1,35 +1,48 @@
-"""Model configurations as plain data, and the named presets.
+"""Model configurations as plain data (the named presets: `tensorpar.models.presets`).
 
 One dataclass covers both families: GPT-2 (LayerNorm, learned positions, gelu_new MLP, biases,
 tied embeddings) and Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases).
 The course slides' ReLU MLP is ``activation="relu"``.
 
+The Llama-style decoders users bring vary it with a few fields, each one fact about the architecture that the layers
+compute, whatever the family (docs/models.md lists which each family sets): a head size of its own (`head_size`),
+norms of the queries and keys (`qk_norm`), norms before and / or after each sublayer (`norm_placement`), RMSNorm
+scaled by (1 + w) (`norm_offset`), a scaled embedding, Gemma's `query_pre_attn_scalar` and soft caps, sliding-window
+attention on some or all layers (`sliding_window`, `layer_types`) with a RoPE base of their own (`rope_local_theta`),
+partial RoPE and the RoPE scaling types of transformers. `family` names the Hugging Face architecture a checkpoint
+maps to (tensorpar.checkpoints.hf_families); the layers never read it.
+
 Mixture-of-experts models (Mixtral, Qwen-MoE) are the same dataclass with ``num_experts > 0``: every
-``moe_layer_freq``-th layer's MLP becomes a router over ``num_experts`` expert MLPs of width
-``moe_ffn_hidden_size``, of which each token uses ``experts_per_token``, plus ``num_shared_experts``
+``moe_layer_freq``-th layer's MLP (but those in ``mlp_only_layers``) becomes a router over ``num_experts`` expert
+MLPs of width ``moe_ffn_hidden_size``, of which each token uses ``experts_per_token``, plus ``num_shared_experts``
 experts every token uses (tensorpar.expert_parallel). The default, ``num_experts=0``, is a dense model.
 
 The DeepSeek-V3 class (DeepSeek-V3, Kimi K2, GLM-4.5; docs/deepseek.md) adds, grouped below: multi-head latent
-attention (``kv_lora_rank`` set: tensorpar.layers.latent_attention), partial rotary embeddings, the auxiliary-loss-free
-router bias and its update, group-limited top-k, the routed experts' scaling, dense first layers and multi-token
-prediction (tensorpar.models.mtp).
+attention (``kv_lora_rank`` set: tensorpar.layers.latent_attention), the auxiliary-loss-free router bias and its
+update, group-limited top-k, the routed experts' scaling, dense first layers and multi-token prediction
+(tensorpar.models.mtp).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from tensorpar.errors import TensorparError
+from tensorpar.functional.rope import scaling_problems
 
 ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
 ROUTER_SCORES = ("softmax", "sigmoid")
-FAMILIES = ("gpt2", "llama", "deepseek_v3", "glm4_moe")  # how Hugging Face checkpoints map onto the model
+# The Hugging Face architectures a config maps to ("llama" also covers Mixtral and Qwen2-MoE, by their experts).
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "olmo2",
+            "deepseek_v3", "glm4_moe")
+QK_NORMS = ("none", "head", "projection")
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: str  # one of FAMILIES: decides how Hugging Face checkpoints map onto the model
+    family: str  # the Hugging Face architecture checkpoints map to (FAMILIES); the layers never read it
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -49,6 +62,20 @@ class ModelConfig:
     qkv_bias: bool | None = None  # biases on the query/key/value projections only (None: as `bias`; Qwen2: True)
     init_std: float = 0.02
     dropout: float = 0.0  # embedding, residual and attention-probability dropout
+    # Variants of the Llama-style decoder (Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2): docs/models.md.
+    head_size: int | None = None  # the width of one head (Hugging Face's head_dim); None: hidden_size / num_heads
+    mlp_bias: bool | None = None  # biases on the MLP linears (None: as `bias`)
+    qk_norm: str = "none"  # RMSNorm of q and k before RoPE: "head" (each head: Qwen3, Gemma 3), "projection" (OLMo 2)
+    norm_placement: str = "pre"  # "pre": x + f(norm(x)); "sandwich": x + norm(f(norm(x))) (Gemma); "post": x + norm(f(x))
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma's 1, its weights stored around 0
+    embedding_multiplier: float = 1.0  # the embedding's output times this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its ** -0.5 (None: head size; Gemma)
+    attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # output logits -> cap * tanh(logits / cap) (Gemma 2)
+    sliding_window: int | None = None  # a query sees its own and the sliding_window - 1 positions before it
+    layer_types: tuple[str, ...] | None = None  # per layer, LAYER_TYPES (None: every layer slides if a window is set)
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3; None: the global one)
+    partial_rotary_factor: float = 1.0  # RoPE on this fraction of each head's dimensions (Phi-3.5, GLM-4.5)
     # Mixture of experts (0 experts: a dense model; the rest is then unused).
     num_experts: int = 0  # routed experts per MoE layer
     experts_per_token: int = 2  # top-k
@@ -56,6 +83,7 @@ class ModelConfig:
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared experts' output times sigmoid(x . w), w [1, H]
     moe_ffn_hidden_size: int | None = None  # width of one expert (None: ffn_hidden_size)
     moe_layer_freq: int = 1  # layer i is an MoE layer when (i + 1) % moe_layer_freq == 0 (1: every layer)
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep a dense MLP whatever moe_layer_freq says (Qwen-MoE)
     router_score: str = "softmax"  # "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3: top-k weights normalised)
     norm_topk_prob: bool = True  # softmax: renormalise the top-k probabilities to sum to 1 (Mixtral yes, Qwen-MoE no)
     router_aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss, per sequence
@@ -71,7 +99,6 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the rotary dimensions as interleaved pairs (DeepSeek's weights), not halves
-    partial_rotary_factor: float = 1.0  # RoPE on this fraction of each head's dimensions (GLM-4.5: 0.5)
     first_k_dense_replace: int = 0  # the first k layers keep a dense MLP
     n_group: int = 1  # group-limited routing: experts in n_group groups, tokens choose among the best topk_group
     topk_group: int = 1
@@ -81,7 +108,12 @@ class ModelConfig:
     num_mtp_layers: int = 0  # multi-token prediction modules (token t+2, t+3, ...), on the last stage
     mtp_loss_weight: float = 0.1  # their mean loss joins the training objective times this
 
+
     def __post_init__(self):
+        # JSON gives lists; a config is plain, comparable data either way.
+        for name in ("layer_types", "mlp_only_layers"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         problems = []
         if self.family not in FAMILIES:
             problems.append(f"family must be one of {FAMILIES}, got {self.family!r}")
@@ -91,19 +123,55 @@ class ModelConfig:
             problems.append(f"position must be 'learned' or 'rope', got {self.position!r}")
         if self.activation not in ACTIVATIONS:
             problems.append(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        if self.hidden_size % self.num_heads:
-            problems.append(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.head_size is None and self.hidden_size % self.num_heads:
+            problems.append(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads} "
+                            f"(give head_size for heads of another width)")
         if self.num_heads % self.kv_heads:
             problems.append(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.kv_heads}")
         if self.position == "rope" and self.rotary_dim % 2:
-            problems.append(f"RoPE needs an even number of rotary dimensions, got {self.rotary_dim}")
+            problems.append(f"RoPE needs an even number of rotated dimensions, got {self.rotary_dim}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        problems += self._variant_problems()
         if self.num_experts:
             problems += self._moe_problems()
         problems += self._deepseek_problems()
         if problems:
             raise TensorparError("invalid model config: " + "; ".join(problems))
+
+    def _variant_problems(self) -> list[str]:
+        """What is wrong with the fields of the decoder variants (head size, norms, soft caps, windows, RoPE)."""
+        problems = []
+        if self.head_size is not None and not (isinstance(self.head_size, int) and self.head_size > 0):
+            problems.append(f"head_size must be a positive integer or None, got {self.head_size!r}")
+        choices = (("qk_norm", QK_NORMS), ("norm_placement", NORM_PLACEMENTS))
+        problems += [f"{name} must be one of {valid}, got {getattr(self, name)!r}" for name, valid in choices
+                     if getattr(self, name) not in valid]
+        if self.qk_norm != "none" and self.norm != "rmsnorm":
+            problems.append("qk_norm is an RMSNorm: it needs norm='rmsnorm'")
+        positive = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta")
+        problems += [f"{name} must be positive or None, got {getattr(self, name)!r}" for name in positive
+                     if getattr(self, name) is not None and not getattr(self, name) > 0]
+        if not self.embedding_multiplier > 0:
+            problems.append(f"embedding_multiplier must be positive, got {self.embedding_multiplier}")
+        if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            problems.append(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                problems.append(f"layer_types must give one of {LAYER_TYPES} for each of the {self.num_layers} "
+                                f"layers, got {list(self.layer_types)}")
+            elif "sliding_attention" in self.layer_types and self.sliding_window is None:
+                problems.append("layer_types has sliding_attention layers but sliding_window is None")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            problems.append(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.position == "rope":
+            problems += scaling_problems(self.rope_scaling, self.rotary_dim)
+        elif self.rope_local_theta is not None or self.rope_scaling:
+            problems.append("rope_scaling and rope_local_theta need position='rope'")
+        bad_layers = [i for i in self.mlp_only_layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
+        if bad_layers:
+            problems.append(f"mlp_only_layers must be layer indices below {self.num_layers}, got {bad_layers}")
+        return problems
 
     def _moe_problems(self) -> list[str]:
         problems = []
@@ -140,8 +208,8 @@ class ModelConfig:
                 problems.append("multi-head latent attention needs position='rope' and num_kv_heads = num_heads")
         elif self.q_lora_rank is not None:
             problems.append("q_lora_rank needs multi-head latent attention (kv_lora_rank)")
-        if not 0.0 < self.partial_rotary_factor <= 1.0 or (self.is_mla and self.partial_rotary_factor != 1.0):
-            problems.append(f"partial_rotary_factor must be in (0, 1] (1 with latent attention, whose rotary part is "
+        if self.is_mla and self.partial_rotary_factor != 1.0:
+            problems.append(f"partial_rotary_factor must be 1 with latent attention (its rotary part is "
                             f"qk_rope_head_dim), got {self.partial_rotary_factor}")
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             problems.append(f"first_k_dense_replace must be in [0, num_layers], got {self.first_k_dense_replace}")
@@ -149,8 +217,9 @@ class ModelConfig:
             problems += self._routing_problems()
         if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
             problems.append("num_mtp_layers and mtp_loss_weight must be >= 0")
-        if self.num_mtp_layers and self.position != "rope":
-            problems.append("multi-token prediction needs position='rope' (its modules add no learned positions)")
+        if self.num_mtp_layers and (self.position != "rope" or self.layer_types is not None):
+            problems.append("multi-token prediction needs position='rope' (its modules add no learned positions) and "
+                            "no layer_types (its blocks attend over every position)")
         return problems
 
     def _routing_problems(self) -> list[str]:
@@ -179,12 +248,6 @@ class ModelConfig:
         return self.kv_lora_rank is not None
 
     @property
-    def rotary_dim(self) -> int:
-        """The rotary dimensions of a query or key head: latent attention's qk_rope_head_dim, else the first
-        partial_rotary_factor of the head."""
-        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
-
-    @property
     def num_blocks(self) -> int:
         """Transformer blocks: the layers, then the multi-token prediction modules' blocks (global indices
         num_layers..num_layers + num_mtp_layers - 1)."""
@@ -197,7 +260,7 @@ class ModelConfig:
     def is_moe_layer(self, layer_index: int) -> bool:
         """Whether layer `layer_index` (0-based) has a mixture of experts instead of a dense MLP."""
         return (self.num_experts > 0 and (layer_index + 1) % self.moe_layer_freq == 0
-                and layer_index >= self.first_k_dense_replace)
+                and layer_index not in self.mlp_only_layers and layer_index >= self.first_k_dense_replace)
 
     @property
     def expert_ffn_size(self) -> int:
@@ -215,7 +278,38 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size if self.head_size is not None else self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dimensions of each head RoPE rotates: latent attention's qk_rope_head_dim, else (transformers)
+        int(head_dim * partial_rotary_factor)."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def mlp_has_bias(self) -> bool:
+        """Whether the MLP's linears (a dense MLP's, the shared experts') have biases."""
+        return self.bias if self.mlp_bias is None else self.mlp_bias
+
+    def layer_type(self, layer_index: int) -> str:
+        """"sliding_attention" or "full_attention": how layer `layer_index` attends."""
+        if self.layer_types is not None:
+            return self.layer_types[layer_index]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def attention_window(self, layer_index: int) -> int | None:
+        """The sliding window of layer `layer_index` (None: it sees every earlier position)."""
+        return self.sliding_window if self.layer_type(layer_index) == "sliding_attention" else None
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The factor of the attention scores (None: 1 / sqrt(head size))."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+
+    @property
+    def norms_per_layer(self) -> int:
+        """Hidden-size norms in a block: 2 before (pre), 2 after (post), 4 around (sandwich)."""
+        return 4 if self.norm_placement == "sandwich" else 2
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -225,7 +319,8 @@ class ModelConfig:
 
     def _mlp_parameters(self, f: int) -> int:
         h = self.hidden_size
-        return (3 if self.gated_mlp else 2) * h * f + ((2 if self.gated_mlp else 1) * f + h if self.bias else 0)
+        bias = (2 if self.gated_mlp else 1) * f + h if self.mlp_has_bias else 0
+        return (3 if self.gated_mlp else 2) * h * f + bias
 
     def moe_layer_parameters(self, active: bool = False) -> int:
         """Parameters of one MoE layer's MLP part: router, routed experts (only the top-k when `active`), shared
@@ -236,123 +331,33 @@ class ModelConfig:
         return e * h + routed + shared + (h if self.shared_expert_gate else 0)
 
     def attention_parameters(self) -> int:
-        """Parameters of one layer's attention (its norm excluded)."""
-        h = self.hidden_size
+        """One attention layer's parameters: the q, k, v and output projections, their biases, the q / k norms (latent
+        attention: its down- and up-projections, latent norms and output projection)."""
         if self.is_mla:
-            heads, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
-            down_bias = self.attention_qkv_bias
-            r, c = self.q_lora_rank, self.kv_lora_rank
-            q = h * heads * qk if r is None else h * r + (r if down_bias else 0) + r + r * heads * qk
-            kv = h * (c + self.qk_rope_head_dim) + ((c + self.qk_rope_head_dim) if down_bias else 0) + c
-            kv += c * heads * (self.qk_nope_head_dim + self.v_head_dim)
-            return q + kv + heads * self.v_head_dim * h + (h if self.bias else 0)
-        kv = self.kv_heads * self.head_dim
-        return h * h + 2 * h * kv + h * h + (h + 2 * kv if self.attention_qkv_bias else 0) + (h if self.bias else 0)
+            return self._latent_attention_parameters()
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = (q + 2 * kv if self.attention_qkv_bias else 0) + (h if self.bias else 0)
+        qk_norm = {"none": 0, "head": 2 * self.head_dim, "projection": q + kv}[self.qk_norm]
+        return 2 * h * q + 2 * h * kv + bias + qk_norm
+
+    def _latent_attention_parameters(self) -> int:
+        h, heads, qk = self.hidden_size, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        down_bias, r, c = self.attention_qkv_bias, self.q_lora_rank, self.kv_lora_rank
+        q = h * heads * qk if r is None else h * r + (r if down_bias else 0) + r + r * heads * qk
+        kv = h * (c + self.qk_rope_head_dim) + ((c + self.qk_rope_head_dim) if down_bias else 0) + c
+        kv += c * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h + (h if self.bias else 0)
 
     def num_parameters(self, active: bool = False) -> int:
         """Parameters of the dense model (tied embeddings counted once; multi-token prediction modules included);
         MoE models: all experts, or with ``active=True`` those one token uses (the top-k routed experts)."""
-        h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
+        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_blocks
         mlp = self._mlp_parameters(f)
         norm = h * (2 if self.norm == "layernorm" else 1)
-        per_layer = self.attention_parameters() + mlp + 2 * norm
+        per_layer = self.attention_parameters() + mlp + self.norms_per_layer * norm
         embed = v * h + (self.max_seq_len * h if self.position == "learned" else 0)
         head = 0 if self.tie_embeddings else v * h
-        blocks = self.num_blocks
-        moe_layers = sum(self.is_moe_layer(i) for i in range(blocks))
+        moe_layers = sum(self.is_moe_layer(i) for i in range(L))
         moe = moe_layers * (self.moe_layer_parameters(active) - mlp)
         mtp = self.num_mtp_layers * (3 * norm + 2 * h * h)  # each module's two input norms, projection, output norm
-        return blocks * per_layer + moe + embed + head + norm + mtp
-
-def _gpt2(hidden, layers, heads, **kw) -> ModelConfig:
-    return ModelConfig(
-        family="gpt2", vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        ffn_hidden_size=4 * hidden, max_seq_len=1024, **kw,
-    )
-
-
-def _llama(hidden, layers, heads, kv, ffn, vocab=128256, theta=500000.0, tie=False, max_seq=131072, **kw) -> ModelConfig:
-    return ModelConfig(
-        family="llama", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv,
-        ffn_hidden_size=ffn, max_seq_len=max_seq, norm="rmsnorm", activation="silu", gated_mlp=True,
-        position="rope", rope_theta=theta, tie_embeddings=tie, bias=False, **kw,
-    )
-
-
-def _deepseek(hidden, layers, heads, ffn, vocab, experts, moe_ffn, *, q_lora=1536, kv_lora=512, nope=128, rope=64,
-              v=128, theta=10000.0, max_seq=163840, **kw) -> ModelConfig:
-    """A DeepSeek-V3-class MoE: latent attention, sigmoid routing with the balancing bias, top-8, one shared expert."""
-    defaults = dict(experts_per_token=8, num_shared_experts=1, router_score="sigmoid", expert_bias=True,
-                    bias_update_speed=0.001, rope_interleave=True)
-    return ModelConfig(
-        family="deepseek_v3", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=heads, ffn_hidden_size=ffn, max_seq_len=max_seq, norm="rmsnorm", norm_eps=1e-6,
-        activation="silu", gated_mlp=True, position="rope", rope_theta=theta, tie_embeddings=False, bias=False,
-        num_experts=experts, moe_ffn_hidden_size=moe_ffn, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
-        qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, **{**defaults, **kw})
-
-
-def _yarn(factor, beta_fast=32.0, beta_slow=1.0) -> dict:
-    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 4096, "beta_fast": beta_fast,
-            "beta_slow": beta_slow, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
-_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
-
-PRESETS: dict[str, ModelConfig] = {
-    # Trains in minutes on 2 CPU cores with the byte-level tokenizer (vocabulary 257).
-    "tiny": _llama(128, 4, 4, 2, 352, vocab=257, theta=10000.0, max_seq=1024),
-    "tiny-gpt2": ModelConfig(family="gpt2", vocab_size=257, hidden_size=128, num_layers=4, num_heads=4,
-                             ffn_hidden_size=512, max_seq_len=1024),
-    # GPT-2 (Radford et al. 2019), as published on the Hugging Face hub.
-    "gpt2-124m": _gpt2(768, 12, 12),
-    "gpt2-350m": _gpt2(1024, 24, 16),
-    "gpt2-774m": _gpt2(1280, 36, 20),
-    "gpt2-1.5b": _gpt2(1600, 48, 25),
-    # Llama 3.2 1B (tied embeddings, as published) and Llama 3.1 8B / 70B / 405B.
-    "llama-1b": _llama(2048, 16, 32, 8, 8192, tie=True,
-                       rope_scaling={**_LLAMA3_SCALING, "factor": 32.0}),
-    "llama-8b": _llama(4096, 32, 32, 8, 14336, rope_scaling={**_LLAMA3_SCALING, "factor": 8.0}),
-    "llama-70b": _llama(8192, 80, 64, 8, 28672, rope_scaling={**_LLAMA3_SCALING, "factor": 8.0}),
-    "llama-405b": _llama(16384, 126, 128, 8, 53248, rope_scaling={**_LLAMA3_SCALING, "factor": 8.0}),
-    # Mixtures of experts. tiny-moe trains in seconds on CPU: 8 experts (top-2) and one shared expert per layer.
-    "tiny-moe": _llama(64, 4, 4, 2, 128, vocab=257, theta=10000.0, max_seq=1024, num_experts=8, experts_per_token=2,
-                       num_shared_experts=1, moe_ffn_hidden_size=64, router_aux_loss_coef=0.01,
-                       router_z_loss_coef=0.001),
-    # Mixtral 8x7B (Jiang et al. 2024) and Qwen1.5-MoE-A2.7B (60 experts, top-4, a 4-expert-wide shared expert behind
-    # a sigmoid gate, q/k/v biases), as published on the Hugging Face hub.
-    "mixtral-8x7b": _llama(4096, 32, 32, 8, 14336, vocab=32000, theta=1e6, max_seq=32768, num_experts=8,
-                           experts_per_token=2, router_aux_loss_coef=0.02),
-    "qwen-moe-a2.7b": _llama(2048, 24, 16, 16, 5632, vocab=151936, theta=1e6, max_seq=8192, num_experts=60,
-                             experts_per_token=4, num_shared_experts=4, moe_ffn_hidden_size=1408,
-                             shared_expert_gate=True, qkv_bias=True, norm_topk_prob=False,
-                             router_aux_loss_coef=0.001),
-    # DeepSeek-V3 class (docs/deepseek.md). tiny-deepseek trains in seconds on CPU: latent attention, 8 experts in 4
-    # groups (a token sees 2), the balancing bias, a dense first layer and one multi-token prediction module.
-    "tiny-deepseek": _deepseek(64, 4, 4, 128, 257, 8, 32, q_lora=32, kv_lora=16, nope=16, rope=8, v=16,
-                               max_seq=1024, experts_per_token=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                               first_k_dense_replace=1, num_mtp_layers=1, router_aux_loss_coef=0.001),
-    # DeepSeek-V3 (671B + a 14B MTP module; DeepSeek-AI 2024) and Kimi K2 (1T; 384 experts, 64 heads, one group, no
-    # MTP), as published on the Hugging Face hub.
-    "deepseek-v3": _deepseek(7168, 61, 128, 18432, 129280, 256, 2048, n_group=8, topk_group=4,
-                             routed_scaling_factor=2.5, first_k_dense_replace=3, num_mtp_layers=1,
-                             router_aux_loss_coef=0.0001, rope_scaling=_yarn(40.0)),
-    "kimi-k2": _deepseek(7168, 61, 64, 18432, 163840, 384, 2048, theta=50000.0, max_seq=131072,
-                         routed_scaling_factor=2.827, first_k_dense_replace=1, rope_scaling=_yarn(32.0, 1.0, 1.0)),
-}
-
-
-def get_config(name_or_path: str) -> ModelConfig:
-    """A preset by name, or a ModelConfig saved as JSON (`ModelConfig.to_dict()`)."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
-    if name_or_path.endswith(".json"):
-        try:
-            with open(name_or_path) as f:
-                return ModelConfig(**json.load(f))
-        except FileNotFoundError:
-            raise TensorparError(f"model config file '{name_or_path}' does not exist") from None
-        except TypeError as e:
-            raise TensorparError(f"model config file '{name_or_path}' is not a tensorpar config: {e}") from None
-    raise TensorparError(f"unknown model preset '{name_or_path}'; known presets: {', '.join(PRESETS)}")
+        return L * per_layer + moe + embed + head + norm + mtp

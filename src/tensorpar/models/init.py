@@ -24,7 +24,7 @@ RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "mlp.down_proj.weight", "experts.d
 def full_init(name: str, shape: tuple[int, ...], cfg, seed: int) -> torch.Tensor:
     """The dense initial value of parameter `name`."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.full(shape, 1.0 - cfg.norm_offset)  # a scale of 1: (offset + weight) for Gemma's norms
     if name.endswith(".bias"):
         return torch.zeros(shape)
     std = cfg.init_std

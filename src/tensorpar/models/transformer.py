@@ -1,8 +1,10 @@
 """The tensor-parallel transformer (GPT-2 and Llama families), readable top to bottom.
 
-    ids -> VocabParallelEmbedding (+ learned positions) -> dropout
+    ids -> VocabParallelEmbedding (x embedding_multiplier) (+ learned positions) -> dropout
         -> N x [ x + dropout(attention(norm(x))) ; x + dropout(mlp(norm(x))) ]
-        -> norm -> vocabulary-parallel logits -> vocab_parallel_cross_entropy
+        -> norm -> vocabulary-parallel logits (soft-capped) -> vocab_parallel_cross_entropy
+
+(the norms where the config's `norm_placement` puts them: tensorpar.models.block).
 
 In a mixture-of-experts model the mlp of every `moe_layer_freq`-th layer is an `MoELayer`, whose routed
 experts are split over the mesh's expert-parallel group (tensorpar.expert_parallel). Latent attention
@@ -28,7 +30,7 @@ from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.expert_parallel import MoELayer
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import mix_seed, seeded_dropout
-from tensorpar.functional.rope import inverse_frequencies, rope_attention_factor, rope_cos_sin
+from tensorpar.functional.rope import Rotary, rope_tables
 from tensorpar.layout import require
 from tensorpar.layout.rules import context_split_problem, positions_problem, sequence_parallel_problem
 from tensorpar.layers.micro_batch import MicroBatchContext
@@ -40,8 +42,19 @@ from tensorpar.models.mtp import MTPStats, MultiTokenPrediction, shifted, with_m
 from tensorpar.models.placement import Placement, as_placement
 from tensorpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.tensor_parallel.embedding import VocabParallelEmbedding
-from tensorpar.tensor_parallel.lm_head import VocabParallelLMHead
+from tensorpar.tensor_parallel.lm_head import VocabParallelLMHead, soft_cap
 from tensorpar.tensor_parallel.mappings import copy_to_tp
+
+
+def rotaries(cfg: ModelConfig) -> dict[str, Rotary] | None:
+    """The RoPE of each layer type (None with learned positions): sliding layers take their own base, unscaled, when
+    the config gives one (Gemma 3), else the global RoPE."""
+    if cfg.position != "rope":
+        return None
+    full = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_seq_len)
+    local = full if cfg.rope_local_theta is None else Rotary(cfg.rotary_dim, cfg.rope_local_theta, None,
+                                                             cfg.max_seq_len)
+    return {"full_attention": full, "sliding_attention": local}
 
 
 def _mean_over_valid(loss_sum: torch.Tensor, targets: torch.Tensor, cp_group) -> torch.Tensor:
@@ -93,10 +106,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, placement, i, device) for i in layers})
         self.decoder_keys = list(self.layers)
         self._build_outputs(device)
-        if cfg.position == "rope":
-            self.register_buffer("inv_freq", inverse_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-                                 .to(device), persistent=False)
-            self.rope_scale = rope_attention_factor(cfg.rope_scaling)
+        self.rotaries = rotaries(cfg)
         if init:
             init_weights(self, seed)
 
@@ -122,7 +132,8 @@ class Transformer(nn.Module):
         if not self.last_stage:
             return
         cfg = self.cfg
-        self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, self.region, device=device)
+        self.final_norm = Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, self.region, device=device,
+                               offset=cfg.norm_offset)
         if cfg.tie_embeddings:
             self.head = VocabParallelLMHead.tied(self.embed)
         else:
@@ -159,7 +170,7 @@ class Transformer(nn.Module):
     def embed_tokens(self, ids: torch.Tensor, dropout_seed: int | None = None,
                      context: ContextSplit | None = None, documents: PackedDocuments | None = None) -> torch.Tensor:
         """Embed this rank's token ids (its CP chunks of the sequence when `context` is given)."""
-        h = self.embed(ids)
+        h = self.scaled_embedding(ids)
         if self.pos_embed is not None:
             seq_len = context.seq_len if context is not None else ids.shape[1]
             pos = self.region.lookup(self.positions(seq_len, context, ids.device, documents), self.pos_embed)
@@ -172,18 +183,29 @@ class Transformer(nn.Module):
             h = seeded_dropout(h, self.cfg.dropout, mix_seed(dropout_seed, 2**20, shard), True)
         return h
 
-    def rope(self, seq_len: int, dtype: torch.dtype, context: ContextSplit | None = None,
+    def scaled_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding of `ids` times the config's `embedding_multiplier` (rounded to the embedding's dtype first,
+        as Gemma's is)."""
+        h = self.embed(ids)
+        multiplier = self.cfg.embedding_multiplier
+        return h if multiplier == 1.0 else h * torch.tensor(multiplier, dtype=h.dtype, device=h.device)
+
+    def rope(self, seq_len: int, h: torch.Tensor, context: ContextSplit | None = None,
              documents: PackedDocuments | None = None):
         """cos/sin of this rank's positions (its CP chunks' under context parallelism; in their documents with
-        `documents`)."""
-        if self.cfg.position != "rope":
+        `documents`), by layer type, in `h`'s dtype and on its device."""
+        if self.rotaries is None:
             return None
-        return rope_cos_sin(self.positions(seq_len, context, self.inv_freq.device, documents), self.inv_freq, dtype,
-                            self.rope_scale)
+        positions = self.positions(seq_len, context, h.device, documents)
+        span = None  # the largest position + 1 of the whole sequence: for RoPE that depends on it only
+        if any(r.depends_on_span for r in self.rotaries.values()):
+            span = seq_len if documents is None else int(documents.position.max()) + 1
+        return rope_tables(self.rotaries, positions, h.dtype, span)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp]."""
-        return self.head(h)
+        """Vocabulary-sharded logits of the full sequence: [B, S, padded_vocab / tp] (soft-capped, with a final
+        soft cap, each rank its own columns)."""
+        return soft_cap(self.head(h), self.cfg.final_logit_softcap)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss over the targets that are not -100 (under context parallelism, of every CP rank;
@@ -198,7 +220,8 @@ class Transformer(nn.Module):
         if self.loss_chunk_tokens is None:
             return vocab_parallel_cross_entropy(self.logits(h), targets, self.tp_group,
                                                 vocab_size=self.cfg.vocab_size, reduction="sum")
-        return self.head.loss(h, targets, chunk_tokens=self.loss_chunk_tokens, reduction="sum")
+        return self.head.loss(h, targets, chunk_tokens=self.loss_chunk_tokens, reduction="sum",
+                              softcap=self.cfg.final_logit_softcap)
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`loss(logits(h), targets)`, the head and the loss fused per chunk when the model was built so."""
@@ -267,7 +290,7 @@ class Transformer(nn.Module):
             h = x
             seq_len = h.shape[1] * (self.tp_group.size if self.sequence_parallel else 1) * self.cp_group.size
             context = self.context(seq_len)
-        ctx = MicroBatchContext(self.rope(seq_len, h.dtype, context, documents), dropout_seed, context, documents,
+        ctx = MicroBatchContext(self.rope(seq_len, h, context, documents), dropout_seed, context, documents,
                                 aux_scale, recompute_core=self.recompute == "selective" and self.training)
         for key in layer_keys:
             layer = self.layers[str(key)]
@@ -300,6 +323,11 @@ class Transformer(nn.Module):
         cache.advance(ids.shape[1])
         return self.logits(self.final_norm(h[:, -1]))
 
+    def rope_switch_length(self) -> int | None:
+        """The position from which longrope's long factors apply (its original length), for generation to compute the
+        cache again there; None for the other RoPE types."""
+        return None if self.rotaries is None else self.rotaries["full_attention"].switch_length
+
     def cached_hidden(self, ids: torch.Tensor, cache, positions: torch.Tensor) -> torch.Tensor:
         """The last layer's hidden states [B, s, H] (before the final norm) of the new tokens `ids` [B, s] at the
         absolute `positions` ([s] or [B, s]), their keys and values appended to `cache` (a `KVCache`, or any
@@ -309,13 +337,17 @@ class Transformer(nn.Module):
                               "model with sequence_parallel=False and cp = 1 (the weights are the same)")
         if not (self.first_stage and self.last_stage):
             raise LayoutError("generation with a KV cache needs the whole model on every rank (pipeline size 1)")
-        h = self.embed(ids)
+        h = self.scaled_embedding(ids)
         if self.pos_embed is not None:
             if int(positions.max()) >= self.cfg.max_seq_len:
                 raise TensorparError(f"position {int(positions.max())} exceeds the model's "
                                      f"{self.cfg.max_seq_len} learned positions")
             h = h + self.pos_embed[positions]
-        rope = rope_cos_sin(positions, self.inv_freq, h.dtype, self.rope_scale) if self.cfg.position == "rope" else None
+        rope = None
+        if self.rotaries is not None:
+            # RoPE that depends on how far positions reach sees each sequence's own reach (the cache says which).
+            span = cache.spans(positions) if any(r.depends_on_span for r in self.rotaries.values()) else None
+            rope = rope_tables(self.rotaries, positions, h.dtype, span)
         ctx = MicroBatchContext(rope, kv_cache=cache)
         for layer in self.decoder_layers().values():
             h = layer(h, ctx)

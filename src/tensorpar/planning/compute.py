@@ -1,8 +1,9 @@
 """Compute for the planner: the FLOPs of one micro-batch through one pipeline stage.
 
 The forward of a layer is ``2 b s P_layer + 4 b s^2 h`` (the matmul parameters, PaLM's attention
-term, per head 2 b s^2 (key + value width): the accounting of `tensorpar.models.flops`, so that summed over stages it
-is exactly ``train_flops_per_token(cfg, s) * b * s``) and the head ``2 b s (V h + norm)`` on the last stage (with
+term, with the query heads' width for h and a sliding window's keys for s where it is shorter, averaged over the
+layers: the accounting of `tensorpar.models.flops`, so that summed over stages it is exactly
+``train_flops_per_token(cfg, s) * b * s``) and the head ``2 b s (V h + norm)`` on the last stage (with
 multi-token prediction, each module's block and the head once more);
 training is 3 x forward. A mixture of experts counts what one token uses (`models.flops`: the router, its
 top-k routed experts and the shared experts; balanced routing), averaged over the layers when only every
@@ -13,9 +14,8 @@ or of the attention core ``4 b s^2 h`` ("selective").
 
 from __future__ import annotations
 
-from tensorpar.models.flops import matmul_params
+from tensorpar.models.flops import attention_flops_per_token, matmul_params
 from tensorpar.planning.candidates import Candidate, stage_layers
-from tensorpar.planning.latent import key_value_widths
 from tensorpar.planning.precision_recipes import Precision
 
 
@@ -49,7 +49,7 @@ def stage_flops(cfg, layout: Candidate, b: int, s: int, stage: int | None, preci
     """(training FLOPs, recomputation FLOPs) of one micro-batch through one stage (all its TP ranks)."""
     first, last, n = stage_layers(cfg, layout, stage)
     layer_p, head_p = flop_parts(cfg)
-    attn = 2.0 * b * s * s * cfg.num_heads * sum(key_value_widths(cfg))
+    attn = attention_flops_per_token(cfg, s) / (3.0 * cfg.num_blocks) * b * s  # one layer's forward, on average
     layer_fwd = 2.0 * b * s * layer_p + attn
     mtp = cfg.num_mtp_layers if last else 0  # each multi-token prediction module: a block, and the head again
     n += mtp

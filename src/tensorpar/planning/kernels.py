@@ -92,7 +92,8 @@ def layer_parts(cfg, layout: Candidate, b: int, s: int, prec, cluster, moe: bool
     mlp_gemms, down, mlp_act, permute = _mlp_parts(cfg, layout, T, nb, moe)
     g_fwd, g_dgrad, g_wgrad = _gemms_time(attn_gemms + mlp_gemms, cluster, dtype, gemm_bytes)
     down_fwd = _gemms_time(down, cluster, dtype, gemm_bytes)[0]
-    a_fwd, a_bwd = _attention_time(b, s, c, heads, d, prec, cluster, flash)
+    # A soft cap runs outside SDPA (it has none): the two batched GEMMs and the score passes, as without flash.
+    a_fwd, a_bwd = _attention_time(b, s, c, heads, d, prec, cluster, flash and cfg.attn_logit_softcap is None)
     e_fwd, e_bwd = _elementwise_time(cfg, layout, T, rope, mlp_act, permute, attn_gemms + mlp_gemms, prec, cluster)
     out = {"gemm_fwd": g_fwd, "gemm_bwd": g_dgrad + g_wgrad, "wgrad": g_wgrad, "attn_fwd": a_fwd, "attn_bwd": a_bwd,
            "elem_fwd": e_fwd, "elem_bwd": e_bwd, "down_fwd": down_fwd}

@@ -20,13 +20,15 @@ Activations, two models:
   saved-tensor measurements in tests/test_planning_memory.py). Per layer and micro-batch of b
   sequences of s tokens, TP size t, s_n = s/t under sequence parallelism (else s), A = 4 bytes
   (the fp32 residual stream) and M = matmul dtype bytes (2 under bf16 autocast, else 4):
-  each norm saves its input (A b s_n h), RMSNorm also its fp32 normalised output (4 b s_n h)
+  each norm saves its input (A b s_n h; a norm after a sublayer, Gemma's sandwich or OLMo 2's, its output's M),
+  RMSNorm also its fp32 normalised output (4 b s_n h)
   and the inverse RMS (4 b s_n), LayerNorm its mean and rstd (8 b s_n); the linears after a
   norm save their input: one fp32 tensor [b, s, h] shared by q/k/v (gate/up) in fp32 - the
   *gathered* full sequence under SP - and one bf16 copy per consuming linear under autocast
   (3 for q/k/v, 2 for gate/up; one, shared, at TP > 1 with tensorpar's TP overlap); attention saves q, k, v (KV heads repeated to the local query
   heads) and its output, 4 M b s h/t, and the fp32 log-sum-exp (4 b s a/t; flash attention,
-  no s^2 term); the MLP saves 4 M b s f/t (SwiGLU: gate, silu(gate), up, product), 2 (GeLU)
+  no s^2 term; but a soft cap's tanh and fp32 probabilities, 8 b s^2 a/t, and a window's mask, and the q / k
+  norms' inputs and outputs); the MLP saves 4 M b s f/t (SwiGLU: gate, silu(gate), up, product), 2 (GeLU)
   or 1 (ReLU). Selective recomputation keeps the attention core's inputs (q, k before the KV
   repeat; fp32 after RoPE under autocast) instead of its saved tensors. Full recomputation
   keeps each layer's input (A b s_n h). Outside the layers: the token ids, RoPE's cos/sin, the
@@ -92,11 +94,13 @@ def _mlp_saved(cfg) -> int:
 
 
 def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute: str, autocast: bool,
-                                act_bytes: int = 4, moe: bool = False, tp_overlap: bool = True, fp8: str = "") -> int:
+                                act_bytes: int = 4, moe: bool = False, tp_overlap: bool = True, fp8: str = "",
+                                cp: int = 1) -> int:
     """Bytes one transformer layer of tensorpar saves for backward, for one micro-batch (see module docstring).
     `act_bytes`: 2 when the parameters and activations are bf16/fp16 (then M = 2 too). `moe`: the layer's MLP
     is a mixture of experts (`tensorpar_moe_activations` instead of the dense MLP's). `tp_overlap` (at TP > 1):
-    the overlapped entry casts the input shared by q/k/v (gate/up) once under autocast, not once per linear."""
+    the overlapped entry casts the input shared by q/k/v (gate/up) once under autocast, not once per linear.
+    `cp`: context parallelism (its ring keeps no s x s tensor, soft cap and window included)."""
     A, M = act_bytes, (2 if autocast or act_bytes == 2 else 4)
     t = tp
     h, hd = cfg.hidden_size, cfg.head_dim
@@ -106,10 +110,10 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
     heads = cfg.num_heads // t
     kv_local = max(cfg.kv_heads // t, 1)
     f = cfg.ffn_hidden_size // t
-    if cfg.norm == "rmsnorm":
-        norm = A * b * sn * h + 4 * b * sn * h + 4 * b * sn
-    else:
-        norm = A * b * sn * h + 8 * b * sn
+    stats = 4 * b * sn * h + 4 * b * sn if cfg.norm == "rmsnorm" else 8 * b * sn
+    before, after = cfg.norm_placement in ("pre", "sandwich"), cfg.norm_placement in ("sandwich", "post")
+    # Norms before a sublayer take the residual stream (A bytes); after one, the sublayer's output (M bytes).
+    norms = 2 * before * (A * b * sn * h + stats) + 2 * after * (M * b * sn * h + stats)
     if autocast:
         shared = tp_overlap and t > 1
         attn_in = (1 if shared else 3) * 2 * b * s * h
@@ -121,7 +125,8 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
         qk = 4 if (autocast and cfg.position == "rope") else M  # RoPE promotes bf16 q, k to fp32 under autocast
         attn = qk * local + qk * b * s * kv_local * hd + M * b * s * kv_local * hd + M * local
     else:
-        attn = 4 * M * local + 4 * b * heads * s
+        attn = 4 * M * local + 4 * b * heads * s + _score_bytes(cfg, b, heads, s, M, cp)
+    attn += _qk_norm_bytes(cfg, b, s, heads, kv_local, M)
     mlp = _mlp_saved(cfg) * M * b * s * f
     if moe:
         mlp_in, mlp = 0, tensorpar_moe_activations(cfg, tp, b, s, autocast, act_bytes)
@@ -130,7 +135,28 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
         masks = 2 * (A if (cfg.bias or not autocast) else M) * b * sn * h
     if cfg.is_mla:  # latent attention's own tensors (tensorpar.planning.latent)
         attn_in, attn = 0, latent_attention_activations(cfg, tp, sp, b, s, recompute, autocast, act_bytes)
-    return 2 * norm + attn_in + mlp_in + attn + mlp + masks + _fp8_input_bytes(cfg, fp8, recompute, b, s, t, moe)
+    return norms + attn_in + mlp_in + attn + mlp + masks + _fp8_input_bytes(cfg, fp8, recompute, b, s, t, moe)
+
+
+def _qk_norm_bytes(cfg, b: int, s: int, heads: int, kv_heads: int, M: int) -> int:
+    """What the norms of q and k save (this rank's heads, the whole sequence): per head, the fp32 copy of the
+    input, the normalised output (M) and the inverse RMS per head and token; over the whole projection (computed
+    in fp32 throughout), input and output in fp32 and the inverse RMS per token."""
+    n, rows = b * s * (heads + kv_heads) * cfg.head_dim, b * s * (heads + kv_heads)
+    return {"none": 0, "head": (4 + M) * n + 4 * rows, "projection": 8 * n + 8 * b * s}[cfg.qk_norm]
+
+
+def _score_bytes(cfg, b: int, heads: int, s: int, M: int, cp: int) -> int:
+    """The s x s tensors one layer's attention core keeps, averaged over the layers: with a soft cap (computed
+    outside SDPA, which has none) the capped scores' tanh and the fp32 probabilities (8 bytes per score); a window
+    shorter than the sequence, SDPA's mask (M bytes per score, or the soft-capped path's boolean one). Neither
+    under context parallelism (the ring holds blocks only)."""
+    if cp > 1:
+        return 0
+    windowed = sum(cfg.attention_window(i) is not None and cfg.attention_window(i) < s
+                   for i in range(cfg.num_layers)) / cfg.num_layers
+    capped = cfg.attn_logit_softcap is not None
+    return round(b * heads * s * s * 8 * capped + s * s * (1 if capped else M) * windowed)
 
 
 def _fp8_input_bytes(cfg, fp8: str, recompute: str, b: int, s: int, t: int, moe: bool) -> int:
@@ -189,6 +215,8 @@ def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast
     last += (2 if autocast and not chunked_loss else A) * b * s * h  # the head's input
     vocab = padded(cfg.vocab_size, tp) // tp
     last += 4 * b * s * (1 if chunked_loss else vocab)  # the log-sum-exp, or the softmax
+    if cfg.final_logit_softcap is not None and not chunked_loss:  # the soft cap's tanh of the logits
+        last += (2 if autocast or A == 2 else 4) * b * s * vocab
     last += 8 * b * s + 2 * b * s + 8  # targets, masks, token count
     return {"first": first, "rope": rope, "last": last}
 
@@ -414,7 +442,7 @@ def _layer_activations(cfg, layout: Candidate, b: int, s: int, mode: str, prec: 
     def one(moe):
         if prec.activations == "tensorpar":
             return tensorpar_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, prec.autocast, prec.act_bytes,
-                                               moe, tp_overlap, prec.fp8_recipe)
+                                               moe, tp_overlap, prec.fp8_recipe, layout.cp)
         return playbook_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, flash_attention, prec.act_bytes,
                                           moe, 1 if prec.gemm_dtype == "fp8" else None)
 

@@ -92,11 +92,13 @@ def _local_parameters(cfg, tp: int, ep: int, stage: int, split) -> list[tuple[st
 def _layer_parameters(cfg, i: int, heads: int, kv_local: int, f: int, tp: int,
                       ep: int, p: str | None = None) -> list[tuple[str, int, int]]:
     """(name, numel, ndim) of layer `i`'s parameters (named under `p`, default `layers.{i}`) on one rank holding
-    `heads` query heads, `kv_local` KV heads and `f` of the MLP's width: the attention's norm and projections, then
-    the MLP's norm and a dense MLP or a mixture of experts."""
+    `heads` query heads, `kv_local` KV heads and `f` of the MLP's width, in the block's order: the norm before
+    attention, its projections and q / k norms (latent attention's own), the norm after it, then the MLP's norms
+    around a dense MLP or a mixture of experts (norms where `norm_placement` puts them)."""
     h, hd, p = cfg.hidden_size, cfg.head_dim, p or f"layers.{i}"
-    qkv_bias = cfg.attention_qkv_bias
-    out = _norm_parameters(cfg, f"{p}.attn_norm")
+    qkv_bias, before = cfg.attention_qkv_bias, cfg.norm_placement in ("pre", "sandwich")
+    after = cfg.norm_placement in ("sandwich", "post")
+    out = _norm_parameters(cfg, f"{p}.attn_norm") if before else []
     if cfg.is_mla:
         out += latent_attention_parameters(cfg, f"{p}.attn", heads)
     else:
@@ -104,14 +106,20 @@ def _layer_parameters(cfg, i: int, heads: int, kv_local: int, f: int, tp: int,
         out += _linear_parameters(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
         out += _linear_parameters(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
         out += _linear_parameters(f"{p}.attn.o_proj", h, heads * hd, h, cfg.bias)
-    out += _norm_parameters(cfg, f"{p}.mlp_norm")
+    if cfg.qk_norm != "none":
+        q, k = (hd, hd) if cfg.qk_norm == "head" else (heads * hd, kv_local * hd)
+        out += [(f"{p}.attn.q_norm.weight", q, 1), (f"{p}.attn.k_norm.weight", k, 1)]
+    out += _norm_parameters(cfg, f"{p}.post_attn_norm") if after else []
+    out += _norm_parameters(cfg, f"{p}.mlp_norm") if before else []
     if cfg.is_moe_layer(i):
-        return out + _moe_parameters(cfg, f"{p}.mlp", tp, ep)
-    if cfg.gated_mlp:
-        out += _linear_parameters(f"{p}.mlp.gate_proj", f, h, f, cfg.bias)
-    out += _linear_parameters(f"{p}.mlp.up_proj", f, h, f, cfg.bias)
-    out += _linear_parameters(f"{p}.mlp.down_proj", h, f, h, cfg.bias)
-    return out
+        out += _moe_parameters(cfg, f"{p}.mlp", tp, ep)
+    else:
+        bias = cfg.mlp_has_bias
+        if cfg.gated_mlp:
+            out += _linear_parameters(f"{p}.mlp.gate_proj", f, h, f, bias)
+        out += _linear_parameters(f"{p}.mlp.up_proj", f, h, f, bias)
+        out += _linear_parameters(f"{p}.mlp.down_proj", h, f, h, bias)
+    return out + (_norm_parameters(cfg, f"{p}.post_mlp_norm") if after else [])
 
 
 def latent_attention_parameters(cfg, p: str, heads: int) -> list[tuple[str, int, int]]:
@@ -159,10 +167,11 @@ def _moe_parameters(cfg, prefix: str, tp: int, ep: int) -> list[tuple[str, int, 
         out.append((f"{prefix}.experts.{proj}", local * fe * h, 3))
     if cfg.num_shared_experts:
         fs = divide(cfg.num_shared_experts * fe, tp, "the shared experts' width")
+        bias = cfg.mlp_has_bias
         if cfg.gated_mlp:
-            out += _linear_parameters(f"{prefix}.shared_experts.gate_proj", fs, h, fs, cfg.bias)
-        out += _linear_parameters(f"{prefix}.shared_experts.up_proj", fs, h, fs, cfg.bias)
-        out += _linear_parameters(f"{prefix}.shared_experts.down_proj", h, fs, h, cfg.bias)
+            out += _linear_parameters(f"{prefix}.shared_experts.gate_proj", fs, h, fs, bias)
+        out += _linear_parameters(f"{prefix}.shared_experts.up_proj", fs, h, fs, bias)
+        out += _linear_parameters(f"{prefix}.shared_experts.down_proj", h, fs, h, bias)
     return out
 
 

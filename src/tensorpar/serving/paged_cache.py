@@ -14,7 +14,9 @@ cache `Transformer.cached_hidden` takes:
 - `attend(q, k, v)` pairs queries with keys sequence by sequence: all decoding sequences in one batched product (one
   query each, a mask hiding their unused slots), each prefill chunk on its own (causal from its first position).
 
-So no query ever meets another sequence's keys, and the result does not depend on what else is in the step.
+So no query ever meets another sequence's keys, and the result does not depend on what else is in the step. A layer
+with a sliding window keeps every block as the others do and masks the keys before its window (its attention, not
+its memory, is that of the window).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
+from tensorpar.functional.attention_pattern import AttentionPattern
 from tensorpar.serving.blocks import blocks_for
 
 
@@ -107,6 +109,7 @@ class PagedStep:
         key_pos = torch.arange(width, device=device)
         ends = torch.tensor([self.ends[i] for i in self.decode], device=device)
         self.decode_mask = (key_pos[None, :] < ends[:, None])[:, None, None]  # [Bd, 1, 1, L]
+        self.decode_key_pos, self.decode_ends = key_pos, ends
         self.decode_tokens = torch.tensor([offsets[i] for i in self.decode], dtype=torch.long, device=device)
         self.decode_rows = torch.tensor(self.decode, dtype=torch.long, device=device)
         self.all_decode = len(self.decode) == len(segments)
@@ -120,27 +123,36 @@ class PagedStep:
             out.append(store[self.gather_slots].permute(0, 2, 1, 3))
         return out[0], out[1]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """softmax(q k^T * scale) v (default scale 1 / sqrt(d)) of the packed queries [1, heads, T, d] over their own
-        sequence's keys: [1, heads, T, dv]."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               pattern: AttentionPattern = AttentionPattern()) -> torch.Tensor:
+        """softmax(scores) v of the packed queries [1, heads, T, d] over their own sequence's keys, the scores as
+        `pattern` makes them (scale, soft cap, window): [1, heads, T, dv]."""
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         if self.decode:
             qd = q[0].index_select(1, self.decode_tokens).transpose(0, 1)[:, :, None]  # [Bd, heads, 1, d]
             kd, vd = (k, v) if self.all_decode else (k[self.decode_rows], v[self.decode_rows])
-            od = F.scaled_dot_product_attention(qd, kd.to(qd.dtype), vd.to(qd.dtype), attn_mask=self.decode_mask,
-                                                scale=scale)
+            mask = self.decode_mask
+            if pattern.window is not None:  # the query sits at end - 1: keys from end - window on
+                start = self.decode_key_pos[None, :] >= (self.decode_ends - pattern.window)[:, None]
+                mask = mask & start[:, None, None]
+            od = pattern.attend(qd, kd.to(qd.dtype), vd.to(qd.dtype), mask)
             out[0].index_copy_(1, self.decode_tokens, od[:, :, 0].transpose(0, 1))
         for i in self.prefill:
             seg, a, b = self.segments[i], self.offsets[i], self.offsets[i + 1]
             end = self.ends[i]
             ki, vi = k[i:i + 1, :, :end].to(q.dtype), v[i:i + 1, :, :end].to(q.dtype)
-            if seg.start == 0:
-                out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], ki, vi, is_causal=True, scale=scale)
+            if seg.start == 0 and not pattern.windowed(end):
+                out[:, :, a:b] = pattern.attend(q[:, :, a:b], ki, vi, is_causal=True)
             else:
-                q_pos = torch.arange(seg.start, end, device=q.device)[:, None]
-                mask = torch.arange(end, device=q.device)[None, :] <= q_pos
-                out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], ki, vi, attn_mask=mask, scale=scale)
+                mask = pattern.visible(torch.arange(seg.start, end, device=q.device), torch.arange(end, device=q.device))
+                out[:, :, a:b] = pattern.attend(q[:, :, a:b], ki, vi, mask)
         return out
+
+    def spans(self, positions: torch.Tensor) -> torch.Tensor:
+        """How far each packed token's sequence reaches in this step (its segment's end), [1, T]: RoPE that depends
+        on it (dynamic NTK, longrope) sees each sequence's own."""
+        return torch.cat([torch.full((seg.length,), end) for seg, end in zip(self.segments, self.ends)])[None].to(
+            positions.device)
 
     def advance(self, s: int) -> None:
         """Nothing to count: the scheduler keeps each sequence's length."""

@@ -15,6 +15,9 @@ The backward recomputes each chunk's logits, softmax = exp(x - lse), subtracts t
 multiplies by the incoming gradient: dh_chunk = g W (a partial sum over the TP ranks, summed by the region
 entry's backward) and dW += g^T h_chunk, db += sum g.
 
+With a final soft cap (Gemma 2: x -> cap * tanh(x / cap), elementwise, so each rank caps its own columns) the loss
+takes the capped logits, and the backward multiplies their gradient by 1 - tanh^2 before the GEMMs.
+
 Dtypes are the unfused path's: the GEMMs run in the dtype the head's F.linear runs in (bf16 under autocast or
 with bf16 parameters), the loss and softmax in fp32. The weight gradient is accumulated over chunks in fp32.
 """
@@ -37,7 +40,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, targets, group: Group, vocab_size: int, ignore_index: int,
-                label_smoothing: float, chunk_tokens: int):
+                label_smoothing: float, chunk_tokens: int, softcap: float | None):
         start, n_valid = shard_columns(group, weight.shape[0], vocab_size)
         ignored, on_rank, local_target = local_targets(targets, start, n_valid, ignore_index)
         n = h.shape[0]
@@ -51,6 +54,8 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             logits_dtype = logits.dtype
             x = logits.float()[:, :n_valid]  # the chunk's own buffer when fp32: overwritten below
             del logits
+            if softcap is not None:
+                x = torch.tanh(x / softcap) * softcap
             if n_valid == 0:  # only padding rows on this rank: no target here, lse stays -inf
                 continue
             if label_smoothing > 0:
@@ -72,7 +77,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
         ctx.save_for_backward(h, weight, bias, lse, on_rank, local_target, ignored)
         ctx.n_valid, ctx.vocab_size, ctx.label_smoothing = n_valid, vocab_size, label_smoothing
-        ctx.chunk_tokens, ctx.logits_dtype = chunk_tokens, logits_dtype
+        ctx.chunk_tokens, ctx.logits_dtype, ctx.softcap = chunk_tokens, logits_dtype, softcap
         return loss
 
     @staticmethod
@@ -90,10 +95,16 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 hi = min(h.shape[0], lo + ctx.chunk_tokens)
                 h_chunk = h[lo:hi].to(dt)
                 g = F.linear(h_chunk, w, b).float()
+                tanh = None
+                if ctx.softcap is not None:
+                    tanh = torch.tanh(g / ctx.softcap)
+                    g = tanh * ctx.softcap
                 g.sub_(lse[lo:hi, None]).exp_()  # the softmax, computed in place of the logits
                 g[:, n_valid:] = 0.0
                 subtract_target_distribution(g, on_rank[lo:hi], local_target[lo:hi], n_valid, ctx.vocab_size, eps)
                 g.mul_(scale[lo:hi, None])
+                if tanh is not None:
+                    g.mul_(1 - tanh * tanh)
                 g = g.to(dt)
                 grad_h[lo:hi] = g @ w
                 if dt == torch.float32:
@@ -103,7 +114,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 if grad_b is not None:
                     grad_b += g.sum(0, dtype=torch.float32)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w.to(weight.dtype), grad_b, None, None, None, None, None, None
+        return grad_h, grad_w.to(weight.dtype), grad_b, None, None, None, None, None, None, None
 
 
 def chunked_head_cross_entropy(
@@ -118,11 +129,12 @@ def chunked_head_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(F.linear(h, weight, bias), targets, group, vocab_size=...)`` computed
     `chunk_tokens` tokens at a time, never holding more than one chunk's logits. `h` [..., H] is inside the TP
     region (replicated over the group), `weight` [V_pad / tp, H] this rank's rows of the padded head, `targets`
-    [...] the full targets.
+    [...] the full targets; `softcap`: the logits soft-capped first (cap * tanh(logits / cap)).
 
     Forward: all-reduce (max) and all-reduce (sum), once after all chunks, as the unfused loss.
     Backward: none; the input gradient is a partial sum over the group, for the region entry's backward."""
@@ -131,5 +143,5 @@ def chunked_head_cross_entropy(
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     losses = _ChunkedHeadCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, bias, targets.reshape(-1), group,
-                                            vocab_size, ignore_index, label_smoothing, chunk_tokens)
+                                            vocab_size, ignore_index, label_smoothing, chunk_tokens, softcap)
     return reduce_losses(losses, targets, ignore_index, reduction)

@@ -23,6 +23,12 @@ from tensorpar.tensor_parallel.linear import ColumnParallelLinear, InitMethod, f
 from tensorpar.tensor_parallel.region import as_region
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma 2's final soft cap; `logits` unchanged for None): elementwise, so each rank caps
+    its own vocabulary columns and nothing is gathered. Padding columns stay 0."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 class VocabParallelLMHead(ColumnParallelLinear):
     """``logits = h W^T (+ b)`` with W's vocabulary rows split across the TP group, padded to a multiple of TP.
 
@@ -68,21 +74,23 @@ class VocabParallelLMHead(ColumnParallelLinear):
         return TiedLMHead(embedding)
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int, label_smoothing: float = 0.0,
-             ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+             ignore_index: int = -100, reduction: str = "mean", softcap: float | None = None) -> torch.Tensor:
         """``vocab_parallel_cross_entropy(self(h), targets, ...)`` without the logits: `h` enters the region as in
         the forward (`region.entry`: identity / all-reduce, or SP all-gather / reduce-scatter), then the head
         and the loss run fused, `chunk_tokens` tokens at a time (`chunked_head_cross_entropy`: all-reduce max
-        and all-reduce sum forward, once; nothing more in the backward)."""
+        and all-reduce sum forward, once; nothing more in the backward). `softcap`: the logits soft-capped first,
+        each rank its own columns (`soft_cap`)."""
         if self.region.weight_grads is not None:
             # The split backward defers the head's weight gradient to the queue; the fused backward computes it
             # with the input gradient, so the zero-bubble schedules keep the unfused head and loss.
-            return vocab_parallel_cross_entropy(self(h), targets, self.tp_group, vocab_size=self.vocab_size,
+            return vocab_parallel_cross_entropy(soft_cap(self(h), softcap), targets, self.tp_group,
+                                                vocab_size=self.vocab_size,
                                                 label_smoothing=label_smoothing, ignore_index=ignore_index,
                                                 reduction=reduction)
         return chunked_head_cross_entropy(self.region.entry(h), self.weight, self.bias, targets, self.tp_group,
                                           vocab_size=self.vocab_size, chunk_tokens=chunk_tokens,
                                           ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                          reduction=reduction)
+                                          reduction=reduction, softcap=softcap)
 
     @property
     def vocab_start(self) -> int:

@@ -8,6 +8,7 @@ op                       forward                             backward
 =======================  ==================================  ==================================
 copy_to_tp      (f)      identity                            all-reduce
 reduce_from_tp  (g)      all-reduce                          identity
+sum_over_tp              all-reduce                          all-reduce
 gather_from_tp           all-gather along the last dim       split along the last dim
 scatter_to_tp            split along the last dim            all-gather along the last dim
 gather_from_sp  (g)      all-gather along the sequence       reduce-scatter along the sequence
@@ -60,6 +61,17 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad.contiguous().clone()), None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -129,6 +141,14 @@ def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """g: forward all-reduce, backward identity. Leaves a tensor-parallel region by summing partial results."""
     group = as_group(group)
     return x if group.size == 1 else _ReduceFromTP.apply(x, group)
+
+
+def sum_over_tp(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum over the group of per-rank partials that each rank then uses in its own way (a norm over features
+    split across the ranks: each rank scales its own features by it): all-reduce forward, and all-reduce backward,
+    since every rank's use of the sum contributes to the gradient of every rank's partial."""
+    group = as_group(group)
+    return x if group.size == 1 else _SumOverTP.apply(x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:

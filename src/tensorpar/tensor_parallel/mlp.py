@@ -30,11 +30,11 @@ class ParallelMLP(nn.Module):
         self.region = as_region(region)
         self.tp_group, self.sequence_parallel = self.region.group, self.region.sequence_parallel
         self.act = ACTIVATION_FNS[cfg.activation]
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        h, f, bias = cfg.hidden_size, cfg.ffn_hidden_size, cfg.mlp_has_bias
         column = dict(device=device, init=False)
-        self.gate_proj = ColumnParallelLinear(h, f, self.region, cfg.bias, **column) if cfg.gated_mlp else None
-        self.up_proj = ColumnParallelLinear(h, f, self.region, cfg.bias, **column)
-        self.down_proj = RowParallelLinear(f, h, exit_region or self.region, cfg.bias, device=device, init=False)
+        self.gate_proj = ColumnParallelLinear(h, f, self.region, bias, **column) if cfg.gated_mlp else None
+        self.up_proj = ColumnParallelLinear(h, f, self.region, bias, **column)
+        self.down_proj = RowParallelLinear(f, h, exit_region or self.region, bias, device=device, init=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projections = [p.projection() for p in (self.gate_proj, self.up_proj) if p is not None]

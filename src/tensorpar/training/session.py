@@ -15,6 +15,7 @@ from tensorpar.checkpoints.sharded import load_checkpoint, save_checkpoint
 from tensorpar.checkpoints.sources import load_model_source
 from tensorpar.config.fields import changed_options, to_dict, to_toml
 from tensorpar.data import build_dataset, describe_corpus, open_corpus, tokenizer_from, validation_windows
+from tensorpar.data.tokenizer_files import source_files
 from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
 from tensorpar.distributed.mesh import Mesh
 from tensorpar.models import Transformer
@@ -82,11 +83,11 @@ class Session:
             train["data_sources"] = describe_corpus(o.data, self.corpus, self.dataset, step, o.global_batch_size)
         if self.async_saves is not None:
             facts = dict(model=self.run.cfg.to_dict(), run_id=self.run_id, layout=self.layout.as_dict(), train=train,
-                         options=to_dict(o))
+                         options=to_dict(o), tokenizer_files=source_files(self.tokenizer))
             return self.async_saves.save(o.save, step, self.model, self.optimizer, facts, o.keep_last)
         return save_checkpoint(o.save, step, self.model, self.optimizer, self.mesh, cfg=self.run.cfg,
-                               layout=self.layout.as_dict(),
-                               train=train, options=to_dict(o), run_id=self.run_id, keep_last=o.keep_last)
+                               layout=self.layout.as_dict(), train=train, options=to_dict(o), run_id=self.run_id,
+                               keep_last=o.keep_last, tokenizer_files=source_files(self.tokenizer))
 
     def poll_saves(self, steps_done: int) -> None:
         """After a step: commit the pending asynchronous save if every rank has written it (a collective while
