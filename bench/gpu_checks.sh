@@ -9,6 +9,14 @@
 # fp8      bench/precision.py: bf16 vs fp8 (tensorwise, rowwise) step time on llama-1b
 # tp_step  bench/tp_step.py: tensorpar's model against plain PyTorch on one GPU
 # profile  bench/profile_train.py: where llama-1b's step time goes
+# Not in the default list (name them): issue 43's speed and memory checks
+# doc_attention  bench/document_attention.py: llama-1b at seq-len 8192 on ~256-token documents, no mask / dense /
+#                varlen / flex: peak memory and step time
+# moe_gemm       bench/moe_step.py: grouped (torch._grouped_mm, bf16) vs looped expert GEMMs on one GPU
+# levers         bench/memory_levers.py: llama-1b bf16 with each memory lever: GPU and host bytes, step time
+# fp8_compile    llama-1b in fp8 (tensorwise) with --compile: does fusing the casts make fp8 pay at this size?
+# no_chunk       llama-1b compiled with --loss-chunk-tokens 0: the LM head once, not again in the backward
+# TESTS_K=EXPR selects tests by pytest's -k expression.
 set -u
 OUT="${1:?usage: bench/gpu_checks.sh OUT_DIR [STEPS...]}"
 shift
@@ -31,7 +39,8 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output i
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$RUNS/machine.txt"
-step tests 240 env TENSORPAR_TEST_CUDA=1 "$PY" -m pytest -q tests/test_cuda.py --durations=8 -p no:cacheprovider
+step tests 240 env TENSORPAR_TEST_CUDA=1 "$PY" -m pytest -q tests/test_cuda.py --durations=8 -p no:cacheprovider \
+    ${TESTS_K:+-k "$TESTS_K"}
 step llama 120 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 10 --sample-tokens 0 --val-fraction 0 --val-every 0 \
     --no-progress --out-dir "$RUNS/llama" --metrics "$OUT/llama.jsonl"
 step fp8 180 "$PY" bench/precision.py --device cuda --model llama-1b --precisions bf16,fp8-tensorwise,fp8-rowwise \
@@ -41,3 +50,13 @@ step tp_step 120 "$PY" bench/tp_step.py --device cuda --dtype bf16 --hidden 2048
 step compile 240 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 10 --sample-tokens 0 --val-fraction 0 --val-every 0 \
     --no-progress --out-dir "$RUNS/compile" --metrics "$OUT/compile.jsonl" --compile
 step profile 120 "$PY" bench/profile_train.py "${LLAMA[@]}" --steps 4 --rows 25
+step doc_attention 300 "$PY" bench/document_attention.py --device cuda --model llama-1b --dtype bf16 \
+    --variants none,dense,varlen,flex --steps 5 --threads 8
+step moe_gemm 240 "$PY" bench/moe_step.py --layouts single --device cuda --dtype bf16 --hidden 1024 --expert-ffn 2816 \
+    --experts 16 --seq-len 1024 --global-batch 8 --micro-batch 2 --steps 5 --threads 8
+step levers 400 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \
+    --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8
+step fp8_compile 120 "$PY" -m tensorpar train "${LLAMA[@]/bf16/fp8}" --steps 6 --sample-tokens 0 --val-fraction 0 \
+    --val-every 0 --no-progress --out-dir "$RUNS/fp8_compile" --metrics "$OUT/fp8_compile.jsonl" --compile
+step no_chunk 120 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 6 --sample-tokens 0 --val-fraction 0 --val-every 0 \
+    --no-progress --out-dir "$RUNS/no_chunk" --metrics "$OUT/no_chunk.jsonl" --compile --loss-chunk-tokens 0

@@ -2,6 +2,7 @@
 """Mixture-of-experts training steps under expert parallelism: the all-to-all share of the step, the load
 imbalance, and the planner's prediction of the all-to-all time for the same layout.
 
+    single       1 process holding every expert (the grouped/loop comparison alone; e.g. on one GPU)
     dp2-ep1      2 processes, every rank holds all experts: no all-to-all (the reference)
     dp2-ep2      2 processes, 4 experts each, tokens dispatched over the 2 ranks
     dp4-ep4      4 processes, 2 experts each
@@ -21,11 +22,18 @@ from the fastest of ten 1 KiB and ten 4 MiB all-to-alls over the EP group), then
 lists the layout's all-to-alls (balanced routing) and `collective_time` prices them on that link. The
 planner's GPU catalog has no CPU entry: this calibrated link is the only way to put gloo into its model.
 
-    .venv/bin/python bench/moe_step.py                     # about 6 minutes on 2 busy cores
-    .venv/bin/python bench/moe_step.py --steps 2 --layouts dp2-ep2   # a quick check
+Each layout runs with every `--expert-gemms` kind: ``grouped`` (the default: one grouped GEMM per projection for
+a rank's experts, torch._grouped_mm) and ``loop`` (one GEMM per expert); the all-to-all figures are the first kind's.
 
-The last line is ``a2a_share dp2-ep2=X.XX dp4-ep4=Y.YY tp2-dp2-ep4=Z.ZZ imbalance=I.II`` (the largest
-imbalance of the EP layouts).
+    .venv/bin/python bench/moe_step.py --expert-gemms grouped   # about 6 minutes on 2 busy cores
+    .venv/bin/python bench/moe_step.py --steps 2 --layouts dp2-ep2   # a quick check
+    .venv/bin/python bench/moe_step.py --layouts single --device cuda --dtype bf16 --hidden 1024 --expert-ffn 2816 \
+        --experts 16 --seq-len 1024     # grouped vs loop on one GPU (the grouped kernel: bf16 on sm90+)
+
+The line before the last is ``grouped/loop LAYOUT=X.XX (cpu Y.YY) ...`` (ratios of the median step's wall time and of
+rank 0's CPU seconds in it, with both kinds run); the last is
+``a2a_share dp2-ep2=X.XX dp4-ep4=Y.YY tp2-dp2-ep4=Z.ZZ imbalance=I.II`` (the largest imbalance of the EP
+layouts).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-LAYOUTS = {"dp2-ep1": (1, 2, 1), "dp2-ep2": (1, 2, 2), "dp4-ep4": (1, 4, 4), "tp2-dp2-ep4": (2, 2, 4)}  # tp, dp, ep
+LAYOUTS = {"single": (1, 1, 1), "dp2-ep1": (1, 2, 1), "dp2-ep2": (1, 2, 2), "dp4-ep4": (1, 4, 4), "tp2-dp2-ep4": (2, 2, 4)}  # tp, dp, ep
 
 
 def model_config(a):
@@ -77,10 +85,11 @@ def calibrate(group, sizes=(1024, 4 * 2**20), repeats=10) -> tuple[float, float]
     return alpha, (n - 1) / (n * per_byte)
 
 
-def worker(rank: int, world: int, port: int, a, name: str, out_path: str) -> None:
+def worker(rank: int, world: int, port: int, a, name: str, gemm: str, out_path: str) -> None:
     from tensorpar.distributed.comm import CommStats
     from tensorpar.distributed.mesh import init_mesh
-    from tensorpar.models.build import build_transformer
+    from tensorpar.config.precision import Precision
+    from tensorpar.models.build import Execution, build_transformer
     from tensorpar.data_parallel import data_parallel_optimizer
     from tensorpar.training.moe_metrics import moe_step_metrics
 
@@ -89,16 +98,17 @@ def worker(rank: int, world: int, port: int, a, name: str, out_path: str) -> Non
                       LOCAL_RANK=str(rank))
     tp, dp, ep = LAYOUTS[name]
     stats = CommStats()
-    mesh = init_mesh(tp=tp, dp=dp, ep=ep, device="cpu", stats=stats)
+    mesh = init_mesh(tp=tp, dp=dp, ep=ep, device=a.device, stats=stats)
     cfg = model_config(a)
     link = calibrate(mesh.ep_group) if ep > 1 else None
     torch.manual_seed(0)
-    model = build_transformer(cfg, mesh, seed=0)
+    model = build_transformer(cfg, mesh, precision=Precision(a.dtype), execution=Execution(expert_gemm=gemm), seed=0)
     model.train()
-    opt = data_parallel_optimizer(model, mesh, lr=1e-3, weight_decay=0.1, zero=1)
+    opt = data_parallel_optimizer(model, mesh, lr=1e-3, weight_decay=0.1, zero=1 if dp > 1 else 0)
     g = torch.Generator().manual_seed(1)
     per_rank = a.global_batch // dp
     data = torch.randint(0, cfg.vocab_size, (a.warmup + a.steps, a.global_batch, a.seq_len + 1), generator=g)
+    data = data.to(mesh.device)
     steps = []
     for step in range(a.warmup + a.steps):
         mine = data[step, mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
@@ -106,7 +116,7 @@ def worker(rank: int, world: int, port: int, a, name: str, out_path: str) -> Non
         mesh.world_group.barrier()
         stats.reset()
         stats.timing = step >= a.warmup
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         opt.begin_step(len(batches))
         total = 0.0
         for batch in batches:
@@ -115,11 +125,13 @@ def worker(rank: int, world: int, port: int, a, name: str, out_path: str) -> Non
             total += loss.item() / len(batches)
         opt.finish_backward()
         opt.clip_and_step(1.0, None)
-        elapsed = time.perf_counter() - t0
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         stats.timing = False
         metrics = moe_step_metrics(model, cfg, mesh)
         if step >= a.warmup:
-            steps.append({"step_s": elapsed, "a2a_s": stats.seconds("all_to_all", "ep"),
+            steps.append({"step_s": elapsed, "cpu_s": cpu, "a2a_s": stats.seconds("all_to_all", "ep"),
                           "a2a_bytes": stats.bytes("all_to_all", "ep"), "a2a_calls": stats.calls("all_to_all", "ep"),
                           "comm_s": stats.seconds(), "imbalance": metrics["moe_load_imbalance"], "loss": total})
     if rank == 0:
@@ -164,47 +176,62 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--expert-gemms", default="grouped,loop", help="comma-separated: grouped, loop")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16 (bf16 parameters, as train --dtype bf16)")
     a = p.parse_args()
-    names = a.layouts.split(",")
+    names, gemms = a.layouts.split(","), a.expert_gemms.split(",")
     cfg = model_config(a)
     print(f"model: tiny-moe widened: hidden {cfg.hidden_size}, {cfg.num_layers} MoE layers, {cfg.num_experts} experts "
           f"(top-{cfg.experts_per_token}, width {cfg.expert_ffn_size}, {cfg.num_shared_experts} shared), "
           f"{cfg.num_parameters() / 1e6:.1f}M parameters ({cfg.num_parameters(active=True) / 1e6:.1f}M active); "
-          f"global batch {a.global_batch} x {a.seq_len} tokens, micro-batch {a.micro_batch}, gloo on CPU, "
-          f"{a.threads} thread(s) per rank, torch {torch.__version__}; medians of {a.steps} steps, rank 0")
-    print(f"{'layout':12} {'ranks':>5} {'step s':>7} {'a2a s':>7} {'a2a share':>9} {'a2a MiB':>8} {'calls':>6} "
-          f"{'all comm':>8} {'imbalance':>9} | {'gloo alpha us':>13} {'beta MB/s':>9} {'planned a2a s':>13} "
-          f"{'measured/planned':>16}", flush=True)
-    shares, imbalances = {}, []
-    for name in names:  # one layout at a time, its row printed as soon as it has run
-        tp, dp, ep = LAYOUTS[name]
-        out = os.path.join(tempfile.mkdtemp(), f"{name}.json")
-        mp.spawn(worker, args=(tp * dp, free_port(), a, name, out), nprocs=tp * dp, join=True)
-        with open(out) as f:
-            r = json.load(f)
-        med = {k: statistics.median(s[k] for s in r["steps"]) for k in ("step_s", "a2a_s", "comm_s", "a2a_bytes")}
-        calls = r["steps"][0]["a2a_calls"]
-        imbalance = statistics.mean(s["imbalance"] for s in r["steps"])
-        share = med["a2a_s"] / med["step_s"]
-        plan = ""
-        if r["link"]:
-            planned, planned_bytes = predicted_a2a(cfg, name, a, r["link"])
-            plan = (f" {1e6 * r['link'][0]:13.0f} {r['link'][1] / 1e6:9.0f} {planned:13.3f} "
-                    f"{med['a2a_s'] / planned:16.2f}")
-            if planned_bytes != med["a2a_bytes"]:
-                plan += f"  (planned {planned_bytes / 2**20:.2f} MiB)"
-            shares[name] = share
-            imbalances.append(imbalance)
-        print(f"{name:12} {tp * dp:>5} {med['step_s']:7.3f} {med['a2a_s']:7.3f} {100 * share:8.1f}% "
-              f"{med['a2a_bytes'] / 2**20:8.2f} {calls:>6} {100 * med['comm_s'] / med['step_s']:7.1f}% "
-              f"{imbalance:9.2f} |{plan}", flush=True)
+          f"global batch {a.global_batch} x {a.seq_len} tokens, micro-batch {a.micro_batch}, {a.dtype} on "
+          f"{a.device}, {a.threads} thread(s) per rank, torch {torch.__version__}; medians of {a.steps} steps, rank 0")
+    print(f"{'layout':12} {'gemm':>7} {'ranks':>5} {'step s':>7} {'a2a s':>7} {'a2a share':>9} {'a2a MiB':>8} "
+          f"{'calls':>6} {'all comm':>8} {'imbalance':>9} | {'gloo alpha us':>13} {'beta MB/s':>9} "
+          f"{'planned a2a s':>13} {'measured/planned':>16}", flush=True)
+    shares, imbalances, step_s = {}, [], {}
+    for name in names:  # one layout at a time, its rows printed as soon as they have run
+        for gemm in gemms:
+            tp, dp, ep = LAYOUTS[name]
+            out = os.path.join(tempfile.mkdtemp(), f"{name}.json")
+            mp.spawn(worker, args=(tp * dp, free_port(), a, name, gemm, out), nprocs=tp * dp, join=True)
+            with open(out) as f:
+                r = json.load(f)
+            step_s[name, gemm], share, imbalance = report_row(cfg, a, name, gemm, r)
+            if r["link"] and gemm == gemms[0]:
+                shares[name] = share
+                imbalances.append(imbalance)
     print("a2a: all_to_all seconds on the EP group (timing on: wall time inside each gloo call, waiting for the "
           "slowest peer included); all comm: every collective's share; imbalance: busiest expert / mean (max over "
           "layers); planned: the planner's all-to-alls of this layout (balanced routing) on the gloo link "
           "calibrated above")
+    if "grouped" in gemms and "loop" in gemms:
+        print("grouped/loop " + " ".join(f"{n}={step_s[n, 'grouped'][0] / step_s[n, 'loop'][0]:.2f} "
+                                          f"(cpu {step_s[n, 'grouped'][1] / step_s[n, 'loop'][1]:.2f})" for n in names))
     if shares:
         print("a2a_share " + " ".join(f"{k}={v:.2f}" for k, v in shares.items()) + f" imbalance={max(imbalances):.2f}")
     return 0
+
+
+def report_row(cfg, a, name: str, gemm: str, r: dict) -> tuple[float, float, float]:
+    """Print one layout's row; (its median step seconds, all-to-all share, mean imbalance)."""
+    tp, dp, ep = LAYOUTS[name]
+    med = {k: statistics.median(s[k] for s in r["steps"]) for k in ("step_s", "cpu_s", "a2a_s", "comm_s", "a2a_bytes")}
+    calls = r["steps"][0]["a2a_calls"]
+    imbalance = statistics.mean(s["imbalance"] for s in r["steps"])
+    share = med["a2a_s"] / med["step_s"]
+    plan = ""
+    if r["link"]:
+        planned, planned_bytes = predicted_a2a(cfg, name, a, r["link"])
+        plan = (f" {1e6 * r['link'][0]:13.0f} {r['link'][1] / 1e6:9.0f} {planned:13.3f} "
+                f"{med['a2a_s'] / planned:16.2f}")
+        if planned_bytes != med["a2a_bytes"]:
+            plan += f"  (planned {planned_bytes / 2**20:.2f} MiB)"
+    print(f"{name:12} {gemm:>7} {tp * dp:>5} {med['step_s']:7.3f} {med['a2a_s']:7.3f} {100 * share:8.1f}% "
+          f"{med['a2a_bytes'] / 2**20:8.2f} {calls:>6} {100 * med['comm_s'] / med['step_s']:7.1f}% "
+          f"{imbalance:9.2f} |{plan}", flush=True)
+    return (med["step_s"], med["cpu_s"]), share, imbalance
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ the fp16 loss-scale history (skipped steps, final scale) and the seconds each to
     .venv/bin/python bench/precision.py --global-batch-size 8 --seq-len 64    # a quarter of the tokens, ~5 min
     .venv/bin/python bench/precision.py --steps 20          # a quick check
     .venv/bin/python bench/precision.py --precisions fp32,bf16,fp8-tensorwise,fp8-rowwise
+    .venv/bin/python bench/precision.py --precisions fp32,fp32+bf16-states   # AdamW's moments in bf16
+                                                            # (--optimizer-state-dtype bf16; "+bf16-states" on any)
     .venv/bin/python bench/precision.py --device cuda --model llama-1b --precisions bf16,fp8-tensorwise --steps 50
                                                             # a GPU: bf16 vs fp8 step time (fp8/bf16 ratio)
 
@@ -42,14 +44,17 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="tiny")
     p.add_argument("--precisions", default="fp32,bf16,fp16,fp8-tensorwise,fp8-rowwise",
-                   help="comma-separated: fp32, bf16, fp16, fp8-tensorwise, fp8-rowwise (the first is the reference)")
+                   help="comma-separated: fp32, bf16, fp16, fp8-tensorwise, fp8-rowwise, each optionally with "
+                        "+bf16-states (the first is the reference)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     results = {}
     for name in a.precisions.split(","):
-        dtype, _, recipe = name.partition("-")
+        precision, _, states = name.partition("+")
+        dtype, _, recipe = precision.partition("-")
         t0 = time.perf_counter()
         s = train(TrainOptions(model=a.model, dtype=dtype, fp8_recipe=recipe or "tensorwise", steps=a.steps,
+                               optimizer_state_dtype="bf16" if states == "bf16-states" else "fp32",
                                global_batch_size=a.global_batch_size, micro_batch_size=a.micro_batch_size,
                                seq_len=a.seq_len, device=a.device,
                                val_every=0, progress=False, metrics=None, out_dir=None))

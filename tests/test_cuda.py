@@ -203,6 +203,83 @@ def test_fp8_is_refused_below_compute_capability_8_9():
     assert (why is None) == ((major, minor) >= (8, 9)), why
 
 
+# -- issue 43: attention within documents, grouped experts, memory levers (each mirrors a CPU test) -------------------
+
+def _qkv_documents(device):
+    """test_varlen_attention's documents and q / k / v, on `device`."""
+    from tensorpar.functional.document_mask import PackedDocuments
+
+    ids = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
+    for row, ends in enumerate([[2, 3, 11, 38, 40], [0, 7, 20, 21, 31, 63], []]):
+        ids[row, ends] = 256
+    g = torch.Generator().manual_seed(1)
+    qkv = [torch.randn(3, h, 64, 16, generator=g).to(device).requires_grad_() for h in (4, 2, 2)]
+    return PackedDocuments.from_tokens(ids.to(device), 256), qkv
+
+
+@pytest.mark.parametrize("kernel", ["varlen", "flex"])
+def test_document_attention_kernels_on_a_gpu_equal_the_dense_mask(kernel):
+    # mirrors tests/test_varlen_attention.py::test_varlen_equals_the_dense_mask; flex: compiled, with its backward
+    from tensorpar.functional.varlen_attention import document_attention
+
+    probe = torch.randn(3, 4, 64, 16, generator=torch.Generator().manual_seed(2)).cuda()
+    results = {}
+    for name in ("dense", kernel):
+        docs, (q, k, v) = _qkv_documents("cuda")
+        out = document_attention(q, k, v, docs, name)
+        (out * probe).sum().backward()
+        results[name] = [t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)]
+    for got, ref in zip(results[kernel], results["dense"]):
+        assert (got - ref).norm() <= 1e-4 * ref.norm()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_grouped_experts_on_a_gpu_equal_the_loop(dtype, tol):
+    # mirrors tests/test_grouped_experts.py at EP 1; bf16 runs torch._grouped_mm's CUTLASS kernel on sm90+ (fp32:
+    # torch's per-group fallback, the loop's own GEMMs)
+    from tensorpar.models import Transformer, get_config
+    from tensorpar.models.placement import Placement
+
+    cfg = get_config("tiny-moe").replace(num_layers=2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0)).cuda()
+    found = {}
+    for gemm in ("loop", "grouped"):
+        model = Transformer(cfg, Placement.on(None, expert_gemm=gemm, device="cuda"), seed=3)
+        for p in model.parameters():  # as training casts them (buffers stay fp32)
+            p.data = p.data.to(dtype)
+        model.train()
+        loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        found[gemm] = [loss.detach().float().cpu()] + [p.grad.float().cpu() for p in model.parameters()]
+    for got, ref in zip(found["grouped"], found["loop"]):
+        assert (got - ref).norm() <= tol * max(ref.norm(), 1e-6)
+
+
+def test_activation_offload_on_a_gpu_trains_bit_for_bit_like_the_run_without_it(config_file):
+    # mirrors tests/test_memory_levers.py: the saved tensors go to pinned host memory on a side stream and come back
+    plain, _ = gpu_reference(config_file)
+    offload = _on_cpu(run(config_file, device="cuda", activation_offload=True))
+    assert offload["trajectory"] == plain["trajectory"]
+    assert all(torch.equal(offload["state"][k], v) for k, v in plain["state"].items())
+
+
+def test_optimizer_offload_and_bf16_moments_on_a_gpu_follow_the_plain_run(config_file):
+    # the offloaded step runs torch's CPU AdamW, the plain one its fused CUDA kernel: equal up to float rounding
+    plain, floor = gpu_reference(config_file)
+    assert_same_training([_on_cpu(run(config_file, device="cuda", optimizer_offload=True))], plain, floor=floor)
+    bf16 = run(config_file, device="cuda", optimizer_state_dtype="bf16")
+    for step, ((loss, _), (ref, _)) in enumerate(zip(bf16["trajectory"], plain["trajectory"]), 1):
+        assert abs(loss - ref) <= 1e-3 * ref, f"step {step}: {loss} vs {ref}"
+
+
+def test_host_activations_are_pinned_and_come_back_equal():
+    from tensorpar.training.activation_offload import HostActivations
+
+    offload = HostActivations("cuda")
+    x = torch.randn(1000, device="cuda")
+    saved = offload.pack(x[10:20])
+    assert saved.storage.host.is_pinned() and offload.bytes.now == x.untyped_storage().nbytes()
+    assert torch.equal(offload.unpack(saved), x[10:20])
 # Several ranks on the one GPU: gloo moves their CUDA tensors through host memory (NCCL refuses two ranks on one
 # device), so that every parallel code path runs on CUDA tensors with one GPU lent. Each layout's 4 steps and final
 # weights equal one process's on the GPU (fp32, no TF32), which equals the CPU's (above).

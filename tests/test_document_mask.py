@@ -1,7 +1,8 @@
 """Document masking of packed sequences: the model on packed documents equals running each document alone through
 the dense model (outputs, loss, every weight gradient; fp32, relative error <= 1e-5), on one process and at TP 2 +
 SP, CP 2 / CP 4 (ring and all-gather, zigzag, documents crossing chunk and rank boundaries), PP 2, with
-recomputation; the ring skips exactly the empty blocks; a 20-step TP 2 x CP 2 run equals one process."""
+recomputation; the ring skips exactly the empty blocks; 20-step TP 2 x CP 2, TP 2 + SP and PP 2 runs equal one
+process. One process attends by the default kernel (varlen on CPU) and by the dense [S, S] mask."""
 
 import json
 
@@ -102,12 +103,14 @@ def _vocab_shard(logits, ref_logits, m):
     return full[..., m.tp_rank * vocab:(m.tp_rank + 1) * vocab]
 
 
+@pytest.mark.parametrize("kernel", ["auto", "dense"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_packed_documents_equal_each_document_alone(config):
+def test_packed_documents_equal_each_document_alone(config, kernel):
+    """Both kernels of attention within documents: auto (varlen on CPU) and the dense [S, S] mask."""
     cfg = CONFIGS[config]
     ids, targets = packed(16, LAYOUT_16)
     reference, ref_loss, ref_logits = _dense_reference(cfg, ids, targets)
-    model = Transformer(cfg, Group.single("tp"), seed=5)
+    model = Transformer(cfg, Placement.on(None, document_attention=kernel), seed=5)
     docs = PackedDocuments.from_tokens(ids, EOS)
     loss = model(ids, targets, documents=docs)
     loss.backward()
@@ -185,12 +188,14 @@ def check_four_ranks(config_file, data):
     for config, impl in (("tiny", "ring"), ("tiny-gpt2", "allgather")):
         found = _check_model(m, config, 32, LAYOUT_32, cp_impl=impl)
         errs.update({f"cp4 {impl} {config} {k}": v for k, v in found.items()})
-    return errs, blocks, run(config_file, tp=2, cp=2, data=data, **TRAINING)
+    runs = [run(config_file, tp=2, cp=2, data=data, **TRAINING),
+            run(config_file, tp=2, dp=2, sequence_parallel=True, data=data, **{**TRAINING, "micro_batch_size": 1})]
+    return errs, blocks, runs
 
 
-def check_two_ranks():
+def check_two_ranks(config_file, data):
     """CP 2 (ring with full recomputation, learned positions) and PP 2 (1F1B, two micro-batches: the second stage
-    gets the documents with the hidden states)."""
+    gets the documents with the hidden states); a 20-step PP 2 training run."""
     from tensorpar.layout import ParallelLayout
     from tensorpar.pipeline_parallel.runner import PipelineRunner
 
@@ -207,7 +212,7 @@ def check_two_ranks():
     documents = [PackedDocuments.from_tokens(w[:, :-1], EOS) for w in windows.split(1)]
     loss = runner.train_step(list(windows.split(1)), lambda i: None, 1.0, documents)
     errs.update({f"pp2 {k}": v for k, v in _errors(stage, reference, torch.tensor(loss), ref_loss).items()})
-    return errs
+    return errs, run(config_file, pp=2, data=data, **TRAINING)
 
 
 def test_document_mask_across_layouts(pools, tmp_path):
@@ -218,14 +223,15 @@ def test_document_mask_across_layouts(pools, tmp_path):
     tokens = np.frombuffer(default_corpus_text().encode()[:8192], dtype=np.uint8).astype(np.int64)
     tokens[np.cumsum(np.random.default_rng(0).integers(3, 20, 1000)).clip(max=tokens.size - 1)] = EOS
     np.save(data, tokens)
-    found = pools(4).run(check_four_ranks, config_file, data) + [(e, {}, None) for e in pools(2).run(check_two_ranks)]
+    found = pools(4).run(check_four_ranks, config_file, data) + [
+        (e, {}, [r]) for e, r in pools(2).run(check_two_ranks, config_file, data)]
     for rank, (errs, blocks, _) in enumerate(found):
         bad = {k: f"{v:.1e}" for k, v in errs.items() if v > 1e-5}
         assert not bad, f"rank {rank % 4}: {bad}"
         for impl, (attended, expected) in blocks.items():
             assert attended == expected, f"rank {rank}: the {impl} attended {attended} blocks, not {expected}"
     single = reference(pools, config_file, data=data, **TRAINING)
-    assert_same_training([r for _, _, r in found[:4]], single)
+    assert_same_training([r for _, _, runs in found for r in runs], single)  # TP 2 x CP 2, TP 2 + SP, PP 2
     losses = [loss for loss, _ in single["trajectory"]]
     assert losses[-1] < losses[0] - 1.0, "the reference does not learn: a vacuous comparison"
     unmasked = reference(pools, config_file, data=data, **{**TRAINING, "steps": 5, "document_mask": False})

@@ -3,6 +3,7 @@ prediction for the same layout, and the collectives of one micro-batch and step.
 
 from __future__ import annotations
 
+from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.planning.candidates import Candidate
 from tensorpar.planning.memory import stage_memory
 
@@ -19,8 +20,9 @@ def planned_bytes(run, result: dict) -> dict:
     o = run.options
     mb = stage_memory(run.cfg, planned_candidate(run), o.seq_len, o.global_batch_size, run.precision.planner_name,
                       stage=result["layout"]["pp_rank"], bucket_bytes=int(o.bucket_mb * 2**20),
-                      loss_chunk_tokens=o.loss_chunk_tokens or None)
-    return {"parameter_bytes": mb.parameters, "gradient_bytes": mb.gradients, "optimizer_bytes": mb.optimizer}
+                      loss_chunk_tokens=o.loss_chunk_tokens or None, levers=MemoryLevers.of(o))
+    return {"parameter_bytes": mb.parameters, "gradient_bytes": mb.gradients, "optimizer_bytes": mb.optimizer,
+            "host_optimizer_bytes": mb.host_optimizer, "host_activation_bytes": mb.host_activations}
 
 
 def report(run, result: dict, planned: dict) -> str:
@@ -30,11 +32,15 @@ def report(run, result: dict, planned: dict) -> str:
              f"pp {lay['pp_rank']}/{o.pp}, dp {lay['dp_rank']}/{o.dp}, cp {lay['cp_rank']}/{o.cp}) of "
              f"{o.model}: {result['parameter_count']:,} parameters on this rank",
              f"{'bytes':22} {'built (meta)':>16} {'planned':>16} {'planned/built':>14}"]
-    for key, name in (("parameter_bytes", "parameters"), ("gradient_bytes", "gradients"),
-                      ("optimizer_bytes", "optimizer states")):
+    rows = [("parameter_bytes", "parameters"), ("gradient_bytes", "gradients"), ("optimizer_bytes", "optimizer states")]
+    if o.optimizer_offload:
+        rows.append(("host_optimizer_bytes", "host: optimizer"))
+    for key, name in rows:
         built, plan = result[key], planned[key]
         ratio = f"{plan / built:.4f}" if built else "-"
         lines.append(f"{name:22} {built:>16,} {plan:>16,} {ratio:>14}")
+    if o.activation_offload:
+        lines.append(f"{'host: activations':22} {'(not run)':>16} {planned['host_activation_bytes']:>16,} {'-':>14}")
     lines.append(f"one micro-batch and step (without pipeline sends): {'op':>14} {'group':>12} {'calls':>7} "
                  f"{'GiB':>10}")
     for c in result["collectives"]:

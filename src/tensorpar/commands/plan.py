@@ -31,6 +31,7 @@ from collections import Counter
 from tensorpar.config.choices import PLANNED_SCHEDULES
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.hardware import GiB
+from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.config.options import PlanOptions
 from tensorpar.errors import TensorparError
 from tensorpar.layout import PipelineSplit, parse_pipeline_layers, require
@@ -84,7 +85,7 @@ def _cluster(options):
         intra_latency=None if options.intra_latency is None else options.intra_latency * us,
         inter_latency=None if options.inter_latency is None else options.inter_latency * us,
         peak_bf16=None if options.peak_tflops is None else options.peak_tflops * 1e12,
-        mfu_ceiling=options.mfu_ceiling, overlap=options.overlap,
+        mfu_ceiling=options.mfu_ceiling, overlap=options.overlap, host_memory_gib=options.host_memory_gib,
     )
 
 
@@ -155,7 +156,7 @@ def plan_layouts(options):
         require(PipelineSplit(cfg.num_layers, len(split), counts=split).problem())  # refused here, not per layout
         space["pipeline_layers"] = tuple(split)
     plans = search(cfg, cluster, options.seq_len, options.global_batch_size, options.precision,
-                   flash_attention=options.flash_attention, **space)
+                   flash_attention=options.flash_attention, levers=MemoryLevers.of(options), **space)
     return cfg, cluster, plans
 
 
@@ -242,6 +243,10 @@ def _table_lines(shown, moe: bool) -> list[str]:
     if moe:
         lines.append("MoE: ep expert-parallel ranks (expert-DP = tp x cp x dp / ep); 'a2a': the expert all-to-alls; "
                      "FLOPs and MFU count the active parameters (balanced routing assumed)")
+    if shown and shown[0].memory.host_gib()["total"] > 0:
+        host = shown[0].memory.host_gib()
+        lines.append(f"host memory per GPU of layout 1 (offloaded): optimizer {host['optimizer']:.1f} GiB, activations "
+                     f"{host['activations']:.1f} GiB (the copies' time is not modelled)")
     return lines
 
 

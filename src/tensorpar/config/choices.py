@@ -28,3 +28,6 @@ LR_SCHEDULES = ("cosine", "wsd")  # --lr-schedule: warmup + cosine, or warmup-st
 WSD_DECAY_SHAPES = ("1-sqrt", "linear", "cosine")  # the shape of WSD's decay (--decay-shape)
 BACKENDS = ("nccl", "gloo")  # --backend (gloo on CUDA: several ranks share one GPU, collectives through host memory)
 OPTIMIZERS = ("adamw", "muon")  # --optimizer (muon: Muon for the hidden 2-D weights, AdamW for the rest)
+DOCUMENT_ATTENTION = ("auto", "varlen", "flex", "dense")  # --document-attention: packed documents' attention kernel
+EXPERT_GEMMS = ("grouped", "loop")  # --expert-gemm: the routed experts' GEMMs, grouped in one call or one per expert
+OPTIMIZER_STATE_DTYPES = ("fp32", "bf16")  # --optimizer-state-dtype: AdamW's moments (the master weights stay fp32)

@@ -16,8 +16,10 @@ from tensorpar.config.choices import (
     BIN_DTYPES,
     CP_IMPLS,
     CP_SPLITS,
+    DOCUMENT_ATTENTION,
     DTYPES,
     EXAMPLE_PACKINGS,
+    EXPERT_GEMMS,
     FP8_RECIPES,
     GRAD_REDUCE_DTYPES,
     LONG_EXAMPLES,
@@ -25,6 +27,7 @@ from tensorpar.config.choices import (
     LR_SCHEDULES,
     ON_NAN,
     OPTIMIZERS,
+    OPTIMIZER_STATE_DTYPES,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
     PLAN_PRECISIONS,
@@ -71,6 +74,29 @@ class ExpertOptions:
                         "tp x cp x dp ranks of a stage regrouped into ep x expert-DP for the MoE layers (ep must "
                         "divide tp x cp x dp; eval and generate without --dp start ep / gcd(tp x cp, ep) data-parallel "
                         "replicas so that it does)", group=LAYOUT)
+    expert_gemm: str = option("grouped", "the routed experts' GEMMs: one grouped GEMM per projection "
+                                         "(torch._grouped_mm where it runs), or one GEMM per expert",
+                              choices=EXPERT_GEMMS, group=LAYOUT)
+
+
+@dataclasses.dataclass
+class MemoryLeverOptions:
+    """Memory levers (`tensorpar.config.memory_levers`): what train runs with and plan models."""
+
+    optimizer_offload: bool = option(False, "keep AdamW's states and the fp32 master weights in host memory and step "
+                                            "there (pinned on CUDA)", group="memory")
+    activation_offload: bool = option(False, "move the tensors saved for the backward to host memory and back "
+                                             "(pinned and overlapped on CUDA)", group="memory")
+    optimizer_state_dtype: str = option("fp32", "AdamW's moments in this dtype (the master weights stay fp32)",
+                                        choices=OPTIMIZER_STATE_DTYPES, group="memory")
+
+
+@dataclasses.dataclass
+class PlanMemoryOptions(MemoryLeverOptions):
+    """The memory levers plan models, and the host memory they may fill."""
+
+    host_memory_gib: float | None = option(None, "host memory per GPU the offloading levers may use (default 256: a "
+                                                 "DGX H100's 2 TiB over 8 GPUs)", group="memory")
 
 
 @dataclasses.dataclass
@@ -95,7 +121,7 @@ class DataOptions(TokenCacheOptions):
 
 
 @dataclasses.dataclass
-class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
+class TrainOptions(DataOptions, ExpertOptions, LaunchOptions, MemoryLeverOptions):
     """`tensorpar train`: everything a training run needs. From Python, outputs (metrics, plots) are written only
     where `metrics` / `out_dir` say; the command line defaults them to runs/MODEL-tpT/."""
 
@@ -106,6 +132,10 @@ class TrainOptions(DataOptions, ExpertOptions, LaunchOptions):
                                         "positions restarting at each, the documents ending at the tokenizer's "
                                         "EOS (which belongs to the document it ends); training and its validation",
                                  group="model")
+    document_attention: str = option("auto", "--document-mask's attention: varlen (padded per-length batches, SDPA "
+                                             "causal, no mask), flex (flex_attention, CUDA), dense (an [S, S] mask); "
+                                             "auto: varlen on CPU and CUDA", choices=DOCUMENT_ATTENTION,
+                                     group="model")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
     expert_tp: int = option(1, "expert tensor-parallel size (mixture-of-experts models): each expert's MLP split "
                                "Megatron-style over this many ranks, folded fastest (expert-TP x EP x expert-DP); "
@@ -322,7 +352,7 @@ class ServeOptions(ExpertOptions, LaunchOptions):
 
 
 @dataclasses.dataclass
-class PlanOptions:
+class PlanOptions(PlanMemoryOptions):
     """`tensorpar plan`: rank layouts for a model on a cluster, or draw a pipeline schedule."""
 
     model: str | None = option(None, "preset name or config .json", group="layout mode")

@@ -7,6 +7,7 @@ import torch
 from tensorpar.data_parallel.bucketed import BucketedOptimizer
 from tensorpar.data_parallel.buckets import Bucket
 from tensorpar.data_parallel.flat_buffer import nbytes
+from tensorpar.data_parallel.host_masters import HostMasterWeights
 from tensorpar.data_parallel.master_weights import MasterWeights, ModelWeights
 from tensorpar.distributed.comm import Group
 
@@ -14,14 +15,15 @@ from tensorpar.distributed.comm import Group
 class AllReduceOptimizer(BucketedOptimizer):
     """Data parallelism without sharding (PyTorch DDP): forward: nothing; backward: each bucket's gradients
     all-reduced (asynchronously, as soon as the step's last micro-batch filled it); AdamW on every rank. fp32
-    parameters are stepped in place; bf16/fp16 ones through fp32 masters of whole buckets."""
+    parameters are stepped in place; bf16/fp16 ones (and offloaded fp32 ones) through fp32 masters of whole
+    buckets."""
 
     zero = 0
 
     def _build_weights(self, params, weight_decay):
-        if not self.mixed:
+        if not self.mixed and not self.offload:
             return ModelWeights([p for b in self.buckets for p in b.params], weight_decay)
-        weights = MasterWeights(weight_decay)
+        weights = HostMasterWeights(weight_decay) if self.offload else MasterWeights(weight_decay)
         whole = Group.single("dp")  # a master of the whole bucket
         for b in self.buckets:
             # Reduced in fp32: the all-reduced buffer is the master's gradient.

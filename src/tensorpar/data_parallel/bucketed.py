@@ -33,6 +33,7 @@ from torch import nn
 
 from tensorpar.data_parallel.buckets import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from tensorpar.data_parallel.flat_buffer import BytesInUse, nbytes
+from tensorpar.data_parallel.host_masters import offloaded_memory
 from tensorpar.data_parallel.shard_pieces import adamw_step_count, state_bytes
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
@@ -55,7 +56,8 @@ class BucketedOptimizer:
 
     def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, bucket_bytes: int | float = DEFAULT_BUCKET_BYTES,
-                 reduce_dtype: torch.dtype = torch.float32, optimizer: str = "adamw", muon_momentum: float = 0.95):
+                 reduce_dtype: torch.dtype = torch.float32, optimizer: str = "adamw", muon_momentum: float = 0.95,
+                 offload: bool = False, state_dtype: torch.dtype = torch.float32):
         # Gradients are averaged (ZeRO: sharded) over every rank that holds the same parameters and saw other
         # tokens: DP, times CP under context parallelism.
         self.mesh, self.dp = mesh, mesh.dp_cp_group
@@ -83,10 +85,11 @@ class BucketedOptimizer:
         self.param_bytes = sum(nbytes(b.param_buffer) for b in self.buckets)
         self.grad_bytes = BytesInUse()
         self._allocate_grads()
+        self.offload = offload  # --optimizer-offload: the masters and states in host memory (host_masters.py)
         self.weights = self._build_weights(params, weight_decay)
         slices = getattr(self.weights, "slices", None) or whole_parameters(self.buckets)
         self.optimizer = step_rule(model, mesh, self.weights, slices, optimizer, lr=lr, betas=betas, eps=eps,
-                                   momentum=muon_momentum)
+                                   momentum=muon_momentum, state_dtype=state_dtype)
 
     # -- what each stage decides --------------------------------------------------------------------------
 
@@ -170,10 +173,11 @@ class BucketedOptimizer:
 
     def memory(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients (the most alive at once since `begin_step`) and optimizer
-        state (AdamW moments and, under ZeRO, the fp32 master slices)."""
+        state (AdamW moments and, under ZeRO, the fp32 master slices; `host_optimizer` instead when offloaded)."""
         master = self.weights.master_bytes() if self.sharded else 0
-        return {"parameters": self.param_bytes, "gradients": self.grad_bytes.peak,
-                "optimizer": state_bytes(self.optimizer) + master}
+        return offloaded_memory(self.weights, self.optimizer, {
+            "parameters": self.param_bytes, "gradients": self.grad_bytes.peak,
+            "optimizer": state_bytes(self.optimizer) + master})
 
     # -- checkpoints: moments in the layout of the local (TP-sharded) parameters, whatever the ZeRO stage --
 

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from tensorpar.data_parallel.flat_buffer import BytesInUse, FlatBuffer, nbytes
+from tensorpar.data_parallel.host_masters import HostMasterWeights, offloaded_memory
 from tensorpar.data_parallel.master_weights import MasterWeights
 from tensorpar.data_parallel.reduce_scatter_queue import ReduceScatterQueue, sum_over_replicas
 from tensorpar.data_parallel.shard_pieces import adamw_step_count, state_bytes
@@ -177,7 +178,8 @@ class FullyShardedOptimizer:
 
     def __init__(self, model: nn.Module, mesh, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, reshard_after_forward: bool = True, prefetch: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32, optimizer: str = "adamw", muon_momentum: float = 0.95):
+                 reduce_dtype: torch.dtype = torch.float32, optimizer: str = "adamw", muon_momentum: float = 0.95,
+                 offload: bool = False, state_dtype: torch.dtype = torch.float32):
         self.mesh, self.dp, self.reduce_dtype = mesh, mesh.dp_cp_group, reduce_dtype
         # HSDP: units sharded within a replica, their gradient slices all-reduced across the replicas
         self.shards = getattr(mesh, "dp_shard_group", None) or self.dp
@@ -207,7 +209,7 @@ class FullyShardedOptimizer:
         self._pinned = False
         self.nonfinite: list[nn.Parameter] = []  # after a skipped step: this rank's parameters with NaN/Inf gradients
         self.param_bytes = sum(nbytes(u.shard) for u in self._all)
-        self.weights = MasterWeights(weight_decay)
+        self.weights = HostMasterWeights(weight_decay) if offload else MasterWeights(weight_decay)
         for u in self._all:
             u.slice = self.weights.add(u, u.shard, u.dp, in_place=True)
         self.grad_bytes.add(sum(nbytes(u.slice.grad_shard) for u in self._all))
@@ -224,7 +226,7 @@ class FullyShardedOptimizer:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
         self.optimizer = step_rule(model, mesh, self.weights, self.weights.slices, optimizer, lr=lr, betas=betas,
-                                   eps=eps, momentum=muon_momentum)
+                                   eps=eps, momentum=muon_momentum, state_dtype=state_dtype)
 
     def _block_units(self, key: str, block: nn.Module, expert_dp, fp8: set[int]) -> list[_Unit]:
         """The units of one block, gathered and freed together: its dense parameters (over DP x CP; the weights in
@@ -370,8 +372,9 @@ class FullyShardedOptimizer:
         full per-unit gradients in flight), optimizer state (AdamW moments, and fp32 masters of non-fp32
         shards) and gathered parameters (the most alive at once since `begin_step`)."""
         master = self.weights.master_bytes()
-        return {"parameters": self.param_bytes, "gradients": self.grad_bytes.peak,
-                "optimizer": state_bytes(self.optimizer) + master, "gathered": self.gathered_bytes.peak}
+        return offloaded_memory(self.weights, self.optimizer, {
+            "parameters": self.param_bytes, "gradients": self.grad_bytes.peak,
+            "optimizer": state_bytes(self.optimizer) + master, "gathered": self.gathered_bytes.peak})
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (AdamW moments) held by this rank."""

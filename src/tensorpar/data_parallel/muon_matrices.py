@@ -29,9 +29,11 @@ import dataclasses
 
 import torch
 
+from tensorpar.data_parallel.host_masters import HostMasterWeights, HostStep
 from tensorpar.data_parallel.shard_pieces import Piece
 from tensorpar.distributed.comm import Group
 from tensorpar.distributed.sharding import join_shards, shard_spec, shard_tensor
+from tensorpar.errors import TensorparError
 from tensorpar.models.state import dense_shape
 from tensorpar.optim.adamw import adamw
 from tensorpar.optim.muon import Muon, newton_schulz, uses_muon
@@ -131,12 +133,16 @@ class ShardedMatrices:
 
 
 def step_rule(model, mesh, weights, slices: list, optimizer: str, *, lr: float, betas, eps: float,
-              momentum: float = 0.95):
-    """What steps the weights' pieces: AdamW over their groups, or Muon over the hidden matrices' pieces (through a
-    `ShardedMatrices`; Newton-Schulz in fp32 for fp32 parameters, else bf16) and AdamW over the rest."""
+              momentum: float = 0.95, state_dtype: torch.dtype = torch.float32):
+    """What steps the weights' pieces: AdamW over their groups (its moments in `state_dtype`; over host masters a
+    `HostStep`), or Muon over the hidden matrices' pieces (through a `ShardedMatrices`; Newton-Schulz in fp32 for
+    fp32 parameters, else bf16) and AdamW over the rest."""
     groups = weights.param_groups()
     if optimizer == "adamw":
-        return adamw(groups, lr=lr, betas=betas, eps=eps)
+        rule = adamw(groups, lr=lr, betas=betas, eps=eps, state_dtype=state_dtype)
+        return HostStep(rule, weights) if isinstance(weights, HostMasterWeights) else rule
+    if isinstance(weights, HostMasterWeights) or state_dtype != torch.float32:
+        raise TensorparError("--optimizer-offload and --optimizer-state-dtype bf16 apply to AdamW only")
     names = {id(p): n for n, p in model.named_parameters()}
     fp32 = all(p.dtype == torch.float32 for p in model.parameters())
     ns_dtype = torch.float32 if fp32 else torch.bfloat16

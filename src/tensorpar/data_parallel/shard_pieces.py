@@ -64,14 +64,14 @@ def gather_moments(slices, optimizer, dp_group, names: dict[int, str], with_mast
         kinds = _kinds(optimizer, names, b)
         full = {}
         for key in dict.fromkeys(k for ks in kinds.values() for k in ks + (("master",) if with_master else ())):
-            local = torch.zeros_like(s.master)
+            local = torch.zeros_like(s.grad_shard)  # fp32, on the device (an offloaded master is on the host)
             for piece in s.pieces:
                 state = optimizer.state.get(piece.opt_param, {})
                 if key == "master":
                     local[piece.lo - lo_b : piece.hi - lo_b].copy_(piece.opt_param.detach())
                 elif key in state:
                     local[piece.lo - lo_b : piece.hi - lo_b].copy_(state[key])
-            full[key] = torch.empty(b.padded, dtype=s.master.dtype, device=s.master.device)
+            full[key] = torch.empty(b.padded, dtype=local.dtype, device=local.device)
             dp_group.all_gather_async(full[key], local).wait()
         for p, offset, shape in zip(b.params, b.offsets, b.shapes):
             keep = kinds[id(p)] + (("master",) if with_master else ())

@@ -17,6 +17,7 @@ import torch
 from tensorpar.data_parallel.bucketed import BucketedOptimizer
 from tensorpar.data_parallel.buckets import Bucket
 from tensorpar.data_parallel.flat_buffer import nbytes
+from tensorpar.data_parallel.host_masters import HostMasterWeights
 from tensorpar.data_parallel.master_weights import MasterWeights
 from tensorpar.data_parallel.reduce_scatter_queue import ReduceScatterQueue, sum_over_replicas
 
@@ -29,7 +30,7 @@ class Zero1Optimizer(BucketedOptimizer):
     sharded = True
 
     def _build_weights(self, params, weight_decay):
-        weights = MasterWeights(weight_decay)
+        weights = HostMasterWeights(weight_decay) if self.offload else MasterWeights(weight_decay)
         for b in self.buckets:
             lo, hi = b.slice_bounds(b.group)
             b.slice = weights.add(b, b.param_buffer[lo:hi], b.group)
@@ -51,7 +52,7 @@ class Zero1Optimizer(BucketedOptimizer):
     def _publish(self) -> None:
         pending = []
         for b in self.buckets:
-            shard = b.slice.master.to(b.param_buffer.dtype)
+            shard = b.slice.master.to(b.param_buffer.device, b.param_buffer.dtype)  # from the host if offloaded
             pending.append((b.group.all_gather_async(b.param_buffer, shard), shard))
         for work, _ in pending:
             work.wait()

@@ -71,16 +71,16 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg, region, ep_group, cp_group, device=None, expert_tp_group=None):
+    def __init__(self, cfg, region, ep_group, cp_group, device=None, expert_tp_group=None, expert_gemm="grouped"):
         """`region`: the model's `TPRegion` (its TP group, sequence parallelism, and how the router's, the shared
-        experts' and the experts' weights get their gradients)."""
+        experts' and the experts' weights get their gradients); `expert_gemm`: how the experts' GEMMs run."""
         super().__init__()
         self.cfg = cfg
         self.region = region = as_region(region)
         self.tp_group, self.ep_group, self.cp_group = region.group, ep_group, cp_group
         self.sequence_parallel = region.sequence_parallel
         self.router = TopKRouter(cfg, region, device=device)
-        self.experts = GroupedExperts(cfg, ep_group, expert_tp_group, device=device, region=region)
+        self.experts = GroupedExperts(cfg, ep_group, expert_tp_group, device=device, region=region, gemm=expert_gemm)
         self.dispatcher = AllToAllDispatcher(ep_group, cfg.num_experts, self.experts.num_local, expert_tp_group)
         self.shared_experts = None
         if cfg.num_shared_experts:

@@ -13,8 +13,6 @@ its `AttentionPattern`: the score scale, Gemma 2's soft cap, the sliding window 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -26,6 +24,7 @@ from tensorpar.functional.attention_pattern import AttentionPattern
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import fork_rng_seeded, mix_seed
 from tensorpar.functional.rope import apply_rope
+from tensorpar.functional.varlen_attention import document_attention
 from tensorpar.layout import divide
 from tensorpar.layers.micro_batch import MicroBatchContext
 from tensorpar.layers.norms import HeadNorm, ProjectionNorm, replica_grad_reduce
@@ -77,10 +76,13 @@ def _qk_norms(cfg, region, local_heads: int, local_kv_heads: int, kv_replicas: i
 class ParallelAttention(nn.Module):
     """Causal self-attention: [B, S, H] (or [B, S/tp, H] under sequence parallelism) in and out."""
 
-    def __init__(self, cfg, region=None, layer_index: int = 0, device=None, exit_region=None):
+    def __init__(self, cfg, region=None, layer_index: int = 0, device=None, exit_region=None,
+                 document_attention: str = "auto"):
         """`region`: the model's `TPRegion` (or a mesh / group: plain collectives); `exit_region`, if given, the
-        one the output projection leaves by (default: `region`)."""
+        one the output projection leaves by (default: `region`); `document_attention`: the kernel of attention
+        within packed documents (`tensorpar.functional.varlen_attention`)."""
         super().__init__()
+        self.document_attention = document_attention
         self.region = as_region(region)
         self.tp_group = self.region.group
         tp = self.tp_group.size
@@ -116,25 +118,23 @@ class ParallelAttention(nn.Module):
         """softmax(scores) v over this rank's heads (the part selective recomputation recomputes), the scores as the
         layer's pattern makes them (scale, soft cap, window); with `context`, over the whole sequence of which this
         CP rank holds its chunks (ring or all-gather); with `documents` (of the whole window), within each packed
-        document only."""
+        document only, by the placement's kernel (`document_attention`)."""
+        dropout = self.dropout if self.training else 0.0
         if context is not None:
-            dropout = self.dropout if self.training else 0.0
             seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank) if dropout > 0 else None
             return context_attention(q, k, v, context, dropout, seed, documents, self.pattern)
+        if dropout > 0:  # inside the TP region: each rank's heads get their own masks
+            with fork_rng_seeded(mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank), q.device):
+                return self._attend(q, k, v, documents, dropout)
+        return self._attend(q, k, v, documents, dropout)
+
+    def _attend(self, q, k, v, documents: PackedDocuments | None, dropout: float):
+        if documents is not None:
+            return document_attention(q, k, v, documents, self.document_attention, dropout, self.pattern)
         k, v = self._repeat_kv(k, v)
-        # A document mask or a window is a boolean mask (causal within each document, within the window); else
-        # SDPA's own causal mask.
-        s, mask = q.shape[2], documents.causal_mask() if documents is not None else None
-        if self.pattern.windowed(s):
-            window = self.pattern.causal_mask(s, q.device)
-            mask = window if mask is None else mask & window
-        attend = functools.partial(self.pattern.attend, q, k, v, mask, mask is None)
-        if self.training and self.dropout > 0:
-            # Inside the TP region: each rank's heads get their own masks.
-            seed = mix_seed(dropout_seed, self.layer_index, 2, self.tp_group.rank)
-            with fork_rng_seeded(seed, q.device):
-                return attend(self.dropout)
-        return attend()
+        # A window is a boolean mask (causal within the window); else SDPA's own causal mask.
+        mask = self.pattern.causal_mask(q.shape[2], q.device) if self.pattern.windowed(q.shape[2]) else None
+        return self.pattern.attend(q, k, v, mask, mask is None, dropout)
 
     def cached_core(self, q, k, v, kv_cache):
         """Attention of the new queries over every cached position (inference: no dropout, no recomputation). The

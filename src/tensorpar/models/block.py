@@ -30,14 +30,17 @@ class TransformerBlock(nn.Module):
         norm = lambda wanted: Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device,  # noqa: E731
                                    offset=cfg.norm_offset) if wanted else None
         self.attn_norm = norm(before)
-        attention = LatentAttention if cfg.is_mla else ParallelAttention
-        self.attn = attention(cfg, region, layer_index, device=device)
+        if cfg.is_mla:  # its documents' mask is SDPA's dense one (its own values' width, its latent KV cache)
+            self.attn = LatentAttention(cfg, region, layer_index, device=device)
+        else:
+            self.attn = ParallelAttention(cfg, region, layer_index, device=device,
+                                          document_attention=placement.document_attention)
         self.post_attn_norm = norm(after)
         self.mlp_norm = norm(before)
         self.moe = cfg.is_moe_layer(layer_index)
         if self.moe:
             self.mlp = MoELayer(cfg, region, placement.ep_group, placement.cp_group, device=device,
-                                expert_tp_group=placement.expert_tp_group)
+                                expert_tp_group=placement.expert_tp_group, expert_gemm=placement.expert_gemm)
         else:
             self.mlp = ParallelMLP(cfg, region, device=device, exit_region=placement.exit_region)
         self.post_mlp_norm = norm(after)

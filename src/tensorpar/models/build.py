@@ -25,7 +25,8 @@ from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
 @dataclasses.dataclass(frozen=True)
 class Execution:
     """How a rank runs its part of the model: activation recomputation, TP collectives overlapped with the GEMMs,
-    context-parallel attention and its split, the fused head and loss, torch.compile of each block."""
+    context-parallel attention and its split, the fused head and loss, torch.compile of each block, the kernels of
+    attention within packed documents and of the routed experts."""
 
     recompute: str = "none"
     tp_overlap: bool = True
@@ -33,13 +34,15 @@ class Execution:
     cp_split: str = "zigzag"
     loss_chunk_tokens: int | None = None
     compile: bool = False
+    document_attention: str = "auto"
+    expert_gemm: str = "grouped"
 
     @classmethod
     def of(cls, options) -> "Execution":
         """What a command's options ask for (the fields a command does not have take their defaults)."""
         get = lambda name: getattr(options, name, getattr(cls, name))  # noqa: E731
         return cls(get("recompute"), get("tp_overlap"), get("cp_impl"), get("cp_split"),
-                   get("loss_chunk_tokens") or None, get("compile"))
+                   get("loss_chunk_tokens") or None, get("compile"), get("document_attention"), get("expert_gemm"))
 
 
 def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision: Precision = Precision(),
@@ -56,7 +59,8 @@ def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision
         fp8=Fp8Recipe.of(precision), cp_impl=execution.cp_impl, cp_split=execution.cp_split,
         stage=PipelineStage.of(layout, cfg.num_layers, mesh.pp_rank) if pipelined else PipelineStage(),
         recompute=execution.recompute, loss_chunk_tokens=execution.loss_chunk_tokens,
-        device="meta" if meta else None)
+        device="meta" if meta else None, document_attention=execution.document_attention,
+        expert_gemm=execution.expert_gemm)
     torch.manual_seed(seed)
     model = Transformer(cfg, placement, seed=seed, init=weights is None and not meta)
     if weights is not None and not meta:

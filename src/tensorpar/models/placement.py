@@ -3,9 +3,10 @@ and a `Placement`.
 
 A placement holds the TP region (how the layers' edges communicate and how their GEMMs run), the context-parallel
 group with its attention and split, the expert-parallel and expert-TP groups, the pipeline stage this rank holds,
-activation recomputation, the fused head and loss's chunk, and the device. `Placement.on(mesh, ...)` makes one from
-a mesh and the run's knobs (`tensorpar.models.build.build_transformer` is the one place the training, eval, generate
-and serve commands do); `Placement.on(None)` is one process with everything.
+activation recomputation, the fused head and loss's chunk, the device, and the kernels of attention within packed
+documents and of the routed experts. `Placement.on(mesh, ...)` makes one from a mesh and the run's knobs
+(`tensorpar.models.build.build_transformer` is the one place the training, eval, generate and serve commands do);
+`Placement.on(None)` is one process with everything.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class PipelineStage:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """See the module docstring. `exit_region`: the region the MLP's down projection leaves by."""
+    """See the module docstring. `exit_region`: the region the MLP's down projection leaves by;
+    `document_attention`: the kernel of attention within packed documents (`functional.varlen_attention`);
+    `expert_gemm`: the routed experts' GEMMs grouped in one call or one per expert (`expert_parallel.experts`)."""
 
     region: TPRegion
     cp_group: Group
@@ -53,6 +56,8 @@ class Placement:
     recompute: str = "none"
     loss_chunk_tokens: int | None = None
     device: object = None
+    document_attention: str = "auto"
+    expert_gemm: str = "grouped"
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE_MODES:
@@ -65,7 +70,8 @@ class Placement:
     def on(cls, mesh=None, *, sequence_parallel: bool = False, tp_overlap: bool = True,
            weight_grads: WeightGradQueue | None = None, fp8: Fp8Recipe | None = None, cp_impl: str = "ring",
            cp_split: str = "zigzag", stage: PipelineStage = PipelineStage(), recompute: str = "none",
-           loss_chunk_tokens: int | None = None, device=None) -> "Placement":
+           loss_chunk_tokens: int | None = None, device=None, document_attention: str = "auto",
+           expert_gemm: str = "grouped") -> "Placement":
         """The placement of a rank of `mesh` (a Mesh, a TP Group, or None for one process): the TP region of its TP group
         (`tensorpar.tensor_parallel.region`: SP, overlap, a split backward's `weight_grads` queue, fp8 GEMMs), its
         CP / EP / expert-TP groups, and the rest as given; the device defaults to the mesh's."""
@@ -74,7 +80,7 @@ class Placement:
         others = None if isinstance(mesh, Group) else mesh  # a TP group alone: one rank in every other dimension
         return cls(region, as_group(others, "cp"), as_group(others, "ep"), as_group(others, "expert_tp"), cp_impl,
                    cp_split, stage, recompute, loss_chunk_tokens,
-                   device if device is not None else getattr(mesh, "device", None))
+                   device if device is not None else getattr(mesh, "device", None), document_attention, expert_gemm)
 
     @property
     def exit_region(self) -> TPRegion:

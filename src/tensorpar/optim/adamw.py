@@ -7,6 +7,7 @@ from torch import nn
 from torch.optim.adamw import adamw as _adamw
 
 from tensorpar.errors import TensorparError
+from tensorpar.optim.adamw_bf16 import adamw_bf16_states
 
 
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a parameter's AdamW state holds besides its step (and checkpoints keep)
@@ -34,11 +35,14 @@ class AdamW:
     written against)."""
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, state_dtype: torch.dtype = torch.float32):
         self.param_groups = [{"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **g,
                               "params": list(g["params"])} for g in groups]
         params = [p for g in self.param_groups for p in g["params"]]
-        self.fused = bool(params) and all(p.is_cuda for p in params)
+        # bf16 moments (--optimizer-state-dtype bf16) step by tensorpar.optim.adamw_bf16 (step counts on the CPU);
+        # fp32 ones by torch's AdamW
+        self.state_dtype = state_dtype
+        self.fused = bool(params) and all(p.is_cuda for p in params) and state_dtype == torch.float32
         for g in self.param_groups:
             g.update(foreach=not self.fused, fused=self.fused)
         self.state: dict[torch.Tensor, dict] = {}
@@ -58,9 +62,16 @@ class AdamW:
         st = self.state.get(p)
         if not st:  # as torch.optim.Adam initialises it
             st = self.state[p] = {"step": self.new_step(p),
-                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                                  **{key: torch.zeros_like(p, memory_format=torch.preserve_format,
+                                                           dtype=self.moment_dtype(p)) for key in ADAMW_STATE}}
+        for key in ADAMW_STATE:  # moments loaded from a checkpoint are fp32
+            if st[key].dtype != self.moment_dtype(p):
+                st[key] = st[key].to(self.moment_dtype(p))
         return st
+
+    def moment_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of `p`'s moments: the parameter's own (torch's AdamW), or bf16 (fp32 parameters only)."""
+        return p.dtype if self.state_dtype == torch.float32 else self.state_dtype
 
     @torch.no_grad()
     def step(self) -> None:
@@ -71,6 +82,11 @@ class AdamW:
                 continue
             states = [self._state(p) for p in params]
             beta1, beta2 = g["betas"]
+            if self.state_dtype != torch.float32:
+                adamw_bf16_states(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                                  [s["exp_avg_sq"] for s in states], [s["step"] for s in states], beta1=beta1,
+                                  beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"])
+                continue
             _adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                    [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=g["foreach"],
                    capturable=False, differentiable=False, fused=g["fused"], grad_scale=None, found_inf=None,
@@ -120,6 +136,8 @@ def build_optimizer(
     return adamw(groups, lr=lr, betas=betas, eps=eps)
 
 
-def adamw(groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> AdamW:
-    """AdamW over parameter groups (each a dict with "params" and its "weight_decay")."""
-    return AdamW(groups, lr=lr, betas=betas, eps=eps)
+def adamw(groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+          state_dtype: torch.dtype = torch.float32) -> AdamW:
+    """AdamW over parameter groups (each a dict with "params" and its "weight_decay"), its moments in
+    `state_dtype`."""
+    return AdamW(groups, lr=lr, betas=betas, eps=eps, state_dtype=state_dtype)

@@ -39,6 +39,7 @@ from tensorpar.planning.devices import DeviceCurve, curve_for
 DEFAULT_MFU_CEILING = None
 DEFAULT_OVERLAP = 0.5
 DEFAULT_LINK_EFFICIENCY = 0.8
+DEFAULT_HOST_MEMORY_GIB = 256  # host memory per GPU that offloading may fill: a DGX H100's 2 TiB over its 8 GPUs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Cluster:
     link_efficiency: float = DEFAULT_LINK_EFFICIENCY
     tp_overlap: float = 0.0
     pp_overlap: float = 0.0
+    host_memory_bytes: int = DEFAULT_HOST_MEMORY_GIB * GiB  # per GPU: what the memory levers' offloading may use
 
     def __post_init__(self):
         problems = []
@@ -126,6 +128,7 @@ def make_cluster(
     link_efficiency: float | None = None,
     tp_overlap: float | None = None,
     pp_overlap: float | None = None,
+    host_memory_gib: float | None = None,
 ) -> Cluster:
     """A Cluster from a catalog name (or a `GPUSpec`, e.g. a calibrated profile's, with its `curve`) with any
     figure overridden (bandwidths in bytes/s, latencies in s)."""
@@ -144,4 +147,5 @@ def make_cluster(
         DEFAULT_LINK_EFFICIENCY if link_efficiency is None else link_efficiency,
         0.0 if tp_overlap is None else tp_overlap,
         0.0 if pp_overlap is None else pp_overlap,
+        int((DEFAULT_HOST_MEMORY_GIB if host_memory_gib is None else host_memory_gib) * GiB),
     )

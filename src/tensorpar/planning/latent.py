@@ -82,16 +82,22 @@ def kv_cache_bytes(cfg, tp: int, dtype_bytes: int = 2) -> int:
     return cfg.num_layers * per_layer * dtype_bytes
 
 
-def mtp_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast: bool, act_bytes: int, layer: int,
-                    head: int) -> int:
+def latent_playbook_bytes(cfg, b: int, s: int, nbytes: int) -> int:
+    """The Playbook's model of latent attention's q, k and v: per head a key of d_k and a value of d_v, and the latent
+    they come from."""
+    dk, dv = key_value_widths(cfg)
+    return nbytes * b * s * (cfg.num_heads * (2 * dk + dv) + latent_width(cfg))
+
+
+def mtp_activations(cfg, layout, b: int, s: int, prec, layer: int, head: int) -> int:
     """Bytes the multi-token prediction modules save for one micro-batch on the last stage: per module its two input
     norms, the projection's input (the two halves, entered into the TP region: 2 h values a token over the full
     sequence), its block (`layer`, one MoE or dense layer's activations), its output norm and the head and loss
     (`head`, as the model's own); and the shifted token ids."""
-    A = act_bytes
-    sn = s // tp if sp else s
+    A, tp = prec.act_bytes, layout.tp
+    sn = s // tp if layout.sequence_parallel else s
     norm = _rms_norm(cfg.hidden_size, cfg.hidden_size, b * sn, A)
-    entered = (2 * 2 * b * s * cfg.hidden_size // tp) if autocast else A * b * s * 2 * cfg.hidden_size
+    entered = (2 * 2 * b * s * cfg.hidden_size // tp) if prec.autocast else A * b * s * 2 * cfg.hidden_size
     return cfg.num_mtp_layers * (3 * norm + entered + layer + head + 8 * b * s)
 
 

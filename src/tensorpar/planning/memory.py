@@ -61,6 +61,9 @@ Pipeline: with 1F1B the first stage holds ``min(pp, m)`` micro-batches of activa
 i.e. L (1 + (pp - 1)/(pp v)) layers' worth, as Korthikanti et al. state. Without PP one
 micro-batch is in flight (gradient accumulation runs them one after another).
 
+Memory levers (`tensorpar.planning.offload_memory`): bf16 AdamW moments, the optimizer and the activations in
+host memory (``host_optimizer``, ``host_activations``; not in the GPU's total).
+
 Margin: ``overhead`` = 1.5 GiB (CUDA context, NCCL and cuBLAS workspaces) + 5% of everything
 else (allocator fragmentation, small temporaries). A layout is feasible when the total,
 overhead included, fits the GPU's memory.
@@ -72,11 +75,14 @@ import dataclasses
 import math
 
 from tensorpar.config.choices import LOSS_CHUNK_TOKENS
+from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.config.hardware import GiB
 from tensorpar.distributed.sharding import padded
 from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
 from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
-from tensorpar.planning.latent import key_value_widths, latent_attention_activations, latent_width, mtp_activations
+from tensorpar.planning.fp8_traffic import fp8_input_bytes
+from tensorpar.planning.latent import latent_attention_activations, latent_playbook_bytes, mtp_activations
+from tensorpar.planning.offload_memory import host_optimizer_bytes, levered_precision
 from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
 
@@ -135,7 +141,7 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
         masks = 2 * (A if (cfg.bias or not autocast) else M) * b * sn * h
     if cfg.is_mla:  # latent attention's own tensors (tensorpar.planning.latent)
         attn_in, attn = 0, latent_attention_activations(cfg, tp, sp, b, s, recompute, autocast, act_bytes)
-    return norms + attn_in + mlp_in + attn + mlp + masks + _fp8_input_bytes(cfg, fp8, recompute, b, s, t, moe)
+    return norms + attn_in + mlp_in + attn + mlp + masks + fp8_input_bytes(cfg, fp8, recompute, b, s, t, moe)
 
 
 def _qk_norm_bytes(cfg, b: int, s: int, heads: int, kv_heads: int, M: int) -> int:
@@ -157,19 +163,6 @@ def _score_bytes(cfg, b: int, heads: int, s: int, M: int, cp: int) -> int:
                    for i in range(cfg.num_layers)) / cfg.num_layers
     capped = cfg.attn_logit_softcap is not None
     return round(b * heads * s * s * 8 * capped + s * s * (1 if capped else M) * windowed)
-
-
-def _fp8_input_bytes(cfg, fp8: str, recompute: str, b: int, s: int, t: int, moe: bool) -> int:
-    """What tensorwise fp8 GEMMs change in a layer's saved inputs (bf16 parameters): the q/k/v, MLP-up and
-    down-projection inputs are kept in fp8 in place of bf16 (1 byte less per element); the output projection's
-    fp8 input is one byte more where the attention core keeps its bf16 output too (no recomputation), one less
-    where it does not. Rowwise keeps the bf16 inputs (the weight gradient's GEMM runs in bf16): no change."""
-    if fp8 != "tensorwise":
-        return 0
-    local = b * s * (cfg.num_heads // t) * cfg.head_dim
-    out_proj = local if recompute == "none" else -local
-    mlp = 0 if moe else b * s * cfg.hidden_size + b * s * (cfg.ffn_hidden_size // t)
-    return out_proj - b * s * cfg.hidden_size - mlp
 
 
 def tensorpar_moe_activations(cfg, tp: int, b: int, s: int, autocast: bool, act_bytes: int = 4) -> int:
@@ -237,11 +230,8 @@ def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute
         return nbytes * bsh // (t if sp else 1)
     dropout = cfg.dropout > 0
     outside = nbytes * 2 * bsh + lin * 2 * bsh + (2 * bsh if dropout else 0)  # 2 norm inputs, 2 linear inputs, masks
-    kv = cfg.kv_heads * cfg.head_dim
-    inside = nbytes * b * s * (h + 2 * kv)  # q, k, v
-    if cfg.is_mla:  # per head a key of d_k, a value of d_v, and the latent they come from
-        dk, dv = key_value_widths(cfg)
-        inside = nbytes * b * s * (cfg.num_heads * (2 * dk + dv) + latent_width(cfg))
+    kv = cfg.kv_heads * cfg.head_dim  # q, k, v (latent attention: its keys, values and latents)
+    inside = latent_playbook_bytes(cfg, b, s, nbytes) if cfg.is_mla else nbytes * b * s * (h + 2 * kv)
     inside += lin * bsh  # the attention output (the output projection's input)
     mlp = (_mlp_saved(cfg) - 1) * nbytes + lin  # per [b, s, f] element: the last one is the down projection's input
     if moe:
@@ -290,6 +280,8 @@ class MemoryBreakdown:
     overhead: int
     stage: int
     parameter_count: int
+    host_optimizer: int = 0  # --optimizer-offload: the optimizer's bytes in host memory
+    host_activations: int = 0  # --activation-offload: the saved tensors in host memory
 
     @property
     def total(self) -> int:
@@ -299,9 +291,15 @@ class MemoryBreakdown:
     COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "weight_copies", "transient", "overhead")
 
     def gib(self) -> dict[str, float]:
+        """The GPU's bytes by component and in total, GiB."""
         out = {k: getattr(self, k) / GiB for k in self.COMPONENTS}
         out["total"] = self.total / GiB
         return out
+
+    def host_gib(self) -> dict[str, float]:
+        """The host memory the memory levers use, GiB."""
+        return {"optimizer": self.host_optimizer / GiB, "activations": self.host_activations / GiB,
+                "total": (self.host_optimizer + self.host_activations) / GiB}
 
 
 def optimizer_state_bytes(params, precision: Precision, zero: int = 0, dp: int = 1) -> int:
@@ -355,11 +353,13 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
 
 def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precision: Precision | str,
                  stage: int = 0, flash_attention: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 tp_overlap: bool = True, loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS) -> MemoryBreakdown:
+                 tp_overlap: bool = True, loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
+                 levers: MemoryLevers = MemoryLevers()) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size; `tp_overlap`:
     tensorpar's TP overlap, its default, on as in training; `loss_chunk_tokens`: tensorpar's fused head and loss,
-    training's default chunk, None for logits then the loss)."""
-    prec = get_precision(precision)
+    training's default chunk, None for logits then the loss), and the host memory the `levers` use
+    (`tensorpar.planning.offload_memory`)."""
+    prec = levered_precision(get_precision(precision), levers)
     pp = layout.pp
     summary = layout_summary(cfg, layout, stage)
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
@@ -373,10 +373,17 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
                                                 flash_attention, tp_overlap, chunked)
     weight_copies, copies_alive = _weight_copy_bytes(cfg, layout, summary, n_layers, chunks, last, prec, chunked)
     transient = gathered + recomputed + copies_alive
+    host_opt = host_act = 0
+    if levers.optimizer_offload:
+        opt_mem, host_opt = 0, host_optimizer_bytes(summary, layout, prec)
+    if levers.activation_offload:  # one layer's saved tensors come back for its backward
+        host_act, activations, weight_copies = activations + weight_copies, 0, 0
+        transient += _layer_activations(cfg, layout, layout.micro_batch_size, seq_len // layout.cp, layout.recompute,
+                                        prec, flash_attention, tp_overlap, 1.0 if cfg.is_moe else 0.0)
     subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
     return MemoryBreakdown(param_mem, grad_mem, opt_mem, activations, weight_copies, transient, overhead,
-                           stage, summary.numel)
+                           stage, summary.numel, host_opt, host_act)
 
 
 def _state_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: int, stage: int, prec: Precision,
@@ -428,10 +435,9 @@ def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int,
         recomputed = whole if layout.recompute == "full" else whole - per_layer
     ends = mbs_in_flight * ((outer["first"] if first else 0) + outer["rope"]) + (outer["last"] if last else 0)
     if last and cfg.num_mtp_layers:  # the multi-token prediction modules' blocks, norms and heads
-        mtp_layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap,
-                                       float(cfg.is_moe_layer(cfg.num_layers)))
-        ends += mtp_activations(cfg, layout.tp, layout.sequence_parallel, b, s, prec.autocast, prec.act_bytes,
-                                mtp_layer, outer["last"])
+        layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap,
+                                   float(cfg.is_moe_layer(cfg.num_layers)))
+        ends += mtp_activations(cfg, layout, b, s, prec, layer, outer["last"])
     return chunks * layers_per_chunk * per_layer + ends, recomputed
 
 
@@ -478,8 +484,8 @@ def _weight_copy_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: 
 
 
 def layout_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precision: Precision | str,
-                  flash_attention: bool = True) -> MemoryBreakdown:
+                  flash_attention: bool = True, levers: MemoryLevers = MemoryLevers()) -> MemoryBreakdown:
     """The most loaded GPU's breakdown (the first or the last pipeline stage; any stage with uneven stages)."""
     stages = candidate_stages(cfg, layout)
-    return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention) for st in stages),
-               key=lambda mb: mb.total)
+    return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention, levers=levers)
+                for st in stages), key=lambda mb: mb.total)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.config.hardware import GiB
+from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.errors import TensorparError
 from tensorpar.planning.cluster import Cluster
 from tensorpar.planning.candidates import Candidate, candidate_problem, enumerate_candidates
@@ -39,6 +40,7 @@ class Plan:
             "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
             "feasible": self.feasible, "reason": self.reason,
             "memory": self.memory.gib() if self.memory else None,
+            "host_memory": self.memory.host_gib() if self.memory else None,
             "step_time_s": self.time.step_time_s if self.time else None,
             "tokens_per_s": self.time.tokens_per_s if self.time else None,
             "mfu": self.time.mfu if self.time else None,
@@ -57,15 +59,21 @@ class Plan:
 
 
 def evaluate(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batch: int,
-             precision="tensorpar-bf16", *, flash_attention: bool = True) -> Plan:
-    """Memory and time of one candidate, or why it cannot run."""
-    reason = candidate_problem(cfg, layout, cluster, seq_len, global_batch,
+             precision="tensorpar-bf16", *, flash_attention: bool = True, levers: MemoryLevers = MemoryLevers()) -> Plan:
+    """Memory and time of one candidate (with the memory `levers`), or why it cannot run."""
+    reason = candidate_problem(cfg, layout, cluster, seq_len, global_batch, 
                                fp8=bool(get_precision(precision).fp8_recipe))
+    reason = reason or next(iter(levers.problems(recompute=layout.recompute)), "")
     if reason:
         return Plan(layout, False, reason)
-    mem = layout_memory(cfg, layout, seq_len, global_batch, precision, flash_attention)
+    mem = layout_memory(cfg, layout, seq_len, global_batch, precision, flash_attention, levers)
     excess = mem.total - cluster.memory_bytes
     kv = kv_cache_bytes(cfg, layout.tp)
+    host = mem.host_optimizer + mem.host_activations
+    if host > cluster.host_memory_bytes and excess <= 0:
+        return Plan(layout, False, f"exceeds host memory by {(host - cluster.host_memory_bytes) / GiB:.1f} GiB per GPU "
+                                   f"({host / GiB:.1f} of {cluster.host_memory_bytes / GiB:.0f} GiB offloaded)",
+                    mem, None, host - cluster.host_memory_bytes, kv)
     if excess > 0:  # no step time for a layout that cannot run (the search is then ~3x faster at scale)
         return Plan(layout, False, f"exceeds memory by {excess / GiB:.1f} GiB ({mem.total / GiB:.1f} of "
                                    f"{cluster.memory_bytes / GiB:.0f} GiB, pipeline stage {mem.stage})",
@@ -75,14 +83,16 @@ def evaluate(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batc
 
 
 def search(cfg, cluster: Cluster, seq_len: int, global_batch: int, precision="tensorpar-bf16", *,
-           flash_attention: bool = True, **space) -> list[Plan]:
-    """Every candidate of the search space (keywords of `enumerate_candidates`), ranked best first."""
+           flash_attention: bool = True, levers: MemoryLevers = MemoryLevers(), **space) -> list[Plan]:
+    """Every candidate of the search space (keywords of `enumerate_candidates`), ranked best first; the memory
+    `levers` on every candidate."""
     get_precision(precision)
     if cfg.position == "learned" and seq_len > cfg.max_seq_len:
         raise TensorparError(f"sequence length {seq_len} exceeds the model's {cfg.max_seq_len} learned positions")
     if seq_len < 1 or global_batch < 1:
         raise TensorparError("the sequence length and the global batch size must be positive")
-    plans = [evaluate(cfg, lay, cluster, seq_len, global_batch, precision, flash_attention=flash_attention)
+    plans = [evaluate(cfg, lay, cluster, seq_len, global_batch, precision, flash_attention=flash_attention,
+                      levers=levers)
              for lay in enumerate_candidates(cfg, cluster, global_batch, **space)]
     return rank(plans)
 

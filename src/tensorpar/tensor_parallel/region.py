@@ -145,6 +145,11 @@ class TPRegion:
         and `split` say how each slice is split (see `Fp8Gemms.stacked`)."""
         return self.gemms.stacked(weight, group, split)
 
+    def grouped_linear(self, weight: torch.Tensor):
+        """``f(x, sizes)``: the rows of x grouped by `sizes` times their slice of stacked weights [n, out, in] in one
+        grouped GEMM, or None where the region's GEMMs take each slice on its own (fp8, the split backward)."""
+        return self.gemms.grouped(weight)
+
     def lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``F.embedding(ids, weight)``: the weight gradient accumulated in fp32 for a bf16/fp16 table, or left in
         the queue under a split backward."""

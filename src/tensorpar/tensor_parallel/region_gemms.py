@@ -22,6 +22,8 @@ row       x W^T (a partial sum)              fp8 GEMM (amax all-reduce "in")    
 affine    fn(x, w, b) (a norm, a bias)       as dense                           w's, b's gradients queued
 linear    x W^T + b (a replicated weight)    as dense                           W's, b's gradients queued
 stacked   x W[i]^T (one expert of a stack)   fp8 GEMM (expert TP's split)       W[i]'s gradient queued
+grouped   every expert of a stack in one     none: the experts take `stacked`   none: as fp8
+          GEMM (`functional.grouped_gemm`)
 lookup    W[ids] (fp32 gradient sums)        as dense                           W's gradient queued
 ========  =================================  =================================  =================================
 """
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar.distributed.comm import Group
+from tensorpar.functional.grouped_gemm import grouped_mm
 from tensorpar.pipeline_parallel import weight_grad
 from tensorpar.tensor_parallel.fp8_linear import fp8_linears
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
@@ -42,6 +45,7 @@ from tensorpar.tensor_parallel.lookup import embedding_lookup
 
 GradReduce = Callable[[torch.Tensor], torch.Tensor]
 Stacked = Callable[[torch.Tensor, int], torch.Tensor]
+Grouped = Callable[[torch.Tensor, list], torch.Tensor]
 
 
 class _ReduceGrad(torch.autograd.Function):
@@ -112,6 +116,11 @@ class DenseGemms:
         slices = weight.unbind(0)
         return lambda x, i: x @ slices[i].t()
 
+    def grouped(self, weight: torch.Tensor) -> Grouped | None:
+        """``f(x, sizes)``: the rows of x grouped by `sizes` times their slice of the stacked weights [n, out, in],
+        in one grouped GEMM; None where the slices take GEMMs of their own (`stacked`: fp8, the split backward)."""
+        return lambda x, sizes: grouped_mm(x, weight, sizes)
+
     def lookup(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``F.embedding(ids, weight)``, the gradient accumulated in fp32 for a bf16/fp16 table."""
         return embedding_lookup(ids, weight)
@@ -138,6 +147,9 @@ class Fp8Gemms(DenseGemms):
         slices = weight.unbind(0)
         return lambda x, i: fp8_linears(x, [slices[i]], self.fp8, group, split)[0]
 
+    def grouped(self, weight):
+        return None  # each expert's fp8 GEMM scales its own slice
+
 
 @dataclasses.dataclass(frozen=True)
 class SplitBackwardGemms(DenseGemms):
@@ -160,6 +172,9 @@ class SplitBackwardGemms(DenseGemms):
 
     def stacked(self, weight, group, split):
         return lambda x, i: weight_grad.linear(x, weight, None, self.weight_grads, index=i)
+
+    def grouped(self, weight):
+        return None  # each expert's weight gradient is queued on its own
 
     def lookup(self, ids, weight):
         return weight_grad.embedding(ids, weight, self.weight_grads)

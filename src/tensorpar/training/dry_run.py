@@ -67,7 +67,8 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
                        for (op, group), c in sorted(mesh.stats.snapshot().items())]
     return {"layout": layout, "parameter_count": sum(p.numel() for p in model.parameters()),
             "parameter_bytes": memory["parameters"], "gradient_bytes": memory["gradients"],
-            "optimizer_bytes": memory["optimizer"], "collectives": collectives, "options": dataclasses.asdict(o)}
+            "optimizer_bytes": memory["optimizer"], "host_optimizer_bytes": memory.get("host_optimizer", 0),
+            "collectives": collectives, "options": dataclasses.asdict(o)}
 
 
 def _one_step(model, optimizer, run: PreparedRun) -> None:

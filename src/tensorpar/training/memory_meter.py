@@ -8,6 +8,10 @@ once during the step is the peak. Recomputed blocks keep their own saved tensors
 (torch.utils.checkpoint installs its own hooks): there only the block's inputs and, during the backward,
 one recomputed block count. On a GPU the allocator's peak for the step is reported too (`allocated`),
 which also holds what no ledger sees: temporaries, communication buffers, the allocator's rounding.
+
+Where the bytes are: ``optimizer`` is the optimizer's device memory; with --optimizer-offload its states and
+masters are ``host_optimizer`` instead. With --activation-offload the saved tensors are ``host_activations`` (each
+storage once, as on the device) and ``activations`` counts none.
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ import weakref
 import torch
 
 from tensorpar.data_parallel.flat_buffer import BytesInUse
+from tensorpar.training.activation_offload import HostActivations
 
 MiB = 2**20
 
 
 class ActivationMeter:
-    """Bytes of tensors saved for backward alive at once; use `measuring()` around the forward and backward."""
+    """Bytes of tensors saved for backward alive at once; use `measuring()` around the forward and backward. With
+    `offload` (--activation-offload) they are moved to host memory, which it counts (`host_bytes`)."""
 
-    def __init__(self):
+    def __init__(self, offload: HostActivations | None = None):
+        self.offload = offload
         self.bytes = BytesInUse()
         self._live: dict[int, list[int]] = {}  # storage id -> [bytes, saved tensors referring to it]
         self._params: set[int] = set()
@@ -37,6 +44,8 @@ class ActivationMeter:
         key = storage.data_ptr()
         if key in self._params or storage.nbytes() == 0:
             return t
+        if self.offload is not None:
+            return self.offload.pack(t)
         entry = self._live.get(key)
         if entry is None:
             entry = self._live[key] = [storage.nbytes(), 0]
@@ -58,14 +67,21 @@ class ActivationMeter:
         """Count what autograd saves inside; the peak restarts at entry."""
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
         self.bytes.reset_peak()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        if self.offload is not None:
+            self.offload.bytes.reset_peak()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
+
+    def _unpack(self, saved):
+        return saved if isinstance(saved, torch.Tensor) else self.offload.unpack(saved)
 
 
 def step_memory(optimizer, activations: ActivationMeter, device: torch.device) -> dict[str, float]:
     """This rank's peak memory of the step just taken, in MiB, by kind."""
     out = {k: v / MiB for k, v in optimizer.memory().items()}
     out["activations"] = activations.bytes.peak / MiB
+    if activations.offload is not None:
+        out["host_activations"] = activations.offload.bytes.peak / MiB
     if device.type == "cuda":
         out["allocated"] = torch.cuda.max_memory_allocated(device) / MiB
         torch.cuda.reset_peak_memory_stats(device)

@@ -14,6 +14,7 @@ from tensorpar.checkpoints.async_save import AsyncCheckpointer
 from tensorpar.checkpoints.sharded import load_checkpoint, save_checkpoint
 from tensorpar.checkpoints.sources import load_model_source
 from tensorpar.config.fields import changed_options, to_dict, to_toml
+from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.data import build_dataset, describe_corpus, open_corpus, tokenizer_from, validation_windows
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
@@ -24,6 +25,7 @@ from tensorpar.optim.loss_scaler import DynamicLossScaler
 from tensorpar.layout import ParallelLayout
 from tensorpar.pipeline_parallel.runner import PipelineRunner
 from tensorpar.training.instruction_data import build_instruction_data
+from tensorpar.training.activation_offload import HostActivations
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
@@ -133,13 +135,15 @@ def build_data(run: PreparedRun, tokenizer) -> tuple[object, torch.Tensor | None
 
 def build_optimizer(model, mesh: Mesh, run: PreparedRun) -> BucketedOptimizer | FullyShardedOptimizer:
     """AdamW across the DP (x CP) group: gradients averaged (ZeRO-0), or states, gradients and (ZeRO-3) parameters
-    sharded."""
+    sharded; the masters and states on the host with --optimizer-offload, the moments in --optimizer-state-dtype."""
     o, zero = run.options, run.layout.zero
     stage = ({"reshard_after_forward": o.zero3_reshard_after_forward} if zero == 3
              else {"bucket_bytes": int(o.bucket_mb * 2**20)})
+    levers = MemoryLevers.of(o)
     return data_parallel_optimizer(model, mesh, zero=zero, lr=o.lr, weight_decay=o.weight_decay,
                                    reduce_dtype=run.precision.reduce_dtype, optimizer=o.optimizer,
-                                   muon_momentum=o.muon_momentum, **stage)
+                                   muon_momentum=o.muon_momentum, offload=levers.optimizer_offload,
+                                   state_dtype=levers.state_dtype, **stage)
 
 
 def warn_if_data_changed(saved: dict | None, corpus: list, spec: str | None) -> None:
@@ -195,9 +199,10 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
         saved = ((run.resume_meta or {}).get("train") or {}).get("loss_scaler")
         if saved:
             scaler.load_state_dict(saved)  # the scale survives a resume
+    offload = HostActivations(mesh.device) if o.activation_offload else None
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
-                   peak_flops(mesh.device, run.precision.dtype), stop, run_id, scaler=scaler, corpus=corpus,
-                   async_saves=AsyncCheckpointer(mesh) if o.async_save else None)
+                   peak_flops(mesh.device, run.precision.dtype), stop, run_id, activations=ActivationMeter(offload),
+                   scaler=scaler, corpus=corpus, async_saves=AsyncCheckpointer(mesh) if o.async_save else None)
 
 
 _DERIVED = ("dp", "micro_batch_size", "min_lr", "warmup_steps")  # worked out by validate() when not given

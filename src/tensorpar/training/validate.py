@@ -16,11 +16,13 @@ import torch
 from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read_meta
 from tensorpar.checkpoints.sources import load_config
 from tensorpar.config.fields import check_choices
+from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.config.options import TrainOptions
 from tensorpar.config.precision import Precision
 from tensorpar.data import prepare_sources, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
 from tensorpar.errors import TensorparError
+from tensorpar.functional.varlen_attention import check_document_attention
 from tensorpar.layout import ParallelLayout
 from tensorpar.models import ModelConfig, get_config
 from tensorpar.optim.lr_schedule import check_wsd
@@ -104,10 +106,12 @@ def _check_observability(o: TrainOptions) -> None:
 
 
 def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
-    """WSD's warmup and decay fit in the run; Muon's momentum, and a model it trains."""
+    """WSD's warmup and decay fit in the run; Muon's momentum, and a model it trains; the memory levers apply."""
     if o.lr_schedule == "wsd":
         check_wsd(o.steps, min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps, o.decay_fraction)
     check_muon(o.optimizer, o.muon_momentum, cfg.is_moe)
+    for problem in MemoryLevers.of(o).problems(o.optimizer, o.recompute):
+        raise TensorparError(problem)
 
 
 def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
@@ -118,7 +122,12 @@ def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
 
 
 def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
-    """--document-mask finds the documents by the tokenizer's EOS id: one there must be, inside the vocabulary."""
+    """The kernel of attention within documents runs here; --document-mask finds the documents by the tokenizer's EOS
+    id: one there must be, inside the vocabulary."""
+    check_document_attention(o.document_attention, o.device, o.dropout)
+    if cfg.is_mla and o.document_mask and o.document_attention not in ("auto", "dense"):
+        raise TensorparError(f"--document-attention {o.document_attention}: latent attention masks documents with "
+                             f"the dense kernel only (its values are narrower than its keys); use auto or dense")
     if not o.document_mask:
         return
     eos = getattr(tokenizer, "eos_id", None)

@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""The memory levers measured: each one's bytes by where they are and its step time, against the run without it.
+
+    none                 no lever
+    optimizer-offload    --optimizer-offload (AdamW's states and the fp32 masters in host memory, the step there)
+    activation-offload   --activation-offload (the tensors saved for the backward in host memory)
+    bf16-states          --optimizer-state-dtype bf16 (AdamW's moments in bf16)
+    all                  the three together
+
+Each variant trains `--steps` steps (`tensorpar.training.train`, one rank, in a process of its own) and reports its
+peak memory by kind as the run counts it (`memory_mib`: parameters, gradients, optimizer, activations on the
+device; host_optimizer, host_activations on the host), on CUDA the allocator's peak (`allocated`), the median
+step time after the first and the CPU seconds of the whole run (all threads: on a shared machine the steadier
+figure). Printed: a row per variant; the last line is
+
+    LEVER/none device=X.XX host_mib=H step=Y.YY cpu=Z.ZZ ...   (device: the ledger's device total, or on CUDA the
+                                        allocator's peak, over the run without levers; step, cpu: time ratios)
+
+    .venv/bin/python bench/memory_levers.py                      # tiny, CPU, about 2 minutes
+    .venv/bin/python bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \\
+        --global-batch-size 8 --micro-batch-size 2 --steps 6    # a GPU: what offloading costs and saves
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+VARIANTS = {"none": {}, "optimizer-offload": {"optimizer_offload": True},
+            "activation-offload": {"activation_offload": True}, "bf16-states": {"optimizer_state_dtype": "bf16"},
+            "all": {"optimizer_offload": True, "activation_offload": True, "optimizer_state_dtype": "bf16"}}
+DEVICE_KINDS = ("parameters", "gradients", "optimizer", "activations", "gathered")
+
+
+def child(a) -> None:
+    from tensorpar.training import TrainOptions, train
+
+    torch.set_num_threads(a.threads)
+    cpu0 = time.process_time()
+    s = train(TrainOptions(model=a.model, dtype=a.dtype, seq_len=a.seq_len, global_batch_size=a.global_batch_size,
+                           micro_batch_size=a.micro_batch_size, steps=a.steps, warmup_steps=0, device=a.device,
+                           val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None,
+                           **VARIANTS[a.child]))
+    steps = [r["step_time_s"] for r in s["history"]]
+    memory = {}
+    for r in s["history"]:
+        for kind, mib in r["memory_mib"].items():
+            memory[kind] = max(mib, memory.get(kind, 0.0))
+    print(json.dumps({"step_s": statistics.median(steps[1:] or steps), "cpu_s": time.process_time() - cpu0,
+                      "memory": memory,
+                      "loss": s["history"][-1]["loss"]}), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        child(a)
+        return 0
+    print(f"{a.model} {a.dtype}, {a.global_batch_size} x {a.seq_len} tokens a step (micro-batch {a.micro_batch_size}), "
+          f"{a.steps} steps, {a.device}, torch {torch.__version__}; peak MiB by kind, median step after the first")
+    print(f"{'variant':20} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'host opt':>9} {'host act':>9} "
+          f"{'allocated':>9} {'step s':>8} {'CPU s':>7} {'loss':>8}", flush=True)
+    results = {}
+    for name in a.variants.split(","):
+        argv = [sys.executable, __file__, "--child", name] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+                                                             if k not in ("child", "variants")]
+        r = results[name] = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True)
+                                       .stdout.strip().splitlines()[-1])
+        m = r["memory"]
+        print(f"{name:20} {m['parameters']:8.1f} {m['gradients']:8.1f} {m['optimizer']:8.1f} {m['activations']:8.1f} "
+              f"{m.get('host_optimizer', 0):9.1f} {m.get('host_activations', 0):9.1f} "
+              f"{m.get('allocated', float('nan')):9.1f} {r['step_s']:8.3f} {r['cpu_s']:7.1f} {r['loss']:8.4f}", flush=True)
+    device = (lambda m: m["allocated"]) if a.device == "cuda" else (lambda m: sum(m.get(k, 0.0) for k in DEVICE_KINDS))
+    base = results.get("none")
+    if base is not None:
+        print(" ".join(f"{n}/none device={device(r['memory']) / device(base['memory']):.2f} "
+                       f"host_mib={r['memory'].get('host_optimizer', 0) + r['memory'].get('host_activations', 0):.0f} "
+                       f"step={r['step_s'] / base['step_s']:.2f} cpu={r['cpu_s'] / base['cpu_s']:.2f}"
+                       for n, r in results.items() if n != "none"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
