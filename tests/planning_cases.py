@@ -22,4 +22,8 @@ CONFIGS = {
         final_logit_softcap=30.0, query_pre_attn_scalar=24.0, sliding_window=8,
         layer_types=("sliding_attention", "full_attention"), embedding_multiplier=8.0, head_size=48),
     "olmo-like": get_config("tiny").replace(num_layers=2, norm_placement="post", qk_norm="projection"),
+    # DeepSeek-V3's latent attention in a dense 2-layer model: q and kv latents, rotary keys, values narrower than keys
+    "tiny-mla": get_config("tiny-deepseek").replace(num_layers=2, num_experts=0, num_mtp_layers=0, n_group=1,
+                                                    topk_group=1, expert_bias=False, bias_update_speed=0.0),
 }
+CONFIGS["tiny-mla-mtp"] = CONFIGS["tiny-mla"].replace(num_mtp_layers=1)  # and a multi-token prediction module

@@ -5,30 +5,25 @@ import json
 
 import pytest
 
-from tensorpar.commands.dry_run_report import planned_bytes
+from tensorpar.commands.dry_run_report import planned_bytes, planned_candidate
 from tensorpar.models import get_config
+from tensorpar.planning.params import layout_parameters
 from tensorpar.training import TrainOptions, validate
 from tensorpar.training.dry_run import dry_run
 
 # Nemotron-4 340B's shape (96 layers, hidden 18432, 96 heads / 8 KV heads, a plain MLP of 73728, 256K vocabulary;
-# gelu standing in for its squared ReLU: the same parameters) and a DeepSeek-V3-shaped MoE (61 layers, hidden 7168,
-# 256 routed experts of width 2048, top-8 with sigmoid scores, one shared expert; full multi-head attention
-# standing in for MLA, and every layer an MoE layer).
+# gelu standing in for its squared ReLU: the same parameters). DeepSeek-V3 is the preset, as published (latent
+# attention, 3 dense layers then 58 MoE layers of 256 experts, the MTP module on the last stage).
 NEMOTRON_340B = get_config("llama-405b").replace(num_layers=96, hidden_size=18432, num_heads=96, num_kv_heads=8,
                                                  ffn_hidden_size=73728, gated_mlp=False, activation="gelu",
                                                  vocab_size=256000, max_seq_len=4096)
-DEEPSEEK_V3_SHAPED = get_config("llama-405b").replace(num_layers=61, hidden_size=7168, num_heads=128,
-                                                      num_kv_heads=128, ffn_hidden_size=18432, num_experts=256,
-                                                      experts_per_token=8, moe_ffn_hidden_size=2048,
-                                                      num_shared_experts=1, router_score="sigmoid",
-                                                      vocab_size=129280, max_seq_len=4096)
 
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("published")
     out = {}
-    for name, cfg in (("nemotron-4-340b", NEMOTRON_340B), ("deepseek-v3-shaped", DEEPSEEK_V3_SHAPED)):
+    for name, cfg in (("nemotron-4-340b", NEMOTRON_340B),):
         path = folder / f"{name}.json"
         path.write_text(json.dumps(cfg.to_dict()))
         out[name] = str(path)
@@ -36,7 +31,8 @@ def configs(tmp_path_factory):
 
 
 # Llama 3 405B as Meta trained it (TP 8, PP 16 with 7-layer first and last stages, 16,384 GPUs, 8K sequences);
-# Nemotron-4 340B at TP 8 x PP 8 x v 12 on 6,144; the DeepSeek-V3 shape at PP 16 x EP 64 (over DP 128) on 2,048;
+# Nemotron-4 340B at TP 8 x PP 8 x v 12 on 6,144; DeepSeek-V3 as its report trained it, PP 16 x EP 64 (over DP 128)
+# on 2,048, the last stage holding 2 layers and the MTP module;
 # Mixtral 8x7B with EP 8 folded over DP at 512 ranks, ZeRO-1.
 CASES = {
     "llama-405b-16384": dict(model="llama-405b", tp=8, pp=16, pipeline_layers="7" + ",8" * 14 + ",7", zero=1,
@@ -45,7 +41,7 @@ CASES = {
     "nemotron-340b-6144": dict(model="nemotron-4-340b", tp=8, pp=8, virtual_stages=12, schedule="interleaved",
                                zero=1, sequence_parallel=True, dtype="bf16", seq_len=4096, global_batch_size=768,
                                micro_batch_size=1, recompute="selective", world_size=6144),
-    "deepseek-v3-ep64-2048": dict(model="deepseek-v3-shaped", pp=16, ep=64, zero=1, dtype="bf16", seq_len=4096,
+    "deepseek-v3-ep64-2048": dict(model="deepseek-v3", pp=16, ep=64, zero=1, dtype="bf16", seq_len=4096,
                                   global_batch_size=1024, micro_batch_size=1, recompute="full",
                                   pipeline_layers="3" + ",4" * 14 + ",2", world_size=2048),
     "mixtral-ep8-512": dict(model="mixtral-8x7b", tp=2, pp=4, ep=8, zero=1, sequence_parallel=True, dtype="bf16",
@@ -56,6 +52,7 @@ CASES = {
 
 @pytest.mark.parametrize("name,rank", [("llama-405b-16384", 0), ("llama-405b-16384", 16383),
                                        ("nemotron-340b-6144", 6143), ("deepseek-v3-ep64-2048", 1000),
+                                       ("deepseek-v3-ep64-2048", 2047),
                                        ("mixtral-ep8-512", 300)])
 def test_a_rank_of_a_large_world_holds_the_bytes_the_planner_predicts(configs, name, rank):
     kw = dict(CASES[name])
@@ -68,6 +65,12 @@ def test_a_rank_of_a_large_world_holds_the_bytes_the_planner_predicts(configs, n
         assert result[key] == planned[key], (key, result[key], planned[key])
     # AdamW's step counters: one 4-byte tensor per parameter tensor in the planner, per master slice in the run
     assert abs(result["optimizer_bytes"] - planned["optimizer_bytes"]) <= 1e-5 * planned["optimizer_bytes"]
+    if name.startswith("deepseek"):  # latent attention on every stage, the MTP module (layer 61) on the last
+        stage = result["layout"]["pp_rank"]
+        params = layout_parameters(run.cfg, planned_candidate(run), stage)
+        assert sum(n for _, n, _ in params) == result["parameter_count"]
+        assert any(".attn.kv_b_proj." in n for n, _, _ in params)
+        assert any(n.startswith("layers.61.") for n, _, _ in params) == (stage == 15)
     ops = {(c["op"], c["group"]) for c in result["collectives"]}
     assert ("reduce_scatter", "dp") in ops, ops  # ZeRO-1's gradient buckets
     if run.cfg.is_moe:  # the step's traffic only (no micro-batch): the experts' buckets over expert-DP

@@ -30,11 +30,14 @@ WINDOWED = CFG.replace(family="gemma2", sliding_window=5, layer_types=("sliding_
                        norm_placement="sandwich", norm_offset=1.0, embedding_multiplier=8.0)
 
 
+LATENT = get_config("tiny-deepseek").replace(num_layers=2)  # latent attention: the pool holds latents and rotary keys
+
+
 def _model(tp, moe=False, cfg=CFG):
     """The model of `cfg` at TP `tp`; `moe`: the MoE one, its experts over 2 expert-parallel ranks (replicas of the
-    TP group, as `serve --ep 2` runs it)."""
+    TP group, as `serve --ep 2` runs it); `moe="latent"`: a DeepSeek-V3-class one (latent attention) likewise."""
     if moe:
-        return _model_of(Transformer(MOE, mesh(tp, dp=2 // tp, ep=2), seed=3).eval())
+        return _model_of(Transformer(LATENT if moe == "latent" else MOE, mesh(tp, dp=2 // tp, ep=2), seed=3).eval())
     return _model_of(Transformer(cfg, mesh(tp) if tp > 1 else None, seed=3).eval())
 
 
@@ -116,8 +119,9 @@ def test_paged_steps_of_a_windowed_soft_capped_model(pools):
         assert logit_err <= 2e-5 and lp_err <= 1e-5, rank
 
 
-def test_paged_steps_of_an_moe_model_over_expert_parallel_ranks(pools):
-    for rank, (logit_err, lp_err, _) in enumerate(pools(2).run(check_paged_steps, 1, True)):
+@pytest.mark.parametrize("kind", [True, "latent"])
+def test_paged_steps_of_an_moe_model_over_expert_parallel_ranks(pools, kind):
+    for rank, (logit_err, lp_err, _) in enumerate(pools(2).run(check_paged_steps, 1, kind)):
         assert logit_err <= 2e-5 and lp_err <= 1e-5, rank
 
 

@@ -74,6 +74,11 @@ COMM_CASES = [
     (4, "tiny-gpt2", True, "none", False),
     (4, "tiny-gpt2", False, "full", True),
     (4, "gpt2-124m-2l", False, "none", False),  # vocabulary 50257 padded to 50260
+    # latent attention: the latents enter the region, the down-projections' gradients are summed under SP
+    (2, "tiny-mla", False, "none", False),
+    (2, "tiny-mla", True, "full", True),
+    (4, "tiny-mla-mtp", True, "none", False),  # and a multi-token prediction module on the last stage
+    (2, "tiny-mla-mtp", False, "none", True),
 ]
 
 

@@ -136,6 +136,10 @@ ACTIVATION_CASES = [(1, c, False, rc, dtype) for c in ("tiny", "tiny-gpt2") for 
 # fp8 GEMMs (bf16 parameters): fp8 inputs and weights kept for backward (tensorwise), fp8 weights (rowwise)
 ACTIVATION_CASES += [(1, "tiny", False, "none", "fp8"), (2, "tiny", True, "none", "fp8"),
                      (2, "tiny", False, "selective", "fp8-rowwise")]
+# Latent attention (tensorpar.planning.latent): its latents, latent norms and padded values
+ACTIVATION_CASES += [(1, "tiny-mla", False, "none", dtype) for dtype in ("fp32", "bf16", "bf16-autocast")] + [
+    (2, "tiny-mla", True, "none", "fp32"), (2, "tiny-mla", False, "selective", "bf16-autocast"),
+    (2, "tiny-mla", True, "full", "bf16")]
 CHUNKS = [LOSS_CHUNK_TOKENS] * len(ACTIVATION_CASES) + [None] * 4
 # Logits, then the loss (--loss-chunk-tokens 0): the softmax and, under autocast, the head's bf16 weight copy.
 ACTIVATION_CASES += [(1, "tiny", False, "none", "fp32"), (1, "tiny-gpt2", False, "none", "bf16-autocast"),

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tensorpar.layout import ParallelLayout
 from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.config.choices import LOSS_CHUNK_TOKENS
 from tensorpar.distributed.comm import CommStats, Group
@@ -17,7 +18,9 @@ from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.collective_cost import collective_time
 from tensorpar.planning.communication import model_collectives
 from tensorpar.planning.candidates import Candidate, candidate_problem, enumerate_candidates
-from tensorpar.planning.memory import layout_memory
+from tensorpar.inference.kv_cache import KVCache
+from tensorpar.planning.latent import kv_cache_bytes
+from tensorpar.planning.memory import layout_memory, stage_memory
 from tensorpar.planning.params import local_parameters, parameter_summary
 from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.search import search
@@ -173,3 +176,37 @@ def test_moe_activation_memory_near_the_saved_tensors(dtype):
     measured = measure_saved_bytes(model, ids, targets, False, "hooks")
     predicted = layout_memory(cfg, Candidate.of(micro_batch_size=2), 32, 2, f"tensorpar-{dtype}").activations
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize("preset,tp,ep", [("tiny-deepseek", 1, 1), ("tiny-deepseek", 2, 4), ("deepseek-v3", 8, 8),
+                                          ("kimi-k2", 1, 1)])
+def test_planned_parameters_of_latent_attention_and_mtp_are_the_models(preset, tp, ep):
+    """Latent attention's whole down-projections and head-split up-projections, the MTP module (with the last stage's
+    embedding copy under PP), dense first layers: the planner's list is the model's, name for name."""
+    cfg = get_config(preset)
+    assert local_parameters(cfg, tp, ep=ep) == _real(cfg, tp, ep)
+    if tp == ep == 1:
+        assert sum(n for _, n, _ in local_parameters(cfg, 1)) == cfg.num_parameters()
+    split = None if cfg.num_layers % 2 == 0 else (cfg.num_layers // 2 + 1, cfg.num_layers // 2)
+    last = local_parameters(cfg, tp, pp=2, stage=1, ep=ep, pipeline_layers=split)
+    stage = PipelineStage.of(ParallelLayout(tp=tp, pp=2, pipeline_layers=split), cfg.num_layers, 1)
+    model = Transformer(cfg, Placement.on(_Mesh(tp, ep), stage=stage, device="meta"), init=False)
+    assert last == [(name, p.numel(), p.dim()) for name, p in model.named_parameters()]
+    assert last[0][0] == "embed.weight" or not cfg.num_mtp_layers  # the MTP modules' copy of the embedding
+
+
+def test_the_planner_knows_the_latent_kv_cache_and_the_mtp_modules_cost():
+    ds = get_config("deepseek-v3")
+    assert kv_cache_bytes(ds, 8) == kv_cache_bytes(ds, 1) == 61 * (512 + 64) * 2  # whole on every rank, bf16
+    assert kv_cache_bytes(get_config("llama-8b"), 8) == 32 * 2 * 1 * 128 * 2  # one of the 8 KV heads
+    tiny = get_config("tiny-deepseek")
+    cache = KVCache.for_model(Transformer(tiny, Placement.on(None, device="meta"), init=False), 2, 16)
+    assert cache.memory_bytes() == kv_cache_bytes(tiny, 1, dtype_bytes=4) * 2 * 16
+    # The MTP module: FLOPs per token (its block and the head once more) and the last stage's memory.
+    no_mtp = ds.replace(num_mtp_layers=0)
+    assert train_flops_per_token(ds, 4096) > 1.01 * train_flops_per_token(no_mtp, 4096)
+    layout = Candidate.of(pp=16, dp=128, ep=64, zero=1, recompute="full", pipeline_layers=(3,) + (4,) * 14 + (2,))
+    with_mtp, without = (stage_memory(cfg, layout, 4096, 1024, "tensorpar-bf16", stage=15) for cfg in (ds, no_mtp))
+    assert with_mtp.parameters > without.parameters and with_mtp.activations > without.activations
+    first = stage_memory(ds, layout, 4096, 1024, "tensorpar-bf16", stage=0)
+    assert first.parameters == stage_memory(no_mtp, layout, 4096, 1024, "tensorpar-bf16", stage=0).parameters

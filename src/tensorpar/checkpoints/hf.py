@@ -1,6 +1,7 @@
 """Hugging Face checkpoints (GPT-2; the Llama-style families of `tensorpar.checkpoints.hf_families`: Llama, Mistral,
 Qwen2, Qwen3, Gemma 2 and 3, Phi-3, OLMo 2; Mixtral, Qwen2-MoE and Qwen3-MoE; safetensors) to and from tensorpar's
-dense state dicts (the experts of MoE layers: `tensorpar.checkpoints.hf_moe`).
+dense state dicts (the experts of MoE layers: `tensorpar.checkpoints.hf_moe`; DeepSeek-V3 and GLM-4.5, their
+routers' balancing biases and multi-token prediction modules: `tensorpar.checkpoints.hf_deepseek`).
 
 Configs are mapped by `tensorpar.checkpoints.hf_config`.
 
@@ -27,16 +28,19 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, check_representable, config_from_hf, config_to_hf
+from tensorpar.checkpoints.hf_deepseek import deepseek_from_hf, deepseek_to_hf, held_mtp_layers, is_mtp_copy
+from tensorpar.checkpoints.hf_deepseek_config import DEEPSEEK_MODEL_TYPES
 from tensorpar.checkpoints.hf_families import fuse, layer_pairs, unfuse
 from tensorpar.checkpoints.hf_moe import experts_from_hf, experts_to_hf, moe_layer_pairs, unfuse_experts
 from tensorpar.data.tokenizer_files import special_token_ids, write_tokenizer
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
-from tensorpar.models.state import dense_shape
+from tensorpar.models.state import dense_shape, model_state
 from tensorpar.models.placement import Placement
 from tensorpar.models.transformer import Transformer
 
@@ -56,13 +60,13 @@ _IGNORED = {
 def _dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """tensorpar's dense parameter names and shapes for `cfg`, from a model built on the meta device."""
     model = Transformer(cfg, Placement.on(None, device="meta"), init=False)
-    return {name: dense_shape(p, shard_spec(p)) for name, p in model.named_parameters()}
+    return {name: dense_shape(p, shard_spec(p)) for name, p in model_state(model).items()}
 
 
 def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The Hugging Face tensor names and shapes for `cfg` (what `tensorpar_to_hf` writes)."""
     meta = {name: torch.empty(shape, device="meta") for name, shape in _dense_shapes(cfg).items()}
-    return {name: tuple(t.shape) for name, t in tensorpar_to_hf(meta, cfg).items()}
+    return {name: tuple(t.shape) for name, t in tensorpar_to_hf(meta, cfg).items() if not is_mtp_copy(name, cfg)}
 
 
 def _canonical(name: str, family: str) -> str:
@@ -115,6 +119,8 @@ def tensorpar_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         raise TensorparError(f"tensorpar state dict does not match the {cfg.family} config: missing {missing[:5]}"
                              f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                              f"{'...' if len(unexpected) > 5 else ''}")
+    if cfg.family in DEEPSEEK_MODEL_TYPES:
+        return deepseek_to_hf(state, cfg)
     if cfg.family != "gpt2":
         out = {hf: state[tp] for hf, tp in _llama_pairs(cfg)}
         for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
@@ -148,12 +154,12 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
     for name, tensor in hf_state.items():
         key = _canonical(name, family)
         if _IGNORED["gpt2" if family == "gpt2" else "llama"].match(key) or \
-                (key == "lm_head.weight" and cfg.tie_embeddings):
+                (key == "lm_head.weight" and cfg.tie_embeddings) or is_mtp_copy(key, cfg):
             continue
         if key in state:
             raise TensorparError(f"{source}: '{origin[key]}' and '{name}' are the same tensor under two names")
         state[key], origin[key] = tensor, name
-    if cfg.is_moe:
+    if cfg.is_moe and family not in DEEPSEEK_MODEL_TYPES:
         unfuse_experts(state, origin, cfg)
 
     shapes = _hf_shapes(cfg)
@@ -170,6 +176,8 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
             raise TensorparError(f"{where(origin[key])}: tensor '{origin[key]}' has shape {tuple(state[key].shape)}, "
                                  f"the config expects {shape}")
 
+    if family in DEEPSEEK_MODEL_TYPES:
+        return deepseek_from_hf(state, cfg, _dense_shapes(cfg))
     if family != "gpt2":
         state = unfuse(state, cfg)
         out = {tp: state[hf] for hf, tp in _llama_pairs(cfg)}
@@ -249,6 +257,29 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def read_hf_config(path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder's config.json (`with_held_mtp_layers`)."""
+    folder = Path(path)
+    config_path = folder / "config.json"
+    try:
+        cfg = config_from_hf(_read_json(config_path, "Hugging Face config"))
+    except TensorparError as e:
+        raise TensorparError(f"{config_path}: {e}") from None
+    return with_held_mtp_layers(cfg, folder)
+
+
+def with_held_mtp_layers(cfg: ModelConfig, folder) -> ModelConfig:
+    """`cfg` with as many multi-token prediction modules as the folder's weights hold (transformers saves none; their
+    names are read, not the tensors)."""
+    if not cfg.num_mtp_layers:
+        return cfg
+    names = []
+    for file in _safetensors_files(Path(folder)):
+        with safe_open(str(file), framework="pt") as f:
+            names += list(f.keys())
+    return cfg.replace(num_mtp_layers=held_mtp_layers(cfg, names))
+
+
 def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, dense state dict in tensorpar's names) from a Hugging Face safetensors folder of a supported model
     type, single-file or sharded (`model.safetensors.index.json`). Tensors keep their stored dtype, on the CPU."""
@@ -256,13 +287,7 @@ def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not folder.is_dir():
         raise TensorparError(f"Hugging Face folder '{folder}' does not exist" if not folder.exists()
                              else f"'{folder}' is not a folder (a Hugging Face checkpoint is a folder)")
-    config_path = folder / "config.json"
-    hf = _read_json(config_path, "Hugging Face config")
-    try:
-        cfg = config_from_hf(hf)
-    except TensorparError as e:
-        raise TensorparError(f"{config_path}: {e}") from None
-
+    cfg = read_hf_config(folder)
     hf_state: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for file in _safetensors_files(folder):

@@ -1,6 +1,7 @@
 """Hugging Face config.json <-> tensorpar's ModelConfig: GPT-2 here, the Llama-style families (Llama, Mistral,
 Qwen2, Qwen3, Gemma 2 and 3, Phi-3, OLMo 2) in `tensorpar.checkpoints.hf_family_config`, the mixture-of-experts
-fields (Mixtral, Qwen2-MoE, Qwen3-MoE) in `tensorpar.checkpoints.hf_moe_config`.
+fields (Mixtral, Qwen2-MoE, Qwen3-MoE) in `tensorpar.checkpoints.hf_moe_config`, DeepSeek-V3 and GLM-4.5 in
+`tensorpar.checkpoints.hf_deepseek_config`.
 
     config_from_hf(hf_dict)          config.json -> ModelConfig (refuses what the model cannot compute)
     config_to_hf(cfg)                ModelConfig -> a config.json dict transformers loads
@@ -10,6 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from tensorpar.checkpoints.hf_deepseek_config import (
+    ARCHITECTURES as DEEPSEEK_ARCHITECTURES,
+    DEEPSEEK_MODEL_TYPES,
+    deepseek_config_from_hf,
+    deepseek_config_to_hf,
+    deepseek_export_problems,
+)
 from tensorpar.checkpoints.hf_families import FAMILIES, PLAIN, family_of
 from tensorpar.checkpoints.hf_family_config import (
     decoder_config_to_hf,
@@ -27,7 +35,7 @@ from tensorpar.checkpoints.hf_moe_config import (
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("gpt2",) + tuple(FAMILIES)
+SUPPORTED_MODEL_TYPES = ("gpt2",) + tuple(FAMILIES) + DEEPSEEK_MODEL_TYPES
 # Hugging Face activation names -> tensorpar's (same function; gelu_new is the tanh approximation).
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
                      "silu": "silu", "swish": "silu"}
@@ -47,6 +55,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
                            "quantized checkpoints are not supported")
     if model_type == "gpt2":
         return _gpt2_config(hf)
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        return deepseek_config_from_hf(hf)
     if model_type in MOE_MODEL_TYPES:
         return moe_config_from_hf(hf, decoder_fields(hf, model_type))
     return ModelConfig(**decoder_fields(hf, model_type), ffn_hidden_size=intermediate_size(hf, model_type))
@@ -84,7 +94,9 @@ def _gpt2_config(hf: dict) -> ModelConfig:
 def check_representable(cfg: ModelConfig) -> None:
     """Refuse configs that have no Hugging Face equivalent in their family's architecture (GPT2LMHeadModel,
     LlamaForCausalLM, Qwen3ForCausalLM, ..., MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)."""
-    if cfg.family == "gpt2" and not cfg.is_moe:
+    if cfg.family in DEEPSEEK_MODEL_TYPES:
+        bad, arch = deepseek_export_problems(cfg), DEEPSEEK_ARCHITECTURES[cfg.family]
+    elif cfg.family == "gpt2" and not cfg.is_moe:
         wanted = dict(norm="layernorm", position="learned", gated_mlp=False, bias=True, num_kv_heads=cfg.num_heads,
                       qkv_bias=True, mlp_bias=True, head_size=cfg.hidden_size // cfg.num_heads,
                       **{k: v for k, v in PLAIN.items() if k not in ("rope_local_theta", "partial_rotary_factor")},
@@ -109,9 +121,12 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype | None = None, token_ids: 
     `token_ids`: bos_token_id, eos_token_id and pad_token_id (those not given are null: no token is special;
     without `token_ids`, GPT-2 keeps GPT2Config's end-of-text id 50256 when its vocabulary holds it)."""
     check_representable(cfg)
-    out = _gpt2_hf_fields(cfg) if cfg.family == "gpt2" else decoder_config_to_hf(cfg)
-    if cfg.is_moe:
-        out.update(moe_config_to_hf(cfg))
+    if cfg.family in DEEPSEEK_MODEL_TYPES:
+        out = deepseek_config_to_hf(cfg)
+    else:
+        out = _gpt2_hf_fields(cfg) if cfg.family == "gpt2" else decoder_config_to_hf(cfg)
+        if cfg.is_moe:
+            out.update(moe_config_to_hf(cfg))
     if token_ids is not None or cfg.family != "gpt2" or cfg.vocab_size <= 50256:
         out.update({name: (token_ids or {}).get(name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")})
     if dtype is not None:

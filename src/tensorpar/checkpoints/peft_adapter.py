@@ -47,12 +47,15 @@ _PLAIN = (("use_dora", False), ("use_rslora", False), ("bias", "none"), ("lora_b
 
 
 def check_lora_model(cfg: ModelConfig, spec: LoraSpec) -> None:
-    """Refuse adapters a model cannot carry, with the reason: GPT-2's Conv1D layers and fused q/k/v (c_attn), Phi-3's
-    fused q/k/v and gate/up, and the routed experts of mixture-of-experts layers."""
+    """Refuse adapters a model cannot carry, with the reason: GPT-2's Conv1D layers and fused q/k/v (c_attn), latent
+    attention's projections, Phi-3's fused q/k/v and gate/up, and the routed experts of mixture-of-experts layers."""
     if cfg.family == "gpt2":
         raise TensorparError("LoRA needs a Llama-style model (q/k/v/o and gate/up/down linears, as PEFT adapts Llama, "
                              "Qwen, Mistral, Gemma); this model is of the gpt2 family, whose q, k and v are one fused "
                              "Conv1D")
+    if cfg.is_mla:
+        raise TensorparError("LoRA on latent attention (DeepSeek-V3, GLM-4.5: q_a_proj, kv_a_proj_with_mqa, ...) is "
+                             "not supported: tensorpar's adapters sit on q/k/v/o and gate/up/down linears")
     fused = [t for t in spec.targets if t in ("q", "k", "v", "gate", "up")]
     if family_of(cfg).fused and fused:
         raise TensorparError(f"LoRA on {cfg.family}'s fused projections (--lora-targets {','.join(fused)}): PEFT adapts "

@@ -38,7 +38,7 @@ from tensorpar.checkpoints.peft_adapter import write_checkpoint_adapter
 from tensorpar.data.tokenizer_files import copy_files
 from tensorpar.distributed.sharding import ShardSpec, local_shard, shard_spec, tag
 from tensorpar.errors import TensorparError
-from tensorpar.models.state import dense_shape
+from tensorpar.models.state import dense_shape, model_state
 
 FORMAT = "tensorpar-checkpoint"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -70,8 +70,8 @@ def _write_shard(tmp: str, file_name: str, params: dict, moments: dict, step: in
     tensors = {}
     for name, p in params.items():
         # bf16/fp16 training saves its fp32 master weights: a resume continues exactly
-        tensors[f"param/{name}"] = moments[name].get("master", p.detach()).contiguous().cpu()
-        for kind, value in moments[name].items():  # the optimizer's state: AdamW's moments, or Muon's momentum
+        tensors[f"param/{name}"] = moments.get(name, {}).get("master", p.detach()).contiguous().cpu()
+        for kind, value in moments.get(name, {}).items():  # the optimizer's state: AdamW's moments, or Muon's momentum
             if kind != "master":
                 tensors[f"{kind}/{name}"] = value.contiguous().cpu()
     path = os.path.join(tmp, file_name)
@@ -116,7 +116,7 @@ def begin_save(root: str, step: int, mesh) -> str:
 def take_shards(model, optimizer, mesh) -> tuple[list[Shard], int]:
     """(the files this rank writes, the AdamW step count). A collective over DP when ZeRO shards the moments (and
     over expert-TP for the routed experts); call inside `optimizer.gathered()`: ZeRO-3 parameters are whole there."""
-    params = dict(model.named_parameters())
+    params = model_state(model)  # the persistent buffers (untrained, no moments) too
     names = {id(p): n for n, p in params.items()}
     moments, opt_step = optimizer.local_state(names)
     moments = {n: moments.get(n, {}) for n in params}  # frozen parameters (LoRA's base) keep no optimizer state
@@ -440,7 +440,8 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
     if cfg is not None:
         check_compatible(meta, cfg, path)
     reader = CheckpointReader(step_dir, meta)
-    params = dict(model.named_parameters())
+    params = model_state(model)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}  # not buffers, nor LoRA's frozen base
     missing = [n for n in params if n not in meta["tensors"]]
     if missing:
         raise TensorparError(f"checkpoint '{step_dir}' lacks {missing[:4]} that the model needs")
@@ -449,7 +450,7 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
         for name, p in params.items():
             spec = shard_spec(p)  # split over TP, or EP (and expert-TP) for the routed experts
             p.copy_(local_shard(reader.dense(name), spec, model))
-            if optimizer is not None and p.requires_grad:  # moments, and fp32 weights for bf16/fp16 training's masters
+            if optimizer is not None and name in trained:  # the moments, and the fp32 masters of bf16/fp16
                 kinds = [k for k in optimizer.kinds_of(name, p.shape) if reader.has(name, k)]  # another optimizer's
                 moments[name] = {k: local_shard(reader.dense(name, k), spec, model) for k in kinds}  # -> zeros
                 moments[name]["master"] = local_shard(reader.dense(name).float(), spec, model)

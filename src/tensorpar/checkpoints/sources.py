@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder
+from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder, with_held_mtp_layers
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
 from tensorpar.checkpoints.peft_adapter import check_lora_model, merge_adapters, read_adapter, read_adapter_config
 from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta, resolve
@@ -38,7 +38,8 @@ def load_config(path: str):
         except (OSError, ValueError) as e:
             raise TensorparError(f"'{config}' is not readable JSON: {e}") from None
         try:
-            return config_from_hf(hf)  # a model type it does not support: named, with the supported ones
+            # a model type it does not support: named, with the supported ones
+            return with_held_mtp_layers(config_from_hf(hf), path)
         except TensorparError as e:
             raise TensorparError(f"{config}: {e}") from None
     raise TensorparError(

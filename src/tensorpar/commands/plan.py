@@ -211,8 +211,15 @@ def _summary_lines(cfg, cluster, plans, options) -> list[str]:
     if cfg.is_moe:
         size += (f", {cfg.num_parameters(active=True) / 1e9:.2f}B active: {cfg.num_experts} experts, "
                  f"top-{cfg.experts_per_token}")
+    extra = []
+    if cfg.is_mla:
+        extra.append(f"latent attention (its KV cache: kv_lora_rank + qk_rope_head_dim = "
+                     f"{cfg.kv_lora_rank + cfg.qk_rope_head_dim} values a token and layer)")
+    if cfg.num_mtp_layers:
+        extra.append(f"{cfg.num_mtp_layers} multi-token prediction module(s) on the last stage")
     return [
         f"plan: {options.model} ({size}) on {cluster.describe()}",
+        *([f"      {', '.join(extra)}"] if extra else []),
         f"      seq {options.seq_len}, global batch {options.global_batch_size} ({tokens:,} tokens/step), "
         f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.3g} TFLOP/s "
         f"({prec.compute_dtype}), {compute_model}, DP overlap {cluster.overlap:.2f}",

@@ -66,6 +66,10 @@ def print_summary(s: dict) -> None:
         print(f"experts: aux loss {m['final_aux_loss']:.4f}, z-loss {m['final_z_loss']:.4f} (last step), load "
               f"imbalance {m['mean_load_imbalance']:.2f} (busiest / mean expert, mean over steps), "
               f"{m['dropped_tokens']:,} routing choices dropped")
+    if s.get("mtp"):
+        m = s["mtp"]
+        print(f"multi-token prediction ({m['modules']} module(s), weight {m['weight']}): loss {m['first_loss']:.4f} "
+              f"-> {m['final_loss']:.4f}")
     if s.get("memory_mib_per_rank") and s["memory_mib_per_rank"][0]:
         print(memory_line(s["memory_mib_per_rank"]))
     if s.get("async_save"):

@@ -227,7 +227,7 @@ class _RingAttention(torch.autograd.Function):
             dqs = [torch.zeros_like(t) for t in qs]
             block_k, block_v = k, v
             grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-            grad_v = torch.zeros_like(grad_k)
+            grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)  # latent attention: Dv != D
             for step in range(n):
                 src = (r - step) % n
                 pending = _exchange(group, [block_k, block_v], step, n, _TAG_BACKWARD)
@@ -308,7 +308,8 @@ def _exchange(group: Group, tensors, step: int, n: int, tag: int) -> _Exchange |
 def ring_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
                    documents: PackedDocuments | None = None, pattern: AttentionPattern = AttentionPattern()):
     """Causal attention of this rank's queries [B, H, L/cp, D] over the whole sequence's keys and values, of which
-    this rank holds [B, H_kv, L/cp, D] (H a multiple of H_kv): the ring. Returns [B, H, L/cp, D]. With
+    this rank holds [B, H_kv, L/cp, D] (values [B, H_kv, L/cp, Dv]; H a multiple of H_kv): the ring. Returns
+    [B, H, L/cp, Dv]. With
     `documents` (of the whole window), within each document only, skipping the blocks that leaves empty; the
     scores as `pattern` makes them (scale, soft cap, window), skipping the blocks outside the window."""
     return _RingAttention.apply(q, k, v, split, pattern, dropout_p, dropout_seed, documents)
@@ -339,7 +340,17 @@ def allgather_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dr
     group = split.group
     k_all = gather_from_sp(k.contiguous(), group, dim=2)
     v_all = gather_from_sp(v.contiguous(), group, dim=2)
-    repeat = q.shape[1] // k.shape[1]
+    return attend_gathered(q, k_all, v_all, split, dropout_p, dropout_seed, documents, pattern)
+
+
+def attend_gathered(q, k_all, v_all, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                    documents: PackedDocuments | None = None, pattern: AttentionPattern = AttentionPattern()):
+    """This rank's queries [B, H, L/cp, D] over keys and values all-gathered over the CP group in rank order
+    ([B, H_kv, L, D], [B, H_kv, L, Dv]: what `gather_from_sp(..., dim=2)` returns), with the causal (or document,
+    window) mask of their positions: `allgather_attention`'s second half, for a caller that gathers something
+    smaller and expands it (latent attention gathers its compressed latent)."""
+    group = split.group
+    repeat = q.shape[1] // k_all.shape[1]
     k_all, v_all = _repeat(k_all, repeat), _repeat(v_all, repeat)
     keys = torch.cat([split.positions(q.device, rank) for rank in range(group.size)])
     with fork_rng_seeded(mix_seed(dropout_seed, group.rank), q.device) if dropout_p > 0 else contextlib.nullcontext():

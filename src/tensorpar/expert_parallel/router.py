@@ -2,7 +2,19 @@
 
     logits = tokens @ W_r^T                     [n, E], in fp32
     softmax: p = softmax(logits); weights = top-k of p (renormalised to sum 1 when `norm_topk_prob`)
-    sigmoid: s = sigmoid(logits); weights = top-k of s, normalised to sum 1; p = s / sum(s) for the aux loss
+    sigmoid: s = sigmoid(logits); weights = s of the top-k (normalised to sum 1 when `norm_topk_prob`); p = s / sum(s)
+             for the aux loss
+    weights *= routed_scaling_factor
+
+DeepSeek-V3's choice (sigmoid scores): the top-k of s + b, b a per-expert bias that only chooses (the weights stay
+s's). With `n_group` > 1 the experts fall into n_group equal groups, each scored by the sum of its best two s + b,
+and a token chooses among the experts of its `topk_group` best groups only (group-limited routing: with experts
+placed group by group on the EP ranks, a token's rows go to at most topk_group of them). Auxiliary-loss-free
+balancing (`expert_bias`, Wang et al. 2024): after each optimizer step b moves by `bias_update_speed` towards
+balance, b_e += speed * sign(mean load - load_e), from the step's global routing counts (`update_expert_bias`,
+called by the training loop with counts summed over every rank: the same b on every rank and layout). b is a
+persistent buffer of the router (fp32, never trained), so checkpoints and Hugging Face folders
+(`e_score_correction_bias`) carry it.
 
 Load-balancing loss (Switch / GShard form, per sequence, as DeepSeek-V3's sequence-wise loss): for each
 sequence b of S tokens, ``E * sum_e f_be * P_be`` with f_be the share of b's k * S routing choices that
@@ -41,7 +53,8 @@ class Routing:
 
 class TopKRouter(nn.Module):
     """A linear router (no bias) replicated on every TP rank. Each TP rank routes its own tokens (sequence shard or
-    token slice), so the weight enters through `copy_to_tp` (backward: all-reduce over TP)."""
+    token slice), so the weight enters through `copy_to_tp` (backward: all-reduce over TP). With `expert_bias` it
+    holds the balancing bias [E] (a buffer: it chooses, it is not trained)."""
 
     def __init__(self, cfg, region, device=None):
         super().__init__()
@@ -49,8 +62,21 @@ class TopKRouter(nn.Module):
         self.tp_group = tp_group = region.group
         self.num_experts, self.k = cfg.num_experts, cfg.experts_per_token
         self.score, self.norm_topk_prob = cfg.router_score, cfg.norm_topk_prob
+        self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
         self.weight = tag(nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device)),
                           ShardSpec(dim=None, reduce_grad_across_tp=tp_group.size > 1))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, device=device) if cfg.expert_bias else None)
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """[n, k] experts of the top-k of `scores` (+ the bias), within each token's `topk_group` best groups."""
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.n_group > 1:
+            n = choice.shape[0]
+            grouped = choice.view(n, self.n_group, -1)
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices  # [n, topk_group]
+            allowed = torch.zeros(n, self.n_group, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+            choice = grouped.masked_fill(~allowed[..., None], float("-inf")).view(n, -1)
+        return choice.topk(self.k, dim=-1).indices
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         logits = self.region.linear(tokens, self.weight, summed=self.tp_group.size > 1).float()
@@ -61,10 +87,22 @@ class TopKRouter(nn.Module):
                 weights = weights / weights.sum(-1, keepdim=True)
         else:
             scores = logits.sigmoid()
-            weights, experts = scores.topk(self.k, dim=-1)
-            weights = weights / weights.sum(-1, keepdim=True)
+            experts = self._choose(scores)
+            weights = scores.gather(1, experts)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
             probs = scores / scores.sum(-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         return Routing(logits, probs, experts, weights)
+
+
+@torch.no_grad()
+def update_expert_bias(bias: torch.Tensor, load: torch.Tensor, speed: float) -> None:
+    """Auxiliary-loss-free balancing (see the module docstring): `bias` += `speed` * sign(mean(load) - load), in place;
+    `load`: the routing choices each expert received over the step, summed over every rank."""
+    load = load.to(device=bias.device, dtype=torch.float64)
+    bias += (speed * torch.sign(load.mean() - load)).to(bias.dtype)
 
 
 def sum_over(t: torch.Tensor, groups) -> torch.Tensor:

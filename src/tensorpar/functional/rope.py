@@ -217,3 +217,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return x * cos + _rotate_half(x) * sin
     rotated, passed = x[..., :dim], x[..., dim:]
     return torch.cat([rotated * cos + _rotate_half(rotated) * sin, passed], dim=-1)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` for rotary dimensions laid out as interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's weights):
+    each pair rotated by one angle, the result in rotate-half layout (first elements, then second ones), as
+    transformers' `apply_rotary_pos_emb_interleave`. cos/sin: `rope_cos_sin`'s."""
+    cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def mscale_softmax_factor(scaling: dict | None) -> float:
+    """What DeepSeek's attention multiplies its softmax scale by under scaled RoPE: mscale(factor, mscale_all_dim)^2,
+    mscale(s, m) = 0.1 m ln(s) + 1, when the scaling sets `mscale_all_dim` (transformers' `yarn_apply_mscale`),
+    else 1."""
+    mscale_all_dim = (scaling or {}).get("mscale_all_dim") or 0
+    if rope_type(scaling) == "default" or not mscale_all_dim or scaling["factor"] <= 1:
+        return 1.0
+    return (0.1 * mscale_all_dim * math.log(scaling["factor"]) + 1.0) ** 2

@@ -4,7 +4,9 @@ Each rank keeps only its own KV heads (`ParallelAttention.local_kv_heads`: its s
 heads, or the one replicated KV head its query heads use when there are fewer KV heads than
 ranks), so the cache costs 1/tp of the dense model's per rank and needs no communication.
 
-Per layer, k and v are preallocated [B, local_kv_heads, max_len, head_dim]. Slots 0..length-1
+Per layer, k and v are preallocated [B, local_kv_heads, max_len, head_dim] (an attention's `cache_layout`: latent
+attention caches its compressed latent and rotary key instead, [B, 1, max_len, kv_lora_rank] and
+[B, 1, max_len, qk_rope_head_dim], whole on every rank). Slots 0..length-1
 are filled. A forward step appends its new keys and values in every layer at slots
 length..length+s-1 (`append`, which returns views of everything so far) and then `advance(s)`.
 
@@ -27,14 +29,18 @@ from tensorpar.functional.attention_pattern import AttentionPattern
 class KVCache:
     def __init__(self, layer_keys, batch: int, local_kv_heads: int, max_len: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device=None, pad: torch.Tensor | None = None,
-                 windows: dict | None = None):
-        """`windows`: layer key -> its sliding window (layers not named, or None: they keep every slot)."""
+                 windows: dict | None = None, value_layout: tuple[int, int] | None = None):
+        """`windows`: layer key -> its sliding window (layers not named, or None: they keep every slot);
+        `value_layout`: (heads, dim) of the values when they differ from the keys' (local_kv_heads, head_dim)."""
         self.windows = {str(key): w for key, w in (windows or {}).items() if w is not None}
-        shape = (batch, local_kv_heads, max_len, head_dim)
-        tail = (batch, local_kv_heads, 0, head_dim)
-        self.k = {str(key): torch.zeros(tail if str(key) in self.windows else shape, dtype=dtype, device=device)
-                  for key in layer_keys}
-        self.v = {str(key): torch.zeros_like(self.k[str(key)]) for key in layer_keys}
+        value_heads, value_dim = value_layout or (local_kv_heads, head_dim)
+
+        def slots(key, heads, dim):
+            return torch.zeros((batch, heads, 0 if str(key) in self.windows else max_len, dim), dtype=dtype,
+                               device=device)
+
+        self.k = {str(key): slots(key, local_kv_heads, head_dim) for key in layer_keys}
+        self.v = {str(key): slots(key, value_heads, value_dim) for key in layer_keys}
         self.batch, self.max_len = batch, max_len
         self.length = 0
         if pad is not None:
@@ -46,15 +52,17 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int, *, dtype: torch.dtype | None = None, pad=None) -> "KVCache":
-        """An empty cache for every layer of `model` (this rank's KV heads), on the model's device."""
-        attn = next(iter(model.layers.values())).attn
+        """An empty cache for every decoder layer of `model` (what its attention caches: this rank's KV heads), on
+        the model's device."""
+        layers = model.decoder_layers()
+        (heads, dim), values = next(iter(layers.values())).attn.cache_layout()
         param = next(model.parameters())
-        windows = {key: layer.attn.pattern.window for key, layer in model.layers.items()}
-        return cls(list(model.layers), batch, attn.local_kv_heads, max_len, attn.head_dim,
-                   dtype=dtype or param.dtype, device=param.device, pad=pad, windows=windows)
+        windows = {key: layer.attn.pattern.window for key, layer in layers.items()}
+        return cls(list(layers), batch, heads, max_len, dim, dtype=dtype or param.dtype, device=param.device, pad=pad,
+                   windows=windows, value_layout=values)
 
     def append(self, layer_key, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, local_kv_heads, s, head_dim] at slots length..length+s-1 of this layer; return views
+        """Store k, v [B, heads, s, dim] at slots length..length+s-1 of this layer; return views
         of every slot this step attends to: 0..length+s-1, or for a sliding layer the last w - 1 slots before
         the step and the step's. The length moves on only with `advance`."""
         key, end = str(layer_key), self.length + k.shape[2]

@@ -129,6 +129,10 @@ class ParallelAttention(nn.Module):
         repeat = self.local_heads // self.local_kv_heads
         return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
+    def cache_layout(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, dim) of what a KV cache holds per token and layer on this rank, as (keys, values)."""
+        return (self.local_kv_heads, self.head_dim), (self.local_kv_heads, self.head_dim)
+
     def core(self, q, k, v, dropout_seed: int | None, context: ContextSplit | None = None,
              documents: PackedDocuments | None = None):
         """softmax(scores) v over this rank's heads (the part selective recomputation recomputes), the scores as the

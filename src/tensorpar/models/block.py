@@ -13,6 +13,7 @@ from tensorpar.context_parallel.ring_attention import ContextSplit
 from tensorpar.expert_parallel import MoELayer
 from tensorpar.functional.dropout import mix_seed, seeded_dropout
 from tensorpar.layers.attention import ParallelAttention
+from tensorpar.layers.latent_attention import LatentAttention
 from tensorpar.layers.micro_batch import MicroBatchContext
 from tensorpar.layers.norms import Norm
 from tensorpar.tensor_parallel.mlp import ParallelMLP
@@ -29,8 +30,11 @@ class TransformerBlock(nn.Module):
         norm = lambda wanted: Norm(cfg.hidden_size, cfg.norm, cfg.norm_eps, region, device=device,  # noqa: E731
                                    offset=cfg.norm_offset) if wanted else None
         self.attn_norm = norm(before)
-        self.attn = ParallelAttention(cfg, region, layer_index, device=device,
-                                      document_attention=placement.document_attention, lora=placement.lora)
+        if cfg.is_mla:  # its documents' mask is SDPA's dense one (its own values' width, its latent KV cache)
+            self.attn = LatentAttention(cfg, region, layer_index, device=device)
+        else:
+            self.attn = ParallelAttention(cfg, region, layer_index, device=device,
+                                          document_attention=placement.document_attention, lora=placement.lora)
         self.post_attn_norm = norm(after)
         self.mlp_norm = norm(before)
         self.moe = cfg.is_moe_layer(layer_index)
@@ -64,13 +68,15 @@ def _maybe(norm, x):
 
 def recomputable(layer):
     """`layer` as the function activation checkpointing calls twice: the forward, then its recomputation in
-    the backward, which is told so (`record_stats=False`: an MoE layer's routing statistics count once)."""
+    the backward, which is told so (`record_stats=False`: an MoE layer's routing statistics count once). It takes
+    the layer's inputs, the `MicroBatchContext` last."""
     calls = 0
 
-    def run(x, ctx: MicroBatchContext):
+    def run(*args):
         nonlocal calls
         calls += 1
-        return layer(x, ctx.replace(record_stats=calls == 1))
+        *inputs, ctx = args
+        return layer(*inputs, ctx.replace(record_stats=calls == 1))
 
     return run
 

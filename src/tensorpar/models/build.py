@@ -17,7 +17,7 @@ from tensorpar.layout import ParallelLayout
 from tensorpar.models.compile import compile_blocks
 from tensorpar.models.init import initial_adapters
 from tensorpar.models.placement import PipelineStage, Placement
-from tensorpar.models.state import load_full_state_dict
+from tensorpar.models.state import load_full_state_dict, model_state
 from tensorpar.models.transformer import Transformer
 from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
@@ -67,7 +67,7 @@ def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision
     torch.manual_seed(seed)
     model = Transformer(cfg, placement, seed=seed, init=weights is None and not meta)
     if weights is not None and not meta:
-        names = dict(model.named_parameters())
+        names = model_state(model)
         if lora is not None:
             weights = {**initial_adapters(model, seed), **weights}
         load_full_state_dict(model, {k: v for k, v in weights.items() if k in names} if pipelined else weights,

@@ -16,6 +16,11 @@ Mixture-of-experts models (Mixtral, Qwen-MoE) are the same dataclass with ``num_
 ``moe_layer_freq``-th layer's MLP (but those in ``mlp_only_layers``) becomes a router over ``num_experts`` expert
 MLPs of width ``moe_ffn_hidden_size``, of which each token uses ``experts_per_token``, plus ``num_shared_experts``
 experts every token uses (tensorpar.expert_parallel). The default, ``num_experts=0``, is a dense model.
+
+The DeepSeek-V3 class (DeepSeek-V3, Kimi K2, GLM-4.5; docs/deepseek.md) adds, grouped below: multi-head latent
+attention (``kv_lora_rank`` set: tensorpar.layers.latent_attention), the auxiliary-loss-free router bias and its
+update, group-limited top-k, the routed experts' scaling, dense first layers and multi-token prediction
+(tensorpar.models.mtp).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from tensorpar.functional.rope import scaling_problems
 ACTIVATIONS = ("gelu_new", "gelu", "relu", "silu")
 ROUTER_SCORES = ("softmax", "sigmoid")
 # The Hugging Face architectures a config maps to ("llama" also covers Mixtral and Qwen2-MoE, by their experts).
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "olmo2")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "olmo2",
+            "deepseek_v3", "glm4_moe")
 QK_NORMS = ("none", "head", "projection")
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -69,7 +75,7 @@ class ModelConfig:
     sliding_window: int | None = None  # a query sees its own and the sliding_window - 1 positions before it
     layer_types: tuple[str, ...] | None = None  # per layer, LAYER_TYPES (None: every layer slides if a window is set)
     rope_local_theta: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3; None: the global one)
-    partial_rotary_factor: float = 1.0  # RoPE on this fraction of each head's dimensions (Phi-3.5 / Phi-4-mini)
+    partial_rotary_factor: float = 1.0  # RoPE on this fraction of each head's dimensions (Phi-3.5, GLM-4.5)
     # Mixture of experts (0 experts: a dense model; the rest is then unused).
     num_experts: int = 0  # routed experts per MoE layer
     experts_per_token: int = 2  # top-k
@@ -84,6 +90,24 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0  # ST-MoE router z-loss: mean squared logsumexp of the router logits
     capacity_factor: float | None = None  # None: dropless; else each expert takes at most
     #   ceil(capacity_factor * seq_len * experts_per_token / num_experts) tokens of a sequence, the rest are dropped
+    # DeepSeek-V3 class (issue 40). Multi-head latent attention when kv_lora_rank is set: queries through a
+    # q_lora_rank latent (None: one plain projection), keys and values from one kv_lora_rank latent, each head's key
+    # qk_nope_head_dim wide plus a rotary part of qk_rope_head_dim shared by the heads, values v_head_dim wide.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rotary dimensions as interleaved pairs (DeepSeek's weights), not halves
+    first_k_dense_replace: int = 0  # the first k layers keep a dense MLP
+    n_group: int = 1  # group-limited routing: experts in n_group groups, tokens choose among the best topk_group
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are scaled by it
+    expert_bias: bool = False  # auxiliary-loss-free balancing: a per-expert bias added to the scores to choose
+    bias_update_speed: float = 0.0  # after each step: bias += speed * sign(mean load - expert's load)
+    num_mtp_layers: int = 0  # multi-token prediction modules (token t+2, t+3, ...), on the last stage
+    mtp_loss_weight: float = 0.1  # their mean loss joins the training objective times this
+
 
     def __post_init__(self):
         # JSON gives lists; a config is plain, comparable data either way.
@@ -111,6 +135,7 @@ class ModelConfig:
         problems += self._variant_problems()
         if self.num_experts:
             problems += self._moe_problems()
+        problems += self._deepseek_problems()
         if problems:
             raise TensorparError("invalid model config: " + "; ".join(problems))
 
@@ -168,6 +193,66 @@ class ModelConfig:
             problems.append(f"capacity_factor must be positive (or None: dropless), got {self.capacity_factor}")
         return problems
 
+    def _deepseek_problems(self) -> list[str]:
+        """The DeepSeek-V3-class fields' rules (multi-head latent attention, routing, multi-token prediction)."""
+        problems = []
+        if self.is_mla:
+            dims = dict(kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                        qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
+            if self.q_lora_rank is not None:
+                dims["q_lora_rank"] = self.q_lora_rank
+            bad = {k: v for k, v in dims.items() if not v > 0}
+            if bad:
+                problems.append(f"multi-head latent attention needs positive {', '.join(bad)}, got {bad}")
+            if self.position != "rope" or self.kv_heads != self.num_heads:
+                problems.append("multi-head latent attention needs position='rope' and num_kv_heads = num_heads")
+        elif self.q_lora_rank is not None:
+            problems.append("q_lora_rank needs multi-head latent attention (kv_lora_rank)")
+        if self.is_mla and self.partial_rotary_factor != 1.0:
+            problems.append(f"partial_rotary_factor must be 1 with latent attention (its rotary part is "
+                            f"qk_rope_head_dim), got {self.partial_rotary_factor}")
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            problems.append(f"first_k_dense_replace must be in [0, num_layers], got {self.first_k_dense_replace}")
+        if self.is_moe:
+            problems += self._routing_problems()
+        if self.num_mtp_layers < 0 or self.mtp_loss_weight < 0:
+            problems.append("num_mtp_layers and mtp_loss_weight must be >= 0")
+        if self.num_mtp_layers and (self.position != "rope" or self.layer_types is not None):
+            problems.append("multi-token prediction needs position='rope' (its modules add no learned positions) and "
+                            "no layer_types (its blocks attend over every position)")
+        return problems
+
+    def _routing_problems(self) -> list[str]:
+        """The DeepSeek-V3-class routing fields' rules (group-limited top-k, the balancing bias, the scaling)."""
+        problems = []
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group or (self.num_experts % self.n_group):
+            problems.append(f"group-limited routing needs n_group dividing num_experts {self.num_experts} and "
+                            f"1 <= topk_group <= n_group, got n_group={self.n_group}, topk_group={self.topk_group}")
+        elif self.n_group > 1 and self.experts_per_token > self.topk_group * (self.num_experts // self.n_group):
+            problems.append(f"experts_per_token {self.experts_per_token} exceeds the experts of topk_group "
+                            f"{self.topk_group} groups of {self.num_experts // self.n_group}")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            problems.append("group-limited routing scores a group by its best two experts: n_group must leave "
+                            "at least 2 experts per group")
+        if (self.expert_bias or self.n_group > 1) and self.router_score != "sigmoid":
+            problems.append("expert_bias and group-limited routing need router_score='sigmoid'")
+        if not self.routed_scaling_factor > 0 or self.bias_update_speed < 0:
+            problems.append("routed_scaling_factor must be > 0 and bias_update_speed >= 0")
+        if self.bias_update_speed and not self.expert_bias:
+            problems.append("bias_update_speed needs expert_bias=True")
+        return problems
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether the attention is multi-head latent attention (tensorpar.layers.latent_attention)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def num_blocks(self) -> int:
+        """Transformer blocks: the layers, then the multi-token prediction modules' blocks (global indices
+        num_layers..num_layers + num_mtp_layers - 1)."""
+        return self.num_layers + self.num_mtp_layers
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -175,7 +260,7 @@ class ModelConfig:
     def is_moe_layer(self, layer_index: int) -> bool:
         """Whether layer `layer_index` (0-based) has a mixture of experts instead of a dense MLP."""
         return (self.num_experts > 0 and (layer_index + 1) % self.moe_layer_freq == 0
-                and layer_index not in self.mlp_only_layers)
+                and layer_index not in self.mlp_only_layers and layer_index >= self.first_k_dense_replace)
 
     @property
     def expert_ffn_size(self) -> int:
@@ -197,8 +282,9 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """How many dimensions of each head RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        """How many dimensions of each head RoPE rotates: latent attention's qk_rope_head_dim, else (transformers)
+        int(head_dim * partial_rotary_factor)."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def mlp_has_bias(self) -> bool:
@@ -245,16 +331,27 @@ class ModelConfig:
         return e * h + routed + shared + (h if self.shared_expert_gate else 0)
 
     def attention_parameters(self) -> int:
-        """One attention layer's parameters: the q, k, v and output projections, their biases, the q / k norms."""
+        """One attention layer's parameters: the q, k, v and output projections, their biases, the q / k norms (latent
+        attention: its down- and up-projections, latent norms and output projection)."""
+        if self.is_mla:
+            return self._latent_attention_parameters()
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         bias = (q + 2 * kv if self.attention_qkv_bias else 0) + (h if self.bias else 0)
         qk_norm = {"none": 0, "head": 2 * self.head_dim, "projection": q + kv}[self.qk_norm]
         return 2 * h * q + 2 * h * kv + bias + qk_norm
 
+    def _latent_attention_parameters(self) -> int:
+        h, heads, qk = self.hidden_size, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        down_bias, r, c = self.attention_qkv_bias, self.q_lora_rank, self.kv_lora_rank
+        q = h * heads * qk if r is None else h * r + (r if down_bias else 0) + r + r * heads * qk
+        kv = h * (c + self.qk_rope_head_dim) + ((c + self.qk_rope_head_dim) if down_bias else 0) + c
+        kv += c * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h + (h if self.bias else 0)
+
     def num_parameters(self, active: bool = False) -> int:
-        """Parameters of the dense model (tied embeddings counted once); MoE models: all experts, or with
-        ``active=True`` those one token uses (the top-k routed experts)."""
-        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
+        """Parameters of the dense model (tied embeddings counted once; multi-token prediction modules included);
+        MoE models: all experts, or with ``active=True`` those one token uses (the top-k routed experts)."""
+        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_blocks
         mlp = self._mlp_parameters(f)
         norm = h * (2 if self.norm == "layernorm" else 1)
         per_layer = self.attention_parameters() + mlp + self.norms_per_layer * norm
@@ -262,4 +359,5 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else v * h
         moe_layers = sum(self.is_moe_layer(i) for i in range(L))
         moe = moe_layers * (self.moe_layer_parameters(active) - mlp)
-        return L * per_layer + moe + embed + head + norm
+        mtp = self.num_mtp_layers * (3 * norm + 2 * h * h)  # each module's two input norms, projection, output norm
+        return L * per_layer + moe + embed + head + norm + mtp

@@ -26,6 +26,24 @@ def _llama(hidden, layers, heads, kv, ffn, vocab=128256, theta=500000.0, tie=Fal
     )
 
 
+def _deepseek(hidden, layers, heads, ffn, vocab, experts, moe_ffn, *, q_lora=1536, kv_lora=512, nope=128, rope=64,
+              v=128, theta=10000.0, max_seq=163840, **kw) -> ModelConfig:
+    """A DeepSeek-V3-class MoE: latent attention, sigmoid routing with the balancing bias, top-8, one shared expert."""
+    defaults = dict(experts_per_token=8, num_shared_experts=1, router_score="sigmoid", expert_bias=True,
+                    bias_update_speed=0.001, rope_interleave=True)
+    return ModelConfig(
+        family="deepseek_v3", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, ffn_hidden_size=ffn, max_seq_len=max_seq, norm="rmsnorm", norm_eps=1e-6,
+        activation="silu", gated_mlp=True, position="rope", rope_theta=theta, tie_embeddings=False, bias=False,
+        num_experts=experts, moe_ffn_hidden_size=moe_ffn, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, **{**defaults, **kw})
+
+
+def _yarn(factor, beta_fast=32.0, beta_slow=1.0) -> dict:
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": 4096, "beta_fast": beta_fast,
+            "beta_slow": beta_slow, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
 
@@ -95,6 +113,24 @@ PRESETS: dict[str, ModelConfig] = {
                         sliding_window=2047),
     "olmo2-7b": _llama(4096, 32, 32, 32, 11008, vocab=100352, theta=500000.0, max_seq=4096, family="olmo2",
                        qk_norm="projection", norm_placement="post", norm_eps=1e-6),
+    # DeepSeek-V3 class (docs/deepseek.md). tiny-deepseek trains in seconds on CPU: latent attention, 8 experts in 4
+    # groups (a token sees 2), the balancing bias, a dense first layer and one multi-token prediction module.
+    "tiny-deepseek": _deepseek(64, 4, 4, 128, 257, 8, 32, q_lora=32, kv_lora=16, nope=16, rope=8, v=16,
+                               max_seq=1024, experts_per_token=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                               first_k_dense_replace=1, num_mtp_layers=1, router_aux_loss_coef=0.001),
+    # DeepSeek-V3 (671B + a 14B MTP module; DeepSeek-AI 2024) and Kimi K2 (1T; 384 experts, 64 heads, one group, no
+    # MTP), as published on the Hugging Face hub.
+    "deepseek-v3": _deepseek(7168, 61, 128, 18432, 129280, 256, 2048, n_group=8, topk_group=4,
+                             routed_scaling_factor=2.5, first_k_dense_replace=3, num_mtp_layers=1,
+                             router_aux_loss_coef=0.0001, rope_scaling=_yarn(40.0)),
+    "kimi-k2": _deepseek(7168, 61, 64, 18432, 163840, 384, 2048, theta=50000.0, max_seq=131072,
+                         routed_scaling_factor=2.827, first_k_dense_replace=1, rope_scaling=_yarn(32.0, 1.0, 1.0)),
+    # GLM-4.5-Air (106B, 12B active; Zhipu 2025): the same routing family with grouped-query attention, 128-wide heads,
+    # q/k/v biases and RoPE on half of each head, as published.
+    "glm-4.5-air": _llama(4096, 46, 96, 8, 10944, vocab=151552, theta=1e6, family="glm4_moe", head_size=128,
+                          qkv_bias=True, partial_rotary_factor=0.5, num_experts=128, experts_per_token=8,
+                          num_shared_experts=1, moe_ffn_hidden_size=1408, first_k_dense_replace=1,
+                          router_score="sigmoid", expert_bias=True, bias_update_speed=0.001, num_mtp_layers=1),
 }
 
 

@@ -1,4 +1,7 @@
-"""Dense (unsharded) state dicts of a TP model: gather them, or load one into any TP size."""
+"""Dense (unsharded) state dicts of a TP model: gather them, or load one into any TP size.
+
+A model's state is its parameters and its persistent buffers: state that is not trained but moves with the weights
+(an MoE router's balancing bias), whole on every rank that holds its layer."""
 
 from __future__ import annotations
 
@@ -18,18 +21,26 @@ def dense_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def model_state(model) -> dict[str, torch.Tensor]:
+    """This rank's parameters, then its persistent buffers (untrained state, replicated: `ShardSpec(dim=None)`), by
+    name."""
+    params = dict(model.named_parameters())
+    buffers = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in params}
+    return {**params, **buffers}
+
+
 @torch.no_grad()
 def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """Every parameter as the dense tensor (a collective over the TP group, and the expert-parallel group for the
-    routed experts: call on every rank of them)."""
-    return {name: full_tensor(p.detach(), shard_spec(p), model).cpu()
-            for name, p in model.named_parameters()}
+    """Every parameter (and persistent buffer) as the dense tensor (a collective over the TP group, and the
+    expert-parallel group for the routed experts: call on every rank of them)."""
+    return {name: full_tensor(p.detach(), shard_spec(p), model).cpu() for name, p in model_state(model).items()}
 
 
 @torch.no_grad()
 def load_full_state_dict(model, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
-    """Copy this rank's shard of every dense tensor in `state` into `model`; names and shapes must match."""
-    params = dict(model.named_parameters())
+    """Copy this rank's shard of every dense tensor in `state` into `model` (its parameters and persistent buffers);
+    names and shapes must match."""
+    params = model_state(model)
     missing = sorted(set(params) - set(state))
     unexpected = sorted(set(state) - set(params))
     if missing or unexpected:

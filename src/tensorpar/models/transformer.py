@@ -7,7 +7,9 @@
 (the norms where the config's `norm_placement` puts them: tensorpar.models.block).
 
 In a mixture-of-experts model the mlp of every `moe_layer_freq`-th layer is an `MoELayer`, whose routed
-experts are split over the mesh's expert-parallel group (tensorpar.expert_parallel).
+experts are split over the mesh's expert-parallel group (tensorpar.expert_parallel). Latent attention
+(tensorpar.layers.latent_attention) replaces the attention when the config sets `kv_lora_rank`, and multi-token
+prediction modules (tensorpar.models.mtp) follow the layers on the last stage when it sets `num_mtp_layers`.
 
 Without sequence parallelism every TP rank holds the whole [B, S, H] activation between the
 TP regions; with it, each rank holds a [B, S/tp, H] sequence shard there (norms, dropout and
@@ -36,6 +38,7 @@ from tensorpar.layers.norms import Norm
 from tensorpar.models.block import TransformerBlock, recomputable, sequence_shard
 from tensorpar.models.config import ModelConfig
 from tensorpar.models.init import init_weights
+from tensorpar.models.mtp import MTPStats, MultiTokenPrediction, shifted, with_mtp_loss
 from tensorpar.models.placement import Placement, as_placement
 from tensorpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.tensor_parallel.embedding import VocabParallelEmbedding
@@ -105,6 +108,7 @@ class Transformer(nn.Module):
         self._build_inputs(device)
         # Keyed by global layer index, so that a stage's parameter names are the dense model's.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, placement, i, device) for i in layers})
+        self.decoder_keys = list(self.layers)
         self._build_outputs(device)
         self.rotaries = rotaries(cfg)
         if placement.lora is not None:
@@ -116,19 +120,22 @@ class Transformer(nn.Module):
     def _build_inputs(self, device) -> None:
         """The embedding (on the first stage, and its tied copy on the last) and the learned positions."""
         cfg, first, last = self.cfg, self.first_stage, self.last_stage
-        if first or (last and cfg.tie_embeddings):
+        shared = cfg.tie_embeddings or cfg.num_mtp_layers > 0  # the last stage uses the embedding too
+        if first or (last and shared):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.region, device=device,
                                                 init=False)
             if not first:  # the head's copy of the first stage's embedding
                 retag(self.embed.weight, pipeline_duplicate=True)
-            if not (first and last) and cfg.tie_embeddings:
+            if not (first and last) and shared:
                 retag(self.embed.weight, pipeline_tied=True)
         if first and cfg.position == "learned":
             self.pos_embed = tag(nn.Parameter(torch.empty(cfg.max_seq_len, cfg.hidden_size, device=device)),
                                  ShardSpec(dim=None, reduce_grad_across_tp=self.sequence_parallel))
 
     def _build_outputs(self, device) -> None:
-        """The final norm and the LM head (the embedding's, tied) on the last stage."""
+        """The final norm and the LM head (the embedding's, tied) on the last stage, and the multi-token prediction
+        modules (blocks num_layers.. of `layers`)."""
+        self.mtp_keys, self.mtp_stats = [], None
         if not self.last_stage:
             return
         cfg = self.cfg
@@ -139,6 +146,11 @@ class Transformer(nn.Module):
         else:
             self.head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, self.region, bias=False, device=device,
                                             init=False)
+        for i in range(cfg.num_layers, cfg.num_blocks):
+            self.layers[str(i)] = MultiTokenPrediction(cfg, self.placement, i, device)
+            self.mtp_keys.append(str(i))
+        if self.mtp_keys:
+            self.mtp_stats = MTPStats(len(self.mtp_keys))
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -209,14 +221,40 @@ class Transformer(nn.Module):
                                             reduction="sum")
         return _mean_over_valid(loss, targets, self.cp_group)
 
-    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """`loss(logits(h), targets)`, with the head and the loss fused per `loss_chunk_tokens` when the model was
-        built with it (under the zero-bubble split backward the head keeps the unfused path: see its `loss`)."""
+    def _head_loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's summed loss of the head over `h`: fused per `loss_chunk_tokens` when the model was built with
+        it (under the zero-bubble split backward the head keeps the unfused path: see its `loss`)."""
         if self.loss_chunk_tokens is None:
-            return self.loss(self.logits(h), targets)
-        loss = self.head.loss(h, targets, chunk_tokens=self.loss_chunk_tokens, reduction="sum",
+            return vocab_parallel_cross_entropy(self.logits(h), targets, self.tp_group,
+                                                vocab_size=self.cfg.vocab_size, reduction="sum")
+        return self.head.loss(h, targets, chunk_tokens=self.loss_chunk_tokens, reduction="sum",
                               softcap=self.cfg.final_logit_softcap)
-        return _mean_over_valid(loss, targets, self.cp_group)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`loss(logits(h), targets)`, the head and the loss fused per chunk when the model was built so."""
+        return _mean_over_valid(self._head_loss_sum(h, targets), targets, self.cp_group)
+
+    def mtp_loss(self, h: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor, ctx: MicroBatchContext,
+                 context: ContextSplit | None) -> torch.Tensor:
+        """The mean over the multi-token prediction modules of their losses (tensorpar.models.mtp), from the last
+        layer's output `h` and the window's `ids` and `targets` (whole: every CP rank keeps its chunks); each depth's
+        summed loss and target count go to `mtp_stats`."""
+        losses = []
+        for depth, key in enumerate(self.mtp_keys):
+            ids_k, targets_k = shifted(ids, targets, depth + 1)
+            if context is not None:
+                ids_k, targets_k = context.local(ids_k), context.local(targets_k)
+            module = self.layers[key]
+            if self.recompute == "full":
+                h = checkpoint(recomputable(module), h, self.embed(ids_k), ctx, use_reentrant=False)
+            else:
+                h = module(h, self.embed(ids_k), ctx)
+            h = module.norm(h)
+            loss_sum = self._head_loss_sum(h, targets_k)
+            if self.tp_group.rank == 0:
+                self.mtp_stats.add(depth, loss_sum, (targets_k != -100).sum())
+            losses.append(_mean_over_valid(loss_sum, targets_k, self.cp_group))
+        return torch.stack(losses).mean()
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -232,17 +270,19 @@ class Transformer(nn.Module):
 
         MoE models: the router losses are not in the returned loss; their gradients join the backward pass
         scaled by `aux_scale`, the factor the caller multiplies the returned loss by before calling backward."""
-        return self.forward_layers(ids, list(self.layers), targets, dropout_seed, embed=self.first_stage,
-                                   head=self.last_stage, aux_scale=aux_scale, documents=documents)
+        return self.forward_layers(ids, self.decoder_keys, targets, dropout_seed, embed=self.first_stage,
+                                   head=self.last_stage, aux_scale=aux_scale, documents=documents, inputs=ids)
 
     def moe_layers(self) -> dict[int, MoELayer]:
         """This rank's MoE layers by global layer index."""
         return {int(key): block.mlp for key, block in self.layers.items() if block.moe}
 
     def forward_layers(self, x, layer_keys, targets=None, dropout_seed=None, *, embed: bool, head: bool,
-                       aux_scale: float = 1.0, documents: PackedDocuments | None = None):
+                       aux_scale: float = 1.0, documents: PackedDocuments | None = None,
+                       inputs: torch.Tensor | None = None):
         """Run the layers `layer_keys` (one pipeline chunk), starting from token ids if `embed`, ending in
-        the loss (or logits) if `head`; hidden states in and out otherwise. `documents`: as in `forward`."""
+        the loss (or logits) if `head`; hidden states in and out otherwise. `documents`: as in `forward`. `inputs`:
+        the window's token ids [B, S], which a training loss with multi-token prediction needs on the last stage."""
         if self.training and self.cfg.dropout > 0 and dropout_seed is None:
             raise TensorparError("dropout is on: pass dropout_seed to the forward pass (the trainer does)")
         if embed:
@@ -267,10 +307,16 @@ class Transformer(nn.Module):
                 h = layer(h, ctx)
         if not head:
             return h
-        h = self.final_norm(h)
+        out = self.final_norm(h)
         if targets is None:
-            return self.logits(h)
-        return self.head_loss(h, targets if context is None else context.local(targets))
+            return self.logits(out)
+        loss = self.head_loss(out, targets if context is None else context.local(targets))
+        if self.mtp_keys and self.training and torch.is_grad_enabled():
+            if inputs is None:
+                raise TensorparError("multi-token prediction needs the window's token ids on the last stage: pass "
+                                     "inputs= to forward_layers")
+            loss = with_mtp_loss(loss, self.mtp_loss(h, inputs, targets, ctx, context), self.cfg.mtp_loss_weight)
+        return loss
 
     def forward_cached(self, ids: torch.Tensor, cache, start_pos=None) -> torch.Tensor:
         """Inference with a KV cache (tensorpar.inference.KVCache): run the new tokens `ids` [B, s] whose first one
@@ -310,9 +356,13 @@ class Transformer(nn.Module):
             span = cache.spans(positions) if any(r.depends_on_span for r in self.rotaries.values()) else None
             rope = rope_tables(self.rotaries, positions, h.dtype, span)
         ctx = MicroBatchContext(rope, kv_cache=cache)
-        for layer in self.layers.values():
+        for layer in self.decoder_layers().values():
             h = layer(h, ctx)
         return h
+
+    def decoder_layers(self) -> dict[str, TransformerBlock]:
+        """This rank's decoder layers by key (the blocks of `layers` less the multi-token prediction modules)."""
+        return {key: self.layers[key] for key in self.decoder_keys}
 
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Set this rank's padding columns to -inf, so that they never win an argmax or a sample."""

@@ -62,9 +62,10 @@ class PipelineRunner:
         self.weight_grads = weight_grads if layout.splits_backward else None
         embed = getattr(model, "embed", None)
         tied = embed is not None and getattr(getattr(model, "head", None), "weight", None) is embed.weight
-        if self.v_shape and tied and self.v > 1:
-            # A tied embedding on the rank holding both ends: the first chunk's lookup and the last chunk's head
-            # are two backward passes per micro-batch (data parallelism counts its gradient's arrivals).
+        if self.v_shape and self.v > 1 and (tied or (embed is not None and model.cfg.num_mtp_layers)):
+            # An embedding the last stage uses too (tied to the head, or multi-token prediction's), on the rank holding
+            # both ends: the first chunk's lookup and the last chunk's are two backward passes per micro-batch (data
+            # parallelism counts its gradient's arrivals).
             retag(embed.weight, backward_passes=2)
         self._local: dict[int, torch.Tensor] = {}  # tensors handed between two stages on this rank
         self.num_microbatches = num_microbatches
@@ -91,9 +92,11 @@ class PipelineRunner:
     def _tag(self, microbatch: int, stage: int, backward: bool) -> int:
         return 2 * (microbatch * self.stages + stage) + int(backward)
 
-    def _forward_chunk(self, x, chunk, targets, dropout_seed, aux_scale=1.0, documents=None):
+    def _forward_chunk(self, x, chunk, targets, dropout_seed, aux_scale=1.0, documents=None, inputs=None):
         stage = self._stage(chunk)
         extra = {} if documents is None else {"documents": documents}
+        if inputs is not None:  # the last stage's multi-token prediction takes the window's token ids
+            extra["inputs"] = inputs
         with self.autocast():
             return self.model.forward_layers(x, self.chunks[chunk], targets, dropout_seed, embed=stage == 0,
                                              head=stage == self.stages - 1, aux_scale=aux_scale, **extra)
@@ -119,8 +122,10 @@ class PipelineRunner:
         if stage > 0 and torch.is_grad_enabled():
             x.requires_grad_()
         t0 = time.perf_counter()
-        out = self._forward_chunk(x, chunk, batch.targets if stage == self.last else None, dropout_seed, aux_scale,
-                                  documents)
+        last = stage == self.last
+        mtp = last and bool(getattr(self.model, "mtp_keys", None))  # multi-token prediction reads the token ids
+        out = self._forward_chunk(x, chunk, batch.targets if last else None, dropout_seed, aux_scale, documents,
+                                  batch.inputs if mtp else None)
         if stage != self.last:
             out = out.to(self.activation_dtype)
             self._send(out.detach(), stage + 1, self._tag(mb, stage + 1, False), sends)

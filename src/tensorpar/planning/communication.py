@@ -26,6 +26,7 @@ from tensorpar.layout.rules import kv_heads_per_rank
 from tensorpar.planning.candidates import Candidate, stage_layer_indices, stage_layers
 from tensorpar.planning.collective_cost import Collective, sum_bytes
 from tensorpar.planning.fp8_traffic import fp8_tp_collectives, fp8_units, fp8_zero3_traffic, is_fp8_gathered
+from tensorpar.planning.latent import key_value_widths, latent_collectives, mtp_collectives
 from tensorpar.planning.params import is_expert, layout_parameters
 
 def model_collectives(
@@ -60,18 +61,25 @@ def model_collectives(
     """
     mm = act_bytes if matmul_bytes is None else matmul_bytes
     first, last, n_layers = stage_layers(cfg, layout, stage)
+    mtp = cfg.num_mtp_layers if last else 0  # multi-token prediction modules: a block, the embedding and head again
+    n_layers += mtp
     b, s = micro_batch, seq_len // layout.cp  # s: the tokens of each sequence this rank holds
     out: list[Collective] = []
     if layout.tp > 1:
-        if first:
+        for _ in range((1 if first else 0) + mtp):
             out += _embedding_collectives(cfg, layout.sequence_parallel, b, s, act_bytes, grad_bytes)
         out += _layer_collectives(cfg, layout, n_layers, b * s * cfg.hidden_size, act_bytes, mm, grad_bytes,
                                   tp_pieces)
+        if cfg.is_mla:
+            out += latent_collectives(cfg, layout, n_layers, b, s, act_bytes, grad_bytes)
         out += fp8_tp_collectives(cfg, layout, b, s, n_layers, fp8_recipe)
-        if last:
+        for _ in range(1 + mtp if last else 0):
             out += _head_collectives(cfg, layout.sequence_parallel, b, s, act_bytes, grad_bytes, label_smoothing)
+        if mtp:
+            out += mtp_collectives(cfg, layout, b, s, act_bytes, mm, grad_bytes)
     if cfg.is_moe:
-        n_moe = sum(cfg.is_moe_layer(i) for i in stage_layer_indices(cfg, layout, stage))
+        blocks = stage_layer_indices(cfg, layout, stage) + list(range(cfg.num_layers, cfg.num_layers + mtp))
+        n_moe = sum(cfg.is_moe_layer(i) for i in blocks)
         out = moe_collectives(cfg, layout, out, b, s, n_layers, n_moe, act_bytes, mm, grad_bytes)
     if layout.cp > 1:
         out += ring_collectives(cfg, layout, b, s, mm, n_layers, last)
@@ -118,16 +126,17 @@ def _layer_collectives(cfg, layout: Candidate, n_layers: int, bsh: int, act_byte
     # stops re-running as soon as every tensor backward needs exists again, so without dropout the MLP's
     # output reduction (the block's last op, whose result nothing saves) is not repeated.
     full = layout.recompute == "full"
-    again_in = 2 if full else 0
+    entries = 1 if cfg.is_mla else 2  # latent attention enters with its latents (tensorpar.planning.latent)
+    again_in = entries if full else 0
     again_out = (2 if cfg.dropout > 0 else 1) if full else 0
     if layout.sequence_parallel:
-        _add(out, "all_gather", bsh * act_bytes, 2 * L, "forward", "attention / MLP input (SP gather)",
+        _add(out, "all_gather", bsh * act_bytes, entries * L, "forward", "attention / MLP input (SP gather)",
              pieces=tp_pieces)
         _add(out, "reduce_scatter", bsh * mm, 2 * L, "forward", "attention / MLP output (SP reduce-scatter)",
              pieces=tp_pieces)
         _add(out, "all_gather", bsh * act_bytes, again_in * L, "backward", "recomputed attention / MLP input")
         _add(out, "reduce_scatter", bsh * mm, again_out * L, "backward", "recomputed attention / MLP output")
-        _add(out, "reduce_scatter", bsh * act_bytes, 2 * L, "backward", "attention / MLP input gradient")
+        _add(out, "reduce_scatter", bsh * act_bytes, entries * L, "backward", "attention / MLP input gradient")
         _add(out, "all_gather", bsh * mm, 2 * L, "backward", "attention / MLP output gradient", pieces=tp_pieces)
         _add(out, "all_reduce", h * grad_bytes, 2 * L * _norm_params(cfg), "backward", "norm weight gradients (SP)")
         if cfg.bias:
@@ -136,8 +145,8 @@ def _layer_collectives(cfg, layout: Candidate, n_layers: int, bsh: int, act_byte
         _add(out, "all_reduce", bsh * mm, 2 * L, "forward", "attention / MLP output (row-parallel)",
              pieces=tp_pieces)
         _add(out, "all_reduce", bsh * mm, again_out * L, "backward", "recomputed attention / MLP output")
-        _add(out, "all_reduce", bsh * act_bytes, 2 * L, "backward", "attention / MLP input gradient")
-    if cfg.kv_heads < layout.tp:  # replicated KV heads: one buffer with a slot per KV head, K and V separately
+        _add(out, "all_reduce", bsh * act_bytes, entries * L, "backward", "attention / MLP input gradient")
+    if cfg.kv_heads < layout.tp and not cfg.is_mla:  # replicated KV heads: one buffer with a slot per KV head, K and V separately
         kv = cfg.kv_heads * cfg.head_dim
         _add(out, "all_reduce", kv * h * grad_bytes, 2 * L, "backward", "replicated K/V weight gradients")
         if cfg.attention_qkv_bias:
@@ -202,8 +211,9 @@ def moe_collectives(cfg, layout: Candidate, dense: list[Collective], b: int, s: 
     if tp > 1 and n_moe:
         shared = cfg.num_shared_experts > 0
         if not shared:  # no MLP collectives in an MoE layer: those counted twice a layer lose one call per MoE layer
+            twice = {2 * n_layers} | ({n_layers} if cfg.is_mla else set())  # latent attention enters on its own
             out = [dataclasses.replace(c, calls=c.calls - n_moe)
-                   if c.group == "tp" and "attention / MLP" in c.what and c.calls == 2 * n_layers else c for c in out]
+                   if c.group == "tp" and "attention / MLP" in c.what and c.calls in twice else c for c in out]
         if not sp:
             out.append(Collective("all_gather", "tp", bsh * act_bytes, n_moe, "forward", "MoE outputs (token split)"))
             out.append(Collective("all_gather", "tp", bsh * act_bytes, n_moe, "backward", "MoE input gradients"))
@@ -231,17 +241,19 @@ def ring_collectives(cfg, layout: Candidate, b: int, s: int, kv_bytes: int, n_la
     promotes it), V in the matmul dtype (`kv_bytes`). Sends and receives are both counted, each with the
     message's bytes. The last stage also averages the loss over the CP ranks (two fp32 scalars)."""
     cp = layout.cp
-    block = b * kv_heads_per_rank(cfg.kv_heads, layout.tp)[0] * cfg.head_dim * s
+    heads = (cfg.num_heads // layout.tp) if cfg.is_mla else kv_heads_per_rank(cfg.kv_heads, layout.tp)[0]
+    k_width, v_width = key_value_widths(cfg)  # latent attention: per-head keys (the rotary one shared) and values
     k_bytes = 4 if cfg.position == "rope" else kv_bytes
     rings = 1 + (layout.recompute != "none")  # forward rings of K and V per layer, recomputation included
     out = []
     for op in ("send", "recv"):
-        for name, nbytes in (("K", k_bytes), ("V", kv_bytes)):
+        for name, nbytes, width in (("K", k_bytes, k_width), ("V", kv_bytes, v_width)):
+            block = b * heads * width * s
             out.append(Collective(op, "cp", block * nbytes, (cp - 1) * n_layers * rings, "forward",
                                   f"{name} blocks round the ring"))
             out.append(Collective(op, "cp", block * nbytes, (cp - 1) * n_layers, "backward",
                                   f"{name} blocks round the ring again"))
-        out.append(Collective(op, "cp", block * 4, 2 * cp * n_layers, "backward", "K, V gradients (fp32)"))
+            out.append(Collective(op, "cp", block * 4, cp * n_layers, "backward", f"{name} gradients (fp32)"))
     if last:
         out.append(Collective("all_reduce", "cp", 8, 1, "forward", "loss mean over the CP ranks"))
     return out
@@ -368,7 +380,7 @@ def _step_scalars(cfg, layout: Candidate, stage: int | None, grad_bytes: int) ->
         out.append(Collective("all_reduce", "pp", 4, 1, "step", "loss to every stage"))
         out.append(Collective("all_reduce", "pp", 4, 1, "step", "gradient norm"))
         last_rank = layout.split(cfg.num_layers).last_rank
-        if cfg.tie_embeddings and last_rank != 0 and stage in (0, last_rank):
+        if (cfg.tie_embeddings or cfg.num_mtp_layers) and last_rank != 0 and stage in (0, last_rank):
             n = math.ceil(cfg.vocab_size / layout.tp) * cfg.hidden_size  # this rank's rows of the padded table
             out.append(Collective("all_reduce", "embed", n * grad_bytes, 1, "step", "tied embedding gradient"))
     if layout.dp > 1:

@@ -3,7 +3,8 @@
 The forward of a layer is ``2 b s P_layer + 4 b s^2 h`` (the matmul parameters, PaLM's attention
 term, with the query heads' width for h and a sliding window's keys for s where it is shorter, averaged over the
 layers: the accounting of `tensorpar.models.flops`, so that summed over stages it is exactly
-``train_flops_per_token(cfg, s) * b * s``) and the head ``2 b s (V h + norm)`` on the last stage;
+``train_flops_per_token(cfg, s) * b * s``) and the head ``2 b s (V h + norm)`` on the last stage (with
+multi-token prediction, each module's block and the head once more);
 training is 3 x forward. A mixture of experts counts what one token uses (`models.flops`: the router, its
 top-k routed experts and the shared experts; balanced routing), averaged over the layers when only every
 moe_layer_freq-th layer is one. Recomputation adds one more forward of every layer ("full"; tensorpar's
@@ -28,7 +29,7 @@ def flop_parts(cfg) -> tuple[float, float]:
         return hit[1]
     norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
     head = cfg.vocab_size * cfg.hidden_size + norm
-    out = (matmul_params(cfg) - head) / cfg.num_layers, head
+    out = (matmul_params(cfg) - head) / cfg.num_blocks, head  # multi-token prediction modules: blocks too
     _PARTS[id(cfg)] = (cfg, out)
     return out
 
@@ -48,9 +49,11 @@ def stage_flops(cfg, layout: Candidate, b: int, s: int, stage: int | None, preci
     """(training FLOPs, recomputation FLOPs) of one micro-batch through one stage (all its TP ranks)."""
     first, last, n = stage_layers(cfg, layout, stage)
     layer_p, head_p = flop_parts(cfg)
-    attn = attention_flops_per_token(cfg, s) / (3.0 * cfg.num_layers) * b * s  # one layer's forward, on average
+    attn = attention_flops_per_token(cfg, s) / (3.0 * cfg.num_blocks) * b * s  # one layer's forward, on average
     layer_fwd = 2.0 * b * s * layer_p + attn
-    fwd = n * layer_fwd + (2.0 * b * s * head_p if last else 0.0)
+    mtp = cfg.num_mtp_layers if last else 0  # each multi-token prediction module: a block, and the head again
+    n += mtp
+    fwd = n * layer_fwd + (2.0 * b * s * (head_p + mtp * cfg.vocab_size * cfg.hidden_size) if last else 0.0)
     if layout.recompute == "full":
         again = layer_fwd
         if precision.activations == "tensorpar" and cfg.dropout == 0:

@@ -8,6 +8,8 @@
 - ZeRO-3 (`tensorpar.data_parallel.fully_sharded`, tensorwise only): each block's column/row-parallel weights are
   a unit of their own, gathered in fp8 (1 byte per element) after one all-reduce (max) of their amaxes over the
   shards and one over TP; the block's other parameters stay a unit gathered in the parameters' dtype.
+
+And what they change in a layer's saved inputs, for `memory.tensorpar_layer_activations` (`fp8_input_bytes`).
 """
 
 from __future__ import annotations
@@ -75,3 +77,16 @@ def fp8_zero3_traffic(params: list[tuple[str, int, int]], layout, grads: str, m:
         out.append(Collective("reduce_scatter", grads, padded * grad_bytes, m, "backward", "ZeRO-3 fp8 block "
                                                                                          "gradients"))
     return out
+
+
+def fp8_input_bytes(cfg, fp8: str, recompute: str, b: int, s: int, t: int, moe: bool) -> int:
+    """What tensorwise fp8 GEMMs change in a layer's saved inputs (bf16 parameters): the q/k/v, MLP-up and
+    down-projection inputs are kept in fp8 in place of bf16 (1 byte less per element); the output projection's
+    fp8 input is one byte more where the attention core keeps its bf16 output too (no recomputation), one less
+    where it does not. Rowwise keeps the bf16 inputs (the weight gradient's GEMM runs in bf16): no change."""
+    if fp8 != "tensorwise":
+        return 0
+    local = b * s * (cfg.num_heads // t) * cfg.head_dim
+    out_proj = local if recompute == "none" else -local
+    mlp = 0 if moe else b * s * cfg.hidden_size + b * s * (cfg.ffn_hidden_size // t)
+    return out_proj - b * s * cfg.hidden_size - mlp

@@ -85,17 +85,32 @@ def layer_parts(cfg, layout: Candidate, b: int, s: int, prec, cluster, moe: bool
     dtype, nb = prec.gemm_dtype, prec.matmul_bytes
     gemm_bytes = 1 if dtype == "fp8" else nb
     attn_gemms = [(T, (heads + 2 * kv) * d, h, 1), (T, h, heads * d, 1)]
+    rope = 2 * T * (heads + kv) * cfg.rotary_dim * nb if cfg.position == "rope" else 0
+    if cfg.is_mla:
+        attn_gemms, d = _latent_gemms(cfg, layout, T, heads)
+        rope = 2 * T * (heads + 1) * cfg.qk_rope_head_dim * nb
     mlp_gemms, down, mlp_act, permute = _mlp_parts(cfg, layout, T, nb, moe)
     g_fwd, g_dgrad, g_wgrad = _gemms_time(attn_gemms + mlp_gemms, cluster, dtype, gemm_bytes)
     down_fwd = _gemms_time(down, cluster, dtype, gemm_bytes)[0]
     # A soft cap runs outside SDPA (it has none): the two batched GEMMs and the score passes, as without flash.
     a_fwd, a_bwd = _attention_time(b, s, c, heads, d, prec, cluster, flash and cfg.attn_logit_softcap is None)
-    rope = 2 * T * (heads + kv) * d * nb if cfg.position == "rope" else 0
     e_fwd, e_bwd = _elementwise_time(cfg, layout, T, rope, mlp_act, permute, attn_gemms + mlp_gemms, prec, cluster)
     out = {"gemm_fwd": g_fwd, "gemm_bwd": g_dgrad + g_wgrad, "wgrad": g_wgrad, "attn_fwd": a_fwd, "attn_bwd": a_bwd,
            "elem_fwd": e_fwd, "elem_bwd": e_bwd, "down_fwd": down_fwd}
     _CACHE[key] = (cfg, cluster, out)
     return out
+
+
+def _latent_gemms(cfg, layout: Candidate, T: int, heads: int) -> tuple[list, float]:
+    """(latent attention's GEMMs as (m, n, k, count), the head width whose square-attention FLOPs equal its own) for T
+    tokens on one rank of `heads` heads: the replicated down-projections (on T / tp tokens under SP, T without), the
+    query and kv up-projections and the output projection, each split by heads."""
+    h, q, kv, r = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    dk, dv = cfg.qk_nope_head_dim + r, cfg.v_head_dim
+    down_tokens = T // layout.tp if layout.sequence_parallel else T
+    gemms = [(down_tokens, (q or 0) + kv + r, h, 1), (T, heads * (cfg.qk_nope_head_dim + dv), kv, 1),
+             (T, h, heads * dv, 1), (T, heads * dk, h if q is None else q, 1)]
+    return gemms, (dk + dv) / 2
 
 
 def _mlp_parts(cfg, layout: Candidate, T: int, nb: int, moe: bool) -> tuple[list, list, float, float]:
@@ -190,7 +205,9 @@ def stage_compute_time(cfg, layout: Candidate, b: int, s: int, stage, prec, clus
     else:
         n_moe = 0
     fwd = bwd = wgrad = recompute = attention = 0.0
-    for count, moe in ((n - n_moe, False), (n_moe, True)):
+    mtp = cfg.num_mtp_layers if last else 0  # each multi-token prediction module: a block, and the head again
+    mtp_moe = mtp if cfg.is_moe_layer(cfg.num_layers) else 0
+    for count, moe in ((n - n_moe + mtp - mtp_moe, False), (n_moe + mtp_moe, True)):
         if count <= 0:
             continue
         p = layer_parts(cfg, layout, b, s, prec, cluster, moe, flash)
@@ -206,7 +223,7 @@ def stage_compute_time(cfg, layout: Candidate, b: int, s: int, stage, prec, clus
             recompute += count * p["attn_fwd"]
     if last:
         hf, hb, hw = head_time(cfg, layout, b, s, prec, cluster)
-        fwd, bwd, wgrad = fwd + hf, bwd + hb, wgrad + hw
+        fwd, bwd, wgrad = fwd + (1 + mtp) * hf, bwd + (1 + mtp) * hb, wgrad + (1 + mtp) * hw
     return fwd, bwd, wgrad, recompute, attention
 
 

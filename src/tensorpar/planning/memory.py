@@ -80,6 +80,8 @@ from tensorpar.config.hardware import GiB
 from tensorpar.distributed.sharding import padded
 from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
 from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
+from tensorpar.planning.fp8_traffic import fp8_input_bytes
+from tensorpar.planning.latent import latent_attention_activations, latent_playbook_bytes, mtp_activations
 from tensorpar.planning.offload_memory import host_optimizer_bytes, levered_precision
 from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
@@ -137,7 +139,9 @@ def tensorpar_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recomput
     masks = 0
     if cfg.dropout > 0:
         masks = 2 * (A if (cfg.bias or not autocast) else M) * b * sn * h
-    return norms + attn_in + mlp_in + attn + mlp + masks + _fp8_input_bytes(cfg, fp8, recompute, b, s, t, moe)
+    if cfg.is_mla:  # latent attention's own tensors (tensorpar.planning.latent)
+        attn_in, attn = 0, latent_attention_activations(cfg, tp, sp, b, s, recompute, autocast, act_bytes)
+    return norms + attn_in + mlp_in + attn + mlp + masks + fp8_input_bytes(cfg, fp8, recompute, b, s, t, moe)
 
 
 def _qk_norm_bytes(cfg, b: int, s: int, heads: int, kv_heads: int, M: int) -> int:
@@ -159,19 +163,6 @@ def _score_bytes(cfg, b: int, heads: int, s: int, M: int, cp: int) -> int:
                    for i in range(cfg.num_layers)) / cfg.num_layers
     capped = cfg.attn_logit_softcap is not None
     return round(b * heads * s * s * 8 * capped + s * s * (1 if capped else M) * windowed)
-
-
-def _fp8_input_bytes(cfg, fp8: str, recompute: str, b: int, s: int, t: int, moe: bool) -> int:
-    """What tensorwise fp8 GEMMs change in a layer's saved inputs (bf16 parameters): the q/k/v, MLP-up and
-    down-projection inputs are kept in fp8 in place of bf16 (1 byte less per element); the output projection's
-    fp8 input is one byte more where the attention core keeps its bf16 output too (no recomputation), one less
-    where it does not. Rowwise keeps the bf16 inputs (the weight gradient's GEMM runs in bf16): no change."""
-    if fp8 != "tensorwise":
-        return 0
-    local = b * s * (cfg.num_heads // t) * cfg.head_dim
-    out_proj = local if recompute == "none" else -local
-    mlp = 0 if moe else b * s * cfg.hidden_size + b * s * (cfg.ffn_hidden_size // t)
-    return out_proj - b * s * cfg.hidden_size - mlp
 
 
 def tensorpar_moe_activations(cfg, tp: int, b: int, s: int, autocast: bool, act_bytes: int = 4) -> int:
@@ -209,7 +200,7 @@ def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast
     first = 8 * b * s + (b * s if tp > 1 else 0)  # ids (masked to the local vocabulary) and the mask
     if cfg.dropout > 0:
         first += A * b * sn * h
-    rope = 2 * A * s * cfg.head_dim if cfg.position == "rope" else 0
+    rope = 2 * A * s * cfg.rotary_dim if cfg.position == "rope" else 0
     if cfg.norm == "rmsnorm":
         last = A * b * sn * h + 4 * b * sn * h + 4 * b * sn
     else:
@@ -239,8 +230,8 @@ def playbook_layer_activations(cfg, tp: int, sp: bool, b: int, s: int, recompute
         return nbytes * bsh // (t if sp else 1)
     dropout = cfg.dropout > 0
     outside = nbytes * 2 * bsh + lin * 2 * bsh + (2 * bsh if dropout else 0)  # 2 norm inputs, 2 linear inputs, masks
-    kv = cfg.kv_heads * cfg.head_dim
-    inside = nbytes * b * s * (h + 2 * kv)  # q, k, v
+    kv = cfg.kv_heads * cfg.head_dim  # q, k, v (latent attention: its keys, values and latents)
+    inside = latent_playbook_bytes(cfg, b, s, nbytes) if cfg.is_mla else nbytes * b * s * (h + 2 * kv)
     inside += lin * bsh  # the attention output (the output projection's input)
     mlp = (_mlp_saved(cfg) - 1) * nbytes + lin  # per [b, s, f] element: the last one is the down projection's input
     if moe:
@@ -443,6 +434,10 @@ def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int,
         whole = _layer_activations(cfg, layout, b, s, "none", prec, flash_attention, tp_overlap, moe_share)
         recomputed = whole if layout.recompute == "full" else whole - per_layer
     ends = mbs_in_flight * ((outer["first"] if first else 0) + outer["rope"]) + (outer["last"] if last else 0)
+    if last and cfg.num_mtp_layers:  # the multi-token prediction modules' blocks, norms and heads
+        layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap,
+                                   float(cfg.is_moe_layer(cfg.num_layers)))
+        ends += mtp_activations(cfg, layout, b, s, prec, layer, outer["last"])
     return chunks * layers_per_chunk * per_layer + ends, recomputed
 
 

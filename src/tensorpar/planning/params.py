@@ -5,7 +5,10 @@ compares): the vocabulary padded to a multiple of tp, KV heads replicated when f
 and row-parallel biases replicated (q/k/v biases alone with `qkv_bias`), a tied embedding on the first stage and (as the head's copy) on
 the last. In a mixture-of-experts layer the MLP is a router (replicated), num_experts / ep routed experts
 held whole (expert-TP is 1; stacked [E / ep, ...] tensors, no biases) and the shared experts, a
-tensor-parallel MLP of num_shared_experts times the expert width (tensorpar.expert_parallel).
+tensor-parallel MLP of num_shared_experts times the expert width (tensorpar.expert_parallel). Latent attention
+(tensorpar.layers.latent_attention) holds its down-projections and latent norms whole and its up- and output
+projections split by heads; multi-token prediction modules (tensorpar.models.mtp) follow the layers on the last
+stage, which then holds the embedding too. The routers' balancing biases are buffers, not parameters: not here.
 """
 
 from __future__ import annotations
@@ -69,11 +72,17 @@ def _local_parameters(cfg, tp: int, ep: int, stage: int, split) -> list[tuple[st
     out: list[tuple[str, int, int]] = []
     if first and cfg.position == "learned":
         out.append(("pos_embed", cfg.max_seq_len * h, 2))
-    if first or (last and cfg.tie_embeddings):
+    if first or (last and (cfg.tie_embeddings or cfg.num_mtp_layers)):
         out.append(("embed.weight", vocab * h, 2))
     for i in layers:
         out += _layer_parameters(cfg, i, heads, kv_local, f, tp, ep)
     if last:
+        for i in range(cfg.num_layers, cfg.num_blocks):  # the multi-token prediction modules
+            p = f"layers.{i}"
+            out += _norm_parameters(cfg, f"{p}.enorm") + _norm_parameters(cfg, f"{p}.hnorm")
+            out.append((f"{p}.eh_proj.weight", h * 2 * h // tp, 2))
+            out += _layer_parameters(cfg, i, heads, kv_local, f, tp, ep, f"{p}.block")
+            out += _norm_parameters(cfg, f"{p}.norm")
         out += _norm_parameters(cfg, "final_norm")
         if not cfg.tie_embeddings:
             out.append(("head.weight", vocab * h, 2))
@@ -81,19 +90,22 @@ def _local_parameters(cfg, tp: int, ep: int, stage: int, split) -> list[tuple[st
 
 
 def _layer_parameters(cfg, i: int, heads: int, kv_local: int, f: int, tp: int,
-                      ep: int) -> list[tuple[str, int, int]]:
-    """(name, numel, ndim) of layer `i`'s parameters on one rank holding `heads` query heads, `kv_local` KV heads
-    and `f` of the MLP's width, in the block's order: the norm before attention, its projections and q / k norms,
-    the norm after it, then the MLP's norms around a dense MLP or a mixture of experts (norms where
-    `norm_placement` puts them)."""
-    h, hd, p = cfg.hidden_size, cfg.head_dim, f"layers.{i}"
+                      ep: int, p: str | None = None) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) of layer `i`'s parameters (named under `p`, default `layers.{i}`) on one rank holding
+    `heads` query heads, `kv_local` KV heads and `f` of the MLP's width, in the block's order: the norm before
+    attention, its projections and q / k norms (latent attention's own), the norm after it, then the MLP's norms
+    around a dense MLP or a mixture of experts (norms where `norm_placement` puts them)."""
+    h, hd, p = cfg.hidden_size, cfg.head_dim, p or f"layers.{i}"
     qkv_bias, before = cfg.attention_qkv_bias, cfg.norm_placement in ("pre", "sandwich")
     after = cfg.norm_placement in ("sandwich", "post")
     out = _norm_parameters(cfg, f"{p}.attn_norm") if before else []
-    out += _linear_parameters(f"{p}.attn.q_proj", heads * hd, h, heads * hd, qkv_bias)
-    out += _linear_parameters(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
-    out += _linear_parameters(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
-    out += _linear_parameters(f"{p}.attn.o_proj", h, heads * hd, h, cfg.bias)
+    if cfg.is_mla:
+        out += latent_attention_parameters(cfg, f"{p}.attn", heads)
+    else:
+        out += _linear_parameters(f"{p}.attn.q_proj", heads * hd, h, heads * hd, qkv_bias)
+        out += _linear_parameters(f"{p}.attn.k_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
+        out += _linear_parameters(f"{p}.attn.v_proj", kv_local * hd, h, kv_local * hd, qkv_bias)
+        out += _linear_parameters(f"{p}.attn.o_proj", h, heads * hd, h, cfg.bias)
     if cfg.qk_norm != "none":
         q, k = (hd, hd) if cfg.qk_norm == "head" else (heads * hd, kv_local * hd)
         out += [(f"{p}.attn.q_norm.weight", q, 1), (f"{p}.attn.k_norm.weight", k, 1)]
@@ -108,6 +120,22 @@ def _layer_parameters(cfg, i: int, heads: int, kv_local: int, f: int, tp: int,
         out += _linear_parameters(f"{p}.mlp.up_proj", f, h, f, bias)
         out += _linear_parameters(f"{p}.mlp.down_proj", h, f, h, bias)
     return out + (_norm_parameters(cfg, f"{p}.post_mlp_norm") if after else [])
+
+
+def latent_attention_parameters(cfg, p: str, heads: int) -> list[tuple[str, int, int]]:
+    """Latent attention's parameters on a rank holding `heads` heads: the whole down-projections (with biases when
+    the q/k/v have them) and latent norms, the up- and output projections' rows or columns of those heads."""
+    h, qk, q, kv, r = (cfg.hidden_size, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.q_lora_rank,
+                       cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    bias = cfg.attention_qkv_bias
+    if q is None:
+        out = _linear_parameters(f"{p}.q_proj", heads * qk, h, 0, False)
+    else:
+        out = _linear_parameters(f"{p}.q_a_proj", q, h, q, bias) + [(f"{p}.q_a_norm.weight", q, 1)]
+        out += _linear_parameters(f"{p}.q_b_proj", heads * qk, q, 0, False)
+    out += _linear_parameters(f"{p}.kv_a_proj", kv + r, h, kv + r, bias) + [(f"{p}.kv_a_norm.weight", kv, 1)]
+    out += _linear_parameters(f"{p}.kv_b_proj", heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), kv, 0, False)
+    return out + _linear_parameters(f"{p}.o_proj", h, heads * cfg.v_head_dim, h, cfg.bias)
 
 
 def _norm_parameters(cfg, prefix: str) -> list[tuple[str, int, int]]:
@@ -178,12 +206,13 @@ def layout_summary(cfg, layout, stage: int | None = 0) -> ParamSummary:
     if key not in _SUMMARY_CACHE:
         params = layout_parameters(cfg, layout, stage)
         experts = [n for name, n, _ in params if is_expert(name)]
-        layers = [p for p in params if p[0].startswith("layers.")]
+        layers = [p for p in params if p[0].startswith("layers.")  # the decoder's (not the MTP modules')
+                  and int(p[0].split(".")[1]) < cfg.num_layers]
         n_layers = len({p[0].split(".")[1] for p in layers}) or 1
         _SUMMARY_CACHE[key] = ParamSummary(
             sum(n for _, n, _ in params), len(params), sum(n for _, n, _ in layers) // n_layers,
             _matmul_weight_count(cfg, layers),
-            _matmul_weight_count(cfg, [p for p in params if not p[0].startswith("layers.")]),
+            _matmul_weight_count(cfg, [p for p in params if p not in layers]),
             sum(experts), len(experts))
     return _SUMMARY_CACHE[key]
 

@@ -14,6 +14,7 @@ from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.errors import TensorparError
 from tensorpar.planning.cluster import Cluster
 from tensorpar.planning.candidates import Candidate, candidate_problem, enumerate_candidates
+from tensorpar.planning.latent import kv_cache_bytes
 from tensorpar.planning.memory import MemoryBreakdown, layout_memory
 from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.step_time import StepTime, predict_step_time
@@ -27,6 +28,7 @@ class Plan:
     memory: MemoryBreakdown | None = None
     time: StepTime | None = None
     excess_bytes: int = 0  # how far over the GPU's memory (infeasible for memory)
+    kv_cache_bytes_per_token: int = 0  # one token's bf16 KV cache on one rank, all layers (for serving at this tp)
 
     def to_dict(self) -> dict:
         cand, lay = self.candidate, self.candidate.layout
@@ -42,6 +44,7 @@ class Plan:
             "step_time_s": self.time.step_time_s if self.time else None,
             "tokens_per_s": self.time.tokens_per_s if self.time else None,
             "mfu": self.time.mfu if self.time else None,
+            "kv_cache_bytes_per_token": self.kv_cache_bytes_per_token,
         }
         if self.time:
             t = self.time
@@ -65,17 +68,18 @@ def evaluate(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batc
         return Plan(layout, False, reason)
     mem = layout_memory(cfg, layout, seq_len, global_batch, precision, flash_attention, levers)
     excess = mem.total - cluster.memory_bytes
+    kv = kv_cache_bytes(cfg, layout.tp)
     host = mem.host_optimizer + mem.host_activations
     if host > cluster.host_memory_bytes and excess <= 0:
         return Plan(layout, False, f"exceeds host memory by {(host - cluster.host_memory_bytes) / GiB:.1f} GiB per GPU "
                                    f"({host / GiB:.1f} of {cluster.host_memory_bytes / GiB:.0f} GiB offloaded)",
-                    mem, None, host - cluster.host_memory_bytes)
+                    mem, None, host - cluster.host_memory_bytes, kv)
     if excess > 0:  # no step time for a layout that cannot run (the search is then ~3x faster at scale)
         return Plan(layout, False, f"exceeds memory by {excess / GiB:.1f} GiB ({mem.total / GiB:.1f} of "
                                    f"{cluster.memory_bytes / GiB:.0f} GiB, pipeline stage {mem.stage})",
-                    mem, None, excess)
+                    mem, None, excess, kv)
     time = predict_step_time(cfg, layout, cluster, seq_len, global_batch, precision, flash=flash_attention)
-    return Plan(layout, True, "", mem, time)
+    return Plan(layout, True, "", mem, time, kv_cache_bytes_per_token=kv)
 
 
 def search(cfg, cluster: Cluster, seq_len: int, global_batch: int, precision="tensorpar-bf16", *,

@@ -40,28 +40,33 @@ class Segment:
 
 
 class PagedKVPool:
-    """This rank's keys and values: per layer [num_blocks * block_size, local_kv_heads, head_dim]."""
+    """This rank's keys and values: per layer [num_blocks * block_size, local_kv_heads, head_dim] (an attention's
+    `cache_layout`: latent attention pools its compressed latent and rotary key, one "head" each)."""
 
     def __init__(self, layer_keys, num_blocks: int, block_size: int, local_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device=None):
-        shape = (num_blocks * block_size, local_kv_heads, head_dim)
-        self.k = {str(key): torch.zeros(shape, dtype=dtype, device=device) for key in layer_keys}
-        self.v = {str(key): torch.zeros(shape, dtype=dtype, device=device) for key in layer_keys}
+                 dtype: torch.dtype = torch.float32, device=None, value_layout: tuple[int, int] | None = None):
+        slots = num_blocks * block_size
+        value_heads, value_dim = value_layout or (local_kv_heads, head_dim)
+        self.k = {str(key): torch.zeros((slots, local_kv_heads, head_dim), dtype=dtype, device=device)
+                  for key in layer_keys}
+        self.v = {str(key): torch.zeros((slots, value_heads, value_dim), dtype=dtype, device=device)
+                  for key in layer_keys}
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, *, dtype: torch.dtype | None = None) -> "PagedKVPool":
-        """An empty pool for every layer of `model` (this rank's KV heads), on the model's device."""
-        attn = next(iter(model.layers.values())).attn
+        """An empty pool for every layer of `model` (what its attention caches: this rank's KV heads), on the model's
+        device."""
+        (heads, dim), values = next(iter(model.decoder_layers().values())).attn.cache_layout()
         param = next(model.parameters())
-        return cls(list(model.layers), num_blocks, block_size, attn.local_kv_heads, attn.head_dim,
-                   dtype=dtype or param.dtype, device=param.device)
+        return cls(model.decoder_keys, num_blocks, block_size, heads, dim, dtype=dtype or param.dtype,
+                   device=param.device, value_layout=values)
 
     @staticmethod
     def bytes_per_token(model, dtype: torch.dtype) -> int:
         """Bytes one token's keys and values take on this rank, over all layers."""
-        attn = next(iter(model.layers.values())).attn
-        return 2 * len(model.layers) * attn.local_kv_heads * attn.head_dim * torch.empty((), dtype=dtype).element_size()
+        (heads, dim), (value_heads, value_dim) = next(iter(model.decoder_layers().values())).attn.cache_layout()
+        return len(model.decoder_keys) * (heads * dim + value_heads * value_dim) * torch.empty((), dtype=dtype).element_size()
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
@@ -121,8 +126,8 @@ class PagedStep:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                pattern: AttentionPattern = AttentionPattern()) -> torch.Tensor:
         """softmax(scores) v of the packed queries [1, heads, T, d] over their own sequence's keys, the scores as
-        `pattern` makes them (scale, soft cap, window)."""
-        out = torch.empty_like(q)
+        `pattern` makes them (scale, soft cap, window): [1, heads, T, dv]."""
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         if self.decode:
             qd = q[0].index_select(1, self.decode_tokens).transpose(0, 1)[:, :, None]  # [Bd, heads, 1, d]
             kd, vd = (k, v) if self.all_decode else (k[self.decode_rows], v[self.decode_rows])

@@ -15,18 +15,19 @@ policy of the whole run, not of a layer, and it has two independent parts, which
   `tensorpar.pipeline_parallel.weight_grad`).
 
 `tp_region` builds it and is the one place that knows which combinations run (its docstring lists the rules).
-The layers have one forward each and ask the region: `enter` (column-parallel projections sharing an input;
-`entry`: its collective alone), `leave` (the row-parallel product and its reduction), `replicated` (parameters
-replicated on the TP ranks, such as a norm's, whose gradients are summed over them when each rank sees part of
-the tokens), `reduce` (partial results summed over TP, e.g. a vocabulary-parallel embedding's), `linear` (a local
-product of a replicated weight), `stacked_linear` (one expert's slice of stacked expert weights) and `lookup` (an
-embedding). Each is one line: the collectives are the edges', the products the GEMMs'.
+The layers have one forward each and ask the region: `enter` (column-parallel projections sharing an input; `entry`:
+its collective alone; `column`: the GEMMs alone), `leave` (the row-parallel product and its reduction), `replicated`
+(parameters replicated on the TP ranks, such as a norm's, whose gradients are summed over them when each rank sees
+part of the tokens), `reduce` (partial results summed over TP, e.g. a vocabulary-parallel embedding's), `linear` (a
+local product of a replicated weight), `stacked_linear` (one expert's slice of stacked expert weights) and `lookup`
+(an embedding). Each is one line: the collectives are the edges', the products the GEMMs'.
 
 ============  ============  =======================================  ==============================================
 method        asks          forward                                  backward
 ============  ============  =======================================  ==============================================
 enter         edges, gemms  identity (f) / SP: all-gather            all-reduce / SP: reduce-scatter of the input grad
 entry         edges         as enter, without the GEMMs              as enter
+column        gemms         none (the GEMMs of an entered input)     none
 leave         edges, gemms  all-reduce (g) / SP: reduce-scatter      none / SP: all-gather of the output gradient
 replicated    gemms, edges  identity                                 all-reduce of the parameters' gradients (summed)
 linear        gemms, edges  identity                                 as replicated, when summed
@@ -107,6 +108,11 @@ class TPRegion:
         head and loss): `copy_to_tp` (identity / all-reduce), or under SP `gather_from_sp` (all-gather /
         reduce-scatter). Never overlapped: there is no GEMM here to hide it behind."""
         return self.edges.entry(x)
+
+    def column(self, x: torch.Tensor, projections: list[Projection]) -> list[torch.Tensor]:
+        """The column-parallel `projections` of `x`, already in the region (what `entry` returned, or a tensor
+        computed from it: latent attention's up-projections of its entered latents)."""
+        return self.gemms.column(x, projections, self.group)
 
     def leave(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The row-parallel product x W^T summed over the group (SP: reduce-scattered along the sequence), leaving

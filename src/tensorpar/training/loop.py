@@ -33,7 +33,8 @@ from tensorpar.training.loss_weights import micro_batch_weights
 from tensorpar.training.memory_meter import step_memory
 from tensorpar.training.memory_snapshot import MemorySnapshot
 from tensorpar.training.metric_sinks import open_sinks
-from tensorpar.training.moe_metrics import moe_step_metrics
+from tensorpar.training.moe_metrics import moe_step_metrics, moe_step_table, update_expert_biases
+from tensorpar.training.mtp_metrics import mtp_step_metrics
 from tensorpar.training.profiling import StepProfiler
 from tensorpar.training.session import Session
 
@@ -90,8 +91,14 @@ def train_step(s: Session, step: int) -> dict:
         record.update(loss_scale=scale)
     if s.scaler is not None or not math.isfinite(record["grad_norm"]):
         record["skipped"] = not math.isfinite(record["grad_norm"])
-    if s.run.cfg.is_moe:
-        record.update(moe_step_metrics(s.model, s.run.cfg, mesh))
+    cfg = s.run.cfg
+    if cfg.is_moe:
+        table = moe_step_table(s.model, cfg, mesh)
+        record.update(moe_step_metrics(s.model, cfg, mesh, table))
+        if cfg.bias_update_speed and not record.get("skipped"):
+            update_expert_biases(s.model, cfg, table)
+    if cfg.num_mtp_layers:
+        record.update(mtp_step_metrics(s.model, cfg, mesh))
     if s.model.region.fp8 is not None:  # the largest amax of this rank's fp8 inputs, weights and output gradients
         record.update(s.model.region.fp8.stats.take())
     return record

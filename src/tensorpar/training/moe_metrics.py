@@ -14,6 +14,9 @@ moe_tokens_per_expert_mean routing choices per expert (tokens x experts_per_toke
 moe_dropped_tokens         routing choices over an expert's capacity, all layers (0 when dropless)
 moe_dropped_fraction       that over all routing choices
 =========================  ========================================================================
+
+The same table's routing counts move the routers' balancing biases after the step (`update_expert_biases`,
+auxiliary-loss-free balancing): every rank sees the same counts, so every rank and layout moves them alike.
 """
 
 from __future__ import annotations
@@ -21,18 +24,33 @@ from __future__ import annotations
 import torch
 
 from tensorpar.expert_parallel import STAT_FIELDS
+from tensorpar.expert_parallel.router import update_expert_bias
 
 
-def moe_step_metrics(model, cfg, mesh) -> dict:
-    """The step's MoE metrics (the same on every rank; a collective over the world); resets the layers' sums."""
-    e = cfg.num_experts
-    table = torch.zeros(cfg.num_layers, e + len(STAT_FIELDS), device=mesh.device)
+def moe_step_table(model, cfg, mesh) -> torch.Tensor:
+    """[blocks, E + 6]: every MoE layer's sums over the step (the multi-token prediction modules' blocks after the
+    layers), summed over the world (a collective); resets the layers' sums."""
+    table = torch.zeros(cfg.num_blocks, cfg.num_experts + len(STAT_FIELDS), device=mesh.device)
     for index, layer in model.moe_layers().items():
         if layer.stats.vector is not None:
             table[index] = layer.stats.vector
         layer.stats.reset()
     mesh.world_group.all_reduce(table)
-    rows = table[[i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]].double()
+    return table
+
+
+def update_expert_biases(model, cfg, table: torch.Tensor) -> None:
+    """Move this rank's routers' balancing biases by the step's global routing counts (`moe_step_table`)."""
+    for index, layer in model.moe_layers().items():
+        update_expert_bias(layer.router.expert_bias, table[index, :cfg.num_experts], cfg.bias_update_speed)
+
+
+def moe_step_metrics(model, cfg, mesh, table: torch.Tensor | None = None) -> dict:
+    """The step's MoE metrics (the same on every rank; a collective over the world unless given the step's `table`);
+    resets the layers' sums."""
+    e = cfg.num_experts
+    table = moe_step_table(model, cfg, mesh) if table is None else table
+    rows = table[[i for i in range(cfg.num_blocks) if cfg.is_moe_layer(i)]].double()
     counts = rows[:, :e]
     choices, dropped, aux_sum, sequences, z_sum, tokens = rows[:, e:].unbind(1)
     imbalance = counts.max(1).values / counts.mean(1).clamp(min=1e-12)

@@ -10,6 +10,7 @@ from tensorpar.distributed.launch import signal_name
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.inference import greedy_generate
 from tensorpar.models import full_state_dict
+from tensorpar.models.state import model_state
 from tensorpar.pipeline_parallel.schedule_view import measured_bubble, render_measured
 from tensorpar.training.loop import LoopResult
 from tensorpar.training.metrics import draw_or_warn, plot_loss_curve
@@ -18,12 +19,25 @@ from tensorpar.training.session import Session
 
 def dense_weights(model, mesh) -> dict:
     """The whole dense model's weights on every rank: gathered over TP, then merged over pipeline stages."""
-    params = dict(model.named_parameters())
+    params = model_state(model)  # the persistent buffers (routers' balancing biases) too
     state = {k: v for k, v in full_state_dict(model).items() if not shard_spec(params[k]).pipeline_duplicate}
     merged = {}
     for part in mesh.pp_group.all_gather_object(state):
         merged.update(part)
     return merged
+
+
+def _model_metrics(cfg, records: list[dict]) -> dict:
+    """What the run's MoE layers (routing) and multi-token prediction modules (their loss) did over its steps."""
+    out = {}
+    if cfg.is_moe and records:
+        out["moe"] = {"final_aux_loss": records[-1]["moe_aux_loss"], "final_z_loss": records[-1]["moe_z_loss"],
+                      "mean_load_imbalance": sum(r["moe_load_imbalance"] for r in records) / len(records),
+                      "dropped_tokens": sum(r["moe_dropped_tokens"] for r in records)}
+    if cfg.num_mtp_layers and records:
+        out["mtp"] = {"first_loss": records[0]["mtp_loss"], "final_loss": records[-1]["mtp_loss"],
+                      "modules": cfg.num_mtp_layers, "weight": cfg.mtp_loss_weight}
+    return out
 
 
 def _pipeline(s: Session, summary: dict) -> None:
@@ -93,13 +107,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
     summary["lora"] = lora_summary(s.run)
     if getattr(s.dataset, "stats", None):  # instruction data: examples truncated or left out, rows, fill
         summary["examples"] = {"kind": s.dataset.kind, "packing": s.dataset.packing, **s.dataset.stats}
-    if s.run.cfg.is_moe:
-        if records:
-            summary["moe"] = {
-                "final_aux_loss": records[-1]["moe_aux_loss"], "final_z_loss": records[-1]["moe_z_loss"],
-                "mean_load_imbalance": sum(r["moe_load_imbalance"] for r in records) / len(records),
-                "dropped_tokens": sum(r["moe_dropped_tokens"] for r in records),
-            }
+    summary.update(_model_metrics(s.run.cfg, records))
     if s.async_saves is not None:  # the host memory its copies took on the rank that needs the most, and each save
         staged = mesh.world_group.all_gather_object(s.async_saves.staged_bytes)
         summary["async_save"] = {**s.async_saves.summary(), "staged_mib": max(staged) / 2**20,

@@ -128,6 +128,9 @@ def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     """The kernel of attention within documents runs here; --document-mask finds the documents by the tokenizer's EOS
     id: one there must be, inside the vocabulary."""
     check_document_attention(o.document_attention, o.device, o.dropout)
+    if cfg.is_mla and o.document_mask and o.document_attention not in ("auto", "dense"):
+        raise TensorparError(f"--document-attention {o.document_attention}: latent attention masks documents with "
+                             f"the dense kernel only (its values are narrower than its keys); use auto or dense")
     if not o.document_mask:
         return
     eos = getattr(tokenizer, "eos_id", None)
