@@ -179,6 +179,8 @@ def test_bad_adapters_and_flags_are_refused(cli, config_file, lora_run, hf_base,
         (("train", "--model", "tiny-moe", "--lora-rank", "4"), "LoRA on mixture-of-experts MLPs (--lora-targets "
                                                                 "gate,up,down) is not supported"),
         (train + ("--lora-rank", "4", "--optimizer", "muon"), "--optimizer muon orthogonalises whole weight"),
+        (("train", "--model", "tiny-deepseek", "--lora-rank", "4", "--lora-targets", "q,k,v,o"),
+         "LoRA on latent attention (DeepSeek-V3, GLM-4.5"),
         (train + ("--lora-adapter", lora_run["adapter"]), "--lora-adapter continues an adapter of the model "
                                                           "--init-from names"),
         (("train", "--init-from", hf_base, "--lora-adapter", str(dora)), "use_dora = True is not supported"),
