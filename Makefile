@@ -49,9 +49,12 @@ demo-layers: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/tp_step.py
 
-# The whole suite; it ends with its 15 slowest tests, so that a test that grows shows at once.
+# The whole suite on two pytest workers (a test file's tests stay on one worker, so that its module's fixtures, a
+# server or a reference run, are built once); it ends with its 15 slowest tests, so that a test that grows shows at
+# once. Python caches tensorpar's compiled modules: every rank a test starts imports them again.
+test: export PYTHONDONTWRITEBYTECODE=
 test: $(STAMP)
-	$(PY) -m pytest -q tests --durations=15
+	$(PY) -m pytest -q tests -n 2 --dist loadscope --durations=15
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

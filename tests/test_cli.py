@@ -11,7 +11,7 @@ import pytest
 
 def tensorpar(*args, launcher=None, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = (launcher or [sys.executable, "-m"]) + ["tensorpar", *args]
+    cmd = (launcher or [sys.executable, "-m", "tensorpar"]) + list(args)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     return proc, time.monotonic() - t0
@@ -56,11 +56,16 @@ def test_linear_that_does_not_divide_fails_on_every_rank_without_hanging():
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
-def test_under_torchrun_every_rank_reports_the_bad_layout():
+def test_under_torchrun_every_rank_reports_the_bad_layout(tmp_path):
+    """Rank 0 starts 2 s late, as on a loaded machine: torchrun stops the job as soon as rank 1 exits, so rank 1
+    must wait for rank 0 to refuse too (tensorpar.distributed.early_exit)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     torchrun = torchrun if os.path.exists(torchrun) else shutil.which("torchrun")
+    late_rank0 = tmp_path / "late_rank0.py"
+    late_rank0.write_text("import os, sys, time\nif os.environ['LOCAL_RANK'] == '0':\n    time.sleep(2)\n"
+                          "from tensorpar.cli import main\nsys.argv[0] = 'tensorpar'\nsys.exit(main())\n")
     proc, elapsed = tensorpar(
-        "demo", "--tp", "3", launcher=[torchrun, "--nproc-per-node", "2", "--standalone", "-m"]
+        "demo", "--tp", "3", launcher=[torchrun, "--nproc-per-node", "2", "--standalone", str(late_rank0)]
     )
     assert proc.returncode != 0
     ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("tensorpar: error:")]
@@ -73,7 +78,7 @@ def test_under_torchrun_the_demo_uses_the_launchers_processes():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     if not os.path.exists(torchrun):
         pytest.skip("torchrun not installed")
-    proc, _ = tensorpar("demo", "--tp", "2", launcher=[torchrun, "--nproc-per-node", "2", "--standalone", "-m"])
+    proc, _ = tensorpar("demo", "--tp", "2", launcher=[torchrun, "--nproc-per-node", "2", "--standalone", "-m", "tensorpar"])
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "TP=2 over 2 process(es)" in out and "rank 0 (tp rank 0/2) holds" in out and "rank 1 (tp rank 1/2) holds" in out
@@ -112,9 +117,9 @@ def test_bad_input_under_torchrun_is_reported_by_every_rank():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     if not os.path.exists(torchrun):
         pytest.skip("torchrun not installed")
-    # torchrun SIGTERMs the other workers as soon as it sees one exit (every 0.1 s by default): polling every
-    # 3 s gives a rank still importing torch (one of the suite's busy moments) the time to reach its own error.
+    # torchrun SIGTERMs the other workers as soon as it sees one exit: a rank that refuses waits for the others
+    # to refuse too (tensorpar.distributed.early_exit), however late they are.
     proc, _ = tensorpar("train", "--tp", "2", "--model", "gpt5",
-                        launcher=[torchrun, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "3", "-m"])
+                        launcher=[torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tensorpar"])
     ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("tensorpar: error:")]
     assert sorted(ln.split("]")[0] for ln in ours) == [f"tensorpar: error: [rank {r}" for r in range(2)], proc.stderr

@@ -14,6 +14,7 @@ import sys
 from tensorpar.commands import calibrate, convert, demo, diagnose, explain, generate, plan, prepare_data, serve, train
 from tensorpar.commands import eval as eval_cmd
 from tensorpar.distributed.launch import follow_launcher, record_error
+from tensorpar.distributed.early_exit import wait_for_siblings_to_refuse
 from tensorpar.distributed.nodes import NodeLayout
 from tensorpar.distributed.slurm import adopt_slurm_step
 from tensorpar.errors import TensorparError
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"tensorpar: error: {_rank_prefix()}{e}\n")
         sys.stderr.flush()
         record_error(str(e))
+        wait_for_siblings_to_refuse()
         return 2
     except KeyboardInterrupt:
         return 130
