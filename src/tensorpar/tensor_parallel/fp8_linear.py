@@ -59,32 +59,20 @@ class _Fp8Linears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, recipe: Fp8Recipe, group, split, *weights):
-        x2 = x.reshape(-1, x.shape[-1])
-        axis = _row_axis(recipe.rowwise)
-        x_amax = amax(x2, axis)
-        w_amax = [amax(w, axis) for w in weights]
-        if split == "in":
-            x_amax, *w_amax = _reduce_max([x_amax, *w_amax], group)
-        elif split == "out" and not recipe.rowwise:  # rowwise: W's rows are whole on this rank
-            w_amax = _reduce_max(w_amax, group)
-        recipe.stats.observe("input", x_amax)
-        recipe.stats.observe("weight", torch.stack([a.amax() for a in w_amax]))
-        x_scale = pow2_scale(x_amax, E4M3)
-        xq = quantize(x2, x_scale, E4M3)
-        w_scales = [pow2_scale(a, E4M3) for a in w_amax]
-        ys = [scaled_mm(xq, x_scale, quantize(w, s, E4M3), s, x.dtype).view(*x.shape[:-1], w.shape[0])
-              for w, s in zip(weights, w_scales)]
+        ys, amaxes, x2, xq, x_scale, w_scales = _forward(x, recipe, group, split, weights)
         if recipe.rowwise:
             ctx.save_for_backward(x2, *weights)
         else:
             ctx.save_for_backward(xq, x_scale, *weights, *w_scales)
         ctx.recipe, ctx.group, ctx.split, ctx.n = recipe, group, split, len(weights)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        return tuple(ys)
+        ctx.mark_non_differentiable(amaxes)
+        return (*ys, amaxes)
 
     @staticmethod
     def backward(ctx, *grads):
         recipe, n = ctx.recipe, ctx.n
+        grads = grads[:n]  # not the amaxes
         x_saved, *rest = ctx.saved_tensors
         if recipe.rowwise:
             weights = rest
@@ -97,7 +85,8 @@ class _Fp8Linears(torch.autograd.Function):
         w_col_amax = [amax(w, 0) for w in weights] if recipe.rowwise else []  # the input gradient's W^T rows
         if ctx.split == "out":
             g_amax, w_col_amax = _split_at(_reduce_max(g_amax + w_col_amax, ctx.group), n)
-        recipe.stats.observe("grad_output", torch.stack([a.amax() for a in g_amax]))
+        if not torch.compiler.is_compiling():  # a side effect torch.compile cannot trace: compiled runs skip it
+            recipe.stats.observe("grad_output", torch.stack([a.amax() for a in g_amax]))
         g_scales = [pow2_scale(a, recipe.grad_dtype) for a in g_amax]
         gq = [quantize(g, s, recipe.grad_dtype) for g, s in zip(gs, g_scales)]
         if recipe.rowwise:
@@ -119,6 +108,28 @@ class _Fp8Linears(torch.autograd.Function):
         return (dx, None, None, None, *dws)
 
 
+def _forward(x, recipe: Fp8Recipe, group, split, weights):
+    """The forward's products [x W_i^T] and the amaxes of x and of the weights (one all-reduce (max) where `split`
+    says an amax axis is split), with what the backward keeps: (ys, amaxes, x2, xq, x_scale, w_scales). The amaxes
+    are returned for the caller to record: a side effect in the autograd Function would make torch.compile give up
+    tracing it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    axis = _row_axis(recipe.rowwise)
+    x_amax = amax(x2, axis)
+    w_amax = [amax(w, axis) for w in weights]
+    if split == "in":
+        x_amax, *w_amax = _reduce_max([x_amax, *w_amax], group)
+    elif split == "out" and not recipe.rowwise:  # rowwise: W's rows are whole on this rank
+        w_amax = _reduce_max(w_amax, group)
+    x_scale = pow2_scale(x_amax, E4M3)
+    xq = quantize(x2, x_scale, E4M3)
+    w_scales = [pow2_scale(a, E4M3) for a in w_amax]
+    ys = [scaled_mm(xq, x_scale, quantize(w, s, E4M3), s, x.dtype).view(*x.shape[:-1], w.shape[0])
+          for w, s in zip(weights, w_scales)]
+    amaxes = torch.stack([x_amax.amax(), torch.stack([a.amax() for a in w_amax]).amax()])
+    return ys, amaxes, x2, xq, x_scale, w_scales
+
+
 def _split_at(items: list, n: int) -> tuple[list, list]:
     return items[:n], items[n:]
 
@@ -129,7 +140,13 @@ def fp8_linears(x: torch.Tensor, weights: list[torch.Tensor], recipe: Fp8Recipe,
     are split over `group` (see the module docstring). No bias: the caller adds it in the compute dtype."""
     if split not in ("out", "in", None):
         raise ValueError(f"split must be 'out', 'in' or None, got {split!r}")
-    return list(_Fp8Linears.apply(x, recipe, group, split, *weights))
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        *ys, amaxes = _Fp8Linears.apply(x, recipe, group, split, *weights)
+    else:  # nothing to differentiate (evaluation, generation): no autograd Function to trace
+        ys, amaxes = _forward(x, recipe, group, split, weights)[:2]
+    recipe.stats.observe("input", amaxes[0])
+    recipe.stats.observe("weight", amaxes[1])
+    return ys
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, group: Group | None = None,
