@@ -23,6 +23,7 @@ def run(model, **overrides):
         "comm": summary["comm"],
         "optimizer_state_bytes": summary["optimizer_state_bytes"],
         "peak_in_flight": summary["pipeline_peak_in_flight"],
+        "memory_mib": summary["memory_mib_per_rank"],
     }
 
 

@@ -96,6 +96,18 @@ def test_lora_layouts_train_like_one_process(pools, config_file, initial, layout
     assert_only_adapters_trained(results[0]["state"], initial)
 
 
+def test_zero3_shards_the_frozen_base_over_dp(pools, config_file, initial):
+    """ZeRO-3 shards LoRA's frozen base as it shards the adapters: each of 2 DP ranks holds half of the base (up to
+    the padding of its flat units) between uses, and the run is still the one-process run."""
+    ref = reference(pools, config_file, **LORA)
+    results = pools(2).run(run, config_file, **{**LORA, "dp": 2, "zero": 3})
+    assert_same_training([_trained_model(results[0])], _trained_model(ref), tol=1e-4)
+    assert_only_adapters_trained(results[0]["state"], initial)
+    whole = ref["memory_mib"][0]["frozen"]
+    for rank, memory in enumerate(results[0]["memory_mib"]):
+        assert whole / 2 <= memory["frozen"] <= whole / 2 * 1.01, (rank, memory["frozen"], whole)
+
+
 def test_bf16_base_with_fp8_gemms_stays_frozen(pools, config_file, initial):
     """--dtype fp8: the base weights are bf16 parameters multiplied in fp8 and never stepped; the adapters train
     (bf16 parameters, fp32 masters), their products in bf16."""
@@ -107,9 +119,11 @@ def test_bf16_base_with_fp8_gemms_stays_frozen(pools, config_file, initial):
 
 def test_attention_adapters_on_a_mixture_of_experts_model_train_like_one_process(pools):
     """A MoE model takes adapters on its attention (its routed experts frozen, stacked weights PEFT adapts
-    otherwise): DP 2 x EP 2 with ZeRO-1 trains what one process trains."""
+    otherwise): DP 2 x EP 2 with ZeRO-1, and DP 4 x EP 2 with ZeRO-3 (the frozen experts sharded over expert-DP,
+    the frozen dense weights over DP), train what one process trains."""
     moe = dict(LORA, lora_targets="q,k,v,o")
     ref = reference(pools, "tiny-moe", **moe)
-    results = pools(2).run(run, "tiny-moe", **moe, dp=2, ep=2, zero=1)
     spec = LoraSpec(4, 8.0, ("q", "k", "v", "o"))
-    assert_same_training([_trained_model(results[0], spec)], _trained_model(ref, spec), tol=1e-4)
+    for layout in (dict(dp=2, ep=2, zero=1), dict(dp=4, ep=2, zero=3)):
+        results = pools(layout["dp"]).run(run, "tiny-moe", **moe, **layout)
+        assert_same_training([_trained_model(results[0], spec)], _trained_model(ref, spec), tol=1e-4)

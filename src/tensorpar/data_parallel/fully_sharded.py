@@ -32,6 +32,11 @@ there to avoid (FSDP and DeepSpeed make the same choice). Per block and micro-ba
 all-gather in forward, one in backward (none with reshard_after_forward=False, nor for the stage's last block)
 and one reduce-scatter.
 
+Frozen parameters (LoRA's base weights) are sharded too, in units of their own beside each block's and the root's:
+gathered and freed with their block (with the root), never reduce-scattered, with no master weights or optimizer
+state. A block's frozen unit is freed once the backward has left the block (when the gradient reaches the block
+before it, or at the end of the step), since its weights compute the input gradient.
+
 HSDP (`Mesh.dp_shard_group` smaller than DP x CP): the units are sharded within a replica (gathers and
 reduce-scatters inside it) and each unit's gradient slice is all-reduced across the replicas once per step, in
 `finish_backward`.
@@ -201,6 +206,13 @@ class FullyShardedOptimizer:
         self.units = [u for units in self.blocks for u in units]
         root_params = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
         self.root = _Unit("root", root_params, self.shards, True, self.gathered_bytes) if root_params else None
+        # The frozen parameters (LoRA's base), sharded alike: gathered and freed, never reduced nor stepped
+        self.frozen_blocks = [self._frozen_units(key, block, expert_dp) for key, block in layers.items()]
+        frozen_root = [p for p in model.parameters() if not p.requires_grad and id(p) not in in_blocks]
+        self.frozen_root = (_Unit("root (frozen)", frozen_root, self.shards, True, self.gathered_bytes)
+                            if frozen_root else None)
+        self.roots = [u for u in (self.root, self.frozen_root) if u is not None]
+        self.frozen = [u for units in self.frozen_blocks for u in units] + ([self.frozen_root] if frozen_root else [])
         self._all = self.units + ([self.root] if self.root else [])
         self._unit_of = {id(p): u for u in self._all for p in u.params}
         self.tied = [(off, shape.numel()) for p, off, shape in zip(self.root.params, self.root.offsets,
@@ -209,6 +221,7 @@ class FullyShardedOptimizer:
         self._pinned = False
         self.nonfinite: list[nn.Parameter] = []  # after a skipped step: this rank's parameters with NaN/Inf gradients
         self.param_bytes = sum(nbytes(u.shard) for u in self._all)
+        self.frozen_bytes = sum(nbytes(u.shard) for u in self.frozen)
         self.weights = HostMasterWeights(weight_decay) if offload else MasterWeights(weight_decay)
         for u in self._all:
             u.slice = self.weights.add(u, u.shard, u.dp, in_place=True)
@@ -219,8 +232,8 @@ class FullyShardedOptimizer:
             self._hooks.append(block.register_forward_pre_hook(functools.partial(self._pre_forward, i)))
             self._hooks.append(block.register_forward_hook(functools.partial(self._post_forward, i)))
         for module in (getattr(model, "embed", None), getattr(model, "final_norm", None)):
-            if module is not None and self.root is not None:
-                self._hooks.append(module.register_forward_pre_hook(lambda *_: self.root.wait_gather()))
+            if module is not None and self.roots:
+                self._hooks.append(module.register_forward_pre_hook(lambda *_: self._gather_roots()))
         for u in self._all:
             for p in u.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
@@ -242,18 +255,42 @@ class FullyShardedOptimizer:
             units.append(_Unit(f"layer {key} experts", experts, expert_dp, False, self.gathered_bytes))
         return units
 
+    def _frozen_units(self, key: str, block: nn.Module, expert_dp) -> list[_Unit]:
+        """The units of one block's frozen parameters: the dense ones (over DP x CP) and the routed experts' (over
+        expert-DP), where it has any."""
+        frozen = [p for p in block.parameters() if not p.requires_grad]
+        dense = [p for p in frozen if not shard_spec(p).expert]
+        experts = [p for p in frozen if shard_spec(p).expert]
+        return ([_Unit(f"layer {key} (frozen)", dense, self.shards, False, self.gathered_bytes)] if dense else []) + (
+            [_Unit(f"layer {key} experts (frozen)", experts, expert_dp, False, self.gathered_bytes)] if experts else [])
+
     # -- hooks: gather before use, free after, reduce-scatter the gradients ----------------------------------
 
+    def _units_of(self, i: int) -> list[_Unit]:
+        """Block i's units: the trained ones first (their flags say whether the block is in its backward)."""
+        return self.blocks[i] + self.frozen_blocks[i]
+
+    def _gather_roots(self) -> None:
+        for unit in self.roots:
+            unit.wait_gather()
+
+    def _release_frozen(self, i: int) -> None:
+        """Free block i's frozen units: the backward has left the block."""
+        if 0 <= i < len(self.blocks) and not self._pinned:
+            for unit in self.frozen_blocks[i]:
+                unit.in_backward = False
+                unit.free()
+
     def _pre_forward(self, i: int, module, args) -> None:
-        units = self.blocks[i]
+        units = self._units_of(i)
         for unit in units:
             unit.wait_gather()
         if self.prefetch and not units[0].in_backward and i + 1 < len(self.blocks):
-            for unit in self.blocks[i + 1]:
+            for unit in self._units_of(i + 1):
                 unit.start_gather()
 
     def _post_forward(self, i: int, module, args, output) -> None:
-        units = self.blocks[i]
+        units = self._units_of(i)
         if units[0].in_backward or self._pinned:  # a recomputation inside the backward, or everything pinned
             return
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
@@ -264,11 +301,12 @@ class FullyShardedOptimizer:
             unit.free()
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        for unit in self.blocks[i]:
+        for unit in self._units_of(i):
             unit.in_backward = True
             unit.wait_gather()
+        self._release_frozen(i + 1)  # the gradient has left block i + 1
         if self.prefetch and i > 0:
-            for unit in self.blocks[i - 1]:
+            for unit in self._units_of(i - 1):
                 unit.start_gather()
 
     def _grad_ready(self, param: torch.Tensor) -> None:
@@ -287,10 +325,10 @@ class FullyShardedOptimizer:
     def begin_step(self, num_microbatches: int) -> None:
         self.grad_bytes.reset_peak()
         self.gathered_bytes.reset_peak()
-        for u in self._all:
+        for u in self._all + self.frozen:
             u.ready, u.in_backward = 0, False
         if self.prefetch:  # what the first forward needs first, gathered side by side
-            for u in ([self.root] if self.root else []) + (self.blocks[0] if self.blocks else []):
+            for u in self.roots + (self._units_of(0) if self.blocks else []):
                 u.start_gather()
 
     def finish_backward(self) -> None:
@@ -303,6 +341,8 @@ class FullyShardedOptimizer:
                 self.mesh.embed_group.all_reduce(full_grad[off : off + numel])
             self.queue.push(root.slice, full_grad)
             root.grad_buffer, root.ready = None, 0
+        for i in range(len(self.blocks)):
+            self._release_frozen(i)
         self.queue.drain()
         for u in self._all:
             if u.dp is self.shards:  # the experts' units are sharded over expert-DP: no replicas
@@ -323,6 +363,8 @@ class FullyShardedOptimizer:
                 u.slice.write_back()
             u.free()
             u.slice.grad_shard.zero_()
+        for u in self.frozen:
+            u.free()
         return norm
 
     # -- whole parameters and checkpoints ----------------------------------------------------------------------
@@ -332,18 +374,18 @@ class FullyShardedOptimizer:
         """Every parameter holds its values inside (a collective on entry: call on every DP rank)."""
         self._pinned = True
         try:
-            for u in self._all:
+            for u in self._all + self.frozen:
                 if isinstance(u, _Fp8Unit):
                     if u.rounded:
                         u.free()
                     u.exact = True
                 u.start_gather()
-            for u in self._all:
+            for u in self._all + self.frozen:
                 u.wait_gather()
             yield
         finally:
             self._pinned = False
-            for u in self._all:
+            for u in self._all + self.frozen:
                 u.free()
                 if isinstance(u, _Fp8Unit):
                     u.exact = False
@@ -352,6 +394,9 @@ class FullyShardedOptimizer:
         """Inside `gathered()`, after the parameters were overwritten (a checkpoint load): take them as the shards."""
         for u in self._all:
             u.shard.copy_(u.full[u.slice.lo : u.slice.hi])
+        for u in self.frozen:
+            lo, hi = u.slice_bounds(u.dp)
+            u.shard.copy_(u.full[lo:hi])
         self.weights.reload()
 
     def local_state(self, names: dict[int, str]) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
@@ -370,11 +415,15 @@ class FullyShardedOptimizer:
     def memory(self) -> dict[str, int]:
         """This rank's bytes of parameter shards, gradients (the most alive at once since `begin_step`: shards and
         full per-unit gradients in flight), optimizer state (AdamW moments, and fp32 masters of non-fp32
-        shards) and gathered parameters (the most alive at once since `begin_step`)."""
+        shards) and gathered parameters (the most alive at once since `begin_step`); with frozen parameters, their
+        shards as "frozen"."""
         master = self.weights.master_bytes()
-        return offloaded_memory(self.weights, self.optimizer, {
+        out = offloaded_memory(self.weights, self.optimizer, {
             "parameters": self.param_bytes, "gradients": self.grad_bytes.peak,
             "optimizer": state_bytes(self.optimizer) + master, "gathered": self.gathered_bytes.peak})
+        if self.frozen:
+            out["frozen"] = self.frozen_bytes
+        return out
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (AdamW moments) held by this rank."""

@@ -81,7 +81,7 @@ def step_memory(optimizer, activations: ActivationMeter, device: torch.device, m
     base weights, which the optimizer does not hold) as "frozen"."""
     out = {k: v / MiB for k, v in optimizer.memory().items()}
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad) if model else 0
-    if frozen:
+    if frozen and "frozen" not in out:  # ZeRO-3 holds and reports its shards of them itself
         out["frozen"] = frozen / MiB
     out["activations"] = activations.bytes.peak / MiB
     if activations.offload is not None:
