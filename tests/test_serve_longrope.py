@@ -2,7 +2,8 @@
 a prompt shorter than the original length that generates past it (transformers recomputes its cache there; the
 server recomputes the sequence), one of exactly that length (recomputed at its first new token), one already longer
 (the long factors from its first token, over every chunk of its prefill), one that never reaches it; each alone and
-all four in one batch, every prompt prefilled in chunks of a 5-token budget. One server (TP 1) for the module."""
+all four in one batch, every prompt prefilled in chunks of a 5-token budget, the batch in a pool of one context (32
+tokens), which preempts some of them. One server (TP 1) for the module."""
 
 import json
 
@@ -27,7 +28,7 @@ def served(tmp_path_factory):
     folder = save_phi3_longrope(tmp_path_factory.mktemp("phi3"), original=ORIGINAL)
     log = open(tmp_path_factory.mktemp("log") / "serve.log", "w+")
     proc, port = start_server(folder, log, "--token-budget", "5", "--block-size", "4",
-                               "--served-model-name", "phi3")
+                               "--kv-cache-tokens", "32", "--max-running", "4", "--served-model-name", "phi3")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
     yield port, hf
     stop_server(proc)
@@ -72,8 +73,8 @@ def test_longrope_greedy_equals_transformers_alone_and_batched(served):
     expected = [_hf_greedy(hf, prompt, new) for prompt, new in CASES]
     _check([_completions(port, [prompt], new)[0] for prompt, new in CASES], expected)
     assert _metric(port, "rope_recomputes_total") == CROSSING
+    assert _metric(port, "preemptions_total") == 0  # a recompute at the switch is not a preemption for memory
     longest = max(new for _, new in CASES)
     _check(_completions(port, [prompt for prompt, _ in CASES], longest),
            [_hf_greedy(hf, prompt, longest) for prompt, _ in CASES])
-    assert _metric(port, "rope_recomputes_total") == 2 * CROSSING + 1  # the short prompt crosses at 10 new tokens
-    assert _metric(port, "preemptions_total") == 0  # a recompute at the switch is not a preemption for memory
+    assert _metric(port, "rope_recomputes_total") > CROSSING and _metric(port, "preemptions_total") > 0
