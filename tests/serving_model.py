@@ -51,3 +51,96 @@ def save_llama(folder, *, seed: int = 7, hidden: int = 64, layers: int = 2, head
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer whose token i is the word "w<i>": a text decodes back to its token ids exactly (a
+    random model's bytes would not)."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tokenizers.Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)  # no special tokens: decoding skips none
+
+
+def save_phi3_longrope(folder, *, original: int = 8, context: int = 32, seed: int = 11) -> str:
+    """A small random Phi-3 with longrope (short factors up to `original` tokens, long ones far apart from them),
+    partial rotary and a window as tests/family_models.py builds it (a window of 12: wide enough that what the first
+    tokens' keys carry reaches the last), and a word-level tokenizer; no EOS (every continuation runs its length)."""
+    import transformers
+
+    vocab = 97
+    config = transformers.Phi3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=context, original_max_position_embeddings=original,
+        sliding_window=12, partial_rotary_factor=0.5, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.2, 1.5, 2.0],
+                         "long_factor": [3.0, 5.0, 8.0, 12.0], "partial_rotary_factor": 0.5})
+    torch.manual_seed(seed)
+    model = transformers.Phi3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():  # away from zero biases and unit norms; a wider spread of logits
+            p.add_(torch.randn_like(p) * 0.1)
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    word_tokenizer(vocab).save_pretrained(folder)
+    return str(folder)
+
+
+def http_json(port: int, method: str, path: str, body=None, timeout: float = 60) -> tuple[int, str]:
+    """(status, body text) of one plain HTTP request to a local server (`body`, if any, sent as JSON)."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def start_server(folder: str, log, *flags: str, wait_s: float = 90):
+    """`tensorpar serve --checkpoint folder *flags` on a free port, its output to the open file `log`: (process,
+    port) once it answers /health."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from tensorpar.distributed.launch import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tensorpar", "serve", "--checkpoint", folder, "--port", str(port),
+                             *flags], env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if http_json(port, "GET", "/health", timeout=1)[0] == 200:
+                return proc, port
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.seek(0)
+            pytest.fail(f"the server did not start:\n{log.read()}")
+        time.sleep(0.2)
+
+
+def stop_server(proc) -> None:
+    """SIGTERM (the server drains), then kill if it has not stopped within 30 s."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

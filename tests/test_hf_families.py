@@ -145,9 +145,3 @@ def test_unsupported_model_type_is_named_before_any_rank_starts(cli, tmp_path):
     code, _, err = cli("eval", "--checkpoint", tmp_path, "--data", tmp_path / "config.json", "--seq-len", "8")
     assert code == 2 and "model_type='bert' (an unsupported model type; supported: gpt2, llama" in err, err
     assert len(err.strip().splitlines()) == 1
-
-
-def test_serve_refuses_longrope_before_any_rank_starts(cli, families):
-    pytest.importorskip("fastapi")
-    code, _, err = cli("serve", "--checkpoint", families["phi3"]["folder"])
-    assert code == 2 and "longrope" in err and "use `tensorpar generate`" in err, err

@@ -144,3 +144,11 @@ def test_a_row_samples_what_it_would_alone(pools, tp):
     results = [check_rows_sample_alone(1)] if tp == 1 else pools(2).run(check_rows_sample_alone, 2)
     for batch, alone in results:
         assert batch == alone
+
+
+def test_rope_spans_are_each_sequences_reach():
+    """RoPE that depends on the span (longrope, dynamic NTK) sees each sequence's reach the engine gives (its length:
+    the whole prompt for a prefill chunk), else its segment's end."""
+    pool = PagedKVPool(["0"], 4, 4, 1, 2)
+    view = pool.step([Segment(0, 3, (0, 1), reach=9), Segment(5, 1, (2, 3)), Segment(4, 2, (1, 2), reach=6)])
+    assert view.spans(view.positions).tolist() == [[9, 9, 9, 6, 6, 6]]

@@ -122,3 +122,26 @@ def test_static_batching_forms_a_batch_only_when_the_last_has_finished():
         _run(s, step)
         step = s.schedule()
     assert [q.seq_id for q, _ in step] == [9] and all(len(q.generated) == q.max_tokens for q in first)
+
+
+def test_a_sequence_passing_longropes_original_length_is_recomputed_once():
+    s = Scheduler(BlockAllocator(64, 4), token_budget=4, max_running=8, max_waiting=16, rope_switch=8)
+    grows, long = Sequence(0, [1] * 5, max_tokens=6), Sequence(1, [2] * 10, max_tokens=2)
+    s.add([grows])
+    fed = []
+    while len(grows.generated) < 4:  # a chunk of 4 and one token: then one token a step up to length 9
+        step = s.schedule()
+        fed.append(step[0][1])
+        _run(s, step)
+    assert fed == [4, 1, 1, 1, 1] and grows.length == 9 and grows.computed == 8 and s.rope_recomputes == 0
+    s.add([long])  # longer than the original length from the start: its chunks are never recomputed
+    steps = [[(q.seq_id, n) for q, n in s.schedule()]]
+    assert steps == [[(0, 4)]] and s.rope_recomputes == 1  # the 9 tokens again, in chunks within the budget
+    assert grows.computed == 0 and len(s.allocator.tables[0]) == 1  # its blocks freed, one grown for the chunk
+    _run(s, [(grows, 4)])
+    while not s.idle:
+        step = s.schedule()
+        steps.append([(q.seq_id, n) for q, n in step])
+        _run(s, step)
+    assert steps[1:4] == [[(0, 4)], [(0, 1), (1, 3)], [(0, 1), (1, 3)]] and len(grows.generated) == 6
+    assert s.rope_recomputes == 1 and s.preemptions == 0 and grows.preemptions == 0

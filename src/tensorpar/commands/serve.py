@@ -24,7 +24,6 @@ from tensorpar.data import load_tokenizer
 from tensorpar.distributed.mesh import build_mesh
 from tensorpar.errors import TensorparError
 from tensorpar.functional.autocast import autocast_dtype
-from tensorpar.functional.rope import rope_type
 from tensorpar.layout import ParallelLayout
 from tensorpar.models.build import build_transformer
 from tensorpar.serving.app import Handler, HttpServer, check_serve_extra, create_app
@@ -82,10 +81,6 @@ def validate(options: ServeOptions):
     check_fp8(options.dtype, options.device)
     cfg = load_config(options.checkpoint)
     check_adapter(options.checkpoint, options.lora_adapter)
-    if rope_type(cfg.rope_scaling) == "longrope":
-        raise TensorparError("serve: this model's RoPE is longrope (rope_scaling), whose cached keys transformers "
-                             "computes again when a sequence passes the original length; the server's paged cache "
-                             "does not: use `tensorpar generate`, which does")
     options, layout = decoding_layout(options, cfg, "serve")
     kv_tokens = _check_numbers(options, cfg.max_seq_len)
     tokenizer = load_tokenizer(options.checkpoint)
@@ -126,7 +121,7 @@ def serve_rank(options: ServeOptions, layout: ParallelLayout, cfg, tokenizer, in
                 return 0
             scheduler = Scheduler(BlockAllocator(pool.num_blocks, pool.block_size), token_budget=options.token_budget,
                                   max_running=options.max_running, max_waiting=options.max_queue,
-                                  static=options.batching == "static")
+                                  static=options.batching == "static", rope_switch=model.rope_switch_length())
             engine = Engine(model, pool, scheduler, tokenizer, mesh.world_group, context_len=info.context_len,
                             device=mesh.device)
             _serve_rank0(options, engine, tokenizer, info, pool)

@@ -198,7 +198,8 @@ class Engine:
             targets = tuple(seq.prompt[start + 1: min(end, len(seq.prompt) - 1) + 1])
         sample = end == seq.length and len(seq.generated) < seq.max_tokens
         return StepItem(tuple(seq.tokens[start:end]), start, tuple(self.scheduler.allocator.tables[seq.seq_id]),
-                        targets, c.sampling if sample else None, len(seq.generated), c.request.top_logprobs)
+                        targets, c.sampling if sample else None, len(seq.generated), c.request.top_logprobs,
+                        seq.length)
 
     def _after_step(self, c: _Choice, result: ItemResult) -> None:
         if c.done:

@@ -29,7 +29,7 @@ def run_step(model, pool: PagedKVPool, plan: StepPlan) -> list[ItemResult]:
     results = [ItemResult() for _ in plan.items]
     if not plan.items:
         return results
-    view = pool.step([Segment(item.start, len(item.tokens), item.blocks) for item in plan.items])
+    view = pool.step([Segment(item.start, len(item.tokens), item.blocks, item.reach) for item in plan.items])
     ids = torch.tensor([t for item in plan.items for t in item.tokens], device=pool.device)[None]
     h = model.cached_hidden(ids, view, view.positions)[0]
     rows, owners = _logit_rows(plan)

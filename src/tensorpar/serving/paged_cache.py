@@ -32,11 +32,13 @@ from tensorpar.serving.blocks import blocks_for
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """One sequence's part of a step: `length` new tokens at positions start..start+length-1, its keys and values
-    (those already cached and the new ones) in `blocks`."""
+    (those already cached and the new ones) in `blocks`; `reach`: the span its RoPE sees (see `PagedStep.spans`),
+    None for the segment's end."""
 
     start: int
     length: int
     blocks: tuple[int, ...]
+    reach: int | None = None
 
 
 class PagedKVPool:
@@ -149,9 +151,12 @@ class PagedStep:
         return out
 
     def spans(self, positions: torch.Tensor) -> torch.Tensor:
-        """How far each packed token's sequence reaches in this step (its segment's end), [1, T]: RoPE that depends
-        on it (dynamic NTK, longrope) sees each sequence's own."""
-        return torch.cat([torch.full((seg.length,), end) for seg, end in zip(self.segments, self.ends)])[None].to(
+        """How far each packed token's sequence reaches, [1, T]: its segment's `reach` (the engine gives the
+        sequence's length, every token it has: what transformers' forward pass of that step would reach, the whole
+        prompt for each chunk of a chunked prefill), else the segment's end. RoPE that depends on it (dynamic NTK,
+        longrope) sees each sequence's own."""
+        reach = [end if seg.reach is None else seg.reach for seg, end in zip(self.segments, self.ends)]
+        return torch.cat([torch.full((seg.length,), r) for seg, r in zip(self.segments, reach)])[None].to(
             positions.device)
 
     def advance(self, s: int) -> None:

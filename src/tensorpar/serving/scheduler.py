@@ -11,6 +11,11 @@ When a running sequence needs a block and the pool has none free, the youngest r
 preempted: its blocks are freed, it goes back to the front of the queue and is recomputed from its tokens (prompt and
 what it generated so far) when it is readmitted. Requests therefore wait, never fail, when memory runs out; the
 server refuses, before they start, sequences longer than the pool (see `tensorpar.commands.serve`).
+
+LongRoPE (Phi-3) rotates a sequence with its short factors while it is no longer than `rope_switch` (the original
+length) and with its long factors once it is longer, every token of it, as transformers' Phi-3 generation does: the
+step at which a sequence passes `rope_switch` with keys cached under the short factors recomputes it from its tokens
+(its blocks freed, not counted as a preemption), in chunks within the budget as a preempted sequence is.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Sequence:
     generated: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens whose keys and values are in the pool
     preemptions: int = 0
+    long_rope: bool = False  # its cached keys were rotated with longrope's long factors
 
     @property
     def tokens(self) -> list[int]:
@@ -55,8 +61,9 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, *, token_budget: int, max_running: int, max_waiting: int,
-                 static: bool = False):
-        """`static`: static batching, for comparison: sequences join only when the running batch has emptied."""
+                 static: bool = False, rope_switch: int | None = None):
+        """`static`: static batching, for comparison: sequences join only when the running batch has emptied;
+        `rope_switch`: the length beyond which longrope's long factors apply (`Transformer.rope_switch_length`)."""
         if token_budget < 1 or max_running < 1 or max_waiting < 0:
             raise TensorparError(f"the scheduler needs a token budget and max_running of at least 1 and a queue of "
                                  f"at least 0, got {token_budget}, {max_running}, {max_waiting}")
@@ -64,7 +71,9 @@ class Scheduler:
         self.token_budget, self.max_running, self.max_waiting = token_budget, max_running, max_waiting
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # oldest first
+        self.rope_switch = rope_switch
         self.preemptions = 0
+        self.rope_recomputes = 0  # sequences recomputed at longrope's switch
         self._arrivals = 0
 
     def add(self, seqs: list[Sequence]) -> None:
@@ -98,14 +107,14 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
+            if self._passes_switch(seq):
+                self._recompute(seq)
             if seq.remaining == 0 or seq not in self.running:  # nothing to feed, or preempted above
                 continue
             n = min(seq.remaining, budget)
             if not self._make_room(seq, seq.computed + n, scheduled):
                 continue
-            self.allocator.grow(seq.seq_id, seq.computed + n)
-            chunks.append((seq, n))
-            scheduled.add(seq.seq_id)
+            self._feed(seq, n, chunks, scheduled)
             budget -= n
         forming = self.static and not self.running  # static batching: the batch forms only when it is empty
         joining = forming or not self.static
@@ -117,11 +126,27 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             n = min(seq.remaining, budget)
             if n:
-                self.allocator.grow(seq.seq_id, seq.computed + n)
-                chunks.append((seq, n))
-                scheduled.add(seq.seq_id)
+                self._feed(seq, n, chunks, scheduled)
                 budget -= n
         return chunks
+
+    def _feed(self, seq: Sequence, n: int, chunks: list[tuple[Sequence, int]], scheduled: set[int]) -> None:
+        """Put `seq`'s next `n` tokens in the step, its block table grown to hold them."""
+        self.allocator.grow(seq.seq_id, seq.computed + n)
+        chunks.append((seq, n))
+        scheduled.add(seq.seq_id)
+        seq.long_rope = self.rope_switch is not None and seq.length > self.rope_switch
+
+    def _passes_switch(self, seq: Sequence) -> bool:
+        """Whether `seq` is longer than longrope's original length while its cached keys carry the short factors."""
+        return self.rope_switch is not None and seq.length > self.rope_switch and seq.computed > 0 \
+            and not seq.long_rope
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Drop `seq`'s cache: it runs again from its first token, with the long factors, keeping its place."""
+        self.allocator.free(seq.seq_id)
+        seq.computed = 0
+        self.rope_recomputes += 1
 
     def _make_room(self, seq: Sequence, tokens: int, scheduled: set[int]) -> bool:
         """Free blocks until `seq` can hold `tokens` tokens by preempting the youngest running sequences not yet in

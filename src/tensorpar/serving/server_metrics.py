@@ -72,6 +72,8 @@ class ServerMetrics:
             ("step_tokens_total", "counter", self.step_tokens, "Tokens fed to the model over all steps."),
             ("step_seconds_total", "counter", self.step_seconds, "Seconds spent in model steps."),
             ("preemptions_total", "counter", scheduler.preemptions, "Sequences preempted (recomputed) for KV blocks."),
+            ("rope_recomputes_total", "counter", scheduler.rope_recomputes,
+             "Sequences recomputed on passing longrope's original length."),
             ("queue_length", "gauge", waiting, "Sequences waiting to join the batch."),
             ("running_sequences", "gauge", running, "Sequences in the running batch."),
             ("kv_blocks_used", "gauge", used, "KV pool blocks held by sequences."),

@@ -34,7 +34,7 @@ class StepItem:
     `prompt_targets`: the next token of each of the chunk's first positions, whose log-probs are wanted (an echoed
     prompt); `sample`: sample the next token at the chunk's last position, the `step`-th of the continuation;
     `top_logprobs`: -1 for no log-probs, k >= 0 for the log-prob of every target and sampled token with the k most
-    likely alternatives."""
+    likely alternatives; `reach`: the span the sequence's RoPE sees (its length; `Segment.reach`)."""
 
     tokens: tuple[int, ...]
     start: int
@@ -43,6 +43,7 @@ class StepItem:
     sample: Sampling | None = None
     step: int = 0
     top_logprobs: int = -1
+    reach: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
