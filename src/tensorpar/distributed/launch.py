@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -59,9 +60,33 @@ def world_size(options) -> int:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 for rank 0's rendezvous store. Drawn at random below the kernel's ephemeral range
+    and checked: a port the kernel picks (bind to port 0) comes from that range, where every outgoing connection
+    (gloo opens several per pair of ranks) also takes its local port, so on a busy machine one of them could take it
+    between this check and rank 0's bind. The kernel's own pick where no such port is free."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range; IANA's 49152
+    elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def threads_per_process(nprocs: int) -> int:
