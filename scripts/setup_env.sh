@@ -19,5 +19,8 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     echo "setup: no torch importable; installing torch==2.13.0"
     "$PY" -m pip install --quiet "torch==2.13.0"
 fi
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+"$PY" -m pip install --quiet --disable-pip-version-check -e .
+# The test extra's packages (transformers, datasets, lm-eval, ...: thousands of modules the tests import a few of)
+# without compiling their bytecode at install time (23 s here): Python compiles what is imported, when it is.
+"$PY" -m pip install --quiet --disable-pip-version-check --no-compile -e ".[test]"
 echo "setup: $("$PY" -c 'import torch, tensorpar; print("torch", torch.__version__, "| tensorpar", tensorpar.__version__)')"
