@@ -15,11 +15,12 @@ longrope (original length 8, so sequences of 16 take the long factors); OLMo 2's
 qk-norm over the whole projection, with llama3 RoPE.
 """
 
-import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+from hf_references import saved_references  # noqa: E402
 
 VOCAB, SEQ, WINDOWS, WINDOW = 257, 16, 6, 5
 PROMPTS = [[5, 17, 42, 8, 99, 3, 150, 61, 7], [120, 33, 4]]  # longer than the window; the second left-padded
@@ -74,34 +75,12 @@ def hf_model(name: str, seed: int):
     return model
 
 
-def hf_loss(model, windows: torch.Tensor) -> float:
-    """transformers' mean next-token loss over `windows` [N, SEQ + 1] (inputs the first SEQ, targets the last)."""
-    with torch.no_grad():
-        logits = model(windows[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), windows[:, 1:].reshape(-1)).item()
-
-
-def hf_greedy(model) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt alone."""
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-                for p in PROMPTS]
-
-
 @pytest.fixture(scope="session")
 def families(tmp_path_factory):
     """name -> {folder, loss (transformers' over the token file's windows), tokens (greedy per prompt), model};
     "data": the token file, "windows": its windows."""
-    root = tmp_path_factory.mktemp("families")
-    tokens = np.random.default_rng(0).integers(0, VOCAB, size=WINDOWS * (SEQ + 1) + 3).astype(np.int32)
-    np.save(root / "tokens.npy", tokens)
-    windows = torch.from_numpy(tokens[: WINDOWS * (SEQ + 1)].astype(np.int64)).view(WINDOWS, SEQ + 1)
-    out = {"data": str(root / "tokens.npy"), "windows": windows}
-    for i, name in enumerate(NAMES):
-        model = hf_model(name, 300 + i)
-        model.save_pretrained(root / name)
-        out[name] = dict(folder=str(root / name), loss=hf_loss(model, windows), tokens=hf_greedy(model), model=model)
-    return out
+    return saved_references(tmp_path_factory.mktemp("families"), NAMES, lambda i, name: hf_model(name, 300 + i),
+                            vocab=VOCAB, seq=SEQ, windows=WINDOWS, prompts=PROMPTS, new_tokens=NEW_TOKENS)
 
 
 def _loaded(folder: str, m):

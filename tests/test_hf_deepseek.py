@@ -11,7 +11,6 @@ RoPE on half of each head and 8 experts in one group.
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,13 +19,11 @@ from safetensors.torch import load_file  # noqa: E402
 
 from tensorpar.checkpoints.hf import load_hf_folder, save_hf_folder  # noqa: E402
 from tensorpar.checkpoints.hf_config import config_from_hf, config_to_hf  # noqa: E402
-from tensorpar.commands.generate import generate_text  # noqa: E402
-from tensorpar.config.options import GenerateOptions  # noqa: E402
-from tensorpar.data import load_tokenizer  # noqa: E402
 from tensorpar.errors import TensorparError  # noqa: E402
 from tensorpar.inference.kv_cache import KVCache  # noqa: E402
 from tensorpar.models import Transformer, get_config, load_full_state_dict  # noqa: E402
 
+from hf_references import generate_in_worker, on_ranks, saved_references  # noqa: E402
 from test_eval import evaluate_in_worker  # noqa: E402
 
 TOL = 1e-5
@@ -61,26 +58,17 @@ def _hf_model(name):
     return model
 
 
+def _seeded_model(i: int, name: str):
+    torch.manual_seed(300 + i)
+    return _hf_model(name)
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     """name -> {folder, loss (transformers' mean next-token loss over the windows), tokens (greedy, per prompt),
     model}; and "data": the token file."""
-    root = tmp_path_factory.mktemp("hf_deepseek")
-    tokens = np.random.default_rng(0).integers(0, VOCAB, size=WINDOWS * (SEQ + 1) + 3).astype(np.int32)
-    np.save(root / "tokens.npy", tokens)
-    windows = torch.from_numpy(tokens[: WINDOWS * (SEQ + 1)].astype(np.int64)).view(WINDOWS, SEQ + 1)
-    out = {"data": str(root / "tokens.npy")}
-    for i, name in enumerate(HF_CONFIGS):
-        torch.manual_seed(300 + i)
-        model = _hf_model(name)
-        model.save_pretrained(root / name)
-        with torch.no_grad():
-            logits = model(windows[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), windows[:, 1:].reshape(-1)).item()
-            greedy = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):]
-                      .tolist() for p in PROMPTS]
-        out[name] = dict(folder=str(root / name), loss=loss, tokens=greedy, model=model)
-    return out
+    return saved_references(tmp_path_factory.mktemp("hf_deepseek"), HF_CONFIGS, _seeded_model, vocab=VOCAB, seq=SEQ,
+                            windows=WINDOWS, prompts=PROMPTS, new_tokens=NEW_TOKENS)
 
 
 # -- import and export ----------------------------------------------------------------------------
@@ -151,32 +139,21 @@ def test_fields_tensorpar_cannot_honour_are_refused():
 # -- eval, generate and the latent cache ----------------------------------------------------------
 
 
-def _on_ranks(pools, fn, **options) -> list:
-    world = int(np.lcm(options["tp"], options["ep"]))
-    return [fn(**options)] if world == 1 else pools(world).run(fn, **options)
-
-
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_eval_loss_matches_transformers_at_tp_1_2_4_ep_2_and_tp2_ep2(pools, hf_models, name):
     expected = hf_models[name]["loss"]
     for tp, ep in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
-        result = _on_ranks(pools, evaluate_in_worker, checkpoint=hf_models[name]["folder"], data=hf_models["data"],
+        result = on_ranks(pools, evaluate_in_worker, checkpoint=hf_models[name]["folder"], data=hf_models["data"],
                            seq_len=SEQ, tp=tp, ep=ep, batch_size=4)
         for rank, r in enumerate(result):
             assert r["tokens"] == WINDOWS * SEQ
             assert abs(r["loss"] - expected) <= TOL * expected, (name, tp, ep, rank, r["loss"], expected)
 
 
-def generate_in_worker(**options) -> list[list[int]]:
-    """`tensorpar generate --greedy`'s work on a pool's ranks."""
-    options = GenerateOptions(device="cpu", max_new_tokens=NEW_TOKENS, greedy=True, ignore_eos=True, **options)
-    sampling = dict(greedy=True, temperature=1.0, top_k=0, top_p=1.0, seed=0)
-    return generate_text(options, load_tokenizer(options.checkpoint), PROMPTS, sampling, None)[0]
-
-
 @pytest.mark.parametrize("name,tp,ep", [("deepseek_v3", 1, 1), ("deepseek_v3", 2, 2), ("glm4_moe", 2, 1)])
 def test_greedy_generate_matches_transformers(pools, hf_models, name, tp, ep):
-    results = _on_ranks(pools, generate_in_worker, checkpoint=hf_models[name]["folder"], tp=tp, ep=ep)
+    results = on_ranks(pools, generate_in_worker, prompts=PROMPTS, new_tokens=NEW_TOKENS,
+                       checkpoint=hf_models[name]["folder"], tp=tp, ep=ep)
     assert all(r == hf_models[name]["tokens"] for r in results), (results, hf_models[name]["tokens"])
 
 

@@ -11,7 +11,6 @@ Everything runs on the shared process pools, the commands included (as their ran
 import dataclasses
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,14 +22,13 @@ from tensorpar.checkpoints.hf import load_hf_folder, save_hf_folder  # noqa: E40
 from tensorpar.checkpoints.hf_config import check_representable, config_from_hf, config_to_hf  # noqa: E402
 from tensorpar.cli import main  # noqa: E402
 from tensorpar.commands.common import inference_layout  # noqa: E402
-from tensorpar.commands.generate import generate_text  # noqa: E402
 from tensorpar.config.options import EvalOptions, GenerateOptions  # noqa: E402
-from tensorpar.data import load_tokenizer  # noqa: E402
 from tensorpar.distributed.launch import world_size  # noqa: E402
 from tensorpar.errors import LayoutError, TensorparError  # noqa: E402
 from tensorpar.models import Transformer, get_config, load_full_state_dict  # noqa: E402
 
 from harness import mesh, run_cli  # noqa: E402
+from hf_references import generate_in_worker, on_ranks, saved_references  # noqa: E402
 from test_eval import evaluate_in_worker  # noqa: E402
 
 TOL = 1e-5
@@ -58,26 +56,17 @@ def _hf_model(name):
     return model
 
 
+def _seeded_model(i: int, name: str):
+    torch.manual_seed(200 + i)
+    return _hf_model(name)
+
+
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
     """name -> {folder, loss (transformers' mean next-token loss over the windows), tokens (greedy, per prompt)};
     and "data": the token file."""
-    root = tmp_path_factory.mktemp("hf_moe")
-    tokens = np.random.default_rng(0).integers(0, VOCAB, size=WINDOWS * (SEQ + 1) + 3).astype(np.int32)
-    np.save(root / "tokens.npy", tokens)
-    windows = torch.from_numpy(tokens[: WINDOWS * (SEQ + 1)].astype(np.int64)).view(WINDOWS, SEQ + 1)
-    out = {"data": str(root / "tokens.npy")}
-    for i, name in enumerate(HF_CONFIGS):
-        torch.manual_seed(200 + i)
-        model = _hf_model(name)
-        model.save_pretrained(root / name)
-        with torch.no_grad():
-            logits = model(windows[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), windows[:, 1:].reshape(-1)).item()
-            greedy = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):]
-                      .tolist() for p in PROMPTS]
-        out[name] = dict(folder=str(root / name), loss=loss, tokens=greedy, model=model)
-    return out
+    return saved_references(tmp_path_factory.mktemp("hf_moe"), HF_CONFIGS, _seeded_model, vocab=VOCAB, seq=SEQ,
+                            windows=WINDOWS, prompts=PROMPTS, new_tokens=NEW_TOKENS)
 
 
 # -- import and export ----------------------------------------------------------------------------
@@ -183,12 +172,6 @@ def test_commands_refuse_a_bad_ep_in_the_launching_process(hf_moe, capsys):
 # -- eval and generate ----------------------------------------------------------------------------
 
 
-def _on_ranks(pools, fn, **options) -> list:
-    """`fn(**options)` on the lcm(tp, ep) ranks the layout takes (a shared pool; this process for one rank)."""
-    world = int(np.lcm(options["tp"], options["ep"]))
-    return [fn(**options)] if world == 1 else pools(world).run(fn, **options)
-
-
 @pytest.mark.parametrize("name,layouts", [
     ("mixtral", [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2)]),
     ("qwen2_moe", [(1, 3), (2, 2)]),
@@ -196,7 +179,7 @@ def _on_ranks(pools, fn, **options) -> list:
 def test_eval_loss_matches_transformers_at_any_tp_and_ep(pools, hf_moe, name, layouts):
     expected = hf_moe[name]["loss"]
     for tp, ep in layouts:
-        result = _on_ranks(pools, evaluate_in_worker, checkpoint=hf_moe[name]["folder"],
+        result = on_ranks(pools, evaluate_in_worker, checkpoint=hf_moe[name]["folder"],
                            data=hf_moe["data"], seq_len=SEQ, tp=tp, ep=ep, batch_size=4)
         for rank, r in enumerate(result):
             assert r["tokens"] == WINDOWS * SEQ
@@ -223,17 +206,11 @@ def test_eval_command_at_ep_2(pools, hf_moe):
     assert abs(result["loss"] - hf_moe["qwen2_moe"]["loss"]) <= TOL * hf_moe["qwen2_moe"]["loss"]
 
 
-def generate_in_worker(**options) -> list[list[int]]:
-    """`tensorpar generate --greedy`'s work on a pool's ranks."""
-    options = GenerateOptions(device="cpu", max_new_tokens=NEW_TOKENS, greedy=True, ignore_eos=True, **options)
-    sampling = dict(greedy=True, temperature=1.0, top_k=0, top_p=1.0, seed=0)
-    return generate_text(options, load_tokenizer(options.checkpoint), PROMPTS, sampling, None)[0]
-
-
 @pytest.mark.parametrize("name,tp,ep", [("mixtral", 1, 1), ("mixtral", 1, 3), ("mixtral", 2, 2),
                                         ("qwen2_moe", 1, 2), ("qwen2_moe", 2, 1)])
 def test_greedy_generate_matches_transformers(pools, hf_moe, name, tp, ep):
-    results = _on_ranks(pools, generate_in_worker, checkpoint=hf_moe[name]["folder"], tp=tp, ep=ep)
+    results = on_ranks(pools, generate_in_worker, prompts=PROMPTS, new_tokens=NEW_TOKENS,
+                       checkpoint=hf_moe[name]["folder"], tp=tp, ep=ep)
     assert all(r == hf_moe[name]["tokens"] for r in results), (results, hf_moe[name]["tokens"])
 
 
