@@ -24,9 +24,7 @@ import http.client
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,50 +32,27 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from tensorpar.distributed.launch import free_port  # noqa: E402
 
-from serving_model import TEXT, save_llama  # noqa: E402
+from serving_model import (  # noqa: E402
+    TEXT, ServerDidNotStart, launch_server, metric, save_llama, stop_server, wait_until_serving)
 
 
 class Server:
     def __init__(self, folder: str, args, *extra: str):
-        self.port = free_port()
         self.log = tempfile.TemporaryFile()
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         device = ["--device", args.device] if args.device else []
-        self.proc = subprocess.Popen([sys.executable, "-m", "tensorpar", "serve", "--checkpoint", folder, "--tp",
-                                      str(args.tp), "--port", str(self.port), "--max-queue", "1024", *device, *extra],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if request(self.port, "GET", "/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.log.seek(0)
-                raise SystemExit(f"the server did not start:\n{self.log.read().decode()}")
-            time.sleep(0.2)
+        self.proc, self.port = launch_server(folder, self.log, "--tp", str(args.tp), "--max-queue", "1024", *device,
+                                             *extra, threads=args.threads)
+        try:
+            wait_until_serving(self.proc, self.port, self.log, wait_s=180)
+        except ServerDidNotStart as e:
+            raise SystemExit(str(e)) from None
 
     def metric(self, name: str) -> float:
-        text = request(self.port, "GET", "/metrics")[1]
-        return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(f"tensorpar_serve_{name} ")))
+        return metric(self.port, name)
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
-
-
-def request(port, method, path, body=None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    try:
-        conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"content-type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
+        stop_server(self.proc, wait_s=60)
 
 
 def stream(port, body) -> tuple[float, list[float], int]:

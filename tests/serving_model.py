@@ -90,57 +90,82 @@ def save_phi3_longrope(folder, *, original: int = 8, context: int = 32, seed: in
 
 
 def http_json(port: int, method: str, path: str, body=None, timeout: float = 60) -> tuple[int, str]:
-    """(status, body text) of one plain HTTP request to a local server (`body`, if any, sent as JSON)."""
+    """(status, body text) of one plain HTTP request to a local server: `body`, if any, sent as JSON, or as it is when
+    it is already bytes or text (a malformed request)."""
     import http.client
     import json
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"content-type": "application/json"})
+        data = body if body is None or isinstance(body, (bytes, str)) else json.dumps(body)
+        conn.request(method, path, body=data, headers={"content-type": "application/json"})
         response = conn.getresponse()
         return response.status, response.read().decode()
     finally:
         conn.close()
 
 
-def start_server(folder: str, log, *flags: str, wait_s: float = 90):
-    """`tensorpar serve --checkpoint folder *flags` on a free port, its output to the open file `log`: (process,
-    port) once it answers /health."""
+def metric(port: int, name: str) -> float:
+    """The value of the server's Prometheus metric tensorpar_serve_<name> (labels included in `name`)."""
+    text = http_json(port, "GET", "/metrics")[1]
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"tensorpar_serve_{name} ")))
+
+
+class ServerDidNotStart(RuntimeError):
+    """The server exited, or did not answer /health in time: the message holds its output."""
+
+
+def launch_server(folder: str, log, *flags: str, threads: int = 1):
+    """Start `tensorpar serve --checkpoint folder *flags` on a free port, its output to the open file `log`, without
+    waiting for it: (process, port)."""
     import os
     import subprocess
     import sys
-    import time
-
-    import pytest
 
     from tensorpar.distributed.launch import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tensorpar", "serve", "--checkpoint", folder, "--port", str(port),
-                             *flags], env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+                             *flags], env=dict(os.environ, OMP_NUM_THREADS=str(threads)), stdout=log,
+                            stderr=subprocess.STDOUT)
+    return proc, port
+
+
+def wait_until_serving(proc, port: int, log, wait_s: float = 90) -> None:
+    """Return once the server answers /health; ServerDidNotStart (the process killed, its output in the message)
+    when it exits first or `wait_s` pass."""
+    import time
+
     deadline = time.monotonic() + wait_s
     while True:
         try:
             if http_json(port, "GET", "/health", timeout=1)[0] == 200:
-                return proc, port
+                return
         except OSError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             log.seek(0)
-            pytest.fail(f"the server did not start:\n{log.read()}")
+            out = log.read()
+            raise ServerDidNotStart(f"the server did not start:\n{out.decode() if isinstance(out, bytes) else out}")
         time.sleep(0.2)
 
 
-def stop_server(proc) -> None:
-    """SIGTERM (the server drains), then kill if it has not stopped within 30 s."""
+def start_server(folder: str, log, *flags: str, wait_s: float = 90):
+    """`launch_server`, then `wait_until_serving`: (process, port) of a server that answers."""
+    proc, port = launch_server(folder, log, *flags)
+    wait_until_serving(proc, port, log, wait_s)
+    return proc, port
+
+
+def stop_server(proc, wait_s: float = 30) -> None:
+    """SIGTERM (the server drains), then kill if it has not stopped within `wait_s`."""
     import signal
     import subprocess
 
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(wait_s)
         except subprocess.TimeoutExpired:
             proc.kill()

@@ -4,9 +4,7 @@ lm-eval's `hf` model on the same Hugging Face folder. Its last test stops it wit
 
 import http.client
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -19,25 +17,13 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tensorpar.distributed.launch import free_port  # noqa: E402
 
 from harness import run_cli  # noqa: E402
-from serving_model import save_llama  # noqa: E402
+from serving_model import http_json, launch_server, metric, save_llama, stop_server, wait_until_serving  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Question: what is two plus"]
 NEW = 12
 QUEUE = 70  # --max-queue: sequences waiting at most
-
-
-def _http(port, method, path, body=None, timeout=60) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        data = body if body is None or isinstance(body, (bytes, str)) else json.dumps(body)
-        conn.request(method, path, body=data, headers={"content-type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
 
 
 class Served:
@@ -50,12 +36,10 @@ class Served:
 
     def request(self, method, path, body=None) -> tuple[int, str]:
         """(status, body text) of one plain HTTP request."""
-        status, text = _http(self.port, method, path, body)
-        return status, text
+        return http_json(self.port, method, path, body)
 
     def metric(self, name) -> float:
-        text = self.request("GET", "/metrics")[1]
-        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"tensorpar_serve_{name} ")))
+        return metric(self.port, name)
 
     def hf_greedy(self, ids, new=NEW) -> list[int]:
         ids = torch.tensor([ids])
@@ -71,31 +55,13 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(folder, tmp_path_factory):
-    port = free_port()
     log = open(tmp_path_factory.mktemp("log") / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tensorpar", "serve", "--checkpoint", folder, "--tp", "2", "--port",
-                             str(port), "--max-queue", str(QUEUE), "--token-budget", "256", "--block-size", "8"],
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+    proc, port = launch_server(folder, log, "--tp", "2", "--max-queue", str(QUEUE), "--token-budget", "256",
+                               "--block-size", "8")
     served = Served(folder, port, proc, log)  # transformers loads the reference while the ranks start
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if _http(port, "GET", "/health", timeout=1)[0] == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"the server did not start:\n{log.read()}")
-        time.sleep(0.2)
+    wait_until_serving(proc, port, log)
     yield served
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    stop_server(proc)
     log.close()
 
 

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from serving_model import http_json, save_phi3_longrope, start_server, stop_server  # noqa: E402
+from serving_model import http_json, metric, save_phi3_longrope, start_server, stop_server  # noqa: E402
 
 ORIGINAL = 8
 # (prompt, new tokens): crosses the original length while generating; starts at it; starts past it; stays short
@@ -56,11 +56,6 @@ def _completions(port: int, prompts: list[list[int]], new: int) -> list[tuple[li
     return [([int(w[1:]) for w in c["text"].split()], c["logprobs"]["token_logprobs"]) for c in choices]
 
 
-def _metric(port: int, name: str) -> float:
-    text = http_json(port, "GET", "/metrics")[1]
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"tensorpar_serve_{name} ")))
-
-
 def _check(got: list[tuple[list[int], list[float]]], expected: list[tuple[list[int], list[float]]]) -> None:
     """The same tokens, and log-probs within float32 rounding."""
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
@@ -72,9 +67,9 @@ def test_longrope_greedy_equals_transformers_alone_and_batched(served):
     port, hf = served
     expected = [_hf_greedy(hf, prompt, new) for prompt, new in CASES]
     _check([_completions(port, [prompt], new)[0] for prompt, new in CASES], expected)
-    assert _metric(port, "rope_recomputes_total") == CROSSING
-    assert _metric(port, "preemptions_total") == 0  # a recompute at the switch is not a preemption for memory
+    assert metric(port, "rope_recomputes_total") == CROSSING
+    assert metric(port, "preemptions_total") == 0  # a recompute at the switch is not a preemption for memory
     longest = max(new for _, new in CASES)
     _check(_completions(port, [prompt for prompt, _ in CASES], longest),
            [_hf_greedy(hf, prompt, longest) for prompt, _ in CASES])
-    assert _metric(port, "rope_recomputes_total") > CROSSING and _metric(port, "preemptions_total") > 0
+    assert metric(port, "rope_recomputes_total") > CROSSING and metric(port, "preemptions_total") > 0
