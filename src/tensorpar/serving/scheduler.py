@@ -144,9 +144,13 @@ class Scheduler:
 
     def _recompute(self, seq: Sequence) -> None:
         """Drop `seq`'s cache: it runs again from its first token, with the long factors, keeping its place."""
+        self._drop_cache(seq)
+        self.rope_recomputes += 1
+
+    def _drop_cache(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks: its tokens are fed again from the first."""
         self.allocator.free(seq.seq_id)
         seq.computed = 0
-        self.rope_recomputes += 1
 
     def _make_room(self, seq: Sequence, tokens: int, scheduled: set[int]) -> bool:
         """Free blocks until `seq` can hold `tokens` tokens by preempting the youngest running sequences not yet in
@@ -162,8 +166,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and queue it first, to be recomputed from its tokens."""
         self.running.remove(seq)
-        self.allocator.free(seq.seq_id)
-        seq.computed = 0
+        self._drop_cache(seq)
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
