@@ -201,18 +201,16 @@ class FullyShardedOptimizer:
         self.gathered_bytes, self.grad_bytes = BytesInUse(), BytesInUse()
         # Per block, the units gathered and freed together: its dense parameters (over DP x CP), and its routed
         # experts' (over expert-DP) if it has any.
-        self.blocks: list[list[_Unit]] = [self._block_units(key, block, expert_dp, _fp8_gathered(model, block))
-                                          for key, block in layers.items()]
+        self.blocks = self._sharded_blocks(model, expert_dp, trained=True)
         self.units = [u for units in self.blocks for u in units]
-        root_params = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
-        self.root = _Unit("root", root_params, self.shards, True, self.gathered_bytes) if root_params else None
+        self.root = self._root_unit(model, in_blocks, trained=True)
         # The frozen parameters (LoRA's base), sharded alike: gathered and freed, never reduced nor stepped
-        self.frozen_blocks = [self._frozen_units(key, block, expert_dp) for key, block in layers.items()]
-        frozen_root = [p for p in model.parameters() if not p.requires_grad and id(p) not in in_blocks]
-        self.frozen_root = (_Unit("root (frozen)", frozen_root, self.shards, True, self.gathered_bytes)
-                            if frozen_root else None)
+        self.frozen_blocks = self._sharded_blocks(model, expert_dp, trained=False)
+        self.frozen_root = self._root_unit(model, in_blocks, trained=False)
         self.roots = [u for u in (self.root, self.frozen_root) if u is not None]
-        self.frozen = [u for units in self.frozen_blocks for u in units] + ([self.frozen_root] if frozen_root else [])
+        self.frozen = [u for units in self.frozen_blocks for u in units]
+        if self.frozen_root is not None:
+            self.frozen.append(self.frozen_root)
         self._all = self.units + ([self.root] if self.root else [])
         self._unit_of = {id(p): u for u in self._all for p in u.params}
         self.tied = [(off, shape.numel()) for p, off, shape in zip(self.root.params, self.root.offsets,
@@ -241,28 +239,34 @@ class FullyShardedOptimizer:
         self.optimizer = step_rule(model, mesh, self.weights, self.weights.slices, optimizer, lr=lr, betas=betas,
                                    eps=eps, momentum=muon_momentum, state_dtype=state_dtype)
 
-    def _block_units(self, key: str, block: nn.Module, expert_dp, fp8: set[int]) -> list[_Unit]:
-        """The units of one block, gathered and freed together: its dense parameters (over DP x CP; the weights in
-        `fp8` in a unit of their own, gathered in fp8) and its routed experts' (over expert-DP), where it has any."""
-        params = [p for p in block.parameters() if p.requires_grad]
+    def _sharded_blocks(self, model: nn.Module, expert_dp, trained: bool) -> list[list[_Unit]]:
+        """Per block, the units of its trained (or frozen) parameters; the trained ones' linear weights gathered in
+        fp8 where the model's GEMMs are tensorwise fp8."""
+        return [self._block_units(f"layer {key}" + ("" if trained else " (frozen)"),
+                                  [p for p in block.parameters() if p.requires_grad == trained], expert_dp,
+                                  _fp8_gathered(model, block) if trained else frozenset())
+                for key, block in model.layers.items()]
+
+    def _root_unit(self, model: nn.Module, in_blocks: set[int], trained: bool) -> _Unit | None:
+        """The unit of the stage's trained (or frozen) parameters outside its blocks, if it has any."""
+        params = [p for p in model.parameters() if p.requires_grad == trained and id(p) not in in_blocks]
+        name = "root" if trained else "root (frozen)"
+        return _Unit(name, params, self.shards, True, self.gathered_bytes) if params else None
+
+    def _block_units(self, name: str, params: list[nn.Parameter], expert_dp, fp8: set[int] = frozenset()
+                     ) -> list[_Unit]:
+        """The units of one block's `params`, gathered and freed together: the dense ones (over DP x CP; the weights
+        in `fp8` in a unit of their own, gathered in fp8) and the routed experts' (over expert-DP), where it has
+        any."""
         dense = [p for p in params if not shard_spec(p).expert and id(p) not in fp8]
-        units = [_Unit(f"layer {key}", dense, self.shards, False, self.gathered_bytes)] if dense else []
-        if fp8:
-            units.append(_Fp8Unit(f"layer {key} fp8", [p for p in params if id(p) in fp8], self.shards,
-                                  self.mesh.tp_group, self.gathered_bytes))
+        units = [_Unit(name, dense, self.shards, False, self.gathered_bytes)] if dense else []
+        in_fp8 = [p for p in params if id(p) in fp8]
+        if in_fp8:
+            units.append(_Fp8Unit(f"{name} fp8", in_fp8, self.shards, self.mesh.tp_group, self.gathered_bytes))
         experts = [p for p in params if shard_spec(p).expert]
         if experts:
-            units.append(_Unit(f"layer {key} experts", experts, expert_dp, False, self.gathered_bytes))
+            units.append(_Unit(f"{name} experts", experts, expert_dp, False, self.gathered_bytes))
         return units
-
-    def _frozen_units(self, key: str, block: nn.Module, expert_dp) -> list[_Unit]:
-        """The units of one block's frozen parameters: the dense ones (over DP x CP) and the routed experts' (over
-        expert-DP), where it has any."""
-        frozen = [p for p in block.parameters() if not p.requires_grad]
-        dense = [p for p in frozen if not shard_spec(p).expert]
-        experts = [p for p in frozen if shard_spec(p).expert]
-        return ([_Unit(f"layer {key} (frozen)", dense, self.shards, False, self.gathered_bytes)] if dense else []) + (
-            [_Unit(f"layer {key} experts (frozen)", experts, expert_dp, False, self.gathered_bytes)] if experts else [])
 
     # -- hooks: gather before use, free after, reduce-scatter the gradients ----------------------------------
 
