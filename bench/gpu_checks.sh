@@ -46,7 +46,7 @@ step llama 120 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 10 --sample-tokens
 step fp8 180 "$PY" bench/precision.py --device cuda --model llama-1b --precisions bf16,fp8-tensorwise,fp8-rowwise \
     --steps 10 --seq-len 2048 --global-batch-size 16 --micro-batch-size 4 --threads 8
 step tp_step 120 "$PY" bench/tp_step.py --device cuda --dtype bf16 --hidden 2048 --layers 16 --heads 16 \
-    --seq-len 2048 --batch 8 --vocab 32768 --variants single,plain --steps 10 --comm-steps 0
+    --seq-len 2048 --batch 8 --vocab 32768 --variants single,plain,plain-fp32-loss --steps 10 --comm-steps 0
 step compile 240 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 10 --sample-tokens 0 --val-fraction 0 --val-every 0 \
     --no-progress --out-dir "$RUNS/compile" --metrics "$OUT/compile.jsonl" --compile
 step profile 120 "$PY" bench/profile_train.py "${LLAMA[@]}" --steps 4 --rows 25

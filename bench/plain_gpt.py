@@ -53,10 +53,13 @@ class Block(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    """GPT-2 style: learned positions, pre-LN blocks, gelu-tanh MLP, final LN, head tied to the embedding."""
+    """GPT-2 style: learned positions, pre-LN blocks, gelu-tanh MLP, final LN, head tied to the embedding.
+    `fp32_loss`: the cross-entropy over the logits cast to fp32, as torchtitan computes it (components/loss.py);
+    else over the logits in the parameters' dtype, as a plain script does."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, fp32_loss: bool = False):
         super().__init__()
+        self.fp32_loss = fp32_loss
         h = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, h)
         self.pos_embed = nn.Parameter(torch.zeros(cfg.max_seq_len, h))
@@ -82,6 +85,8 @@ class PlainGPT(nn.Module):
         for layer in self.layers:
             h = layer(h)
         logits = F.linear(self.final_norm(h), self.embed.weight)
+        if self.fp32_loss:
+            logits = logits.float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 

@@ -56,9 +56,10 @@ VARIANTS = {
     "tensorpar": ("tensorpar TP=2", 2, 1),
     "dtensor": ("DTensor TP=2", 2, 1),
     # not run by default, for reference: tensorpar TP=2 with sequence parallelism, and the plain
-    # PyTorch model below in one process
+    # PyTorch model below in one process, its loss over the logits as they are or cast to fp32
     "tensorpar-sp": ("tensorpar TP=2 + SP", 2, 1),
     "plain": ("plain PyTorch (1 proc)", 1, 2),
+    "plain-fp32-loss": ("plain, fp32 loss (1 proc)", 1, 2),
 }
 
 
@@ -133,8 +134,8 @@ def worker(args) -> None:
         model.load_state_dict(state)
         parallelize_dtensor(model, device_mesh)
         barrier = dist.barrier
-    else:  # plain
-        model = PlainGPT(cfg).to(device=device, dtype=dtype)
+    else:  # plain, plain-fp32-loss
+        model = PlainGPT(cfg, fp32_loss=variant == "plain-fp32-loss").to(device=device, dtype=dtype)
         model.load_state_dict(state)
         barrier = lambda: None  # noqa: E731
     model.train()

@@ -48,9 +48,11 @@ def smoothed_loss(log_z, target_logit, logit_sum, vocab_size: int, label_smoothi
 
 def subtract_target_distribution(grad, on_rank, local_target, n_valid: int, vocab_size: int,
                                  label_smoothing: float) -> None:
-    """softmax -> softmax - target distribution, in place, on a [tokens, V_local] shard (padding columns left)."""
-    rows = torch.nonzero(on_rank, as_tuple=True)[0]
-    grad[rows, local_target[rows]] -= 1.0 - label_smoothing
+    """softmax -> softmax - target distribution, in place, on a [tokens, V_local] shard (padding columns left).
+    A scatter of -(1 - eps) at each token's target (of 0 where the target is on another rank or ignored): no
+    host-device synchronisation, as selecting the rows first would need."""
+    hit = on_rank.to(grad.dtype).mul_(-(1.0 - label_smoothing))
+    grad.scatter_add_(-1, local_target.unsqueeze(-1), hit.unsqueeze(-1))
     if label_smoothing > 0:
         grad[:, :n_valid] -= label_smoothing / vocab_size
 
@@ -80,12 +82,27 @@ def reduce_losses(losses: torch.Tensor, targets: torch.Tensor, ignore_index: int
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: all-reduce (max), then all-reduce (sum) of [target logit, sum exp, sum logits].
-    Backward: none (the gradient is local to each vocabulary shard)."""
+    Backward: none (the gradient is local to each vocabulary shard).
+
+    A group of one rank with no padding column needs neither reduction: its forward is one fp32 `log_softmax`,
+    whose log-probabilities the backward exponentiates in place (a third of the memory traffic of the
+    max / subtract / exp / sum / divide steps the shards need)."""
 
     @staticmethod
     def forward(ctx, logits, targets, group: Group, vocab_size: int, ignore_index: int, label_smoothing: float):
         local_vocab = logits.shape[-1]
         start, n_valid = shard_columns(group, local_vocab, vocab_size)
+        ignored, on_rank, local_target = local_targets(targets, start, n_valid, ignore_index)
+        ctx.n_valid, ctx.vocab_size, ctx.label_smoothing = n_valid, vocab_size, label_smoothing
+        ctx.logits_dtype = logits.dtype
+        ctx.log_probs = group.size == 1 and n_valid == local_vocab
+        if ctx.log_probs:
+            log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            target_log_prob = log_probs.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+            log_prob_sum = log_probs.sum(dim=-1) if label_smoothing > 0 else None
+            ctx.save_for_backward(log_probs, on_rank, local_target, ignored)
+            # log Z - x_y = -log p_y, and log Z - sum_c x_c / C = -sum_c log p_c / C
+            return smoothed_loss(0.0, target_log_prob, log_prob_sum, vocab_size, label_smoothing, ignored)
 
         x = logits.float()
         if n_valid < local_vocab:
@@ -95,7 +112,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group.all_reduce(global_max, op="max")
         x = x - global_max.unsqueeze(-1)
 
-        ignored, on_rank, local_target = local_targets(targets, start, n_valid, ignore_index)
         target_logit = torch.where(on_rank, x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
 
         exp_x = x.exp()
@@ -110,8 +126,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp_x.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, on_rank, local_target, ignored)
-        ctx.n_valid, ctx.vocab_size, ctx.label_smoothing = n_valid, vocab_size, label_smoothing
-        ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
@@ -120,13 +134,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if getattr(ctx, "consumed", False):
             raise RuntimeError("vocab_parallel_cross_entropy: backward ran twice; its softmax buffer is reused in place")
         ctx.consumed = True
-        softmax, on_rank, local_target, ignored = ctx.saved_tensors
+        saved, on_rank, local_target, ignored = ctx.saved_tensors
         eps = ctx.label_smoothing
-        grad = softmax  # d loss / d x = softmax - target distribution; the buffer is ours to reuse
+        # d loss / d x = softmax - target distribution; the saved buffer is ours to reuse
+        grad = saved.exp_() if ctx.log_probs else saved
         subtract_target_distribution(grad.view(-1, grad.shape[-1]), on_rank.view(-1), local_target.view(-1),
                                      ctx.n_valid, ctx.vocab_size, eps)
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        scale = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
+        if ctx.logits_dtype == grad.dtype:
+            return grad.mul_(scale), None, None, None, None, None
+        # scaled and cast in one pass, from the fp32 difference (subtracting after a bf16 rounding would cancel)
+        return torch.mul(grad, scale, out=torch.empty_like(grad, dtype=ctx.logits_dtype)), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

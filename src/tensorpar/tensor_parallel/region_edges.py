@@ -66,7 +66,10 @@ class PlainEdges:
 
     def leave(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               gemms: DenseGemms) -> torch.Tensor:
-        """`gemms.row`, then `reduce`, then the replicated `bias` (whose gradient, under SP, is summed)."""
+        """`gemms.row`, then `reduce`, then the replicated `bias` (whose gradient, under SP, is summed). A group of
+        one rank reduces nothing: its bias joins the GEMM."""
+        if self.group.size == 1:
+            return gemms.row(x, weight, self.group, bias)
         y = self.reduce(gemms.row(x, weight, self.group))
         if bias is None:
             return y

@@ -90,9 +90,11 @@ class DenseGemms:
         """[x W_i^T + b_i] of the column-parallel `projections` sharing the entered input `x`."""
         return [F.linear(x, *p.params()) for p in projections]
 
-    def row(self, x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
-        """The row-parallel product x W^T: this rank's partial sum, before the exit's reduction."""
-        return F.linear(x, weight)
+    def row(self, x: torch.Tensor, weight: torch.Tensor, group: Group,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The row-parallel product x W^T: this rank's partial sum, before the exit's reduction. `bias` only where
+        there is no reduction (a group of one rank): added in the GEMM, as nn.Linear adds it."""
+        return F.linear(x, weight, bias)
 
     def affine(self, fn, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                summed_by=None) -> torch.Tensor:
@@ -138,8 +140,9 @@ class Fp8Gemms(DenseGemms):
         ys = fp8_linears(x, [with_grad_reduce(p.weight, p.grad_reduce) for p in projections], self.fp8, group, "out")
         return [y if p.bias is None else y + with_grad_reduce(p.bias, p.grad_reduce) for y, p in zip(ys, projections)]
 
-    def row(self, x, weight, group):
-        return fp8_linears(x, [weight], self.fp8, group, "in")[0]
+    def row(self, x, weight, group, bias=None):
+        y = fp8_linears(x, [weight], self.fp8, group, "in")[0]
+        return y if bias is None else y + bias
 
     def stacked(self, weight, group, split):
         """As `DenseGemms.stacked`, each slice in fp8; `group` and `split` say how each slice is split (expert
@@ -161,8 +164,8 @@ class SplitBackwardGemms(DenseGemms):
     def column(self, x, projections, group):
         return [weight_grad.linear(x, p.weight, p.bias, self.weight_grads, reduce=p.grad_reduce) for p in projections]
 
-    def row(self, x, weight, group):
-        return weight_grad.linear(x, weight, None, self.weight_grads)
+    def row(self, x, weight, group, bias=None):
+        return weight_grad.linear(x, weight, bias, self.weight_grads)
 
     def affine(self, fn, x, weight, bias, summed_by=None):
         return weight_grad.affine(fn(x), weight, bias, self.weight_grads, reduce=self._reduce(summed_by))
