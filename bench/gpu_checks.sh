@@ -16,6 +16,8 @@
 # levers         bench/memory_levers.py: llama-1b bf16 with each memory lever: GPU and host bytes, step time
 # fp8_compile    llama-1b in fp8 (tensorwise) with --compile: does fusing the casts make fp8 pay at this size?
 # no_chunk       llama-1b compiled with --loss-chunk-tokens 0: the LM head once, not again in the backward
+# fp8_wide       bf16 and fp8 (tensorwise), both compiled, on llama-8b's width with 8 of its 32 layers (hidden 4,096):
+#                where the blocks' GEMMs hold more of the step than at llama-1b's size (docs/benchmarks.md)
 # TESTS_K=EXPR selects tests by pytest's -k expression.
 set -u
 OUT="${1:?usage: bench/gpu_checks.sh OUT_DIR [STEPS...]}"
@@ -27,10 +29,11 @@ mkdir -p "$OUT" "$RUNS"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LLAMA=(--model llama-1b --device cuda --dtype bf16 --seq-len 2048 --micro-batch-size 4 --global-batch-size 16)
 
-step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output in OUT/NAME.log
+step() {  # step NAME[:PART] SECONDS COMMAND...: run it with a time limit, its output in OUT/NAME[_PART].log
     local name=$1 limit=$2
     shift 2
-    case " $STEPS " in *" $name "*) ;; *) return ;; esac
+    case " $STEPS " in *" ${name%%:*} "*) ;; *) return ;; esac
+    name=${name/:/_}
     echo "== $name ($(date +%T), limit ${limit}s): $*"
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "== $name: exit $? after ${SECONDS}s in all"
@@ -60,3 +63,13 @@ step fp8_compile 120 "$PY" -m tensorpar train "${LLAMA[@]/bf16/fp8}" --steps 6 -
     --val-every 0 --no-progress --out-dir "$RUNS/fp8_compile" --metrics "$OUT/fp8_compile.jsonl" --compile
 step no_chunk 120 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 6 --sample-tokens 0 --val-fraction 0 --val-every 0 \
     --no-progress --out-dir "$RUNS/no_chunk" --metrics "$OUT/no_chunk.jsonl" --compile --loss-chunk-tokens 0
+WIDE="$RUNS/llama-8b-width-8-layers.json"
+case " $STEPS " in *" fp8_wide "*)
+    "$PY" -c "import json, sys, dataclasses; from tensorpar.models.presets import get_config
+json.dump(dataclasses.replace(get_config('llama-8b'), num_layers=8).to_dict(), open(sys.argv[1], 'w'))" "$WIDE" ;;
+esac
+for precision in bf16 fp8; do
+    step "fp8_wide:$precision" 300 "$PY" -m tensorpar train --model "$WIDE" --device cuda --dtype "$precision" --seq-len 2048 \
+        --micro-batch-size 2 --global-batch-size 8 --steps 6 --sample-tokens 0 --val-fraction 0 --val-every 0 \
+        --no-progress --out-dir "$RUNS/fp8_wide_$precision" --metrics "$OUT/fp8_wide_$precision.jsonl" --compile
+done
