@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from tensorpar.models.placement import PipelineStage, Placement
+from tensorpar.models.placement import Placement
 from tensorpar.config.choices import LOSS_CHUNK_TOKENS
 from tensorpar.models.config import ModelConfig
 from tensorpar.planning import memory, precision_recipes

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tensorpar.models.placement import PipelineStage, Placement
+from tensorpar.models.placement import Placement
 from tensorpar.distributed.comm import Group
 from tensorpar.distributed.sharding import shard_spec, unshard_tensor
 from tensorpar.models import Transformer, get_config

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorpar.models.placement import PipelineStage, Placement
+from tensorpar.models.placement import Placement
 from tensorpar.distributed.comm import Group
 from tensorpar.errors import TensorparError
 from tensorpar.expert_parallel.experts import GroupedExperts

@@ -26,7 +26,6 @@ import dataclasses
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from tensorpar.config.choices import DOCUMENT_ATTENTION
 from tensorpar.errors import TensorparError

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from tensorpar.errors import TensorparError
 
 
