@@ -63,8 +63,9 @@ def run_variant(a) -> dict:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     group = Group.single("tp")
-    h = torch.randn(a.tokens, a.hidden, device=device).requires_grad_()
-    weight = (torch.randn(a.vocab, a.hidden, device=device) / a.hidden**0.5).requires_grad_()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    h = torch.randn(a.tokens, a.hidden, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(a.vocab, a.hidden, device=device) / a.hidden**0.5).to(dtype).requires_grad_()
     targets = torch.randint(0, a.vocab, (a.tokens,), device=device)
 
     def step():
@@ -102,12 +103,13 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1, help="timed runs after the first (the median is reported)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="of h and W (the loss is fp32 in both)")
     p.add_argument("--variant", choices=("unfused", "chunked"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.variant:
         print(json.dumps(run_variant(a)))
         return 0
-    print(f"{a.tokens} tokens x {a.vocab} vocabulary, hidden {a.hidden}, chunk {a.chunk}, {a.device}, "
+    print(f"{a.tokens} tokens x {a.vocab} vocabulary, hidden {a.hidden}, chunk {a.chunk}, {a.dtype}, {a.device}, "
           f"{a.threads} threads")
     results = {}
     for variant in ("unfused", "chunked"):

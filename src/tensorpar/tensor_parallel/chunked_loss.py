@@ -111,7 +111,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 if grad_w is not None and dt == torch.float32:
                     grad_w.addmm_(g.t(), h_chunk)
                 elif grad_w is not None:
-                    grad_w += (g.t() @ h_chunk).float()
+                    grad_w.add_(g.t() @ h_chunk)  # converted to fp32 as it is added, without a copy
                 if grad_b is not None:
                     grad_b += g.sum(0, dtype=torch.float32)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)

@@ -141,10 +141,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         subtract_target_distribution(grad.view(-1, grad.shape[-1]), on_rank.view(-1), local_target.view(-1),
                                      ctx.n_valid, ctx.vocab_size, eps)
         scale = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
-        if ctx.logits_dtype == grad.dtype:
-            return grad.mul_(scale), None, None, None, None, None
-        # scaled and cast in one pass, from the fp32 difference (subtracting after a bf16 rounding would cancel)
-        return torch.mul(grad, scale, out=torch.empty_like(grad, dtype=ctx.logits_dtype)), None, None, None, None, None
+        return grad.mul_(scale).to(ctx.logits_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
