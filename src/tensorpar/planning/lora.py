@@ -20,6 +20,7 @@ GPT-2's Conv1D), so that `plan` and `train` refuse the same model for the same r
 from __future__ import annotations
 
 from tensorpar.checkpoints.peft_adapter import check_lora_model
+from tensorpar.errors import TensorparError
 from tensorpar.tensor_parallel.lora import LoraSpec, is_adapter
 
 COLUMN_TARGETS = ("q", "k", "v", "gate", "up")  # the rest, o and down, are row-parallel
@@ -27,10 +28,21 @@ _MODULES = {t: f"{'attn' if t in ('q', 'k', 'v', 'o') else 'mlp'}.{t}_proj" for 
                                                                                      "up", "down")}
 
 
-def check_lora(cfg, lora: LoraSpec | None) -> None:
-    """Refuse adapters `cfg` cannot carry, with the trainer's reason (nothing without `lora`)."""
-    if lora is not None:
-        check_lora_model(cfg, lora)
+def check_lora(cfg, lora: LoraSpec | None, prec=None) -> None:
+    """Refuse adapters `cfg` cannot carry, with the trainer's reason (nothing without `lora`), and, given the
+    precision `prec` of a plan, what the planner does not model: the adapters' dropout (a masked copy of each adapter's input), and LoRA in the Playbook's
+    precisions (Megatron / NeMo runs, whose PEFT the planner does not describe)."""
+    if lora is None:
+        return
+    check_lora_model(cfg, lora)
+    if prec is None:  # the bytes of states alone (the dry run's): the dropout and the precision change none
+        return
+    if lora.dropout:
+        raise TensorparError(f"the planner does not model --lora-dropout {lora.dropout:g} (each adapter's masked "
+                             f"copy of its input): plan with --lora-dropout 0")
+    if prec.activations != "tensorpar":
+        raise TensorparError(f"the planner models LoRA as tensorpar trains it: use a tensorpar-* precision, not "
+                             f"{prec.name}")
 
 
 def _target_of(name: str, lora: LoraSpec) -> str | None:

@@ -316,8 +316,8 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
     tensorpar's TP overlap, its default, on as in training; `loss_chunk_tokens`: tensorpar's fused head and loss,
     training's default chunk, None for logits then the loss), and the host memory the `levers` use
     (`tensorpar.planning.offload_memory`). `lora`: LoRA fine-tuning, the base frozen (`tensorpar.planning.lora`)."""
-    check_lora(cfg, lora)
     prec = levered_precision(get_precision(precision), levers)
+    check_lora(cfg, lora)
     pp = layout.pp
     summary = layout_summary(cfg, layout, stage, lora)
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
