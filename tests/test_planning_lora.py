@@ -1,4 +1,4 @@
-"""The planner's LoRA fine-tuning (`tensorpar.planning.lora`): a dry-run rank of a 70B model holds the planned
+"""The planner's LoRA fine-tuning (`tensorpar.planning.lora_adapters`): a dry-run rank of a 70B model holds the planned
 adapter, gradient, optimizer and frozen-base bytes; the planned activations are what a LoRA model saves; the planner
 sees how much less LoRA needs than full training; planner and trainer refuse the same models and layouts."""
 

@@ -83,7 +83,7 @@ from tensorpar.planning.candidates import Candidate, candidate_stages, stage_lay
 from tensorpar.planning.fp8_traffic import fp8_input_bytes
 from tensorpar.planning.latent import latent_attention_activations, latent_playbook_bytes, mtp_activations
 from tensorpar.planning.offload_memory import host_optimizer_bytes, levered_precision
-from tensorpar.planning.lora import (check_lora, lora_layer_activations, lora_outer_activations,
+from tensorpar.planning.lora_adapters import (check_lora, lora_layer_activations, lora_outer_activations,
                                      lora_weight_copies)
 from tensorpar.planning.params import ParamSummary, layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
@@ -315,7 +315,7 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
     """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size; `tp_overlap`:
     tensorpar's TP overlap, its default, on as in training; `loss_chunk_tokens`: tensorpar's fused head and loss,
     training's default chunk, None for logits then the loss), and the host memory the `levers` use
-    (`tensorpar.planning.offload_memory`). `lora`: LoRA fine-tuning, the base frozen (`tensorpar.planning.lora`)."""
+    (`tensorpar.planning.offload_memory`). `lora`: LoRA fine-tuning, the base frozen (`tensorpar.planning.lora_adapters`)."""
     prec = levered_precision(get_precision(precision), levers)
     check_lora(cfg, lora)
     pp = layout.pp
@@ -383,7 +383,7 @@ def _layer_activations(cfg, layout: Candidate, b: int, s: int, mode: str, prec: 
                        tp_overlap: bool, moe_share: float, lora: LoraSpec | None = None) -> int:
     """Bytes one layer saves for one micro-batch under recomputation `mode`, in the precision's activation model;
     with MoE layers the mean over MoE and dense layers weighted by `moe_share`, rounded; `lora`: with the adapters'
-    (`tensorpar.planning.lora.lora_layer_activations`)."""
+    (`tensorpar.planning.lora_adapters.lora_layer_activations`)."""
     def one(moe):
         if prec.activations == "tensorpar":
             base = tensorpar_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, prec.autocast,

@@ -18,7 +18,7 @@ import dataclasses
 from tensorpar.distributed.sharding import padded
 from tensorpar.layout import ParallelLayout, divide
 from tensorpar.layout.rules import experts_per_rank, kv_heads_per_rank
-from tensorpar.planning.lora import trained, with_adapters
+from tensorpar.planning.lora_adapters import trained, with_adapters
 from tensorpar.tensor_parallel.lora import LoraSpec
 
 _PARAM_CACHE: dict = {}
@@ -49,7 +49,7 @@ def layout_parameters(cfg, layout, stage: int | None = 0, lora: LoraSpec | None 
     multiple of tp, KV heads replicated when fewer than tp, norms and row-parallel biases replicated. A tied
     embedding is held by the rank of the first stage and, as the head's copy, by the rank of the last (both rank 0
     in zbv's V); each rank holds its chunks' layers (`tensorpar.layout.PipelineSplit`). `lora`: with the adapters'
-    factors (`tensorpar.planning.lora.with_adapters`)."""
+    factors (`tensorpar.planning.lora_adapters.with_adapters`)."""
     stage = 0 if stage is None or layout.pp == 1 else stage
     split = layout.split(cfg.num_layers) if layout.pp > 1 else None
     key = (_cfg_key(cfg), layout.tp, layout.ep, stage, split, lora)

@@ -15,7 +15,7 @@ from tensorpar.errors import TensorparError
 from tensorpar.planning.cluster import Cluster
 from tensorpar.planning.candidates import Candidate, candidate_problem, enumerate_candidates
 from tensorpar.planning.latent import kv_cache_bytes
-from tensorpar.planning.lora import check_lora
+from tensorpar.planning.lora_adapters import check_lora
 from tensorpar.planning.memory import MemoryBreakdown, layout_memory
 from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.step_time import StepTime, predict_step_time

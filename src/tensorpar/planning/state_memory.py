@@ -19,7 +19,7 @@ import math
 
 from tensorpar.planning.candidates import Candidate, stage_layers
 from tensorpar.planning.communication import bucket_sizes
-from tensorpar.planning.lora import trained
+from tensorpar.planning.lora_adapters import trained
 from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
 from tensorpar.planning.precision_recipes import Precision
 from tensorpar.tensor_parallel.lora import LoraSpec

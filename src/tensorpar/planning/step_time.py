@@ -23,7 +23,7 @@ all-gather after a ZeRO-1/2 optimizer step is exposed. The optimizer step itself
 about 28 bytes of HBM traffic per (local) optimizer element.
 
 LoRA (`lora`): the frozen base computes no weight gradients (its backward is its input gradients, about one
-forward), the adapters add their r-wide GEMMs (`tensorpar.planning.lora.adapter_gemms`: forward, input and weight
+forward), the adapters add their r-wide GEMMs (`tensorpar.planning.lora_adapters.adapter_gemms`: forward, input and weight
 gradient), the optimizer steps the adapters alone, and MFU counts the FLOPs such a step needs (the model's less
 the base's weight gradients). Not modelled: the adapters' own TP collectives (r / h of the base's), and the
 data-parallel traffic, which is counted as full training's (an upper bound: LoRA reduces the adapters' gradients
@@ -43,7 +43,7 @@ from tensorpar.planning.collective_cost import collectives_time
 from tensorpar.planning.communication import model_collectives, step_collectives
 from tensorpar.planning.compute import flop_parts, stage_flops
 from tensorpar.planning.kernels import gemms_time, optimizer_time, stage_compute_time
-from tensorpar.planning.lora import adapter_gemms
+from tensorpar.planning.lora_adapters import adapter_gemms
 from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
 from tensorpar.planning.params import layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision

@@ -31,7 +31,8 @@ def _from_adapter(o: TrainOptions, cfg: ModelConfig) -> LoraSpec:
         raise TensorparError(f"--lora-adapter '{o.lora_adapter}' has rank {spec.rank}, alpha {spec.alpha:g} and "
                              f"targets {','.join(spec.targets)}: drop --lora-rank, --lora-alpha and --lora-targets "
                              f"or give those")
-    return dataclasses.replace(spec, dropout=o.lora_dropout if "--lora-dropout" in shape_flags_given(o) else spec.dropout)
+    given = shape_flags_given(o)
+    return dataclasses.replace(spec, dropout=o.lora_dropout if "--lora-dropout" in given else spec.dropout)
 
 
 def lora_spec(o: TrainOptions, cfg: ModelConfig, resume_meta: dict | None) -> LoraSpec | None:
