@@ -16,13 +16,15 @@ def planned_candidate(run) -> Candidate:
 
 
 def planned_bytes(run, result: dict) -> dict:
-    """The planner's parameter, gradient and optimizer bytes for the dry run's rank (its pipeline stage)."""
+    """The planner's parameter, gradient and optimizer bytes for the dry run's rank (its pipeline stage); with LoRA
+    the adapters', and the frozen base's apart."""
     o = run.options
     mb = stage_memory(run.cfg, planned_candidate(run), o.seq_len, o.global_batch_size, run.precision.planner_name,
                       stage=result["layout"]["pp_rank"], bucket_bytes=int(o.bucket_mb * 2**20),
-                      loss_chunk_tokens=o.loss_chunk_tokens or None, levers=MemoryLevers.of(o))
+                      loss_chunk_tokens=o.loss_chunk_tokens or None, levers=MemoryLevers.of(o), lora=run.lora)
     return {"parameter_bytes": mb.parameters, "gradient_bytes": mb.gradients, "optimizer_bytes": mb.optimizer,
-            "host_optimizer_bytes": mb.host_optimizer, "host_activation_bytes": mb.host_activations}
+            "host_optimizer_bytes": mb.host_optimizer, "host_activation_bytes": mb.host_activations,
+            "frozen_bytes": mb.frozen}
 
 
 def report(run, result: dict, planned: dict) -> str:
@@ -32,7 +34,10 @@ def report(run, result: dict, planned: dict) -> str:
              f"pp {lay['pp_rank']}/{o.pp}, dp {lay['dp_rank']}/{o.dp}, cp {lay['cp_rank']}/{o.cp}) of "
              f"{o.model}: {result['parameter_count']:,} parameters on this rank",
              f"{'bytes':22} {'built (meta)':>16} {'planned':>16} {'planned/built':>14}"]
-    rows = [("parameter_bytes", "parameters"), ("gradient_bytes", "gradients"), ("optimizer_bytes", "optimizer states")]
+    rows = [("parameter_bytes", "parameters" if run.lora is None else "parameters (adapters)"),
+            ("gradient_bytes", "gradients"), ("optimizer_bytes", "optimizer states")]
+    if run.lora is not None:
+        rows.append(("frozen_bytes", "frozen (LoRA's base)"))
     if o.optimizer_offload:
         rows.append(("host_optimizer_bytes", "host: optimizer"))
     for key, name in rows:

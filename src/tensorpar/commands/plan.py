@@ -45,6 +45,7 @@ from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.memory import MemoryBreakdown
 from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.search import best_by_mesh, search
+from tensorpar.tensor_parallel.lora import LoraSpec
 
 
 def _zero_label(lay) -> str:
@@ -156,7 +157,8 @@ def plan_layouts(options):
         require(PipelineSplit(cfg.num_layers, len(split), counts=split).problem())  # refused here, not per layout
         space["pipeline_layers"] = tuple(split)
     plans = search(cfg, cluster, options.seq_len, options.global_batch_size, options.precision,
-                   flash_attention=options.flash_attention, levers=MemoryLevers.of(options), **space)
+                   flash_attention=options.flash_attention, levers=MemoryLevers.of(options),
+                   lora=LoraSpec.of_options(options), **space)
     return cfg, cluster, plans
 
 
@@ -217,6 +219,9 @@ def _summary_lines(cfg, cluster, plans, options) -> list[str]:
                      f"{cfg.kv_lora_rank + cfg.qk_rope_head_dim} values a token and layer)")
     if cfg.num_mtp_layers:
         extra.append(f"{cfg.num_mtp_layers} multi-token prediction module(s) on the last stage")
+    lora = LoraSpec.of_options(options)
+    if lora is not None:
+        extra.append(f"LoRA rank {lora.rank} on {','.join(lora.targets)}: the base frozen, the adapters trained")
     return [
         f"plan: {options.model} ({size}) on {cluster.describe()}",
         *([f"      {', '.join(extra)}"] if extra else []),
@@ -240,6 +245,10 @@ def _table_lines(shown, moe: bool) -> list[str]:
     lines = [head] + [_table_row(i, p, moe) for i, p in enumerate(shown, 1)]
     lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast "
                  "(fp8: the fp8 weight caches); 'other': recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
+    if shown and shown[0].lora is not None:
+        mem = shown[0].memory.gib()
+        lines.append(f"LoRA: 'params' holds the frozen base ({mem['frozen']:.1f} GiB in layout 1) and the adapters "
+                     f"({mem['parameters']:.2f} GiB), which alone have gradients and optimizer states")
     if moe:
         lines.append("MoE: ep expert-parallel ranks (expert-DP = tp x cp x dp / ep); 'a2a': the expert all-to-alls; "
                      "FLOPs and MFU count the active parameters (balanced routing assumed)")
@@ -259,7 +268,7 @@ def _table_row(i: int, p, moe: bool) -> str:
         f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} "
         f"{lay.virtual_stages:>2} {(lay.schedule[:5] if lay.pp > 1 else '-'):>5} {lay.micro_batch_size:>4} "
         f"{'on' if lay.sequence_parallel else 'off':>3} {lay.recompute:>9} {_zero_label(lay):>4} |"
-        f" {mem['parameters']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
+        f" {mem['parameters'] + mem['frozen']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
         f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
         f" {t.step_time_s:7.2f} {t.tokens_per_s:10,.0f} {100 * t.mfu:5.1f}% |"
         f" {pct(t.tp_comm_s + t.cp_comm_s)} {pct(t.pp_comm_s + t.bubble_s):>6} {pct(t.dp_comm_s)}"

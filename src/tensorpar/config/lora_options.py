@@ -1,5 +1,5 @@
-"""The LoRA options of the commands (`tensorpar.config.options` composes them): train's adapters, and the PEFT
-adapter folder that train continues and eval, generate and serve apply."""
+"""The LoRA options of the commands (`tensorpar.config.options` composes them): train's adapters (their shape, which
+plan models too), and the PEFT adapter folder that train continues and eval, generate and serve apply."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ class LoraAdapterOptions:
 
 
 @dataclasses.dataclass
-class LoraOptions(LoraAdapterOptions):
-    """Low-rank adapters on the model's linears, the base weights frozen (train)."""
+class LoraShapeOptions:
+    """The shape of low-rank adapters on the model's linears, the base weights frozen (train; plan models them)."""
 
     lora_rank: int = option(0, "train LoRA adapters of this rank on --lora-targets, every other weight frozen "
                                "(0: train every weight)", metavar="R", group="lora")
@@ -30,3 +30,8 @@ class LoraOptions(LoraAdapterOptions):
     lora_targets: str = option(",".join(LORA_TARGETS), "comma-separated linears the adapters sit on, of "
                                                        f"{', '.join(LORA_TARGETS)}", metavar="T,T,...", group="lora")
     lora_dropout: float = option(0.0, "dropout on the adapters' input", metavar="P", group="lora")
+
+
+@dataclasses.dataclass
+class LoraOptions(LoraShapeOptions, LoraAdapterOptions):
+    """Low-rank adapters on the model's linears, the base weights frozen (train): their shape, or a PEFT folder's."""

@@ -39,7 +39,7 @@ from tensorpar.config.choices import (
     ZERO_STAGES,
 )
 from tensorpar.config.fields import option
-from tensorpar.config.lora_options import LoraAdapterOptions, LoraOptions
+from tensorpar.config.lora_options import LoraAdapterOptions, LoraOptions, LoraShapeOptions
 
 LAYOUT = "layout"
 LAUNCH = "processes"
@@ -353,7 +353,7 @@ class ServeOptions(LoraAdapterOptions, ExpertOptions, LaunchOptions):
 
 
 @dataclasses.dataclass
-class PlanOptions(PlanMemoryOptions):
+class PlanOptions(LoraShapeOptions, PlanMemoryOptions):
     """`tensorpar plan`: rank layouts for a model on a cluster, or draw a pipeline schedule."""
 
     model: str | None = option(None, "preset name or config .json", group="layout mode")

@@ -45,7 +45,7 @@ OPS_PER_LAYER = {"tensorpar": (68, 133), "fused": (10, 20)}
 OPS_OUTSIDE_TP = (2 * 7 + 2, 2 * 19 + 2)
 
 
-def _gemms_time(gemms, cluster, dtype, nbytes) -> tuple[float, float]:
+def gemms_time(gemms, cluster, dtype, nbytes) -> tuple[float, float]:
     """(forward, input-gradient, weight-gradient) seconds of GEMMs given as forward (m, n, k, count)."""
     spec, curve = cluster.gpu, cluster.curve
     peak, hbm = spec.peak(dtype if dtype in spec.peak_flops else "bf16"), spec.hbm_bandwidth
@@ -90,8 +90,8 @@ def layer_parts(cfg, layout: Candidate, b: int, s: int, prec, cluster, moe: bool
         attn_gemms, d = _latent_gemms(cfg, layout, T, heads)
         rope = 2 * T * (heads + 1) * cfg.qk_rope_head_dim * nb
     mlp_gemms, down, mlp_act, permute = _mlp_parts(cfg, layout, T, nb, moe)
-    g_fwd, g_dgrad, g_wgrad = _gemms_time(attn_gemms + mlp_gemms, cluster, dtype, gemm_bytes)
-    down_fwd = _gemms_time(down, cluster, dtype, gemm_bytes)[0]
+    g_fwd, g_dgrad, g_wgrad = gemms_time(attn_gemms + mlp_gemms, cluster, dtype, gemm_bytes)
+    down_fwd = gemms_time(down, cluster, dtype, gemm_bytes)[0]
     # A soft cap runs outside SDPA (it has none): the two batched GEMMs and the score passes, as without flash.
     a_fwd, a_bwd = _attention_time(b, s, c, heads, d, prec, cluster, flash and cfg.attn_logit_softcap is None)
     e_fwd, e_bwd = _elementwise_time(cfg, layout, T, rope, mlp_act, permute, attn_gemms + mlp_gemms, prec, cluster)
@@ -149,7 +149,7 @@ def _attention_time(b: int, s: int, c: int, heads: int, d: int, prec, cluster, f
     nb = prec.matmul_bytes
     sq = s // c
     bmm = [(sq, s, d, b * heads), (sq, d, s, b * heads)]
-    a_fwd, a_dgrad, a_wgrad = _gemms_time(bmm, cluster, prec.compute_dtype, nb)
+    a_fwd, a_dgrad, a_wgrad = gemms_time(bmm, cluster, prec.compute_dtype, nb)
     a_bwd = a_dgrad + a_wgrad
     scores = b * heads * sq * s * nb
     a_fwd += memory_time(4 * scores, spec.hbm_bandwidth, curve, 2)
@@ -189,7 +189,7 @@ def head_time(cfg, layout: Candidate, b: int, s: int, prec, cluster) -> tuple[fl
     T = b * s // layout.cp
     vocab = padded(cfg.vocab_size, t) // t
     dtype = prec.gemm_dtype
-    f, dg, wg = _gemms_time([(T, vocab, cfg.hidden_size, 1)], cluster, "bf16" if dtype == "fp8" else dtype,
+    f, dg, wg = gemms_time([(T, vocab, cfg.hidden_size, 1)], cluster, "bf16" if dtype == "fp8" else dtype,
                             prec.matmul_bytes)
     softmax = memory_time(4.0 * T * vocab * 4, cluster.gpu.hbm_bandwidth, cluster.curve, 4)
     return f + softmax / 2, dg + wg + softmax / 2, wg

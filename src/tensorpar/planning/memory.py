@@ -78,13 +78,17 @@ from tensorpar.config.choices import LOSS_CHUNK_TOKENS
 from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.config.hardware import GiB
 from tensorpar.distributed.sharding import padded
-from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES, bucket_sizes
+from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES
 from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
 from tensorpar.planning.fp8_traffic import fp8_input_bytes
 from tensorpar.planning.latent import latent_attention_activations, latent_playbook_bytes, mtp_activations
 from tensorpar.planning.offload_memory import host_optimizer_bytes, levered_precision
-from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
+from tensorpar.planning.lora_adapters import (check_lora, lora_layer_activations, lora_outer_activations,
+                                     lora_weight_copies)
+from tensorpar.planning.params import ParamSummary, layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
+from tensorpar.planning.state_memory import adamw_bytes, optimizer_state_bytes, state_bytes  # noqa: F401
+from tensorpar.tensor_parallel.lora import LoraSpec
 
 OVERHEAD_FIXED_BYTES = int(1.5 * GiB)
 
@@ -282,13 +286,15 @@ class MemoryBreakdown:
     parameter_count: int
     host_optimizer: int = 0  # --optimizer-offload: the optimizer's bytes in host memory
     host_activations: int = 0  # --activation-offload: the saved tensors in host memory
+    frozen: int = 0  # LoRA: the frozen base weights (`parameters` are then the adapters)
 
     @property
     def total(self) -> int:
-        return (self.parameters + self.gradients + self.optimizer + self.activations + self.weight_copies
-                + self.transient + self.overhead)
+        return (self.parameters + self.frozen + self.gradients + self.optimizer + self.activations
+                + self.weight_copies + self.transient + self.overhead)
 
-    COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "weight_copies", "transient", "overhead")
+    COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "weight_copies", "transient", "overhead",
+                  "frozen")
 
     def gib(self) -> dict[str, float]:
         """The GPU's bytes by component and in total, GiB."""
@@ -302,119 +308,48 @@ class MemoryBreakdown:
                 "total": (self.host_optimizer + self.host_activations) / GiB}
 
 
-def optimizer_state_bytes(params, precision: Precision, zero: int = 0, dp: int = 1) -> int:
-    """AdamW states (+ master weights) of one rank holding `params` ((name, numel, ndim) list or a
-    `ParamSummary`). Unsharded: 8 bytes per element and a 4-byte `step` tensor per parameter tensor
-    (torch's AdamW), plus fp32 masters when the parameters are not fp32. ZeRO-1+: 1/dp of both."""
-    if isinstance(params, ParamSummary):
-        numel, tensors = params.numel, params.tensors
-    else:
-        numel, tensors = sum(n for _, n, _ in params), len(params)
-    return adamw_bytes(numel, tensors, precision, zero, dp)
-
-
-def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, dp: int = 1) -> int:
-    """`optimizer_state_bytes` of `numel` elements in `tensors` tensors, sharded over `dp` ranks by ZeRO."""
-    states = precision.optimizer_bytes * numel + 4 * tensors
-    master = precision.master_bytes * numel
-    if zero >= 1 and dp > 1:
-        states = math.ceil(precision.optimizer_bytes * numel / dp) + 4 * tensors
-        extra_master = precision.zero_master_bytes if zero < 3 else 0  # ZeRO-3 steps its fp32 shards directly
-        master = math.ceil((precision.master_bytes or extra_master) * numel / dp)
-    return states + master
-
-
-def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision, bucket_bytes: int) -> int:
-    """Bytes of tensorpar's full-size gradient buffers alive at once under ZeRO-2 (two adjacent buckets and one
-    bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' and one block's slice)."""
-    dp = layout.shards
-    if layout.zero == 3:
-        summary = layout_summary(cfg, layout.layout.replace(ep=1), stage)
-        _, _, n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)
-        root = summary.numel - n_layers * summary.per_layer
-        layer = math.ceil(summary.per_layer / dp) * dp
-        return 4 * (root + min(2, n_layers) * layer + layer // dp)
-    params = layout_parameters(cfg, layout, stage)
-    sizes = [math.ceil(n / dp) * dp for n in bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)]
-    pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
-    return 4 * (max(pairs) + max(sizes) // dp)
-
-
-def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
-    """Gradient bytes of `numel` elements whose gradients are reduced over `shards` ranks (ZeRO-2: kept 1/shards;
-    ZeRO-1/2 in tensorpar: full buckets plus the fp32 slice; the ZeRO-2 buffers in flight are added apart)."""
-    grad_mem = prec.grad_bytes * numel
-    if zero >= 2 and shards > 1 and not prec.zero2_full_grads_at_peak:
-        return math.ceil(grad_mem / shards)
-    if zero >= 1 and (prec.zero_master_bytes or prec.zero_buffers_in_flight):
-        grad_mem += math.ceil(4 * numel / shards)  # tensorpar's fp32 gradient slice next to the full buckets
-    return grad_mem
-
-
 def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precision: Precision | str,
                  stage: int = 0, flash_attention: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  tp_overlap: bool = True, loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
-                 levers: MemoryLevers = MemoryLevers()) -> MemoryBreakdown:
+                 levers: MemoryLevers = MemoryLevers(), lora: LoraSpec | None = None) -> MemoryBreakdown:
     """Peak memory of one GPU of pipeline rank `stage` (`bucket_bytes`: the DP gradient bucket size; `tp_overlap`:
     tensorpar's TP overlap, its default, on as in training; `loss_chunk_tokens`: tensorpar's fused head and loss,
     training's default chunk, None for logits then the loss), and the host memory the `levers` use
-    (`tensorpar.planning.offload_memory`)."""
+    (`tensorpar.planning.offload_memory`). `lora`: LoRA fine-tuning, the base frozen (`tensorpar.planning.lora_adapters`)."""
     prec = levered_precision(get_precision(precision), levers)
+    check_lora(cfg, lora)
     pp = layout.pp
-    summary = layout_summary(cfg, layout, stage)
+    summary = layout_summary(cfg, layout, stage, lora)
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
     m = max(layout.num_micro_batches(global_batch), 1)
-    param_mem, grad_mem, opt_mem, gathered = _state_bytes(cfg, layout, summary, n_layers, stage, prec, bucket_bytes)
+    states = state_bytes(cfg, layout, summary, n_layers, stage, prec, bucket_bytes, lora)
+    opt_mem = states.optimizer
     chunks = in_flight(layout, m, stage if pp > 1 else 0)
     # zero-bubble schedules keep the unfused head and loss (their split backward defers the head's weight gradient)
     split_backward = layout.splits_backward
     chunked = bool(loss_chunk_tokens) and prec.activations == "tensorpar" and not split_backward
     activations, recomputed = _activation_bytes(cfg, layout, seq_len, m, chunks, n_layers, first, last, prec,
-                                                flash_attention, tp_overlap, chunked)
+                                                flash_attention, tp_overlap, chunked, lora)
     weight_copies, copies_alive = _weight_copy_bytes(cfg, layout, summary, n_layers, chunks, last, prec, chunked)
-    transient = gathered + recomputed + copies_alive
+    weight_copies += chunks * lora_weight_copies(cfg, layout, prec, lora, first) // layout.virtual_stages
+    transient = states.gathered + recomputed + copies_alive
     host_opt = host_act = 0
     if levers.optimizer_offload:
         opt_mem, host_opt = 0, host_optimizer_bytes(summary, layout, prec)
     if levers.activation_offload:  # one layer's saved tensors come back for its backward
         host_act, activations, weight_copies = activations + weight_copies, 0, 0
         transient += _layer_activations(cfg, layout, layout.micro_batch_size, seq_len // layout.cp, layout.recompute,
-                                        prec, flash_attention, tp_overlap, 1.0 if cfg.is_moe else 0.0)
-    subtotal = param_mem + grad_mem + opt_mem + activations + weight_copies + transient
+                                        prec, flash_attention, tp_overlap, 1.0 if cfg.is_moe else 0.0, lora)
+    subtotal = (states.parameters + states.frozen + states.gradients + opt_mem + activations + weight_copies
+                + transient)
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
-    return MemoryBreakdown(param_mem, grad_mem, opt_mem, activations, weight_copies, transient, overhead,
-                           stage, summary.numel, host_opt, host_act)
-
-
-def _state_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: int, stage: int, prec: Precision,
-                 bucket_bytes: int) -> tuple[int, int, int, int]:
-    """(parameters, gradients, optimizer states, parameters ZeRO-3 gathers) in bytes on one rank of `stage`:
-    ZeRO shards over every replica of the parameters (DP x CP; HSDP: one replica's ranks), routed experts over
-    expert-DP."""
-    dp = layout.shards
-    numel = summary.numel
-    zero = layout.zero if dp > 1 else 0
-    param_mem = prec.param_bytes * numel
-    # Routed experts' gradients and optimizer states: reduced and ZeRO-sharded over expert-DP, the rest over DP x CP.
-    expert, dense = summary.expert_numel, numel - summary.expert_numel
-    edp = layout.expert_dp
-    grad_mem = _gradient_bytes(dense, dp, zero, prec) + _gradient_bytes(expert, edp, layout.zero if expert else 0, prec)
-    gathered = 0
-    layer_params = summary.per_layer
-    if zero >= 2 and prec.zero_buffers_in_flight:
-        grad_mem += zero_gradients_in_flight(cfg, layout, stage if layout.pp > 1 else 0, prec, bucket_bytes)
-    if zero == 3:  # parameters sharded like their gradients: routed experts over expert-DP, the rest over DP x CP
-        param_mem = math.ceil(prec.param_bytes * dense / dp) + math.ceil(prec.param_bytes * expert / edp)
-        # Gathered: the layer being computed and the prefetched one, and the root (embedding, head) for the step.
-        gathered = (2 * layer_params + numel - n_layers * layer_params) * prec.param_bytes
-    opt_mem = (adamw_bytes(dense, summary.tensors - summary.expert_tensors, prec, zero, dp)
-               + adamw_bytes(expert, summary.expert_tensors, prec, layout.zero if expert else 0, edp))
-    return param_mem, grad_mem, opt_mem, gathered
+    return MemoryBreakdown(states.parameters, states.gradients, opt_mem, activations, weight_copies, transient,
+                           overhead, stage, summary.numel, host_opt, host_act, states.frozen)
 
 
 def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int, n_layers: int, first: bool,
                       last: bool, prec: Precision, flash_attention: bool, tp_overlap: bool,
-                      chunked_loss: bool = False) -> tuple[int, int]:
+                      chunked_loss: bool = False, lora: LoraSpec | None = None) -> tuple[int, int]:
     """(activations at the peak, the layer activations recomputation brings back during backward) in bytes on one
     rank: per layer x layers per chunk x the `chunks` chunk-forwards in flight, plus the stage's ends."""
     b, s = layout.micro_batch_size, seq_len // layout.cp  # each rank holds seq_len / cp tokens of a sequence
@@ -428,27 +363,32 @@ def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int,
                                             chunked_loss)
     else:
         outer = playbook_outer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, prec.act_bytes)
-    per_layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap, moe_share)
+    per_layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap, moe_share,
+                                   lora)
     recomputed = 0
     if layout.recompute != "none":  # during backward one layer's activations exist again
-        whole = _layer_activations(cfg, layout, b, s, "none", prec, flash_attention, tp_overlap, moe_share)
+        whole = _layer_activations(cfg, layout, b, s, "none", prec, flash_attention, tp_overlap, moe_share, lora)
         recomputed = whole if layout.recompute == "full" else whole - per_layer
     ends = mbs_in_flight * ((outer["first"] if first else 0) + outer["rope"]) + (outer["last"] if last else 0)
+    ends += lora_outer_activations(cfg, layout, b, s, layout.recompute, prec, lora, first, last) * (
+        mbs_in_flight if first else 1)
     if last and cfg.num_mtp_layers:  # the multi-token prediction modules' blocks, norms and heads
         layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap,
-                                   float(cfg.is_moe_layer(cfg.num_layers)))
+                                   float(cfg.is_moe_layer(cfg.num_layers)), lora)
         ends += mtp_activations(cfg, layout, b, s, prec, layer, outer["last"])
     return chunks * layers_per_chunk * per_layer + ends, recomputed
 
 
 def _layer_activations(cfg, layout: Candidate, b: int, s: int, mode: str, prec: Precision, flash_attention: bool,
-                       tp_overlap: bool, moe_share: float) -> int:
+                       tp_overlap: bool, moe_share: float, lora: LoraSpec | None = None) -> int:
     """Bytes one layer saves for one micro-batch under recomputation `mode`, in the precision's activation model;
-    with MoE layers the mean over MoE and dense layers weighted by `moe_share`, rounded."""
+    with MoE layers the mean over MoE and dense layers weighted by `moe_share`, rounded; `lora`: with the adapters'
+    (`tensorpar.planning.lora_adapters.lora_layer_activations`)."""
     def one(moe):
         if prec.activations == "tensorpar":
-            return tensorpar_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, prec.autocast, prec.act_bytes,
-                                               moe, tp_overlap, prec.fp8_recipe, layout.cp)
+            base = tensorpar_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, prec.autocast,
+                                               prec.act_bytes, moe, tp_overlap, prec.fp8_recipe, layout.cp)
+            return base + lora_layer_activations(cfg, layout, b, s, mode, prec, lora, tp_overlap)
         return playbook_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, flash_attention, prec.act_bytes,
                                           moe, 1 if prec.gemm_dtype == "fp8" else None)
 
@@ -484,8 +424,10 @@ def _weight_copy_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: 
 
 
 def layout_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precision: Precision | str,
-                  flash_attention: bool = True, levers: MemoryLevers = MemoryLevers()) -> MemoryBreakdown:
+                  flash_attention: bool = True, levers: MemoryLevers = MemoryLevers(),
+                  lora: LoraSpec | None = None) -> MemoryBreakdown:
     """The most loaded GPU's breakdown (the first or the last pipeline stage; any stage with uneven stages)."""
     stages = candidate_stages(cfg, layout)
-    return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention, levers=levers)
+    return max((stage_memory(cfg, layout, seq_len, global_batch, precision, st, flash_attention, levers=levers,
+                             lora=lora)
                 for st in stages), key=lambda mb: mb.total)

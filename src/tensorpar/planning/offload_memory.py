@@ -40,9 +40,9 @@ def _host_bytes(numel: int, tensors: int, prec: Precision, shards: int) -> int:
 def host_optimizer_bytes(summary: ParamSummary, layout, prec: Precision) -> int:
     """Host bytes of an offloaded optimizer on one rank holding `summary`'s parameters under `layout`: the dense
     parameters sharded over DP x CP by ZeRO >= 1 (one replica's ranks under HSDP), the routed experts' over
-    expert-DP."""
-    dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
+    expert-DP; the trained parameters only (LoRA: the adapters)."""
+    dense, expert = summary.trained_numel - summary.trained_expert_numel, summary.trained_expert_numel
     dense_shards = layout.shards if layout.zero and layout.shards > 1 else 1
     expert_shards = layout.expert_dp if layout.zero and expert else 1
-    return (_host_bytes(dense, summary.tensors - summary.expert_tensors, prec, dense_shards)
-            + _host_bytes(expert, summary.expert_tensors, prec, expert_shards))
+    return (_host_bytes(dense, summary.trained_tensors - summary.trained_expert_tensors, prec, dense_shards)
+            + _host_bytes(expert, summary.trained_expert_tensors, prec, expert_shards))

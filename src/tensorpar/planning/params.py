@@ -18,6 +18,8 @@ import dataclasses
 from tensorpar.distributed.sharding import padded
 from tensorpar.layout import ParallelLayout, divide
 from tensorpar.layout.rules import experts_per_rank, kv_heads_per_rank
+from tensorpar.planning.lora_adapters import trained, with_adapters
+from tensorpar.tensor_parallel.lora import LoraSpec
 
 _PARAM_CACHE: dict = {}
 _CFG_KEYS: dict = {}
@@ -41,17 +43,18 @@ def local_parameters(cfg, tp: int, pp: int = 1, stage: int = 0, virtual_stages: 
     return layout_parameters(cfg, layout, stage)
 
 
-def layout_parameters(cfg, layout, stage: int | None = 0) -> list[tuple[str, int, int]]:
+def layout_parameters(cfg, layout, stage: int | None = 0, lora: LoraSpec | None = None) -> list[tuple[str, int, int]]:
     """(name, numel, ndim) of every parameter tensorpar's Transformer holds on one rank of pipeline rank `stage`
     of `layout` (a ParallelLayout or a planner's Candidate), in `named_parameters()` order: vocabulary padded to a
     multiple of tp, KV heads replicated when fewer than tp, norms and row-parallel biases replicated. A tied
     embedding is held by the rank of the first stage and, as the head's copy, by the rank of the last (both rank 0
-    in zbv's V); each rank holds its chunks' layers (`tensorpar.layout.PipelineSplit`)."""
+    in zbv's V); each rank holds its chunks' layers (`tensorpar.layout.PipelineSplit`). `lora`: with the adapters'
+    factors (`tensorpar.planning.lora_adapters.with_adapters`)."""
     stage = 0 if stage is None or layout.pp == 1 else stage
     split = layout.split(cfg.num_layers) if layout.pp > 1 else None
-    key = (_cfg_key(cfg), layout.tp, layout.ep, stage, split)
+    key = (_cfg_key(cfg), layout.tp, layout.ep, stage, split, lora)
     if key not in _PARAM_CACHE:
-        _PARAM_CACHE[key] = _local_parameters(cfg, layout.tp, layout.ep, stage, split)
+        _PARAM_CACHE[key] = with_adapters(cfg, _local_parameters(cfg, layout.tp, layout.ep, stage, split), lora)
     return _PARAM_CACHE[key]
 
 
@@ -184,6 +187,27 @@ class ParamSummary:
     head_matmul_weights: int  # the head's (or tied embedding's) weight, on the last stage
     expert_numel: int = 0  # of `numel`, the routed experts' (MoE): reduced and ZeRO-sharded over expert-DP
     expert_tensors: int = 0
+    frozen_numel: int = 0  # of `numel`, the frozen parameters' (LoRA's base): no gradient, master or state
+    frozen_tensors: int = 0
+    frozen_expert_numel: int = 0  # of `frozen_numel`, the routed experts'
+    frozen_expert_tensors: int = 0
+    frozen_per_layer: int = 0  # of `per_layer`, the frozen parameters'
+
+    @property
+    def trained_numel(self) -> int:
+        return self.numel - self.frozen_numel
+
+    @property
+    def trained_tensors(self) -> int:
+        return self.tensors - self.frozen_tensors
+
+    @property
+    def trained_expert_numel(self) -> int:
+        return self.expert_numel - self.frozen_expert_numel
+
+    @property
+    def trained_expert_tensors(self) -> int:
+        return self.expert_tensors - self.frozen_expert_tensors
 
 
 _SUMMARY_CACHE: dict = {}
@@ -198,22 +222,26 @@ def parameter_summary(cfg, tp: int, pp: int = 1, stage: int = 0, ep: int = 1,
     return layout_summary(cfg, layout, stage)
 
 
-def layout_summary(cfg, layout, stage: int | None = 0) -> ParamSummary:
-    """Totals of `layout_parameters`."""
+def layout_summary(cfg, layout, stage: int | None = 0, lora: LoraSpec | None = None) -> ParamSummary:
+    """Totals of `layout_parameters` (`lora`: with the adapters, every other parameter frozen)."""
     stage = 0 if stage is None or layout.pp == 1 else stage
     split = layout.split(cfg.num_layers) if layout.pp > 1 else None
-    key = (_cfg_key(cfg), layout.tp, layout.ep, stage, split)
+    key = (_cfg_key(cfg), layout.tp, layout.ep, stage, split, lora)
     if key not in _SUMMARY_CACHE:
-        params = layout_parameters(cfg, layout, stage)
-        experts = [n for name, n, _ in params if is_expert(name)]
+        params = layout_parameters(cfg, layout, stage, lora)
         layers = [p for p in params if p[0].startswith("layers.")  # the decoder's (not the MTP modules')
                   and int(p[0].split(".")[1]) < cfg.num_layers]
         n_layers = len({p[0].split(".")[1] for p in layers}) or 1
+        names, in_layers = {p[0] for p in trained(params, lora)}, {p[0] for p in layers}
+        frozen = [p for p in params if p[0] not in names]
         _SUMMARY_CACHE[key] = ParamSummary(
             sum(n for _, n, _ in params), len(params), sum(n for _, n, _ in layers) // n_layers,
             _matmul_weight_count(cfg, layers),
             _matmul_weight_count(cfg, [p for p in params if p not in layers]),
-            sum(experts), len(experts))
+            sum(n for name, n, _ in params if is_expert(name)), sum(is_expert(name) for name, _, _ in params),
+            sum(n for _, n, _ in frozen), len(frozen), sum(n for name, n, _ in frozen if is_expert(name)),
+            sum(is_expert(name) for name, _, _ in frozen),
+            sum(n for name, n, _ in frozen if name in in_layers) // n_layers)
     return _SUMMARY_CACHE[key]
 
 

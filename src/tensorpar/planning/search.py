@@ -15,9 +15,11 @@ from tensorpar.errors import TensorparError
 from tensorpar.planning.cluster import Cluster
 from tensorpar.planning.candidates import Candidate, candidate_problem, enumerate_candidates
 from tensorpar.planning.latent import kv_cache_bytes
+from tensorpar.planning.lora_adapters import check_lora
 from tensorpar.planning.memory import MemoryBreakdown, layout_memory
 from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.step_time import StepTime, predict_step_time
+from tensorpar.tensor_parallel.lora import LoraSpec
 
 
 @dataclasses.dataclass
@@ -29,6 +31,7 @@ class Plan:
     time: StepTime | None = None
     excess_bytes: int = 0  # how far over the GPU's memory (infeasible for memory)
     kv_cache_bytes_per_token: int = 0  # one token's bf16 KV cache on one rank, all layers (for serving at this tp)
+    lora: LoraSpec | None = None  # LoRA fine-tuning: the adapters planned, the base frozen
 
     def to_dict(self) -> dict:
         cand, lay = self.candidate, self.candidate.layout
@@ -45,6 +48,7 @@ class Plan:
             "tokens_per_s": self.time.tokens_per_s if self.time else None,
             "mfu": self.time.mfu if self.time else None,
             "kv_cache_bytes_per_token": self.kv_cache_bytes_per_token,
+            "lora": self.lora.as_dict() if self.lora is not None else None,
         }
         if self.time:
             t = self.time
@@ -59,40 +63,44 @@ class Plan:
 
 
 def evaluate(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batch: int,
-             precision="tensorpar-bf16", *, flash_attention: bool = True, levers: MemoryLevers = MemoryLevers()) -> Plan:
-    """Memory and time of one candidate (with the memory `levers`), or why it cannot run."""
+             precision="tensorpar-bf16", *, flash_attention: bool = True, levers: MemoryLevers = MemoryLevers(),
+             lora: LoraSpec | None = None) -> Plan:
+    """Memory and time of one candidate (with the memory `levers`; `lora`: LoRA fine-tuning), or why it cannot
+    run."""
     reason = candidate_problem(cfg, layout, cluster, seq_len, global_batch, 
                                fp8=bool(get_precision(precision).fp8_recipe))
     reason = reason or next(iter(levers.problems(recompute=layout.recompute)), "")
     if reason:
-        return Plan(layout, False, reason)
-    mem = layout_memory(cfg, layout, seq_len, global_batch, precision, flash_attention, levers)
+        return Plan(layout, False, reason, lora=lora)
+    mem = layout_memory(cfg, layout, seq_len, global_batch, precision, flash_attention, levers, lora)
     excess = mem.total - cluster.memory_bytes
     kv = kv_cache_bytes(cfg, layout.tp)
     host = mem.host_optimizer + mem.host_activations
     if host > cluster.host_memory_bytes and excess <= 0:
         return Plan(layout, False, f"exceeds host memory by {(host - cluster.host_memory_bytes) / GiB:.1f} GiB per GPU "
                                    f"({host / GiB:.1f} of {cluster.host_memory_bytes / GiB:.0f} GiB offloaded)",
-                    mem, None, host - cluster.host_memory_bytes, kv)
+                    mem, None, host - cluster.host_memory_bytes, kv, lora)
     if excess > 0:  # no step time for a layout that cannot run (the search is then ~3x faster at scale)
         return Plan(layout, False, f"exceeds memory by {excess / GiB:.1f} GiB ({mem.total / GiB:.1f} of "
                                    f"{cluster.memory_bytes / GiB:.0f} GiB, pipeline stage {mem.stage})",
-                    mem, None, excess, kv)
-    time = predict_step_time(cfg, layout, cluster, seq_len, global_batch, precision, flash=flash_attention)
-    return Plan(layout, True, "", mem, time, kv_cache_bytes_per_token=kv)
+                    mem, None, excess, kv, lora)
+    time = predict_step_time(cfg, layout, cluster, seq_len, global_batch, precision, flash=flash_attention, lora=lora)
+    return Plan(layout, True, "", mem, time, kv_cache_bytes_per_token=kv, lora=lora)
 
 
 def search(cfg, cluster: Cluster, seq_len: int, global_batch: int, precision="tensorpar-bf16", *,
-           flash_attention: bool = True, levers: MemoryLevers = MemoryLevers(), **space) -> list[Plan]:
+           flash_attention: bool = True, levers: MemoryLevers = MemoryLevers(), lora: LoraSpec | None = None,
+           **space) -> list[Plan]:
     """Every candidate of the search space (keywords of `enumerate_candidates`), ranked best first; the memory
-    `levers` on every candidate."""
-    get_precision(precision)
+    `levers` on every candidate; `lora`: LoRA fine-tuning (a model the adapters do not fit is refused, as train
+    refuses it)."""
+    check_lora(cfg, lora, get_precision(precision))
     if cfg.position == "learned" and seq_len > cfg.max_seq_len:
         raise TensorparError(f"sequence length {seq_len} exceeds the model's {cfg.max_seq_len} learned positions")
     if seq_len < 1 or global_batch < 1:
         raise TensorparError("the sequence length and the global batch size must be positive")
     plans = [evaluate(cfg, lay, cluster, seq_len, global_batch, precision, flash_attention=flash_attention,
-                      levers=levers)
+                      levers=levers, lora=lora)
              for lay in enumerate_candidates(cfg, cluster, global_batch, **space)]
     return rank(plans)
 

@@ -22,6 +22,13 @@ buckets; every micro-batch's forward and backward for ZeRO-3's gathers); the par
 all-gather after a ZeRO-1/2 optimizer step is exposed. The optimizer step itself is memory-bound:
 about 28 bytes of HBM traffic per (local) optimizer element.
 
+LoRA (`lora`): the frozen base computes no weight gradients (its backward is its input gradients, about one
+forward), the adapters add their r-wide GEMMs (`tensorpar.planning.lora_adapters.adapter_gemms`: forward, input and weight
+gradient), the optimizer steps the adapters alone, and MFU counts the FLOPs such a step needs (the model's less
+the base's weight gradients). Not modelled: the adapters' own TP collectives (r / h of the base's), and the
+data-parallel traffic, which is counted as full training's (an upper bound: LoRA reduces the adapters' gradients
+alone; ZeRO-3 still gathers the frozen base).
+
 Outputs: step time, tokens/s (the whole cluster), MFU (model FLOPs of `models.flops`, no
 recomputation, over step time x GPUs x peak), and the achieved hardware FLOP/s per GPU
 counting recomputation (the figure Megatron-LM's papers report).
@@ -34,11 +41,13 @@ import dataclasses
 from tensorpar.models.flops import train_flops_per_token
 from tensorpar.planning.collective_cost import collectives_time
 from tensorpar.planning.communication import model_collectives, step_collectives
-from tensorpar.planning.compute import stage_flops
-from tensorpar.planning.kernels import optimizer_time, stage_compute_time
+from tensorpar.planning.compute import flop_parts, stage_flops
+from tensorpar.planning.kernels import gemms_time, optimizer_time, stage_compute_time
+from tensorpar.planning.lora_adapters import adapter_gemms
 from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
 from tensorpar.planning.params import layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
+from tensorpar.tensor_parallel.lora import LoraSpec
 from tensorpar.tensor_parallel.tp_overlap import DEFAULT_CHUNKS, sp_pieces
 
 OPTIMIZER_BYTES_PER_ELEMENT = 28
@@ -67,7 +76,16 @@ class StepTime:
         return dataclasses.asdict(self)
 
 
-def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True):
+def _lora_compute(cfg, layout, cluster, b, s, stage, prec, lora, wgrad: float) -> tuple[float, float, float]:
+    """(forward, backward, weight gradients) seconds LoRA changes one micro-batch's by on one rank of `stage`: less
+    the base's weight gradients (`wgrad`), plus the adapters' GEMMs."""
+    n = stage_layers(cfg, layout, stage)[2]
+    f, dg, wg = gemms_time(adapter_gemms(cfg, layout.tp, b * s // layout.cp, lora), cluster, prec.compute_dtype,
+                           prec.matmul_bytes)
+    return n * f, n * (dg + wg) - wgrad, n * wg - wgrad
+
+
+def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True, lora: LoraSpec | None = None):
     """(forward, backward, weight-gradient part of backward, recompute, tp comm, pp comm, exposed cp ring, ep
     all-to-alls) seconds of one micro-batch on one stage. Compute: every kernel timed on the device
     (`kernels.stage_compute_time`), or with a flat ``cluster.mfu_ceiling`` all FLOPs at that fraction of peak,
@@ -81,8 +99,15 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True):
         train, recompute = train / ranks / rate, recompute / ranks / rate
         attention = 3.0 * stage_layers(cfg, layout, stage)[2] * 4.0 * b * s * s * cfg.hidden_size / ranks / rate
         fwd, bwd, wgrad = train / 3.0, train * 2.0 / 3.0, train / 3.0
+        if lora is not None:  # the base's weight gradients: its matmuls' forward FLOPs once more
+            first, last, n = stage_layers(cfg, layout, stage)
+            layer_p, head_p = flop_parts(cfg)
+            wgrad = 2.0 * b * s * (n * layer_p + (head_p if last else 0.0)) / ranks / rate
     else:
         fwd, bwd, wgrad, recompute, attention = stage_compute_time(cfg, layout, b, s, stage, prec, cluster, flash)
+    if lora is not None:
+        df, db, dw = _lora_compute(cfg, layout, cluster, b, s, stage, prec, lora, wgrad)
+        fwd, bwd, wgrad = fwd + df, bwd + db, wgrad + dw
     # tensorpar trains with its TP overlap on, whose chunked collectives pay the latency once per piece (the
     # counts tp_overlap's code uses: under SP `sp_pieces`, else the row product's DEFAULT_CHUNKS row blocks); the
     # zero-bubble schedules' split backward turns it off
@@ -148,6 +173,14 @@ def pipeline_bubble(layout: Candidate, st: StageTime) -> float:
     return (p - 1) / layout.virtual_stages * st.total
 
 
+def lora_model_flops(cfg, tokens: int, lora: LoraSpec | None) -> float:
+    """The base's weight-gradient FLOPs a LoRA step skips (0 without LoRA): its matmuls' forward once more."""
+    if lora is None:
+        return 0.0
+    layer_p, head_p = flop_parts(cfg)
+    return 2.0 * tokens * (cfg.num_blocks * layer_p + head_p)
+
+
 def _busiest_dp_stage(cfg, layout: Candidate) -> int:
     """The pipeline stage with the most parameters to reduce and update (stage 0 when the stages are even)."""
     if layout.pipeline_layers is None:
@@ -160,13 +193,14 @@ def _busiest_dp_stage(cfg, layout: Candidate) -> int:
 
 def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batch: int,
                       precision: Precision | str = "tensorpar-bf16", *, algorithm: str = "best",
-                      flash: bool = True) -> StepTime:
+                      flash: bool = True, lora: LoraSpec | None = None) -> StepTime:
+    """The step time of `layout` (`lora`: LoRA fine-tuning, the base frozen; see the module docstring)."""
     prec = get_precision(precision)
     b, s = layout.micro_batch_size, seq_len
     m = max(layout.num_micro_batches(global_batch), 1)
     pp = layout.pp
     stages = candidate_stages(cfg, layout) if pp > 1 else [None]
-    per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm, flash) for st in stages}
+    per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm, flash, lora) for st in stages}
     slowest = max(per_stage, key=lambda st: per_stage[st].total)
     st_time = per_stage[slowest]
     comp, recomp = st_time.forward + st_time.backward, st_time.recompute
@@ -174,11 +208,11 @@ def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batc
     pipeline = m * st_time.total + bubble
     dp_stage = _busiest_dp_stage(cfg, layout) if pp > 1 else None
     dp_exposed = _exposed_dp_time(cfg, layout, cluster, s, m, prec, algorithm, dp_stage, st_time)
-    optimizer = _optimizer_step_time(cfg, layout, cluster, dp_stage)
+    optimizer = _optimizer_step_time(cfg, layout, cluster, dp_stage, lora)
 
     step = pipeline + dp_exposed + optimizer
     tokens = global_batch * seq_len
-    model_flops = train_flops_per_token(cfg, seq_len) * tokens
+    model_flops = train_flops_per_token(cfg, seq_len) * tokens - lora_model_flops(cfg, tokens, lora)
     total_recompute = _recompute_flops(cfg, layout, b, s, m, prec)
     peak = cluster.peak(prec.compute_dtype)
     gpus = layout.world
@@ -231,11 +265,11 @@ def _exposed_dp_time(cfg, layout: Candidate, cluster, s: int, m: int, prec: Prec
     return dp_exposed
 
 
-def _optimizer_step_time(cfg, layout: Candidate, cluster, dp_stage: int | None) -> float:
-    """Seconds of the optimizer step on one rank of `dp_stage`: its elements, 1/replicas of them under ZeRO (routed
-    experts' 1/expert-DP), at OPTIMIZER_BYTES_PER_ELEMENT of HBM traffic each."""
-    summary = layout_summary(cfg, layout, dp_stage or 0)
-    dense, expert = summary.numel - summary.expert_numel, summary.expert_numel
+def _optimizer_step_time(cfg, layout: Candidate, cluster, dp_stage: int | None, lora: LoraSpec | None = None) -> float:
+    """Seconds of the optimizer step on one rank of `dp_stage`: its trained elements, 1/replicas of them under ZeRO
+    (routed experts' 1/expert-DP), at OPTIMIZER_BYTES_PER_ELEMENT of HBM traffic each."""
+    summary = layout_summary(cfg, layout, dp_stage or 0, lora)
+    dense, expert = summary.trained_numel - summary.trained_expert_numel, summary.trained_expert_numel
     sharded = layout.zero >= 1 and layout.shards > 1
     opt_elems = dense / layout.shards + expert / layout.expert_dp if sharded else dense + expert
     return optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from tensorpar.config.choices import LORA_TARGETS
+from tensorpar.config.lora_options import LoraShapeOptions
 from tensorpar.distributed.sharding import ShardSpec, tag
 from tensorpar.errors import TensorparError
 from tensorpar.functional.dropout import mix_seed, seeded_dropout
@@ -87,6 +88,19 @@ class LoraSpec:
         names = tuple(dict.fromkeys(t.strip() for t in targets.split(",") if t.strip()))
         return cls(rank, float(rank if alpha is None else alpha), names, dropout)
 
+    @classmethod
+    def of_options(cls, o: LoraShapeOptions) -> "LoraSpec | None":
+        """The adapters --lora-rank, --lora-alpha, --lora-targets and --lora-dropout ask for (train and plan), None
+        without --lora-rank; the shape flags without it are refused, naming them."""
+        if o.lora_rank < 0:
+            raise TensorparError(f"--lora-rank must be 0 (no adapters) or at least 1, got {o.lora_rank}")
+        if o.lora_rank:
+            return cls.parse(o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout)
+        given = shape_flags_given(o)
+        if given:
+            raise TensorparError(f"{', '.join(given)} set the LoRA adapters of --lora-rank R: give it too")
+        return None
+
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
@@ -97,6 +111,15 @@ class LoraSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "LoraSpec":
         return cls(int(d["rank"]), float(d["alpha"]), tuple(d["targets"]), float(d.get("dropout", 0.0)))
+
+
+_DEFAULTS = LoraShapeOptions()
+
+
+def shape_flags_given(o: LoraShapeOptions) -> list[str]:
+    """The adapters' flags given with a value other than their default, besides --lora-rank."""
+    flags = (("lora_alpha", "--lora-alpha"), ("lora_targets", "--lora-targets"), ("lora_dropout", "--lora-dropout"))
+    return [flag for name, flag in flags if getattr(o, name) != getattr(_DEFAULTS, name)]
 
 
 @dataclasses.dataclass(frozen=True)

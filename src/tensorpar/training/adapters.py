@@ -10,16 +10,9 @@ from tensorpar.config.lora_options import LoraOptions
 from tensorpar.config.options import TrainOptions
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
-from tensorpar.tensor_parallel.lora import LoraSpec
+from tensorpar.tensor_parallel.lora import LoraSpec, shape_flags_given
 
 _DEFAULTS = LoraOptions()
-_SHAPE_FLAGS = (("lora_alpha", "--lora-alpha"), ("lora_targets", "--lora-targets"))
-
-
-def _given(o: TrainOptions) -> list[str]:
-    """The adapters' flags given with a value other than their default, besides --lora-rank."""
-    flags = _SHAPE_FLAGS + (("lora_dropout", "--lora-dropout"),)
-    return [flag for name, flag in flags if getattr(o, name) != getattr(_DEFAULTS, name)]
 
 
 def _from_adapter(o: TrainOptions, cfg: ModelConfig) -> LoraSpec:
@@ -38,7 +31,8 @@ def _from_adapter(o: TrainOptions, cfg: ModelConfig) -> LoraSpec:
         raise TensorparError(f"--lora-adapter '{o.lora_adapter}' has rank {spec.rank}, alpha {spec.alpha:g} and "
                              f"targets {','.join(spec.targets)}: drop --lora-rank, --lora-alpha and --lora-targets "
                              f"or give those")
-    return dataclasses.replace(spec, dropout=o.lora_dropout if "--lora-dropout" in _given(o) else spec.dropout)
+    given = shape_flags_given(o)
+    return dataclasses.replace(spec, dropout=o.lora_dropout if "--lora-dropout" in given else spec.dropout)
 
 
 def lora_spec(o: TrainOptions, cfg: ModelConfig, resume_meta: dict | None) -> LoraSpec | None:
@@ -46,14 +40,7 @@ def lora_spec(o: TrainOptions, cfg: ModelConfig, resume_meta: dict | None) -> Lo
     without --lora-rank, a model or optimizer adapters do not fit, a checkpoint saved with other adapters."""
     if o.lora_rank < 0:
         raise TensorparError(f"--lora-rank must be 0 (no adapters) or at least 1, got {o.lora_rank}")
-    if o.lora_adapter:
-        spec = _from_adapter(o, cfg)
-    elif o.lora_rank:
-        spec = LoraSpec.parse(o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout)
-    elif _given(o):
-        raise TensorparError(f"{', '.join(_given(o))} set the LoRA adapters of --lora-rank R: give it too")
-    else:
-        spec = None
+    spec = _from_adapter(o, cfg) if o.lora_adapter else LoraSpec.of_options(o)
     if resume_meta is not None:
         saved = LoraSpec.from_dict(resume_meta["lora"]) if resume_meta.get("lora") else None
         shape = lambda s: None if s is None else (s.rank, s.alpha, s.targets)  # noqa: E731
@@ -63,9 +50,6 @@ def lora_spec(o: TrainOptions, cfg: ModelConfig, resume_meta: dict | None) -> Lo
                 f"{','.join(saved.targets)})")
             raise TensorparError(f"checkpoint '{o.resume}' was trained with {was}: resume it with the same flags")
     if spec is not None:
-        if o.dry_run:
-            raise TensorparError("--dry-run compares a rank's bytes with the planner's, which does not model LoRA "
-                                 "(a frozen base, states for the adapters alone): drop --lora-rank for the dry run")
         check_lora_model(cfg, spec)
         if o.optimizer == "muon":
             raise TensorparError("--optimizer muon orthogonalises whole weight matrices, and LoRA trains low-rank "

@@ -6,7 +6,8 @@ ZeRO state on the meta device (shapes without storage: nothing is allocated, a 4
 One micro-batch then runs forward and backward through the rank's stage, and one optimizer step: the collectives
 it would issue are counted by the mesh's `CommStats` as in a real run (under pipeline parallelism, without the
 stage's point-to-point sends: its input is a meta tensor of the activation's shape). Reported: the rank's
-parameter, gradient and optimizer bytes as its optimizer counts them, its layout, and those collectives.
+parameter, gradient and optimizer bytes as its optimizer counts them (with LoRA: the adapters', the frozen base's
+apart), its layout, and those collectives.
 
 Data-dependent shapes (the rows of a vocabulary shard a batch looks up) are taken as "all of them" on meta. A
 mixture-of-experts model's micro-batch is not run (its routing decides the sizes of its all-to-alls): its rank
@@ -61,6 +62,8 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
         mesh.stats.reset()
         _one_step(model, optimizer, run)
         memory = optimizer.memory()
+        frozen = memory.get("frozen", sum(p.numel() * p.element_size() for p in model.parameters()
+                                          if not p.requires_grad))  # ZeRO-3: its shards; else the whole base
         layout = dict(rank=rank, world_size=run.world_size, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank,
                       dp_rank=mesh.dp_rank, cp_rank=mesh.cp_rank)
         collectives = [dict(op=op, group=group, calls=c.calls, bytes=c.bytes)
@@ -68,6 +71,7 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
     return {"layout": layout, "parameter_count": sum(p.numel() for p in model.parameters()),
             "parameter_bytes": memory["parameters"], "gradient_bytes": memory["gradients"],
             "optimizer_bytes": memory["optimizer"], "host_optimizer_bytes": memory.get("host_optimizer", 0),
+            "frozen_bytes": frozen,
             "collectives": collectives, "options": dataclasses.asdict(o)}
 
 

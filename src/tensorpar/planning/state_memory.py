@@ -1,0 +1,117 @@
+"""The parameter, gradient and optimizer bytes of one rank (`tensorpar.planning.memory` adds the activations).
+
+ZeRO as tensorpar's optimizers run it (`tensorpar.data_parallel.bucketed`, `tensorpar.data_parallel.fully_sharded`):
+ZeRO-1/2 keep an fp32 master slice (4/dp bytes) even of fp32 parameters; ZeRO-1 keeps full gradient buckets plus
+the fp32 gradient slice; ZeRO-2 the slice plus the full buffers in flight; ZeRO-3 the parameter shards and, as
+gathered, the root and two blocks, gradient shards plus the root's full gradient and two blocks' in flight, and no
+separate master of fp32 parameters.
+
+LoRA (a `ParamSummary` with frozen parameters): only the trained parameters (the adapters) have gradients, masters
+and optimizer states; the frozen base is held in the parameters' dtype (``frozen``), whole below ZeRO-3 and sharded
+over DP x CP (routed experts over expert-DP) under ZeRO-3, which gathers it with its block as it gathers the
+adapters (`FullyShardedOptimizer`'s frozen units).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tensorpar.planning.candidates import Candidate, stage_layers
+from tensorpar.planning.communication import bucket_sizes
+from tensorpar.planning.lora_adapters import trained
+from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
+from tensorpar.planning.precision_recipes import Precision
+from tensorpar.tensor_parallel.lora import LoraSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """One rank's bytes of parameters (trained), frozen parameters, gradients, optimizer states, and the parameters
+    ZeRO-3 gathers at once."""
+
+    parameters: int
+    frozen: int
+    gradients: int
+    optimizer: int
+    gathered: int
+
+
+def optimizer_state_bytes(params, precision: Precision, zero: int = 0, dp: int = 1) -> int:
+    """AdamW states (+ master weights) of one rank holding `params` ((name, numel, ndim) list or a
+    `ParamSummary`: its trained parameters). Unsharded: 8 bytes per element and a 4-byte `step` tensor per parameter
+    tensor (torch's AdamW), plus fp32 masters when the parameters are not fp32. ZeRO-1+: 1/dp of both."""
+    if isinstance(params, ParamSummary):
+        numel, tensors = params.trained_numel, params.trained_tensors
+    else:
+        numel, tensors = sum(n for _, n, _ in params), len(params)
+    return adamw_bytes(numel, tensors, precision, zero, dp)
+
+
+def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, dp: int = 1) -> int:
+    """`optimizer_state_bytes` of `numel` elements in `tensors` tensors, sharded over `dp` ranks by ZeRO."""
+    states = precision.optimizer_bytes * numel + 4 * tensors
+    master = precision.master_bytes * numel
+    if zero >= 1 and dp > 1:
+        states = math.ceil(precision.optimizer_bytes * numel / dp) + 4 * tensors
+        extra_master = precision.zero_master_bytes if zero < 3 else 0  # ZeRO-3 steps its fp32 shards directly
+        master = math.ceil((precision.master_bytes or extra_master) * numel / dp)
+    return states + master
+
+
+def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision, bucket_bytes: int,
+                             lora: LoraSpec | None = None) -> int:
+    """Bytes of tensorpar's full-size gradient buffers alive at once under ZeRO-2 (two adjacent buckets and one
+    bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' and one block's slice), of the
+    trained parameters."""
+    dp = layout.shards
+    if layout.zero == 3:
+        summary = layout_summary(cfg, layout.layout.replace(ep=1), stage, lora)
+        _, _, n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)
+        per_layer = summary.per_layer - summary.frozen_per_layer
+        root = summary.trained_numel - n_layers * per_layer
+        layer = math.ceil(per_layer / dp) * dp
+        return 4 * (root + min(2, n_layers) * layer + layer // dp)
+    params = trained(layout_parameters(cfg, layout, stage, lora), lora)
+    sizes = [math.ceil(n / dp) * dp for n in bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)]
+    pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
+    return 4 * (max(pairs) + max(sizes) // dp)
+
+
+def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
+    """Gradient bytes of `numel` elements whose gradients are reduced over `shards` ranks (ZeRO-2: kept 1/shards;
+    ZeRO-1/2 in tensorpar: full buckets plus the fp32 slice; the ZeRO-2 buffers in flight are added apart)."""
+    grad_mem = prec.grad_bytes * numel
+    if zero >= 2 and shards > 1 and not prec.zero2_full_grads_at_peak:
+        return math.ceil(grad_mem / shards)
+    if zero >= 1 and (prec.zero_master_bytes or prec.zero_buffers_in_flight):
+        grad_mem += math.ceil(4 * numel / shards)  # tensorpar's fp32 gradient slice next to the full buckets
+    return grad_mem
+
+
+def state_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: int, stage: int, prec: Precision,
+                bucket_bytes: int, lora: LoraSpec | None = None) -> StateBytes:
+    """The state bytes of one rank of `stage` holding `summary`'s parameters: ZeRO shards over every replica of the
+    parameters (DP x CP; HSDP: one replica's ranks), routed experts over expert-DP; `lora`: the adapters alone
+    train."""
+    dp, edp = layout.shards, layout.expert_dp
+    zero = layout.zero if dp > 1 else 0
+    pb = prec.param_bytes
+    # Routed experts' gradients and optimizer states: reduced and ZeRO-sharded over expert-DP, the rest over DP x CP.
+    expert = summary.trained_expert_numel
+    dense = summary.trained_numel - expert
+    frozen_expert = summary.frozen_expert_numel
+    frozen_dense = summary.frozen_numel - frozen_expert
+    param_mem, frozen_mem = pb * (dense + expert), pb * (frozen_dense + frozen_expert)
+    grad_mem = _gradient_bytes(dense, dp, zero, prec) + _gradient_bytes(expert, edp, layout.zero if expert else 0, prec)
+    gathered = 0
+    if zero >= 2 and prec.zero_buffers_in_flight:
+        grad_mem += zero_gradients_in_flight(cfg, layout, stage if layout.pp > 1 else 0, prec, bucket_bytes, lora)
+    if zero == 3:  # parameters sharded like their gradients: routed experts over expert-DP, the rest over DP x CP
+        param_mem = math.ceil(pb * dense / dp) + math.ceil(pb * expert / edp)
+        frozen_mem = math.ceil(pb * frozen_dense / dp) + math.ceil(pb * frozen_expert / edp)
+        # Gathered: the layer being computed and the prefetched one, and the root (embedding, head) for the step.
+        gathered = (2 * summary.per_layer + summary.numel - n_layers * summary.per_layer) * pb
+    opt_mem = (adamw_bytes(dense, summary.trained_tensors - summary.trained_expert_tensors, prec, zero, dp)
+               + adamw_bytes(expert, summary.trained_expert_tensors, prec, layout.zero if expert else 0, edp))
+    return StateBytes(param_mem, frozen_mem, grad_mem, opt_mem, gathered)
