@@ -93,19 +93,21 @@ def test_predicted_comm_bytes_equal_counted_and_parameters_match(pools, tp, conf
         assert grads == precision_recipes.PRECISIONS["tensorpar-fp32"].grad_bytes * planned_params.parameter_count(cfg, tp)
 
 
-def check_training_step_comm(zero, micro_batches, fp8=""):
+def check_training_step_comm(zero, micro_batches, fp8="", lora=None):
     """A trainer step (tensorpar.training.trainer.train's loop body) at tp=2 x dp=2; `fp8`: a recipe for the GEMMs
-    (of fp32 parameters here, whose gradients are reduced in fp32 over TP and DP alike)."""
+    (of fp32 parameters here, whose gradients are reduced in fp32 over TP and DP alike); `lora`: a LoraSpec, the
+    Llama-style model's adapters trained and its base frozen."""
     from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
     from tensorpar.models import Transformer
     from tensorpar.data_parallel import data_parallel_optimizer
     from tensorpar.data_parallel import FullyShardedOptimizer
 
-    cfg = CONFIGS["tiny-gpt2"]
+    cfg = CONFIGS["tiny" if lora else "tiny-gpt2"]
     m = harness_mesh(tp=2, dp=2)
     torch.manual_seed(m.dp_rank)
     B, S = 2, 16
-    model = Transformer(cfg, Placement.on(m, sequence_parallel=True, fp8=Fp8Recipe(fp8) if fp8 else None), seed=1)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=True, fp8=Fp8Recipe(fp8) if fp8 else None, lora=lora),
+                        seed=1)
     model.train()
     if zero == 3:
         opt = FullyShardedOptimizer(model, m, lr=1e-3, weight_decay=0.1)
@@ -124,7 +126,8 @@ def check_training_step_comm(zero, micro_batches, fp8=""):
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
     layout = Candidate.of(tp=2, dp=2, sequence_parallel=True, micro_batch_size=B, zero=zero)
-    colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024, fp8_recipe=fp8)
+    colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024, fp8_recipe=fp8,
+                                           lora=lora)
     return counted, collective_cost.sum_bytes(colls)
 
 
@@ -133,6 +136,23 @@ def check_training_step_comm(zero, micro_batches, fp8=""):
 def test_predicted_training_step_comm_equals_counted(pools, zero, fp8):
     for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2, fp8)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_lora_data_parallel_traffic_equals_counted(pools, zero):
+    """LoRA reduces the adapters' gradients alone over DP; under ZeRO-3 the frozen base is gathered and never
+    reduced. (The adapters' own TP collectives are not modelled: only the data-parallel group is compared.)"""
+    from tensorpar.tensor_parallel.lora import LoraSpec
+
+    for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2, "",
+                                                                 LoraSpec(4, 8.0))):
+        on_dp = {k: v for k, v in counted.items() if k[1] == "dp"}
+        assert on_dp == {k: v for k, v in predicted.items() if k[1] == "dp"}, f"rank {rank}: counted {on_dp}"
+        full = collective_cost.sum_bytes(communication.step_collectives(
+            CONFIGS["tiny"], Candidate.of(tp=2, dp=2, sequence_parallel=True, micro_batch_size=2, zero=zero), 16, 2,
+            bucket_bytes=64 * 1024))
+        reduced = {k: v for k, v in on_dp.items() if k[0] in ("all_reduce", "reduce_scatter") and v > 4}
+        assert sum(reduced.values()) < 0.2 * sum(v for k, v in full.items() if k in reduced), (reduced, full)
 
 
 def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):

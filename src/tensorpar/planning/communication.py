@@ -1,10 +1,9 @@
 """Communication: the exact volumes tensorpar sends (their times: `tensorpar.planning.collective_cost`).
 
-`model_collectives` lists every collective tensorpar's model runs for one micro-batch (forward
-and backward; with PP, one stage's, including its point-to-point messages), `step_collectives`
-those of a whole training step (adding the data-parallel gradient traffic of
-`tensorpar.data_parallel`'s bucketed optimizers, the gradient-norm scalars, the pipeline's
-loss and tied-embedding all-reduces and the trainer's loss average), and `comm_bytes_per_step`
+`model_collectives` lists every collective tensorpar's model runs for one micro-batch (forward and backward; with
+PP, one stage's, including its point-to-point messages), `step_collectives` those of a whole training step (adding
+the data-parallel gradient traffic of `tensorpar.data_parallel`'s bucketed optimizers, the gradient-norm scalars,
+the pipeline's loss and tied-embedding all-reduces and the trainer's loss average), and `comm_bytes_per_step`
 sums them per (op, group): the numbers `mesh.stats` reports after the same work
 (tests/test_planning_communication.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2 and PP).
 
@@ -27,7 +26,10 @@ from tensorpar.planning.candidates import Candidate, stage_layer_indices, stage_
 from tensorpar.planning.collective_cost import Collective, sum_bytes
 from tensorpar.planning.fp8_traffic import fp8_tp_collectives, fp8_units, fp8_zero3_traffic, is_fp8_gathered
 from tensorpar.planning.latent import key_value_widths, latent_collectives, mtp_collectives
+from tensorpar.planning.lora_adapters import trained
 from tensorpar.planning.params import is_expert, layout_parameters
+from tensorpar.planning.zero3_traffic import frozen_zero3_traffic, zero3_traffic, zero3_units
+from tensorpar.tensor_parallel.lora import LoraSpec
 
 def model_collectives(
     cfg,
@@ -276,6 +278,7 @@ def step_collectives(
     zero2_per_micro_batch: bool = True,
     zero3_reshard_after_forward: bool = True,
     fp8_recipe: str = "",
+    lora: LoraSpec | None = None,
 ) -> list[Collective]:
     """Every collective of one training step of one rank (of pipeline stage `stage`).
 
@@ -293,7 +296,7 @@ def step_collectives(
     Then the gradient-norm scalars (one fp32 all-reduce on DP under ZeRO, on TP, on PP), the
     tied-embedding gradient between the first and last stage, and the trainer's loss average. `fp8_recipe`: with
     tensorpar's fp8 GEMMs, their amax all-reduces and (tensorwise) ZeRO-3's fp8 gathers
-    (`tensorpar.planning.fp8_traffic`).
+    (`tensorpar.planning.fp8_traffic`). `lora`: only the adapters' gradients are reduced (`_replica_gradient_traffic`).
     """
     m = num_micro_batches
     out = [dataclasses.replace(c, calls=c.calls * m)
@@ -304,9 +307,9 @@ def step_collectives(
     if layout.replicas > 1:
         out += _replica_gradient_traffic(cfg, layout, stage, m, grad_bytes, param_bytes, bucket_bytes,
                                          zero2_per_micro_batch, zero3_reshard_after_forward,
-                                         fp8_gather=fp8_recipe == "tensorwise")
-    if cfg.is_moe and layout.expert_dp > 1:  # the routed experts' own buckets, over expert-DP
-        experts = [p for p in params_of(cfg, layout, stage) if is_expert(p[0])]
+                                         fp8_gather=fp8_recipe == "tensorwise", lora=lora)
+    if cfg.is_moe and layout.expert_dp > 1:  # the routed experts' own buckets, over expert-DP (frozen under LoRA)
+        experts = [p for p in trained(params_of(cfg, layout, stage, lora), lora) if is_expert(p[0])]
         if experts:
             _, sizes = _bucket_table(experts, param_bytes, bucket_bytes, layout.expert_dp if layout.zero else 1)
             out += _gradient_traffic(sizes, "edp", layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes,
@@ -316,28 +319,34 @@ def step_collectives(
 
 def _replica_gradient_traffic(cfg, layout: Candidate, stage: int | None, m: int, grad_bytes: int, param_bytes: int,
                               bucket_bytes: int, zero2_per_micro_batch: bool,
-                              zero3_reshard_after_forward: bool, fp8_gather: bool = False) -> list[Collective]:
+                              zero3_reshard_after_forward: bool, fp8_gather: bool = False,
+                              lora: LoraSpec | None = None) -> list[Collective]:
     """The step's gradient and parameter traffic of the stage's non-expert parameters over their replicas
     (the DP x CP gradient group): DistributedOptimizer's buckets (ZeRO 0 to 2) or FullyShardedOptimizer's units
     (ZeRO-3), and under ZeRO the gradient norm's all-reduce over the shards. HSDP: ZeRO's traffic within a replica
-    (group "dp_shard") and each shard's fp32 gradient slice all-reduced across the replicas ("dp_replicate")."""
+    (group "dp_shard") and each shard's fp32 gradient slice all-reduced across the replicas ("dp_replicate").
+    `lora`: the buckets hold the adapters alone; ZeRO-3's frozen units are gathered alike and never reduced."""
     grads, shards = layout.shard_group, layout.shards if layout.zero else 1
     key = (repr(cfg), layout.tp, layout.ep, 0 if stage is None else stage,
-           layout.split(cfg.num_layers) if layout.pp > 1 else None, param_bytes, bucket_bytes, shards)
+           layout.split(cfg.num_layers) if layout.pp > 1 else None, param_bytes, bucket_bytes, shards, lora)
+    every = params_of(cfg, layout, stage, lora)
     if key not in _BUCKET_CACHE:
-        params = [p for p in params_of(cfg, layout, stage) if not is_expert(p[0])]
+        params = [p for p in trained(every, lora) if not is_expert(p[0])]
         _BUCKET_CACHE[key] = _bucket_table(params, param_bytes, bucket_bytes, shards)
     _, sizes = _BUCKET_CACHE[key]
     if layout.zero in (0, 1, 2):
         out = _gradient_traffic(sizes, grads, layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes)
         units = dict(sizes)
     else:
-        every = params_of(cfg, layout, stage)
         if key + ("zero3", fp8_gather) not in _BUCKET_CACHE:
-            kept = [p for p in every if not (fp8_gather and is_fp8_gathered(p[0]))]
+            kept = [p for p in trained(every, lora) if not (fp8_gather and is_fp8_gathered(p[0]))]
             _BUCKET_CACHE[key + ("zero3", fp8_gather)] = zero3_units(kept, shards)
         root, layers, last = _BUCKET_CACHE[key + ("zero3", fp8_gather)]
-        out = _zero3_traffic(root, layers, last, grads, m, grad_bytes, param_bytes, zero3_reshard_after_forward)
+        out = zero3_traffic(root, layers, last, grads, m, grad_bytes, param_bytes, zero3_reshard_after_forward)
+        if lora is not None:
+            adapters = set(trained(every, lora))
+            frozen = [p for p in every if p not in adapters and not (fp8_gather and is_fp8_gathered(p[0]))]
+            out += frozen_zero3_traffic(frozen, shards, grads, m, param_bytes, zero3_reshard_after_forward)
         units = {**layers}
         units[root] = units.get(root, 0) + 1
         if fp8_gather:
@@ -350,23 +359,6 @@ def _replica_gradient_traffic(cfg, layout: Candidate, stage: int | None, m: int,
                                                                                            "slices across replicas"))
     if layout.zero:
         out.append(Collective("all_reduce", grads, 4, 1, "step", "gradient norm (ZeRO shards)"))
-    return out
-
-
-def _zero3_traffic(root: int, layers: dict[int, int], last: int, grads: str, m: int, grad_bytes: int,
-                   param_bytes: int, reshard_after_forward: bool) -> list[Collective]:
-    """FullyShardedOptimizer's collectives over `grads` for the units `zero3_units` returns: the root gathered and
-    its gradient reduce-scattered once per step, each block gathered in every micro-batch's forward (and again in
-    its backward when resharded after the forward, but for the last block) and its gradient reduce-scattered."""
-    out = [Collective("all_gather", grads, root * param_bytes, 1, "forward", "ZeRO-3 root gather"),
-           Collective("reduce_scatter", grads, root * grad_bytes, 1, "step", "ZeRO-3 root gradients")]
-    for n, k in layers.items():
-        out.append(Collective("all_gather", grads, n * param_bytes, k * m, "forward", "ZeRO-3 block gathers"))
-        again = (k - (n == last)) * m if reshard_after_forward else 0  # the last block is kept
-        if again:
-            out.append(Collective("all_gather", grads, n * param_bytes, again, "backward",
-                                  "ZeRO-3 block gathers for the backward"))
-        out.append(Collective("reduce_scatter", grads, n * grad_bytes, k * m, "backward", "ZeRO-3 block gradients"))
     return out
 
 
@@ -417,24 +409,8 @@ def _gradient_traffic(sizes: dict[int, int], group: str, zero: int, m: int, zero
     return out
 
 
-def params_of(cfg, layout: Candidate, stage: int | None) -> list[tuple[str, int, int]]:
-    return layout_parameters(cfg, layout, stage)
-
-
-def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[int, int], int]:
-    """ZeRO-3's gather units of a stage's (name, numel, ndim) parameters, each padded to a multiple of dp:
-    (elements of the root unit, {elements of a block unit: how many blocks}, elements of the last block)."""
-    root, blocks = 0, defaultdict(int)
-    for name, n, _ in params:
-        if name.startswith("layers."):
-            blocks[name.split(".")[1]] += n
-        else:
-            root += n
-    sizes: dict[int, int] = defaultdict(int)
-    for n in blocks.values():
-        sizes[math.ceil(n / dp) * dp] += 1
-    last = math.ceil(list(blocks.values())[-1] / dp) * dp if blocks else 0
-    return math.ceil(root / dp) * dp, dict(sizes), last
+def params_of(cfg, layout: Candidate, stage: int | None, lora: LoraSpec | None = None) -> list[tuple[str, int, int]]:
+    return layout_parameters(cfg, layout, stage, lora)
 
 
 def bucket_sizes(numels: list[int], elem_bytes: int, bucket_bytes: int) -> list[int]:

@@ -25,9 +25,8 @@ about 28 bytes of HBM traffic per (local) optimizer element.
 LoRA (`lora`): the frozen base computes no weight gradients (its backward is its input gradients, about one
 forward), the adapters add their r-wide GEMMs (`tensorpar.planning.lora_adapters.adapter_gemms`: forward, input and weight
 gradient), the optimizer steps the adapters alone, and MFU counts the FLOPs such a step needs (the model's less
-the base's weight gradients). Not modelled: the adapters' own TP collectives (r / h of the base's), and the
-data-parallel traffic, which is counted as full training's (an upper bound: LoRA reduces the adapters' gradients
-alone; ZeRO-3 still gathers the frozen base).
+the base's weight gradients); the data-parallel traffic reduces the adapters' gradients alone (ZeRO-3 still gathers
+the frozen base: `comm.step_collectives`). Not modelled: the adapters' own TP collectives (r / h of the base's).
 
 Outputs: step time, tokens/s (the whole cluster), MFU (model FLOPs of `models.flops`, no
 recomputation, over step time x GPUs x peak), and the achieved hardware FLOP/s per GPU
@@ -207,7 +206,7 @@ def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batc
     bubble = pipeline_bubble(layout, st_time)
     pipeline = m * st_time.total + bubble
     dp_stage = _busiest_dp_stage(cfg, layout) if pp > 1 else None
-    dp_exposed = _exposed_dp_time(cfg, layout, cluster, s, m, prec, algorithm, dp_stage, st_time)
+    dp_exposed = _exposed_dp_time(cfg, layout, cluster, s, m, prec, algorithm, dp_stage, st_time, lora)
     optimizer = _optimizer_step_time(cfg, layout, cluster, dp_stage, lora)
 
     step = pipeline + dp_exposed + optimizer
@@ -237,13 +236,14 @@ def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batc
 
 
 def _exposed_dp_time(cfg, layout: Candidate, cluster, s: int, m: int, prec: Precision, algorithm: str,
-                     dp_stage: int | None, st_time: StageTime) -> float:
+                     dp_stage: int | None, st_time: StageTime, lora: LoraSpec | None = None) -> float:
     """Seconds of stage `dp_stage`'s data-parallel traffic that compute does not hide: of the per-micro-batch
     collectives (ZeRO-3 gathers, ZeRO-2 reduce-scatters) and of the step's gradient reductions, what exceeds
     ``cluster.overlap`` of them or the compute they can hide behind; the step's other collectives entirely."""
     colls = step_collectives(cfg, layout, s, m, act_bytes=prec.act_bytes, matmul_bytes=prec.matmul_bytes,
                              grad_bytes=prec.grad_bytes, param_bytes=prec.gather_bytes, stage=dp_stage,
-                             zero2_per_micro_batch=not prec.zero2_full_grads_at_peak, fp8_recipe=prec.fp8_recipe)
+                             zero2_per_micro_batch=not prec.zero2_full_grads_at_peak, fp8_recipe=prec.fp8_recipe,
+                             lora=lora)
     replica_groups = ("dp", "dp_cp", "edp", "dp_shard", "dp_replicate")
     dp_colls = [c for c in colls if c.group in replica_groups + ("embed",)
                 or (c.phase == "step" and c.group not in replica_groups)]
