@@ -28,9 +28,11 @@ from test_planning_memory import measure_saved_bytes
 LORA = LoraSpec(16, 16.0)
 
 
+# tp8-dp2-zero2: the q/k/v and gate/up adapters' gradients arrive B's first, then A's, across a bucket boundary, so
+# three of ZeRO-2's full buffers are alive at once (the planner follows the arrival order)
 @pytest.mark.parametrize("layout", [dict(tp=2, dp=2, zero=1), dict(tp=2, pp=2, dp=2, zero=1), dict(dp=2, zero=1),
-                                    dict(dp=2, zero=3)], ids=["tp2-dp2-zero1", "tp2-pp2-dp2-zero1", "dp2-zero1",
-                                                              "dp2-zero3"])
+                                    dict(dp=2, zero=3), dict(tp=8, dp=2, zero=2)],
+                         ids=["tp2-dp2-zero1", "tp2-pp2-dp2-zero1", "dp2-zero1", "dp2-zero3", "tp8-dp2-zero2"])
 def test_a_lora_rank_of_a_70b_model_holds_the_planned_bytes(layout):
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
     run = validate(TrainOptions(model="llama-70b", lora_rank=16, dtype="bf16", seq_len=2048, global_batch_size=8,
@@ -41,7 +43,8 @@ def test_a_lora_rank_of_a_70b_model_holds_the_planned_bytes(layout):
         assert result[key] == planned[key], (key, result[key], planned[key])
     # AdamW's step counters: one 4-byte tensor per parameter tensor in the planner, per master slice in the run
     assert abs(result["optimizer_bytes"] - planned["optimizer_bytes"]) <= 1e-5 * planned["optimizer_bytes"]
-    assert result["frozen_bytes"] > 100 * result["parameter_bytes"]  # the base, frozen; the adapters train
+    # the base, frozen; the adapters train (98x fewer bytes at TP 8, whose replicated factors do not shrink with TP)
+    assert result["frozen_bytes"] > 50 * result["parameter_bytes"]
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective"])

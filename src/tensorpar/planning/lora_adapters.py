@@ -174,3 +174,28 @@ def lora_weight_copies(cfg, layout, prec, lora: LoraSpec | None, first: bool) ->
         return 0
     t, hd = layout.tp, cfg.head_dim
     return -2 * cfg.hidden_size * hd * (cfg.num_heads // t + 2 * max(cfg.kv_heads // t, 1))
+
+
+def gradient_arrival_order(params: list[tuple[str, int, int]]) -> list[str]:
+    """The adapters' names in the order their gradients arrive in a backward: the reverse of `params`' order, but
+    the column-parallel adapters that share an input (q, k, v; gate, up) give all their B factors' gradients first
+    (each B's from its own output gradient), then their A factors' (which wait for the shared input's)."""
+    names = [name for name, _, _ in reversed(params) if is_adapter(name)]
+    out, group = [], []
+
+    def flush():
+        out.extend(n for n in group if ".lora_B." in n)
+        out.extend(n for n in group if ".lora_A." in n)
+        group.clear()
+
+    for name in names:
+        module = name.rsplit(".lora_", 1)[0]
+        if module.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            if group and group[0].rsplit(".", 3)[0] != module.rsplit(".", 1)[0]:
+                flush()  # another block or sublayer: its own shared input
+            group.append(name)
+        else:
+            flush()
+            out.append(name)
+    flush()
+    return out

@@ -19,7 +19,7 @@ import math
 
 from tensorpar.planning.candidates import Candidate, stage_layers
 from tensorpar.planning.communication import bucket_sizes
-from tensorpar.planning.lora_adapters import trained
+from tensorpar.planning.lora_adapters import gradient_arrival_order, trained
 from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
 from tensorpar.planning.precision_recipes import Precision
 from tensorpar.tensor_parallel.lora import LoraSpec
@@ -72,10 +72,41 @@ def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision
         root = summary.trained_numel - n_layers * per_layer
         layer = math.ceil(per_layer / dp) * dp
         return 4 * (root + min(2, n_layers) * layer + layer // dp)
-    params = trained(layout_parameters(cfg, layout, stage, lora), lora)
+    every = layout_parameters(cfg, layout, stage, lora)
+    params = trained(every, lora)
     sizes = [math.ceil(n / dp) * dp for n in bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)]
+    if lora is not None:
+        return 4 * _zero2_buffers_in_flight(params, gradient_arrival_order(every), sizes, dp, prec.param_bytes,
+                                            bucket_bytes)
     pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
     return 4 * (max(pairs) + max(sizes) // dp)
+
+
+def _zero2_buffers_in_flight(params: list[tuple[str, int, int]], arrivals: list[str], sizes: list[int], dp: int,
+                             elem_bytes: int, bucket_bytes: int) -> int:
+    """The most elements of ZeRO-2's full-size buffers alive at once when the gradients of `params` arrive in the
+    order `arrivals`: a bucket's buffer from its first gradient until the next bucket is handed to the queue (which
+    keeps one reduce-scatter, with its output slice, in flight); buckets as `bucket_sizes` closes them."""
+    bucket_of, left, size, index = {}, [0] * len(sizes), 0, 0
+    for name, n, _ in reversed(params):
+        bucket_of[name], left[index] = index, left[index] + 1
+        size += n * elem_bytes
+        if size >= bucket_bytes and index + 1 < len(sizes):
+            index, size = index + 1, 0
+    open_elements, in_flight, peak = 0, 0, 0
+    opened = set()
+    for name in arrivals:
+        b = bucket_of[name]
+        if b not in opened:
+            opened.add(b)
+            open_elements += sizes[b]
+            peak = max(peak, open_elements + in_flight)
+        left[b] -= 1
+        if left[b] == 0:  # handed to the queue: the previous one completes and is freed first
+            open_elements -= sizes[b]
+            in_flight = sizes[b] + sizes[b] // dp
+            peak = max(peak, open_elements + in_flight)
+    return peak
 
 
 def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
