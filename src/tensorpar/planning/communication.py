@@ -5,7 +5,8 @@ PP, one stage's, including its point-to-point messages), `step_collectives` thos
 the data-parallel gradient traffic of `tensorpar.data_parallel`'s bucketed optimizers, the gradient-norm scalars,
 the pipeline's loss and tied-embedding all-reduces and the trainer's loss average), and `comm_bytes_per_step`
 sums them per (op, group): the numbers `mesh.stats` reports after the same work
-(tests/test_planning_communication.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2 and PP).
+(tests/test_planning_communication.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2/3, PP
+and LoRA, whose collectives are `tensorpar.planning.lora_traffic`'s).
 
 Mixture-of-experts layers (`moe_collectives`) add their all-to-alls on the expert-parallel group "ep"
 (balanced routing assumed: each rank sends its T k routing choices' rows), change their MLP's TP

@@ -15,10 +15,12 @@ row (o, down)      all-reduce [T, r] / SP: reduce-scatter [T, r]    none / SP: a
 
 the activations in the matmul dtype, the gradients in the gradient dtype; with KV heads replicated on several TP
 ranks, a K or V adapter's B gradient is summed over the copies (one buffer with a slot per KV head, as the base
-weight's). Full recomputation repeats each adapter's forward collective inside backward.
+weight's). Full recomputation repeats each adapter's forward collective inside backward, and the base MLP's exit
+before a down adapter (`recomputed_mlp_exit`).
 
 The frozen base runs fewer collectives: no parameter's gradient is summed over TP (the norms', biases', replicated
-K/V heads', the router's: `model_collectives` leaves them out), and on the first stage nothing before the first
+K/V heads', the router's: `model_collectives` leaves them out, and `step_collectives` the tied embedding's
+between the pipeline's ends), and on the first stage nothing before the first
 layer needs a gradient (the embedding is frozen), so that layer's attention computes no input gradient (its
 entry's backward collective does not run), nor does its MLP unless the attention has an adapter; under SP neither
 row-parallel exit gathers its output gradient unless an adapter precedes it (`first_layer_input_gradients`).
@@ -86,15 +88,13 @@ def _row_adapters(cfg, layout, n: int, n_layers: int, tokens: int, r: int, mm: i
     if not n:
         return []
     L, partial = n_layers, tokens * r * mm
-    if not layout.sequence_parallel:
-        return [Collective("all_reduce", "tp", partial, n * L * (1 + again), "forward",
-                           "LoRA row down-projections (all-reduce)")]
-    out = [Collective("reduce_scatter", "tp", partial, n * L, "forward", "LoRA row down-projections (SP)"),
-           Collective("all_gather", "tp", partial, n * L, "backward", "LoRA row down-projection gradients"),
-           Collective("all_reduce", "tp", cfg.hidden_size * r * grad_bytes, n * L, "backward",
-                      "LoRA B gradients (row, SP)")]
-    _maybe(out, Collective("reduce_scatter", "tp", partial, again * n * L, "backward",
-                           "recomputed LoRA row down-projections"))
+    reduce = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
+    out = [Collective(reduce, "tp", partial, n * L, "forward", "LoRA row down-projections (partial sums)")]
+    _maybe(out, Collective(reduce, "tp", partial, again * n * L, "backward", "recomputed LoRA row down-projections"))
+    if layout.sequence_parallel:
+        out.append(Collective("all_gather", "tp", partial, n * L, "backward", "LoRA row down-projection gradients"))
+        out.append(Collective("all_reduce", "tp", cfg.hidden_size * r * grad_bytes, n * L, "backward",
+                              "LoRA B gradients (row, SP)"))
     return out
 
 
@@ -115,7 +115,7 @@ def first_layer_input_gradients(cfg, lora: LoraSpec) -> tuple[int, int]:
     return entries, exits
 
 
-def without_first_layer_gradients(out: list[Collective], cfg, layout, lora: LoraSpec) -> list[Collective]:
+def without_first_layer_gradients(out: list[Collective], cfg, lora: LoraSpec) -> list[Collective]:
     """`out`, the first stage's collectives, less the backward collectives its first layer skips
     (`first_layer_input_gradients`): one call fewer of the entries' input gradients and of the SP exits' output
     gradients for each."""
@@ -130,5 +130,17 @@ def lora_collectives(cfg, layout, lora: LoraSpec, out: list[Collective], first: 
     """`out`, the TP collectives of one micro-batch with the base's frozen parameters' gradients left out, changed
     for LoRA: the first layer's skipped input gradients (first stage) and the adapters' own collectives."""
     if first:
-        out = without_first_layer_gradients(out, cfg, layout, lora)
-    return out + adapter_collectives(cfg, layout, lora, n_layers, tokens, mm, grad_bytes)
+        out = without_first_layer_gradients(out, cfg, lora)
+    out = out + adapter_collectives(cfg, layout, lora, n_layers, tokens, mm, grad_bytes)
+    return out + recomputed_mlp_exit(cfg, layout, lora, n_layers, tokens, mm)
+
+
+def recomputed_mlp_exit(cfg, layout, lora: LoraSpec, n_layers: int, tokens: int, mm: int) -> list[Collective]:
+    """The base MLP's exit that full recomputation repeats because of a down adapter: without dropout
+    `model_collectives` counts it once (nothing saves its output, so torch's non-reentrant checkpoint stops
+    before it), but the down adapter's product, which backward saves, comes after it."""
+    if layout.recompute != "full" or cfg.dropout > 0 or "down" not in lora.targets:
+        return []
+    op = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
+    return [Collective(op, "tp", tokens * cfg.hidden_size * mm, n_layers, "backward",
+                       "recomputed MLP output (before its down adapter)")]
