@@ -56,14 +56,12 @@ def model_collectives(
     as that many collectives of a piece of the tokens (``DEFAULT_CHUNKS``): the same bytes, more calls, each
     paying the link's latency (`Collective.pieces`; full recomputation's plain MLP exit is counted chunked too).
 
-    `act_bytes`: the residual stream and its gradient (fp32 = 4 in tensorpar, also under bf16
-    autocast); `matmul_bytes`: the outputs of the row-parallel linears (2 under bf16 autocast,
-    default `act_bytes`); `grad_bytes`: parameter gradients (fp32 = 4 in tensorpar). `stage`
-    selects one pipeline rank (None: the whole model). Nothing is sent when TP = 1 and PP = 1.
-    `scatter_gather`: pipeline messages are split across the TP ranks (Megatron-LM's scatter/gather
-    optimisation), as they are anyway under sequence parallelism. `fp8_recipe`: the amax all-reduces of tensorpar's
-    fp8 GEMMs (`tensorpar.planning.fp8_traffic`). `lora`: LoRA fine-tuning, the base frozen (no parameter gradient
-    of it summed over TP) and the adapters' own collectives added (`tensorpar.planning.lora_traffic`).
+    `act_bytes`: the residual stream and its gradient (fp32 = 4 in tensorpar, also under bf16 autocast);
+    `matmul_bytes`: the outputs of the row-parallel linears (2 under bf16 autocast, default `act_bytes`); `grad_bytes`:
+    parameter gradients (fp32 = 4 in tensorpar). `stage` selects one pipeline rank (None: the whole model). Nothing is
+    sent when TP = 1 and PP = 1. `scatter_gather`: pipeline messages are split across the TP ranks (Megatron-LM's
+    scatter/gather optimisation), as they are anyway under sequence parallelism. `fp8_recipe`: the amax all-reduces
+    of tensorpar's fp8 GEMMs (`tensorpar.planning.fp8_traffic`). `lora`: LoRA, the base frozen (`lora_traffic`).
     """
     mm = act_bytes if matmul_bytes is None else matmul_bytes
     trains = lora is None  # the base's weights train: their gradients summed over TP where each rank saw a shard
@@ -89,8 +87,7 @@ def model_collectives(
         blocks = stage_layer_indices(cfg, layout, stage) + list(range(cfg.num_layers, cfg.num_layers + mtp))
         n_moe = sum(cfg.is_moe_layer(i) for i in blocks)
         out = moe_collectives(cfg, layout, out, b, s, n_layers, n_moe, act_bytes, mm, grad_bytes, trains)
-    if lora is not None and layout.tp > 1:
-        out = lora_collectives(cfg, layout, lora, out, first, n_layers, b * s, mm, grad_bytes)
+    out = lora_collectives(cfg, layout, lora, out, first, n_layers, b * s, mm, grad_bytes)
     if layout.cp > 1:
         out += ring_collectives(cfg, layout, b, s, mm, n_layers, last)
     if layout.pp > 1 and stage is not None:

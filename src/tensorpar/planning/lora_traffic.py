@@ -125,10 +125,13 @@ def without_first_layer_gradients(out: list[Collective], cfg, lora: LoraSpec) ->
             for c in out]
 
 
-def lora_collectives(cfg, layout, lora: LoraSpec, out: list[Collective], first: bool, n_layers: int, tokens: int,
-                     mm: int, grad_bytes: int) -> list[Collective]:
-    """`out`, the TP collectives of one micro-batch with the base's frozen parameters' gradients left out, changed
-    for LoRA: the first layer's skipped input gradients (first stage) and the adapters' own collectives."""
+def lora_collectives(cfg, layout, lora: LoraSpec | None, out: list[Collective], first: bool, n_layers: int,
+                     tokens: int, mm: int, grad_bytes: int) -> list[Collective]:
+    """`out`, the collectives of one micro-batch with the base's frozen parameters' gradients left out, changed for
+    LoRA over TP: the first layer's skipped input gradients (first stage), the adapters' own collectives and the
+    MLP exit recomputation repeats for a down adapter. `out` itself without `lora` or without TP."""
+    if lora is None or layout.tp == 1:
+        return out
     if first:
         out = without_first_layer_gradients(out, cfg, lora)
     out = out + adapter_collectives(cfg, layout, lora, n_layers, tokens, mm, grad_bytes)
