@@ -1,7 +1,7 @@
 """The planner's communication model: alpha-beta times, and predicted bytes per (op, group) EQUAL what
 `CommStats` counts for the model's forward/backward (TP 2 and 4, SP on/off, full recomputation, bf16 autocast),
-a whole training step with DP and ZeRO 0/1/2, and pipelined steps; the parameters each rank holds equal the
-planner's list.
+a whole training step with DP and ZeRO 0/1/2/3, LoRA fine-tuning, and pipelined steps; the parameters each rank
+holds equal the planner's list.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def test_alpha_beta_formulas():
     assert collective_cost.collective_time("all_reduce", B, 64, link) == collective_cost.collective_time("all_reduce", B, 64, link, "ring")
 
 
-def check_model_comm_and_params(tp, config, sp, recompute, bf16):
-    """One micro-batch forward/backward: counted bytes per (op, group), and the local parameters."""
+def check_model_comm_and_params(tp, config, sp, recompute, bf16, lora=None):
+    """One micro-batch forward/backward: counted bytes per (op, group), and the local parameters; `lora`: a
+    LoraSpec, the adapters trained and the base frozen."""
     from tensorpar.models import Transformer
 
     cfg = CONFIGS[config]
@@ -47,7 +48,7 @@ def check_model_comm_and_params(tp, config, sp, recompute, bf16):
     B, S = 2, 16
     ids = torch.randint(0, cfg.vocab_size, (B, S))
     targets = torch.randint(0, cfg.vocab_size, (B, S))
-    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, recompute=recompute), seed=1)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, recompute=recompute, lora=lora), seed=1)
     model.train()
     m.stats.reset()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
@@ -56,9 +57,9 @@ def check_model_comm_and_params(tp, config, sp, recompute, bf16):
     loss.backward()
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
     predicted = communication.comm_bytes_per_step(cfg, Candidate.of(tp=tp, sequence_parallel=sp, recompute=recompute), B, S, 4,
-                                         matmul_dtype_bytes=2 if bf16 else 4)
+                                         matmul_dtype_bytes=2 if bf16 else 4, lora=lora)
     params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     return counted, predicted, params, grads
 
 
@@ -93,10 +94,10 @@ def test_predicted_comm_bytes_equal_counted_and_parameters_match(pools, tp, conf
         assert grads == precision_recipes.PRECISIONS["tensorpar-fp32"].grad_bytes * planned_params.parameter_count(cfg, tp)
 
 
-def check_training_step_comm(zero, micro_batches, fp8="", lora=None):
-    """A trainer step (tensorpar.training.trainer.train's loop body) at tp=2 x dp=2; `fp8`: a recipe for the GEMMs
-    (of fp32 parameters here, whose gradients are reduced in fp32 over TP and DP alike); `lora`: a LoraSpec, the
-    Llama-style model's adapters trained and its base frozen."""
+def check_training_step_comm(zero, micro_batches, fp8="", lora=None, sequence_parallel=True):
+    """A trainer step (tensorpar.training.trainer.train's loop body) at tp=2 x dp=2, with or without
+    `sequence_parallel`; `fp8`: a recipe for the GEMMs (of fp32 parameters here, whose gradients are reduced in fp32
+    over TP and DP alike); `lora`: a LoraSpec, the Llama-style model's adapters trained and its base frozen."""
     from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
     from tensorpar.models import Transformer
     from tensorpar.data_parallel import data_parallel_optimizer
@@ -106,8 +107,8 @@ def check_training_step_comm(zero, micro_batches, fp8="", lora=None):
     m = harness_mesh(tp=2, dp=2)
     torch.manual_seed(m.dp_rank)
     B, S = 2, 16
-    model = Transformer(cfg, Placement.on(m, sequence_parallel=True, fp8=Fp8Recipe(fp8) if fp8 else None, lora=lora),
-                        seed=1)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sequence_parallel, fp8=Fp8Recipe(fp8) if fp8 else None,
+                                          lora=lora), seed=1)
     model.train()
     if zero == 3:
         opt = FullyShardedOptimizer(model, m, lr=1e-3, weight_decay=0.1)
@@ -125,7 +126,7 @@ def check_training_step_comm(zero, micro_batches, fp8="", lora=None):
     opt.clip_and_step(1.0)
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    layout = Candidate.of(tp=2, dp=2, sequence_parallel=True, micro_batch_size=B, zero=zero)
+    layout = Candidate.of(tp=2, dp=2, sequence_parallel=sequence_parallel, micro_batch_size=B, zero=zero)
     colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024, fp8_recipe=fp8,
                                            lora=lora)
     return counted, collective_cost.sum_bytes(colls)
@@ -138,21 +139,48 @@ def test_predicted_training_step_comm_equals_counted(pools, zero, fp8):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_lora_data_parallel_traffic_equals_counted(pools, zero):
-    """LoRA reduces the adapters' gradients alone over DP; under ZeRO-3 the frozen base is gathered and never
-    reduced. (The adapters' own TP collectives are not modelled: only the data-parallel group is compared.)"""
+LORA_TARGETS = {"all": None, "qv": ("q", "v")}  # None: LoraSpec's default targets, every linear
+
+
+def lora_spec(targets: str):
+    """LoraSpec(4, 8.0) on the linears LORA_TARGETS names."""
     from tensorpar.tensor_parallel.lora import LoraSpec
 
+    return LoraSpec(4, 8.0) if LORA_TARGETS[targets] is None else LoraSpec(4, 8.0, LORA_TARGETS[targets])
+
+
+@pytest.mark.parametrize("targets", LORA_TARGETS)
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+@pytest.mark.parametrize("zero", [1, 3])
+def test_lora_training_step_comm_equals_counted(pools, zero, sp, targets):
+    """LoRA's whole step, every group: over TP the adapters' own collectives and the frozen base's less its
+    parameters' gradients and its first layer's input gradients; over DP the adapters' gradients alone (far less
+    than full training's), and under ZeRO-3 the frozen base gathered and never reduced."""
     for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2, "",
-                                                                 LoraSpec(4, 8.0))):
+                                                                 lora_spec(targets), sp)):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
         on_dp = {k: v for k, v in counted.items() if k[1] == "dp"}
-        assert on_dp == {k: v for k, v in predicted.items() if k[1] == "dp"}, f"rank {rank}: counted {on_dp}"
         full = collective_cost.sum_bytes(communication.step_collectives(
-            CONFIGS["tiny"], Candidate.of(tp=2, dp=2, sequence_parallel=True, micro_batch_size=2, zero=zero), 16, 2,
+            CONFIGS["tiny"], Candidate.of(tp=2, dp=2, sequence_parallel=sp, micro_batch_size=2, zero=zero), 16, 2,
             bucket_bytes=64 * 1024))
         reduced = {k: v for k, v in on_dp.items() if k[0] in ("all_reduce", "reduce_scatter") and v > 4}
         assert sum(reduced.values()) < 0.2 * sum(v for k, v in full.items() if k in reduced), (reduced, full)
+
+
+# one micro-batch: replicated KV heads (TP 4) under full recomputation, bf16 autocast, and first layers whose
+# attention has no adapter (its exit gathers no output gradient) or whose MLP has none
+LORA_MODEL_CASES = [(4, True, "full", False, ("q", "k", "v", "o", "gate", "up", "down")),
+                    (2, False, "full", True, ("o", "down")), (2, True, "none", False, ("gate", "up", "down"))]
+
+
+@pytest.mark.parametrize("tp,sp,recompute,bf16,targets", LORA_MODEL_CASES,
+                         ids=["tp4-replicated-kv-full", "bf16-full-o-down", "sp-mlp-only"])
+def test_lora_model_comm_equals_counted(pools, tp, sp, recompute, bf16, targets):
+    from tensorpar.tensor_parallel.lora import LoraSpec
+
+    for rank, (counted, predicted, *_) in enumerate(pools(WORLD).run(
+            check_model_comm_and_params, tp, "tiny", sp, recompute, bf16, LoraSpec(4, 8.0, targets))):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
 
 
 def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):

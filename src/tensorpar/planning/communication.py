@@ -5,7 +5,8 @@ PP, one stage's, including its point-to-point messages), `step_collectives` thos
 the data-parallel gradient traffic of `tensorpar.data_parallel`'s bucketed optimizers, the gradient-norm scalars,
 the pipeline's loss and tied-embedding all-reduces and the trainer's loss average), and `comm_bytes_per_step`
 sums them per (op, group): the numbers `mesh.stats` reports after the same work
-(tests/test_planning_communication.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2 and PP).
+(tests/test_planning_communication.py checks equality for TP, SP, recomputation, autocast, DP, ZeRO-1/2/3, PP
+and LoRA, whose collectives are `tensorpar.planning.lora_traffic`'s).
 
 Mixture-of-experts layers (`moe_collectives`) add their all-to-alls on the expert-parallel group "ep"
 (balanced routing assumed: each rank sends its T k routing choices' rows), change their MLP's TP
@@ -27,6 +28,7 @@ from tensorpar.planning.collective_cost import Collective, sum_bytes
 from tensorpar.planning.fp8_traffic import fp8_tp_collectives, fp8_units, fp8_zero3_traffic, is_fp8_gathered
 from tensorpar.planning.latent import key_value_widths, latent_collectives, mtp_collectives
 from tensorpar.planning.lora_adapters import trained
+from tensorpar.planning.lora_traffic import lora_collectives
 from tensorpar.planning.params import is_expert, layout_parameters
 from tensorpar.planning.zero3_traffic import frozen_zero3_traffic, zero3_traffic, zero3_units
 from tensorpar.tensor_parallel.lora import LoraSpec
@@ -45,6 +47,7 @@ def model_collectives(
     scatter_gather: bool = False,
     tp_pieces: int = 1,
     fp8_recipe: str = "",
+    lora: LoraSpec | None = None,
 ) -> list[Collective]:
     """Every collective of one micro-batch's forward and backward through tensorpar's Transformer.
 
@@ -53,15 +56,15 @@ def model_collectives(
     as that many collectives of a piece of the tokens (``DEFAULT_CHUNKS``): the same bytes, more calls, each
     paying the link's latency (`Collective.pieces`; full recomputation's plain MLP exit is counted chunked too).
 
-    `act_bytes`: the residual stream and its gradient (fp32 = 4 in tensorpar, also under bf16
-    autocast); `matmul_bytes`: the outputs of the row-parallel linears (2 under bf16 autocast,
-    default `act_bytes`); `grad_bytes`: parameter gradients (fp32 = 4 in tensorpar). `stage`
-    selects one pipeline rank (None: the whole model). Nothing is sent when TP = 1 and PP = 1.
-    `scatter_gather`: pipeline messages are split across the TP ranks (Megatron-LM's scatter/gather
-    optimisation), as they are anyway under sequence parallelism. `fp8_recipe`: the amax all-reduces of tensorpar's
-    fp8 GEMMs (`tensorpar.planning.fp8_traffic`).
+    `act_bytes`: the residual stream and its gradient (fp32 = 4 in tensorpar, also under bf16 autocast);
+    `matmul_bytes`: the outputs of the row-parallel linears (2 under bf16 autocast, default `act_bytes`); `grad_bytes`:
+    parameter gradients (fp32 = 4 in tensorpar). `stage` selects one pipeline rank (None: the whole model). Nothing is
+    sent when TP = 1 and PP = 1. `scatter_gather`: pipeline messages are split across the TP ranks (Megatron-LM's
+    scatter/gather optimisation), as they are anyway under sequence parallelism. `fp8_recipe`: the amax all-reduces
+    of tensorpar's fp8 GEMMs (`tensorpar.planning.fp8_traffic`). `lora`: LoRA, the base frozen (`lora_traffic`).
     """
     mm = act_bytes if matmul_bytes is None else matmul_bytes
+    trains = lora is None  # the base's weights train: their gradients summed over TP where each rank saw a shard
     first, last, n_layers = stage_layers(cfg, layout, stage)
     mtp = cfg.num_mtp_layers if last else 0  # multi-token prediction modules: a block, the embedding and head again
     n_layers += mtp
@@ -69,20 +72,22 @@ def model_collectives(
     out: list[Collective] = []
     if layout.tp > 1:
         for _ in range((1 if first else 0) + mtp):
-            out += _embedding_collectives(cfg, layout.sequence_parallel, b, s, act_bytes, grad_bytes)
+            out += _embedding_collectives(cfg, layout.sequence_parallel, b, s, act_bytes, grad_bytes, trains)
         out += _layer_collectives(cfg, layout, n_layers, b * s * cfg.hidden_size, act_bytes, mm, grad_bytes,
-                                  tp_pieces)
+                                  tp_pieces, trains)
         if cfg.is_mla:
             out += latent_collectives(cfg, layout, n_layers, b, s, act_bytes, grad_bytes)
         out += fp8_tp_collectives(cfg, layout, b, s, n_layers, fp8_recipe)
         for _ in range(1 + mtp if last else 0):
-            out += _head_collectives(cfg, layout.sequence_parallel, b, s, act_bytes, grad_bytes, label_smoothing)
+            out += _head_collectives(cfg, layout.sequence_parallel, b, s, act_bytes, grad_bytes, label_smoothing,
+                                     trains)
         if mtp:
             out += mtp_collectives(cfg, layout, b, s, act_bytes, mm, grad_bytes)
     if cfg.is_moe:
         blocks = stage_layer_indices(cfg, layout, stage) + list(range(cfg.num_layers, cfg.num_layers + mtp))
         n_moe = sum(cfg.is_moe_layer(i) for i in blocks)
-        out = moe_collectives(cfg, layout, out, b, s, n_layers, n_moe, act_bytes, mm, grad_bytes)
+        out = moe_collectives(cfg, layout, out, b, s, n_layers, n_moe, act_bytes, mm, grad_bytes, trains)
+    out = lora_collectives(cfg, layout, lora, out, first, n_layers, b * s, mm, grad_bytes)
     if layout.cp > 1:
         out += ring_collectives(cfg, layout, b, s, mm, n_layers, last)
     if layout.pp > 1 and stage is not None:
@@ -102,26 +107,27 @@ def _norm_params(cfg) -> int:
     return 2 if cfg.norm == "layernorm" else 1
 
 
-def _embedding_collectives(cfg, sp: bool, b: int, s: int, act_bytes: int, grad_bytes: int) -> list[Collective]:
+def _embedding_collectives(cfg, sp: bool, b: int, s: int, act_bytes: int, grad_bytes: int,
+                           trains: bool = True) -> list[Collective]:
     """The first stage's TP collectives of the vocabulary-parallel embedding (and, under SP, of the learned
-    position embedding's gradient)."""
+    position embedding's gradient); a frozen embedding (not `trains`) has no backward."""
     out: list[Collective] = []
     bsh, h = b * s * cfg.hidden_size, cfg.hidden_size
     if sp:
         _add(out, "reduce_scatter", bsh * act_bytes, 1, "forward", "embedding (vocab-parallel, to sequence shards)")
-        _add(out, "all_gather", bsh * act_bytes, 1, "backward", "embedding gradient")
+        _add(out, "all_gather", bsh * act_bytes, trains, "backward", "embedding gradient")
         if cfg.position == "learned":
-            _add(out, "all_reduce", s * h * grad_bytes, 1, "backward", "position-embedding gradient (SP)")
+            _add(out, "all_reduce", s * h * grad_bytes, trains, "backward", "position-embedding gradient (SP)")
     else:
         _add(out, "all_reduce", bsh * act_bytes, 1, "forward", "embedding (vocab-parallel)")
     return out
 
 
 def _layer_collectives(cfg, layout: Candidate, n_layers: int, bsh: int, act_bytes: int, mm: int, grad_bytes: int,
-                       tp_pieces: int) -> list[Collective]:
+                       tp_pieces: int, trains: bool = True) -> list[Collective]:
     """The TP collectives of the stage's `n_layers` transformer layers: the attention and MLP entries and exits
     (SP gathers and reduce-scatters, or row-parallel all-reduces), what recomputation repeats, and the gradients
-    TP ranks share (norms and biases under SP, replicated K/V heads)."""
+    TP ranks share (norms and biases under SP, replicated K/V heads), which frozen weights (not `trains`) skip."""
     out: list[Collective] = []
     h, L = cfg.hidden_size, n_layers
     # Full recomputation re-runs each block's forward inside backward. torch's non-reentrant checkpoint
@@ -140,9 +146,10 @@ def _layer_collectives(cfg, layout: Candidate, n_layers: int, bsh: int, act_byte
         _add(out, "reduce_scatter", bsh * mm, again_out * L, "backward", "recomputed attention / MLP output")
         _add(out, "reduce_scatter", bsh * act_bytes, entries * L, "backward", "attention / MLP input gradient")
         _add(out, "all_gather", bsh * mm, 2 * L, "backward", "attention / MLP output gradient", pieces=tp_pieces)
-        _add(out, "all_reduce", h * grad_bytes, 2 * L * _norm_params(cfg), "backward", "norm weight gradients (SP)")
+        _add(out, "all_reduce", h * grad_bytes, 2 * L * _norm_params(cfg) * trains, "backward",
+             "norm weight gradients (SP)")
         if cfg.bias:
-            _add(out, "all_reduce", h * grad_bytes, 2 * L, "backward", "row-parallel bias gradients (SP)")
+            _add(out, "all_reduce", h * grad_bytes, 2 * L * trains, "backward", "row-parallel bias gradients (SP)")
     else:
         _add(out, "all_reduce", bsh * mm, 2 * L, "forward", "attention / MLP output (row-parallel)",
              pieces=tp_pieces)
@@ -150,20 +157,20 @@ def _layer_collectives(cfg, layout: Candidate, n_layers: int, bsh: int, act_byte
         _add(out, "all_reduce", bsh * act_bytes, entries * L, "backward", "attention / MLP input gradient")
     if cfg.kv_heads < layout.tp and not cfg.is_mla:  # replicated KV heads: one buffer with a slot per KV head, K and V separately
         kv = cfg.kv_heads * cfg.head_dim
-        _add(out, "all_reduce", kv * h * grad_bytes, 2 * L, "backward", "replicated K/V weight gradients")
+        _add(out, "all_reduce", kv * h * grad_bytes, 2 * L * trains, "backward", "replicated K/V weight gradients")
         if cfg.attention_qkv_bias:
-            _add(out, "all_reduce", kv * grad_bytes, 2 * L, "backward", "replicated K/V bias gradients")
+            _add(out, "all_reduce", kv * grad_bytes, 2 * L * trains, "backward", "replicated K/V bias gradients")
     return out
 
 
 def _head_collectives(cfg, sp: bool, b: int, s: int, act_bytes: int, grad_bytes: int,
-                      label_smoothing: bool) -> list[Collective]:
-    """The last stage's TP collectives: the final norm's gradients under SP, the LM head's input and its
-    gradient, and the vocabulary-parallel cross-entropy's fp32 reductions."""
+                      label_smoothing: bool, trains: bool = True) -> list[Collective]:
+    """The last stage's TP collectives: the final norm's gradients under SP (unless frozen: not `trains`), the LM
+    head's input and its gradient, and the vocabulary-parallel cross-entropy's fp32 reductions."""
     out: list[Collective] = []
     bsh, h = b * s * cfg.hidden_size, cfg.hidden_size
     if sp:
-        _add(out, "all_reduce", h * grad_bytes, _norm_params(cfg), "backward", "final norm gradients (SP)")
+        _add(out, "all_reduce", h * grad_bytes, _norm_params(cfg) * trains, "backward", "final norm gradients (SP)")
         _add(out, "all_gather", bsh * act_bytes, 1, "forward", "head input (SP gather)")
         _add(out, "reduce_scatter", bsh * act_bytes, 1, "backward", "head input gradient")
     else:
@@ -193,7 +200,7 @@ def _pipeline_messages(cfg, layout: Candidate, stage: int, b: int, s: int, act_b
 
 
 def moe_collectives(cfg, layout: Candidate, dense: list[Collective], b: int, s: int, n_layers: int, n_moe: int,
-                    act_bytes: int, mm: int, grad_bytes: int) -> list[Collective]:
+                    act_bytes: int, mm: int, grad_bytes: int, trains: bool = True) -> list[Collective]:
     """`dense`, the collectives of a micro-batch as if every layer were dense, changed for the `n_moe` MoE layers
     among the stage's `n_layers` (tensorpar.expert_parallel), `s` tokens per sequence on this rank.
 
@@ -202,7 +209,7 @@ def moe_collectives(cfg, layout: Candidate, dense: list[Collective], b: int, s: 
     of the dense MLP's row-parallel all-reduce (forward) and input-gradient all-reduce (backward), which only
     the shared experts (a TP MLP) still run; under SP the routed part works on the sequence shard, and the SP
     gather / reduce-scatter pairs are the shared experts' only. The router's replicated weight gradient is
-    all-reduced over TP, and the balance statistics (2 E fp32 per sequence) over the TP ranks sharing sequences.
+    all-reduced over TP (unless frozen: not `trains`), and the balance statistics (2 E fp32 per sequence) over the TP ranks sharing sequences.
     On the EP group, per MoE layer: forward, the expert counts (E int64) and the rows out (T k h, the
     residual dtype) and back (T k h, the matmul dtype); backward, the two row all-to-alls reversed; full
     recomputation repeats the forward ones."""
@@ -219,8 +226,8 @@ def moe_collectives(cfg, layout: Candidate, dense: list[Collective], b: int, s: 
         if not sp:
             out.append(Collective("all_gather", "tp", bsh * act_bytes, n_moe, "forward", "MoE outputs (token split)"))
             out.append(Collective("all_gather", "tp", bsh * act_bytes, n_moe, "backward", "MoE input gradients"))
-        out.append(Collective("all_reduce", "tp", cfg.num_experts * h * grad_bytes, n_moe, "backward",
-                              "router weight gradients"))
+        _add(out, "all_reduce", cfg.num_experts * h * grad_bytes, n_moe * trains, "backward",
+             "router weight gradients")
         out.append(Collective("all_reduce", "tp", b * 2 * cfg.num_experts * 4, n_moe * (1 + full), "forward",
                               "router balance statistics"))
     if layout.ep > 1 and n_moe:
@@ -303,7 +310,7 @@ def step_collectives(
            for c in model_collectives(cfg, layout, layout.micro_batch_size, seq_len, act_bytes=act_bytes,
                                       matmul_bytes=matmul_bytes, grad_bytes=grad_bytes, stage=stage,
                                       label_smoothing=label_smoothing, scatter_gather=scatter_gather,
-                                      fp8_recipe=fp8_recipe)]
+                                      fp8_recipe=fp8_recipe, lora=lora)]
     if layout.replicas > 1:
         out += _replica_gradient_traffic(cfg, layout, stage, m, grad_bytes, param_bytes, bucket_bytes,
                                          zero2_per_micro_batch, zero3_reshard_after_forward,
@@ -314,7 +321,7 @@ def step_collectives(
             _, sizes = _bucket_table(experts, param_bytes, bucket_bytes, layout.expert_dp if layout.zero else 1)
             out += _gradient_traffic(sizes, "edp", layout.zero, m, zero2_per_micro_batch, grad_bytes, param_bytes,
                                      "expert ")
-    return out + _step_scalars(cfg, layout, stage, grad_bytes)
+    return out + _step_scalars(cfg, layout, stage, grad_bytes, lora is None)
 
 
 def _replica_gradient_traffic(cfg, layout: Candidate, stage: int | None, m: int, grad_bytes: int, param_bytes: int,
@@ -362,9 +369,10 @@ def _replica_gradient_traffic(cfg, layout: Candidate, stage: int | None, m: int,
     return out
 
 
-def _step_scalars(cfg, layout: Candidate, stage: int | None, grad_bytes: int) -> list[Collective]:
+def _step_scalars(cfg, layout: Candidate, stage: int | None, grad_bytes: int, trains: bool = True) -> list[Collective]:
     """The step's closing all-reduces: the gradient norm over TP and PP, the loss sent to every stage, the tied
-    embedding's gradient between the first and last stage, and the trainer's loss average over DP."""
+    embedding's gradient between the first and last stage (unless frozen: not `trains`), and the trainer's loss
+    average over DP."""
     out = []
     if layout.tp > 1:
         out.append(Collective("all_reduce", "tp", 4, 1, "step", "gradient norm"))
@@ -372,7 +380,7 @@ def _step_scalars(cfg, layout: Candidate, stage: int | None, grad_bytes: int) ->
         out.append(Collective("all_reduce", "pp", 4, 1, "step", "loss to every stage"))
         out.append(Collective("all_reduce", "pp", 4, 1, "step", "gradient norm"))
         last_rank = layout.split(cfg.num_layers).last_rank
-        if (cfg.tie_embeddings or cfg.num_mtp_layers) and last_rank != 0 and stage in (0, last_rank):
+        if trains and (cfg.tie_embeddings or cfg.num_mtp_layers) and last_rank != 0 and stage in (0, last_rank):
             n = math.ceil(cfg.vocab_size / layout.tp) * cfg.hidden_size  # this rank's rows of the padded table
             out.append(Collective("all_reduce", "embed", n * grad_bytes, 1, "step", "tied embedding gradient"))
     if layout.dp > 1:
@@ -441,6 +449,7 @@ def comm_bytes_per_step(
     include_optimizer: bool = False,
     stage: int | None = None,
     label_smoothing: bool = False,
+    lora: LoraSpec | None = None,
 ) -> dict[tuple[str, str], int]:
     """Bytes per (op, group) that tensorpar's `CommStats` counts on one rank.
 
@@ -449,14 +458,14 @@ def comm_bytes_per_step(
     is one). With ``include_optimizer=True``: a whole training step, `micro_batch` being the
     layout's micro-batch size (data-parallel gradients, gradient norm, loss average added).
     `dtype_bytes` is the residual stream's dtype (4: fp32, also under tensorpar's bf16 autocast),
-    `matmul_dtype_bytes` the row-parallel outputs' (2 under bf16 autocast).
+    `matmul_dtype_bytes` the row-parallel outputs' (2 under bf16 autocast); `lora`: LoRA fine-tuning.
     """
     layout = layout.replace(micro_batch_size=micro_batch)
     if include_optimizer:
         return sum_bytes(step_collectives(cfg, layout, seq_len, num_micro_batches, act_bytes=dtype_bytes,
                                           matmul_bytes=matmul_dtype_bytes, grad_bytes=grad_dtype_bytes,
-                                          stage=stage, label_smoothing=label_smoothing))
+                                          stage=stage, label_smoothing=label_smoothing, lora=lora))
     per_mb = model_collectives(cfg, layout, micro_batch, seq_len, act_bytes=dtype_bytes,
                                matmul_bytes=matmul_dtype_bytes, grad_bytes=grad_dtype_bytes, stage=stage,
-                               label_smoothing=label_smoothing)
+                               label_smoothing=label_smoothing, lora=lora)
     return {k: v * num_micro_batches for k, v in sum_bytes(per_mb).items()}

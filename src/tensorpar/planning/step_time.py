@@ -26,7 +26,8 @@ LoRA (`lora`): the frozen base computes no weight gradients (its backward is its
 forward), the adapters add their r-wide GEMMs (`tensorpar.planning.lora_adapters.adapter_gemms`: forward, input and weight
 gradient), the optimizer steps the adapters alone, and MFU counts the FLOPs such a step needs (the model's less
 the base's weight gradients); the data-parallel traffic reduces the adapters' gradients alone (ZeRO-3 still gathers
-the frozen base: `comm.step_collectives`). Not modelled: the adapters' own TP collectives (r / h of the base's).
+the frozen base: `comm.step_collectives`); the TP collectives are the adapters' own (r / h of the base's) and the
+frozen base's less its parameters' gradients (`tensorpar.planning.lora_traffic`).
 
 Outputs: step time, tokens/s (the whole cluster), MFU (model FLOPs of `models.flops`, no
 recomputation, over step time x GPUs x peak), and the achieved hardware FLOP/s per GPU
@@ -120,7 +121,7 @@ def _stage_time(cfg, layout, cluster, b, s, stage, prec, algorithm, flash=True, 
                               grad_bytes=prec.grad_bytes, stage=stage if layout.pp > 1 else None,
                               scatter_gather=prec.activations == "playbook",
                               tp_pieces=1 if prec.fp8_recipe else pieces,  # fp8 GEMMs: plain TP collectives
-                              fp8_recipe=prec.fp8_recipe)
+                              fp8_recipe=prec.fp8_recipe, lora=lora)
     tp = [c for c in colls if c.group == "tp"]
     sends = [c for c in colls if c.group == "pp" and c.op == "send"]
     ring = collectives_time([c for c in colls if c.group == "cp" and c.op == "send"], cluster, layout, algorithm)
