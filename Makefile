@@ -5,6 +5,9 @@ STAMP := $(VENV)/.tensorpar-installed
 
 .PHONY: setup demo demo-layers demo-finetune demo-lora test bench clean
 
+# Python keeps the bytecode it compiles (the packages install without it: scripts/setup_env.sh), whatever the shell says.
+export PYTHONDONTWRITEBYTECODE=
+
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
 	@touch $(STAMP)
@@ -52,7 +55,6 @@ bench: $(STAMP)
 # The whole suite on two pytest workers (a test file's tests stay on one worker, so that its module's fixtures, a
 # server or a reference run, are built once); it ends with its 15 slowest tests, so that a test that grows shows at
 # once. Python caches tensorpar's compiled modules: every rank a test starts imports them again.
-test: export PYTHONDONTWRITEBYTECODE=
 test: $(STAMP)
 	$(PY) -m pytest -q tests -n 2 --dist loadscope --durations=15
 
