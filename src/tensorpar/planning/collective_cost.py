@@ -92,6 +92,13 @@ class Collective:
         return self.nbytes * self.calls
 
 
+def add_collective(out: list[Collective], op: str, nbytes, calls, phase: str, what: str, group: str = "tp",
+                   pieces: int = 1) -> None:
+    """Append `calls` collectives of `nbytes` to `out`; nothing when `calls` is 0."""
+    if calls:
+        out.append(Collective(op, group, int(nbytes), int(calls), phase, what, pieces))
+
+
 def sum_bytes(collectives: list[Collective]) -> dict[tuple[str, str], int]:
     """Total bytes per (op, group), in `CommStats`' keys."""
     out: dict[tuple[str, str], int] = defaultdict(int)

@@ -24,10 +24,10 @@ from collections import defaultdict
 from tensorpar.data_parallel import DEFAULT_BUCKET_BYTES
 from tensorpar.layout.rules import kv_heads_per_rank
 from tensorpar.planning.candidates import Candidate, stage_layer_indices, stage_layers
-from tensorpar.planning.collective_cost import Collective, sum_bytes
+from tensorpar.planning.collective_cost import Collective, add_collective as _add, sum_bytes
 from tensorpar.planning.fp8_traffic import fp8_tp_collectives, fp8_units, fp8_zero3_traffic, is_fp8_gathered
 from tensorpar.planning.latent import key_value_widths, latent_collectives, mtp_collectives
-from tensorpar.planning.lora_adapters import trained
+from tensorpar.planning.lora_adapters import frozen, trained
 from tensorpar.planning.lora_traffic import lora_collectives
 from tensorpar.planning.params import is_expert, layout_parameters
 from tensorpar.planning.zero3_traffic import frozen_zero3_traffic, zero3_traffic, zero3_units
@@ -93,13 +93,6 @@ def model_collectives(
     if layout.pp > 1 and stage is not None:
         out += _pipeline_messages(cfg, layout, stage, b, s, act_bytes, scatter_gather)
     return out
-
-
-def _add(out: list[Collective], op: str, nbytes, calls, phase: str, what: str, group: str = "tp",
-         pieces: int = 1) -> None:
-    """Append `calls` collectives of `nbytes` to `out`; nothing when `calls` is 0."""
-    if calls:
-        out.append(Collective(op, group, int(nbytes), int(calls), phase, what, pieces))
 
 
 def _norm_params(cfg) -> int:
@@ -351,9 +344,8 @@ def _replica_gradient_traffic(cfg, layout: Candidate, stage: int | None, m: int,
         root, layers, last = _BUCKET_CACHE[key + ("zero3", fp8_gather)]
         out = zero3_traffic(root, layers, last, grads, m, grad_bytes, param_bytes, zero3_reshard_after_forward)
         if lora is not None:
-            adapters = set(trained(every, lora))
-            frozen = [p for p in every if p not in adapters and not (fp8_gather and is_fp8_gathered(p[0]))]
-            out += frozen_zero3_traffic(frozen, shards, grads, m, param_bytes, zero3_reshard_after_forward)
+            base = [p for p in frozen(every, lora) if not (fp8_gather and is_fp8_gathered(p[0]))]
+            out += frozen_zero3_traffic(base, shards, grads, m, param_bytes, zero3_reshard_after_forward)
         units = {**layers}
         units[root] = units.get(root, 0) + 1
         if fp8_gather:

@@ -80,6 +80,11 @@ def trained(params: list[tuple[str, int, int]], lora: LoraSpec | None) -> list[t
     return params if lora is None else [p for p in params if is_adapter(p[0])]
 
 
+def frozen(params: list[tuple[str, int, int]], lora: LoraSpec | None) -> list[tuple[str, int, int]]:
+    """The parameters of `params` that do not train (the rest of `trained`): none, or with `lora` the base."""
+    return [] if lora is None else [p for p in params if not is_adapter(p[0])]
+
+
 def adapter_gemms(cfg, tp: int, tokens: int, lora: LoraSpec | None) -> list[tuple[float, float, float, int]]:
     """One layer's adapter GEMMs as forward (m, n, k, count) on one rank for `tokens` rows: a column adapter's
     down-projection (tokens, r, h) and up-projection (tokens, out / tp, r), a row adapter's (tokens, r, in / tp) and

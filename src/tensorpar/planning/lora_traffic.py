@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.planning.collective_cost import Collective
+from tensorpar.planning.collective_cost import Collective, add_collective
 from tensorpar.tensor_parallel.lora import LoraSpec
 
 ATTENTION_COLUMNS, MLP_COLUMNS, ROWS = ("q", "k", "v"), ("gate", "up"), ("o", "down")
@@ -67,8 +67,8 @@ def _column_adapters(cfg, layout, lora: LoraSpec, names: list[str], n_layers: in
     out = []
     if layout.sequence_parallel:
         out.append(Collective("all_gather", "tp", entered, L, "forward", "LoRA down-projections (SP gather)"))
-        _maybe(out, Collective("all_gather", "tp", entered, again * L, "backward",
-                               "recomputed LoRA down-projections (SP gather)"))
+        add_collective(out, "all_gather", entered, again * L, "backward",
+                       "recomputed LoRA down-projections (SP gather)")
         out.append(Collective("reduce_scatter", "tp", entered, L, "backward", "LoRA down-projection gradients"))
         out.append(Collective("all_reduce", "tp", r * cfg.hidden_size * grad_bytes, n * L, "backward",
                               "LoRA A gradients (column, SP)"))
@@ -76,8 +76,8 @@ def _column_adapters(cfg, layout, lora: LoraSpec, names: list[str], n_layers: in
         out.append(Collective("all_reduce", "tp", entered, L, "backward", "LoRA down-projection gradients"))
     kv = [t for t in names if t in ("k", "v")]
     if kv and cfg.kv_heads < layout.tp:
-        _maybe(out, Collective("all_reduce", "tp", cfg.kv_heads * cfg.head_dim * r * grad_bytes, len(kv) * L,
-                               "backward", "LoRA B gradients of replicated K/V heads"))
+        add_collective(out, "all_reduce", cfg.kv_heads * cfg.head_dim * r * grad_bytes, len(kv) * L, "backward",
+                       "LoRA B gradients of replicated K/V heads")
     return out
 
 
@@ -90,18 +90,12 @@ def _row_adapters(cfg, layout, n: int, n_layers: int, tokens: int, r: int, mm: i
     L, partial = n_layers, tokens * r * mm
     reduce = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
     out = [Collective(reduce, "tp", partial, n * L, "forward", "LoRA row down-projections (partial sums)")]
-    _maybe(out, Collective(reduce, "tp", partial, again * n * L, "backward", "recomputed LoRA row down-projections"))
+    add_collective(out, reduce, partial, again * n * L, "backward", "recomputed LoRA row down-projections")
     if layout.sequence_parallel:
         out.append(Collective("all_gather", "tp", partial, n * L, "backward", "LoRA row down-projection gradients"))
         out.append(Collective("all_reduce", "tp", cfg.hidden_size * r * grad_bytes, n * L, "backward",
                               "LoRA B gradients (row, SP)"))
     return out
-
-
-def _maybe(out: list[Collective], c: Collective) -> None:
-    """Append `c` unless it has no calls."""
-    if c.calls:
-        out.append(c)
 
 
 def first_layer_input_gradients(cfg, lora: LoraSpec) -> tuple[int, int]:

@@ -87,7 +87,7 @@ from tensorpar.planning.lora_adapters import (check_lora, lora_layer_activations
                                      lora_weight_copies)
 from tensorpar.planning.params import ParamSummary, layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
-from tensorpar.planning.state_memory import adamw_bytes, optimizer_state_bytes, state_bytes  # noqa: F401
+from tensorpar.planning.state_memory import optimizer_state_bytes, state_bytes  # noqa: F401
 from tensorpar.tensor_parallel.lora import LoraSpec
 
 OVERHEAD_FIXED_BYTES = int(1.5 * GiB)

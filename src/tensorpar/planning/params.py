@@ -18,7 +18,7 @@ import dataclasses
 from tensorpar.distributed.sharding import padded
 from tensorpar.layout import ParallelLayout, divide
 from tensorpar.layout.rules import experts_per_rank, kv_heads_per_rank
-from tensorpar.planning.lora_adapters import trained, with_adapters
+from tensorpar.planning.lora_adapters import frozen, with_adapters
 from tensorpar.tensor_parallel.lora import LoraSpec
 
 _PARAM_CACHE: dict = {}
@@ -232,16 +232,15 @@ def layout_summary(cfg, layout, stage: int | None = 0, lora: LoraSpec | None = N
         layers = [p for p in params if p[0].startswith("layers.")  # the decoder's (not the MTP modules')
                   and int(p[0].split(".")[1]) < cfg.num_layers]
         n_layers = len({p[0].split(".")[1] for p in layers}) or 1
-        names, in_layers = {p[0] for p in trained(params, lora)}, {p[0] for p in layers}
-        frozen = [p for p in params if p[0] not in names]
+        base, in_layers = frozen(params, lora), {p[0] for p in layers}
         _SUMMARY_CACHE[key] = ParamSummary(
             sum(n for _, n, _ in params), len(params), sum(n for _, n, _ in layers) // n_layers,
             _matmul_weight_count(cfg, layers),
             _matmul_weight_count(cfg, [p for p in params if p not in layers]),
             sum(n for name, n, _ in params if is_expert(name)), sum(is_expert(name) for name, _, _ in params),
-            sum(n for _, n, _ in frozen), len(frozen), sum(n for name, n, _ in frozen if is_expert(name)),
-            sum(is_expert(name) for name, _, _ in frozen),
-            sum(n for name, n, _ in frozen if name in in_layers) // n_layers)
+            sum(n for _, n, _ in base), len(base), sum(n for name, n, _ in base if is_expert(name)),
+            sum(is_expert(name) for name, _, _ in base),
+            sum(n for name, n, _ in base if name in in_layers) // n_layers)
     return _SUMMARY_CACHE[key]
 
 

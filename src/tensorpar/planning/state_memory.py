@@ -74,25 +74,25 @@ def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision
         return 4 * (root + min(2, n_layers) * layer + layer // dp)
     every = layout_parameters(cfg, layout, stage, lora)
     params = trained(every, lora)
-    sizes = [math.ceil(n / dp) * dp for n in bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)]
+    counts = bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)
+    sizes = [math.ceil(n / dp) * dp for n in counts]
     if lora is not None:
-        return 4 * _zero2_buffers_in_flight(params, gradient_arrival_order(every), sizes, dp, prec.param_bytes,
-                                            bucket_bytes)
+        return 4 * _zero2_buffers_in_flight(params, gradient_arrival_order(every), counts, sizes, dp)
     pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
     return 4 * (max(pairs) + max(sizes) // dp)
 
 
-def _zero2_buffers_in_flight(params: list[tuple[str, int, int]], arrivals: list[str], sizes: list[int], dp: int,
-                             elem_bytes: int, bucket_bytes: int) -> int:
-    """The most elements of ZeRO-2's full-size buffers alive at once when the gradients of `params` arrive in the
-    order `arrivals`: a bucket's buffer from its first gradient until the next bucket is handed to the queue (which
-    keeps one reduce-scatter, with its output slice, in flight); buckets as `bucket_sizes` closes them."""
-    bucket_of, left, size, index = {}, [0] * len(sizes), 0, 0
+def _zero2_buffers_in_flight(params: list[tuple[str, int, int]], arrivals: list[str], counts: list[int],
+                             sizes: list[int], dp: int) -> int:
+    """The most elements of ZeRO-2's full-size buffers (`sizes`, padded) alive at once when the gradients of
+    `params` arrive in the order `arrivals`: a bucket's buffer from its first gradient until the next bucket is handed
+    to the queue (which keeps one reduce-scatter, with its output slice, in flight). The buckets hold `counts`
+    elements of the parameters in reverse order (`bucket_sizes`)."""
+    bucket_of, left, index, filled = {}, [0] * len(counts), 0, 0
     for name, n, _ in reversed(params):
-        bucket_of[name], left[index] = index, left[index] + 1
-        size += n * elem_bytes
-        if size >= bucket_bytes and index + 1 < len(sizes):
-            index, size = index + 1, 0
+        bucket_of[name], left[index], filled = index, left[index] + 1, filled + n
+        if filled == counts[index] and index + 1 < len(counts):
+            index, filled = index + 1, 0
     open_elements, in_flight, peak = 0, 0, 0
     opened = set()
     for name in arrivals:
