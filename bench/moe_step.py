@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,8 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+
+from tensorpar.distributed.launch import free_port  # rank 0's rendezvous port
 
 LAYOUTS = {"single": (1, 1, 1), "dp2-ep1": (1, 2, 1), "dp2-ep2": (1, 2, 2), "dp4-ep4": (1, 4, 4), "tp2-dp2-ep4": (2, 2, 4)}  # tp, dp, ep
 
@@ -138,12 +139,6 @@ def worker(rank: int, world: int, port: int, a, name: str, gemm: str, out_path: 
         with open(out_path, "w") as f:
             json.dump({"steps": steps, "link": link, "micro_batches": len(batches)}, f)
     mesh.destroy()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def predicted_a2a(cfg, name: str, a, link) -> float:

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,8 @@ import tempfile
 import time
 
 import torch
+
+from tensorpar.distributed.launch import free_port  # rank 0's rendezvous port
 
 import exposed_comm  # bench/exposed_comm.py: the exposed-communication measurement
 from plain_gpt import PlainGPT, parallelize_dtensor, to_tensorpar_names  # bench/plain_gpt.py: the peer
@@ -235,12 +236,6 @@ def worker(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_argv(args, variant: str, state_path: str, result_path: str) -> list[str]:

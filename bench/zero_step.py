@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+
+from tensorpar.distributed.launch import free_port  # rank 0's rendezvous port
 
 VARIANTS = ("zero0", "zero1", "zero2", "zero3", "fsdp2")
 
@@ -140,12 +141,6 @@ def worker(rank: int, world: int, port: int, a, out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump(per_rank, f)
     mesh.destroy()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plot(per_rank, path: str) -> str:
