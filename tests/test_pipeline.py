@@ -119,7 +119,8 @@ def test_measured_bubble_matches_the_formula(pools, schedule, microbatches, virt
 
     pp = 4
     expected = theoretical_bubble(schedule, pp, microbatches, virtual_stages)
-    results = pools(4).run(check_measured_schedule, schedule, pp, microbatches, virtual_stages)
+    # The least disturbed of two steps: four ranks on two cores once measured interleaved's 0.158 as 0.177.
+    results = pools(4).run(check_measured_schedule, schedule, pp, microbatches, virtual_stages, steps=2)
     bubble = results[0][0]
     assert abs(bubble - expected) <= 0.10 * expected, f"measured {bubble:.3f}, formula {expected:.3f}"
     peaks = [peak for _, peak in results]
