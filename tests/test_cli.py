@@ -9,8 +9,8 @@ import time
 import pytest
 
 
-def tensorpar(*args, launcher=None, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def tensorpar(*args, launcher=None, timeout=120, **env):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     cmd = (launcher or [sys.executable, "-m", "tensorpar"]) + list(args)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -50,7 +50,8 @@ def test_layout_that_does_not_fit_the_world_fails_at_once(cli):
 
 
 def test_linear_that_does_not_divide_fails_on_every_rank_without_hanging():
-    proc, elapsed = tensorpar("demo", "--tp", "2", "--ffn", "9")
+    # Its ranks are new processes, not forked from the launcher's zygote (tests/test_launch.py has those).
+    proc, elapsed = tensorpar("demo", "--tp", "2", "--ffn", "9", TENSORPAR_FORK_RANKS="0")
     _assert_one_line_error(proc, elapsed, "out_features = 9 is not divisible by the tensor-parallel size 2")
     assert "[rank 0]" in proc.stderr or "[rank 1]" in proc.stderr
 

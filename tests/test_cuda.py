@@ -77,13 +77,13 @@ def test_mfu_divides_by_the_datasheet_peak_of_a_known_gpu():
     assert source.endswith("datasheet") and peak > 1e14
 
 
-def _train(config_file, tmp_path, name, *args):
+def _train(config_file, tmp_path, name, *args, **env):
     metrics = tmp_path / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "tensorpar", "train", "--model", config_file, "--device", "cuda", "--steps", "6",
            "--seed", "5", "--global-batch-size", "8", "--micro-batch-size", "2", "--seq-len", "16",
            "--metrics", str(metrics), "--out-dir", str(tmp_path / name), "--no-progress", "--sample-tokens", "0",
            *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, **env))
     return proc, metrics
 
 
@@ -319,10 +319,13 @@ def test_layouts_of_several_ranks_on_one_gpu_train_what_one_gpu_process_trains(p
     assert_same_training(results, reference, floor=floor)
 
 
-def test_the_command_line_runs_two_ranks_on_one_gpu_with_gloo(config_file, tmp_path):
+@pytest.mark.parametrize("fork", ["1", "0"], ids=["forked-ranks", "new-processes"])
+def test_the_command_line_runs_two_ranks_on_one_gpu_with_gloo(config_file, tmp_path, fork):
+    """Ranks forked from the launcher's zygote (tensorpar.distributed.zygote) initialise CUDA after the fork, as
+    new processes do."""
     ref, ref_metrics = _train(config_file, tmp_path, "one", "--tp", "1")
     assert ref.returncode == 0, ref.stderr
-    proc, metrics = _train(config_file, tmp_path, "two", "--tp", "2", "--backend", "gloo")
+    proc, metrics = _train(config_file, tmp_path, "two", "--tp", "2", "--backend", "gloo", TENSORPAR_FORK_RANKS=fork)
     assert proc.returncode == 0, proc.stderr
     for a, b in zip(map(json.loads, metrics.read_text().splitlines()), map(json.loads, ref_metrics.read_text().splitlines())):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (a, b)

@@ -25,10 +25,12 @@ COMMON = ["--seq-len", "16", "--global-batch-size", "4", "--no-progress", "--val
 TAG = "TENSORPAR_TEST_JOB"  # every process of a job started here carries it (the ranks inherit it)
 
 
-def start(*args, **env):
-    """`tensorpar` started as a scheduler would start it: in a session of its own, tagged with a job id."""
+def start(*args, python_file=False, **env):
+    """`tensorpar ARGS` (with `python_file`, `python ARGS`) started as a scheduler would start it: in a session of
+    its own, tagged with a job id."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **{TAG: uuid.uuid4().hex}, **env)
-    proc = subprocess.Popen([sys.executable, "-m", "tensorpar", *args], env=env, start_new_session=True,
+    command = [sys.executable, *args] if python_file else [sys.executable, "-m", "tensorpar", *args]
+    proc = subprocess.Popen(command, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.job = env[TAG]
     return proc
@@ -49,22 +51,20 @@ def job_pids(job: str) -> list[int]:
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the launcher's worker processes (read from /proc)."""
+    """{rank: pid} of the launcher's worker processes (read from /proc: each names itself tensorpar-rN)."""
     out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != launcher:
+                comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+            if int(rest.split()[1]) != launcher:
                 continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         except (OSError, ValueError, IndexError):
             continue
-        if b"RANK" in env:
-            out[int(env[b"RANK"])] = int(name)
+        if comm.startswith("tensorpar-r"):
+            out[int(comm[len("tensorpar-r"):])] = int(name)
     return out
 
 
@@ -243,3 +243,37 @@ def test_a_stop_sent_to_one_rank_stops_the_job_as_a_stop(config_file, tmp_path):
     assert read_meta(str(save))[1]["step"] == len(lines(metrics))
     assert not job_pids(proc.job)
 
+
+
+ZYGOTE_SCRIPT = """
+import os, sys, time
+from tensorpar.distributed import zygote
+zygote.fork_at_entry()
+if "RANK" in os.environ:  # a rank, forked from the zygote
+    print(f"rank {os.environ['RANK']} child {os.getppid() == int(os.environ['LAUNCHER'])} "
+          f"session {os.getsid(0) == os.getpid()} torch {'torch' in sys.modules}", flush=True)
+    sys.exit(3)
+if sys.argv[1] == "discard":
+    zygote.discard()
+    print("left", flush=True)
+    time.sleep(30)  # killed by the test once it has looked for the zygote
+pids = zygote.take().start([dict(os.environ, RANK=str(r), LAUNCHER=str(os.getpid())) for r in range(3)])
+print("codes", [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids], flush=True)
+"""
+
+
+def test_the_zygote_forks_ranks_that_are_the_launchers_children_and_leaves_nothing_behind(tmp_path):
+    """The launcher's ranks are forked from a copy of it made after its imports (tensorpar.distributed.zygote):
+    each gets its own environment and session and is the launcher's child; a zygote let go leaves no process."""
+    script = tmp_path / "launcher.py"
+    script.write_text(ZYGOTE_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), "start"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = sorted(out.stdout.splitlines())
+    # torch came imported with the zygote
+    assert lines == ["codes [3, 3, 3]"] + [f"rank {r} child True session True torch True" for r in range(3)]
+    proc = start(str(script), "discard", python_file=True)
+    wait_for(lambda: proc.stdout.readline().strip() == "left", what="the zygote let go")
+    assert job_pids(proc.job) == [proc.pid]  # the zygote has exited and been reaped
+    proc.kill()
+    finish(proc)

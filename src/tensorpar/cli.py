@@ -13,10 +13,11 @@ import sys
 
 from tensorpar.commands import calibrate, convert, demo, diagnose, explain, generate, plan, prepare_data, serve, train
 from tensorpar.commands import eval as eval_cmd
-from tensorpar.distributed.launch import follow_launcher, record_error
+from tensorpar.distributed.launch import follow_launcher, record_error, under_launcher
 from tensorpar.distributed.early_exit import wait_for_siblings_to_refuse
 from tensorpar.distributed.nodes import NodeLayout
 from tensorpar.distributed.slurm import adopt_slurm_step
+from tensorpar.distributed import zygote
 from tensorpar.errors import TensorparError
 
 COMMANDS = (train, eval_cmd, generate, serve, demo, explain, plan, calibrate, convert, prepare_data, diagnose)
@@ -46,10 +47,14 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`tensorpar ARGV` (default: the process's arguments); its exit status."""
     follow_launcher()  # a rank of tensorpar's launcher dies with it, whatever happens next
-    argv = list(sys.argv[1:] if argv is None else argv)
+    entry, argv = argv is None, list(sys.argv[1:] if argv is None else argv)
     try:
         adopt_slurm_step(os.environ)  # a task of an srun step: a rank of an already launched world
+        if entry and not under_launcher() and zygote.wanted(argv):
+            zygote.fork_at_entry()  # the local ranks, if any, are forked from it: each returns here as a rank
+            follow_launcher()
         args = build_parser().parse_args(argv)
         return int(args.run(args, argv) or 0)
     except TensorparError as e:

@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from tensorpar.distributed import zygote
 from tensorpar.distributed.launch import spawn_local, under_launcher, world_size
 from tensorpar.distributed.mesh import check_backend
 from tensorpar.distributed.nodes import NodeLayout, tp_across_nodes
@@ -27,6 +28,8 @@ def launch(options, argv: list[str], run_rank) -> int:
     world = world_size(options)
     resolve_dp(world, options.tp, options.cp, options.pp, options.dp)
     check_backend(options.device, options.backend)
+    if under_launcher() or world == 1:
+        zygote.discard()  # no rank to start here
     if under_launcher():
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         warning = tp_across_nodes(options.tp, NodeLayout.from_env())

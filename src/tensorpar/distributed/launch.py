@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+from tensorpar.distributed import zygote
+
 SPAWNED_ENV = "TENSORPAR_SPAWNED"
 ERROR_FILE_ENV = "TENSORPAR_ERROR_FILE"
 LAUNCHER_PID_ENV = "TENSORPAR_LAUNCHER_PID"
@@ -44,6 +46,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEFAULT_GRACE_S = 30.0
 FAILURE_GRACE_S = 5.0  # after a worker failed, the others are likely stuck in a collective: stop them soon
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def under_launcher() -> bool:
@@ -113,7 +116,8 @@ def record_error(message: str) -> None:
 
 def follow_launcher() -> None:
     """In a worker of a tensorpar launcher or of torchrun's agent: be killed when the launcher dies (Linux), or
-    exit now if it already has. Called first thing by the command line (a no-op elsewhere).
+    exit now if it already has; a rank of tensorpar's launcher is also named `tensorpar-rN` (/proc/PID/comm, what
+    ps and top show). Called first thing by the command line (a no-op elsewhere).
 
     torchrun starts each worker in a session of its own and does not do this: an agent killed with SIGKILL (or
     its node's process group killed) would leave its workers training on, with the other nodes' ranks, as
@@ -125,7 +129,10 @@ def follow_launcher() -> None:
         return
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if LAUNCHER_PID_ENV in os.environ:  # tensorpar's own ranks are named by rank in ps and top
+                libc.prctl(_PR_SET_NAME, ctypes.c_char_p(f"tensorpar-r{os.environ.get('RANK', '')}".encode()[:15]))
         except (OSError, AttributeError):
             pass
     if os.getppid() != int(launcher):  # the launcher died before prctl took effect
@@ -140,10 +147,39 @@ def stop_signal(returncode: int | None) -> int | None:
     return None
 
 
+class ForkedProcess:
+    """A child process this process did not start with `subprocess` (a rank forked from the zygote), with the part of
+    `subprocess.Popen`'s interface the supervisor uses: pid, returncode, poll, wait, send_signal."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def _reaped(self, flags: int) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # reaped elsewhere: its status is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reaped(os.WNOHANG)
+
+    def wait(self) -> int:
+        return self._reaped(0)
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+
 @dataclasses.dataclass
 class _Worker:
     rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     error_file: str
     failed_first: bool = False  # failed on its own, before the launcher stopped it
     signalled: bool = False  # the launcher forwarded the stop signal to it
@@ -188,16 +224,30 @@ class Supervisor:
 
     def _start(self, tmp: str) -> None:
         port = free_port()
+        envs = []
         for rank in range(self.nprocs):
-            error_file = os.path.join(tmp, f"rank-{rank}.err")
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.nprocs), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(self.nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       **{SPAWNED_ENV: "1", ERROR_FILE_ENV: error_file, LAUNCHER_PID_ENV: str(os.getpid())})
+                       **{SPAWNED_ENV: "1", ERROR_FILE_ENV: os.path.join(tmp, f"rank-{rank}.err"),
+                          LAUNCHER_PID_ENV: str(os.getpid())})
             env.setdefault("OMP_NUM_THREADS", str(threads_per_process(self.nprocs)))
-            proc = subprocess.Popen([sys.executable, "-m", "tensorpar", *self.argv], env=env, start_new_session=True)
-            self.workers.append(_Worker(rank, proc, error_file))
+            envs.append(env)
+        for rank, proc in enumerate(self._processes(envs)):
+            self.workers.append(_Worker(rank, proc, envs[rank][ERROR_FILE_ENV]))
         if self.signum is not None:  # a signal that came while the workers were starting reaches them all
             self._forward([w for w in self.workers if not w.signalled])
+
+    def _processes(self, envs: list[dict]) -> list:
+        """One process per environment, each in a session of its own: forked from the zygote where this process
+        has one (`tensorpar.distributed.zygote`), else `python -m tensorpar ARGV` started anew."""
+        forker = zygote.take()
+        if forker is not None:
+            try:
+                return [ForkedProcess(pid) for pid in forker.start(envs)]
+            except (OSError, EOFError):
+                pass  # the zygote could not fork them: start new processes
+        return [subprocess.Popen([sys.executable, "-m", "tensorpar", *self.argv], env=env, start_new_session=True)
+                for env in envs]
 
     def _alive(self) -> list[_Worker]:
         return [w for w in self.workers if w.proc.poll() is None]
