@@ -40,8 +40,10 @@ def _prctl(option: int, value: int) -> bool:
 
 
 def _send(fd: int, obj) -> None:
-    data = pickle.dumps(obj)
-    os.write(fd, struct.pack("<Q", len(data)) + data)  # a pipe's write of this size completes whole
+    payload = pickle.dumps(obj)
+    data = memoryview(struct.pack("<Q", len(payload)) + payload)
+    while data:  # a signal can end a write to a pipe part-way
+        data = data[os.write(fd, data):]
 
 
 def _receive(fd: int):
