@@ -1,8 +1,9 @@
 """Start local processes the way torchrun does and supervise them like its elastic agent, or use torchrun's.
 
 From a plain shell, `tensorpar <command>` re-runs itself as N child processes with the
-environment torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
-Under torchrun (or in such a child) the command just runs.
+environment torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): on Linux
+forked from the copy of itself it made after its imports (`tensorpar.distributed.zygote`), elsewhere
+started anew. Under torchrun (or in such a child) the command just runs.
 
 The launcher (`Supervisor`) never exits while one of its workers lives:
 
