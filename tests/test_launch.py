@@ -249,9 +249,9 @@ ZYGOTE_SCRIPT = """
 import os, sys, time
 from tensorpar.distributed import zygote
 zygote.fork_at_entry()
-if "RANK" in os.environ:  # a rank, forked from the zygote
-    print(f"rank {os.environ['RANK']} child {os.getppid() == int(os.environ['LAUNCHER'])} "
-          f"session {os.getsid(0) == os.getpid()} torch {'torch' in sys.modules}", flush=True)
+if "RANK" in os.environ:  # a rank, forked from the zygote: one write (three ranks share the pipe)
+    os.write(1, f"rank {os.environ['RANK']} child {os.getppid() == int(os.environ['LAUNCHER'])} "
+                f"session {os.getsid(0) == os.getpid()} torch {'torch' in sys.modules}\\n".encode())
     sys.exit(3)
 if sys.argv[1] == "discard":
     zygote.discard()

@@ -95,9 +95,9 @@ def check_measured_schedule(schedule, pp, microbatches, virtual_stages, slowdown
     idle time, so the least disturbed step is the best measure of the schedule's own bubble.
 
     The formulas leave out the p2p hops and the Python between actions, which a loaded machine stretches (to 3-4% of
-    a step here, beside another test's processes). Before each timed step the same schedule runs with actions of no
-    length: its span is what the hops take along the critical path, and the bubble is measured over the timed step's
-    span less that."""
+    a step here, beside another test's processes). Before each timed step the same schedule runs twice with actions
+    of no length: the shortest such span is what the hops take along the critical path, and the bubble is measured
+    over the least disturbed timed step's span less that."""
     from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
     from tensorpar.layout import ParallelLayout
     from tensorpar.layout.stages import splits_backward
@@ -118,13 +118,15 @@ def check_measured_schedule(schedule, pp, microbatches, virtual_stages, slowdown
         return m.pp_group.all_gather_object([(k, mb, c, t0, t1) for k, mb, c, t0, t1 in runner.timeline])
 
     timed_step(0.0)  # warm-up (connections), without the sleeps
-    bubbles = []
+    hops, best = [], None
     for _ in range(steps):
-        hops = _span(timed_step(0.0))
+        hops += [_span(timed_step(0.0)) for _ in range(2)]
         timelines = timed_step(slowdown)
-        span = _span(timelines)
-        bubbles.append(1.0 - (1.0 - measured_bubble(timelines)) * span / (span - hops))
-    return min(bubbles), runner.peak_in_flight
+        measured = (measured_bubble(timelines), _span(timelines))
+        best = measured if best is None or measured < best else best
+    # The least disturbed of each: a disturbed run of no-length actions would take too much away
+    bubble, span = best
+    return 1.0 - (1.0 - bubble) * span / (span - min(hops)), runner.peak_in_flight
 
 
 @pytest.mark.parametrize("schedule,microbatches,virtual_stages", [

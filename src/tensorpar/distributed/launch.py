@@ -242,11 +242,9 @@ class Supervisor:
         """One process per environment, each in a session of its own: forked from the zygote where this process
         has one (`tensorpar.distributed.zygote`), else `python -m tensorpar ARGV` started anew."""
         forker = zygote.take()
-        if forker is not None:
-            try:
-                return [ForkedProcess(pid) for pid in forker.start(envs)]
-            except (OSError, EOFError):
-                pass  # the zygote could not fork them: start new processes
+        pids = forker.start(envs) if forker is not None else None
+        if pids is not None:
+            return [ForkedProcess(pid) for pid in pids]
         return [subprocess.Popen([sys.executable, "-m", "tensorpar", *self.argv], env=env, start_new_session=True)
                 for env in envs]
 

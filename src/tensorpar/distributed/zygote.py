@@ -26,6 +26,8 @@ import struct
 import sys
 import time
 
+from tensorpar.errors import TensorparError
+
 FORK_ENV = "TENSORPAR_FORK_RANKS"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -66,18 +68,22 @@ class Zygote:
     def __init__(self, pid: int, requests: int, replies: int):
         self.pid, self._requests, self._replies = pid, requests, replies
 
-    def start(self, envs: list[dict[str, str]]) -> list[int]:
+    def start(self, envs: list[dict[str, str]]) -> list[int] | None:
         """Fork a rank for each environment (in a session of its own, as `start_new_session`); their pids, each now
-        this process's child. OSError or EOFError when the zygote cannot (the caller starts new processes)."""
+        this process's child. None where this process cannot adopt them (the caller starts new processes)."""
         if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
             self.discard()
-            raise OSError("cannot become a child subreaper")
+            return None
         try:
             _send(self._requests, (os.getpid(), envs))
-            pids = _receive(self._replies)
+            return _receive(self._replies)
+        except (OSError, EOFError) as e:
+            # Some ranks may be forked already: starting others anew would start a rank twice. They stop when
+            # this process exits (their death signal), and the command says what happened.
+            raise TensorparError(f"the ranks could not be forked from the launcher's zygote ({e!r}); "
+                                 f"{FORK_ENV}=0 starts each as a new process") from e
         finally:
             self.discard()  # the zygote exits once it has forked the ranks: they are reparented here
-        return pids
 
     def discard(self) -> None:
         """Let the zygote go (it exits when its request pipe closes) and reap it."""
