@@ -38,6 +38,7 @@ import tempfile
 import time
 
 from tensorpar.distributed import zygote
+from tensorpar.distributed.prctl import PR_SET_NAME, PR_SET_PDEATHSIG, prctl
 
 SPAWNED_ENV = "TENSORPAR_SPAWNED"
 ERROR_FILE_ENV = "TENSORPAR_ERROR_FILE"
@@ -46,8 +47,6 @@ TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"  # torchrun's agent sets it in every worker
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEFAULT_GRACE_S = 30.0
 FAILURE_GRACE_S = 5.0  # after a worker failed, the others are likely stuck in a collective: stop them soon
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
 
 
 def under_launcher() -> bool:
@@ -128,14 +127,9 @@ def follow_launcher() -> None:
         launcher = str(os.getppid())  # torchrun's agent starts its workers itself
     if launcher is None:
         return
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if LAUNCHER_PID_ENV in os.environ:  # tensorpar's own ranks are named by rank in ps and top
-                libc.prctl(_PR_SET_NAME, ctypes.c_char_p(f"tensorpar-r{os.environ.get('RANK', '')}".encode()[:15]))
-        except (OSError, AttributeError):
-            pass
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if LAUNCHER_PID_ENV in os.environ:  # tensorpar's own ranks are named by rank in ps and top
+        prctl(PR_SET_NAME, ctypes.c_char_p(f"tensorpar-r{os.environ.get('RANK', '')}".encode()[:15]))
     if os.getppid() != int(launcher):  # the launcher died before prctl took effect
         os._exit(1)
 

@@ -16,7 +16,6 @@ makes it, and the launcher takes it (`take`) or lets it go (`discard`); nothing 
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import pickle
@@ -26,19 +25,11 @@ import struct
 import sys
 import time
 
+from tensorpar.distributed.prctl import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 from tensorpar.errors import TensorparError
 
 FORK_ENV = "TENSORPAR_FORK_RANKS"
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 _REPARENT_TIMEOUT_S = 30.0
-
-
-def _prctl(option: int, value: int) -> bool:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def _send(fd: int, obj) -> None:
@@ -71,11 +62,11 @@ class Zygote:
     def start(self, envs: list[dict[str, str]]) -> list[int] | None:
         """Fork a rank for each environment (in a session of its own, as `start_new_session`); their pids, each now
         this process's child. None where this process cannot adopt them (the caller starts new processes)."""
-        if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
+        if not prctl(PR_SET_CHILD_SUBREAPER, 1):
             self.discard()
             return None
         try:
-            _send(self._requests, (os.getpid(), envs))
+            _send(self._requests, envs)
             return _receive(self._replies)
         except (OSError, EOFError) as e:
             # Some ranks may be forked already: starting others anew would start a rank twice. They stop when
@@ -132,12 +123,12 @@ def fork_at_entry() -> None:
 def _serve(requests: int, replies: int) -> None:
     """The zygote: wait for the launcher's one request, fork its ranks, report their pids and exit."""
     launcher = os.getppid()
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != launcher:
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is the launcher's to forward
     try:
-        launcher, envs = _receive(requests)
+        envs = _receive(requests)
     except (EOFError, OSError):
         os._exit(0)
     # What the ranks inherit stays out of their garbage collections: a collection that visited it would write to
