@@ -21,17 +21,37 @@ from tensorpar.distributed.launch import free_port
 TASK_TIMEOUT_S = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "180"))
 
 _meshes: dict = {}  # per worker process: (tp, pp, dp, cp, ep, expert_tp, device) -> Mesh
+_process_groups: dict = {}  # per worker process: (ranks, n, timeout, backend) -> a group the meshes share
 
 
 def mesh(tp: int, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int | None = None, expert_tp: int = 1,
          device: str = "cpu", dp_replicate: int = 1):
-    """The (cached) mesh for this layout, inside a worker."""
+    """The (cached) mesh for this layout, inside a worker: its process groups are those of the earlier layouts
+    where they have the same ranks (creating gloo groups is most of the cost of a short run's first step)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
     import tensorpar
 
     key = (tp, pp, dp, cp, ep, expert_tp, str(device), dp_replicate)
     if key not in _meshes:
-        _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, expert_tp=expert_tp, device=device,
-                                           timeout=60, dp_replicate=dp_replicate)
+        create, asked = dist.new_group, {}
+
+        def new_group_once(ranks, timeout=None, backend=None):
+            # Two dimensions of one layout with the same ranks keep two groups, as in a run (the n-th request for a
+            # set of ranks takes the n-th group of it). Every rank of a pool builds the same meshes in the same
+            # order, so every rank skips the same (world-collective) creations; the meshes are never destroyed
+            # (`_worker` leaves with os._exit), so no group is destroyed under another mesh.
+            nth = asked[tuple(ranks)] = asked.get(tuple(ranks), -1) + 1
+            group_key = (tuple(ranks), nth, timeout, backend)
+            if group_key not in _process_groups:
+                _process_groups[group_key] = create(ranks, timeout=timeout, backend=backend)
+            return _process_groups[group_key]
+
+        with mock.patch.object(dist, "new_group", new_group_once):
+            _meshes[key] = tensorpar.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, expert_tp=expert_tp,
+                                               device=device, timeout=60, dp_replicate=dp_replicate)
     m = _meshes[key]
     m.stats.reset()
     return m
