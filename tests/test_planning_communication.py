@@ -1,7 +1,7 @@
 """The planner's communication model: alpha-beta times, and predicted bytes per (op, group) EQUAL what
 `CommStats` counts for the model's forward/backward (TP 2 and 4, SP on/off, full recomputation, bf16 autocast),
-a whole training step with DP and ZeRO 0/1/2/3, LoRA fine-tuning, and pipelined steps; the parameters each rank
-holds equal the planner's list.
+a whole training step with DP and ZeRO 0/1/2/3, LoRA fine-tuning (with fp8 GEMMs, CP and the zero-bubble schedules
+too), and pipelined steps; the parameters each rank holds equal the planner's list.
 """
 
 from __future__ import annotations
@@ -167,6 +167,15 @@ def test_lora_training_step_comm_equals_counted(pools, zero, sp, targets):
         assert sum(reduced.values()) < 0.2 * sum(v for k, v in full.items() if k in reduced), (reduced, full)
 
 
+# fp8 GEMMs with the base frozen: the first layer's q/k/v compute no gradient, so their backward amax all-reduce
+# does not run, and ZeRO-3 gathers the frozen base in its own dtype (only trained weights are gathered in fp8)
+@pytest.mark.parametrize("zero,fp8", [(1, "tensorwise"), (3, "tensorwise"), (1, "rowwise")])
+def test_lora_fp8_training_step_comm_equals_counted(pools, zero, fp8):
+    for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2, fp8,
+                                                                 lora_spec("all"))):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+
+
 # one micro-batch: replicated KV heads (TP 4) under full recomputation, bf16 autocast, and first layers whose
 # attention has no adapter (its exit gathers no output gradient) or whose MLP has none
 LORA_MODEL_CASES = [(4, True, "full", False, ("q", "k", "v", "o", "gate", "up", "down")),
@@ -183,22 +192,28 @@ def test_lora_model_comm_equals_counted(pools, tp, sp, recompute, bf16, targets)
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
 
 
-def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
-    """A pipelined trainer step (PipelineRunner + the bucketed DP optimizer), as tensorpar.training.trainer runs it."""
+def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp, lora=None):
+    """A pipelined trainer step (PipelineRunner + the bucketed DP optimizer), as tensorpar.training.trainer runs it;
+    the zero-bubble schedules with their weight-gradient queue. `lora`: a LoraSpec on the Llama-style model."""
     from tensorpar.models import Transformer
     from tensorpar.data_parallel import data_parallel_optimizer
     from tensorpar.layout import ParallelLayout
+    from tensorpar.layout.stages import splits_backward
     from tensorpar.pipeline_parallel.runner import PipelineRunner
+    from tensorpar.pipeline_parallel.weight_grad import WeightGradQueue
 
-    cfg = get_config("tiny-gpt2")  # 4 layers: tied embeddings on the first and last stage, learned positions
+    # 4 layers; GPT-2: tied embeddings on the first and last stage, learned positions (LoRA needs a Llama-style one)
+    cfg = get_config("tiny" if lora else "tiny-gpt2")
     m = harness_mesh(tp=tp, pp=pp, dp=dp)
     run_layout = ParallelLayout(tp=tp, pp=pp, dp=dp, schedule=schedule, virtual_stages=v, sequence_parallel=sp)
     stage = PipelineStage.of(run_layout, cfg.num_layers, m.pp_rank)
-    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, stage=stage), seed=1)
+    queue = WeightGradQueue() if splits_backward(schedule) else None
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, stage=stage, lora=lora, weight_grads=queue), seed=1)
     model.train()
     B, S, micro_batches = 2, 16, 4
     opt = data_parallel_optimizer(model, m, lr=1e-3, weight_decay=0.1, zero=zero, bucket_bytes=64 * 1024)
-    runner = PipelineRunner(model, m, run_layout, micro_batches, (B, S // tp if sp else S, cfg.hidden_size))
+    runner = PipelineRunner(model, m, run_layout, micro_batches, (B, S // tp if sp else S, cfg.hidden_size),
+                            weight_grads=queue)
     torch.manual_seed(m.dp_rank)
     batches = [torch.randint(0, cfg.vocab_size, (B, S + 1)) for _ in range(micro_batches)]
     m.stats.reset()
@@ -208,10 +223,12 @@ def check_pipeline_step_comm(tp, pp, dp, schedule, v, zero, sp):
     opt.clip_and_step(1.0)
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    layout = Candidate.of(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, micro_batch_size=B, zero=zero, virtual_stages=v)
-    colls = communication.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024)
+    layout = Candidate.of(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, micro_batch_size=B, zero=zero, virtual_stages=v,
+                          schedule=schedule)
+    colls = communication.step_collectives(cfg, layout, S, micro_batches, stage=m.pp_rank, bucket_bytes=64 * 1024,
+                                           lora=lora)
     params = [(n, p.numel(), p.ndim) for n, p in model.named_parameters()]
-    expected = planned_params.local_parameters(cfg, tp, pp, m.pp_rank, v)
+    expected = planned_params.layout_parameters(cfg, run_layout, m.pp_rank, lora)
     return counted, collective_cost.sum_bytes(colls), params, expected, runner.peak_in_flight, m.pp_rank
 
 
@@ -229,8 +246,19 @@ def test_predicted_pipeline_step_comm_equals_counted(pools, tp, pp, dp, schedule
             assert peak == memory.in_flight(layout, 4, stage), f"rank {rank}: {peak} in flight"
 
 
-def check_context_parallel_comm(tp, cp, config, sp, recompute, bf16):
-    """One micro-batch forward/backward at tp x cp: counted bytes per (op, group) against the prediction."""
+# LoRA through the zero-bubble schedules (the base's weight gradients, which they defer, do not exist)
+@pytest.mark.parametrize("tp,pp,dp,schedule,v,zero,sp", [(2, 2, 1, "zb-h1", 1, 0, True),
+                                                         (1, 2, 2, "zbv", 2, 1, False)])
+def test_lora_pipeline_step_comm_equals_counted(pools, tp, pp, dp, schedule, v, zero, sp):
+    for rank, (counted, predicted, params, expected, _, _) in enumerate(pools(WORLD).run(
+            check_pipeline_step_comm, tp, pp, dp, schedule, v, zero, sp, lora_spec("all"))):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+        assert params == expected, f"rank {rank}: parameters differ from the prediction"
+
+
+def check_context_parallel_comm(tp, cp, config, sp, recompute, bf16, lora=None):
+    """One micro-batch forward/backward at tp x cp: counted bytes per (op, group) against the prediction; `lora`: a
+    LoraSpec, the adapters trained and the base frozen."""
     from tensorpar.models import Transformer
 
     cfg = CONFIGS[config]
@@ -238,7 +266,7 @@ def check_context_parallel_comm(tp, cp, config, sp, recompute, bf16):
     torch.manual_seed(0)
     B, S = 2, 16
     ids = torch.randint(0, cfg.vocab_size, (B, S))
-    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, recompute=recompute), seed=1)
+    model = Transformer(cfg, Placement.on(m, sequence_parallel=sp, recompute=recompute, lora=lora), seed=1)
     model.train()
     m.stats.reset()
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
@@ -247,7 +275,8 @@ def check_context_parallel_comm(tp, cp, config, sp, recompute, bf16):
     loss.backward()
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
     layout = Candidate.of(tp=tp, cp=cp, sequence_parallel=sp, recompute=recompute)
-    predicted = communication.comm_bytes_per_step(cfg, layout, B, S, 4, matmul_dtype_bytes=2 if bf16 else 4)
+    predicted = communication.comm_bytes_per_step(cfg, layout, B, S, 4, matmul_dtype_bytes=2 if bf16 else 4,
+                                                  lora=lora)
     return counted, predicted
 
 
@@ -260,6 +289,15 @@ def check_context_parallel_comm(tp, cp, config, sp, recompute, bf16):
 def test_predicted_context_parallel_comm_equals_counted(pools, tp, cp, config, sp, recompute, bf16):
     for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_context_parallel_comm, tp, cp, config, sp,
                                                                  recompute, bf16)):
+        assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
+
+
+@pytest.mark.parametrize("tp,cp,sp,recompute", [(1, 2, False, "none"), (2, 2, True, "selective")])
+def test_lora_context_parallel_comm_equals_counted(pools, tp, cp, sp, recompute):
+    """LoRA at CP: the ring's K/V blocks and gradients as in full training, the adapters' TP collectives on each
+    rank's sequence shard."""
+    for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_context_parallel_comm, tp, cp, "tiny", sp,
+                                                                 recompute, False, lora_spec("qv"))):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
 
 

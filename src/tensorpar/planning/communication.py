@@ -307,7 +307,7 @@ def step_collectives(
     if layout.replicas > 1:
         out += _replica_gradient_traffic(cfg, layout, stage, m, grad_bytes, param_bytes, bucket_bytes,
                                          zero2_per_micro_batch, zero3_reshard_after_forward,
-                                         fp8_gather=fp8_recipe == "tensorwise", lora=lora)
+                                         fp8_gather=fp8_recipe == "tensorwise" and lora is None, lora=lora)
     if cfg.is_moe and layout.expert_dp > 1:  # the routed experts' own buckets, over expert-DP (frozen under LoRA)
         experts = [p for p in trained(params_of(cfg, layout, stage, lora), lora) if is_expert(p[0])]
         if experts:

@@ -7,7 +7,8 @@
   input feature in the backward. Full recomputation repeats the forward ones.
 - ZeRO-3 (`tensorpar.data_parallel.fully_sharded`, tensorwise only): each block's column/row-parallel weights are
   a unit of their own, gathered in fp8 (1 byte per element) after one all-reduce (max) of their amaxes over the
-  shards and one over TP; the block's other parameters stay a unit gathered in the parameters' dtype.
+  shards and one over TP; the block's other parameters stay a unit gathered in the parameters' dtype. LoRA's
+  frozen base is gathered in the parameters' dtype too (only trained weights are fp8 units).
 
 And what they change in a layer's saved inputs, for `memory.tensorpar_layer_activations` (`fp8_input_bytes`).
 """
@@ -19,6 +20,11 @@ from collections import defaultdict
 
 from tensorpar.planning.collective_cost import Collective
 from tensorpar.planning.params import is_expert
+
+AMAXES = "fp8 amaxes"
+# The backward's all-reduces of the attention's and the MLP's column-parallel GEMMs (q/k/v, gate/up): an entry
+# that computes no gradient (LoRA's first layer, `lora_traffic.first_layer_input_gradients`) runs none.
+ENTRY_GRADIENT_AMAXES = ("fp8 amaxes (attention entry gradients)", "fp8 amaxes (MLP entry gradients)")
 
 FP8_GEMM_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
                     "up_proj.weight", "down_proj.weight")
@@ -41,14 +47,14 @@ def fp8_tp_collectives(cfg, layout, b: int, s: int, n_layers: int, recipe: str) 
         forward = [rows + h, rows + h]  # o and down: the input per token, the weight per output feature
         backward = [3 * (rows + h), n_up * (rows + h)]  # per token and per input feature
     full = layout.recompute == "full"
-    counts: dict[tuple[int, str], int] = defaultdict(int)
+    counts: dict[tuple[int, str, str], int] = defaultdict(int)
     for n in forward:
-        counts[(n, "forward")] += n_layers
+        counts[(n, "forward", AMAXES)] += n_layers
         if full:
-            counts[(n, "backward")] += n_layers
-    for n in backward:
-        counts[(n, "backward")] += n_layers
-    return [Collective("all_reduce", "tp", 4 * n, calls, phase, "fp8 amaxes") for (n, phase), calls in counts.items()]
+            counts[(n, "backward", AMAXES)] += n_layers
+    for n, entry in zip(backward, ENTRY_GRADIENT_AMAXES):
+        counts[(n, "backward", entry)] += n_layers
+    return [Collective("all_reduce", "tp", 4 * n, calls, phase, what) for (n, phase, what), calls in counts.items()]
 
 
 def fp8_units(params: list[tuple[str, int, int]], shards: int) -> list[tuple[int, int]]:

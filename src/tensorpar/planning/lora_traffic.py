@@ -22,7 +22,8 @@ The frozen base runs fewer collectives: no parameter's gradient is summed over T
 K/V heads', the router's: `model_collectives` leaves them out, and `step_collectives` the tied embedding's
 between the pipeline's ends), and on the first stage nothing before the first
 layer needs a gradient (the embedding is frozen), so that layer's attention computes no input gradient (its
-entry's backward collective does not run), nor does its MLP unless the attention has an adapter; under SP neither
+entry's backward collective does not run, nor its fp8 GEMMs' backward amax all-reduce), nor does its MLP unless the
+attention has an adapter; under SP neither
 row-parallel exit gathers its output gradient unless an adapter precedes it (`first_layer_input_gradients`).
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorpar.planning.collective_cost import Collective, add_collective
+from tensorpar.planning.fp8_traffic import ENTRY_GRADIENT_AMAXES
 from tensorpar.tensor_parallel.lora import LoraSpec
 
 ATTENTION_COLUMNS, MLP_COLUMNS, ROWS = ("q", "k", "v"), ("gate", "up"), ("o", "down")
@@ -114,7 +116,9 @@ def without_first_layer_gradients(out: list[Collective], cfg, lora: LoraSpec) ->
     (`first_layer_input_gradients`): one call fewer of the entries' input gradients and of the SP exits' output
     gradients for each."""
     entries, exits = first_layer_input_gradients(cfg, lora)
-    fewer = {"attention / MLP input gradient": entries, "attention / MLP output gradient": exits}
+    fewer = {"attention / MLP input gradient": entries, "attention / MLP output gradient": exits,
+             # fp8 GEMMs whose input and weights need no gradient run no backward (`fp8_linear.fp8_linears`)
+             ENTRY_GRADIENT_AMAXES[0]: 1, ENTRY_GRADIENT_AMAXES[1]: entries - 1}
     return [dataclasses.replace(c, calls=c.calls - fewer[c.what]) if c.group == "tp" and c.what in fewer else c
             for c in out]
 
