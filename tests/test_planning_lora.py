@@ -16,6 +16,7 @@ from tensorpar.planning import memory
 from tensorpar.planning.candidates import Candidate
 from tensorpar.planning.cluster import make_cluster
 from tensorpar.planning.search import search
+from tensorpar.tensor_parallel.fp8_scaling import Fp8Recipe
 from tensorpar.tensor_parallel.lora import LoraSpec
 from tensorpar.training import TrainOptions, validate
 from tensorpar.training.dry_run import dry_run
@@ -58,17 +59,20 @@ def test_a_lora_rank_of_a_70b_model_holds_the_planned_bytes(layout, llama_70b_wi
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8", "fp8-rowwise"])
 @pytest.mark.parametrize("lora", [LoraSpec(4, 8.0), LoraSpec(8, 8.0, ("q", "v"))], ids=["all", "qv"])
 def test_lora_activation_memory_matches_saved_tensors(recompute, dtype, lora):
+    """fp8 (bf16 parameters, fp8 GEMMs): the frozen base's fp8 GEMMs keep no input, which only weight gradients
+    need."""
     cfg = CONFIGS["tiny"]
     mb = memory.stage_memory(cfg, Candidate.of(micro_batch_size=2, recompute=recompute), 32, 2, f"tensorpar-{dtype}",
                              lora=lora)
     torch.manual_seed(0)
     ids, targets = torch.randint(0, cfg.vocab_size, (2, 32)), torch.randint(0, cfg.vocab_size, (2, 32))
-    model = Transformer(cfg, Placement.on(None, recompute=recompute, lora=lora, loss_chunk_tokens=LOSS_CHUNK_TOKENS),
-                        seed=1)
-    if dtype == "bf16":
+    fp8 = Fp8Recipe(dtype.partition("-")[2] or "tensorwise") if dtype.startswith("fp8") else None
+    model = Transformer(cfg, Placement.on(None, recompute=recompute, lora=lora, loss_chunk_tokens=LOSS_CHUNK_TOKENS,
+                                          fp8=fp8), seed=1)
+    if dtype != "fp32":
         for p in model.parameters():
             p.data = p.data.bfloat16()
     got = measure_saved_bytes(model, ids, targets, False, "hooks" if recompute == "none" else "live")

@@ -386,8 +386,11 @@ def _layer_activations(cfg, layout: Candidate, b: int, s: int, mode: str, prec: 
     (`tensorpar.planning.lora_adapters.lora_layer_activations`)."""
     def one(moe):
         if prec.activations == "tensorpar":
+            # LoRA: the frozen base's fp8 GEMMs keep no input (`fp8_linear`), the adapters' GEMMs are not fp8, so the
+            # layer saves what it saves without fp8
+            fp8 = prec.fp8_recipe if lora is None else ""
             base = tensorpar_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, prec.autocast,
-                                               prec.act_bytes, moe, tp_overlap, prec.fp8_recipe, layout.cp)
+                                               prec.act_bytes, moe, tp_overlap, fp8, layout.cp)
             return base + lora_layer_activations(cfg, layout, b, s, mode, prec, lora, tp_overlap)
         return playbook_layer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, mode, flash_attention, prec.act_bytes,
                                           moe, 1 if prec.gemm_dtype == "fp8" else None)

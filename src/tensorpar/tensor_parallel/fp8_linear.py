@@ -55,15 +55,18 @@ class _Fp8Linears(torch.autograd.Function):
 
     The weights are saved as they are (the parameters: no copy; under ZeRO-3 gathered again for the backward, as
     for any layer) and quantised again in the backward: with the forward's scale (tensorwise: the same fp8 values)
-    or per input feature (rowwise). Tensorwise keeps the input in fp8, rowwise in the compute dtype."""
+    or per input feature (rowwise). Tensorwise keeps the input in fp8, rowwise in the compute dtype, and neither
+    keeps it where no weight needs a gradient."""
 
     @staticmethod
     def forward(ctx, x, recipe: Fp8Recipe, group, split, *weights):
         ys, amaxes, x2, xq, x_scale, w_scales = _forward(x, recipe, group, split, weights)
+        # The input serves the weights' gradients alone: frozen weights (LoRA's base) keep none of it.
+        kept = (x2 if recipe.rowwise else xq) if any(ctx.needs_input_grad[4:]) else None
         if recipe.rowwise:
-            ctx.save_for_backward(x2, *weights)
+            ctx.save_for_backward(kept, *weights)
         else:
-            ctx.save_for_backward(xq, x_scale, *weights, *w_scales)
+            ctx.save_for_backward(kept, x_scale, *weights, *w_scales)
         ctx.recipe, ctx.group, ctx.split, ctx.n = recipe, group, split, len(weights)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.mark_non_differentiable(amaxes)
