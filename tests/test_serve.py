@@ -131,6 +131,32 @@ def test_chat_equals_transformers(served):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason
 
 
+def test_a_shared_system_prompt_is_computed_once(served):
+    """Prefix caching: the second conversation starts from the first one's cached blocks (block size 8) of their
+    common tokens, answers as transformers does, and says how many prompt tokens it found cached."""
+    system = {"role": "system", "content": "You split attention heads and feed-forward neurons across ranks. " * 3}
+    hits = served.metric("prefix_cache_hits_total")
+    ids, cached = [], []
+    for question in ("What is two plus two?", "What is the capital of France?"):
+        messages = [system, {"role": "user", "content": question}]
+        text = served.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids.append(served.tok(text, add_special_tokens=False).input_ids)
+        expected = served.tok.decode(served.hf_greedy(ids[-1]), skip_special_tokens=True)
+        out = served.client.chat.completions.create(model=served.folder, messages=messages, max_tokens=NEW,
+                                                    temperature=0)
+        assert out.choices[0].message.content == expected
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    common = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    # the first finds at most the template's opening block ("<|system|>" is 10 tokens of this small vocabulary),
+    # cached by any chat before it
+    assert common >= 24 and cached[0] in (0, 8) and cached[1] == min(common, len(ids[1]) - 1) // 8 * 8, cached
+    assert served.metric("prefix_cache_hits_total") - hits == sum(cached)
+    chunks = list(served.client.chat.completions.create(model=served.folder, messages=messages, max_tokens=NEW,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (len(ids[1]) - 1) // 8 * 8  # all it may find
+
+
 def test_logprobs_equal_the_models_log_softmax(served):
     """echo + logprobs: the prompt's tokens and the greedy continuation's, with their top 5, as log_softmax."""
     ids = served.tok(PROMPTS[1], add_special_tokens=False).input_ids

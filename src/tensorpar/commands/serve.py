@@ -2,6 +2,7 @@
 
     tensorpar serve --checkpoint DIR|HF_FOLDER [--tp T] [--ep E] [--dtype fp32|bf16|fp8] [--host H --port P]
                     [--max-running N --max-queue Q --token-budget B --block-size S --kv-cache-tokens K]
+                    [--no-prefix-caching]
 
 The ranks start as for `generate` (local processes, torchrun, or an srun step) and each builds its shard of the
 model and a paged KV pool of its KV heads; rank 0 runs the HTTP server and the engine (tensorpar.serving), which
@@ -119,7 +120,8 @@ def serve_rank(options: ServeOptions, layout: ParallelLayout, cfg, tokenizer, in
                     signal.signal(signum, signal.SIG_IGN)
                 follow(model, pool, mesh.world_group, mesh.device)
                 return 0
-            scheduler = Scheduler(BlockAllocator(pool.num_blocks, pool.block_size), token_budget=options.token_budget,
+            allocator = BlockAllocator(pool.num_blocks, pool.block_size, prefix_caching=options.prefix_caching)
+            scheduler = Scheduler(allocator, token_budget=options.token_budget,
                                   max_running=options.max_running, max_waiting=options.max_queue,
                                   static=options.batching == "static", rope_switch=model.rope_switch_length())
             engine = Engine(model, pool, scheduler, tokenizer, mesh.world_group, context_len=info.context_len,

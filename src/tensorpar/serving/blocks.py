@@ -6,9 +6,21 @@ table[t // block_size]. Blocks are taken from a free list as sequences grow and 
 finishes, is cancelled or is preempted, so memory follows the tokens actually held (at most block_size - 1 slots
 unused per sequence), unlike a cache preallocated for the longest possible sequence. Only rank 0 allocates; the
 other ranks receive the tables with each step.
+
+**Prefix caching** (`prefix_caching=True`, vLLM's automatic prefix caching). A full block whose keys and values are
+computed is registered under its content: the tokens of the sequence up to its end (a chain: the previous block's
+key and the block's own tokens) and a salt for what else shapes the keys (longrope's factors). A sequence that
+starts takes the registered blocks of its longest registered prefix instead of computing them; a block is shared by
+reference count and never written again (only full blocks are shared, and a sequence writes only after the tokens
+it holds). A block whose last holder leaves keeps its content while it waits in the free list, taken for other
+tokens only when no block without a registered prefix is left, the least recently released first: a later sequence
+with that prefix, or a preempted one coming back, finds it there. Keys are the tokens themselves, not a hash of them: two different prefixes never meet.
 """
 
 from __future__ import annotations
+
+import collections
+from typing import Hashable, Sequence
 
 from tensorpar.errors import TensorparError
 
@@ -19,40 +31,120 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise TensorparError(f"the KV pool needs at least one block of at least one slot, got {num_blocks} "
                                  f"blocks of {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self._free = list(range(num_blocks - 1, -1, -1))  # holding no registered prefix: popped from the end
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # registered, unheld; LRU first
+        self._refs = [0] * num_blocks
+        self._block_of: dict[tuple, int] = {}  # a registered prefix's key -> its block
+        self._key_of: dict[int, tuple] = {}
+        self._registered: dict[int, tuple[int, tuple]] = {}  # seq_id -> (its first blocks registered, the last's key)
         self.tables: dict[int, list[int]] = {}
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks that can be taken: holding no registered prefix, or one that no sequence holds."""
+        return len(self._free) + len(self._cached)
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks holding a registered prefix (held or not)."""
+        return len(self._key_of)
 
     def missing(self, seq_id: int, tokens: int) -> int:
         """Blocks `seq_id` still needs to hold `tokens` tokens."""
         return max(0, blocks_for(tokens, self.block_size) - len(self.tables.get(seq_id, ())))
 
     def can_hold(self, seq_id: int, tokens: int) -> bool:
-        return self.missing(seq_id, tokens) <= len(self._free)
+        return self.missing(seq_id, tokens) <= self.free_blocks
 
     def grow(self, seq_id: int, tokens: int) -> list[int]:
         """The table of `seq_id` grown to hold `tokens` tokens (raises when the pool has too few free blocks)."""
         need = self.missing(seq_id, tokens)
-        if need > len(self._free):
-            raise TensorparError(f"KV pool exhausted: {need} blocks needed, {len(self._free)} free")
+        if need > self.free_blocks:
+            raise TensorparError(f"KV pool exhausted: {need} blocks needed, {self.free_blocks} free")
         table = self.tables.setdefault(seq_id, [])
-        table.extend(self._free.pop() for _ in range(need))
+        for _ in range(need):
+            block = self._take()
+            self._refs[block] = 1
+            table.append(block)
         return table
 
     def free(self, seq_id: int) -> int:
-        """Return every block of `seq_id` to the pool; how many."""
+        """Release every block of `seq_id`; how many. A registered block no other sequence holds keeps its prefix
+        until it is taken: the table's last blocks are taken first (a longer prefix is worth less)."""
         table = self.tables.pop(seq_id, [])
-        self._free.extend(reversed(table))
+        self._registered.pop(seq_id, None)
+        for block in reversed(table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._key_of:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
         return len(table)
+
+    # -- prefix caching ------------------------------------------------------------------------------------------
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._cached.popitem(last=False)  # the least recently released prefix gives way
+        del self._block_of[self._key_of.pop(block)]
+        return block
+
+    def _keys(self, tokens: Sequence[int], first: int, end: int, key: tuple):
+        """The keys of full blocks `first` to `end` - 1 of `tokens`, `key` being block `first` - 1's (or the salt's):
+        each the previous block's key and the block's tokens."""
+        size = self.block_size
+        for b in range(first, end):
+            key = (key, tuple(tokens[b * size:(b + 1) * size]))
+            yield key
+
+    def cached_prefix(self, tokens: Sequence[int], salt: Hashable = False) -> list[int]:
+        """The registered blocks of the longest prefix of `tokens` made of full blocks, leaving at least the last
+        token out (its logits are wanted, so it must be computed)."""
+        found = []
+        if self.prefix_caching:
+            for key in self._keys(tokens, 0, (len(tokens) - 1) // self.block_size, (salt,)):
+                block = self._block_of.get(key)
+                if block is None:
+                    break
+                found.append(block)
+        return found
+
+    def blocks_to_start(self, tokens: int, prefix: list[int]) -> int:
+        """Free blocks a sequence of `tokens` tokens starting from the registered blocks `prefix` takes up: its new
+        blocks, and the blocks of `prefix` that wait in the free list."""
+        return blocks_for(tokens, self.block_size) - len(prefix) + sum(block in self._cached for block in prefix)
+
+    def share(self, seq_id: int, prefix: list[int], salt: Hashable = False) -> None:
+        """Start the empty table of `seq_id` with the registered blocks `prefix` (`cached_prefix`)."""
+        if self.tables.get(seq_id):
+            raise TensorparError(f"sequence {seq_id} already holds blocks: a prefix is shared only at its start")
+        for block in prefix:
+            self._refs[block] += 1
+            self._cached.pop(block, None)
+        self.tables[seq_id] = list(prefix)
+        self._registered[seq_id] = (len(prefix), self._key_of[prefix[-1]] if prefix else (salt,))
+
+    def register(self, seq_id: int, tokens: Sequence[int], computed: int, salt: Hashable = False) -> None:
+        """Register the full blocks of `seq_id` among its first `computed` tokens (`tokens`), whose keys and values
+        are now in the pool. A prefix registered already (by a sequence that computed it too) keeps its block."""
+        if not self.prefix_caching:
+            return
+        table = self.tables.get(seq_id, ())
+        done, key = self._registered.get(seq_id, (0, (salt,)))
+        full = min(computed // self.block_size, len(table))
+        for b, key in enumerate(self._keys(tokens, done, full, key), done):
+            if key not in self._block_of and table[b] not in self._key_of:
+                self._block_of[key], self._key_of[table[b]] = table[b], key
+        if full > done:
+            self._registered[seq_id] = (full, key)

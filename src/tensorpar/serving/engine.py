@@ -64,6 +64,7 @@ class Accepted:
 class RequestDone:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     error: str | None = None  # the request could not be served (the message of a 429)
     status: int = 200
 
@@ -158,7 +159,8 @@ class Engine:
             for i in range(request.n):
                 index = p * request.n + i
                 seed = base if index == 0 else mix_seed(base, index)
-                seq = Sequence(self._next_seq, list(prompt), request.max_tokens)
+                seq = Sequence(self._next_seq, list(prompt), request.max_tokens,
+                               reuse_prefix=not request.prompt_logprobs)
                 self._next_seq += 1
                 choices.append(_Choice(request, index, seq, dataclasses.replace(request.sampling, seed=seed),
                                        TextStream(self.tokenizer, request.stop)))
@@ -242,8 +244,10 @@ class Engine:
         if all(x.done for x in choices):
             self._requests.pop(id(c.request), None)
             self.metrics.finished("completed")
+            firsts = choices[::c.request.n]  # a prompt's tokens count once, as in prompt_tokens
             c.request.sink(RequestDone(sum(len(p) for p in c.request.prompts),
-                                       sum(len(x.seq.generated) for x in choices)))
+                                       sum(len(x.seq.generated) for x in choices),
+                                       sum(x.seq.cached_tokens for x in firsts)))
 
 
 def follow(model, pool, world_group, device=None) -> None:

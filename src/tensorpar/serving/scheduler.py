@@ -16,6 +16,11 @@ LongRoPE (Phi-3) rotates a sequence with its short factors while it is no longer
 length) and with its long factors once it is longer, every token of it, as transformers' Phi-3 generation does: the
 step at which a sequence passes `rope_switch` with keys cached under the short factors recomputes it from its tokens
 (its blocks freed, not counted as a preemption), in chunks within the budget as a preempted sequence is.
+
+With prefix caching (`BlockAllocator(prefix_caching=True)`), a sequence that joins starts from the cached blocks of
+its longest cached prefix (under its RoPE factors: longrope's short and long keys are different prefixes) and feeds
+only the rest; every block a step fills is registered for the sequences after it. A sequence whose prompt's
+log-probs are wanted computes its whole prompt (`reuse_prefix=False`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class Sequence:
     computed: int = 0  # tokens whose keys and values are in the pool
     preemptions: int = 0
     long_rope: bool = False  # its cached keys were rotated with longrope's long factors
+    reuse_prefix: bool = True  # may start from cached blocks (not when every prompt token's log-prob is wanted)
+    cached_tokens: int = 0  # prompt tokens it found cached when it first started
 
     @property
     def tokens(self) -> list[int]:
@@ -74,6 +81,7 @@ class Scheduler:
         self.rope_switch = rope_switch
         self.preemptions = 0
         self.rope_recomputes = 0  # sequences recomputed at longrope's switch
+        self.prefix_queries = self.prefix_hits = 0  # tokens of starting sequences looked up, and found cached
         self._arrivals = 0
 
     def add(self, seqs: list[Sequence]) -> None:
@@ -120,15 +128,33 @@ class Scheduler:
         joining = forming or not self.static
         while joining and (budget or forming) and self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not self.allocator.can_hold(seq.seq_id, seq.length):
+            prefix = self.allocator.cached_prefix(seq.tokens, self._salt(seq)) if seq.reuse_prefix else []
+            if self.allocator.blocks_to_start(seq.length, prefix) > self.allocator.free_blocks:
                 break
             self.waiting.popleft()
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            self._start(seq, prefix)
             n = min(seq.remaining, budget)
             if n:
                 self._feed(seq, n, chunks, scheduled)
                 budget -= n
         return chunks
+
+    def _salt(self, seq: Sequence) -> bool:
+        """What besides its tokens shapes a sequence's cached keys: longrope's long factors, or the short ones."""
+        return self.rope_switch is not None and seq.length > self.rope_switch
+
+    def _start(self, seq: Sequence, prefix: list[int]) -> None:
+        """A sequence joins: its cached prefix's blocks are shared, their tokens not fed again."""
+        if self.allocator.prefix_caching and seq.reuse_prefix:
+            self.prefix_queries += seq.length
+            self.prefix_hits += len(prefix) * self.allocator.block_size
+        if prefix:
+            self.allocator.share(seq.seq_id, prefix, self._salt(seq))
+            seq.computed = len(prefix) * self.allocator.block_size
+            seq.long_rope = self._salt(seq)
+        if seq.preemptions == 0 and not seq.generated:
+            seq.cached_tokens = seq.computed
 
     def _feed(self, seq: Sequence, n: int, chunks: list[tuple[Sequence, int]], scheduled: set[int]) -> None:
         """Put `seq`'s next `n` tokens in the step, its block table grown to hold them."""
@@ -172,6 +198,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def advance(self, chunks: list[tuple[Sequence, int]]) -> None:
-        """Count the tokens a step has cached."""
+        """Count the tokens a step has cached; register the blocks it filled (prefix caching)."""
+        size = self.allocator.block_size
         for seq, n in chunks:
             seq.computed += n
+            if self.allocator.prefix_caching and seq.computed // size > (seq.computed - n) // size:
+                self.allocator.register(seq.seq_id, seq.tokens, seq.computed, seq.long_rope)

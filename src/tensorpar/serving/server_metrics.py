@@ -1,5 +1,5 @@
-"""The server's metrics in Prometheus' text format (`GET /metrics`): requests, tokens, the queue, the KV pool,
-time to first token and inter-token latency.
+"""The server's metrics in Prometheus' text format (`GET /metrics`): requests, tokens, the queue, the KV pool and
+its prefix cache, time to first token and inter-token latency.
 
 Written by the engine's thread, read by the HTTP thread: plain numbers, each updated by one assignment.
 """
@@ -78,6 +78,12 @@ class ServerMetrics:
             ("running_sequences", "gauge", running, "Sequences in the running batch."),
             ("kv_blocks_used", "gauge", used, "KV pool blocks held by sequences."),
             ("kv_blocks_total", "gauge", total, "KV pool blocks."),
+            ("kv_blocks_cached", "gauge", scheduler.allocator.cached_blocks,
+             "KV pool blocks holding a cached prefix, held by sequences or free."),
+            ("prefix_cache_queries_total", "counter", scheduler.prefix_queries,
+             "Tokens of starting sequences looked up in the prefix cache."),
+            ("prefix_cache_hits_total", "counter", scheduler.prefix_hits,
+             "Tokens of starting sequences found in the prefix cache (not computed)."),
         ):
             lines += [f"# HELP {p}_{name} {help_text}", f"# TYPE {p}_{name} {kind}", f"{p}_{name} {value}"]
         lines += self.ttft.lines(f"{p}_time_to_first_token_seconds", "Arrival to first generated token.")

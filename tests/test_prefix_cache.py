@@ -1,0 +1,191 @@
+"""Prefix caching in the serving scheduler (`serve`'s default; `--no-prefix-caching`): the block tables share the
+registered blocks of a prompt's longest computed prefix and compute the rest, which gives the tokens and log-probs
+of computing every prompt whole, at TP 1 and 2; what may and may not be shared (a prefix diverging inside a block,
+longrope's other factors, the last prompt token, prompts whose log-probs are wanted), and which cached blocks give
+way when the pool is full."""
+
+import pytest
+import torch
+
+from tensorpar.models import Transformer, get_config
+from tensorpar.serving.blocks import BlockAllocator
+from tensorpar.serving.model_step import run_step
+from tensorpar.serving.paged_cache import PagedKVPool
+from tensorpar.serving.scheduler import Scheduler, Sequence
+from tensorpar.serving.step_plan import Sampling, StepItem, StepPlan
+
+from harness import mesh
+
+
+def _scheduler(blocks=32, block_size=4, budget=64, **kw):
+    return Scheduler(BlockAllocator(blocks, block_size, prefix_caching=True), token_budget=budget, max_running=8,
+                     max_waiting=16, **kw)
+
+
+def _finish(s: Scheduler, *seqs):
+    """Run the steps until `seqs` have generated their tokens (token 7 each step), as the engine does."""
+    while any(q in s.running or q in s.waiting for q in seqs):
+        step = s.schedule()
+        s.advance(step)
+        for q, _ in step:
+            if q.remaining == 0:
+                q.generated.append(7)
+                if len(q.generated) >= q.max_tokens:
+                    s.remove(q)
+
+
+def test_a_prompt_starts_from_the_blocks_of_its_longest_cached_prefix():
+    s = _scheduler()
+    system = list(range(100, 112))  # three full blocks of 4
+    first = Sequence(0, system + [1, 2, 3], max_tokens=2)
+    s.add([first])
+    _finish(s, first)
+    assert s.allocator.used_blocks == 0 and s.allocator.cached_blocks == 4  # prompt + its first generated token
+    second, other = Sequence(1, system + [5, 6], max_tokens=1), Sequence(2, [9] + system, max_tokens=1)
+    s.add([second, other])
+    step = s.schedule()
+    assert [(q.seq_id, n) for q, n in step] == [(1, 2), (2, 13)]  # 12 cached tokens; a shifted prefix is not one
+    assert second.cached_tokens == 12 and other.cached_tokens == 0
+    assert s.allocator.tables[1][:3] == [0, 1, 2] and s.prefix_hits == 12 and s.prefix_queries == 15 + 14 + 13
+    _finish(s, second, other)
+
+
+def test_only_full_blocks_of_the_same_tokens_are_shared_and_the_last_token_is_computed():
+    s = _scheduler()
+    first = Sequence(0, list(range(10)), max_tokens=1)  # blocks [0-3] [4-7] registered, [8, 9] not full
+    s.add([first])
+    _finish(s, first)
+    cases = {1: (list(range(10)), 8), 2: list(range(8)), 3: list(range(6)) + [0, 0, 8], 4: list(range(9))}
+    cases[2], cases[3], cases[4] = (cases[2], 4), (cases[3], 4), (cases[4], 8)
+    for seq_id, (prompt, cached) in cases.items():
+        q = Sequence(seq_id, prompt, max_tokens=1)
+        s.add([q])
+        s.schedule()
+        # all 8 tokens of [0..7] are cached, but the last must be fed for its logits: one block less
+        assert q.cached_tokens == cached and q.computed == cached, (seq_id, q.cached_tokens)
+        _finish(s, q)
+
+
+def test_shared_blocks_are_counted_once_and_freed_blocks_keep_their_prefix_until_taken():
+    s = _scheduler(blocks=6)  # 24 slots
+    a, b = Sequence(0, [1] * 8 + [2], max_tokens=3), Sequence(1, [1] * 8 + [3], max_tokens=3)
+    s.add([a])
+    _finish(s, a)
+    assert s.allocator.free_blocks == 6 and s.allocator.cached_blocks == 2  # [1]*4, [1]*4, then 2 7 7 (not full)
+    s.add([b])
+    s.schedule()
+    assert s.allocator.tables[1][:2] == s.allocator.cached_prefix([1] * 9) and s.allocator.used_blocks == 3
+    c = Sequence(2, [1] * 8 + [4], max_tokens=1)
+    s.add([c])
+    s.schedule()
+    assert s.allocator.used_blocks == 4  # two shared blocks and one block of each sequence's own
+    _finish(s, b, c)
+    # a pool full of other tokens takes the cached blocks, the least recently released first
+    d = Sequence(3, [5] * 23, max_tokens=1)
+    s.add([d])
+    s.schedule()
+    assert s.allocator.cached_prefix([1] * 9) == [] and s.allocator.used_blocks == 6
+    _finish(s, d)
+    assert s.allocator.used_blocks == 0
+
+
+def test_a_preempted_sequence_comes_back_to_what_is_left_of_its_blocks():
+    s = _scheduler(blocks=6, budget=64)  # 24 slots: 8 + 12 and 9 + 12 tokens do not fit together
+    old, young = Sequence(0, [1] * 8, max_tokens=12), Sequence(1, [2] * 9, max_tokens=12)
+    s.add([old, young])
+    rejoined = []
+    while not s.idle:
+        waiting = young in s.waiting
+        step = s.schedule()
+        rejoined += [q.computed for q, _ in step if q is young and waiting and young.preemptions]
+        s.advance(step)
+        for q, _ in step:
+            if q.remaining == 0:
+                q.generated.append(7)
+                if len(q.generated) >= q.max_tokens:
+                    s.remove(q)
+    # the old one's growth took the young one's last registered block first (released first); its first came back
+    assert young.preemptions == 1 and rejoined == [4] and young.cached_tokens == 0 and len(young.generated) == 12
+
+
+def test_longropes_long_factors_and_wanted_prompt_logprobs_compute_the_prompt_whole():
+    s = _scheduler(rope_switch=8)
+    short, long = Sequence(0, [1] * 8, max_tokens=1), Sequence(1, [1] * 8 + [2, 3], max_tokens=1)
+    s.add([short])
+    _finish(s, short)
+    s.add([long])  # longer than the switch: its keys take the long factors, the cached ones have the short ones
+    s.schedule()
+    assert long.computed == 0 and long.long_rope
+    _finish(s, long)
+    again = Sequence(2, [1] * 8 + [2, 3, 4], max_tokens=1)
+    echo = Sequence(3, [1] * 8 + [5], max_tokens=1, reuse_prefix=False)
+    s.add([again, echo])
+    s.schedule()
+    assert again.computed == 8 and echo.computed == 0  # the long-factor prefix of `long`; the echo computes all
+
+
+def test_without_prefix_caching_nothing_is_registered():
+    s = Scheduler(BlockAllocator(32, 4), token_budget=64, max_running=8, max_waiting=16)
+    first, second = Sequence(0, list(range(12)), max_tokens=2), Sequence(1, list(range(12)), max_tokens=2)
+    s.add([first])
+    _finish(s, first)
+    s.add([second])
+    s.schedule()
+    assert second.computed == 0 and s.allocator.cached_blocks == 0 and s.prefix_queries == 0
+
+
+# -- the model's tokens and log-probs ---------------------------------------------------------------------------
+
+CFG = get_config("tiny").replace(hidden_size=64, num_layers=2, ffn_hidden_size=128)
+
+
+def serve_greedy(tp: int, prefix_caching: bool, rounds=2, new=6):
+    """Greedy continuations with their log-probs of prompts sharing a 13-token system prompt, in `rounds` waves (the
+    later ones find the earlier ones' blocks), through the scheduler and `run_step` as the engine runs them; and
+    the tokens the steps fed."""
+    model = Transformer(CFG, mesh(tp) if tp > 1 else None, seed=3).eval()
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(0, CFG.vocab_size, (13,), generator=g).tolist()
+    pool = PagedKVPool.for_model(model, 40, 4)
+    s = Scheduler(BlockAllocator(40, 4, prefix_caching=prefix_caching), token_budget=24, max_running=4,
+                  max_waiting=16)
+    out, fed, seq_id = [], 0, 0
+    with torch.no_grad():
+        for _ in range(rounds):
+            seqs = []
+            for n in (3, 5, 8):
+                seqs.append(Sequence(seq_id, system + torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist(),
+                                     max_tokens=new))
+                seq_id += 1
+            s.add(seqs)
+            logprobs = {q.seq_id: [] for q in seqs}
+            while any(q in s.running or q in s.waiting for q in seqs):
+                step = s.schedule()
+                items = [StepItem(tuple(q.tokens[q.computed:q.computed + n]), q.computed,
+                                  tuple(s.allocator.tables[q.seq_id]),
+                                  sample=Sampling() if q.computed + n == q.length else None,
+                                  step=len(q.generated), top_logprobs=0, reach=q.length) for q, n in step]
+                results = run_step(model, pool, StepPlan(tuple(items)))
+                s.advance(step)
+                fed += sum(n for _, n in step)
+                for (q, _), r in zip(step, results):
+                    if r.token is not None:
+                        q.generated.append(r.token)
+                        logprobs[q.seq_id].append(r.logprob.logprob)
+                        if len(q.generated) == q.max_tokens:
+                            s.remove(q)
+            out += [(q.generated, logprobs[q.seq_id], q.cached_tokens) for q in seqs]
+    return out, fed
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cached_prefixes_give_the_tokens_and_logprobs_of_whole_prompts(pools, tp):
+    for rank, ((cached, fed), (whole, fed_whole)) in enumerate(
+            zip(*[[serve_greedy(1, on)] if tp == 1 else pools(2).run(serve_greedy, 2, on) for on in (True, False)])):
+        for (tokens, logprobs, hit), (ref_tokens, ref_logprobs, _) in zip(cached, whole):
+            assert tokens == ref_tokens, rank
+            assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) <= 1e-5, rank
+        hits = [hit for _, _, hit in cached]
+        # the first two join the first step (16 + 8 of 18 tokens: the budget) and compute the system prompt; the
+        # third joins the next step and finds its three full blocks, as does the second wave
+        assert hits == [0, 0, 12, 12, 12, 12] and fed == fed_whole - 4 * 12, (rank, hits, fed, fed_whole)
