@@ -124,6 +124,18 @@ def test_longropes_long_factors_and_wanted_prompt_logprobs_compute_the_prompt_wh
     assert again.computed == 8 and echo.computed == 0  # the long-factor prefix of `long`; the echo computes all
 
 
+def test_sequences_joining_in_one_step_share_the_blocks_it_computes():
+    """The choices of a request with n > 1: the first's blocks are registered as the step is planned."""
+    s = _scheduler(budget=64)
+    choices = [Sequence(i, list(range(10)), max_tokens=2) for i in range(3)]
+    s.add(choices)
+    step = s.schedule()
+    assert [(q.seq_id, n) for q, n in step] == [(0, 10), (1, 2), (2, 2)]
+    assert s.allocator.tables[1][:2] == s.allocator.tables[2][:2] == s.allocator.tables[0][:2]
+    assert s.allocator.used_blocks == 3 + 2  # the first's three, one of its own for each other choice
+    _finish(s, *choices)
+
+
 def test_without_prefix_caching_nothing_is_registered():
     s = Scheduler(BlockAllocator(32, 4), token_budget=64, max_running=8, max_waiting=16)
     first, second = Sequence(0, list(range(12)), max_tokens=2), Sequence(1, list(range(12)), max_tokens=2)
@@ -186,6 +198,6 @@ def test_cached_prefixes_give_the_tokens_and_logprobs_of_whole_prompts(pools, tp
             assert tokens == ref_tokens, rank
             assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) <= 1e-5, rank
         hits = [hit for _, _, hit in cached]
-        # the first two join the first step (16 + 8 of 18 tokens: the budget) and compute the system prompt; the
-        # third joins the next step and finds its three full blocks, as does the second wave
-        assert hits == [0, 0, 12, 12, 12, 12] and fed == fed_whole - 4 * 12, (rank, hits, fed, fed_whole)
+        # the first computes the system prompt; the second joins the same step (8 of its 18 tokens: the budget)
+        # and shares its three full blocks already, being written in that step; the others join later
+        assert hits == [0, 12, 12, 12, 12, 12] and fed == fed_whole - 5 * 12, (rank, hits, fed, fed_whole)

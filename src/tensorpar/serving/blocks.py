@@ -137,7 +137,8 @@ class BlockAllocator:
 
     def register(self, seq_id: int, tokens: Sequence[int], computed: int, salt: Hashable = False) -> None:
         """Register the full blocks of `seq_id` among its first `computed` tokens (`tokens`), whose keys and values
-        are now in the pool. A prefix registered already (by a sequence that computed it too) keeps its block."""
+        are in the pool once the step being planned has run. A prefix registered already (by a sequence that
+        computed it too) keeps its block."""
         if not self.prefix_caching:
             return
         table = self.tables.get(seq_id, ())

@@ -19,8 +19,9 @@ step at which a sequence passes `rope_switch` with keys cached under the short f
 
 With prefix caching (`BlockAllocator(prefix_caching=True)`), a sequence that joins starts from the cached blocks of
 its longest cached prefix (under its RoPE factors: longrope's short and long keys are different prefixes) and feeds
-only the rest; every block a step fills is registered for the sequences after it. A sequence whose prompt's
-log-probs are wanted computes its whole prompt (`reuse_prefix=False`).
+only the rest. Every block a step fills is registered when the step is planned, so that a sequence joining in the
+same step (another choice of the same request, or any prompt with the same start) shares it already. A sequence
+whose prompt's log-probs are wanted computes its whole prompt (`reuse_prefix=False`).
 """
 
 from __future__ import annotations
@@ -162,6 +163,11 @@ class Scheduler:
         chunks.append((seq, n))
         scheduled.add(seq.seq_id)
         seq.long_rope = self.rope_switch is not None and seq.length > self.rope_switch
+        size = self.allocator.block_size
+        if self.allocator.prefix_caching and (seq.computed + n) // size > seq.computed // size:
+            # registered now: a sequence joining later in this step may share them, since the step writes every
+            # new key of a layer before any sequence reads its keys (`PagedStep.append`)
+            self.allocator.register(seq.seq_id, seq.tokens, seq.computed + n, seq.long_rope)
 
     def _passes_switch(self, seq: Sequence) -> bool:
         """Whether `seq` is longer than longrope's original length while its cached keys carry the short factors."""
@@ -198,9 +204,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def advance(self, chunks: list[tuple[Sequence, int]]) -> None:
-        """Count the tokens a step has cached; register the blocks it filled (prefix caching)."""
-        size = self.allocator.block_size
+        """Count the tokens a step has cached."""
         for seq, n in chunks:
             seq.computed += n
-            if self.allocator.prefix_caching and seq.computed // size > (seq.computed - n) // size:
-                self.allocator.register(seq.seq_id, seq.tokens, seq.computed, seq.long_rope)
