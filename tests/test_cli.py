@@ -102,12 +102,16 @@ def test_under_torchrun_the_demo_uses_the_launchers_processes():
           "--micro-batch-size", "1"], "multiple of the pipeline-parallel size 2"),
         (["train", "--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "4"],
          "global batch size 6 does not divide into dp 2 x micro-batch size 4"),
+        (["train", "--dp", "3", "--global-batch-size", "16"],
+         "global batch size 16 is not a multiple of dp 3; the global batch must be a multiple of dp 3: nearby "
+         "multiples [15, 18]"),
+        (["train", "--global-batch-size", "0"], "global batch size must be positive, got 0"),
         (["eval", "--checkpoint", "/no/such/dir", "--seq-len", "8"], "checkpoint '/no/such/dir' does not exist"),
         (["train", "--cp", "4", "--seq-len", "100"], "sequence length 100 is not divisible by 2 x cp = 8"),
         (["train", "--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "12"],
          "sequence length 12 / cp 2 = 6 is not divisible by the tensor-parallel size"),
     ],
-    ids=["heads", "preset", "data", "sp-seq", "pp-layers", "pp-layers-proposal", "pipeline-layers-sum", "interleaved-microbatches", "dp-batch", "checkpoint",
+    ids=["heads", "preset", "data", "sp-seq", "pp-layers", "pp-layers-proposal", "pipeline-layers-sum", "interleaved-microbatches", "dp-batch", "dp-batch-default-micro", "batch-zero", "checkpoint",
          "cp-seq", "cp-sp-seq"],
 )
 def test_bad_input_fails_at_once_with_one_line(cli, args, needle):

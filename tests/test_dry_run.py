@@ -116,3 +116,15 @@ def test_the_families_published_shapes_hold_the_planned_bytes(model, layout):
     planned = planned_bytes(run, result)
     for key in ("parameter_bytes", "gradient_bytes"):
         assert result[key] == planned[key], (key, result[key], planned[key])
+
+
+def test_a_zero3_rank_counts_the_parameters_its_model_holds_and_says_zero3_shards_them():
+    """ZeRO-3 frees every block's gathered parameters after the step: the count is taken before (it said 0)."""
+    from tensorpar.commands.dry_run_report import report
+
+    run = validate(TrainOptions(model="tiny", dp=4, zero=3, dp_replicate=2, global_batch_size=8, seq_len=32,
+                                progress=False), 4)
+    result = dry_run(run, 3)
+    assert result["parameter_count"] == get_config("tiny").num_parameters()
+    line = report(run, result, planned_bytes(run, result)).splitlines()[0]
+    assert f"{result['parameter_count']:,} parameters on this rank (ZeRO-3 stores 1/2 of them)" in line

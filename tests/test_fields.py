@@ -78,6 +78,17 @@ def test_config_file_keys_may_be_written_like_flags(tmp_path):
     assert isinstance(o.lr, float)
 
 
+def test_comma_separated_options_may_be_toml_arrays(tmp_path):
+    """--pipeline-layers 1,2,1 as a config file writes it naturally, and as plan --json and meta.json spell it."""
+    path = tmp_path / "run.toml"
+    path.write_text('pipeline_layers = [1, 2, 1]\nprofile-ranks = [0, 2]\nlora_targets = ["q", "v"]\n')
+    o = parse(TrainOptions, "--config", str(path))
+    assert (o.pipeline_layers, o.profile_ranks, o.lora_targets) == ("1,2,1", "0,2", "q,v")
+    path.write_text('pipeline_layers = [1.5, 2]\n')
+    with pytest.raises(TensorparError, match=r"pipeline_layers = \[1.5, 2\] should be a comma-separated string"):
+        parse(TrainOptions, "--config", str(path))
+
+
 @pytest.mark.parametrize("text,needle", [
     ("global_batch = 4\n", "unknown option 'global_batch' for tensorpar t; did you mean 'global_batch_size'?"),
     ("tp = \"two\"\n", "tp = \"two\" should be an integer"),

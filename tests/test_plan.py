@@ -115,3 +115,18 @@ def test_the_families_published_shapes_are_planned(capsys):
         sliding = sum(cfg.attention_window(i) is not None for i in range(cfg.num_layers))
         saved = (8192 - window) / 8192 * sliding / cfg.num_layers
         assert attention(cfg) == pytest.approx(attention(full) * (1 - saved)), model
+
+
+def test_the_table_names_the_pipeline_layers_that_uneven_layouts_train_with(capsys, cli):
+    """A layout whose pp x v does not divide the layers is planned with uneven stages; `tensorpar train` refuses it
+    without --pipeline-layers, so the text table (which has no column for them) says which counts each row needs,
+    and the trainer's refusal of the same layout proposes the same counts (zbv: one per virtual stage)."""
+    assert _main("--model", "llama-70b", "--gpus", "96", "--gpu", "h100", "--seq-len", "8192",
+                 "--global-batch-size", "384", "--tp", "1", "--pp", "6", "--cp", "1", "--zero", "2",
+                 "--recompute", "full", "--schedule", "zbv", "--top", "2", "--sequence-parallel", "off") == 0
+    out = capsys.readouterr().out
+    assert "uneven stages: #1, #2 train with --pipeline-layers 6,6,7,7,7,7,7,7,7,7,6,6" in out
+    code, _, err = cli("train", "--model", "llama-70b", "--pp", "6", "--dp", "16", "--schedule", "zbv",
+                       "--seq-len", "8192", "--global-batch-size", "384", "--micro-batch-size", "1",
+                       "--dry-run", "--world-size", "96")
+    assert code == 2 and "or give uneven stages with --pipeline-layers 6,6,7,7,7,7,7,7,7,7,6,6" in err

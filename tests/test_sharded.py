@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from tensorpar.checkpoints.sharded import read_meta, rotate
+from tensorpar.checkpoints.sharded import load_checkpoint, read_meta, rotate
+from tensorpar.models import ModelConfig, Transformer
 from tensorpar.errors import TensorparError
 from tensorpar.training import TrainOptions
 
@@ -237,6 +238,31 @@ def test_corrupted_or_foreign_shard_is_refused(saved, pools, config_file, tmp_pa
     open(shard, "wb").write(bytes(data))
     with pytest.raises(TensorparError, match="model-tp01-pp00.safetensors' is corrupted"):
         read_meta(save)
+
+
+def _edit_meta(step_dir, edit):
+    path = os.path.join(step_dir, "meta.json")
+    meta = json.load(open(path))
+    edit(meta)
+    json.dump(meta, open(path, "w"))
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda m: m["layout"].update(tp=3), "lists no shard file of tp rank 2, pp rank 0 .*layout: tp 3"),
+    (lambda m: m["files"].pop("model-tp01-pp00.safetensors"), "lists no shard file of tp rank 1, pp rank 0"),
+    (lambda m: m["model"].update(num_heads=8), "tensor 'layers.0.attn.k_proj.weight' rebuilt from the shards gives "
+                                               r"this rank \(32, 64\), the model's shard is \(16, 64\)"),
+    (lambda m: m.update(version=2), "is of checkpoint format version 2; this tensorpar reads version 1"),
+], ids=["layout-tp", "files-entry", "model-heads", "version"])
+def test_a_meta_json_that_does_not_match_its_shards_is_refused(saved, edit, error):
+    """meta.json edited by hand (or copied beside another run's shards): one error naming what differs, not a
+    KeyError or a size mismatch from inside the load."""
+    save, step_dir, _ = saved
+    _edit_meta(step_dir, edit)
+    meta = json.load(open(os.path.join(step_dir, "meta.json")))
+    with pytest.raises(TensorparError, match=error):
+        model = Transformer(ModelConfig(**meta["model"]), None, init=False)
+        load_checkpoint(save, model)
 
 
 def test_bad_checkpoints_fail_the_cli_at_once(saved, cli):

@@ -68,3 +68,26 @@ def test_resume_from_a_folder_without_a_checkpoint_starts_from_scratch_and_says_
     with pytest.raises(TensorparError, match="checkpoint '.*/typo' does not exist"):
         validate(TrainOptions(model=config_file, **{**BASE, "resume": str(tmp_path / "typo")}))
 
+
+
+def test_a_resumed_run_names_the_checkpoints_model_not_the_model_option(tmp_path):
+    """The checkpoint's model trains on: a --model that differs (or the default 'tiny', not given) is said to be
+    unused, and the run (summary, out-dir, its checkpoints' options) names the checkpoint's model."""
+    import json, os
+    from tensorpar.checkpoints.sharded import write_dense_checkpoint
+    from tensorpar.models import Transformer, get_config
+    from tensorpar.models.state import full_state_dict
+    from tensorpar.training import validate
+
+    cfg = get_config("tiny-gpt2")
+    step_dir = write_dense_checkpoint(str(tmp_path / "ck"), cfg, full_state_dict(Transformer(cfg, None)), step=2)
+    meta_path = os.path.join(step_dir, "meta.json")
+    meta = json.load(open(meta_path))
+    meta["options"] = {"model": "tiny-gpt2"}
+    json.dump(meta, open(meta_path, "w"))
+    run = validate(TrainOptions(model="tiny", **{**BASE, "steps": 4, "resume": str(tmp_path / "ck")}))
+    assert run.options.model == "tiny-gpt2" and run.cfg.family == "gpt2"
+    assert run.notes == (f"--resume {tmp_path / 'ck'}: continuing the checkpoint's model 'tiny-gpt2'; --model 'tiny' "
+                         f"is not used",)
+    run = validate(TrainOptions(model="tiny-gpt2", **{**BASE, "steps": 4, "resume": str(tmp_path / "ck")}))
+    assert run.options.model == "tiny-gpt2" and run.notes == ()

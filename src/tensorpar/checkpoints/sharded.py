@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -34,6 +35,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
+from tensorpar.checkpoints.meta_checks import VERSION, check_version, checked_shard, shard_file
 from tensorpar.checkpoints.peft_adapter import write_checkpoint_adapter
 from tensorpar.data.tokenizer_files import copy_files
 from tensorpar.distributed.sharding import ShardSpec, local_shard, shard_spec, tag
@@ -205,7 +207,7 @@ def _put_in_place(root: str, step: int, infos: list[dict], facts: dict, keep_las
     _check_written(tmp, files)
     facts = dict(facts)
     facts["tokenizer"] = copy_files(facts.pop("tokenizer_files", {}), tmp) or "byte"
-    meta = {"format": FORMAT, "version": 1, "step": step, **facts, "tensors": tensors, "files": files,
+    meta = {"format": FORMAT, "version": VERSION, "step": step, **facts, "tensors": tensors, "files": files,
             "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
     _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
     write_checkpoint_adapter(tmp, meta, CheckpointReader(tmp, meta).dense)  # a LoRA run's: tmp/adapter, PEFT's
@@ -352,6 +354,7 @@ def read_meta(path: str, verify: bool = True) -> tuple[str, dict]:
         raise TensorparError(f"'{meta_path}' is unreadable or not JSON: {e}") from None
     if meta.get("format") != FORMAT:
         raise TensorparError(f"'{meta_path}' is not a tensorpar checkpoint (format {meta.get('format')!r})")
+    check_version(meta, meta_path)
     if verify:
         for name, f in meta["files"].items():
             file_path = os.path.join(step_dir, name)
@@ -393,6 +396,7 @@ class CheckpointReader:
         self.by_expert_rank = {(f["ep_rank"], f["pp_rank"]): name for name, f in files if "ep_rank" in f}
         self.tp = meta["layout"]["tp"]
         self.ep = meta["layout"].get("ep", 1)
+        self.file_of = functools.partial(shard_file, step_dir, meta)  # (files, position, what) -> its file name
 
     def _read(self, file_name: str, key: str) -> torch.Tensor:
         path = os.path.join(self.step_dir, file_name)
@@ -411,11 +415,12 @@ class CheckpointReader:
         pp_rank = info["pp_rank"]
         key = f"{kind}/{name}"
         if info["dim"] is None:
-            return self._read(self.by_position[(0, pp_rank)], key)
+            return self._read(self.file_of(self.by_position, (0, pp_rank), "tp"), key)
         if info.get("group") == "ep":
-            parts = [self._read(self.by_expert_rank[(e, pp_rank)], key) for e in range(self.ep)]
+            parts = [self._read(self.file_of(self.by_expert_rank, (e, pp_rank), "ep"), key) for e in range(self.ep)]
         else:
-            parts = [self._read(self.by_position[(t, pp_rank)], key) for t in range(0, self.tp, info["replicas"])]
+            parts = [self._read(self.file_of(self.by_position, (t, pp_rank), "tp"), key)
+                     for t in range(0, self.tp, info["replicas"])]
         full = torch.cat(parts, info["dim"])
         return full.narrow(info["dim"], 0, info["full_size"])
 
@@ -425,10 +430,8 @@ class CheckpointReader:
     def has(self, name: str, kind: str) -> bool:
         """Whether the checkpoint holds `kind` (e.g. "momentum_buffer") of tensor `name`."""
         info = self.meta["tensors"][name]
-        if info.get("group") == "ep":
-            file_name = self.by_expert_rank[(0, info["pp_rank"])]
-        else:
-            file_name = self.by_position[(0, info["pp_rank"])]
+        files, what = (self.by_expert_rank, "ep") if info.get("group") == "ep" else (self.by_position, "tp")
+        file_name = self.file_of(files, (0, info["pp_rank"]), what)
         with safe_open(os.path.join(self.step_dir, file_name), framework="pt") as f:
             return f"{kind}/{name}" in f.keys()
 
@@ -449,7 +452,7 @@ def load_checkpoint(path: str, model, optimizer=None, cfg=None, verify: bool = T
     with torch.no_grad(), (optimizer.gathered() if optimizer is not None else contextlib.nullcontext()):
         for name, p in params.items():
             spec = shard_spec(p)  # split over TP, or EP (and expert-TP) for the routed experts
-            p.copy_(local_shard(reader.dense(name), spec, model))
+            p.copy_(checked_shard(local_shard(reader.dense(name), spec, model), p, name, step_dir))
             if optimizer is not None and name in trained:  # the moments, and the fp32 masters of bf16/fp16
                 kinds = [k for k in optimizer.kinds_of(name, p.shape) if reader.has(name, k)]  # another optimizer's
                 moments[name] = {k: local_shard(reader.dense(name, k), spec, model) for k in kinds}  # -> zeros
@@ -484,7 +487,7 @@ def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step:
     file_name = shard_file_name(0, 0)
     path = os.path.join(tmp, file_name)
     save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
-    meta = {"format": FORMAT, "version": 1, "step": step, "optimizer_step": 0, "model": cfg.to_dict(),
+    meta = {"format": FORMAT, "version": VERSION, "step": step, "optimizer_step": 0, "model": cfg.to_dict(),
             "layout": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "virtual_stages": 1, "schedule": None,
                        "sequence_parallel": False},
             "train": {}, "rng": "none needed", "tokenizer": copy_files(tokenizer_files or {}, tmp) or "byte",

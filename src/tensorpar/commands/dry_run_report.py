@@ -32,7 +32,9 @@ def report(run, result: dict, planned: dict) -> str:
     lay, o = result["layout"], run.options
     lines = [f"dry run: rank {lay['rank']} of {lay['world_size']} (tp {lay['tp_rank']}/{o.tp}, "
              f"pp {lay['pp_rank']}/{o.pp}, dp {lay['dp_rank']}/{o.dp}, cp {lay['cp_rank']}/{o.cp}) of "
-             f"{o.model}: {result['parameter_count']:,} parameters on this rank",
+             f"{o.model}: {result['parameter_count']:,} parameters on this rank"
+             + (f" (ZeRO-3 stores 1/{run.layout.shards} of them)" if run.layout.zero == 3 and run.layout.shards > 1
+                else ""),
              f"{'bytes':22} {'built (meta)':>16} {'planned':>16} {'planned/built':>14}"]
     rows = [("parameter_bytes", "parameters" if run.lora is None else "parameters (adapters)"),
             ("gradient_bytes", "gradients"), ("optimizer_bytes", "optimizer states")]

@@ -245,6 +245,7 @@ def _table_lines(shown, moe: bool) -> list[str]:
     lines = [head] + [_table_row(i, p, moe) for i, p in enumerate(shown, 1)]
     lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast "
                  "(fp8: the fp8 weight caches); 'other': recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
+    lines += _uneven_stage_lines(shown)
     if shown and shown[0].lora is not None:
         mem = shown[0].memory.gib()
         lines.append(f"LoRA: 'params' holds the frozen base ({mem['frozen']:.1f} GiB in layout 1) and the adapters "
@@ -257,6 +258,17 @@ def _table_lines(shown, moe: bool) -> list[str]:
         lines.append(f"host memory per GPU of layout 1 (offloaded): optimizer {host['optimizer']:.1f} GiB, activations "
                      f"{host['activations']:.1f} GiB (the copies' time is not modelled)")
     return lines
+
+
+def _uneven_stage_lines(shown) -> list[str]:
+    """The layer counts of the shown layouts whose stages are uneven: `tensorpar train` needs them as
+    --pipeline-layers (without it, a pp x v that does not divide the layers is refused)."""
+    by_split: dict[tuple, list[str]] = {}
+    for i, p in enumerate(shown, 1):
+        if p.candidate.pipeline_layers is not None:
+            by_split.setdefault(tuple(p.candidate.pipeline_layers), []).append(f"#{i}")
+    return [f"uneven stages: {', '.join(rows)} train with --pipeline-layers {','.join(map(str, split))}"
+            for split, rows in by_split.items()]
 
 
 def _table_row(i: int, p, moe: bool) -> str:

@@ -153,7 +153,14 @@ def add_options(parser: argparse.ArgumentParser, cls, *, config_file: bool = Fal
                                  "override it")
 
 
+def _comma_separated(spec: _Spec) -> bool:
+    """Whether a string option holds a comma-separated list (its metavar reads N,N,... or R,R,...)."""
+    return spec.kind is str and not spec.is_list and ",..." in (spec.meta["metavar"] or "")
+
+
 def _describe(spec: _Spec) -> str:
+    if _comma_separated(spec):
+        return f"a comma-separated string ({spec.meta['metavar']}) or a list of its items"
     kind = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[spec.kind]
     return f"a list of {kind.split(' ', 1)[1]}s" if spec.is_list else kind
 
@@ -174,6 +181,12 @@ def _coerce(spec: _Spec, value, where: str):
             if not isinstance(value, list):
                 raise TypeError
             return [one(v) for v in value]
+        if _comma_separated(spec) and isinstance(value, list):
+            # A comma-separated flag (--pipeline-layers 4,6,6,4) as the TOML array a file writes naturally, and
+            # as `plan --json` and meta.json spell it: [4, 6, 6, 4].
+            if not value or not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in value):
+                raise TypeError
+            return one(",".join(map(str, value)))
         return one(value)
     except TypeError:
         raise TensorparError(f"{where}: {spec.name} = {_toml_value(value)} should be {_describe(spec)}") from None

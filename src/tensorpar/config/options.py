@@ -156,8 +156,9 @@ class TrainOptions(LoraOptions, DataOptions, ExpertOptions, LaunchOptions, Memor
     virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved; zbv always runs 2)", group=LAYOUT)
     pipeline_layers: str | None = option(None, "comma-separated layer counts of the pipeline stages, summing to "
                                                "the model's layers, e.g. 4,6,6,4 to give the stages holding the "
-                                               "embedding and the LM head fewer blocks (default: an even split; "
-                                               "--virtual-stages 1 only)", metavar="N,N,...", group=LAYOUT)
+                                               "embedding and the LM head fewer blocks (default: an even split); "
+                                               "with several chunks per rank (interleaved, zbv) one count per "
+                                               "virtual stage", metavar="N,N,...", group=LAYOUT)
     recompute: str = option("none", "activation recomputation", choices=RECOMPUTE_MODES, group=LAYOUT)
     compile: bool = option(False, "torch.compile each transformer block (where the backend cannot compile, a "
                                   "warning and an uncompiled run)", group=LAYOUT)

@@ -104,6 +104,13 @@ def batch_problem(global_batch: int, dp: int, micro_batch_size: int) -> Problem 
     """Why a global batch of `global_batch` rows does not split into dp ranks x whole micro-batches, or None."""
     if micro_batch_size >= 1 and global_batch % (dp * micro_batch_size) == 0:
         return None
+    if global_batch < 1:
+        return Problem(f"global batch size must be positive, got {global_batch}")
+    if global_batch % dp:  # no micro-batch size can help: name none (the default one was worked out from it)
+        below = global_batch // dp * dp
+        nearby = [m for m in (below, below + dp) if m >= 1]
+        return Problem(f"global batch size {global_batch} is not a multiple of dp {dp}",
+                       f"the global batch must be a multiple of dp {dp}: nearby multiples {nearby}")
     per_rank = global_batch // dp if global_batch % dp == 0 else 0
     valid = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
     hint = (f"valid micro-batch sizes: {', '.join(map(str, valid))}" if valid

@@ -161,8 +161,9 @@ def _split_problem(num_layers: int, pp: int, chunks: int, counts) -> Problem | N
     if counts is None:
         if num_layers % stages == 0:
             return None
-        hint = (f"; or give uneven stages with --pipeline-layers {','.join(map(str, balanced_split(num_layers, pp)))}"
-                if chunks == 1 and num_layers >= pp else "")
+        # One count per pipeline stage, or with several chunks per rank (interleaved, zbv) one per virtual stage.
+        hint = (f"; or give uneven stages with --pipeline-layers {','.join(map(str, balanced_split(num_layers, stages)))}"
+                if num_layers >= stages else "")
         return Problem(f"{num_layers} layers cannot be split evenly into pp={pp} x virtual stages={chunks} = {stages} "
                        f"pipeline stages", f"use a layout whose pp x virtual stages divides {num_layers}{hint}")
     given = ",".join(map(str, counts))

@@ -58,6 +58,7 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
     with fake_world(rank, run.world_size):
         mesh = build_mesh(run.layout, moe=run.cfg.is_moe, device="cpu")
         model, _ = build_model(run, mesh, meta=True)
+        count = sum(p.numel() for p in model.parameters())  # this rank's TP / PP / EP shard, before ZeRO-3 frees it
         optimizer = build_optimizer(model, mesh, run)
         mesh.stats.reset()
         _one_step(model, optimizer, run)
@@ -68,7 +69,7 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
                       dp_rank=mesh.dp_rank, cp_rank=mesh.cp_rank)
         collectives = [dict(op=op, group=group, calls=c.calls, bytes=c.bytes)
                        for (op, group), c in sorted(mesh.stats.snapshot().items())]
-    return {"layout": layout, "parameter_count": sum(p.numel() for p in model.parameters()),
+    return {"layout": layout, "parameter_count": count,
             "parameter_bytes": memory["parameters"], "gradient_bytes": memory["gradients"],
             "optimizer_bytes": memory["optimizer"], "host_optimizer_bytes": memory.get("host_optimizer", 0),
             "frozen_bytes": frozen,

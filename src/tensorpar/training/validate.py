@@ -163,6 +163,11 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         if resume_meta["step"] >= o.steps:
             raise TensorparError(f"checkpoint '{o.resume}' is at step {resume_meta['step']} and --steps is "
                                  f"{o.steps}: nothing left to train (--steps is the total step count)")
+        saved_model = (resume_meta.get("options") or {}).get("model")
+        if saved_model and saved_model != o.model:  # the checkpoint's model trains on, whatever --model says
+            notes.append(f"--resume {o.resume}: continuing the checkpoint's model '{saved_model}'; --model "
+                         f"'{o.model}' is not used")
+            o = dataclasses.replace(o, model=saved_model)
     _check_save_folder(o)
     if o.bucket_mb <= 0:
         raise TensorparError(f"--bucket-mb must be positive, got {o.bucket_mb}")

@@ -1,0 +1,39 @@
+"""A checkpoint's meta.json against its shards: the format version, the shard file of each position, the shape of
+each rebuilt tensor. A meta.json that does not match its shards (edited by hand, or of another run's files) is
+refused naming the file and what differs, instead of failing inside the load."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tensorpar.errors import TensorparError
+
+VERSION = 1  # the meta.json layout this code writes and reads
+
+
+def check_version(meta: dict, meta_path: str) -> None:
+    if meta.get("version") != VERSION:
+        raise TensorparError(f"'{meta_path}' is of checkpoint format version {meta.get('version')!r}; this "
+                             f"tensorpar reads version {VERSION}")
+
+
+def shard_file(step_dir: str, meta: dict, files: dict, position: tuple[int, int], what: str) -> str:
+    """The shard file of (tp or ep rank, pp rank) in `files`, or an error saying meta.json does not match."""
+    if position not in files:
+        layout = meta.get("layout", {})
+        raise TensorparError(f"'{os.path.join(step_dir, 'meta.json')}' lists no shard file of {what} rank "
+                             f"{position[0]}, pp rank {position[1]} (its layout: tp {layout.get('tp')}, pp "
+                             f"{layout.get('pp')}, ep {layout.get('ep', 1)}; its files: "
+                             f"{', '.join(sorted(meta['files']))}): the metadata does not match the shards")
+    return files[position]
+
+
+def checked_shard(shard: torch.Tensor, p: torch.Tensor, name: str, step_dir: str) -> torch.Tensor:
+    """`shard` if it has the shape of this rank's parameter `p`, else an error naming the tensor (a meta.json whose
+    model or layout does not match its shards)."""
+    if shard.shape != p.shape:
+        raise TensorparError(f"checkpoint '{step_dir}': tensor '{name}' rebuilt from the shards gives this rank "
+                             f"{tuple(shard.shape)}, the model's shard is {tuple(p.shape)}: meta.json's model or "
+                             f"layout does not match the shards")
+    return shard
