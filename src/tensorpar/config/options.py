@@ -346,8 +346,7 @@ class ServeOptions(LoraAdapterOptions, ExpertOptions, LaunchOptions):
     batching: str = option("continuous", "continuous: sequences join and leave the batch at every step; static: a "
                                          "batch forms when the last one has finished (for comparison)",
                            choices=BATCHING_MODES, group="batching")
-    prefix_caching: bool = option(True, "compute every prompt whole: no sharing of the KV blocks of prefixes computed "
-                                        "before (a system prompt, a conversation's earlier turns)",
+    prefix_caching: bool = option(True, "compute every prompt whole, sharing no KV blocks of prefixes computed before",
                                   flag="--no-prefix-caching", group="batching")
     sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)
     dtype: str = option("fp32", "fp32, bf16 autocast, or fp8 (bf16 autocast, the parallel linears' GEMMs in fp8)",
