@@ -147,6 +147,8 @@ def test_a_rank_that_skips_an_all_reduce_is_named_as_a_mismatched_collective(poo
 def test_diagnose_refuses_a_folder_without_records(tmp_path, cli):
     with pytest.raises(TensorparError, match="no flight records"):
         load_records(str(tmp_path))
+    with pytest.raises(TensorparError, match="is not a folder: give a run's OUT_DIR"):
+        load_records(str(tmp_path / "no-such-run"))
     (tmp_path / "flight").mkdir()
     (tmp_path / "flight" / "rank0.json").write_text(json.dumps(_record(0, 1, [dict(seq=1, op="barrier",
                                                                                    elements=0)])))

@@ -126,6 +126,9 @@ def test_the_table_names_the_pipeline_layers_that_uneven_layouts_train_with(caps
                  "--recompute", "full", "--schedule", "zbv", "--top", "2", "--sequence-parallel", "off") == 0
     out = capsys.readouterr().out
     assert "uneven stages: #1, #2 train with --pipeline-layers 6,6,7,7,7,7,7,7,7,7,6,6" in out
+    # the rows spell the schedule as --schedule takes it, and v is the chunks per rank zbv runs
+    rows = [row for row in map(str.split, out.splitlines()) if row[:1] in (["1"], ["2"]) and row[1].isdigit()]
+    assert [row[5:7] for row in rows] == [["2", "zbv"], ["2", "zbv"]], rows
     code, _, err = cli("train", "--model", "llama-70b", "--pp", "6", "--dp", "16", "--schedule", "zbv",
                        "--seq-len", "8192", "--global-batch-size", "384", "--micro-batch-size", "1",
                        "--dry-run", "--world-size", "96")

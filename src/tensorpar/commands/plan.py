@@ -209,7 +209,8 @@ def _summary_lines(cfg, cluster, plans, options) -> list[str]:
     tokens = options.global_batch_size * options.seq_len
     compute_model = (f"flat MFU ceiling {cluster.mfu_ceiling:.2f}" if cluster.mfu_ceiling is not None else
                      f"GEMMs by shape on the {cluster.curve.name} curve")
-    size = f"{cfg.num_parameters() / 1e9:.2f}B parameters"
+    n = cfg.num_parameters()
+    size = f"{n / 1e9:.2f}B parameters" if n >= 1e9 else f"{n / 1e6:.2f}M parameters"
     if cfg.is_moe:
         size += (f", {cfg.num_parameters(active=True) / 1e9:.2f}B active: {cfg.num_experts} experts, "
                  f"top-{cfg.experts_per_token}")
@@ -237,14 +238,15 @@ def _table_lines(shown, moe: bool) -> list[str]:
     """The ranked table of the shown layouts (with the ep and all-to-all columns for a mixture-of-experts model)
     and its footnotes."""
     ep_head, a2a_head = (f" {'ep':>3}", f" {'a2a':>5}") if moe else ("", "")
-    head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'sched':>5} {'mbs':>4} {'sp':>3} "
+    head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'schedule':>11} {'mbs':>4} {'sp':>3} "
             f"{'recompute':>9} {'zero':>4} |"
             f" {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'copies':>6} {'other':>6} {'total':>6} GiB |"
             f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp+cp':>5} {'pp+bub':>6} {'dp':>5}"
             f"{a2a_head} exposed")
     lines = [head] + [_table_row(i, p, moe) for i, p in enumerate(shown, 1)]
-    lines.append("memory per GPU of the most loaded pipeline stage; 'copies': bf16 weight copies kept by autocast "
-                 "(fp8: the fp8 weight caches); 'other': recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
+    lines.append("v: model chunks per pipeline rank (--virtual-stages; zbv runs 2); memory per GPU of the most loaded "
+                 "pipeline stage; 'copies': bf16 weight copies kept by autocast (fp8: the fp8 weight caches); 'other': "
+                 "recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
     lines += _uneven_stage_lines(shown)
     if shown and shown[0].lora is not None:
         mem = shown[0].memory.gib()
@@ -278,7 +280,7 @@ def _table_row(i: int, p, moe: bool) -> str:
     pct = lambda x: f"{100 * x / t.step_time_s:4.1f}%"  # noqa: E731
     return (
         f"{i:>3} {lay.tp:>3} {lay.cp:>3}{f' {lay.ep:>3}' if moe else ''} {lay.pp:>3} {lay.dp:>4} "
-        f"{lay.virtual_stages:>2} {(lay.schedule[:5] if lay.pp > 1 else '-'):>5} {lay.micro_batch_size:>4} "
+        f"{lay.chunks:>2} {(lay.schedule if lay.pp > 1 else '-'):>11} {lay.micro_batch_size:>4} "
         f"{'on' if lay.sequence_parallel else 'off':>3} {lay.recompute:>9} {_zero_label(lay):>4} |"
         f" {mem['parameters'] + mem['frozen']:6.1f} {mem['gradients']:6.1f} {mem['optimizer']:6.1f} {mem['activations']:6.1f}"
         f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
@@ -298,7 +300,9 @@ def _infeasible_lines(infeasible, any_feasible: bool) -> list[str]:
         examples.setdefault(_reason_kind(p.reason), p)
     for kind, n in kinds.most_common():
         ex = examples[kind]
-        lines.append(f"  {n:>5} {kind}; e.g. {ex.candidate.label()}: {ex.reason}")
+        # a kind is its reason with the numbers taken out: where that is all it says, the example says it better
+        head = f"{kind}; e.g." if kind == "exceed the GPU memory" else "like"
+        lines.append(f"  {n:>5} {head} {ex.candidate.label()}: {ex.reason}")
     close = [p for p in infeasible if p.memory is not None][:3]
     if close and not any_feasible:
         lines.append("  closest to fitting: " + "; ".join(

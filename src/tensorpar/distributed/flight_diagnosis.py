@@ -20,6 +20,8 @@ from tensorpar.errors import TensorparError
 
 def load_records(folder: str) -> dict[int, dict]:
     """{rank: its flight record} of OUT_DIR/flight (or of `folder` itself when it holds the rank files)."""
+    if not os.path.isdir(folder):
+        raise TensorparError(f"{folder} is not a folder: give a run's OUT_DIR or its flight folder")
     if os.path.isdir(os.path.join(folder, "flight")):
         folder = os.path.join(folder, "flight")
     records = {}
