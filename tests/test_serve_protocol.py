@@ -1,0 +1,32 @@
+"""The request checks of `tensorpar.serving.protocol` alone, without a server: values that would reach the ranks and
+break them are refused with a 400 naming the field."""
+
+import json
+
+import pytest
+
+from tensorpar.serving.protocol import ApiError, ModelInfo, completion_request
+
+INFO = ModelInfo(name="m", context_len=64, vocab_size=300)
+
+
+class _Bytes:
+    def encode(self, text):
+        return list(text.encode())
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused(field, value):
+    """Python's JSON parser takes NaN and Infinity: a NaN temperature passed the range check and its sampled ids
+    crashed rank 0 (the whole server) in the tokenizer's decode."""
+    body = json.loads(f'{{"model": "m", "prompt": "hi", "max_tokens": 2, "{field}": {value}}}')
+    with pytest.raises(ApiError) as e:
+        completion_request(body, _Bytes(), INFO)
+    assert e.value.status == 400 and e.value.param == field
+
+
+def test_finite_numbers_still_pass():
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0.5, "top_p": 1, "presence_penalty": 0}
+    request, _ = completion_request(body, _Bytes(), INFO)
+    assert request.sampling.temperature == 0.5
