@@ -30,3 +30,19 @@ def test_finite_numbers_still_pass():
     body = {"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0.5, "top_p": 1, "presence_penalty": 0}
     request, _ = completion_request(body, _Bytes(), INFO)
     assert request.sampling.temperature == 0.5
+
+
+def test_a_chat_template_that_fails_is_a_400_and_a_broken_one_refused_at_start():
+    """A Python error inside the template (here str + int) was a 500 with a traceback in the log; a template with a
+    syntax error stopped `serve` with a traceback instead of one line."""
+    from tensorpar.errors import TensorparError
+    from tensorpar.serving.chat import ChatTemplate
+    from tensorpar.serving.protocol import chat_request
+
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length + 'x' }}")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with pytest.raises(ApiError) as e:
+        chat_request(body, _Bytes(), INFO, template)
+    assert e.value.status == 400 and e.value.param == "messages" and "TypeError" in e.value.message
+    with pytest.raises(TensorparError, match="chat template: line 1"):
+        ChatTemplate("{% for m in messages %}{{ m.content ")
