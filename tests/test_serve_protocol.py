@@ -46,3 +46,27 @@ def test_a_chat_template_that_fails_is_a_400_and_a_broken_one_refused_at_start()
     assert e.value.status == 400 and e.value.param == "messages" and "TypeError" in e.value.message
     with pytest.raises(TensorparError, match="chat template: line 1"):
         ChatTemplate("{% for m in messages %}{{ m.content ")
+
+
+def test_json_mode_is_refused_not_ignored():
+    from tensorpar.serving.chat import ChatTemplate
+    from tensorpar.serving.protocol import chat_request
+
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+        with pytest.raises(ApiError) as e:
+            chat_request({**body, "response_format": fmt}, _Bytes(), INFO, template)
+        assert e.value.status == 400 and e.value.param == "response_format"
+    chat_request({**body, "response_format": {"type": "text"}}, _Bytes(), INFO, template)
+
+
+def test_strftime_now_renders_as_in_training_and_transformers():
+    """Templates that date their system prompt (strftime_now, which transformers and tensorpar's training renderer
+    give) were refused at every chat request: "'strftime_now' is undefined"."""
+    import datetime
+
+    from tensorpar.serving.chat import ChatTemplate
+
+    text = ChatTemplate("{{ strftime_now('%Y') }}|{{ messages[0]['content'] }}").render([{"role": "user", "content": "a"}])
+    assert text == f"{datetime.datetime.now().year}|a"

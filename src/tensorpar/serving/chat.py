@@ -3,6 +3,7 @@ it (`apply_chat_template` with add_generation_prompt=True), in a sandbox."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 
@@ -23,6 +24,7 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # as transformers' renderer
         try:
             self._template = env.from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:

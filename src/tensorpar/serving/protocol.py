@@ -87,6 +87,10 @@ def _refuse_unsupported(body: dict) -> None:
     for name in ("tools", "functions", "suffix"):
         if body.get(name):
             raise ApiError(f"'{name}' is not supported by this server", param=name)
+    response_format = body.get("response_format")
+    if response_format is not None and not (isinstance(response_format, dict) and response_format.get("type") == "text"):
+        raise ApiError("'response_format' other than {\"type\": \"text\"} (JSON mode, JSON schemas) is not supported "
+                       "by this server", param="response_format")
 
 
 def _stop(body: dict) -> tuple[str, ...]:
