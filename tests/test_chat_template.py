@@ -118,3 +118,33 @@ def test_prompt_completion_rows_learn_the_completion_and_eos(folders, tmp_path):
     assert ids.tolist() == prompt + tokenizer.encode(" 4") + [tokenizer.eos_id]
     assert learn.tolist() == [False] * len(prompt) + [True] * (len(ids) - len(prompt))
     assert example_kind(chat_data.write_chat_jsonl(tmp_path / "c.jsonl", 2), ExampleFields()) == CHAT
+
+
+def test_a_checkpoint_root_gives_its_latest_steps_template(folders, tmp_path):
+    """`train --init-from CKPT` and `serve --checkpoint CKPT` on a run's --save folder: the tokenizer files (and the
+    chat template) are in its step folders, not at its root."""
+    from tensorpar.serving.chat import load_chat_template
+
+    root = tmp_path / "ckpt"
+    step = root / "step-000010"
+    step.mkdir(parents=True)
+    (root / "latest").write_text("step-000010")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (step / name).write_text(open(f"{folders['qwen']}/{name}").read())
+    conversation = CONVERSATIONS[0]
+    expected = ChatTemplate.load(folders["qwen"]).render(conversation, True)
+    assert ChatTemplate.load(str(root)).render(conversation, True) == expected
+    assert load_chat_template(str(root)).render(conversation) == expected
+
+
+def test_a_template_that_fails_with_a_python_error_is_refused_in_one_line(folders, tmp_path):
+    """A template error other than Jinja's own (a TypeError: a message's content that is not text, say) names the
+    row and the template, as raise_exception's message does, instead of a traceback."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] + m['content'] }}{% endfor %}")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]})
+                    + "\n" + json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
+    with pytest.raises(TensorparError, match=r"rows.jsonl' line 2: chat template of .*t.jinja'.*TypeError"):
+        load_examples(str(rows), HFTokenizer(folders["qwen"]), ExampleFields(),
+                      ChatTemplate.load(folders["qwen"], str(template)))

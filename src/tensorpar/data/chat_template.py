@@ -91,6 +91,9 @@ class ChatTemplate:
         folder's tokenizer_config.json either way."""
         folder = tokenizer_folder if tokenizer_folder and os.path.isdir(tokenizer_folder) else (
             os.path.dirname(tokenizer_folder) if tokenizer_folder else None)
+        if folder:  # a tensorpar checkpoint's root: its latest step's files
+            from tensorpar.data.tokenizer import tokenizer_folder as files_folder
+            folder = files_folder(folder)
         config_path = os.path.join(folder, "tokenizer_config.json") if folder else None
         config = _read_json(config_path) if config_path and os.path.isfile(config_path) else {}
         tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKEN_KEYS if isinstance(_token_text(config.get(k)), str)}
@@ -115,6 +118,9 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.TemplateError as e:
             raise TensorparError(f"chat template of {self.source}: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
+            # a Python error inside the template (e.g. str + int on a message's content that is not text)
+            raise TensorparError(f"chat template of {self.source}: {type(e).__name__}: {e}") from None
 
     def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """(the rendered conversation, the [start, end) character spans of the assistant's turns in it)."""
@@ -143,6 +149,8 @@ class ChatTemplate:
             return "".join(self._blocks), self._spans
         except jinja2.TemplateError as e:
             raise TensorparError(f"chat template of {self.source}: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
+            raise TensorparError(f"chat template of {self.source}: {type(e).__name__}: {e}") from None
         finally:
             self._spans = None
 

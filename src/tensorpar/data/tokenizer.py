@@ -132,16 +132,22 @@ class HFTokenizer:
         return f"HFTokenizer('{self.path}', vocab_size={self.vocab_size})"
 
 
-def _tokenizer_file(folder: str) -> str:
-    """`folder`'s tokenizer.json, or that of the step folder its `latest` file names (a tensorpar checkpoint's root:
-    a run's checkpoints carry its tokenizer's files)."""
-    file = os.path.join(folder, "tokenizer.json")
+def tokenizer_folder(folder: str) -> str:
+    """The folder of `folder`'s tokenizer files: `folder` itself, or, for a tensorpar checkpoint's root without them,
+    the step folder its `latest` file names (a run's checkpoints carry its tokenizer's files: tokenizer.json,
+    tokenizer_config.json with the chat template, ...)."""
     try:
         with open(os.path.join(folder, "latest")) as f:
-            latest = os.path.join(folder, f.read().strip(), "tokenizer.json")
+            latest = os.path.join(folder, f.read().strip())
     except OSError:
-        return file
-    return file if os.path.isfile(file) or not os.path.isfile(latest) else latest
+        return folder
+    has = lambda d: any(os.path.isfile(os.path.join(d, n)) for n in ("tokenizer.json", "tokenizer_config.json"))  # noqa: E731
+    return folder if has(folder) or not has(latest) else latest
+
+
+def _tokenizer_file(folder: str) -> str:
+    """`folder`'s tokenizer.json, or that of the step folder its `latest` file names (`tokenizer_folder`)."""
+    return os.path.join(tokenizer_folder(folder), "tokenizer.json")
 
 
 def load_tokenizer(checkpoint_dir: str | None):

@@ -3,6 +3,7 @@ it (`apply_chat_template` with add_generation_prompt=True), in a sandbox."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 
@@ -23,7 +24,11 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(source)
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # as transformers' renderer
+        try:
+            self._template = env.from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise TensorparError(f"the checkpoint's chat template: line {e.lineno}: {e.message}") from None
         self._error = jinja2.exceptions.TemplateError
         self.special_tokens = dict(special_tokens or {})
 
@@ -33,6 +38,9 @@ class ChatTemplate:
             return self._template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
         except self._error as e:
             raise ValueError(f"the chat template refused the messages: {e}") from e
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
+            # a Python error inside the template: the request's messages are what it cannot take (a 400, not a 500)
+            raise ValueError(f"the chat template failed on the messages: {type(e).__name__}: {e}") from e
 
 
 def _token_text(value) -> str | None:
@@ -41,7 +49,11 @@ def _token_text(value) -> str | None:
 
 def load_chat_template(folder: str) -> ChatTemplate | None:
     """The template of a checkpoint folder: chat_template.jinja, else tokenizer_config.json's 'chat_template' (a
-    string, or a list of named ones: 'default'); None when it has none."""
+    string, or a list of named ones: 'default'); None when it has none. A tensorpar checkpoint's root reads its
+    latest step's files."""
+    from tensorpar.data.tokenizer import tokenizer_folder
+
+    folder = tokenizer_folder(folder)
     config = {}
     path = os.path.join(folder, "tokenizer_config.json")
     if os.path.isfile(path):

@@ -9,6 +9,7 @@ extensions vLLM also has: `top_k` and `ignore_eos`. Temperature 0 is greedy deco
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from tensorpar.serving.engine import EngineRequest
 from tensorpar.serving.step_plan import Sampling
@@ -58,6 +59,8 @@ def field(body: dict, name: str, kind, default=None, *, low=None, high=None, nul
         ok, value = True, float(value)
     if not ok:
         raise ApiError(f"'{name}' must be {_type_name(kind)}, got {type(value).__name__} {value!r:.40}", param=name)
+    if kind is float and not math.isfinite(value):  # JSON's NaN / Infinity, which Python's parser takes
+        raise ApiError(f"'{name}' must be a finite number, got {value}", param=name)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"at least {low}" if high is None else f"at most {high}" if low is None else f"in [{low}, {high}]"
         raise ApiError(f"'{name}' must be {bounds}, got {value}", param=name)
@@ -84,6 +87,10 @@ def _refuse_unsupported(body: dict) -> None:
     for name in ("tools", "functions", "suffix"):
         if body.get(name):
             raise ApiError(f"'{name}' is not supported by this server", param=name)
+    response_format = body.get("response_format")
+    if response_format is not None and not (isinstance(response_format, dict) and response_format.get("type") == "text"):
+        raise ApiError("'response_format' other than {\"type\": \"text\"} (JSON mode, JSON schemas) is not supported "
+                       "by this server", param="response_format")
 
 
 def _stop(body: dict) -> tuple[str, ...]:

@@ -1,0 +1,72 @@
+"""The request checks of `tensorpar.serving.protocol` alone, without a server: values that would reach the ranks and
+break them are refused with a 400 naming the field."""
+
+import json
+
+import pytest
+
+from tensorpar.serving.protocol import ApiError, ModelInfo, completion_request
+
+INFO = ModelInfo(name="m", context_len=64, vocab_size=300)
+
+
+class _Bytes:
+    def encode(self, text):
+        return list(text.encode())
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused(field, value):
+    """Python's JSON parser takes NaN and Infinity: a NaN temperature passed the range check and its sampled ids
+    crashed rank 0 (the whole server) in the tokenizer's decode."""
+    body = json.loads(f'{{"model": "m", "prompt": "hi", "max_tokens": 2, "{field}": {value}}}')
+    with pytest.raises(ApiError) as e:
+        completion_request(body, _Bytes(), INFO)
+    assert e.value.status == 400 and e.value.param == field
+
+
+def test_finite_numbers_still_pass():
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0.5, "top_p": 1, "presence_penalty": 0}
+    request, _ = completion_request(body, _Bytes(), INFO)
+    assert request.sampling.temperature == 0.5
+
+
+def test_a_chat_template_that_fails_is_a_400_and_a_broken_one_refused_at_start():
+    """A Python error inside the template (here str + int) was a 500 with a traceback in the log; a template with a
+    syntax error stopped `serve` with a traceback instead of one line."""
+    from tensorpar.errors import TensorparError
+    from tensorpar.serving.chat import ChatTemplate
+    from tensorpar.serving.protocol import chat_request
+
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length + 'x' }}")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with pytest.raises(ApiError) as e:
+        chat_request(body, _Bytes(), INFO, template)
+    assert e.value.status == 400 and e.value.param == "messages" and "TypeError" in e.value.message
+    with pytest.raises(TensorparError, match="chat template: line 1"):
+        ChatTemplate("{% for m in messages %}{{ m.content ")
+
+
+def test_json_mode_is_refused_not_ignored():
+    from tensorpar.serving.chat import ChatTemplate
+    from tensorpar.serving.protocol import chat_request
+
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+        with pytest.raises(ApiError) as e:
+            chat_request({**body, "response_format": fmt}, _Bytes(), INFO, template)
+        assert e.value.status == 400 and e.value.param == "response_format"
+    chat_request({**body, "response_format": {"type": "text"}}, _Bytes(), INFO, template)
+
+
+def test_strftime_now_renders_as_in_training_and_transformers():
+    """Templates that date their system prompt (strftime_now, which transformers and tensorpar's training renderer
+    give) were refused at every chat request: "'strftime_now' is undefined"."""
+    import datetime
+
+    from tensorpar.serving.chat import ChatTemplate
+
+    text = ChatTemplate("{{ strftime_now('%Y') }}|{{ messages[0]['content'] }}").render([{"role": "user", "content": "a"}])
+    assert text == f"{datetime.datetime.now().year}|a"
