@@ -123,8 +123,6 @@ def test_prompt_completion_rows_learn_the_completion_and_eos(folders, tmp_path):
 def test_a_checkpoint_root_gives_its_latest_steps_template(folders, tmp_path):
     """`train --init-from CKPT` and `serve --checkpoint CKPT` on a run's --save folder: the tokenizer files (and the
     chat template) are in its step folders, not at its root."""
-    from tensorpar.serving.chat import load_chat_template
-
     root = tmp_path / "ckpt"
     step = root / "step-000010"
     step.mkdir(parents=True)
@@ -134,7 +132,7 @@ def test_a_checkpoint_root_gives_its_latest_steps_template(folders, tmp_path):
     conversation = CONVERSATIONS[0]
     expected = ChatTemplate.load(folders["qwen"]).render(conversation, True)
     assert ChatTemplate.load(str(root)).render(conversation, True) == expected
-    assert load_chat_template(str(root)).render(conversation) == expected
+    assert ChatTemplate.of_folder(str(root)).render(conversation, True) == expected
 
 
 def test_a_template_that_fails_with_a_python_error_is_refused_in_one_line(folders, tmp_path):

@@ -36,23 +36,24 @@ def test_a_chat_template_that_fails_is_a_400_and_a_broken_one_refused_at_start()
     """A Python error inside the template (here str + int) was a 500 with a traceback in the log; a template with a
     syntax error stopped `serve` with a traceback instead of one line."""
     from tensorpar.errors import TensorparError
-    from tensorpar.serving.chat import ChatTemplate
+    from tensorpar.data.chat_template import ChatTemplate
     from tensorpar.serving.protocol import chat_request
 
-    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length + 'x' }}")
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length + 'x' }}", {},
+                            "a test")
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with pytest.raises(ApiError) as e:
         chat_request(body, _Bytes(), INFO, template)
     assert e.value.status == 400 and e.value.param == "messages" and "TypeError" in e.value.message
-    with pytest.raises(TensorparError, match="chat template: line 1"):
-        ChatTemplate("{% for m in messages %}{{ m.content ")
+    with pytest.raises(TensorparError, match="chat template of a test: line 1"):
+        ChatTemplate("{% for m in messages %}{{ m.content ", {}, "a test")
 
 
 def test_json_mode_is_refused_not_ignored():
-    from tensorpar.serving.chat import ChatTemplate
+    from tensorpar.data.chat_template import ChatTemplate
     from tensorpar.serving.protocol import chat_request
 
-    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}", {}, "a test")
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
         with pytest.raises(ApiError) as e:
@@ -66,7 +67,8 @@ def test_strftime_now_renders_as_in_training_and_transformers():
     give) were refused at every chat request: "'strftime_now' is undefined"."""
     import datetime
 
-    from tensorpar.serving.chat import ChatTemplate
+    from tensorpar.data.chat_template import ChatTemplate
 
-    text = ChatTemplate("{{ strftime_now('%Y') }}|{{ messages[0]['content'] }}").render([{"role": "user", "content": "a"}])
+    template = ChatTemplate("{{ strftime_now('%Y') }}|{{ messages[0]['content'] }}", {}, "a test")
+    text = template.render([{"role": "user", "content": "a"}], add_generation_prompt=True)
     assert text == f"{datetime.datetime.now().year}|a"

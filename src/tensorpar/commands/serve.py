@@ -22,6 +22,7 @@ from tensorpar.config.fields import add_options, check_choices, options_from_arg
 from tensorpar.config.options import ServeOptions
 from tensorpar.config.precision import Precision
 from tensorpar.data import load_tokenizer
+from tensorpar.data.chat_template import ChatTemplate
 from tensorpar.distributed.mesh import build_mesh
 from tensorpar.errors import TensorparError
 from tensorpar.functional.autocast import autocast_dtype
@@ -29,7 +30,6 @@ from tensorpar.layout import ParallelLayout
 from tensorpar.models.build import build_transformer
 from tensorpar.serving.app import Handler, HttpServer, check_serve_extra, create_app
 from tensorpar.serving.blocks import BlockAllocator, blocks_for
-from tensorpar.serving.chat import load_chat_template
 from tensorpar.serving.engine import Engine, follow
 from tensorpar.serving.paged_cache import PagedKVPool
 from tensorpar.serving.protocol import ModelInfo
@@ -88,12 +88,12 @@ def validate(options: ServeOptions):
     eos = eos_ids(options.checkpoint, tokenizer)
     eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
     info = ModelInfo(options.served_model_name or options.checkpoint, cfg.max_seq_len, cfg.vocab_size, eos)
-    load_chat_template(options.checkpoint)  # a broken template fails here, not at the first chat request
+    ChatTemplate.of_folder(options.checkpoint)  # a broken template fails here, not at the first chat request
     return options, layout, cfg, tokenizer, info, kv_tokens
 
 
 def _serve_rank0(options, engine: Engine, tokenizer, info: ModelInfo, pool) -> None:
-    handler = Handler(engine, tokenizer, info, load_chat_template(options.checkpoint))
+    handler = Handler(engine, tokenizer, info, ChatTemplate.of_folder(options.checkpoint))
     http = HttpServer(create_app(handler), options.host, options.port)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: engine.drain())

@@ -24,6 +24,7 @@ import json
 import os
 import re
 
+from tensorpar.data import tokenizer as tokenizer_files
 from tensorpar.errors import TensorparError
 
 # The tokenizer_config.json entries transformers passes to the template (its special_tokens_map).
@@ -55,6 +56,15 @@ def _read_json(path: str) -> dict:
     if not isinstance(data, dict):
         raise TensorparError(f"'{path}' holds a JSON {type(data).__name__}, not an object")
     return data
+
+
+def _special_tokens(folder: str | None) -> dict[str, str]:
+    """The special tokens' texts of a tokenizer folder's tokenizer_config.json (a checkpoint's root: its latest
+    step's), which templates read as variables."""
+    folder = tokenizer_files.tokenizer_folder(folder) if folder else None
+    config_path = os.path.join(folder, "tokenizer_config.json") if folder else None
+    config = _read_json(config_path) if config_path and os.path.isfile(config_path) else {}
+    return {k: _token_text(config[k]) for k in SPECIAL_TOKEN_KEYS if isinstance(_token_text(config.get(k)), str)}
 
 
 def _template_of(config: dict, folder: str) -> str | None:
@@ -91,24 +101,27 @@ class ChatTemplate:
         folder's tokenizer_config.json either way."""
         folder = tokenizer_folder if tokenizer_folder and os.path.isdir(tokenizer_folder) else (
             os.path.dirname(tokenizer_folder) if tokenizer_folder else None)
-        if folder:  # a tensorpar checkpoint's root: its latest step's files
-            from tensorpar.data.tokenizer import tokenizer_folder as files_folder
-            folder = files_folder(folder)
-        config_path = os.path.join(folder, "tokenizer_config.json") if folder else None
-        config = _read_json(config_path) if config_path and os.path.isfile(config_path) else {}
-        tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKEN_KEYS if isinstance(_token_text(config.get(k)), str)}
         if template_file is not None:
             if not os.path.isfile(template_file):
                 raise TensorparError(f"--chat-template file '{template_file}' does not exist")
             with open(template_file, encoding="utf-8") as f:
-                return cls(f.read(), tokens, f"'{template_file}'")
-        text = _template_of(config, folder) if folder else None
-        if text is None:
+                return cls(f.read(), _special_tokens(folder), f"'{template_file}'")
+        template = cls.of_folder(folder) if folder else None
+        if template is None:
             where = f"the tokenizer folder '{folder}'" if folder else "the tokenizer (none was given: bytes)"
             raise TensorparError(f"conversations need a chat template and {where} has none (no chat_template in "
                                  f"tokenizer_config.json, no chat_template.jinja): give --tokenizer a Hugging Face "
                                  f"tokenizer folder that has one, or --chat-template FILE")
-        return cls(text, tokens, f"the tokenizer folder '{folder}'")
+        return template
+
+    @classmethod
+    def of_folder(cls, folder: str) -> "ChatTemplate | None":
+        """The template of a tokenizer, Hugging Face model or tensorpar checkpoint folder (a checkpoint's root: its
+        latest step's files), or None when it has none."""
+        folder = tokenizer_files.tokenizer_folder(folder)
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        text = _template_of(_read_json(config_path) if os.path.isfile(config_path) else {}, folder)
+        return None if text is None else cls(text, _special_tokens(folder), f"the tokenizer folder '{folder}'")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The conversation as the template writes it (what `apply_chat_template(..., tokenize=False)` returns)."""

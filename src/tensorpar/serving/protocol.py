@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tensorpar.errors import TensorparError
 from tensorpar.serving.engine import EngineRequest
 from tensorpar.serving.step_plan import Sampling
 
@@ -205,7 +206,8 @@ def _messages(body: dict) -> list[dict]:
 
 def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequest, dict]:
     """As `completion_request`, for /v1/chat/completions: the messages rendered with the chat `template`
-    (`tensorpar.serving.chat.ChatTemplate`, or None when the checkpoint has none)."""
+    (`tensorpar.data.chat_template.ChatTemplate`: as training renders conversations; None when the checkpoint has
+    none)."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     check_model(body, info)
@@ -215,8 +217,8 @@ def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequ
         raise ApiError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                        "chat_template.jinja): use /v1/completions", param="messages")
     try:
-        prompt = tokenizer.encode(template.render(messages))
-    except ValueError as e:  # the template's own raise_exception: messages it does not take
+        prompt = tokenizer.encode(template.render(messages, add_generation_prompt=True))
+    except TensorparError as e:  # the template's raise_exception, or its error on messages it does not take
         raise ApiError(str(e), param="messages") from None
     prompts = _prompts({"prompt": prompt}, tokenizer, info)
     max_tokens = field(body, "max_completion_tokens", int, None, low=0)
