@@ -139,6 +139,31 @@ def test_export_refuses_what_the_family_cannot_hold():
         config_to_hf(gemma3.replace(rope_local_theta=None))
 
 
+def test_gemma3s_attention_soft_cap_is_left_unapplied_as_transformers_leaves_it(tmp_path):
+    """Gemma3TextConfig takes attn_logit_softcapping and Gemma3Attention never applies it: a folder that sets it
+    loads with a warning and gives transformers' logits (applying the cap of 0.5 moves them by 0.4, relative); a
+    config with the cap set has no Gemma 3 equivalent to export."""
+    from family_models import hf_model
+
+    model = hf_model("gemma3_text", 5)
+    model.config.attn_logit_softcapping = 0.5
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    with pytest.warns(UserWarning, match="attn_logit_softcapping=0.5 is not applied: transformers' Gemma3ForCausalLM"):
+        cfg, state = load_hf_folder(str(tmp_path / "hf"))
+    assert cfg.attn_logit_softcap is None
+    ours = Transformer(cfg, init=False)
+    load_full_state_dict(ours, state, "test")
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert rel_err(ours.eval()(ids), expected) <= TOL
+        capped = Transformer(cfg.replace(attn_logit_softcap=0.5), init=False)
+        load_full_state_dict(capped, state, "test")
+        assert rel_err(capped.eval()(ids), expected) > 100 * TOL  # the cap binds: leaving it out is what matters
+    with pytest.raises(TensorparError, match=r"attn_logit_softcap=0.5 \(needs None"):
+        config_to_hf(cfg.replace(attn_logit_softcap=0.5))
+
+
 def test_unsupported_model_type_is_named_before_any_rank_starts(cli, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     (tmp_path / "model.safetensors").write_bytes(b"")

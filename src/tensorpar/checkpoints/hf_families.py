@@ -69,7 +69,9 @@ class HFFamily:
     - `rope_types`: the RoPE scaling types its config class accepts (None: all of transformers'); `rope_aliases`:
       the old names it reads as others (Phi-3's "su" and "yarn" are its longrope), whose original length comes
       from the top-level `original_max_position_embeddings` first (Phi-3's);
-    - `fused`: q/k/v and gate/up stored fused (Phi-3)."""
+    - `fused`: q/k/v and gate/up stored fused (Phi-3);
+    - `unused`: fields its config class takes and its modeling file never applies (Gemma 3's attention soft cap): read
+      as transformers runs them, as unset, with a warning where one is set; an export that would need one is refused."""
 
     model_type: str
     architecture: str
@@ -86,6 +88,7 @@ class HFFamily:
     rope_types: tuple | None = None
     rope_aliases: dict = dataclasses.field(default_factory=dict)
     fused: bool = False
+    unused: tuple = ()
 
 
 def _sizes(vocab, hidden, ffn, layers, heads, kv, max_positions, eps, theta=10000.0, **more) -> dict:
@@ -123,7 +126,7 @@ FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (
                                                         sliding_window_pattern=6, rope_local_base_freq=10000.0),
              fixed=dict(_GEMMA, qk_norm="head"), biases="attention", windows="alternating",
              activation_field="hidden_activation", activations=_GELU, scaled_embedding=True, scores=True,
-             local_rope=True),
+             local_rope=True, unused=("attn_logit_softcapping",)),
     HFFamily("phi3", "Phi3ForCausalLM", _sizes(32064, 3072, 8192, 32, 32, None, 4096, 1e-5, sliding_window=None),
              fixed={k: v for k, v in PLAIN.items() if k != "partial_rotary_factor"}, windows="uniform",
              partial_rope=True, rope_types=("default", "longrope"), rope_aliases={"su": "longrope", "yarn": "longrope"},

@@ -15,6 +15,8 @@ types are its longrope, as its config class makes them.
 
 from __future__ import annotations
 
+import warnings
+
 from tensorpar.checkpoints.hf_families import DECODER, FAMILIES, family_of
 from tensorpar.checkpoints.hf_fields import boolean, positive_float, positive_int, unsupported
 from tensorpar.functional.rope import ROPE_TYPES, rope_type, scaling_problems
@@ -143,6 +145,10 @@ def _scores(hf: dict, fam) -> dict:
     for ours, theirs in (("attn_logit_softcap", "attn_logit_softcapping"),
                          ("final_logit_softcap", "final_logit_softcapping")):
         value = hf.get(theirs, fam.defaults.get(theirs))
+        if theirs in fam.unused and value is not None:
+            warnings.warn(f"config.json's {theirs}={value!r} is not applied: transformers' {fam.architecture} never "
+                          f"applies it, and tensorpar computes what transformers computes", UserWarning, stacklevel=2)
+            value = None
         caps[ours] = None if value is None else positive_float({theirs: value}, theirs)
     return dict(caps, query_pre_attn_scalar=positive_float(hf, "query_pre_attn_scalar",
                                                            fam.defaults["query_pre_attn_scalar"]))
@@ -220,6 +226,8 @@ def decoder_export_problems(cfg: ModelConfig) -> list[str]:
         bad.append("rope_local_theta=None (needs the sliding layers' own, unscaled base)")
     if fam.rope_types and rope_type(cfg.rope_scaling) not in fam.rope_types:
         bad.append(f"rope_scaling={rope_type(cfg.rope_scaling)!r} (needs one of {', '.join(fam.rope_types)})")
+    if "attn_logit_softcapping" in fam.unused and cfg.attn_logit_softcap is not None:
+        bad.append(f"attn_logit_softcap={cfg.attn_logit_softcap!r} (needs None: {fam.architecture} does not apply one)")
     if fam.scaled_embedding and cfg.embedding_multiplier != cfg.hidden_size ** 0.5:
         bad.append(f"embedding_multiplier={cfg.embedding_multiplier!r} (needs sqrt(hidden_size))")
     return bad
