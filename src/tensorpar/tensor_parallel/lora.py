@@ -81,6 +81,9 @@ class LoraSpec:
                                  f"{','.join(self.targets) or 'none'}")
         if not 0.0 <= self.dropout < 1.0:
             raise TensorparError(f"the LoRA dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 < self.alpha < float("inf"):  # NaN too
+            raise TensorparError(f"the LoRA alpha must be a positive number (the adapters' product is scaled by alpha "
+                                 f"/ rank: at 0 they would change nothing), got {self.alpha}")
 
     @classmethod
     def parse(cls, rank: int, alpha: float | None, targets: str, dropout: float) -> "LoraSpec":
