@@ -218,6 +218,13 @@ def test_load_errors(hf_models, tmp_path):
     shutil.copy(hf_models["gpt2"][0] / "config.json", empty / "config.json")
     with pytest.raises(TensorparError, match="no \\*.safetensors files"):
         load_hf_folder(empty)
+    (empty / "pytorch_model.bin").write_bytes(b"")
+    from tensorpar.checkpoints.sources import load_config
+
+    for load in (load_hf_folder, load_config):  # what the commands check before any rank starts, then load
+        with pytest.raises(TensorparError, match=r"no \*.safetensors files \(found pytorch_model.bin: only safe"):
+            load(str(empty))
+    (empty / "pytorch_model.bin").unlink()
     (empty / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "relu"}))
     with pytest.raises(TensorparError, match="config.json.*hidden_act='relu'"):
         load_hf_folder(empty)

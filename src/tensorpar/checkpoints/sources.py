@@ -42,6 +42,11 @@ def load_config(path: str):
             return with_held_mtp_layers(config_from_hf(hf), path)
         except TensorparError as e:
             raise TensorparError(f"{config}: {e}") from None
+    weights = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth")))
+    if os.path.isfile(config) and weights:
+        raise TensorparError(f"Hugging Face folder '{path}' has no *.safetensors files (found {', '.join(weights)}: "
+                             f"only safetensors checkpoints are supported; transformers' save_pretrained writes "
+                             f"them by default)")
     raise TensorparError(
         f"checkpoint '{path}' is not a Hugging Face model folder (config.json with model_type "
         f"{', '.join(SUPPORTED_MODEL_TYPES)}, "

@@ -57,8 +57,8 @@ def print_summary(s: dict) -> None:
     if s.get("lora"):
         a, share = s["lora"], s["lora"]["trainable_parameters"] / s["parameters"]
         print(f"LoRA: rank {a['rank']}, alpha {a['alpha']:g} on {','.join(a['targets'])}: "
-              f"{a['trainable_parameters']:,} parameters trained ({100 * share:.2f}% of the model's), the rest frozen; "
-              f"a PEFT adapter in each checkpoint's adapter/ folder")
+              f"{a['trainable_parameters']:,} parameters trained ({100 * share:.2f}% of the model's), the rest frozen"
+              + ("; a PEFT adapter in each checkpoint's adapter/ folder" if s.get("save") else ""))
     if s.get("examples"):
         print(examples_line(s["examples"]))
     if s.get("moe"):

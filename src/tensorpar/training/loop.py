@@ -175,7 +175,7 @@ def step_loop(s: Session) -> LoopResult:
     progress = None
     if s.is_main and o.progress:
         progress = tqdm(total=o.steps, initial=s.start_step, unit="step", dynamic_ncols=True,
-                        desc=f"train {o.model} tp={mesh.tp_size} dp={mesh.dp_size}")
+                        desc=f"train {o.init_from or o.model} tp={mesh.tp_size} dp={mesh.dp_size}")
     mesh.stats.reset()
     started = time.perf_counter()
     result = LoopResult([], 0.0)

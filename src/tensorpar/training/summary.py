@@ -83,6 +83,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
     comm = {f"{op}/{group}": (c.calls, c.bytes) for (op, group), c in mesh.stats.snapshot().items()}
     summary = {
         "model": o.init_from or o.model,
+        "save": o.save,
         "parameters": s.run.cfg.num_parameters(),
         "layout": s.layout.as_dict(),
         "recompute": o.recompute,
@@ -123,7 +124,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
         if o.sample_tokens and result.stop_signal is None:
             _sample(s, summary)
     if s.is_main and o.out_dir and records:
-        title = (f"{o.model}: tp={mesh.tp_size} dp={mesh.dp_size}{' +SP' if s.model.sequence_parallel else ''}, "
+        title = (f"{o.init_from or o.model}: tp={mesh.tp_size} dp={mesh.dp_size}{' +SP' if s.model.sequence_parallel else ''}, "
                  f"{o.dtype}, {o.steps} steps")
         summary["loss_plot"] = draw_or_warn("the loss curve", plot_loss_curve, records,
                                             os.path.join(o.out_dir, "loss.png"), title)
