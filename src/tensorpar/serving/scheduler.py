@@ -162,7 +162,7 @@ class Scheduler:
         self.allocator.grow(seq.seq_id, seq.computed + n)
         chunks.append((seq, n))
         scheduled.add(seq.seq_id)
-        seq.long_rope = self.rope_switch is not None and seq.length > self.rope_switch
+        seq.long_rope = self._salt(seq)
         size = self.allocator.block_size
         if self.allocator.prefix_caching and (seq.computed + n) // size > seq.computed // size:
             # registered now: a sequence joining later in this step may share them, since the step writes every
