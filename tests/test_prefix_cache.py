@@ -201,3 +201,111 @@ def test_cached_prefixes_give_the_tokens_and_logprobs_of_whole_prompts(pools, tp
         # the first computes the system prompt; the second joins the same step (8 of its 18 tokens: the budget)
         # and shares its three full blocks already, being written in that step; the others join later
         assert hits == [0, 12, 12, 12, 12, 12] and fed == fed_whole - 5 * 12, (rank, hits, fed, fed_whole)
+
+
+# -- random workloads ---------------------------------------------------------------------------------------------
+
+
+def _random_workload(rng, vocab: int, longest: int):
+    """Requests (arrival step, prompt, max_tokens, n, cancelled 3 steps after arrival) whose prompts share starts of
+    three texts, cut anywhere (inside blocks and at their edges); a block size, token budget and batching mode."""
+    texts = [[rng.randrange(vocab) for _ in range(rng.randint(1, longest))] for _ in range(3)]
+    requests = []
+    for _ in range(rng.randint(4, 10)):
+        text = rng.choice(texts)
+        cut = rng.randint(0, len(text))
+        prompt = text[:cut] + [rng.randrange(vocab) for _ in range(rng.randint(0 if cut else 1, 6))]
+        requests.append((rng.randint(0, 6), prompt, rng.randint(0, 6), rng.choice([1, 1, 2, 3]), rng.random() < 0.15))
+    return requests, rng.choice([2, 3, 4, 8]), rng.choice([1, 3, 8, 32]), rng.random() < 0.3
+
+
+def _check_tables(a: BlockAllocator) -> None:
+    """Each block held as often as tables hold it, and then neither free nor waiting with its prefix; a block waiting
+    in the free list with a prefix is registered."""
+    holders = {}
+    for table in a.tables.values():
+        for block in table:
+            holders[block] = holders.get(block, 0) + 1
+    for block in range(a.num_blocks):
+        assert a._refs[block] == holders.get(block, 0), block
+        assert (holders.get(block, 0) > 0) + (block in a._free) + (block in a._cached) == 1, block
+        assert block not in a._cached or block in a._key_of, block
+
+
+def _serve_random(model, seed: int, prefix_caching: bool) -> tuple[dict, int]:
+    """Every sequence's greedy tokens and their log-probs, and the tokens found cached, serving the random workload
+    `seed` as the engine does (max_tokens 0 finishes at once; a cancelled request leaves mid-flight)."""
+    import random
+
+    rng = random.Random(seed)
+    switch = model.rope_switch_length()
+    requests, block, budget, static = _random_workload(rng, model.cfg.vocab_size, min(30, model.cfg.max_seq_len - 14))
+    blocks = max(blocks_needed := -(-max(len(p) + m for _, p, m, _, _ in requests) // block), 3) + rng.randint(0, 6)
+    assert blocks >= blocks_needed
+    pool = PagedKVPool.for_model(model, blocks, block)
+    s = Scheduler(BlockAllocator(blocks, block, prefix_caching=prefix_caching), token_budget=budget, max_running=4,
+                  max_waiting=100, static=static, rope_switch=switch)
+    out, cancels, waiting, step_no, seq_id = {}, [], sorted(enumerate(requests), key=lambda r: r[1][0]), 0, 0
+    with torch.no_grad():
+        while waiting or not s.idle:
+            while waiting and waiting[0][1][0] <= step_no:
+                r, (_, prompt, max_tokens, n, cancelled) = waiting.pop(0)
+                seqs = [Sequence(seq_id + j, list(prompt), max_tokens) for j in range(n)]
+                seq_id += n
+                s.add(seqs)
+                out.update({q.seq_id: (q, []) for q in seqs})
+                for q in seqs:
+                    if max_tokens == 0:
+                        s.remove(q)
+                cancels += [(step_no + 3, q) for q in seqs if cancelled]
+            for q in [q for at, q in cancels if at == step_no]:
+                s.remove(q)
+            step = s.schedule()
+            _check_tables(s.allocator)
+            items = [StepItem(tuple(q.tokens[q.computed:q.computed + n]), q.computed,
+                              tuple(s.allocator.tables[q.seq_id]), sample=Sampling() if q.computed + n == q.length
+                              else None, step=len(q.generated), top_logprobs=0, reach=q.length) for q, n in step]
+            results = run_step(model, pool, StepPlan(tuple(items))) if items else []
+            s.advance(step)
+            for (q, _), result in zip(step, results):
+                if result.token is not None:
+                    q.generated.append(result.token)
+                    out[q.seq_id][1].append(result.logprob.logprob)
+                    if len(q.generated) >= q.max_tokens:
+                        s.remove(q)
+            step_no += 1
+            assert step_no < 1000, "the scheduler stopped making progress"
+    assert s.allocator.used_blocks == 0
+    return {i: (q.generated, lp, any(c is q for _, c in cancels)) for i, (q, lp) in out.items()}, s.prefix_hits
+
+
+@pytest.fixture(scope="module")
+def longrope_model(tmp_path_factory):
+    """A Phi-3 with longrope (original length 8, context 32): sequences cross it, their keys' factors change."""
+    from serving_model import save_phi3_longrope
+    from tensorpar.checkpoints.hf import load_hf_folder
+    from tensorpar.models import load_full_state_dict
+
+    cfg, state = load_hf_folder(save_phi3_longrope(tmp_path_factory.mktemp("phi3"), original=8))
+    model = Transformer(cfg, init=False)
+    load_full_state_dict(model, state, "test")
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["rope", "longrope"])
+def test_random_workloads_give_the_tokens_and_logprobs_of_whole_prompts(kind, request):
+    """Prefixes shared inside and at block edges, chunked prefills, preemptions and evictions in small pools, n > 1,
+    static batching, cancellations, longrope's switch: each sequence's tokens and log-probs (1e-5) as without the
+    cache, the tables consistent after every step. (Keys registered without longrope's factors in them fail this.)"""
+    model = request.getfixturevalue("longrope_model") if kind == "longrope" else Transformer(CFG.replace(hidden_size=32, ffn_hidden_size=64),
+                                                                  None, seed=3).eval()
+    hits = 0
+    for seed in range(8):
+        (cached, found), (whole, _) = _serve_random(model, seed, True), _serve_random(model, seed, False)
+        hits += found
+        for seq_id, (tokens, logprobs, cancelled) in whole.items():
+            got = cached[seq_id][0]
+            # a cancelled sequence leaves at a step, after as many tokens as it had then (fewer steps with the cache)
+            assert (got[:len(tokens)] == tokens[:len(got)]) if cancelled else got == tokens, (seed, seq_id)
+            assert max((abs(a - b) for a, b in zip(cached[seq_id][1], logprobs)), default=0.0) <= 1e-5, (seed, seq_id)
+    assert hits > 50, hits  # the workloads do share prefixes
