@@ -173,8 +173,9 @@ class BucketedOptimizer:
 
     def memory(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients (the most alive at once since `begin_step`) and optimizer
-        state (AdamW moments and, under ZeRO, the fp32 master slices; `host_optimizer` instead when offloaded)."""
-        master = self.weights.master_bytes() if self.sharded else 0
+        state (AdamW moments and the fp32 masters of bf16/fp16 parameters, whole or, under ZeRO, their slices;
+        `host_optimizer` instead when offloaded)."""
+        master = self.weights.master_bytes()
         return offloaded_memory(self.weights, self.optimizer, {
             "parameters": self.param_bytes, "gradients": self.grad_bytes.peak,
             "optimizer": state_bytes(self.optimizer) + master})
