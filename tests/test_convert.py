@@ -20,6 +20,7 @@ def test_convert_round_trip_is_bit_exact_and_transformers_loads_the_export(saved
     hf_dir, back, hf_again = tmp_path / "hf", tmp_path / "back", tmp_path / "hf2"
     proc, _ = tensorpar("convert", str(save), str(hf_dir))
     assert proc.returncode == 0, proc.stderr
+    assert f"parameters, {transformers.AutoConfig.from_pretrained(hf_dir).architectures[0]}; " in proc.stdout
     for src, dst in ((hf_dir, back), (back, hf_again)):
         code, _, err = cli("convert", src, dst)
         assert code == 0, err

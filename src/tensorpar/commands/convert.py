@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 from tensorpar.checkpoints.hf import is_hf_folder, save_hf_folder
+from tensorpar.checkpoints.hf_config import config_to_hf
 from tensorpar.checkpoints.peft_adapter import ADAPTER_FOLDER, merge_adapters, write_adapter
 from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
 from tensorpar.checkpoints.sources import checkpoint_tokenizer, load_unmerged, tokenizer_files
@@ -73,6 +74,7 @@ def run(args, argv) -> int:
         write_dense_checkpoint(options.dest, cfg, state, tokenizer_files=files)
         carried = f"tokenizer files {', '.join(sorted(files))}" if files else "no tokenizer files"
     merged = ", LoRA merged" if options.merge_lora else ""
+    kind = config_to_hf(cfg)["architectures"][0] if to == "hf" else cfg.family  # Mixtral, not its family "llama"
     print(f"wrote {to} {'folder' if to == 'hf' else 'checkpoint'} {options.dest} ({sum(t.numel() for t in state.values()):,} "
-          f"parameters, {cfg.family}{merged}; {carried})")
+          f"parameters, {kind}{merged}; {carried})")
     return 0
