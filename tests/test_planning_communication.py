@@ -94,7 +94,7 @@ def test_predicted_comm_bytes_equal_counted_and_parameters_match(pools, tp, conf
         assert grads == precision_recipes.PRECISIONS["tensorpar-fp32"].grad_bytes * planned_params.parameter_count(cfg, tp)
 
 
-def check_training_step_comm(zero, micro_batches, fp8="", lora=None, sequence_parallel=True):
+def check_training_step_comm(zero, micro_batches, fp8="", lora=None, sequence_parallel=True, recompute="none"):
     """A trainer step (tensorpar.training.trainer.train's loop body) at tp=2 x dp=2, with or without
     `sequence_parallel`; `fp8`: a recipe for the GEMMs (of fp32 parameters here, whose gradients are reduced in fp32
     over TP and DP alike); `lora`: a LoraSpec, the Llama-style model's adapters trained and its base frozen."""
@@ -108,7 +108,7 @@ def check_training_step_comm(zero, micro_batches, fp8="", lora=None, sequence_pa
     torch.manual_seed(m.dp_rank)
     B, S = 2, 16
     model = Transformer(cfg, Placement.on(m, sequence_parallel=sequence_parallel, fp8=Fp8Recipe(fp8) if fp8 else None,
-                                          lora=lora), seed=1)
+                                          lora=lora, recompute=recompute), seed=1)
     model.train()
     if zero == 3:
         opt = FullyShardedOptimizer(model, m, lr=1e-3, weight_decay=0.1)
@@ -126,7 +126,8 @@ def check_training_step_comm(zero, micro_batches, fp8="", lora=None, sequence_pa
     opt.clip_and_step(1.0)
     m.dp_group.all_reduce(step_loss)
     counted = {k: c.bytes for k, c in m.stats.snapshot().items()}
-    layout = Candidate.of(tp=2, dp=2, sequence_parallel=sequence_parallel, micro_batch_size=B, zero=zero)
+    layout = Candidate.of(tp=2, dp=2, sequence_parallel=sequence_parallel, micro_batch_size=B, zero=zero,
+                          recompute=recompute)
     colls = communication.step_collectives(cfg, layout, S, micro_batches, bucket_bytes=64 * 1024, fp8_recipe=fp8,
                                            lora=lora)
     return counted, collective_cost.sum_bytes(colls)
@@ -169,10 +170,12 @@ def test_lora_training_step_comm_equals_counted(pools, zero, sp, targets):
 
 # fp8 GEMMs with the base frozen: the first layer's q/k/v compute no gradient, so their backward amax all-reduce
 # does not run, and ZeRO-3 gathers the frozen base in its own dtype (only trained weights are gathered in fp8)
-@pytest.mark.parametrize("zero,fp8", [(1, "tensorwise"), (3, "tensorwise"), (1, "rowwise")])
-def test_lora_fp8_training_step_comm_equals_counted(pools, zero, fp8):
+# (under full recomputation the blocks' forward runs twice, its amax all-reduces too)
+@pytest.mark.parametrize("zero,fp8,recompute", [(1, "tensorwise", "none"), (3, "tensorwise", "none"),
+                                                (1, "rowwise", "none"), (1, "tensorwise", "full"), (3, "rowwise", "full")])
+def test_lora_fp8_training_step_comm_equals_counted(pools, zero, fp8, recompute):
     for rank, (counted, predicted) in enumerate(pools(WORLD).run(check_training_step_comm, zero, 2, fp8,
-                                                                 lora_spec("all"))):
+                                                                 lora_spec("all"), True, recompute)):
         assert counted == predicted, f"rank {rank}: counted {counted} != predicted {predicted}"
 
 
