@@ -87,20 +87,29 @@ def collections_counter(tables):
     return held
 
 
-def _key_tokens(key):
-    """(tokens, salt) of a registered prefix's key chain."""
+def _key_tokens(a: BlockAllocator, key):
+    """(tokens, salt) of a registered prefix's key (parent, tokens), the parent the salt's root or the serial of the
+    previous block's registration; None when that registration is gone (the key cannot be found any more)."""
+    blocks = {serial: block for block, serial in a._serial_of.items()}
     parts = []
-    while len(key) == 2:
-        key, block = key
-        parts.append(block)
-    return [t for block in reversed(parts) for t in block], key[0]
+    while True:
+        parent, tokens = key
+        parts.append(tokens)
+        if isinstance(parent, tuple):
+            return [t for block in reversed(parts) for t in block], parent[0]
+        if parent not in blocks:
+            return None
+        key = a._key_of[blocks[parent]]
 
 
 def check_contents(a: BlockAllocator, shadow: dict, seqs) -> None:
     """Every registered block, and every computed token a sequence holds, holds the keys of its tokens."""
     size = a.block_size
     for key, block in a._block_of.items():
-        tokens, salt = _key_tokens(key)
+        found = _key_tokens(a, key)
+        if found is None:
+            continue
+        tokens, salt = found
         first = len(tokens) - size
         for i in range(size):
             assert shadow.get(block * size + i) == (tuple(tokens[:first + i + 1]), salt), ("registered", block, i)
