@@ -309,3 +309,18 @@ def test_random_workloads_give_the_tokens_and_logprobs_of_whole_prompts(kind, re
             assert (got[:len(tokens)] == tokens[:len(got)]) if cancelled else got == tokens, (seed, seq_id)
             assert max((abs(a - b) for a, b in zip(cached[seq_id][1], logprobs)), default=0.0) <= 1e-5, (seed, seq_id)
     assert hits > 50, hits  # the workloads do share prefixes
+
+
+def test_a_long_cached_prefix_is_found_without_recursing_through_its_chain():
+    """A prompt of more full blocks than Python's recursion limit (1000): its prefix, registered by the first
+    sequence, is looked up by the second (and by a choice joining in the same step) without a RecursionError in
+    schedule(), which would stop the server's engine loop."""
+    s = Scheduler(BlockAllocator(1300, 1, prefix_caching=True), token_budget=4096, max_running=8, max_waiting=16)
+    prompt = [i % 50 for i in range(1200)]
+    first = Sequence(0, list(prompt), max_tokens=1)
+    s.add([first])
+    _finish(s, first)
+    again = [Sequence(1, list(prompt), max_tokens=1), Sequence(2, list(prompt) + [3], max_tokens=1)]
+    s.add(again)
+    s.schedule()
+    assert [q.computed for q in again] == [1199, 1200]

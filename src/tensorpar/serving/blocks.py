@@ -9,7 +9,11 @@ other ranks receive the tables with each step.
 
 **Prefix caching** (`prefix_caching=True`, vLLM's automatic prefix caching). A full block whose keys and values are
 computed is registered under its content: the tokens of the sequence up to its end (a chain: the previous block's
-key and the block's own tokens) and a salt for what else shapes the keys (longrope's factors). A sequence that
+registration and the block's own tokens) and a salt for what else shapes the keys (longrope's factors). A key is flat,
+(parent, tokens): `parent` is the salt for a first block, else the serial number of the previous block's
+registration, never given twice, so that comparing two keys never walks the chain (a nested chain of tuples compared
+recursively and raised RecursionError beyond 1000 blocks); a block registered after a parent that was taken since
+is simply not found. A sequence that
 starts takes the registered blocks of its longest registered prefix instead of computing them; a block is shared by
 reference count and never written again (only full blocks are shared, and a sequence writes only after the tokens
 it holds). A block whose last holder leaves keeps its content while it waits in the free list, taken for other
@@ -39,9 +43,12 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, -1, -1))  # holding no registered prefix: popped from the end
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # registered, unheld; LRU first
         self._refs = [0] * num_blocks
-        self._block_of: dict[tuple, int] = {}  # a registered prefix's key -> its block
+        self._block_of: dict[tuple, int] = {}  # a registered prefix's key (parent, tokens) -> its block
         self._key_of: dict[int, tuple] = {}
-        self._registered: dict[int, tuple[int, tuple]] = {}  # seq_id -> (its first blocks registered, the last's key)
+        self._serial_of: dict[int, int] = {}  # a registered block -> its registration's serial: its children's parent
+        self._serials = 0
+        self._registered: dict[int, tuple[int, Hashable]] = {}  # seq_id -> (its first blocks registered, the parent
+        # of the next: the last one's serial, or the salt's root)
         self.tables: dict[int, list[int]] = {}
 
     @property
@@ -98,26 +105,25 @@ class BlockAllocator:
             return self._free.pop()
         block, _ = self._cached.popitem(last=False)  # the least recently released prefix gives way
         del self._block_of[self._key_of.pop(block)]
+        del self._serial_of[block]
         return block
 
-    def _keys(self, tokens: Sequence[int], first: int, end: int, key: tuple):
-        """The keys of full blocks `first` to `end` - 1 of `tokens`, `key` being block `first` - 1's (or the salt's):
-        each the previous block's key and the block's tokens."""
-        size = self.block_size
-        for b in range(first, end):
-            key = (key, tuple(tokens[b * size:(b + 1) * size]))
-            yield key
+    def _key(self, tokens: Sequence[int], b: int, parent: Hashable) -> tuple:
+        """The key of full block `b` of `tokens` after `parent` (`_serial_of` block b - 1, or the salt's root)."""
+        return parent, tuple(tokens[b * self.block_size:(b + 1) * self.block_size])
 
     def cached_prefix(self, tokens: Sequence[int], salt: Hashable = False) -> list[int]:
         """The registered blocks of the longest prefix of `tokens` made of full blocks, leaving at least the last
         token out (its logits are wanted, so it must be computed)."""
         found = []
         if self.prefix_caching:
-            for key in self._keys(tokens, 0, (len(tokens) - 1) // self.block_size, (salt,)):
-                block = self._block_of.get(key)
+            parent: Hashable = (salt,)
+            for b in range((len(tokens) - 1) // self.block_size):
+                block = self._block_of.get(self._key(tokens, b, parent))
                 if block is None:
                     break
                 found.append(block)
+                parent = self._serial_of[block]
         return found
 
     def blocks_to_start(self, tokens: int, prefix: list[int]) -> int:
@@ -133,7 +139,7 @@ class BlockAllocator:
             self._refs[block] += 1
             self._cached.pop(block, None)
         self.tables[seq_id] = list(prefix)
-        self._registered[seq_id] = (len(prefix), self._key_of[prefix[-1]] if prefix else (salt,))
+        self._registered[seq_id] = (len(prefix), self._serial_of[prefix[-1]] if prefix else (salt,))
 
     def register(self, seq_id: int, tokens: Sequence[int], computed: int, salt: Hashable = False) -> None:
         """Register the full blocks of `seq_id` among its first `computed` tokens (`tokens`), whose keys and values
@@ -142,10 +148,19 @@ class BlockAllocator:
         if not self.prefix_caching:
             return
         table = self.tables.get(seq_id, ())
-        done, key = self._registered.get(seq_id, (0, (salt,)))
+        done, parent = self._registered.get(seq_id, (0, (salt,)))
         full = min(computed // self.block_size, len(table))
-        for b, key in enumerate(self._keys(tokens, done, full, key), done):
-            if key not in self._block_of and table[b] not in self._key_of:
-                self._block_of[key], self._key_of[table[b]] = table[b], key
+        for b in range(done, full):
+            key = self._key(tokens, b, parent)
+            block = self._block_of.get(key)
+            if block is None and table[b] not in self._key_of:
+                block = table[b]
+                self._serials += 1
+                self._block_of[key], self._key_of[block], self._serial_of[block] = block, key, self._serials
+            if block is None:  # not registrable (cannot happen: a sequence's own blocks hold no prefix): the rest
+                self._serials += 1  # of its chain under a parent nobody finds
+                parent = self._serials
+            else:
+                parent = self._serial_of[block]
         if full > done:
-            self._registered[seq_id] = (full, key)
+            self._registered[seq_id] = (full, parent)
