@@ -202,6 +202,15 @@ CASES = [  # (seed, block_size, blocks, budget, max_running, static, longrope)
 ]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Steps of a few tokens: a second thread only adds its start-up to every GEMM (3 s instead of 20 here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"seed{c[0]}" for c in CASES])
 def test_prefix_caching_changes_no_token_or_logprob(case):
     seed, block_size, blocks, budget, max_running, static, longrope = case
