@@ -216,3 +216,20 @@ def test_a_long_cached_prefix_is_found_without_recursing_through_its_chain():
     s.add(again)
     s.schedule()
     assert [q.computed for q in again] == [1199, 1200]
+
+
+def test_a_sequence_holding_only_shared_blocks_is_not_preempted_for_blocks():
+    """Preempting it would free nothing (a static batch's member that joined without being fed holds only its cached
+    prefix): the sequence that needs the block gives way instead."""
+    s = _scheduler(blocks=4, budget=64)
+    first = Sequence(0, [1] * 8 + [2], max_tokens=10)
+    s.add([first])
+    s.advance(s.schedule())  # 9 tokens: two full blocks, registered, and one of its own
+    shared = Sequence(1, [1] * 8 + [3], max_tokens=5, arrival=5)
+    s.allocator.share(1, s.allocator.cached_prefix(shared.tokens))
+    shared.computed = 8
+    s.running.append(shared)
+    s.allocator.grow(0, 16)  # the pool's last block
+    assert s.allocator.own_blocks(1) == 0 and s.allocator.own_blocks(0) == 2 and s.allocator.free_blocks == 0
+    assert s._make_room(first, 17, set()) is False  # `first` itself gives way: its blocks are the ones that free
+    assert shared.preemptions == 0 and first.preemptions == 1 and s.allocator.free_blocks == 2

@@ -69,6 +69,10 @@ class BlockAllocator:
         """Blocks `seq_id` still needs to hold `tokens` tokens."""
         return max(0, blocks_for(tokens, self.block_size) - len(self.tables.get(seq_id, ())))
 
+    def own_blocks(self, seq_id: int) -> int:
+        """Blocks of `seq_id` that no other sequence holds: what freeing it gives back."""
+        return sum(self._refs[block] == 1 for block in self.tables.get(seq_id, ()))
+
     def can_hold(self, seq_id: int, tokens: int) -> bool:
         return self.missing(seq_id, tokens) <= self.free_blocks
 

@@ -186,9 +186,11 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, tokens: int, scheduled: set[int]) -> bool:
         """Free blocks until `seq` can hold `tokens` tokens by preempting the youngest running sequences not yet in
-        this step (`seq` itself last); False when `seq` was the one preempted."""
+        this step (`seq` itself last); False when `seq` was the one preempted. A sequence whose blocks are all
+        shared with others (a cached prefix) frees none: it is not preempted for blocks."""
         while not self.allocator.can_hold(seq.seq_id, tokens):
-            victims = [s for s in self.running if s is not seq and s.seq_id not in scheduled]
+            victims = [s for s in self.running if s is not seq and s.seq_id not in scheduled
+                       and self.allocator.own_blocks(s.seq_id)]
             victim = max(victims, key=lambda s: s.arrival) if victims else seq
             self.preempt(victim)
             if victim is seq:
