@@ -93,6 +93,21 @@ def lines(path) -> list[dict]:
         return []
 
 
+def wait_for_steps(proc, metrics, steps: int, timeout=90.0) -> None:
+    """Until `proc`'s run has logged `steps` steps; an exit or a timeout first fails with the run's stderr (the job
+    killed), not only "timed out"."""
+    try:
+        wait_for(lambda: len(lines(metrics)) >= steps or proc.poll() is not None, timeout, f"{steps} steps")
+    except AssertionError:
+        pass
+    if len(lines(metrics)) < steps:
+        ended = "the timeout" if proc.poll() is None else f"its exit ({proc.returncode})"
+        for pid in job_pids(proc.job):
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        raise AssertionError(f"the run logged {len(lines(metrics))} of {steps} steps before {ended}:\n{err[-3000:]}")
+
+
 def finish(proc, timeout=60.0):
     """(returncode, stderr, seconds) once the launcher has exited."""
     t0 = time.monotonic()
@@ -110,7 +125,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_saves_the_last_step(pools,
     save, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--save", str(save),
                  "--metrics", str(metrics), "--out-dir", str(tmp_path / "run"), *COMMON)
-    wait_for(lambda: len(lines(metrics)) >= 3, what="three steps")
+    wait_for_steps(proc, metrics, 3)
     ranks = rank_pids(proc.pid)
     assert sorted(ranks) == [0, 1]
     proc.send_signal(signal.SIGTERM)
@@ -134,7 +149,7 @@ def test_a_killed_rank_ends_the_job_with_a_line_naming_it(config_file, tmp_path,
                  "--out-dir", str(tmp_path / "run"), *COMMON)
     ranks = wait_for(lambda: (r := rank_pids(proc.pid)) and len(r) == 2 and r, what="two ranks")
     if when == "mid-training":
-        wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+        wait_for_steps(proc, metrics, 2)
     os.kill(ranks[1], signal.SIGKILL)
     code, err, seconds = finish(proc)
     assert code == 128 + signal.SIGKILL and seconds < 60, err
@@ -146,7 +161,7 @@ def test_a_stopped_rank_is_caught_by_the_collective_timeout(config_file, tmp_pat
     metrics = tmp_path / "m.jsonl"
     proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--metrics", str(metrics),
                  "--out-dir", str(tmp_path / "run"), "--timeout", "4", *COMMON)
-    wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+    wait_for_steps(proc, metrics, 2)
     ranks = rank_pids(proc.pid)
     os.kill(ranks[1], signal.SIGSTOP)
     code, err, seconds = finish(proc)
@@ -165,7 +180,7 @@ def test_a_stopped_rank_is_caught_by_the_collective_timeout(config_file, tmp_pat
     group = "tp" if "on group 'tp'" in failure[0] else "world"
     said = diagnose(records)
     assert said.startswith("Rank 1 left no flight record"), said
-    assert f"Rank 0 (failed) waited in" in said and f"on group '{group}'" in said and "rank 1 left no record" in said
+    assert "Rank 0 (failed) waited in" in said and f"on group '{group}'" in said and "rank 1 left no record" in said
 
 
 def test_a_crash_restart_loop_always_continues_from_latest(config_file, tmp_path):
@@ -209,7 +224,7 @@ def test_ctrl_c_at_the_terminal_reaches_the_ranks_once(config_file, tmp_path):
     save, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--save", str(save),
                  "--metrics", str(metrics), "--out-dir", str(tmp_path / "run"), *COMMON)
-    wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+    wait_for_steps(proc, metrics, 2)
     os.killpg(proc.pid, signal.SIGINT)  # the terminal signals the foreground process group
     code, err, _ = finish(proc)
     assert code == 128 + signal.SIGINT, err
@@ -222,7 +237,7 @@ def test_a_stop_sent_to_every_process_of_the_job_still_saves(config_file, tmp_pa
     save, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--save", str(save),
                  "--metrics", str(metrics), "--out-dir", str(tmp_path / "run"), *COMMON)
-    wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+    wait_for_steps(proc, metrics, 2)
     for pid in job_pids(proc.job):
         os.kill(pid, signal.SIGTERM)
     code, err, _ = finish(proc)
@@ -235,7 +250,7 @@ def test_a_stop_sent_to_one_rank_stops_the_job_as_a_stop(config_file, tmp_path):
     save, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = start("train", "--model", config_file, "--tp", "2", "--steps", str(STEPS), "--save", str(save),
                  "--metrics", str(metrics), "--out-dir", str(tmp_path / "run"), *COMMON)
-    wait_for(lambda: len(lines(metrics)) >= 2, what="two steps")
+    wait_for_steps(proc, metrics, 2)
     os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)
     code, err, _ = finish(proc)
     assert code == 128 + signal.SIGTERM and "tensorpar: error" not in err, err
