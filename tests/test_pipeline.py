@@ -120,7 +120,7 @@ def check_measured_schedule(schedule, pp, microbatches, virtual_stages, slowdown
     timed_step(0.0)  # warm-up (connections), without the sleeps
     hops, best = [], None
     for _ in range(steps):
-        hops += [_span(timed_step(0.0)) for _ in range(2)]
+        hops += [_span(timed_step(0.0)) for _ in range(4)]  # their least disturbed: the hops themselves
         timelines = timed_step(slowdown)
         measured = (measured_bubble(timelines), _span(timelines))
         best = measured if best is None or measured < best else best
