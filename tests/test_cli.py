@@ -128,3 +128,12 @@ def test_bad_input_under_torchrun_is_reported_by_every_rank():
                         launcher=[torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tensorpar"])
     ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("tensorpar: error:")]
     assert sorted(ln.split("]")[0] for ln in ours) == [f"tensorpar: error: [rank {r}" for r in range(2)], proc.stderr
+
+
+def test_a_model_config_file_that_is_not_json_is_refused_in_one_line(cli, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hidden_size": 64,\n')
+    for args in (["train", "--model", str(bad), "--steps", "1"],
+                 ["plan", "--model", str(bad), "--gpus", "8", "--gpu", "h100-80gb", "--seq-len", "512",
+                  "--global-batch-size", "8"]):
+        _assert_refused(cli(*args), f"model config file '{bad}' is unreadable or not JSON")

@@ -117,16 +117,23 @@ def test_name_mapping_round_trip_is_bit_exact(hf_models, name):
     for key, tensor in saved.items():
         assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
 
-    # Base-model names without the prefix, GPT-2's mask buffers and a stored tied lm_head change nothing.
+    # Base-model names without the prefix, GPT-2's mask buffers and a stored tied lm_head (the embedding's copy)
+    # change nothing.
     prefix = "transformer." if cfg.family == "gpt2" else "model."
     bare = {k.removeprefix(prefix): v for k, v in saved.items()}
     if cfg.family == "gpt2":
         bare["h.0.attn.bias"] = torch.ones(1, 1, 64, 64, dtype=torch.bool)
         bare["h.1.attn.masked_bias"] = torch.tensor(-1e4)
     if cfg.tie_embeddings:
-        bare["lm_head.weight"] = torch.zeros(1001, 64)
+        bare["lm_head.weight"] = bare["wte.weight" if cfg.family == "gpt2" else "embed_tokens.weight"].clone()
     other = hf_to_tensorpar(bare, cfg)
     assert set(other) == set(state) and all(torch.equal(other[k], state[k]) for k in state)
+    if cfg.tie_embeddings:
+        # One unlike the embedding: transformers 5 then leaves the two untied, so reading the embedding as the head
+        # would compute another model; refused, naming the field.
+        bare["lm_head.weight"] = torch.zeros_like(bare["lm_head.weight"])
+        with pytest.raises(TensorparError, match="tie_word_embeddings = true but 'lm_head.weight' differs"):
+            hf_to_tensorpar(bare, cfg)
 
 
 def test_name_mapping_refusals(hf_models):

@@ -243,3 +243,26 @@ def test_shared_expert_gate_gradient_at_tp2_with_sequence_parallelism(pools, hf_
         assert abs(rank_loss - loss) <= TOL * loss
         for name, grad in grads.items():
             torch.testing.assert_close(rank_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_qwen2_moe_without_qkv_biases_loads_and_exports(tmp_path):
+    """Qwen2MoeConfig(qkv_bias=False) has no q/k/v biases: a folder saved so loads (it was refused as having 'no
+    Hugging Face Qwen2MoeForCausalLM equivalent'), computes transformers' logits and exports with qkv_bias false."""
+    hf_config = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=24,
+                                            shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                            qkv_bias=False)
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
+    model.save_pretrained(tmp_path / "in")
+    cfg, state = load_hf_folder(tmp_path / "in")
+    assert (cfg.attention_qkv_bias, cfg.num_shared_experts, cfg.shared_expert_gate) == (False, 2, True)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    ours = Transformer(cfg, mesh(tp=1))
+    load_full_state_dict(ours, state)
+    with torch.no_grad():
+        assert torch.allclose(ours.eval()(ids)[..., :VOCAB], model(ids).logits, atol=TOL)
+    save_hf_folder(tmp_path / "out", cfg, state)
+    assert json.loads((tmp_path / "out/config.json").read_text())["qkv_bias"] is False
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in model.state_dict().items())

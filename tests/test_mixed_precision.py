@@ -63,3 +63,25 @@ def test_the_loss_scale_and_the_master_weights_survive_a_resume(pools, tmp_path)
     assert [r["loss_scale"] for r in resumed] == [r["loss_scale"] for r in straight[4:]]
     for r, ref in zip(resumed, straight[4:]):
         assert abs(r["loss"] - ref["loss"]) <= 1e-4 * ref["loss"], (r, ref)
+
+
+def _summary_line(**overrides):
+    import contextlib
+    import io
+
+    from tensorpar.commands.train import print_summary
+
+    summary = train(TrainOptions(**{**BASE, **overrides}))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_summary(summary)
+    return summary, out.getvalue()
+
+
+def test_the_summary_says_how_many_steps_were_skipped(pools):
+    """A run whose every step overflowed says so (its summary looked like a normal run's before)."""
+    summary, text = pools(1).run(_summary_line, steps=3, warmup_steps=0, loss_scale=2.0**40)[0]
+    assert summary["skipped_steps"] == 3 and summary["final_loss_scale"] == 2.0**38
+    assert "skipped 3 of 3 steps (non-finite gradients: weights left unchanged); loss scale 2.74878e+11" in text
+    summary, text = pools(1).run(_summary_line, steps=2)[0]
+    assert summary["skipped_steps"] == 0 and "skipped" not in text

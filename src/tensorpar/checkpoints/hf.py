@@ -16,7 +16,8 @@ so GPT-2 weights are transposed, and the fused query/key/value matrix `c_attn` i
 q_proj, k_proj and v_proj. The Llama-style families' names map one to one (their checkpoints already use the
 rotate-half RoPE convention tensorpar uses), their norms by where they sit (`hf_families.layer_pairs`), and
 Phi-3's fused qkv_proj and gate_up_proj are split on load and fused again on export. Tied models may or may not store `lm_head.weight`:
-it is ignored when the embeddings are tied, and never written for them.
+a stored copy equal to the embedding is ignored, one that differs is refused (transformers 5 would leave the two
+untied), and none is written for them.
 """
 
 from __future__ import annotations
@@ -146,19 +147,33 @@ def _names(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+def _check_tied_head(head, state: dict, family: str, where: Callable[[str], str]) -> None:
+    """Tied embeddings with a stored `lm_head.weight` unlike the embedding: transformers then keeps the two untied,
+    so reading the embedding as the head would compute another model; refused."""
+    embed = state.get(f"{_GPT2_PREFIX}wte.weight" if family == "gpt2" else f"{_LLAMA_PREFIX}embed_tokens.weight")
+    if head is not None and embed is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
+        raise TensorparError(f"{where('lm_head.weight')}: config.json sets tie_word_embeddings = true but "
+                             f"'lm_head.weight' differs from the input embedding (transformers then keeps the two "
+                             f"untied): set tie_word_embeddings to false in config.json")
+
+
 def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable[[str], str]) -> dict:
     check_representable(cfg)
     family = cfg.family
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}  # canonical name -> name as stored, for messages
+    tied_head = None  # a tied model's stored lm_head.weight, which must equal the embedding
     for name, tensor in hf_state.items():
         key = _canonical(name, family)
-        if _IGNORED["gpt2" if family == "gpt2" else "llama"].match(key) or \
-                (key == "lm_head.weight" and cfg.tie_embeddings) or is_mtp_copy(key, cfg):
+        if key == "lm_head.weight" and cfg.tie_embeddings:
+            tied_head = tensor
+            continue
+        if _IGNORED["gpt2" if family == "gpt2" else "llama"].match(key) or is_mtp_copy(key, cfg):
             continue
         if key in state:
             raise TensorparError(f"{source}: '{origin[key]}' and '{name}' are the same tensor under two names")
         state[key], origin[key] = tensor, name
+    _check_tied_head(tied_head, state, family, where)
     if cfg.is_moe and family not in DEEPSEEK_MODEL_TYPES:
         unfuse_experts(state, origin, cfg)
 
@@ -206,7 +221,7 @@ def hf_to_tensorpar(hf_state: dict[str, torch.Tensor], cfg: ModelConfig,
     """Hugging Face tensors of a supported family -> tensorpar's dense state dict (for `load_full_state_dict`).
 
     Accepts names with or without the base-model prefix; ignores GPT-2's attention-mask buffers and,
-    for tied embeddings, `lm_head.weight`. Missing, unknown or wrongly shaped tensors are errors.
+    for tied embeddings, an `lm_head.weight` equal to the embedding (one that differs is refused). Missing, unknown or wrongly shaped tensors are errors.
     """
     return _to_tensorpar(hf_state, cfg, source, lambda name: source)
 

@@ -215,6 +215,8 @@ def decoder_export_problems(cfg: ModelConfig) -> list[str]:
     qkv, o, mlp = cfg.attention_qkv_bias, cfg.bias, cfg.mlp_has_bias
     wanted_biases = {"qkv": (True, False, False), "none": (False, False, False), "attention": (o, o, False),
                      "llama": (o, o, mlp)}[fam.biases]
+    if fam.model_type == "qwen2_moe":  # Qwen2MoeConfig.qkv_bias switches its q/k/v biases (default on)
+        wanted_biases = (qkv, False, False)
     for name, have, need in zip(("qkv_bias", "bias", "mlp_bias"), (qkv, o, mlp), wanted_biases):
         if have != need:
             bad.append(f"{name}={have!r} (needs {need!r})")

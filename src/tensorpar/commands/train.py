@@ -52,6 +52,10 @@ def print_summary(s: dict) -> None:
           f"{s['dtype']}")
     val = f", validation {s['final_val_loss']:.4f}" if s.get("final_val_loss") is not None else ""
     print(f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{val}")
+    if s.get("skipped_steps"):
+        scale = f"; loss scale {s['final_loss_scale']:g} at the last step" if s.get("final_loss_scale") else ""
+        print(f"skipped {s['skipped_steps']} of {len(s.get('history') or [])} steps (non-finite gradients: weights "
+              f"left unchanged){scale}")
     print(f"{s['time_s']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}% "
           f"(of the {s['peak_flops_source']})")
     if s.get("lora"):

@@ -144,6 +144,8 @@ def get_config(name_or_path: str) -> ModelConfig:
                 return ModelConfig(**json.load(f))
         except FileNotFoundError:
             raise TensorparError(f"model config file '{name_or_path}' does not exist") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TensorparError(f"model config file '{name_or_path}' is unreadable or not JSON: {e}") from None
         except TypeError as e:
             raise TensorparError(f"model config file '{name_or_path}' is not a tensorpar config: {e}") from None
     raise TensorparError(f"unknown model preset '{name_or_path}'; known presets: {', '.join(PRESETS)}")

@@ -94,6 +94,8 @@ def summarize(s: Session, result: LoopResult) -> dict:
         "first_loss": records[0]["loss"] if records else None,
         "final_loss": records[-1]["loss"] if records else None,
         "final_val_loss": records[-1].get("val_loss") if records else None,
+        "skipped_steps": sum(bool(r.get("skipped")) for r in records),
+        "final_loss_scale": records[-1].get("loss_scale") if records else None,
         "time_s": seconds,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "mfu": sum(r["mfu"] for r in records) / len(records) if records else 0.0,
