@@ -137,3 +137,16 @@ def test_a_model_config_file_that_is_not_json_is_refused_in_one_line(cli, tmp_pa
                  ["plan", "--model", str(bad), "--gpus", "8", "--gpu", "h100-80gb", "--seq-len", "512",
                   "--global-batch-size", "8"]):
         _assert_refused(cli(*args), f"model config file '{bad}' is unreadable or not JSON")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["eval", "--checkpoint", "/no/such/dir", "--seq-len", "8", "--batch-size", "0"],
+     "--batch-size must be at least 1 window, got 0"),
+    (["eval", "--checkpoint", "/no/such/dir", "--seq-len", "8", "--batch-size", "-1"],  # was a loss of 0.0
+     "--batch-size must be at least 1 window, got -1"),
+    (["train", "--dtype", "fp16", "--loss-scale", "-5"], "--loss-scale must be a positive number, got -5.0"),
+    (["train", "--dtype", "fp16", "--loss-scale", "nan"], "--loss-scale must be a positive number, got nan"),
+    (["train", "--dtype", "fp16", "--loss-scale-window", "0"], "--loss-scale-window must be at least 1 step, got 0"),
+], ids=["eval-batch-zero", "eval-batch-negative", "loss-scale-negative", "loss-scale-nan", "loss-scale-window-zero"])
+def test_counts_and_scales_that_cannot_work_are_refused(cli, args, needle):
+    _assert_refused(cli(*args), needle)

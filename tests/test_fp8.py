@@ -145,3 +145,21 @@ def test_torch_compile_traces_the_fp8_linear_whole(recipe):
     taken = compiled_recipe.stats.take()
     assert {"fp8_amax_input", "fp8_amax_weight"} <= taken.keys()
     assert taken["fp8_amax_input"] == eager_recipe.stats.take()["fp8_amax_input"] == float(x.abs().amax())
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_a_linear_of_no_rows_runs_forward_and_backward(recipe):
+    """An expert that received no tokens runs its fp8 GEMMs on 0 rows (the loop over a rank's experts): rowwise's
+    per-row amaxes are then empty, which Tensor.amax() refused (a RuntimeError mid-run in MoE fp8 rowwise training
+    and validation)."""
+    from tensorpar.tensor_parallel.fp8_linear import fp8_linears
+
+    r = Fp8Recipe(recipe)
+    for grad in (False, True):
+        x = torch.randn(0, 16, dtype=torch.bfloat16, requires_grad=grad)
+        w = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=grad)
+        y = fp8_linears(x, [w], r)[0]
+        assert y.shape == (0, 8)
+        if grad:
+            y.sum().backward()
+            assert x.grad.shape == (0, 16) and torch.count_nonzero(w.grad) == 0

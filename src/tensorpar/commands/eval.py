@@ -36,6 +36,8 @@ def validate(options: EvalOptions):
     their layout)."""
     check_choices(options)
     check_fp8(options.dtype, options.device)
+    if options.batch_size < 1:
+        raise TensorparError(f"--batch-size must be at least 1 window, got {options.batch_size}")
     if options.pp != 1:
         raise LayoutError(f"eval runs without pipeline parallelism (each rank runs every layer of its TP shard): "
                           f"--pp must be 1, got {options.pp}")

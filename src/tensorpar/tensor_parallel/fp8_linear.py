@@ -89,7 +89,7 @@ class _Fp8Linears(torch.autograd.Function):
         if ctx.split == "out":
             g_amax, w_col_amax = _split_at(_reduce_max(g_amax + w_col_amax, ctx.group), n)
         if not torch.compiler.is_compiling():  # a side effect torch.compile cannot trace: compiled runs skip it
-            recipe.stats.observe("grad_output", torch.stack([a.amax() for a in g_amax]))
+            recipe.stats.observe("grad_output", torch.stack([amax(a) for a in g_amax]))  # amax(): empty-safe
         g_scales = [pow2_scale(a, recipe.grad_dtype) for a in g_amax]
         gq = [quantize(g, s, recipe.grad_dtype) for g, s in zip(gs, g_scales)]
         if recipe.rowwise:
@@ -129,7 +129,8 @@ def _forward(x, recipe: Fp8Recipe, group, split, weights):
     w_scales = [pow2_scale(a, E4M3) for a in w_amax]
     ys = [scaled_mm(xq, x_scale, quantize(w, s, E4M3), s, x.dtype).view(*x.shape[:-1], w.shape[0])
           for w, s in zip(weights, w_scales)]
-    amaxes = torch.stack([x_amax.amax(), torch.stack([a.amax() for a in w_amax]).amax()])
+    # amax(), not Tensor.amax(): rowwise x_amax is [rows, 1], and an expert may receive no rows
+    amaxes = torch.stack([amax(x_amax), torch.stack([amax(a) for a in w_amax]).amax()])
     return ys, amaxes, x2, xq, x_scale, w_scales
 
 

@@ -9,6 +9,7 @@ of the checkpoint being resumed (its shards hashed once, here).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -113,6 +114,10 @@ def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
     if o.lr_schedule == "wsd":
         check_wsd(o.steps, min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps, o.decay_fraction)
     check_muon(o.optimizer, o.muon_momentum, cfg.is_moe)
+    if not (math.isfinite(o.loss_scale) and o.loss_scale > 0):
+        raise TensorparError(f"--loss-scale must be a positive number, got {o.loss_scale}")
+    if o.loss_scale_window < 1:
+        raise TensorparError(f"--loss-scale-window must be at least 1 step, got {o.loss_scale_window}")
     for problem in MemoryLevers.of(o).problems(o.optimizer, o.recompute):
         raise TensorparError(problem)
 
