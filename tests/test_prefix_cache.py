@@ -15,6 +15,7 @@ from tensorpar.serving.scheduler import Scheduler, Sequence
 from tensorpar.serving.step_plan import Sampling, StepItem, StepPlan
 
 from harness import mesh
+from test_scheduler import _run
 
 
 def _scheduler(blocks=32, block_size=4, budget=64, **kw):
@@ -25,13 +26,7 @@ def _scheduler(blocks=32, block_size=4, budget=64, **kw):
 def _finish(s: Scheduler, *seqs):
     """Run the steps until `seqs` have generated their tokens (token 7 each step), as the engine does."""
     while any(q in s.running or q in s.waiting for q in seqs):
-        step = s.schedule()
-        s.advance(step)
-        for q, _ in step:
-            if q.remaining == 0:
-                q.generated.append(7)
-                if len(q.generated) >= q.max_tokens:
-                    s.remove(q)
+        _run(s, s.schedule())
 
 
 def test_a_prompt_starts_from_the_blocks_of_its_longest_cached_prefix():
@@ -98,12 +93,7 @@ def test_a_preempted_sequence_comes_back_to_what_is_left_of_its_blocks():
         waiting = young in s.waiting
         step = s.schedule()
         rejoined += [q.computed for q, _ in step if q is young and waiting and young.preemptions]
-        s.advance(step)
-        for q, _ in step:
-            if q.remaining == 0:
-                q.generated.append(7)
-                if len(q.generated) >= q.max_tokens:
-                    s.remove(q)
+        _run(s, step)
     # the old one's growth took the young one's last registered block first (released first); its first came back
     assert young.preemptions == 1 and rejoined == [4] and young.cached_tokens == 0 and len(young.generated) == 12
 

@@ -30,6 +30,9 @@ from tensorpar.errors import TensorparError
 # The tokenizer_config.json entries transformers passes to the template (its special_tokens_map).
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# A Python error inside a template (str + int on a message's content that is not text, say): the template's failure
+# on these messages, reported as its own refusals are.
+TEMPLATE_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError)
 
 
 def _jinja():
@@ -58,12 +61,14 @@ def _read_json(path: str) -> dict:
     return data
 
 
-def _special_tokens(folder: str | None) -> dict[str, str]:
-    """The special tokens' texts of a tokenizer folder's tokenizer_config.json (a checkpoint's root: its latest
-    step's), which templates read as variables."""
-    folder = tokenizer_files.tokenizer_folder(folder) if folder else None
-    config_path = os.path.join(folder, "tokenizer_config.json") if folder else None
-    config = _read_json(config_path) if config_path and os.path.isfile(config_path) else {}
+def _tokenizer_config(folder: str) -> dict:
+    """A tokenizer folder's tokenizer_config.json ({} without one)."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    return _read_json(path) if os.path.isfile(path) else {}
+
+
+def _special_tokens(config: dict) -> dict[str, str]:
+    """The special tokens' texts of a tokenizer_config.json, which templates read as variables."""
     return {k: _token_text(config[k]) for k in SPECIAL_TOKEN_KEYS if isinstance(_token_text(config.get(k)), str)}
 
 
@@ -105,7 +110,8 @@ class ChatTemplate:
             if not os.path.isfile(template_file):
                 raise TensorparError(f"--chat-template file '{template_file}' does not exist")
             with open(template_file, encoding="utf-8") as f:
-                return cls(f.read(), _special_tokens(folder), f"'{template_file}'")
+                config = _tokenizer_config(tokenizer_files.tokenizer_folder(folder)) if folder else {}
+                return cls(f.read(), _special_tokens(config), f"'{template_file}'")
         template = cls.of_folder(folder) if folder else None
         if template is None:
             where = f"the tokenizer folder '{folder}'" if folder else "the tokenizer (none was given: bytes)"
@@ -119,9 +125,9 @@ class ChatTemplate:
         """The template of a tokenizer, Hugging Face model or tensorpar checkpoint folder (a checkpoint's root: its
         latest step's files), or None when it has none."""
         folder = tokenizer_files.tokenizer_folder(folder)
-        config_path = os.path.join(folder, "tokenizer_config.json")
-        text = _template_of(_read_json(config_path) if os.path.isfile(config_path) else {}, folder)
-        return None if text is None else cls(text, _special_tokens(folder), f"the tokenizer folder '{folder}'")
+        config = _tokenizer_config(folder)
+        text = _template_of(config, folder)
+        return None if text is None else cls(text, _special_tokens(config), f"the tokenizer folder '{folder}'")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The conversation as the template writes it (what `apply_chat_template(..., tokenize=False)` returns)."""
@@ -131,8 +137,7 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.TemplateError as e:
             raise TensorparError(f"chat template of {self.source}: {e}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
-            # a Python error inside the template (e.g. str + int on a message's content that is not text)
+        except TEMPLATE_ERRORS as e:
             raise TensorparError(f"chat template of {self.source}: {type(e).__name__}: {e}") from None
 
     def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
@@ -162,7 +167,7 @@ class ChatTemplate:
             return "".join(self._blocks), self._spans
         except jinja2.TemplateError as e:
             raise TensorparError(f"chat template of {self.source}: {e}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
+        except TEMPLATE_ERRORS as e:
             raise TensorparError(f"chat template of {self.source}: {type(e).__name__}: {e}") from None
         finally:
             self._spans = None

@@ -9,16 +9,17 @@ other ranks receive the tables with each step.
 
 **Prefix caching** (`prefix_caching=True`, vLLM's automatic prefix caching). A full block whose keys and values are
 computed is registered under its content: the tokens of the sequence up to its end (a chain: the previous block's
-registration and the block's own tokens) and a salt for what else shapes the keys (longrope's factors). A key is flat,
-(parent, tokens): `parent` is the salt for a first block, else the serial number of the previous block's
+registration and the block's own tokens) and a salt for what else shapes the keys (longrope's factors). A key is
+flat, (parent, tokens): `parent` is the salt for a first block, else the serial number of the previous block's
 registration, never given twice, so that comparing two keys never walks the chain (a nested chain of tuples compared
-recursively and raised RecursionError beyond 1000 blocks); a block registered after a parent that was taken since
-is simply not found. A sequence that
-starts takes the registered blocks of its longest registered prefix instead of computing them; a block is shared by
-reference count and never written again (only full blocks are shared, and a sequence writes only after the tokens
-it holds). A block whose last holder leaves keeps its content while it waits in the free list, taken for other
-tokens only when no block without a registered prefix is left, the least recently released first: a later sequence
-with that prefix, or a preempted one coming back, finds it there. Keys are the tokens themselves, not a hash of them: two different prefixes never meet.
+recursively and raised RecursionError beyond 1000 blocks); a block registered after a parent that was taken since is
+simply not found. Keys are the tokens themselves, not a hash of them: two different prefixes never meet.
+
+A sequence that starts takes the registered blocks of its longest registered prefix instead of computing them; a
+block is shared by reference count and never written again (only full blocks are shared, and a sequence writes only
+after the tokens it holds). A block whose last holder leaves keeps its content while it waits in the free list, taken
+for other tokens only when no block without a registered prefix is left, the least recently released first: a later
+sequence with that prefix, or a preempted one coming back, finds it there.
 """
 
 from __future__ import annotations
