@@ -266,10 +266,21 @@ def _safetensors_files(folder: Path) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-        hint = f" (found {', '.join(others)}: only safetensors checkpoints are supported)" if others else ""
-        raise TensorparError(f"Hugging Face folder '{folder}' has no *.safetensors files{hint}")
+        raise no_safetensors_error(folder)
     return files
+
+
+def other_weight_files(folder: Path) -> list[str]:
+    """The weight files of a folder in formats tensorpar does not read (pytorch_model.bin, *.pt, *.pth)."""
+    return sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+
+
+def no_safetensors_error(folder: Path) -> TensorparError:
+    """A Hugging Face folder without *.safetensors files, naming the weight files it has instead."""
+    others = other_weight_files(folder)
+    hint = (f" (found {', '.join(others)}: only safetensors checkpoints are supported; transformers' save_pretrained "
+            f"writes them by default)") if others else ""
+    return TensorparError(f"Hugging Face folder '{folder}' has no *.safetensors files{hint}")
 
 
 def read_hf_config(path) -> ModelConfig:

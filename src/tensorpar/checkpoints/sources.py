@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
-from tensorpar.checkpoints.hf import is_hf_folder, load_hf_folder, with_held_mtp_layers
+from tensorpar.checkpoints.hf import (is_hf_folder, load_hf_folder, no_safetensors_error, other_weight_files,
+                                     with_held_mtp_layers)
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
 from tensorpar.checkpoints.peft_adapter import check_lora_model, merge_adapters, read_adapter, read_adapter_config
 from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta, resolve
@@ -42,11 +44,8 @@ def load_config(path: str):
             return with_held_mtp_layers(config_from_hf(hf), path)
         except TensorparError as e:
             raise TensorparError(f"{config}: {e}") from None
-    weights = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth")))
-    if os.path.isfile(config) and weights:
-        raise TensorparError(f"Hugging Face folder '{path}' has no *.safetensors files (found {', '.join(weights)}: "
-                             f"only safetensors checkpoints are supported; transformers' save_pretrained writes "
-                             f"them by default)")
+    if os.path.isfile(config) and other_weight_files(Path(path)):
+        raise no_safetensors_error(Path(path))
     raise TensorparError(
         f"checkpoint '{path}' is not a Hugging Face model folder (config.json with model_type "
         f"{', '.join(SUPPORTED_MODEL_TYPES)}, "
