@@ -16,12 +16,14 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tensorpar.models.placement import PipelineStage, Placement
 from tensorpar.checkpoints.hf import (  # noqa: E402
+    check_hf_folder,
     hf_to_tensorpar,
     is_hf_folder,
     load_hf_folder,
     save_hf_folder,
     tensorpar_to_hf,
 )
+from tensorpar.checkpoints.sources import load_config  # noqa: E402
 from tensorpar.checkpoints.hf_config import config_from_hf  # noqa: E402
 from tensorpar.errors import TensorparError  # noqa: E402
 from tensorpar.models import Transformer, full_state_dict, load_full_state_dict  # noqa: E402
@@ -153,6 +155,7 @@ def test_name_mapping_refusals(hf_models):
 def test_tp1_logits_and_loss_match_transformers(hf_models, name):
     folder, hf_logits, hf_loss = hf_models[name]
     cfg, state = load_hf_folder(folder)
+    assert check_hf_folder(folder) == cfg  # the launcher's header-only check agrees
     ids, _, targets = _batch()
     logits, loss = _tensorpar_logits_loss(cfg, state, ids, targets)
     assert logits.shape == hf_logits.shape
@@ -226,8 +229,6 @@ def test_load_errors(hf_models, tmp_path):
     with pytest.raises(TensorparError, match="no \\*.safetensors files"):
         load_hf_folder(empty)
     (empty / "pytorch_model.bin").write_bytes(b"")
-    from tensorpar.checkpoints.sources import load_config
-
     for load in (load_hf_folder, load_config):  # what the commands check before any rank starts, then load
         with pytest.raises(TensorparError, match=r"no \*.safetensors files \(found pytorch_model.bin: only safe"):
             load(str(empty))
@@ -240,8 +241,9 @@ def test_load_errors(hf_models, tmp_path):
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(TensorparError, match="cannot read safetensors file .*model.safetensors"):
-        load_hf_folder(folder)
+    for load in (load_hf_folder, load_config):
+        with pytest.raises(TensorparError, match="cannot read safetensors file .*model.safetensors"):
+            load(str(folder))
 
 
 def test_wrong_or_missing_tensor_errors(hf_models, tmp_path):
@@ -250,13 +252,22 @@ def test_wrong_or_missing_tensor_errors(hf_models, tmp_path):
     saved = load_file(str(weights))
     save_file({**saved, "transformer.h.1.mlp.c_fc.weight": torch.zeros(64, 200)}, str(weights),
               metadata={"format": "pt"})
-    with pytest.raises(TensorparError, match=r"model.safetensors.*'transformer.h.1.mlp.c_fc.weight' has shape "
-                                             r"\(64, 200\), the config expects \(64, 256\)"):
-        load_hf_folder(folder)
+    for load in (load_hf_folder, load_config):  # the launcher's check finds it from the header alone
+        with pytest.raises(TensorparError, match=r"model.safetensors.*'transformer.h.1.mlp.c_fc.weight' has shape "
+                                                 r"\(64, 200\), the config expects \(64, 256\)"):
+            load(str(folder))
     save_file({k: v for k, v in saved.items() if k != "transformer.ln_f.bias"}, str(weights),
               metadata={"format": "pt"})
-    with pytest.raises(TensorparError, match="missing.*transformer.ln_f.bias"):
-        load_hf_folder(folder)
+    for load in (load_hf_folder, load_config):
+        with pytest.raises(TensorparError, match="missing.*transformer.ln_f.bias"):
+            load(str(folder))
+    # An integer weight would be cast into the float parameter without a word.
+    save_file({**saved, "transformer.h.0.mlp.c_fc.bias": saved["transformer.h.0.mlp.c_fc.bias"].to(torch.int32)},
+              str(weights), metadata={"format": "pt"})
+    for load in (load_hf_folder, load_config):
+        with pytest.raises(TensorparError, match=r"'transformer.h.0.mlp.c_fc.bias' is int32; weights must be "
+                                                 r"float16, bfloat16, float32 or float64"):
+            load(str(folder))
 
 
 @pytest.mark.parametrize("name", ["gpt2-untied", "llama3", "llama-bias"])

@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from tensorpar.checkpoints.hf import load_hf_folder, save_hf_folder  # noqa: E402
+from tensorpar.checkpoints.hf import check_hf_folder, load_hf_folder, save_hf_folder  # noqa: E402
 from tensorpar.checkpoints.hf_config import config_from_hf, config_to_hf  # noqa: E402
 from tensorpar.errors import TensorparError  # noqa: E402
 from tensorpar.inference.kv_cache import KVCache  # noqa: E402
@@ -90,6 +90,7 @@ def test_configs_map_to_tensorpar(hf_models):
 def test_export_round_trips_and_transformers_loads_it(hf_models, tmp_path, name):
     folder = hf_models[name]["folder"]
     cfg, state = load_hf_folder(folder)
+    assert check_hf_folder(folder) == cfg  # the launcher's header-only check agrees
     save_hf_folder(tmp_path / "out", cfg, state)
     original, exported = load_file(f"{folder}/model.safetensors"), load_file(str(tmp_path / "out/model.safetensors"))
     assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)

@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from tensorpar.checkpoints.hf import load_hf_folder, save_hf_folder  # noqa: E402
+from tensorpar.checkpoints.hf import check_hf_folder, load_hf_folder, save_hf_folder  # noqa: E402
 from tensorpar.checkpoints.hf_config import config_from_hf, config_to_hf  # noqa: E402
 from tensorpar.commands.generate import generate_text  # noqa: E402
 from tensorpar.config.options import GenerateOptions  # noqa: E402
@@ -42,7 +42,7 @@ SAMPLING = dict(greedy=True, temperature=1.0, top_k=0, top_p=1.0, seed=0)
 def test_folder_loads_computes_transformers_logits_and_exports_back(families, tmp_path, name):
     folder, model = families[name]["folder"], families[name]["model"]
     cfg, state = load_hf_folder(folder)
-    assert cfg.family == name
+    assert cfg.family == name and check_hf_folder(folder) == cfg  # the launcher's header-only check agrees
     windows = families["windows"]
     ours = Transformer(cfg, init=False)
     load_full_state_dict(ours, state, "test")

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tensorpar.models.placement import PipelineStage, Placement
-from tensorpar.checkpoints.hf import load_hf_folder, save_hf_folder  # noqa: E402
+from tensorpar.checkpoints.hf import check_hf_folder, load_hf_folder, save_hf_folder  # noqa: E402
 from tensorpar.checkpoints.hf_config import check_representable, config_from_hf, config_to_hf  # noqa: E402
 from tensorpar.cli import main  # noqa: E402
 from tensorpar.commands.common import inference_layout  # noqa: E402
@@ -88,6 +88,7 @@ def test_configs_map_to_tensorpar(hf_moe):
 def test_export_round_trips_and_transformers_loads_it(hf_moe, tmp_path, name):
     folder = hf_moe[name]["folder"]
     cfg, state = load_hf_folder(folder)
+    assert check_hf_folder(folder) == cfg  # the launcher's header-only check agrees
     save_hf_folder(tmp_path / "out", cfg, state)
     original, exported = load_file(f"{folder}/model.safetensors"), load_file(str(tmp_path / "out/model.safetensors"))
     assert set(exported) == set(original)  # the Hub's per-expert names, as save_pretrained writes them

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tensorpar.checkpoints.sharded import load_checkpoint, read_meta, rotate
+from tensorpar.checkpoints.sources import load_config
 from tensorpar.models import ModelConfig, Transformer
 from tensorpar.errors import TensorparError
 from tensorpar.training import TrainOptions
@@ -219,16 +220,19 @@ def saved(pools, config_file, tmp_path):
 def test_missing_shard_is_refused_naming_the_file(saved):
     save, _, shard = saved
     os.remove(shard)
-    with pytest.raises(TensorparError, match="model-tp01-pp00.safetensors' is missing"):
-        read_meta(save)
+    for check in (read_meta, load_config):
+        with pytest.raises(TensorparError, match="model-tp01-pp00.safetensors' is missing"):
+            check(save)
 
 
 def test_truncated_shard_is_refused(saved):
     save, _, shard = saved
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    with pytest.raises(TensorparError, match="model-tp01-pp00.safetensors' has .* bytes, expected .*truncated"):
-        read_meta(save)
+    # read_meta on the ranks; load_config, which the commands run before starting any, checks the sizes too
+    for check in (read_meta, load_config):
+        with pytest.raises(TensorparError, match="model-tp01-pp00.safetensors' has .* bytes, expected .*truncated"):
+            check(save)
 
 
 def test_corrupted_or_foreign_shard_is_refused(saved, pools, config_file, tmp_path):

@@ -147,11 +147,19 @@ def _names(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what a checkpoint's weights may be
+
+
 def _check_tied_head(head, state: dict, family: str, where: Callable[[str], str]) -> None:
     """Tied embeddings with a stored `lm_head.weight` unlike the embedding: transformers then keeps the two untied,
     so reading the embedding as the head would compute another model; refused."""
     embed = state.get(f"{_GPT2_PREFIX}wte.weight" if family == "gpt2" else f"{_LLAMA_PREFIX}embed_tokens.weight")
-    if head is not None and embed is not None and (head.shape != embed.shape or not torch.equal(head, embed)):
+    if head is None or embed is None or head.is_meta or embed.is_meta:  # a header check has no values to compare
+        return
+    if head.shape != embed.shape or not torch.equal(head, embed):
         raise TensorparError(f"{where('lm_head.weight')}: config.json sets tie_word_embeddings = true but "
                              f"'lm_head.weight' differs from the input embedding (transformers then keeps the two "
                              f"untied): set tie_word_embeddings to false in config.json")
@@ -190,6 +198,10 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
         if tuple(state[key].shape) != shape:
             raise TensorparError(f"{where(origin[key])}: tensor '{origin[key]}' has shape {tuple(state[key].shape)}, "
                                  f"the config expects {shape}")
+        if state[key].dtype not in WEIGHT_DTYPES:  # copied into a parameter, an integer would be cast silently
+            raise TensorparError(f"{where(origin[key])}: tensor '{origin[key]}' is {str(state[key].dtype)[6:]}; "
+                                 f"weights must be float16, bfloat16, float32 or float64 (a quantized checkpoint needs "
+                                 f"dequantizing first)")
 
     if family in DEEPSEEK_MODEL_TYPES:
         return deepseek_from_hf(state, cfg, _dense_shapes(cfg))
@@ -306,10 +318,21 @@ def with_held_mtp_layers(cfg: ModelConfig, folder) -> ModelConfig:
     return cfg.replace(num_mtp_layers=held_mtp_layers(cfg, names))
 
 
-def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, dense state dict in tensorpar's names) from a Hugging Face safetensors folder of a supported model
-    type, single-file or sharded (`model.safetensors.index.json`). Tensors keep their stored dtype, on the CPU."""
-    folder = Path(path)
+def _header_tensors(file: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as meta tensors of their stored shapes and dtypes: its header only."""
+    out = {}
+    with safe_open(file, framework="pt") as f:
+        for name in f.keys():
+            part = f.get_slice(name)
+            dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
+            if dtype is None:
+                raise TensorparError(f"'{file}': tensor '{name}' has dtype {part.get_dtype()}, which tensorpar "
+                                     f"cannot read")
+            out[name] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+    return out
+
+
+def _read_folder(folder: Path, read: Callable[[str], dict]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not folder.is_dir():
         raise TensorparError(f"Hugging Face folder '{folder}' does not exist" if not folder.exists()
                              else f"'{folder}' is not a folder (a Hugging Face checkpoint is a folder)")
@@ -318,7 +341,9 @@ def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     where: dict[str, str] = {}
     for file in _safetensors_files(folder):
         try:
-            tensors = load_file(str(file))
+            tensors = read(str(file))
+        except TensorparError:
+            raise
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TensorparError(f"cannot read safetensors file '{file}' (truncated or corrupt?): {detail}") from None
@@ -328,6 +353,19 @@ def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             hf_state[name], where[name] = tensor, str(file)
     state = _to_tensorpar(hf_state, cfg, f"Hugging Face folder '{folder}'", lambda name: f"'{where[name]}'")
     return cfg, state
+
+
+def load_hf_folder(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, dense state dict in tensorpar's names) from a Hugging Face safetensors folder of a supported model
+    type, single-file or sharded (`model.safetensors.index.json`). Tensors keep their stored dtype, on the CPU."""
+    return _read_folder(Path(path), load_file)
+
+
+def check_hf_folder(path) -> ModelConfig:
+    """The config of a Hugging Face folder whose weights `load_hf_folder` would read, checked from the safetensors
+    headers alone (names, shapes, dtypes, files complete): what the launcher runs before starting any rank, so
+    that a damaged or mismatched folder is refused once. (Only a tied head's values are left to the load.)"""
+    return _read_folder(Path(path), _header_tensors)[0]
 
 
 def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor], tokenizer=None) -> None:

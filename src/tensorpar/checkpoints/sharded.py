@@ -356,18 +356,24 @@ def read_meta(path: str, verify: bool = True) -> tuple[str, dict]:
         raise TensorparError(f"'{meta_path}' is not a tensorpar checkpoint (format {meta.get('format')!r})")
     check_version(meta, meta_path)
     if verify:
-        for name, f in meta["files"].items():
-            file_path = os.path.join(step_dir, name)
-            if not os.path.isfile(file_path):
-                raise TensorparError(f"checkpoint shard '{file_path}' is missing")
-            size = os.path.getsize(file_path)
-            if size != f["bytes"]:
-                raise TensorparError(f"checkpoint shard '{file_path}' has {size} bytes, expected {f['bytes']}: "
-                                     f"truncated or replaced")
-            if _sha256(file_path) != f["sha256"]:
-                raise TensorparError(f"checkpoint shard '{file_path}' is corrupted: its SHA-256 does not match "
-                                     f"meta.json")
+        check_shards(step_dir, meta)
     return step_dir, meta
+
+
+def check_shards(step_dir: str, meta: dict, checksums: bool = True) -> None:
+    """Refuse a checkpoint whose shard files (`meta`'s) are missing, of another size or, with `checksums`, whose
+    SHA-256 differs from meta.json's (reading every byte)."""
+    for name, f in meta["files"].items():
+        file_path = os.path.join(step_dir, name)
+        if not os.path.isfile(file_path):
+            raise TensorparError(f"checkpoint shard '{file_path}' is missing")
+        size = os.path.getsize(file_path)
+        if size != f["bytes"]:
+            raise TensorparError(f"checkpoint shard '{file_path}' has {size} bytes, expected {f['bytes']}: "
+                                 f"truncated or replaced")
+        if checksums and _sha256(file_path) != f["sha256"]:
+            raise TensorparError(f"checkpoint shard '{file_path}' is corrupted: its SHA-256 does not match "
+                                 f"meta.json")
 
 
 def check_compatible(meta: dict, cfg, source: str) -> None:

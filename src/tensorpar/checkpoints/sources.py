@@ -8,11 +8,11 @@ import json
 import os
 from pathlib import Path
 
-from tensorpar.checkpoints.hf import (is_hf_folder, load_hf_folder, no_safetensors_error, other_weight_files,
-                                     with_held_mtp_layers)
+from tensorpar.checkpoints.hf import (check_hf_folder, is_hf_folder, load_hf_folder, no_safetensors_error,
+                                     other_weight_files)
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
 from tensorpar.checkpoints.peft_adapter import check_lora_model, merge_adapters, read_adapter, read_adapter_config
-from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta, resolve
+from tensorpar.checkpoints.sharded import check_shards, dense_model_state, is_checkpoint, read_meta, resolve
 from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.errors import TensorparError
@@ -31,7 +31,9 @@ def load_config(path: str):
     """The ModelConfig of a checkpoint folder, reading only its config (cheap: for checks before launching)."""
     _check_folder(path)
     if is_checkpoint(path):
-        return ModelConfig(**read_meta(path, verify=False)[1]["model"])
+        step_dir, meta = read_meta(path, verify=False)
+        check_shards(step_dir, meta, checksums=False)  # every shard there, at its size (the ranks check the SHA-256)
+        return ModelConfig(**meta["model"])
     config = os.path.join(path, "config.json")
     if is_hf_folder(path) or (os.path.isfile(config) and any(n.endswith(".safetensors") for n in os.listdir(path))):
         try:
@@ -41,9 +43,10 @@ def load_config(path: str):
             raise TensorparError(f"'{config}' is not readable JSON: {e}") from None
         try:
             # a model type it does not support: named, with the supported ones
-            return with_held_mtp_layers(config_from_hf(hf), path)
+            config_from_hf(hf)
         except TensorparError as e:
             raise TensorparError(f"{config}: {e}") from None
+        return check_hf_folder(path)  # every weight file's header: names, shapes, dtypes, the file complete
     if os.path.isfile(config) and other_weight_files(Path(path)):
         raise no_safetensors_error(Path(path))
     raise TensorparError(
