@@ -114,6 +114,22 @@ def test_longropes_long_factors_and_wanted_prompt_logprobs_compute_the_prompt_wh
     assert again.computed == 8 and echo.computed == 0  # the long-factor prefix of `long`; the echo computes all
 
 
+def test_choices_passing_longropes_switch_together_recompute_the_prompt_once():
+    """n = 2 choices of a 7-token prompt pass the switch (8) in the same step: the first recomputes its tokens with
+    the long factors, the second starts from the blocks the first registers as the step is planned."""
+    s = _scheduler(rope_switch=8)
+    a, b = Sequence(0, list(range(7)), max_tokens=4), Sequence(1, list(range(7)), max_tokens=4)
+    s.add([a, b])
+    while a.length <= 8:
+        _run(s, s.schedule())
+    step = s.schedule()
+    assert s.rope_recomputes == 2 and a.long_rope and b.long_rope
+    assert [(q.seq_id, n) for q, n in step] == [(0, 9), (1, 1)]  # b: 8 of its 9 tokens cached under the long factors
+    assert s.allocator.tables[1][:2] == s.allocator.tables[0][:2]
+    _run(s, step)
+    _finish(s, a, b)
+
+
 def test_sequences_joining_in_one_step_share_the_blocks_it_computes():
     """The choices of a request with n > 1: the first's blocks are registered as the step is planned."""
     s = _scheduler(budget=64)

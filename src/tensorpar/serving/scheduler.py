@@ -15,7 +15,8 @@ server refuses, before they start, sequences longer than the pool (see `tensorpa
 LongRoPE (Phi-3) rotates a sequence with its short factors while it is no longer than `rope_switch` (the original
 length) and with its long factors once it is longer, every token of it, as transformers' Phi-3 generation does: the
 step at which a sequence passes `rope_switch` with keys cached under the short factors recomputes it from its tokens
-(its blocks freed, not counted as a preemption), in chunks within the budget as a preempted sequence is.
+(its blocks freed, not counted as a preemption), in chunks within the budget as a preempted sequence is, from the
+blocks of its longest prefix cached with the long factors where prefix caching finds one.
 
 With prefix caching (`BlockAllocator(prefix_caching=True)`), a sequence that joins starts from the cached blocks of
 its longest cached prefix (under its RoPE factors: longrope's short and long keys are different prefixes) and feeds
@@ -147,6 +148,12 @@ class Scheduler:
 
     def _start(self, seq: Sequence, prefix: list[int]) -> None:
         """A sequence joins: its cached prefix's blocks are shared, their tokens not fed again."""
+        self._share(seq, prefix)
+        if seq.preemptions == 0 and not seq.generated:
+            seq.cached_tokens = seq.computed
+
+    def _share(self, seq: Sequence, prefix: list[int]) -> None:
+        """`seq`, holding no blocks, starts from the cached blocks `prefix` (`BlockAllocator.cached_prefix`)."""
         if self.allocator.prefix_caching and seq.reuse_prefix:
             self.prefix_queries += seq.length
             self.prefix_hits += len(prefix) * self.allocator.block_size
@@ -154,8 +161,6 @@ class Scheduler:
             self.allocator.share(seq.seq_id, prefix, self._salt(seq))
             seq.computed = len(prefix) * self.allocator.block_size
             seq.long_rope = self._salt(seq)
-        if seq.preemptions == 0 and not seq.generated:
-            seq.cached_tokens = seq.computed
 
     def _feed(self, seq: Sequence, n: int, chunks: list[tuple[Sequence, int]], scheduled: set[int]) -> None:
         """Put `seq`'s next `n` tokens in the step, its block table grown to hold them."""
@@ -175,9 +180,13 @@ class Scheduler:
             and not seq.long_rope
 
     def _recompute(self, seq: Sequence) -> None:
-        """Drop `seq`'s cache: it runs again from its first token, with the long factors, keeping its place."""
+        """Drop `seq`'s cache: it runs again with the long factors, keeping its place, from its first token or from
+        the cached blocks of its longest prefix computed with them (another choice of its request that passed the
+        switch first, in this step or before)."""
         self._drop_cache(seq)
         self.rope_recomputes += 1
+        if seq.reuse_prefix:
+            self._share(seq, self.allocator.cached_prefix(seq.tokens, self._salt(seq)))
 
     def _drop_cache(self, seq: Sequence) -> None:
         """Free `seq`'s blocks: its tokens are fed again from the first."""
