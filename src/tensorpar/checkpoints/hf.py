@@ -165,6 +165,19 @@ def _check_tied_head(head, state: dict, family: str, where: Callable[[str], str]
                              f"untied): set tie_word_embeddings to false in config.json")
 
 
+def _check_tensors(state: dict, shapes: dict, origin: dict, where: Callable[[str], str]) -> None:
+    """Refuse a tensor of another shape than the config's, or not of a floating-point dtype (copied into a
+    parameter, an integer would be cast without a word)."""
+    for key, shape in shapes.items():
+        if tuple(state[key].shape) != shape:
+            raise TensorparError(f"{where(origin[key])}: tensor '{origin[key]}' has shape {tuple(state[key].shape)}, "
+                                 f"the config expects {shape}")
+        if state[key].dtype not in WEIGHT_DTYPES:
+            raise TensorparError(f"{where(origin[key])}: tensor '{origin[key]}' is {str(state[key].dtype)[6:]}; "
+                                 f"weights must be float16, bfloat16, float32 or float64 (a quantized checkpoint needs "
+                                 f"dequantizing first)")
+
+
 def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable[[str], str]) -> dict:
     check_representable(cfg)
     family = cfg.family
@@ -194,14 +207,7 @@ def _to_tensorpar(hf_state: dict, cfg: ModelConfig, source: str, where: Callable
         files = sorted({where(origin[k]) for k in unexpected})
         raise TensorparError(f"{', '.join(files)}: tensors the {family} config does not have: "
                              f"{_names(origin[k] for k in unexpected)}")
-    for key, shape in shapes.items():
-        if tuple(state[key].shape) != shape:
-            raise TensorparError(f"{where(origin[key])}: tensor '{origin[key]}' has shape {tuple(state[key].shape)}, "
-                                 f"the config expects {shape}")
-        if state[key].dtype not in WEIGHT_DTYPES:  # copied into a parameter, an integer would be cast silently
-            raise TensorparError(f"{where(origin[key])}: tensor '{origin[key]}' is {str(state[key].dtype)[6:]}; "
-                                 f"weights must be float16, bfloat16, float32 or float64 (a quantized checkpoint needs "
-                                 f"dequantizing first)")
+    _check_tensors(state, shapes, origin, where)
 
     if family in DEEPSEEK_MODEL_TYPES:
         return deepseek_from_hf(state, cfg, _dense_shapes(cfg))

@@ -1,8 +1,9 @@
 """A checkpoint's meta.json against its shards: the format version, the shard file of each position, the shape of
-each rebuilt tensor. A meta.json that does not match its shards (edited by hand, or of another run's files) is
+each rebuilt tensor, each shard file's size and SHA-256. A meta.json that does not match its shards (edited by hand, or of another run's files) is
 refused naming the file and what differs, instead of failing inside the load."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -16,6 +17,30 @@ def check_version(meta: dict, meta_path: str) -> None:
     if meta.get("version") != VERSION:
         raise TensorparError(f"'{meta_path}' is of checkpoint format version {meta.get('version')!r}; this "
                              f"tensorpar reads version {VERSION}")
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_shards(step_dir: str, meta: dict, checksums: bool = True) -> None:
+    """Refuse a checkpoint whose shard files (`meta`'s) are missing, of another size or, with `checksums`, whose
+    SHA-256 differs from meta.json's (reading every byte)."""
+    for name, f in meta["files"].items():
+        file_path = os.path.join(step_dir, name)
+        if not os.path.isfile(file_path):
+            raise TensorparError(f"checkpoint shard '{file_path}' is missing")
+        size = os.path.getsize(file_path)
+        if size != f["bytes"]:
+            raise TensorparError(f"checkpoint shard '{file_path}' has {size} bytes, expected {f['bytes']}: "
+                                 f"truncated or replaced")
+        if checksums and sha256(file_path) != f["sha256"]:
+            raise TensorparError(f"checkpoint shard '{file_path}' is corrupted: its SHA-256 does not match "
+                                 f"meta.json")
 
 
 def shard_file(step_dir: str, meta: dict, files: dict, position: tuple[int, int], what: str) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
-from tensorpar.checkpoints.meta_checks import VERSION, check_version, checked_shard, shard_file
+from tensorpar.checkpoints.meta_checks import VERSION, check_shards, check_version, checked_shard, sha256, shard_file
 from tensorpar.checkpoints.peft_adapter import write_checkpoint_adapter
 from tensorpar.data.tokenizer_files import copy_files
 from tensorpar.distributed.sharding import ShardSpec, local_shard, shard_spec, tag
@@ -44,14 +43,6 @@ from tensorpar.models.state import dense_shape, model_state
 
 FORMAT = "tensorpar-checkpoint"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def step_folder(root: str, step: int) -> str:
@@ -79,7 +70,7 @@ def _write_shard(tmp: str, file_name: str, params: dict, moments: dict, step: in
     path = os.path.join(tmp, file_name)
     save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
     return {
-        "file": file_name, "bytes": os.path.getsize(path), "sha256": _sha256(path), **position,
+        "file": file_name, "bytes": os.path.getsize(path), "sha256": sha256(path), **position,
         "tensors": {name: {"shape": list(dense_shape(p, shard_spec(p))), **_spec_dict(shard_spec(p))}
                     for name, p in params.items()},
     }
@@ -360,22 +351,6 @@ def read_meta(path: str, verify: bool = True) -> tuple[str, dict]:
     return step_dir, meta
 
 
-def check_shards(step_dir: str, meta: dict, checksums: bool = True) -> None:
-    """Refuse a checkpoint whose shard files (`meta`'s) are missing, of another size or, with `checksums`, whose
-    SHA-256 differs from meta.json's (reading every byte)."""
-    for name, f in meta["files"].items():
-        file_path = os.path.join(step_dir, name)
-        if not os.path.isfile(file_path):
-            raise TensorparError(f"checkpoint shard '{file_path}' is missing")
-        size = os.path.getsize(file_path)
-        if size != f["bytes"]:
-            raise TensorparError(f"checkpoint shard '{file_path}' has {size} bytes, expected {f['bytes']}: "
-                                 f"truncated or replaced")
-        if checksums and _sha256(file_path) != f["sha256"]:
-            raise TensorparError(f"checkpoint shard '{file_path}' is corrupted: its SHA-256 does not match "
-                                 f"meta.json")
-
-
 def check_compatible(meta: dict, cfg, source: str) -> None:
     """Refuse a checkpoint of another model, naming the fields that differ."""
     known = {f.name for f in dataclasses.fields(cfg)}
@@ -499,7 +474,7 @@ def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step:
             "train": {}, "rng": "none needed", "tokenizer": copy_files(tokenizer_files or {}, tmp) or "byte",
             "tensors": {k: {"shape": list(v.shape), "dim": None, "full_size": None, "padded_size": None,
                             "replicas": 1, "pp_rank": 0} for k, v in state.items()},
-            "files": {file_name: {"bytes": os.path.getsize(path), "sha256": _sha256(path), "tp_rank": 0, "pp_rank": 0}}}
+            "files": {file_name: {"bytes": os.path.getsize(path), "sha256": sha256(path), "tp_rank": 0, "pp_rank": 0}}}
     _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
     os.replace(tmp, final)
     _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")

@@ -12,7 +12,8 @@ from tensorpar.checkpoints.hf import (check_hf_folder, is_hf_folder, load_hf_fol
                                      other_weight_files)
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf
 from tensorpar.checkpoints.peft_adapter import check_lora_model, merge_adapters, read_adapter, read_adapter_config
-from tensorpar.checkpoints.sharded import check_shards, dense_model_state, is_checkpoint, read_meta, resolve
+from tensorpar.checkpoints.meta_checks import check_shards
+from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta, resolve
 from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.errors import TensorparError
