@@ -117,7 +117,7 @@ def test_multi_token_prediction_modules_export_in_deepseeks_layout(tmp_path):
                                                  "shared_head.head.weight", "self_attn.kv_b_proj.weight",
                                                  "mlp.gate.e_score_correction_bias")} <= set(written)
     cfg2, state2 = load_hf_folder(tmp_path / "mtp")
-    assert cfg2.num_mtp_layers == 1 and set(state2) == set(state)
+    assert cfg2.num_mtp_layers == 1 and set(state2) == set(state) and check_hf_folder(tmp_path / "mtp") == cfg2
     assert all(torch.equal(state2[k], state[k]) for k in state)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mtp")
     assert hf.config.num_hidden_layers == cfg.num_layers
