@@ -2,6 +2,7 @@
 `openai` client, raw HTTP and lm-eval's `local-completions` model, against transformers, `tensorpar generate` and
 lm-eval's `hf` model on the same Hugging Face folder. Its last test stops it with SIGTERM."""
 
+import collections
 import http.client
 import json
 import signal
@@ -202,6 +203,65 @@ def test_seeded_sampling_depends_on_the_seed_alone(served, pools):
                          "--ignore-eos") == [alone]
 
 
+def _penalized_greedy(hf, ids, new, presence, frequency):
+    """Greedy decoding with OpenAI's penalties written out: logit[j] -= frequency * count[j] + presence * (count > 0)
+    over the continuation's tokens."""
+    out, counts = [], collections.Counter()
+    for _ in range(new):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + out])).logits[0, -1].double()
+        for token, count in counts.items():
+            logits[token] -= frequency * count + presence
+        out.append(int(logits.argmax()))
+        counts[out[-1]] += 1
+    return out
+
+
+def test_penalties_min_tokens_stop_tokens_and_min_p_equal_their_definitions(served):
+    """vLLM's sampling fields beyond OpenAI's, at TP 2 (each rank penalizes its own half of the vocabulary):
+    repetition_penalty and min_tokens against transformers' generate, presence and frequency penalties against
+    their formula, min_p = 1 sampling the most likely token."""
+    ids = served.tok(PROMPTS[0], add_special_tokens=False).input_ids
+    body = dict(model=served.folder, prompt=ids, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True})
+
+    def complete(**extra):
+        return served.client.completions.create(**{**body, "extra_body": {**body["extra_body"], **extra}}).choices[0]
+
+    def hf_generate(**kw):
+        with torch.no_grad():
+            out = served.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=NEW, **kw)
+        return out[0, len(ids):].tolist()
+
+    def text(token_ids):
+        return served.tok.decode(token_ids, skip_special_tokens=True)
+
+    plain = served.hf_greedy(ids)
+    repeated = hf_generate(repetition_penalty=1.5)
+    assert repeated != plain  # the penalty changes this continuation: a comparison that can fail
+    assert complete(repetition_penalty=1.5).text == text(repeated)
+    penalized = _penalized_greedy(served.hf, ids, NEW, presence=0.8, frequency=1.5)
+    assert penalized != plain
+    assert complete(presence_penalty=0.8, frequency_penalty=1.5).text == text(penalized)
+
+    # The greedy continuation's second token as a stop token: it ends the completion there, unless min_tokens holds
+    # it back (here it comes again after the third token); as in vLLM, a stop token that is not a special token is
+    # part of the text.
+    stop = plain[1]
+    stopped = complete(stop_token_ids=[stop])
+    assert stopped.text == text(plain[:2]) and stopped.finish_reason == "stop"
+    later = hf_generate(min_new_tokens=3, eos_token_id=[stop])
+    assert later[-1] == stop and len(later) > 3 and stop not in later[:3]  # the case this checks
+    held = complete(stop_token_ids=[stop], min_tokens=3)
+    assert held.text == text(later) and held.finish_reason == "stop"
+
+    sampled = dict(temperature=2.0, seed=5, max_tokens=NEW)
+    hot = served.client.completions.create(**{**body, **sampled}).choices[0].text
+    only_top = served.client.completions.create(**{**body, **sampled, "extra_body": {"ignore_eos": True,
+                                                                                       "min_p": 1.0}})
+    assert hot != only_top.choices[0].text == text(plain)
+
+
 # -- lm-eval -----------------------------------------------------------------------------------------------------
 
 MC_DOCS = [
@@ -305,7 +365,10 @@ BAD = [  # (body, HTTP status, the error's param, a word of its message)
     ({"prompt": [], "max_tokens": 1}, 400, "prompt", "prompt"),
     ({"prompt": [5, 100000]}, 400, "prompt", "vocabulary"),
     ({"prompt": "word " * 400, "max_tokens": 10}, 400, "max_tokens", "maximum context length"),
-    ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+    ({"prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty", "[-2.0, 2.0]"),
+    ({"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+    ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens", "at most max_tokens"),
+    ({"prompt": "hi", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids", "vocabulary"),
     ({"prompt": "hi", "logprobs": 99}, 400, "logprobs", "[0, 20]"),
     ({"prompt": ["a", "b", "c", "d", "e"], "n": 16, "max_tokens": 1}, 429, None, "overloaded"),
 ]

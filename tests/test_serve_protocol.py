@@ -15,7 +15,8 @@ class _Bytes:
         return list(text.encode())
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                   "min_p"])
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers_are_refused(field, value):
     """Python's JSON parser takes NaN and Infinity: a NaN temperature passed the range check and its sampled ids
@@ -30,6 +31,23 @@ def test_finite_numbers_still_pass():
     body = {"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0.5, "top_p": 1, "presence_penalty": 0}
     request, _ = completion_request(body, _Bytes(), INFO)
     assert request.sampling.temperature == 0.5
+
+
+def test_vllms_sampling_fields_reach_the_engine_and_bad_ones_are_refused():
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4, "presence_penalty": -0.5, "frequency_penalty": 1.5,
+            "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2, "stop_token_ids": [7, 9]}
+    request, _ = completion_request(body, _Bytes(), ModelInfo(name="m", context_len=64, vocab_size=300,
+                                                              eos_ids=frozenset({2})))
+    s = request.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (-0.5, 1.5, 1.2, 0.1)
+    assert request.min_tokens == 2 and request.eos_ids == {2, 7, 9}
+    for bad, param in (({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+                       ({"presence_penalty": -2.5}, "presence_penalty"), ({"min_tokens": 5}, "min_tokens"),
+                       ({"stop_token_ids": [300]}, "stop_token_ids"), ({"stop_token_ids": "7"}, "stop_token_ids"),
+                       ({"min_tokens": -1}, "min_tokens")):
+        with pytest.raises(ApiError) as e:
+            completion_request({**body, **bad}, _Bytes(), INFO)
+        assert e.value.status == 400 and e.value.param == param, bad
 
 
 def test_a_chat_template_that_fails_is_a_400_and_a_broken_one_refused_at_start():

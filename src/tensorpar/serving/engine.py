@@ -9,6 +9,7 @@ broadcasts the stop.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import random
@@ -38,7 +39,8 @@ class EngineRequest:
     top_logprobs: int = -1  # -1: no log-probs; k: the token's and the k most likely
     prompt_logprobs: bool = False  # echo with log-probs: those of every prompt token after the first
     stop: tuple[str, ...] = ()
-    eos_ids: frozenset[int] = frozenset()
+    eos_ids: frozenset[int] = frozenset()  # the tokens that end a continuation (the EOS, `stop_token_ids`)
+    min_tokens: int = 0  # the tokens of `eos_ids` cannot be sampled before this many are generated
     sink: Callable | None = None  # called with each ChoiceEvent, then with a RequestDone
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -80,6 +82,18 @@ class _Choice:
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs_sent: bool = False
     done: bool = False
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # generated tokens
+
+    def penalties(self) -> dict:
+        """What the sample of this choice's next token needs to know of the tokens so far (`StepItem`)."""
+        out = {}
+        if self.sampling.penalized:
+            out["output_counts"] = tuple(self.counts.items())
+            if self.sampling.repetition_penalty != 1.0:
+                out["prompt_tokens"] = tuple(sorted(set(self.seq.prompt)))
+        if len(self.seq.generated) < self.request.min_tokens:
+            out["banned"] = tuple(sorted(self.request.eos_ids))
+        return out
 
 
 class Engine:
@@ -201,7 +215,7 @@ class Engine:
         sample = end == seq.length and len(seq.generated) < seq.max_tokens
         return StepItem(tuple(seq.tokens[start:end]), start, tuple(self.scheduler.allocator.tables[seq.seq_id]),
                         targets, c.sampling if sample else None, len(seq.generated), c.request.top_logprobs,
-                        seq.length)
+                        seq.length, **(c.penalties() if sample else {}))
 
     def _after_step(self, c: _Choice, result: ItemResult) -> None:
         if c.done:
@@ -221,6 +235,7 @@ class Engine:
         self.metrics.token(now - (c.last_token_at or c.request.arrived), first=c.last_token_at is None)
         c.last_token_at = now
         seq.generated.append(result.token)
+        c.counts[result.token] += 1
         event.tokens.append(result.token)
         if result.logprob is not None:
             event.logprobs.append(result.logprob)

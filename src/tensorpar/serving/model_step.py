@@ -41,7 +41,7 @@ def run_step(model, pool: PagedKVPool, plan: StepPlan) -> list[ItemResult]:
     if sampled:
         items = [plan.items[owners[r][0]] for r in sampled]
         tokens = sample_rows(logits[torch.tensor(sampled, device=h.device)], model, [it.sample for it in items],
-                             [it.step for it in items]).tolist()
+                             [it.step for it in items], items).tolist()
         for r, token in zip(sampled, tokens):
             results[owners[r][0]].token = token
             targets[r] = token

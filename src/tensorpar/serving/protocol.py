@@ -78,9 +78,6 @@ def check_model(body: dict, info: ModelInfo) -> None:
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        if field(body, name, float, neutral) != neutral:
-            raise ApiError(f"'{name}' is not supported by this server (leave it unset or {neutral:g})", param=name)
     if field(body, "logit_bias", dict):
         raise ApiError("'logit_bias' is not supported by this server (leave it unset)", param="logit_bias")
     if field(body, "best_of", int, 1, low=1) != 1:
@@ -114,8 +111,33 @@ def sampling(body: dict) -> tuple[Sampling, int | None]:
         raise ApiError("'top_p' must be in (0, 1], got 0", param="top_p")
     top_k = field(body, "top_k", int, 0, low=-1)
     seed = field(body, "seed", int)
-    return Sampling(greedy=temperature == 0.0, temperature=temperature or 1.0, top_k=max(top_k, 0),
-                    top_p=top_p), seed
+    repetition = field(body, "repetition_penalty", float, 1.0, low=0.0)
+    if repetition == 0.0:
+        raise ApiError("'repetition_penalty' must be positive (1: none), got 0", param="repetition_penalty")
+    return Sampling(greedy=temperature == 0.0, temperature=temperature or 1.0, top_k=max(top_k, 0), top_p=top_p,
+                    min_p=field(body, "min_p", float, 0.0, low=0.0, high=1.0),
+                    presence_penalty=field(body, "presence_penalty", float, 0.0, low=-2.0, high=2.0),
+                    frequency_penalty=field(body, "frequency_penalty", float, 0.0, low=-2.0, high=2.0),
+                    repetition_penalty=repetition), seed
+
+
+def _stop_tokens(body: dict, info: ModelInfo, max_tokens: int) -> tuple[frozenset[int], int]:
+    """(the tokens that end a continuation: the EOS unless `ignore_eos`, and `stop_token_ids`; `min_tokens`, how many
+    tokens come before any of them may)."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        ids = []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ApiError("'stop_token_ids' must be an array of token ids", param="stop_token_ids")
+    bad = [t for t in ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(f"'stop_token_ids' has ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}",
+                       param="stop_token_ids")
+    min_tokens = field(body, "min_tokens", int, 0, low=0)
+    if min_tokens > max_tokens:
+        raise ApiError(f"'min_tokens' ({min_tokens}) must be at most max_tokens ({max_tokens})", param="min_tokens")
+    eos = frozenset() if field(body, "ignore_eos", bool, False) else info.eos_ids
+    return eos | frozenset(ids), min_tokens
 
 
 def _prompts(body: dict, tokenizer, info: ModelInfo) -> list[list[int]]:
@@ -178,9 +200,9 @@ def completion_request(body, tokenizer, info: ModelInfo) -> tuple[EngineRequest,
     n = field(body, "n", int, 1, low=1, high=MAX_N)
     stream, usage = _stream(body)
     sample, seed = sampling(body)
-    eos = frozenset() if field(body, "ignore_eos", bool, False) else info.eos_ids
+    eos, min_tokens = _stop_tokens(body, info, max_tokens)
     request = EngineRequest(prompts, max_tokens, n, sample, seed, -1 if logprobs is None else logprobs,
-                            echo and logprobs is not None, _stop(body), eos)
+                            echo and logprobs is not None, _stop(body), eos, min_tokens)
     return request, dict(echo=echo, stream=stream, include_usage=usage, logprobs=logprobs is not None)
 
 
@@ -233,6 +255,7 @@ def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequ
     n = field(body, "n", int, 1, low=1, high=MAX_N)
     stream, usage = _stream(body)
     sample, seed = sampling(body)
-    eos = frozenset() if field(body, "ignore_eos", bool, False) else info.eos_ids
-    request = EngineRequest(prompts, max_tokens, n, sample, seed, top if logprobs else -1, False, _stop(body), eos)
+    eos, min_tokens = _stop_tokens(body, info, max_tokens)
+    request = EngineRequest(prompts, max_tokens, n, sample, seed, top if logprobs else -1, False, _stop(body), eos,
+                            min_tokens)
     return request, dict(echo=False, stream=stream, include_usage=usage, logprobs=logprobs)

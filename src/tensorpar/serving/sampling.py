@@ -4,7 +4,7 @@ Each row of a step has its own sampling parameters and its own noise: Gumbel noi
 index of the token in its continuation), the draw `tensorpar generate` makes for a lone prompt. So a request's
 tokens depend on its seed alone, not on what else is in the batch, and equal `tensorpar generate --seed`'s. The
 pieces are generate's (`tensorpar.inference.generation`): top-k / top-p thresholds from gathered candidates, the
-greedy all-gather of (value, id).
+greedy all-gather of (value, id); min-p and the penalties on the tokens seen: `tensorpar.serving.penalties`.
 
 Log-probs are those of the model's distribution (the raw logits, before temperature and top-k / top-p), as the
 OpenAI API and lm-eval expect: log_softmax needs each row's global max and sum of exponentials; one all-gather per
@@ -16,25 +16,33 @@ from __future__ import annotations
 import torch
 
 from tensorpar.inference.generation import gumbel_noise, keep_threshold, tp_argmax_rows
+from tensorpar.serving.penalties import apply_penalties, min_p_threshold
 from tensorpar.serving.step_plan import Sampling, TokenLogprob
 
 
-def sample_rows(local_logits: torch.Tensor, model, rows: list[Sampling], steps: list[int]) -> torch.Tensor:
+def sample_rows(local_logits: torch.Tensor, model, rows: list[Sampling], steps: list[int], items=None) -> torch.Tensor:
     """The next token [R] of every row of vocabulary-sharded logits [R, V_local], row r with `rows[r]` and noise of
-    step `steps[r]`; a collective over the TP group, the same on every rank."""
+    step `steps[r]`, penalized as `items[r]` (its `StepItem`: the tokens seen, the banned ones; `penalties`) asks; a
+    collective over the TP group, the same on every rank."""
     group = model.tp_group
     scores = model.mask_padding(local_logits.float()).double()
+    if items is not None:
+        apply_penalties(scores, items, group.rank * scores.shape[-1])
     sampled = [r for r, s in enumerate(rows) if not s.greedy]
     if sampled:
         index = torch.tensor(sampled, device=scores.device)
         temperature = torch.tensor([rows[r].temperature for r in sampled], dtype=torch.float64, device=scores.device)
         local = scores[index] / temperature[:, None]
-        by_filter: dict[tuple[int, float], list[int]] = {}
+        by_filter: dict[tuple[int, float, float], list[int]] = {}
         for i, r in enumerate(sampled):
-            by_filter.setdefault((min(rows[r].top_k, model.cfg.vocab_size), rows[r].top_p), []).append(i)
-        for (top_k, top_p), members in sorted(by_filter.items()):  # the same order on every rank
+            key = (min(rows[r].top_k, model.cfg.vocab_size), rows[r].top_p, rows[r].min_p)
+            by_filter.setdefault(key, []).append(i)
+        for (top_k, top_p, min_p), members in sorted(by_filter.items()):  # the same order on every rank
             part = torch.tensor(members, device=scores.device)
             threshold = keep_threshold(local[part], group, top_k, top_p)
+            if min_p > 0.0:
+                floor = min_p_threshold(local[part], group, min_p)
+                threshold = floor if threshold is None else torch.maximum(threshold, floor)
             if threshold is not None:
                 local[part] = local[part].masked_fill(local[part] < threshold[:, None], float("-inf"))
         noise = torch.stack([gumbel_noise(model.cfg.vocab_size, local.shape[-1], group.rank, rows[r].seed, steps[r],

@@ -17,14 +17,24 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How one request picks its tokens: greedy, or a sample of softmax(logits / temperature) within top-k / top-p,
-    drawn with noise seeded by (seed, the index of the token in its own continuation)."""
+    """How one request picks its tokens: greedy, or a sample of softmax(logits / temperature) within top-k / top-p /
+    min-p, drawn with noise seeded by (seed, the index of the token in its own continuation); either after the
+    penalties on the tokens already seen (`tensorpar.serving.penalties`)."""
 
     greedy: bool = True
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the tokens already seen change the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +44,10 @@ class StepItem:
     `prompt_targets`: the next token of each of the chunk's first positions, whose log-probs are wanted (an echoed
     prompt); `sample`: sample the next token at the chunk's last position, the `step`-th of the continuation;
     `top_logprobs`: -1 for no log-probs, k >= 0 for the log-prob of every target and sampled token with the k most
-    likely alternatives; `reach`: the span the sequence's RoPE sees (its length; `Segment.reach`)."""
+    likely alternatives; `reach`: the span the sequence's RoPE sees (its length; `Segment.reach`); for the sample,
+    where `sample.penalized`: `output_counts`, (token, times generated) of the continuation so far, and
+    `prompt_tokens`, the prompt's distinct tokens (repetition_penalty's); `banned`: tokens it may not be (the EOS
+    and stop tokens before `min_tokens`)."""
 
     tokens: tuple[int, ...]
     start: int
@@ -44,6 +57,9 @@ class StepItem:
     step: int = 0
     top_logprobs: int = -1
     reach: int | None = None
+    output_counts: tuple[tuple[int, int], ...] = ()
+    prompt_tokens: tuple[int, ...] = ()
+    banned: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
