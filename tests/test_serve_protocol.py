@@ -50,6 +50,51 @@ def test_vllms_sampling_fields_reach_the_engine_and_bad_ones_are_refused():
         assert e.value.status == 400 and e.value.param == param, bad
 
 
+def test_vllm_fields_that_change_the_output_are_refused_not_ignored():
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    for extra in ({"use_beam_search": True}, {"guided_json": {"type": "object"}}, {"prompt_logprobs": 0},
+                  {"include_stop_str_in_output": True}, {"skip_special_tokens": False}, {"bad_words": ["x"]},
+                  {"length_penalty": 2.0}):
+        with pytest.raises(ApiError) as e:
+            completion_request({**body, **extra}, _Bytes(), INFO)
+        assert e.value.status == 400 and e.value.param == next(iter(extra)) and "not supported" in e.value.message
+    for harmless in ({"use_beam_search": False}, {"skip_special_tokens": True}, {"bad_words": []}, {"user": "u"}):
+        completion_request({**body, **harmless}, _Bytes(), INFO)
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking %}<think>{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("extra", [{}, {"chat_template_kwargs": {"enable_thinking": True}},
+                                   {"add_generation_prompt": False}, {"continue_final_message": True}])
+def test_chat_prompts_equal_transformers_apply_chat_template(extra):
+    """add_generation_prompt, continue_final_message (the last message left open) and chat_template_kwargs (here
+    Qwen3's enable_thinking) render what transformers renders."""
+    from tensorpar.data.chat_template import ChatTemplate
+    from tensorpar.serving.protocol import chat_request
+
+    from serving_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    messages = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "It is"}]
+    expected = tokenizer.apply_chat_template(messages, chat_template=THINKING_TEMPLATE, tokenize=False,
+                                             add_generation_prompt=extra.get("add_generation_prompt",
+                                                                             not extra.get("continue_final_message")),
+                                             continue_final_message=extra.get("continue_final_message", False),
+                                             **extra.get("chat_template_kwargs", {}))
+    template = ChatTemplate(THINKING_TEMPLATE, {"eos_token": tokenizer.eos_token}, "a test")
+    body = {"model": "m", "messages": messages, "max_tokens": 2, **extra}
+    request, _ = chat_request(body, _Bytes(), ModelInfo(name="m", context_len=256, vocab_size=300), template)
+    assert bytes(request.prompts[0]).decode() == expected
+    if extra.get("continue_final_message"):
+        assert expected.endswith("It is")
+        with pytest.raises(ApiError, match="exclude each other"):
+            chat_request({**body, "add_generation_prompt": True}, _Bytes(), INFO, template)
+    with pytest.raises(ApiError, match="may not set messages"):
+        chat_request({**body, "chat_template_kwargs": {"messages": []}}, _Bytes(), INFO, template)
+
+
 def test_a_chat_template_that_fails_is_a_400_and_a_broken_one_refused_at_start():
     """A Python error inside the template (here str + int) was a 500 with a traceback in the log; a template with a
     syntax error stopped `serve` with a traceback instead of one line."""

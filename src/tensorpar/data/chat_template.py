@@ -85,6 +85,9 @@ def _template_of(config: dict, folder: str) -> str | None:
     return template if isinstance(template, str) else None
 
 
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of where a continued message ends
+
+
 class ChatTemplate:
     """A compiled chat template and the special tokens it is rendered with."""
 
@@ -129,16 +132,37 @@ class ChatTemplate:
         text = _template_of(config, folder)
         return None if text is None else cls(text, _special_tokens(config), f"the tokenizer folder '{folder}'")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as the template writes it (what `apply_chat_template(..., tokenize=False)` returns)."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, continue_final_message: bool = False,
+               variables: dict | None = None) -> str:
+        """The conversation as the template writes it (what `apply_chat_template(..., tokenize=False)` returns, with
+        the same `add_generation_prompt`, `continue_final_message` and extra template `variables`).
+
+        `continue_final_message` ends the text with the last message's content, open: transformers' way, a tag
+        appended to the content and everything from it on cut off."""
         jinja2 = _jinja()
+        messages = plain_messages(messages)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise TensorparError("continue_final_message and add_generation_prompt exclude each other")
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise TensorparError("continue_final_message needs a last message with text content to continue")
+            final = messages[-1]["content"]
+            messages[-1] = {**messages[-1], "content": final + CONTINUE_TAG}
         try:
-            return self._template.render(messages=plain_messages(messages), tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            text = self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **{**self.special_tokens, **(variables or {})})
         except jinja2.TemplateError as e:
             raise TensorparError(f"chat template of {self.source}: {e}") from None
         except TEMPLATE_ERRORS as e:
             raise TensorparError(f"chat template of {self.source}: {type(e).__name__}: {e}") from None
+        if continue_final_message:
+            if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+                raise TensorparError(f"continue_final_message: the chat template of {self.source} does not write the "
+                                     f"last message's content as given, so it cannot be continued")
+            at = text.rindex(CONTINUE_TAG.strip())
+            text = text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+        return text
 
     def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """(the rendered conversation, the [start, end) character spans of the assistant's turns in it)."""

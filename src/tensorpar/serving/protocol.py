@@ -9,6 +9,7 @@ extensions vLLM also has: `top_k` and `ignore_eos`. Temperature 0 is greedy deco
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from tensorpar.errors import TensorparError
@@ -77,14 +78,27 @@ def check_model(body: dict, info: ModelInfo) -> None:
                        param="model", code="model_not_found")
 
 
+# vLLM's request fields that change what is generated and that this server does not implement: refused when set (a
+# field neither API defines is ignored, as vLLM does).
+_VLLM_UNSUPPORTED = ("use_beam_search", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs", "allowed_token_ids", "bad_words", "logits_processors", "prompt_logprobs",
+                     "truncate_prompt_tokens")
+_VLLM_DEFAULTS = {"include_stop_str_in_output": False, "skip_special_tokens": True,
+                  "spaces_between_special_tokens": True, "length_penalty": 1.0}
+
+
 def _refuse_unsupported(body: dict) -> None:
     if field(body, "logit_bias", dict):
         raise ApiError("'logit_bias' is not supported by this server (leave it unset)", param="logit_bias")
     if field(body, "best_of", int, 1, low=1) != 1:
         raise ApiError("'best_of' other than 1 is not supported by this server", param="best_of")
-    for name in ("tools", "functions", "suffix"):
-        if body.get(name):
+    for name in ("tools", "functions", "suffix", *_VLLM_UNSUPPORTED):
+        value = body.get(name)
+        if not (value is None or value is False or value in ([], {}, "")):  # 0 asks for something (prompt_logprobs)
             raise ApiError(f"'{name}' is not supported by this server", param=name)
+    for name, default in _VLLM_DEFAULTS.items():
+        if name in body and body[name] != default:
+            raise ApiError(f"'{name}' other than {json.dumps(default)} is not supported by this server", param=name)
     response_format = body.get("response_format")
     if response_format is not None and not (isinstance(response_format, dict) and response_format.get("type") == "text"):
         raise ApiError("'response_format' other than {\"type\": \"text\"} (JSON mode, JSON schemas) is not supported "
@@ -235,11 +249,21 @@ def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequ
     check_model(body, info)
     _refuse_unsupported(body)
     messages = _messages(body)
+    if field(body, "echo", bool, False):
+        raise ApiError("'echo' (vLLM's: the last message before the answer) is not supported by this server",
+                       param="echo")
     if template is None:
         raise ApiError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                        "chat_template.jinja): use /v1/completions", param="messages")
+    variables = field(body, "chat_template_kwargs", dict, {})
+    reserved = sorted(set(variables) & {"messages", "tools", "documents", "add_generation_prompt"})
+    if reserved:
+        raise ApiError(f"'chat_template_kwargs' may not set {', '.join(reserved)}: they are the request's own",
+                       param="chat_template_kwargs")
+    continue_final = field(body, "continue_final_message", bool, False)
+    generation_prompt = field(body, "add_generation_prompt", bool, not continue_final)
     try:
-        prompt = tokenizer.encode(template.render(messages, add_generation_prompt=True))
+        prompt = tokenizer.encode(template.render(messages, generation_prompt, continue_final, variables))
     except TensorparError as e:  # the template's raise_exception, or its error on messages it does not take
         raise ApiError(str(e), param="messages") from None
     prompts = _prompts({"prompt": prompt}, tokenizer, info)
