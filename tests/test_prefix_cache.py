@@ -130,6 +130,25 @@ def test_choices_passing_longropes_switch_together_recompute_the_prompt_once():
     _finish(s, a, b)
 
 
+def test_a_prefix_computed_twice_stays_found_while_either_copy_lives():
+    """Two sequences prefill the same tokens side by side (neither found the other's blocks): the second's blocks
+    are copies of the first's prefix, and the blocks after them hang off it. When the first leaves, its copies go
+    back to the free list and the prefix, with what follows it, is found in the second's blocks."""
+    a = BlockAllocator(6, 2, prefix_caching=True)
+    first, second = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]
+    a.grow(0, 4)
+    a.grow(1, 6)
+    a.register(0, first, 4)
+    a.register(1, second, 6)
+    assert a.cached_prefix(second + [7]) == a.tables[0][:2] + a.tables[1][2:3]
+    a.free(0)
+    assert a.free_blocks == 3 and a.cached_blocks == 3  # the first's copies are free, not cached
+    a.grow(2, 4)  # another sequence takes free blocks
+    assert a.cached_prefix(second + [7]) == a.tables[1]
+    a.free(1)
+    assert a.cached_prefix(second + [7]) == [b for b in a._cached][::-1] and a.used_blocks == 2
+
+
 def test_sequences_joining_in_one_step_share_the_blocks_it_computes():
     """The choices of a request with n > 1: the first's blocks are registered as the step is planned."""
     s = _scheduler(budget=64)

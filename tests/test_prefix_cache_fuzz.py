@@ -74,7 +74,13 @@ def check_allocator(a: BlockAllocator) -> None:
     assert len(free) == len(a._free) and not free & cached and not (free | cached) & set(held)
     assert len(free) + len(cached) + len(held) == a.num_blocks
     assert cached <= set(a._key_of) and not free & set(a._key_of)
-    assert {b: k for k, b in a._block_of.items()} == a._key_of
+    # every registered block is a holder of its key, and a key is found at one of its holders
+    assert {b: k for k, holders in a._holders.items() for b in holders} == a._key_of
+    assert set(a._block_of) == set(a._holders) and all(a._block_of[k] in a._holders[k] for k in a._holders)
+    assert all(a._serial_of[b] == a._serial_of[a._block_of[k]] for b, k in a._key_of.items())
+    # no registered block outlives its parent's prefix (it could never be found again): children give way first
+    live = set(a._serial_of.values())
+    assert all(isinstance(k[0], tuple) or k[0] in live for k in a._key_of.values())
     for table in a.tables.values():
         assert len(set(table)) == len(table)
 
@@ -105,7 +111,7 @@ def _key_tokens(a: BlockAllocator, key):
 def check_contents(a: BlockAllocator, shadow: dict, seqs) -> None:
     """Every registered block, and every computed token a sequence holds, holds the keys of its tokens."""
     size = a.block_size
-    for key, block in a._block_of.items():
+    for block, key in a._key_of.items():  # every copy of a prefix
         found = _key_tokens(a, key)
         if found is None:
             continue

@@ -15,6 +15,11 @@ registration, never given twice, so that comparing two keys never walks the chai
 recursively and raised RecursionError beyond 1000 blocks); a block registered after a parent that was taken since is
 simply not found. Keys are the tokens themselves, not a hash of them: two different prefixes never meet.
 
+A block computed beside another that registered the same prefix first (two sequences prefilling the same prompt
+at once, a preempted one recomputing) registers as a second holder of that prefix, under the same serial: when one
+copy is taken, the other keeps the prefix, and the blocks registered after it, findable; a copy that no sequence
+holds any more goes back to the free list at once, the first holder staying cached.
+
 A sequence that starts takes the registered blocks of its longest registered prefix instead of computing them; a
 block is shared by reference count and never written again (only full blocks are shared, and a sequence writes only
 after the tokens it holds). A block whose last holder leaves keeps its content while it waits in the free list, taken
@@ -44,9 +49,10 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, -1, -1))  # holding no registered prefix: popped from the end
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # registered, unheld; LRU first
         self._refs = [0] * num_blocks
-        self._block_of: dict[tuple, int] = {}  # a registered prefix's key (parent, tokens) -> its block
+        self._block_of: dict[tuple, int] = {}  # a registered prefix's key (parent, tokens) -> the block found for it
+        self._holders: dict[tuple, set[int]] = {}  # a key -> every block holding it (copies computed side by side)
         self._key_of: dict[int, tuple] = {}
-        self._serial_of: dict[int, int] = {}  # a registered block -> its registration's serial: its children's parent
+        self._serial_of: dict[int, int] = {}  # a registered block -> its key's serial: its children's parent
         self._serials = 0
         self._registered: dict[int, tuple[int, Hashable]] = {}  # seq_id -> (its first blocks registered, the parent
         # of the next: the last one's serial, or the salt's root)
@@ -97,9 +103,13 @@ class BlockAllocator:
         for block in reversed(table):
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                if block in self._key_of:
+                if block in self._key_of and len(self._holders[self._key_of[block]]) == 1:
                     self._cached[block] = None
-                else:
+                else:  # holding no prefix, or a copy of one that another block keeps
+                    for copy in self._holders.get(self._key_of.get(block), ()):
+                        if copy in self._cached:  # released now, as far as the prefix goes: after its children
+                            self._cached.move_to_end(copy)
+                    self._unregister(block)
                     self._free.append(block)
         return len(table)
 
@@ -109,9 +119,22 @@ class BlockAllocator:
         if self._free:
             return self._free.pop()
         block, _ = self._cached.popitem(last=False)  # the least recently released prefix gives way
-        del self._block_of[self._key_of.pop(block)]
-        del self._serial_of[block]
+        self._unregister(block)
         return block
+
+    def _unregister(self, block: int) -> None:
+        """`block` no longer holds its prefix (if it held one); the prefix lives on in another copy, if any, so that
+        the blocks registered after it are still found."""
+        key = self._key_of.pop(block, None)
+        if key is None:
+            return
+        del self._serial_of[block]
+        holders = self._holders[key]
+        holders.discard(block)
+        if not holders:
+            del self._holders[key], self._block_of[key]
+        elif self._block_of[key] == block:
+            self._block_of[key] = min(holders)
 
     def _key(self, tokens: Sequence[int], b: int, parent: Hashable) -> tuple:
         """The key of full block `b` of `tokens` after `parent` (`_serial_of` block b - 1, or the salt's root)."""
@@ -156,14 +179,18 @@ class BlockAllocator:
         done, parent = self._registered.get(seq_id, (0, (salt,)))
         full = min(computed // self.block_size, len(table))
         for b in range(done, full):
-            key = self._key(tokens, b, parent)
-            block = self._block_of.get(key)
-            if block is None and table[b] not in self._key_of:
-                block = table[b]
-                self._serials += 1
-                self._block_of[key], self._key_of[block], self._serial_of[block] = block, key, self._serials
-            if block is None:  # not registrable (cannot happen: a sequence's own blocks hold no prefix): the rest
-                self._serials += 1  # of its chain under a parent nobody finds
+            key, block = self._key(tokens, b, parent), table[b]
+            if block not in self._key_of:
+                found = self._block_of.get(key)
+                if found is None:  # a new prefix
+                    self._serials += 1
+                    self._block_of[key], self._holders[key], serial = block, {block}, self._serials
+                else:  # a copy of a registered prefix, computed beside it: one more holder of its key
+                    self._holders[key].add(block)
+                    serial = self._serial_of[found]
+                self._key_of[block], self._serial_of[block] = key, serial
+            if self._key_of[block] != key:  # cannot happen (a block holds the tokens it was registered with): the
+                self._serials += 1  # rest of its chain under a parent nobody finds
                 parent = self._serials
             else:
                 parent = self._serial_of[block]
