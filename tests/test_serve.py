@@ -130,6 +130,12 @@ def test_chat_equals_transformers(served):
                                                         temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason
+    # vLLM's /tokenize and /detokenize: the ids the request above was given, and back
+    code, body = served.request("POST", "/tokenize", {"model": served.folder, "messages": messages})
+    ids = served.tok(text, add_special_tokens=False).input_ids
+    assert code == 200 and json.loads(body)["tokens"] == ids, body
+    assert served.request("POST", "/detokenize", {"tokens": ids}) == (200, json.dumps({"prompt": text},
+                                                                                      separators=(",", ":")))
 
 
 def test_a_shared_system_prompt_is_computed_once(served):

@@ -11,8 +11,8 @@ INFO = ModelInfo(name="m", context_len=64, vocab_size=300)
 
 
 class _Bytes:
-    def encode(self, text):
-        return list(text.encode())
+    def encode(self, text, add_special_tokens=False):
+        return [1] * add_special_tokens + list(text.encode())
 
 
 @pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -135,3 +135,42 @@ def test_strftime_now_renders_as_in_training_and_transformers():
     template = ChatTemplate("{{ strftime_now('%Y') }}|{{ messages[0]['content'] }}", {}, "a test")
     text = template.render([{"role": "user", "content": "a"}], add_generation_prompt=True)
     assert text == f"{datetime.datetime.now().year}|a"
+
+
+def test_tokenize_gives_what_transformers_tokenizer_gives_and_detokenize_inverts_it(tmp_path):
+    """vLLM's /tokenize and /detokenize bodies: a prompt with and without the tokenizer's special tokens (a BOS added
+    by its post-processor, as `tokenizer(text)` adds it), a chat's messages as the chat request renders them."""
+    from tokenizers.processors import TemplateProcessing
+
+    from tensorpar.data.chat_template import ChatTemplate
+    from tensorpar.data.tokenizer import HFTokenizer
+    from tensorpar.serving.protocol import chat_prompt, detokenize_request, tokenize_request
+
+    from serving_model import build_tokenizer
+
+    reference = build_tokenizer()
+    bos = reference.bos_token_id
+    reference._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    reference.save_pretrained(tmp_path)
+    ours = HFTokenizer(str(tmp_path))
+    info = ModelInfo(name="m", context_len=256, vocab_size=len(reference))
+    text = "The quick brown fox"
+    plain = tokenize_request({"prompt": text}, ours, info, None)
+    assert plain["tokens"] == reference(text, add_special_tokens=False).input_ids and plain["count"] > 1
+    special = tokenize_request({"prompt": text, "add_special_tokens": True}, ours, info, None)
+    assert special["tokens"] == reference(text).input_ids == [bos] + plain["tokens"]
+    request, _ = completion_request({"model": "m", "prompt": text, "add_special_tokens": True, "max_tokens": 1},
+                                    ours, info)
+    assert request.prompts == [special["tokens"]]
+    template = ChatTemplate(THINKING_TEMPLATE, {"eos_token": "</s>"}, "a test")
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert tokenize_request(body, ours, info, template)["tokens"] == chat_prompt(body, ours, info, template) == \
+        reference(reference.apply_chat_template(body["messages"], chat_template=THINKING_TEMPLATE, tokenize=False,
+                                                add_generation_prompt=True), add_special_tokens=False).input_ids
+    assert detokenize_request({"tokens": plain["tokens"]}, ours, info) == {"prompt": text}
+    for bad in ({"tokens": [info.vocab_size]}, {"tokens": "x"}):
+        with pytest.raises(ApiError, match="tokens"):
+            detokenize_request(bad, ours, info)
+    for bad in ({"prompt": 5}, {"model": "other", "prompt": "a"}):
+        with pytest.raises(ApiError):
+            tokenize_request(bad, ours, info, None)

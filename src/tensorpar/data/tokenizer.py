@@ -24,8 +24,8 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
 
-    def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of `text`; no EOS is added."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The UTF-8 bytes of `text`; no EOS is added (bytes have no special tokens to add)."""
         return list(text.encode("utf-8"))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -46,8 +46,9 @@ class ByteTokenizer:
         """What identifies the tokenizer's ids (a cache of tokenized data is keyed by it)."""
         return "byte-v1"
 
-    def decode(self, ids) -> str:
-        """Bytes back to text; ids outside 0..255 (EOS) are skipped, invalid UTF-8 becomes U+FFFD."""
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Bytes back to text; ids outside 0..255 (EOS, which has no text) are skipped, invalid UTF-8 becomes
+        U+FFFD."""
         data = bytes(i for i in (int(x) for x in ids) if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
@@ -97,9 +98,10 @@ class HFTokenizer:
                 return int(i)
         return None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without special tokens (no BOS/EOS added)."""
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`, without special tokens (no BOS/EOS added) unless `add_special_tokens`: then with
+        those the tokenizer's post-processor adds (a BOS, as transformers' tokenizer(text) gives)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of `token` (None when the vocabulary lacks it)."""
@@ -124,9 +126,9 @@ class HFTokenizer:
                 self._fingerprint = f"hf-{hashlib.sha256(f.read()).hexdigest()[:32]}-eos{self.eos_id}"
         return self._fingerprint
 
-    def decode(self, ids) -> str:
-        """Text of `ids`, skipping special tokens."""
-        return self._tok.decode([int(x) for x in ids], skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of `ids`, skipping special tokens unless asked not to."""
+        return self._tok.decode([int(x) for x in ids], skip_special_tokens=skip_special_tokens)
 
     def __repr__(self) -> str:
         return f"HFTokenizer('{self.path}', vocab_size={self.vocab_size})"

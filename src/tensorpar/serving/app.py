@@ -1,7 +1,7 @@
 """The HTTP front on rank 0: an ASGI app (FastAPI) with the OpenAI endpoints, run by uvicorn in a thread.
 
     POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with "stream": true),
-    GET /v1/models, GET /health, GET /metrics (Prometheus text)
+    POST /tokenize, POST /detokenize (vLLM's), GET /v1/models, GET /health, GET /metrics (Prometheus text)
 
 A request is checked here (`tensorpar.serving.protocol`; a bad one gets its 4xx without reaching the engine), handed
 to the engine's inbox, and answered from the events the engine's thread sends back through the request's event loop.
@@ -17,7 +17,8 @@ import time
 
 from tensorpar.errors import TensorparError
 from tensorpar.serving.engine import Accepted, Engine, RequestDone
-from tensorpar.serving.protocol import ApiError, ModelInfo, chat_request, completion_request
+from tensorpar.serving.protocol import (ApiError, ModelInfo, chat_request, completion_request, detokenize_request,
+                                        tokenize_request)
 from tensorpar.serving.responses import Answer
 
 INSTALL_LINE = "pip install 'tensorpar[serve]'"
@@ -31,6 +32,13 @@ def check_serve_extra() -> None:
         raise TensorparError(f"tensorpar serve needs {', '.join(missing)} (the 'serve' extra): {INSTALL_LINE}")
 
 
+def _json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise ApiError("the request body is not valid JSON") from None
+
+
 class Handler:
     """What the endpoints do, independent of the web framework's objects."""
 
@@ -40,13 +48,16 @@ class Handler:
     def parse(self, kind: str, raw: bytes):
         if not self.engine.accepting:
             raise ApiError("the server is shutting down", status=503, type="service_unavailable")
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise ApiError("the request body is not valid JSON") from None
+        body = _json(raw)
         if kind == "chat":
             return chat_request(body, self.tokenizer, self.info, self.template)
         return completion_request(body, self.tokenizer, self.info)
+
+    def tokenize(self, raw: bytes) -> dict:
+        return tokenize_request(_json(raw), self.tokenizer, self.info, self.template)
+
+    def detokenize(self, raw: bytes) -> dict:
+        return detokenize_request(_json(raw), self.tokenizer, self.info)
 
     def prompt_texts(self, body_prompts: list[list[int]]) -> list[str]:
         return [self.tokenizer.decode(p) for p in body_prompts]
@@ -128,6 +139,14 @@ def create_app(handler: Handler):
             return StreamingResponse(handler.stream(request, events, answer), media_type="text/event-stream")
         whole = await handler.whole(request, events, answer, http.is_disconnected)
         return JSONResponse(whole if whole is not None else {}, status_code=200 if whole is not None else 499)
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request):
+        return handler.tokenize(await http.body())
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request):
+        return handler.detokenize(await http.body())
 
     @app.post("/v1/completions")
     async def completions(http: Request):

@@ -160,12 +160,13 @@ def _prompts(body: dict, tokenizer, info: ModelInfo) -> list[list[int]]:
         raise ApiError("'prompt' is required: a string, an array of strings, an array of token ids or an array of "
                        "arrays of token ids", param="prompt")
     is_ids = lambda p: isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)  # noqa: E731
+    special = field(body, "add_special_tokens", bool, False)
     if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
+        prompts = [tokenizer.encode(prompt, add_special_tokens=special)]
     elif is_ids(prompt) and prompt:
         prompts = [list(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [tokenizer.encode(p) for p in prompt]
+        prompts = [tokenizer.encode(p, add_special_tokens=special) for p in prompt]
     elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
@@ -240,18 +241,10 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequest, dict]:
-    """As `completion_request`, for /v1/chat/completions: the messages rendered with the chat `template`
-    (`tensorpar.data.chat_template.ChatTemplate`: as training renders conversations; None when the checkpoint has
-    none)."""
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    check_model(body, info)
-    _refuse_unsupported(body)
+def chat_prompt(body: dict, tokenizer, info: ModelInfo, template) -> list[int]:
+    """The token ids of a chat body's `messages` rendered with the chat `template` (and vLLM's
+    add_generation_prompt, continue_final_message, chat_template_kwargs, add_special_tokens)."""
     messages = _messages(body)
-    if field(body, "echo", bool, False):
-        raise ApiError("'echo' (vLLM's: the last message before the answer) is not supported by this server",
-                       param="echo")
     if template is None:
         raise ApiError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                        "chat_template.jinja): use /v1/completions", param="messages")
@@ -263,10 +256,56 @@ def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequ
     continue_final = field(body, "continue_final_message", bool, False)
     generation_prompt = field(body, "add_generation_prompt", bool, not continue_final)
     try:
-        prompt = tokenizer.encode(template.render(messages, generation_prompt, continue_final, variables))
+        text = template.render(messages, generation_prompt, continue_final, variables)
     except TensorparError as e:  # the template's raise_exception, or its error on messages it does not take
         raise ApiError(str(e), param="messages") from None
-    prompts = _prompts({"prompt": prompt}, tokenizer, info)
+    return _prompts({"prompt": text, "add_special_tokens": field(body, "add_special_tokens", bool, False)},
+                    tokenizer, info)[0]
+
+
+def tokenize_request(body, tokenizer, info: ModelInfo, template) -> dict:
+    """vLLM's /tokenize: the token ids a completion's `prompt` (text) or a chat's `messages` becomes."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    if body.get("model") is not None:
+        check_model(body, info)
+    if "messages" in body:
+        ids = chat_prompt(body, tokenizer, info, template)
+    elif isinstance(body.get("prompt"), str):
+        ids = _prompts(body, tokenizer, info)[0]
+    else:
+        raise ApiError("'prompt' (a string) or 'messages' is required", param="prompt")
+    return {"count": len(ids), "max_model_len": info.context_len, "tokens": ids}
+
+
+def detokenize_request(body, tokenizer, info: ModelInfo) -> dict:
+    """vLLM's /detokenize: the text of `tokens`."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    if body.get("model") is not None:
+        check_model(body, info)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ApiError("'tokens' must be an array of token ids", param="tokens")
+    bad = [t for t in tokens if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(f"'tokens' has ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}", param="tokens")
+    return {"prompt": tokenizer.decode(tokens, skip_special_tokens=False)}  # as vLLM: special tokens' text kept
+
+
+def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequest, dict]:
+    """As `completion_request`, for /v1/chat/completions: the messages rendered with the chat `template`
+    (`tensorpar.data.chat_template.ChatTemplate`: as training renders conversations; None when the checkpoint has
+    none)."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    check_model(body, info)
+    _refuse_unsupported(body)
+    if field(body, "echo", bool, False):
+        raise ApiError("'echo' (vLLM's: the last message before the answer) is not supported by this server",
+                       param="echo")
+    prompt = chat_prompt(body, tokenizer, info, template)
+    prompts = [prompt]
     max_tokens = field(body, "max_completion_tokens", int, None, low=0)
     max_tokens = field(body, "max_tokens", int, max_tokens, low=0)
     if max_tokens is None:
