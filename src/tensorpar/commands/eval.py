@@ -13,6 +13,7 @@ import os
 
 from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
 from tensorpar.commands.common import inference_layout, launch
+from tensorpar.config.applicability import check_applicable
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import EvalOptions
 from tensorpar.data import check_vocab, eval_windows, load_tokenizer, open_stream, parse_data_spec, prepare_sources
@@ -47,6 +48,7 @@ def validate(options: EvalOptions):
                     cache_dir=options.data_cache, progress=os.environ.get("RANK", "0") == "0")
     cfg = load_config(options.checkpoint)
     check_adapter(options.checkpoint, options.lora_adapter)
+    check_applicable(options, cfg)
     return inference_layout(options, cfg, seq_len=options.seq_len)
 
 

@@ -20,6 +20,7 @@ import sys
 
 from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
 from tensorpar.commands.common import decoding_layout, launch
+from tensorpar.config.applicability import check_applicable
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import GenerateOptions
 from tensorpar.data import load_tokenizer
@@ -56,10 +57,12 @@ def _prompts(options, tokenizer) -> list[list[int]]:
         return [tokenizer.encode(text) for text in options.prompt]
     prompts = []
     for text in options.prompt_ids:
+        items = text.replace(" ", "").split(",") if text.strip() else []  # nothing: refused as an empty prompt
         try:
-            prompts.append([int(t) for t in text.replace(" ", "").split(",") if t != ""])
+            prompts.append([int(t) for t in items])
         except ValueError:
-            raise TensorparError(f"--prompt-ids '{text}' is not a comma-separated list of integers") from None
+            raise TensorparError(f"--prompt-ids '{text}' is not a comma-separated list of integers"
+                                 + (" (it has an empty item)" if "" in items else "")) from None
     return prompts
 
 
@@ -90,6 +93,7 @@ def validate(options: GenerateOptions):
     cfg = load_config(options.checkpoint)
     check_adapter(options.checkpoint, options.lora_adapter)
     options, layout = decoding_layout(options, cfg, "generate")
+    check_applicable(options, cfg)
     if options.max_new_tokens < 1:
         raise TensorparError(f"--max-new-tokens must be at least 1, got {options.max_new_tokens}")
     sampling = _sampling(options)

@@ -16,6 +16,7 @@ import torch
 
 from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read_meta
 from tensorpar.checkpoints.sources import load_config
+from tensorpar.config.applicability import check_applicable
 from tensorpar.config.fields import check_choices
 from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.config.options import TrainOptions
@@ -174,6 +175,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
                          f"'{o.model}' is not used")
             o = dataclasses.replace(o, model=saved_model)
     _check_save_folder(o)
+    if o.micro_batch_size is not None and o.micro_batch_size < 1:
+        raise TensorparError(f"--micro-batch-size must be at least 1 (leave it out for global batch / dp), got "
+                             f"{o.micro_batch_size}")
     if o.bucket_mb <= 0:
         raise TensorparError(f"--bucket-mb must be positive, got {o.bucket_mb}")
     if o.loss_chunk_tokens < 0:
@@ -185,6 +189,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
     cfg = model_config(o)
+    check_applicable(o, cfg)
     _check_optimization(o, cfg)
     lora = lora_spec(o, cfg, resume_meta)
     world = world_size if world_size is not None else launched_world_size(o)
