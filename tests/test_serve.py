@@ -223,7 +223,7 @@ def _penalized_greedy(hf, ids, new, presence, frequency):
     return out
 
 
-def test_penalties_min_tokens_stop_tokens_and_min_p_equal_their_definitions(served):
+def test_penalties_min_tokens_stop_tokens_and_min_p_equal_their_definitions(served, pools):
     """vLLM's sampling fields beyond OpenAI's, at TP 2 (each rank penalizes its own half of the vocabulary):
     repetition_penalty and min_tokens against transformers' generate, presence and frequency penalties against
     their formula, min_p = 1 sampling the most likely token."""
@@ -249,6 +249,9 @@ def test_penalties_min_tokens_stop_tokens_and_min_p_equal_their_definitions(serv
     penalized = _penalized_greedy(served.hf, ids, NEW, presence=0.8, frequency=1.5)
     assert penalized != plain
     assert complete(presence_penalty=0.8, frequency_penalty=1.5).text == text(penalized)
+    for flags, expected in ((["--repetition-penalty", "1.5"], repeated),
+                            (["--presence-penalty", "0.8", "--frequency-penalty", "1.5"], penalized)):
+        assert _generate_cli(pools, served.folder, PROMPTS[:1], "--greedy", "--ignore-eos", *flags) == [text(expected)]
 
     # The greedy continuation's second token as a stop token: it ends the completion there, unless min_tokens holds
     # it back (here it comes again after the third token); as in vLLM, a stop token that is not a special token is

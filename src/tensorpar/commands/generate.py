@@ -42,12 +42,14 @@ def add_parser(sub) -> None:
 
 def _sampling(options) -> dict:
     flags = {"--temperature": options.temperature, "--top-k": options.top_k, "--top-p": options.top_p,
-             "--seed": options.seed}
+             "--seed": options.seed, "--min-p": options.min_p}
     given = [name for name, value in flags.items() if value is not None]
     if options.greedy and given:
         raise TensorparError(f"--greedy takes no sampling options (got {', '.join(given)})")
     return dict(greedy=not given, temperature=1.0 if options.temperature is None else options.temperature,
-                top_k=options.top_k or 0, top_p=1.0 if options.top_p is None else options.top_p, seed=options.seed or 0)
+                top_k=options.top_k or 0, top_p=1.0 if options.top_p is None else options.top_p, seed=options.seed or 0,
+                min_p=options.min_p or 0.0, repetition_penalty=options.repetition_penalty,
+                presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty)
 
 
 def _prompts(options, tokenizer) -> list[list[int]]:
@@ -101,7 +103,7 @@ def validate(options: GenerateOptions):
     prompts = _prompts(options, tokenizer)
     check_generate_args(prompts, options.max_new_tokens, cfg.vocab_size,
                         cfg.max_seq_len if cfg.position == "learned" else None,
-                        temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"])
+                        **{k: v for k, v in sampling.items() if k not in ("greedy", "seed")})
     return options, layout, cfg, tokenizer, prompts, sampling, _eos_ids(options, tokenizer)
 
 

@@ -40,6 +40,7 @@ from tensorpar.config.choices import (
 )
 from tensorpar.config.fields import option
 from tensorpar.config.lora_options import LoraAdapterOptions, LoraOptions, LoraShapeOptions
+from tensorpar.config.sampling_options import SamplingOptions
 
 LAYOUT = "layout"
 LAUNCH = "processes"
@@ -304,7 +305,7 @@ class EvalOptions(LoraAdapterOptions, DataOptions, ExpertOptions, LaunchOptions)
 
 
 @dataclasses.dataclass
-class GenerateOptions(LoraAdapterOptions, ExpertOptions, LaunchOptions):
+class GenerateOptions(SamplingOptions, LoraAdapterOptions, ExpertOptions, LaunchOptions):
     """`tensorpar generate`: continue prompts with a KV cache sharded by heads."""
 
     checkpoint: str | None = option(None, "a tensorpar checkpoint or a Hugging Face model folder", required=True)
@@ -312,11 +313,6 @@ class GenerateOptions(LoraAdapterOptions, ExpertOptions, LaunchOptions):
                                             "bytes); repeat for a batch", repeat=True)
     prompt_ids: list[str] | None = option(None, "comma-separated token ids; repeat for a batch", repeat=True)
     max_new_tokens: int | None = option(None, "tokens to generate per prompt", required=True)
-    greedy: bool = option(False, "greedy decoding (the default without sampling options)", group="sampling")
-    temperature: float | None = option(None, "sample with this temperature (default 1)", group="sampling")
-    top_k: int | None = option(None, "sample among the k most likely tokens (0: all)", group="sampling")
-    top_p: float | None = option(None, "sample from the nucleus of this probability mass", group="sampling")
-    seed: int | None = option(None, "sampling seed (default 0): same seed, same tokens", group="sampling")
     ignore_eos: bool = option(False, "always generate --max-new-tokens tokens")
     json: bool = option(False, "one JSON line per prompt: ids, text, tokens_per_s")
     sequence_parallel: bool = option(False, "only to refuse it clearly", hidden=True)

@@ -24,6 +24,7 @@ Every TP rank runs the same loop and ends with the same tokens; the logits stay 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -32,6 +33,7 @@ from tensorpar.errors import TensorparError
 from tensorpar.functional.autocast import autocast_dtype
 from tensorpar.functional.dropout import mix_seed
 from tensorpar.inference.kv_cache import KVCache
+from tensorpar.inference.penalties import Penalties, apply_penalties, min_p_threshold
 
 TOP_P_FIRST_CANDIDATES = 64  # per rank; multiplied by 8 while the nucleus is not inside the candidates
 
@@ -110,14 +112,22 @@ def gumbel_noise(vocab_size: int, padded_local: int, rank: int, seed: int, step:
 
 
 def select_tokens(local_logits: torch.Tensor, model, *, greedy: bool = True, temperature: float = 1.0,
-                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, step: int = 0) -> torch.Tensor:
-    """The next token of every row [B] from vocabulary-sharded logits [B, V_local]; the same on every TP rank."""
+                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, step: int = 0, min_p: float = 0.0,
+                  penalties: list[Penalties] | None = None) -> torch.Tensor:
+    """The next token of every row [B] from vocabulary-sharded logits [B, V_local], row r penalized as
+    `penalties[r]` asks (`tensorpar.inference.penalties`); the same on every TP rank."""
     group = model.tp_group
     local = model.mask_padding(local_logits.float())
+    if penalties is not None and any(p.active for p in penalties):
+        local = local.double()
+        apply_penalties(local, penalties, group.rank * local.shape[-1])
     if greedy:
         return tp_argmax_rows(local, group)
     local = local.double() / temperature
     threshold = keep_threshold(local, group, top_k, top_p)
+    if min_p > 0.0:
+        floor = min_p_threshold(local, group, min_p)
+        threshold = floor if threshold is None else torch.maximum(threshold, floor)
     if threshold is not None:
         local = local.masked_fill(local < threshold[:, None], float("-inf"))
     noise = gumbel_noise(model.cfg.vocab_size, local.shape[-1], group.rank, seed, step, local.device)
@@ -125,7 +135,9 @@ def select_tokens(local_logits: torch.Tensor, model, *, greedy: bool = True, tem
 
 
 def check_generate_args(prompts, max_new_tokens: int, vocab_size: int, max_positions: int | None = None, *,
-                        temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
+                        temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                        repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                        frequency_penalty: float = 0.0) -> None:
     """Raise TensorparError (one line) for input that generation cannot take."""
     if not prompts:
         raise TensorparError("no prompts given")
@@ -137,6 +149,13 @@ def check_generate_args(prompts, max_new_tokens: int, vocab_size: int, max_posit
         raise TensorparError(f"top-k must be >= 0 (0: off), got {top_k}")
     if not (0 < top_p <= 1):
         raise TensorparError(f"top-p must be in (0, 1], got {top_p}")
+    if not 0 <= min_p <= 1:
+        raise TensorparError(f"min-p must be in [0, 1], got {min_p}")
+    if not (0 < repetition_penalty < float("inf")):
+        raise TensorparError(f"repetition-penalty must be a positive number (1: none), got {repetition_penalty}")
+    for name, value in (("presence-penalty", presence_penalty), ("frequency-penalty", frequency_penalty)):
+        if not -2 <= value <= 2:
+            raise TensorparError(f"{name} must be in [-2, 2], got {value}")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise TensorparError(f"prompt {i} is empty: generation needs at least one token")
@@ -176,12 +195,26 @@ class _Batch:
         return self.model.forward_cached(tokens[:, None], self.cache)
 
 
+def _penalties(prompts, presence: float, frequency: float, repetition: float) -> list[Penalties]:
+    """Each prompt's penalties before its first new token."""
+    return [Penalties(presence, frequency, repetition,
+                      prompt_tokens=tuple(sorted(set(map(int, p)))) if repetition != 1.0 else ()) for p in prompts]
+
+
+def _seen_one_more(p: Penalties, token: int) -> Penalties:
+    counts = dict(p.output_counts)
+    counts[token] = counts.get(token, 0) + 1
+    return dataclasses.replace(p, output_counts=tuple(counts.items()))
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id=None, stats: dict | None = None,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, eos_id=None, stats: dict | None = None,
              replica_group=None) -> list[list[int]]:
     """The new token ids of every prompt (not the prompt), stopping a row after an `eos_id` (an int or several;
-    the EOS token is included) or after `max_new_tokens`. Call on every TP rank: all get the same result.
+    the EOS token is included) or after `max_new_tokens`. Call on every TP rank: all get the same result. The
+    penalties look at each row's tokens so far (`tensorpar.inference.penalties`: as `tensorpar serve` applies them).
 
     `stats`, if given, receives new_tokens, seconds, prefill_seconds and tokens_per_s (new tokens of all rows
     per second, prefill included). Under torch.autocast the cache takes the autocast dtype.
@@ -192,14 +225,18 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bo
     cfg = model.cfg
     check_generate_args(prompts, max_new_tokens, cfg.vocab_size,
                         cfg.max_seq_len if cfg.position == "learned" else None,
-                        temperature=temperature, top_k=top_k, top_p=top_p)
+                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty)
     top_k = min(top_k, cfg.vocab_size)
+    seen = _penalties(prompts, presence_penalty, frequency_penalty, repetition_penalty)
+    penalized = seen[0].active
     eos = set() if eos_id is None else {int(eos_id)} if isinstance(eos_id, int) else {int(e) for e in eos_id}
     new: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
         return new
     batch = _Batch(model, prompts, max_new_tokens)
-    sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p)
 
     was_training = model.training
     model.eval()
@@ -209,13 +246,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, greedy: bo
         done = [False] * len(prompts)
         prefill_s = None
         for step in range(max_new_tokens):
-            tokens = select_tokens(logits, model, step=step, **sampling)
+            tokens = select_tokens(logits, model, step=step, penalties=seen if penalized else None, **sampling)
             if replica_group is not None:
                 replica_group.broadcast(tokens)
             for row, token in enumerate(tokens.tolist()):  # .tolist() waits for the device
                 if not done[row]:
                     new[row].append(token)
                     done[row] = token in eos
+                    if penalized:
+                        seen[row] = _seen_one_more(seen[row], token)
             if prefill_s is None:
                 prefill_s = time.perf_counter() - t0
             if all(done) or step == max_new_tokens - 1:

@@ -1,9 +1,11 @@
 """The OpenAI API's requests, checked: a request body in, an `EngineRequest` out, or an `ApiError` that the server
 answers in OpenAI's error shape, {"error": {"message", "type", "param", "code"}}, with its HTTP status.
 
-Fields of the OpenAI API that change what is generated and that the server cannot honour (penalties, logit bias,
-best_of > 1, tools) are refused, never silently ignored; fields it does not know are ignored (as vLLM does). Two
-extensions vLLM also has: `top_k` and `ignore_eos`. Temperature 0 is greedy decoding.
+Fields of the OpenAI API or vLLM's that change what is generated and that the server cannot honour (logit bias,
+best_of > 1, tools, beam search, guided decoding, ...) are refused, never silently ignored; fields neither defines
+are ignored (as vLLM does). vLLM's extensions it honours: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`stop_token_ids`, `ignore_eos`, `add_special_tokens`, and for chats `add_generation_prompt`,
+`continue_final_message`, `chat_template_kwargs`. Temperature 0 is greedy decoding.
 """
 
 from __future__ import annotations

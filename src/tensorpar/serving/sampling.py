@@ -4,7 +4,7 @@ Each row of a step has its own sampling parameters and its own noise: Gumbel noi
 index of the token in its continuation), the draw `tensorpar generate` makes for a lone prompt. So a request's
 tokens depend on its seed alone, not on what else is in the batch, and equal `tensorpar generate --seed`'s. The
 pieces are generate's (`tensorpar.inference.generation`): top-k / top-p thresholds from gathered candidates, the
-greedy all-gather of (value, id); min-p and the penalties on the tokens seen: `tensorpar.serving.penalties`.
+greedy all-gather of (value, id); min-p and the penalties on the tokens seen: `tensorpar.inference.penalties`.
 
 Log-probs are those of the model's distribution (the raw logits, before temperature and top-k / top-p), as the
 OpenAI API and lm-eval expect: log_softmax needs each row's global max and sum of exponentials; one all-gather per
@@ -16,18 +16,18 @@ from __future__ import annotations
 import torch
 
 from tensorpar.inference.generation import gumbel_noise, keep_threshold, tp_argmax_rows
-from tensorpar.serving.penalties import apply_penalties, min_p_threshold
+from tensorpar.inference.penalties import Penalties, apply_penalties, min_p_threshold
 from tensorpar.serving.step_plan import Sampling, TokenLogprob
 
 
 def sample_rows(local_logits: torch.Tensor, model, rows: list[Sampling], steps: list[int], items=None) -> torch.Tensor:
     """The next token [R] of every row of vocabulary-sharded logits [R, V_local], row r with `rows[r]` and noise of
-    step `steps[r]`, penalized as `items[r]` (its `StepItem`: the tokens seen, the banned ones; `penalties`) asks; a
+    step `steps[r]`, penalized as `items[r]` (its `StepItem`: the tokens seen, the banned ones) asks; a
     collective over the TP group, the same on every rank."""
     group = model.tp_group
     scores = model.mask_padding(local_logits.float()).double()
     if items is not None:
-        apply_penalties(scores, items, group.rank * scores.shape[-1])
+        apply_penalties(scores, [penalties(it) for it in items], group.rank * scores.shape[-1])
     sampled = [r for r, s in enumerate(rows) if not s.greedy]
     if sampled:
         index = torch.tensor(sampled, device=scores.device)
@@ -49,6 +49,13 @@ def sample_rows(local_logits: torch.Tensor, model, rows: list[Sampling], steps: 
                                           local.device) for r in sampled])
         scores[index] = local + noise
     return tp_argmax_rows(scores, group)
+
+
+def penalties(item) -> Penalties:
+    """The penalties of a step item's sample (`StepItem`: its sampling, the tokens it has seen, the banned ones)."""
+    s = item.sample
+    return Penalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty, item.output_counts,
+                     item.prompt_tokens, item.banned)
 
 
 def token_logprobs(local_logits: torch.Tensor, model, targets: torch.Tensor, top: int) -> list[TokenLogprob]:

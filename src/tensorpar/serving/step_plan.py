@@ -19,7 +19,7 @@ import torch
 class Sampling:
     """How one request picks its tokens: greedy, or a sample of softmax(logits / temperature) within top-k / top-p /
     min-p, drawn with noise seeded by (seed, the index of the token in its own continuation); either after the
-    penalties on the tokens already seen (`tensorpar.serving.penalties`)."""
+    penalties on the tokens already seen (`tensorpar.inference.penalties`)."""
 
     greedy: bool = True
     temperature: float = 1.0
