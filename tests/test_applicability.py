@@ -33,6 +33,8 @@ CASES = [
      dict(document_mask=True)),
     (dict(keep_last=1), "--keep-last 1 needs --save DIR", dict(save="ck")),
     (dict(world_size=8), "--world-size 8 needs --dry-run", dict(dry_run=True)),
+    (dict(bin_dtype="uint32", data="corpus.txt"), "--bin-dtype uint32 needs a raw .bin token file in --data",
+     dict(data="0.5 a.bin 0.5 b.txt")),
     (dict(sample_prompt="Hi"), "--sample-prompt Hi needs --sample-tokens N", dict(sample_tokens=4)),
 ]
 
