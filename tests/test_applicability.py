@@ -35,6 +35,8 @@ CASES = [
     (dict(world_size=8), "--world-size 8 needs --dry-run", dict(dry_run=True)),
     (dict(bin_dtype="uint32", data="corpus.txt"), "--bin-dtype uint32 needs a raw .bin token file in --data",
      dict(data="0.5 a.bin 0.5 b.txt")),
+    (dict(text_field="body", data="corpus.txt"), "--text-field body needs JSONL, Parquet or a datasets folder",
+     dict(data="docs.jsonl.gz")),
     (dict(sample_prompt="Hi"), "--sample-prompt Hi needs --sample-tokens N", dict(sample_tokens=4)),
 ]
 

@@ -44,12 +44,13 @@ def validate(options: EvalOptions):
                           f"--pp must be 1, got {options.pp}")
     if len(parse_data_spec(options.data)) > 1:
         raise TensorparError(f"tensorpar eval takes one data source, not the mixture '{options.data}'")
-    prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,
-                    cache_dir=options.data_cache, progress=os.environ.get("RANK", "0") == "0")
     cfg = load_config(options.checkpoint)
     check_adapter(options.checkpoint, options.lora_adapter)
     check_applicable(options, cfg)
-    return inference_layout(options, cfg, seq_len=options.seq_len)
+    layout = inference_layout(options, cfg, seq_len=options.seq_len)
+    prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,
+                    cache_dir=options.data_cache, progress=os.environ.get("RANK", "0") == "0")
+    return layout
 
 
 def evaluate_checkpoint(options: EvalOptions, layout: ParallelLayout | None = None) -> dict:

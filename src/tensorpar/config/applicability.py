@@ -30,10 +30,13 @@ def _moe(o, cfg) -> bool:
     return cfg is not None and cfg.is_moe
 
 
-def _raw_bin(o, cfg) -> bool:
-    """Whether the data may hold a raw .bin token file (a mixture file or a folder may list one)."""
-    parts = f"{o.data or ''} {getattr(o, 'val_data', None) or ''}".split()
-    return any(p.endswith((".bin", ".toml")) or os.path.isdir(p) for p in parts)
+def _may_hold(*suffixes: str) -> Callable:
+    """Whether --data (or --val-data) may name a file ending in one of `suffixes` (a mixture file or a folder may
+    hold one)."""
+    def check(o, cfg) -> bool:
+        parts = f"{o.data or ''} {getattr(o, 'val_data', None) or ''}".split()
+        return any(p.endswith((*suffixes, ".toml")) or os.path.isdir(p) for p in parts)
+    return check
 
 
 RULES = (
@@ -57,7 +60,9 @@ RULES = (
     Needs("zero3_reshard_after_forward", lambda o, cfg: o.zero == 3, "--zero 3"),
     Needs("bucket_mb", lambda o, cfg: o.zero != 3, "--zero 0, 1 or 2 (ZeRO-3 reduces each block's gradients as "
                                                    "they come)"),
-    Needs("bin_dtype", _raw_bin, "a raw .bin token file in --data (a Megatron .idx names its own dtype)"),
+    Needs("bin_dtype", _may_hold(".bin"), "a raw .bin token file in --data (a Megatron .idx names its own dtype)"),
+    Needs("text_field", _may_hold(".jsonl", ".jsonl.gz", ".parquet"), "JSONL, Parquet or a datasets folder in "
+                                                                       "--data"),
     Needs("document_attention", lambda o, cfg: o.document_mask, "--document-mask"),
     Needs("keep_last", lambda o, cfg: bool(o.save), "--save DIR"),
     Needs("world_size", lambda o, cfg: o.dry_run, "--dry-run"),
