@@ -162,6 +162,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         # One command serves the first start and every restart of a crash-restart loop.
         notes.append(f"--resume {o.resume}: no checkpoint there yet; starting from step 0")
         o = dataclasses.replace(o, resume=None)
+    if o.resume and not os.path.exists(o.resume):  # a typo, unless it is where the run saves (above)
+        raise TensorparError(f"checkpoint '{o.resume}' does not exist (a --resume folder not made yet starts the run "
+                             f"only when it is also the --save folder: add --save {o.resume})")
     resume_meta = None
     if o.resume:
         _, resume_meta = read_meta(o.resume)  # every shard present, complete and unchanged
