@@ -172,3 +172,12 @@ def test_a_broken_pipe_elsewhere_is_not_hidden(monkeypatch, capsys):
     monkeypatch.setattr(explain, "run", broken)
     with pytest.raises(BrokenPipeError):
         main(["explain", "reduce-scatter", "--ranks", "4"])
+
+
+def test_an_unknown_flag_points_at_its_commands_help(cli):
+    """argparse reports unrecognized arguments from the top-level parser: the hint named 'tensorpar --help', which
+    lists the commands, not the command's flags."""
+    _assert_refused(cli("convert", "ckpt", "hf-folder", "--device", "cuda"),
+                    "unrecognized arguments: --device cuda (see 'tensorpar convert --help')")
+    _assert_refused(cli("train", "--steps", "1", "--foo"),
+                    "unrecognized arguments: --foo (see 'tensorpar train --help')")

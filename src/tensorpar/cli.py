@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         if entry and not under_launcher() and zygote.wanted(argv):
             zygote.fork_at_entry()  # the local ranks, if any, are forked from it: each returns here as a rank
             follow_launcher()
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:  # named with the command's help, not the top level's
+            raise TensorparError(f"unrecognized arguments: {' '.join(unknown)} (see 'tensorpar {args.command} --help')")
         return int(args.run(args, argv) or 0)
     except TensorparError as e:
         # One write per line: ranks share the terminal, and a single short write to a pipe is atomic.
