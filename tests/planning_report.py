@@ -17,6 +17,7 @@ from test_planning_communication import (
 )
 from test_planning_memory import (
     ACTIVATION_CASES,
+    CHUNKS,
     check_activations,
     check_parameter_memory,
 )
@@ -76,20 +77,21 @@ def _report() -> None:  # pragma: no cover - run as a script
                       f"{mb.optimizer:,} / {real[2]:,} |")
 
         print("\n## Activations of one micro-batch (B=2, S=32), bytes: predicted vs measured\n")
-        print("| tp | model | SP | recompute | dtype | predicted | measured | method | error "
+        print("| tp | model | SP | recompute | dtype | loss | predicted | measured | method | error "
               "| Playbook formula (bf16) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for tp, config, sp, rc, dtype in ACTIVATION_CASES:
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for (tp, config, sp, rc, dtype), chunk in zip(ACTIVATION_CASES, CHUNKS):
             cfg = CONFIGS[config]
             mb = memory.stage_memory(cfg, Candidate.of(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=rc), 32, 2,
-                                     f"tensorpar-{dtype}")
+                                     f"tensorpar-{dtype}", loss_chunk_tokens=chunk)
             pred = mb.activations + mb.weight_copies
             method = "hooks" if rc == "none" else "live"
-            args = (tp, config, sp, rc, dtype, method)
+            args = (tp, config, sp, rc, dtype, method, True, chunk)
             got = check_activations(*args) if tp == 1 else pools(WORLD).run(check_activations, *args)[0]
             pb = memory.stage_memory(cfg, Candidate.of(tp=tp, sequence_parallel=sp, micro_batch_size=2, recompute=rc), 32, 2,
                                      "mixed-bf16").activations
-            print(f"| {tp} | {config} | {'on' if sp else 'off'} | {rc} | {dtype} | {pred:,} | "
+            loss = "fused" if chunk else "logits"
+            print(f"| {tp} | {config} | {'on' if sp else 'off'} | {rc} | {dtype} | {loss} | {pred:,} | "
                   f"{got:,} | {method} | {100 * (pred - got) / got:+.3f}% | {pb:,} |")
     finally:
         pools.close()

@@ -8,6 +8,9 @@ import time
 
 import pytest
 
+import tensorpar.commands.explain as explain
+from tensorpar.cli import main
+
 
 def tensorpar(*args, launcher=None, timeout=120, **env):
     env = dict(os.environ, OMP_NUM_THREADS="1", **env)
@@ -150,3 +153,31 @@ def test_a_model_config_file_that_is_not_json_is_refused_in_one_line(cli, tmp_pa
 ], ids=["eval-batch-zero", "eval-batch-negative", "loss-scale-negative", "loss-scale-nan", "loss-scale-window-zero"])
 def test_counts_and_scales_that_cannot_work_are_refused(cli, args, needle):
     _assert_refused(cli(*args), needle)
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(monkeypatch):
+    """`tensorpar plan --json | head`: stdout's reader is gone; the command ends with status 141 (as SIGPIPE would
+    end it) and no traceback, and only then (a BrokenPipeError with stdout still open is a bug, re-raised)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w", buffering=1) as stdout:  # line-buffered: the first line meets the closed pipe
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert main(["explain", "reduce-scatter", "--ranks", "4"]) == 141
+        monkeypatch.undo()
+
+
+def test_a_broken_pipe_elsewhere_is_not_hidden(monkeypatch, capsys):
+    def broken(*_):
+        raise BrokenPipeError("a peer's socket")
+    monkeypatch.setattr(explain, "run", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["explain", "reduce-scatter", "--ranks", "4"])
+
+
+def test_an_unknown_flag_points_at_its_commands_help(cli):
+    """argparse reports unrecognized arguments from the top-level parser: the hint named 'tensorpar --help', which
+    lists the commands, not the command's flags."""
+    _assert_refused(cli("convert", "ckpt", "hf-folder", "--device", "cuda"),
+                    "unrecognized arguments: --device cuda (see 'tensorpar convert --help')")
+    _assert_refused(cli("train", "--steps", "1", "--foo"),
+                    "unrecognized arguments: --foo (see 'tensorpar train --help')")

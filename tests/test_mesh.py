@@ -136,3 +136,16 @@ def test_a_mesh_in_a_running_world_destroys_the_groups_it_created(pools):
     """Runs inside one set of processes (torchrun's caller, a test's process pool) must not pile up gloo threads."""
     for before, after in pools(2).run(check_meshes_leave_no_threads, 5):
         assert after <= before, f"{after - before} threads left behind by 5 meshes"
+
+
+@pytest.mark.parametrize("command", [["train", "--steps", "1"], ["demo", "--tp", "2"]])
+def test_a_device_this_machine_lacks_is_refused_before_any_rank_starts(cli, monkeypatch, command):
+    """`--device cuda` without a visible GPU (or a CPU-only torch), and a device torch does not know, were tracebacks
+    from torch.cuda.set_device or torch.device in the ranks (train: in its checks)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = cli(*command, "--device", "cuda")
+    assert code == 2 and "--device cuda: no CUDA device is visible to this process" in err, err
+    assert "drop --device to run on the CPU" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = cli(*command, "--device", "gpu")
+    assert code == 2 and "--device gpu: not a torch device; use cpu, cuda or cuda:N" in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from tensorpar.checkpoints.sharded import read_meta
+from tensorpar.commands.train import with_output_defaults
 from tensorpar.config.fields import load_toml
 from tensorpar.config.options import TrainOptions
 
@@ -70,3 +71,13 @@ def test_a_pipeline_run_exits_0_and_draws_its_timeline_or_warns(pools, tmp_path,
     warnings = [ln for ln in stderr.splitlines() if ln.startswith("tensorpar: warning: could not draw")]
     assert len(warnings) == (0 if draw else 2), stderr
     assert "pipeline bubble (measured, last step)" in stdout
+
+
+@pytest.mark.parametrize("given, out_dir", [(dict(model="tiny"), "runs/tiny-tp2"),
+                                             (dict(init_from="models/Qwen2.5-0.5B-Instruct/"),
+                                              "runs/Qwen2.5-0.5B-Instruct-tp2"),
+                                             (dict(model="configs/my-config.json"), "runs/my-config.json-tp2")])
+def test_default_out_dir_names_the_model_whatever_its_path_ends_with(given, out_dir):
+    """`--init-from FOLDER/` (a trailing slash, as the shell completes a folder) wrote to runs/-tp2."""
+    options = with_output_defaults(TrainOptions(tp=2, **given))
+    assert options.out_dir == out_dir and options.metrics == f"{out_dir}/metrics.jsonl"

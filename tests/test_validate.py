@@ -65,8 +65,9 @@ def test_resume_from_a_folder_without_a_checkpoint_starts_from_scratch_and_says_
         assert run.options.resume is None and run.resume_meta is None
         assert run.notes == (f"--resume {folder}: no checkpoint there yet; starting from step 0",)
     # A --resume path that does not exist and is not where the run saves is a typo: refused as before.
-    with pytest.raises(TensorparError, match="checkpoint '.*/typo' does not exist"):
+    with pytest.raises(TensorparError, match="checkpoint '.*/typo' does not exist") as refused:
         validate(TrainOptions(model=config_file, **{**BASE, "resume": str(tmp_path / "typo")}))
+    assert f"add --save {tmp_path / 'typo'}" in str(refused.value)  # the way to a first start there
 
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 
 from tensorpar.commands import calibrate, convert, demo, diagnose, explain, generate, plan, prepare_data, serve, train
@@ -36,6 +37,20 @@ def _rank_prefix() -> str:
     return ""
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout's reader has gone (`tensorpar plan --json | head`): then stdout is pointed at /dev/null, so
+    that the flush at exit does not fail again, and the command ends quietly instead of with a traceback."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poll.poll(0))  # a pipe without a reader
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout is not a file
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="tensorpar", description="Tensor-parallel training, evaluation and serving of transformers."
@@ -55,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         if entry and not under_launcher() and zygote.wanted(argv):
             zygote.fork_at_entry()  # the local ranks, if any, are forked from it: each returns here as a rank
             follow_launcher()
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:  # named with the command's help, not the top level's
+            raise TensorparError(f"unrecognized arguments: {' '.join(unknown)} (see 'tensorpar {args.command} --help')")
         return int(args.run(args, argv) or 0)
     except TensorparError as e:
         # One write per line: ranks share the terminal, and a single short write to a pipe is atomic.
@@ -66,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        return 141  # as a process that SIGPIPE ended
     except Exception as e:  # a bug: the traceback is printed, and the launcher names it in the rank's line
         record_error(f"{type(e).__name__}: {e}")
         raise

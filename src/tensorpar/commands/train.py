@@ -30,9 +30,10 @@ def add_parser(sub) -> None:
 
 
 def with_output_defaults(options: TrainOptions) -> TrainOptions:
-    """The command line writes its outputs by default: runs/MODEL-tpT/ and its metrics.jsonl."""
-    out_dir = options.out_dir or os.path.join("runs", f"{os.path.basename(options.init_from or options.model)}"
-                                                      f"-tp{options.tp}")
+    """The command line writes its outputs by default: runs/MODEL-tpT/ and its metrics.jsonl (MODEL: the preset, or
+    the last part of --model's or --init-from's path, a trailing slash ignored)."""
+    name = os.path.basename(os.path.normpath(options.init_from or options.model))
+    out_dir = options.out_dir or os.path.join("runs", f"{name}-tp{options.tp}")
     return dataclasses.replace(options, out_dir=out_dir, metrics=options.metrics or os.path.join(out_dir,
                                                                                                   "metrics.jsonl"))
 

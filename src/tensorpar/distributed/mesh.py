@@ -235,8 +235,16 @@ def check_gpus_per_process(device: torch.device, backend: str | None, world: int
 
 
 def check_backend(device: str | torch.device | None, backend: str | None) -> None:
-    """NCCL moves CUDA tensors only: refuse `--backend nccl` for a run on another device, before any rank starts."""
-    resolved = _pick_device(0, device)
+    """Before any rank starts: refuse a `--device` that is not a torch device or that this machine does not have
+    (CUDA), and `--backend nccl` for a run on another device than CUDA (NCCL moves CUDA tensors only)."""
+    try:
+        resolved = _pick_device(0, device)
+    except RuntimeError:
+        raise LayoutError(f"--device {device}: not a torch device; use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        build = "" if torch.version.cuda else ", a CPU-only build"
+        raise LayoutError(f"--device {device}: no CUDA device is visible to this process (torch {torch.__version__}"
+                          f"{build}); drop --device to run on the CPU")
     if backend == "nccl" and resolved.type != "cuda":
         raise LayoutError(f"--backend nccl needs CUDA devices, and this run's device is {resolved.type}: drop "
                           f"--backend (gloo is the default there)")

@@ -23,6 +23,7 @@ from tensorpar.config.options import TrainOptions
 from tensorpar.config.precision import Precision
 from tensorpar.data import prepare_sources, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
+from tensorpar.distributed.mesh import check_backend
 from tensorpar.errors import TensorparError
 from tensorpar.functional.varlen_attention import check_document_attention
 from tensorpar.layout import ParallelLayout
@@ -154,6 +155,8 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     nproc or tp x cp x pp x dp); raise TensorparError naming what is wrong, or return the PreparedRun."""
     o = options
     check_choices(o)
+    if not o.dry_run:  # a device this machine has, before anything reads it (a dry run builds on the meta device)
+        check_backend(o.device, o.backend)
     if o.steps < 1:
         raise TensorparError(f"--steps must be at least 1, got {o.steps}")
     notes = []
@@ -163,6 +166,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         # One command serves the first start and every restart of a crash-restart loop.
         notes.append(f"--resume {o.resume}: no checkpoint there yet; starting from step 0")
         o = dataclasses.replace(o, resume=None)
+    if o.resume and not os.path.exists(o.resume):  # a typo, unless it is where the run saves (above)
+        raise TensorparError(f"checkpoint '{o.resume}' does not exist (a --resume folder not made yet starts the run "
+                             f"only when it is also the --save folder: add --save {o.resume})")
     resume_meta = None
     if o.resume:
         _, resume_meta = read_meta(o.resume)  # every shard present, complete and unchanged
