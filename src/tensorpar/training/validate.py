@@ -150,6 +150,22 @@ def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
                              f"{cfg.vocab_size}, so no document would ever end: use the model's own tokenizer")
 
 
+def _check_numbers(o: TrainOptions) -> None:
+    """Sizes and counts within their ranges; --save-every with a folder to save in."""
+    if o.micro_batch_size is not None and o.micro_batch_size < 1:
+        raise TensorparError(f"--micro-batch-size must be at least 1 (leave it out for global batch / dp), got "
+                             f"{o.micro_batch_size}")
+    if o.bucket_mb <= 0:
+        raise TensorparError(f"--bucket-mb must be positive, got {o.bucket_mb}")
+    if o.loss_chunk_tokens < 0:
+        raise TensorparError(f"--loss-chunk-tokens must be 0 (off) or a number of tokens, "
+                             f"got {o.loss_chunk_tokens}")
+    if o.save_every and not o.save:
+        raise TensorparError("--save-every needs --save DIR")
+    if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
+        raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
+
+
 def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
     """Check `options` against the model and a world of `world_size` processes (default: the launcher's, else
     nproc or tp x cp x pp x dp); raise TensorparError naming what is wrong, or return the PreparedRun."""
@@ -181,19 +197,8 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
                          f"'{o.model}' is not used")
             o = dataclasses.replace(o, model=saved_model)
     _check_save_folder(o)
-    if o.micro_batch_size is not None and o.micro_batch_size < 1:
-        raise TensorparError(f"--micro-batch-size must be at least 1 (leave it out for global batch / dp), got "
-                             f"{o.micro_batch_size}")
-    if o.bucket_mb <= 0:
-        raise TensorparError(f"--bucket-mb must be positive, got {o.bucket_mb}")
-    if o.loss_chunk_tokens < 0:
-        raise TensorparError(f"--loss-chunk-tokens must be 0 (off) or a number of tokens, "
-                             f"got {o.loss_chunk_tokens}")
-    if o.save_every and not o.save:
-        raise TensorparError("--save-every needs --save DIR")
+    _check_numbers(o)
     _check_observability(o)
-    if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
-        raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
     cfg = model_config(o)
     check_applicable(o, cfg)
     _check_optimization(o, cfg)
