@@ -56,8 +56,12 @@ def _prompts(options, tokenizer) -> list[list[int]]:
         return [tokenizer.encode(text) for text in options.prompt]
     prompts = []
     for text in options.prompt_ids:
+        items = [t.strip() for t in text.split(",")] if text.strip() else []  # "": an empty prompt, refused later
+        if "" in items:
+            raise TensorparError(f"--prompt-ids '{text}' has an empty item (item {items.index('') + 1}): give "
+                                 f"comma-separated token ids such as 1,2,3")
         try:
-            prompts.append([int(t) for t in text.replace(" ", "").split(",") if t != ""])
+            prompts.append([int(t) for t in items])
         except ValueError:
             raise TensorparError(f"--prompt-ids '{text}' is not a comma-separated list of integers") from None
     return prompts

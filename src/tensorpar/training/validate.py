@@ -155,6 +155,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     check_choices(o)
     if o.steps < 1:
         raise TensorparError(f"--steps must be at least 1, got {o.steps}")
+    if o.micro_batch_size is not None and o.micro_batch_size < 1:
+        raise TensorparError(f"--micro-batch-size must be at least 1 (or left out: the global batch / dp), got "
+                             f"{o.micro_batch_size}")
     notes = []
     if o.resume and o.init_from:
         raise TensorparError("--resume and --init-from exclude each other")
