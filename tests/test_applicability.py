@@ -8,9 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from tensorpar.commands import eval as eval_command
+from tensorpar.commands import generate, serve
 from tensorpar.config import applicability
 from tensorpar.config.fields import cli_specs, load_toml, to_toml
-from tensorpar.config.options import TrainOptions
+from tensorpar.config.options import EvalOptions, GenerateOptions, ServeOptions, TrainOptions
 from tensorpar.errors import TensorparError
 from tensorpar.tensor_parallel.fp8_scaling import fp8_unsupported
 from tensorpar.training import validate
@@ -20,7 +22,7 @@ from corpora import write_jsonl
 from layout_runs import BASE
 
 FP8 = pytest.mark.skipif(fp8_unsupported("cpu") is not None, reason="this torch has no fp8 GEMMs on CPU")
-OPTIONS = {"train": TrainOptions}
+OPTIONS = {"train": TrainOptions, "eval": EvalOptions, "generate": GenerateOptions, "serve": ServeOptions}
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +240,60 @@ def test_a_runs_resolved_configuration_loads_again(files, tmp_path):
         path.write_text(to_toml(train_options(files, overrides)))
         options = TrainOptions(**load_toml(str(path), TrainOptions, "train"))
         validate(options, options.tp)
+
+
+# -- eval, generate, serve: on a checkpoint ----------------------------------------------------------------------------
+
+def _inference(command: str, files, overrides: dict):
+    given = {"checkpoint": "{dense}", **overrides}
+    given = {k: _filled(files, v) for k, v in given.items()}
+    if command == "eval":
+        return eval_command.validate(EvalOptions(**{"seq_len": 16, "data_cache": files["cache"], **given}))
+    if command == "generate":
+        return generate.validate(GenerateOptions(**{"prompt_ids": ["1,2"], "max_new_tokens": 2, **given}))
+    return serve.validate(ServeOptions(**given))
+
+
+INFERENCE = [  # (command, refused options, the one line, the same option where it applies)
+    ("eval", dict(fp8_recipe="rowwise"),
+     "--fp8-recipe rowwise needs --dtype fp8 (it scales the fp8 GEMMs; --dtype is fp32)",
+     pytest.param(dict(fp8_recipe="rowwise", dtype="fp8"), marks=FP8)),
+    ("eval", dict(expert_gemm="loop"), "--expert-gemm loop needs a mixture-of-experts model (it runs the routed "
+     "experts' GEMMs; this model is dense (num_experts = 0))", dict(expert_gemm="loop", checkpoint="{moe}")),
+    ("eval", dict(cp_impl="allgather"),
+     "--cp-impl allgather needs --cp > 1 (it is context parallelism's attention; --cp is 1)",
+     dict(cp_impl="allgather", cp=2)),
+    ("eval", dict(sequence_parallel=True), "--sequence-parallel needs --tp > 1 (it shards the activations along the "
+     "sequence over the TP ranks; --tp is 1)", dict(sequence_parallel=True, tp=2)),
+    ("eval", dict(text_field="body", data="{text}"), "--text-field body needs a JSONL, Parquet or datasets source "
+     "of documents (it names their text field; --data '{text}' holds text)", dict(text_field="body", data="{body}")),
+    ("eval", dict(bin_dtype="int32"), "--bin-dtype int32 needs a raw .bin token file (it is the dtype of .bin token "
+     f"files; {DEFAULT_DATA} holds text)", dict(bin_dtype="int32", data="{bin32}")),
+    ("generate", dict(fp8_recipe="rowwise"),
+     "--fp8-recipe rowwise needs --dtype fp8 (it scales the fp8 GEMMs; --dtype is fp32)",
+     pytest.param(dict(fp8_recipe="rowwise", dtype="fp8"), marks=FP8)),
+    ("generate", dict(expert_gemm="loop"), "--expert-gemm loop needs a mixture-of-experts model (it runs the routed "
+     "experts' GEMMs; this model is dense (num_experts = 0))", dict(expert_gemm="loop", checkpoint="{moe}")),
+    ("serve", dict(fp8_recipe="rowwise", dtype="bf16"),
+     "--fp8-recipe rowwise needs --dtype fp8 (it scales the fp8 GEMMs; --dtype is bf16)",
+     pytest.param(dict(fp8_recipe="rowwise", dtype="fp8"), marks=FP8)),
+    ("serve", dict(expert_gemm="loop"), "--expert-gemm loop needs a mixture-of-experts model (it runs the routed "
+     "experts' GEMMs; this model is dense (num_experts = 0))", dict(expert_gemm="loop", checkpoint="{moe}")),
+]
+_INFERENCE_IDS = [f"{c[0]}-{next(iter(c[1]))}" for c in INFERENCE]
+
+
+@pytest.mark.parametrize("command,overrides,message", [c[:3] for c in INFERENCE], ids=_INFERENCE_IDS)
+def test_eval_generate_serve_refuse_an_option_that_would_change_nothing(files, command, overrides, message):
+    with pytest.raises(TensorparError) as e:
+        _inference(command, files, overrides)
+    assert str(e.value) == message.format(**files)
+
+
+@pytest.mark.parametrize("command,overrides", [pytest.param(c[0], _unwrap(c[3])[0], marks=_unwrap(c[3])[1])
+                                               for c in INFERENCE], ids=_INFERENCE_IDS)
+def test_eval_generate_serve_accept_the_same_option_where_it_applies(files, command, overrides):
+    _inference(command, files, overrides)
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -20,6 +20,7 @@ import sys
 
 from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
 from tensorpar.commands.common import decoding_layout, launch
+from tensorpar.config import applicability
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import GenerateOptions
 from tensorpar.data import load_tokenizer
@@ -94,6 +95,7 @@ def validate(options: GenerateOptions):
     cfg = load_config(options.checkpoint)
     check_adapter(options.checkpoint, options.lora_adapter)
     options, layout = decoding_layout(options, cfg, "generate")
+    applicability.check("generate", options, cfg=cfg)
     if options.max_new_tokens < 1:
         raise TensorparError(f"--max-new-tokens must be at least 1, got {options.max_new_tokens}")
     sampling = _sampling(options)
