@@ -12,7 +12,8 @@ from tensorpar.commands import eval as eval_command
 from tensorpar.commands import generate, serve
 from tensorpar.config import applicability
 from tensorpar.config.fields import cli_specs, load_toml, to_toml
-from tensorpar.config.options import EvalOptions, GenerateOptions, ServeOptions, TrainOptions
+from tensorpar.config.options import (CalibrateOptions, EvalOptions, GenerateOptions, PlanOptions, ServeOptions,
+                                      TrainOptions)
 from tensorpar.errors import TensorparError
 from tensorpar.tensor_parallel.fp8_scaling import fp8_unsupported
 from tensorpar.training import validate
@@ -22,7 +23,8 @@ from corpora import write_jsonl
 from layout_runs import BASE
 
 FP8 = pytest.mark.skipif(fp8_unsupported("cpu") is not None, reason="this torch has no fp8 GEMMs on CPU")
-OPTIONS = {"train": TrainOptions, "eval": EvalOptions, "generate": GenerateOptions, "serve": ServeOptions}
+OPTIONS = {"train": TrainOptions, "eval": EvalOptions, "generate": GenerateOptions, "serve": ServeOptions,
+           "plan": PlanOptions, "calibrate": CalibrateOptions}
 
 
 @pytest.fixture(scope="module")
@@ -296,10 +298,52 @@ def test_eval_generate_serve_accept_the_same_option_where_it_applies(files, comm
     _inference(command, files, overrides)
 
 
+# -- plan, calibrate: the options alone --------------------------------------------------------------------------------
+
+LAYOUT = dict(model="tiny", gpus=8, gpu="h100-80gb", seq_len=512, global_batch_size=8)
+SCHEDULE = dict(schedule="1f1b", pp=4, microbatches=8)
+OPTIONS_ONLY = [  # (command, refused options, the one line, the same option where it applies)
+    ("plan", dict(SCHEDULE, gpus=8), "--gpus 8 needs --model (layout mode plans with it; without --model, plan draws "
+     "the --schedule 1f1b pipeline)", dict(LAYOUT)),
+    ("plan", dict(SCHEDULE, zero=[1]), "--zero 1 needs --model (layout mode plans with it; without --model, plan "
+     "draws the --schedule 1f1b pipeline)", dict(LAYOUT, zero=[1])),
+    ("plan", dict(LAYOUT, microbatches=4), "--microbatches 4 needs --schedule without --model (it is the "
+     "micro-batches of the schedule drawn; layout mode works them out from --global-batch-size and the micro-batch "
+     "sizes it tries)", dict(SCHEDULE, microbatches=4, virtual_stages=2, json=True, png="x.png")),
+    ("plan", dict(LAYOUT, flash_attention=False), "--no-flash-attention needs a Playbook --precision (mixed-bf16, "
+     "megatron-...) (it makes the Playbook's attention store its s x s scores; --precision is tensorpar-bf16, whose "
+     "attention never stores them)", dict(LAYOUT, flash_attention=False, precision="mixed-bf16")),
+    ("plan", dict(LAYOUT, hardware="profile.json"), "--gpu h100-80gb needs no --hardware (it picks the catalog's GPU; "
+     "--hardware 'profile.json' is the device planned for)", dict(LAYOUT, gpu=None, hardware="profile.json")),
+    ("plan", dict(LAYOUT, pp=1, schedule="zbv"), "--schedule zbv needs --pp > 1 (or no --pp) (layout mode keeps the "
+     "pipelined layouts of this schedule; --pp is 1)", dict(LAYOUT, pp=2, schedule="zbv")),
+    ("plan", dict(LAYOUT, pp=1, virtual_stages=2), "--virtual-stages 2 needs --pp > 1 (or no --pp) (layout mode "
+     "interleaves the pipelined layouts' stages up to it; --pp is 1)", dict(LAYOUT, virtual_stages=2)),
+    ("plan", dict(LAYOUT, host_memory_gib=128.0), "--host-memory-gib 128 needs --optimizer-offload or "
+     "--activation-offload (it is the host memory offloading may fill; nothing is offloaded)",
+     dict(LAYOUT, host_memory_gib=128.0, optimizer_offload=True)),
+    ("calibrate", dict(no_collectives=True, ranks=4), "--ranks 4 needs the collectives timed (it is the processes "
+     "they are timed over; --no-collectives skips them)", dict(ranks=4)),
+    ("calibrate", dict(device="cuda", threads=2), "--threads 2 needs --device cpu (it sets the CPU GEMMs' threads; "
+     "--device is cuda)", dict(threads=2)),
+]
+
+
+@pytest.mark.parametrize("command,refused,message,applies", OPTIONS_ONLY,
+                         ids=[f"{c[0]}-{list(c[1])[-1]}" for c in OPTIONS_ONLY])
+def test_plan_and_calibrate_options_that_would_change_nothing(command, refused, message, applies):
+    assert applicability.problem(command, OPTIONS[command](**refused)) == message
+    assert applicability.problem(command, OPTIONS[command](**applies)) is None
+
+
 @pytest.mark.parametrize("args,needle", [
+    (["plan", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--gpus", "8"], "--gpus 8 needs --model"),
+    (["plan", "--model", "tiny", "--gpus", "8", "--gpu", "h100-80gb", "--seq-len", "512", "--global-batch-size", "8",
+      "--microbatches", "4"], "--microbatches 4 needs --schedule without --model"),
+    (["calibrate", "--no-collectives", "--ranks", "4"], "--ranks 4 needs the collectives timed"),
     (["train", "--fp8-recipe", "rowwise", "--dtype", "bf16"], "--fp8-recipe rowwise needs --dtype fp8"),
     (["train", "--dry-run", "--world-size", "2", "--loss-scale", "1024"], "--loss-scale 1024 needs --dtype fp16"),
-], ids=["train", "train-dry-run"])
+], ids=["plan-schedule-mode", "plan-layout-mode", "calibrate", "train", "train-dry-run"])
 def test_the_command_line_refuses_them_in_one_line(cli, args, needle):
     code, _, err = cli(*args)
     lines = err.strip().splitlines()
@@ -310,3 +354,6 @@ def test_every_rule_names_a_field_of_its_commands_options():
     for command, rules in applicability.RULES.items():
         fields = {s.name for s in cli_specs(OPTIONS[command])}
         assert [r.field for r in rules if r.field not in fields] == [], command
+    # plan: each option belongs to schedule mode (read there) or to layout mode (refused in schedule mode)
+    plan = {s.name for s in cli_specs(PlanOptions)}
+    assert plan == set(applicability._SCHEDULE_MODE_FIELDS) | set(applicability._LAYOUT_MODE_FIELDS)

@@ -173,6 +173,49 @@ BIN_DTYPE = Rule("bin_dtype", lambda o, f: "bin" in f.data.kinds, "a raw .bin to
                  "it is the dtype of .bin token files",
                  _read_as, "data")
 
+# -- plan --------------------------------------------------------------------------------------------------------------
+
+_SCHEDULE_MODE_FIELDS = ("model", "schedule", "pp", "microbatches", "virtual_stages", "json", "png")
+_LAYOUT_MODE_FIELDS = (  # every plan option that only layout mode (--model) reads
+    "gpus", "gpu", "seq_len", "global_batch_size", "precision", "top", "gpus_per_node", "intra_bandwidth",
+    "inter_bandwidth", "intra_latency", "inter_latency", "memory_gib", "peak_tflops", "mfu_ceiling", "overlap", "tp",
+    "cp", "ep", "zero", "recompute", "sequence_parallel", "flash_attention", "max_micro_batch", "pipeline_layers",
+    "hardware", "tp_overlap", "pp_overlap", "link_efficiency", "host_memory_gib", "lora_rank", "lora_alpha",
+    "lora_targets", "lora_dropout", "optimizer_offload", "activation_offload", "optimizer_state_dtype")
+
+
+def _layout_mode(o) -> bool:
+    return o.model is not None or not o.schedule
+
+
+PLAN_LAYOUT_MODE = tuple(Rule(name, lambda o, f: _layout_mode(o), "--model", "layout mode plans with it",
+                              lambda o, f: f"without --model, plan draws the --schedule {o.schedule} pipeline")
+                         for name in _LAYOUT_MODE_FIELDS)
+PLAN_MICROBATCHES = Rule("microbatches", lambda o, f: not _layout_mode(o), "--schedule without --model",
+                         "it is the micro-batches of the schedule drawn",
+                         lambda o, f: "layout mode works them out from --global-batch-size and the micro-batch "
+                                      "sizes it tries")
+PLAN_FLASH_ATTENTION = Rule("flash_attention", lambda o, f: not o.precision.startswith("tensorpar-"),
+                            "a Playbook --precision (mixed-bf16, megatron-...)",
+                            "it makes the Playbook's attention store its s x s scores",
+                            lambda o, f: f"--precision is {o.precision}, whose attention never stores them")
+PLAN_GPU = Rule("gpu", lambda o, f: o.hardware is None, "no --hardware", "it picks the catalog's GPU",
+                lambda o, f: f"--hardware '{o.hardware}' is the device planned for")
+PLAN_SCHEDULE = Rule("schedule", lambda o, f: not _layout_mode(o) or o.pp != 1, "--pp > 1 (or no --pp)",
+                     "layout mode keeps the pipelined layouts of this schedule", _is("--pp", "pp"))
+PLAN_VIRTUAL_STAGES = Rule("virtual_stages", lambda o, f: not _layout_mode(o) or o.pp != 1, "--pp > 1 (or no --pp)",
+                           "layout mode interleaves the pipelined layouts' stages up to it", _is("--pp", "pp"))
+PLAN_HOST_MEMORY = Rule("host_memory_gib", lambda o, f: o.optimizer_offload or o.activation_offload,
+                        "--optimizer-offload or --activation-offload", "it is the host memory offloading may fill",
+                        lambda o, f: "nothing is offloaded")
+
+# -- calibrate ---------------------------------------------------------------------------------------------------------
+
+CALIBRATE_RANKS = Rule("ranks", lambda o, f: not o.no_collectives, "the collectives timed",
+                       "it is the processes they are timed over", lambda o, f: "--no-collectives skips them")
+CALIBRATE_THREADS = Rule("threads", lambda o, f: o.device == "cpu", "--device cpu", "it sets the CPU GEMMs' threads",
+                         _is("--device", "device"))
+
 RULES: dict[str, tuple[Rule, ...]] = {
     "train": (FP8_RECIPE, LOSS_SCALE, LOSS_SCALE_WINDOW, GRAD_REDUCE_DTYPE, ON_NAN, DECAY_FRACTION, DECAY_SHAPE,
               MUON_MOMENTUM, EXPERT_GEMM, SCHEDULE, PIPELINE_LAYERS, CP_IMPL, CP_SPLIT, SEQUENCE_PARALLEL, *TP_OVERLAP,
@@ -182,6 +225,9 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "eval": (FP8_RECIPE, EXPERT_GEMM, CP_IMPL, SEQUENCE_PARALLEL, TEXT_FIELD, BIN_DTYPE),
     "generate": (FP8_RECIPE, EXPERT_GEMM),
     "serve": (FP8_RECIPE, EXPERT_GEMM),
+    "plan": (PLAN_MICROBATCHES, *PLAN_LAYOUT_MODE, PLAN_GPU, PLAN_FLASH_ATTENTION, PLAN_SCHEDULE, PLAN_VIRTUAL_STAGES,
+             PLAN_HOST_MEMORY),
+    "calibrate": (CALIBRATE_RANKS, CALIBRATE_THREADS),
 }
 
 
