@@ -109,12 +109,14 @@ def test_under_torchrun_the_demo_uses_the_launchers_processes():
          "global batch size 16 is not a multiple of dp 3; the global batch must be a multiple of dp 3: nearby "
          "multiples [15, 18]"),
         (["train", "--global-batch-size", "0"], "global batch size must be positive, got 0"),
+        (["train", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1 (or left out: the global "
+                                               "batch / dp), got 0"),
         (["eval", "--checkpoint", "/no/such/dir", "--seq-len", "8"], "checkpoint '/no/such/dir' does not exist"),
         (["train", "--cp", "4", "--seq-len", "100"], "sequence length 100 is not divisible by 2 x cp = 8"),
         (["train", "--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "12"],
          "sequence length 12 / cp 2 = 6 is not divisible by the tensor-parallel size"),
     ],
-    ids=["heads", "preset", "data", "sp-seq", "pp-layers", "pp-layers-proposal", "pipeline-layers-sum", "interleaved-microbatches", "dp-batch", "dp-batch-default-micro", "batch-zero", "checkpoint",
+    ids=["heads", "preset", "data", "sp-seq", "pp-layers", "pp-layers-proposal", "pipeline-layers-sum", "interleaved-microbatches", "dp-batch", "dp-batch-default-micro", "batch-zero", "micro-batch-zero", "checkpoint",
          "cp-seq", "cp-sp-seq"],
 )
 def test_bad_input_fails_at_once_with_one_line(cli, args, needle):

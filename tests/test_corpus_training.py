@@ -97,8 +97,10 @@ def test_the_checkpoint_records_the_position_in_every_source(mixture_runs, corpo
 
 def test_val_data_gives_validation_loss_every_k_steps(pools, config_file, corpora, tmp_path):
     out = tmp_path / "run"
+    # --val-data holds the validation windows: BASE's val_fraction (refused beside it) back to its default
     result = pools(1).run(run, config_file, steps=4, data=corpora["jsonl-gz"], val_data=corpora["parquet-folder"],
-                          eval_every=2, val_windows=4, data_cache=corpora["cache"], out_dir=str(out),
+                          val_fraction=TrainOptions().val_fraction, eval_every=2, val_windows=4,
+                          data_cache=corpora["cache"], out_dir=str(out),
                           metrics=str(out / "metrics.jsonl"))[0]
     assert [s for s, v in result["val"] if v is not None] == [2, 4]
     assert result["final_val_loss"] == result["val"][-1][1] and result["final_val_loss"] > 0

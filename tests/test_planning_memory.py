@@ -214,9 +214,10 @@ def _zero_run(config_file, **layout):
 
     from harness import train
 
+    buckets = {} if layout.get("zero") == 3 else {"bucket_mb": ZERO_BUCKET_MB}  # ZeRO-3 has none (refused there)
     summary = train(TrainOptions(model=config_file, steps=1, warmup_steps=0, global_batch_size=8, micro_batch_size=2,
                                  seq_len=16, val_every=0, progress=False, metrics=None, out_dir=None, device="cpu",
-                                 **({"bucket_mb": ZERO_BUCKET_MB} if layout["zero"] < 3 else {}), **layout))
+                                 **buckets, **layout))
     return summary["memory_mib_per_rank"]
 
 

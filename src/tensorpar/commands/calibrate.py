@@ -11,6 +11,7 @@ import json
 
 import torch
 
+from tensorpar.config import applicability
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import CalibrateOptions
 from tensorpar.errors import TensorparError
@@ -27,6 +28,7 @@ def run(args, argv=None) -> int:
     options = options_from_args(CalibrateOptions, args, "calibrate")
     if options.ranks < 1:
         raise TensorparError(f"--ranks must be a positive integer, got {options.ranks}")
+    applicability.check("calibrate", options)
     if options.threads is not None:
         if options.threads < 1:
             raise TensorparError(f"--threads must be a positive integer, got {options.threads}")

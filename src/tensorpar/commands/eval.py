@@ -13,10 +13,12 @@ import os
 
 from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
 from tensorpar.commands.common import inference_layout, launch
-from tensorpar.config.applicability import check_applicable
+from tensorpar.config import applicability
+from tensorpar.config.applicability import DataFacts
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import EvalOptions
-from tensorpar.data import check_vocab, eval_windows, load_tokenizer, open_stream, parse_data_spec, prepare_sources
+from tensorpar.data import (check_vocab, eval_windows, load_tokenizer, open_stream, parse_data_spec, prepare_sources,
+                            source_kinds)
 from tensorpar.distributed.mesh import build_mesh, world_from_env
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layout import ParallelLayout
@@ -45,8 +47,8 @@ def validate(options: EvalOptions):
     if len(parse_data_spec(options.data)) > 1:
         raise TensorparError(f"tensorpar eval takes one data source, not the mixture '{options.data}'")
     cfg = load_config(options.checkpoint)
+    applicability.check("eval", options, cfg=cfg, data=DataFacts(kinds=source_kinds(options.data)))
     check_adapter(options.checkpoint, options.lora_adapter)
-    check_applicable(options, cfg)
     layout = inference_layout(options, cfg, seq_len=options.seq_len)
     prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,
                     cache_dir=options.data_cache, progress=os.environ.get("RANK", "0") == "0")

@@ -20,7 +20,7 @@ import sys
 
 from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
 from tensorpar.commands.common import decoding_layout, launch
-from tensorpar.config.applicability import check_applicable
+from tensorpar.config import applicability
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import GenerateOptions
 from tensorpar.data import load_tokenizer
@@ -64,7 +64,7 @@ def _prompts(options, tokenizer) -> list[list[int]]:
             raise TensorparError(f"--prompt-ids '{text}' has an empty item (item {items.index('') + 1}): give "
                                  f"comma-separated token ids such as 1,2,3")
         try:
-            prompts.append([int(t) for t in items])  # "1 2" is not an id: spaces are not squeezed out
+            prompts.append([int(t) for t in items])
         except ValueError:
             raise TensorparError(f"--prompt-ids '{text}' is not a comma-separated list of integers") from None
     return prompts
@@ -97,7 +97,7 @@ def validate(options: GenerateOptions):
     cfg = load_config(options.checkpoint)
     check_adapter(options.checkpoint, options.lora_adapter)
     options, layout = decoding_layout(options, cfg, "generate")
-    check_applicable(options, cfg)
+    applicability.check("generate", options, cfg=cfg)
     if options.max_new_tokens < 1:
         raise TensorparError(f"--max-new-tokens must be at least 1, got {options.max_new_tokens}")
     sampling = _sampling(options)

@@ -28,6 +28,7 @@ import re
 import sys
 from collections import Counter
 
+from tensorpar.config import applicability
 from tensorpar.config.choices import PLANNED_SCHEDULES
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.hardware import GiB
@@ -65,6 +66,7 @@ def run(args, argv=None) -> int:
         missing = [f for f, v in (("--pp", options.pp), ("--microbatches", options.microbatches)) if v is None]
         if missing:
             raise TensorparError(f"--schedule {options.schedule} needs {' and '.join(missing)}")
+        applicability.check("plan", options)  # the options of layout mode, which draws no schedule
         return run_schedule_command(options)
     return run_layouts(options)
 
@@ -129,6 +131,7 @@ def _check_ep(cfg, options) -> None:
 def plan_layouts(options):
     """(config, cluster, ranked plans) for parsed layout-mode arguments."""
     _check_args(options)
+    applicability.check("plan", options)
     cfg = get_config(options.model)
     _check_ep(cfg, options)
     cluster = _cluster(options)

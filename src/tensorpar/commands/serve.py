@@ -18,7 +18,7 @@ import sys
 from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
 from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.commands.generate import eos_ids
-from tensorpar.config.applicability import check_applicable
+from tensorpar.config import applicability
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import ServeOptions
 from tensorpar.config.precision import Precision
@@ -84,7 +84,7 @@ def validate(options: ServeOptions):
     cfg = load_config(options.checkpoint)
     check_adapter(options.checkpoint, options.lora_adapter)
     options, layout = decoding_layout(options, cfg, "serve")
-    check_applicable(options, cfg)
+    applicability.check("serve", options, cfg=cfg)
     kv_tokens = _check_numbers(options, cfg.max_seq_len)
     tokenizer = load_tokenizer(options.checkpoint)
     eos = eos_ids(options.checkpoint, tokenizer)

@@ -1,18 +1,22 @@
-"""Options that mean something only beside others: one given where it cannot apply is refused, naming what it
-needs, instead of being silently ignored (`--fp8-recipe rowwise` on an fp32 run would otherwise train in fp32 while
-its user believes it trains in fp8).
+"""Options that act only beside other options, on some models or on some data, in one table per command: an option
+whose value would change nothing is refused, never silently ignored.
 
-An option counts as given when its value differs from its default: options reach a command from flags, a --config
-file or Python, and a default value changes nothing (a run's resolved config.toml holds every field, and must load
-again). Each rule is (option, when it applies, what it needs). Options checked elsewhere with their own messages
-are not repeated here: the LoRA shape without --lora-rank (`tensorpar.training.adapters`), --ep and --expert-tp on a
-dense model (`tensorpar.layout.rules`), --save-every and --async-save without --save, --wandb-run without --wandb.
+Each `Rule` names a field, when it applies, what it needs and what it does; `check(command, options, ...)` raises the
+first rule a command's options break as one line naming the flag, its value and what it needs::
+
+    --fp8-recipe rowwise needs --dtype fp8 (it scales the fp8 GEMMs; --dtype is bf16)
+
+Only a value that differs from the field's default is refused: the options are dataclasses, so a default cannot be
+told from a flag given with the default value, and a run's resolved configuration (which holds every field) must
+load again. A rule that reads a fact beyond the options (`cfg`: the model's config, `data`: what --data holds) is
+checked once the command knows it; `check` skips it until then. Each command calls `check` from the validation it
+runs in the launching process, before any rank or process group exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import shlex
 from typing import Callable
 
 from tensorpar.config.fields import cli_specs
@@ -20,73 +24,241 @@ from tensorpar.errors import TensorparError
 
 
 @dataclasses.dataclass(frozen=True)
-class Needs:
-    option: str  # the field
-    applies: Callable  # (options, model config) -> whether the field can have an effect
-    needs: str  # what it needs, as the user writes it
+class DataFacts:
+    """What a command's data holds, worked out by the command (the data package reads it; this one does not)."""
+
+    examples: str | None = None  # the instruction rows --data holds ("conversations", ...), None for documents/tokens
+    kinds: frozenset = frozenset()  # how the sources of --data (and --val-data) are read (`data.source_kinds`)
 
 
-def _moe(o, cfg) -> bool:
-    return cfg is not None and cfg.is_moe
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What a rule may read beyond the options (None: not known yet)."""
+
+    cfg: object | None = None  # the model's ModelConfig
+    data: DataFacts | None = None
 
 
-def _may_hold(*suffixes: str) -> Callable:
-    """Whether --data (or --val-data) may name a file ending in one of `suffixes` (a mixture file or a folder may
-    hold one)."""
-    def check(o, cfg) -> bool:
-        parts = f"{o.data or ''} {getattr(o, 'val_data', None) or ''}".split()
-        return any(p.endswith((*suffixes, ".toml")) or os.path.isdir(p) for p in parts)
-    return check
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """`field` acts only where `applies(options, facts)`: else a value other than its default is refused with
+    "FLAG VALUE needs NEEDS (DOES; NOW)", NOW saying what the options (or the facts) are instead."""
+
+    field: str
+    applies: Callable[[object, Facts], bool]
+    needs: str
+    does: str
+    now: Callable[[object, Facts], str]
+    fact: str | None = None  # "cfg" or "data": the rule is checked once `check` is given it
 
 
-RULES = (
-    Needs("fp8_recipe", lambda o, cfg: o.dtype == "fp8", "--dtype fp8"),
-    Needs("loss_scale", lambda o, cfg: o.dtype == "fp16", "--dtype fp16 (its dynamic loss scaling)"),
-    Needs("loss_scale_window", lambda o, cfg: o.dtype == "fp16", "--dtype fp16 (its dynamic loss scaling)"),
-    Needs("on_nan", lambda o, cfg: o.dtype != "fp16", "fp32, bf16 or fp8 (fp16's loss scale skips its overflowed "
-                                                      "steps itself)"),
-    Needs("decay_fraction", lambda o, cfg: o.lr_schedule == "wsd", "--lr-schedule wsd"),
-    Needs("decay_shape", lambda o, cfg: o.lr_schedule == "wsd", "--lr-schedule wsd"),
-    Needs("muon_momentum", lambda o, cfg: o.optimizer == "muon", "--optimizer muon"),
-    Needs("expert_gemm", _moe, "a mixture-of-experts model"),
-    Needs("sequence_parallel", lambda o, cfg: o.tp > 1, "--tp 2 or more (it shards along the sequence what the TP "
-                                                        "ranks would otherwise all hold)"),
-    Needs("tp_overlap", lambda o, cfg: o.tp > 1, "--tp 2 or more (there is no TP collective to overlap)"),
-    Needs("schedule", lambda o, cfg: o.pp > 1, "--pp 2 or more"),
-    Needs("virtual_stages", lambda o, cfg: o.pp > 1, "--pp 2 or more"),
-    Needs("pipeline_layers", lambda o, cfg: o.pp > 1, "--pp 2 or more"),
-    Needs("cp_impl", lambda o, cfg: o.cp > 1, "--cp 2 or more"),
-    Needs("cp_split", lambda o, cfg: o.cp > 1, "--cp 2 or more"),
-    Needs("zero3_reshard_after_forward", lambda o, cfg: o.zero == 3, "--zero 3"),
-    Needs("bucket_mb", lambda o, cfg: o.zero != 3, "--zero 0, 1 or 2 (ZeRO-3 reduces each block's gradients as "
-                                                   "they come)"),
-    Needs("bin_dtype", _may_hold(".bin"), "a raw .bin token file in --data (a Megatron .idx names its own dtype)"),
-    Needs("text_field", _may_hold(".jsonl", ".jsonl.gz", ".parquet"), "JSONL, Parquet or a datasets folder in "
-                                                                       "--data"),
-    Needs("document_attention", lambda o, cfg: o.document_mask, "--document-mask"),
-    Needs("keep_last", lambda o, cfg: bool(o.save), "--save DIR"),
-    Needs("world_size", lambda o, cfg: o.dry_run, "--dry-run"),
-    Needs("rank", lambda o, cfg: o.dry_run, "--dry-run"),
-    Needs("sample_prompt", lambda o, cfg: o.sample_tokens > 0, "--sample-tokens N"),
+def _is(flag: str, name: str) -> Callable[[object, Facts], str]:
+    return lambda o, f: f"{flag} is {getattr(o, name)}"
+
+
+def _data(o) -> str:
+    return f"--data '{o.data}'" if o.data else "the default corpus (no --data)"
+
+
+def _examples(o, f: Facts) -> str:
+    return f"{_data(o)} holds {f.data.examples or 'no conversations nor prompt/completion rows'}"
+
+
+_KINDS = {"default": "text", "text": "text", "documents": "documents", "megatron": "a Megatron dataset",
+          "npy": ".npy token ids", "bin": ".bin token ids"}
+
+
+def _read_as(o, f: Facts) -> str:
+    return f"{_data(o)} holds {' and '.join(sorted({_KINDS.get(k, k) for k in f.data.kinds}))}"
+
+
+# -- precision ---------------------------------------------------------------------------------------------------------
+
+FP8_RECIPE = Rule("fp8_recipe", lambda o, f: o.dtype == "fp8", "--dtype fp8", "it scales the fp8 GEMMs",
+                  _is("--dtype", "dtype"))
+LOSS_SCALE = Rule("loss_scale", lambda o, f: o.dtype == "fp16", "--dtype fp16",
+                  "fp16's dynamic loss scaling starts from it", _is("--dtype", "dtype"))
+LOSS_SCALE_WINDOW = Rule("loss_scale_window", lambda o, f: o.dtype == "fp16", "--dtype fp16",
+                         "fp16's dynamic loss scaling grows after this many steps without overflow",
+                         _is("--dtype", "dtype"))
+GRAD_REDUCE_DTYPE = Rule("grad_reduce_dtype", lambda o, f: o.dtype != "fp32", "--dtype bf16, fp16 or fp8",
+                         "bf16/fp16 gradients are accumulated and reduced in it",
+                         lambda o, f: "--dtype is fp32: fp32 gradients are accumulated and reduced in fp32")
+ON_NAN = Rule("on_nan", lambda o, f: o.dtype != "fp16", "--dtype fp32, bf16 or fp8",
+              "it handles a step whose gradient norm is not finite",
+              lambda o, f: "--dtype is fp16, whose loss scaling skips such a step and lowers its scale")
+
+# -- optimization ------------------------------------------------------------------------------------------------------
+
+DECAY_FRACTION = Rule("decay_fraction", lambda o, f: o.lr_schedule == "wsd", "--lr-schedule wsd",
+                      "the share of the steps WSD's decay takes", _is("--lr-schedule", "lr_schedule"))
+DECAY_SHAPE = Rule("decay_shape", lambda o, f: o.lr_schedule == "wsd", "--lr-schedule wsd", "how WSD's decay falls",
+                   _is("--lr-schedule", "lr_schedule"))
+MUON_MOMENTUM = Rule("muon_momentum", lambda o, f: o.optimizer == "muon", "--optimizer muon", "Muon's momentum",
+                     _is("--optimizer", "optimizer"))
+
+# -- layout ------------------------------------------------------------------------------------------------------------
+
+_SPLIT_BACKWARD = ("zb-h1", "zbv")
+EXPERT_GEMM = Rule("expert_gemm", lambda o, f: f.cfg.is_moe, "a mixture-of-experts model",
+                   "it runs the routed experts' GEMMs", lambda o, f: "this model is dense (num_experts = 0)", "cfg")
+SCHEDULE = Rule("schedule", lambda o, f: o.pp > 1, "--pp > 1", "it orders the pipeline stages' micro-batches",
+                _is("--pp", "pp"))
+PIPELINE_LAYERS = Rule("pipeline_layers", lambda o, f: o.pp > 1, "--pp > 1", "it sizes the pipeline stages",
+                       _is("--pp", "pp"))
+CP_IMPL = Rule("cp_impl", lambda o, f: o.cp > 1, "--cp > 1", "it is context parallelism's attention",
+               _is("--cp", "cp"))
+CP_SPLIT = Rule("cp_split", lambda o, f: o.cp > 1, "--cp > 1", "it deals a sequence's chunks to the CP ranks",
+                _is("--cp", "cp"))
+SEQUENCE_PARALLEL = Rule("sequence_parallel", lambda o, f: o.tp > 1, "--tp > 1",
+                         "it shards the activations along the sequence over the TP ranks", _is("--tp", "tp"))
+TP_OVERLAP = (
+    Rule("tp_overlap", lambda o, f: o.tp > 1, "--tp > 1", "it issues the TP collectives blocking",
+         _is("--tp", "tp")),
+    Rule("tp_overlap", lambda o, f: o.dtype != "fp8", "--dtype fp32, bf16 or fp16",
+         "fp8 GEMMs always issue the TP collectives blocking", _is("--dtype", "dtype")),
+    Rule("tp_overlap", lambda o, f: o.pp == 1 or o.schedule not in _SPLIT_BACKWARD, "--schedule afab, 1f1b or "
+         "interleaved", "a split backward always issues the TP collectives blocking", _is("--schedule", "schedule")),
 )
+ZERO3_RESHARD = Rule("zero3_reshard_after_forward", lambda o, f: o.zero == 3, "--zero 3",
+                     "it keeps ZeRO-3's gathered parameters from a block's forward to its backward",
+                     _is("--zero", "zero"))
+BUCKET_MB = Rule("bucket_mb", lambda o, f: o.zero != 3, "--zero 0, 1 or 2", "it sizes the gradient buckets",
+                 lambda o, f: "--zero is 3, which reduces each block's gradients as one unit")
+
+# -- the run's inputs and outputs --------------------------------------------------------------------------------------
+
+MODEL = Rule("model", lambda o, f: not o.init_from, "no --init-from", "it names the model to build",
+             lambda o, f: f"--init-from '{o.init_from}' is the model")
+KEEP_LAST = Rule("keep_last", lambda o, f: bool(o.save), "--save DIR", "it is how many of its checkpoints to keep",
+                 lambda o, f: "the run saves none")
+SAMPLE_PROMPT = Rule("sample_prompt", lambda o, f: o.sample_tokens > 0, "--sample-tokens N",
+                     "it prompts the sample generated at the end", _is("--sample-tokens", "sample_tokens"))
+VAL_FRACTION = Rule("val_fraction", lambda o, f: not o.val_data, "no --val-data",
+                    "it holds the end of --data out for validation",
+                    lambda o, f: f"--val-data '{o.val_data}' is the validation data and --data all training")
+WORLD_SIZE = Rule("world_size", lambda o, f: o.dry_run, "--dry-run", "the world a dry run builds one rank of",
+                  lambda o, f: "a run's world is --nproc or tp x cp x pp x dp")
+RANK = Rule("rank", lambda o, f: o.dry_run, "--dry-run", "the rank a dry run builds",
+            lambda o, f: "a run starts every rank")
+
+# -- what --data holds -------------------------------------------------------------------------------------------------
+
+DOCUMENT_MASK = Rule("document_mask", lambda o, f: f.data.examples is None, "documents in --data",
+                     "it keeps attention within the documents its EOS ends", lambda o, f: (
+                         f"{_data(o)} holds {f.data.examples}, each of which attends only within itself already"),
+                     "data")
+DOCUMENT_ATTENTION = Rule("document_attention", lambda o, f: o.document_mask or f.data.examples is not None,
+                          "--document-mask, or conversations or prompt/completion rows in --data",
+                          "it is the kernel of attention within documents",
+                          lambda o, f: f"{_examples(o, f)}, and --document-mask is off", "data")
+MESSAGES_FIELD = Rule("messages_field", lambda o, f: f.data.examples == "conversations", "conversations in --data",
+                      "it names their field", _examples, "data")
+PROMPT_FIELD = Rule("prompt_field", lambda o, f: f.data.examples == "prompt/completion pairs",
+                    "prompt/completion rows in --data", "it names their prompt field", _examples, "data")
+COMPLETION_FIELD = Rule("completion_field", lambda o, f: f.data.examples == "prompt/completion pairs",
+                        "prompt/completion rows in --data", "it names their completion field", _examples, "data")
+CHAT_TEMPLATE = Rule("chat_template", lambda o, f: f.data.examples == "conversations", "conversations in --data",
+                     "it renders them", _examples, "data")
+EXAMPLE_PACKING = Rule("example_packing", lambda o, f: f.data.examples is not None,
+                       "conversations or prompt/completion rows in --data", "it lays their examples into rows",
+                       _examples, "data")
+LONG_EXAMPLES = Rule("long_examples", lambda o, f: f.data.examples is not None,
+                     "conversations or prompt/completion rows in --data",
+                     "it is what becomes of an example longer than --seq-len", _examples, "data")
+TEXT_FIELD = Rule("text_field", lambda o, f: "documents" in f.data.kinds and f.data.examples is None,
+                  "a JSONL, Parquet or datasets source of documents", "it names their text field",
+                  lambda o, f: _examples(o, f) if f.data.examples else _read_as(o, f), "data")
+BIN_DTYPE = Rule("bin_dtype", lambda o, f: "bin" in f.data.kinds, "a raw .bin token file",
+                 "it is the dtype of .bin token files",
+                 _read_as, "data")
+
+# -- plan --------------------------------------------------------------------------------------------------------------
+
+_SCHEDULE_MODE_FIELDS = ("model", "schedule", "pp", "microbatches", "virtual_stages", "json", "png")
+_LAYOUT_MODE_FIELDS = (  # every plan option that only layout mode (--model) reads
+    "gpus", "gpu", "seq_len", "global_batch_size", "precision", "top", "gpus_per_node", "intra_bandwidth",
+    "inter_bandwidth", "intra_latency", "inter_latency", "memory_gib", "peak_tflops", "mfu_ceiling", "overlap", "tp",
+    "cp", "ep", "zero", "recompute", "sequence_parallel", "flash_attention", "max_micro_batch", "pipeline_layers",
+    "hardware", "tp_overlap", "pp_overlap", "link_efficiency", "host_memory_gib", "lora_rank", "lora_alpha",
+    "lora_targets", "lora_dropout", "optimizer_offload", "activation_offload", "optimizer_state_dtype")
+
+
+def _layout_mode(o) -> bool:
+    return o.model is not None or not o.schedule
+
+
+PLAN_LAYOUT_MODE = tuple(Rule(name, lambda o, f: _layout_mode(o), "--model", "layout mode plans with it",
+                              lambda o, f: f"without --model, plan draws the --schedule {o.schedule} pipeline")
+                         for name in _LAYOUT_MODE_FIELDS)
+PLAN_MICROBATCHES = Rule("microbatches", lambda o, f: not _layout_mode(o), "--schedule without --model",
+                         "it is the micro-batches of the schedule drawn",
+                         lambda o, f: "layout mode works them out from --global-batch-size and the micro-batch "
+                                      "sizes it tries")
+PLAN_FLASH_ATTENTION = Rule("flash_attention", lambda o, f: not o.precision.startswith("tensorpar-"),
+                            "a Playbook --precision (mixed-bf16, megatron-...)",
+                            "it makes the Playbook's attention store its s x s scores",
+                            lambda o, f: f"--precision is {o.precision}, whose attention never stores them")
+PLAN_GPU = Rule("gpu", lambda o, f: o.hardware is None, "no --hardware", "it picks the catalog's GPU",
+                lambda o, f: f"--hardware '{o.hardware}' is the device planned for")
+PLAN_SCHEDULE = Rule("schedule", lambda o, f: not _layout_mode(o) or o.pp != 1, "--pp > 1 (or no --pp)",
+                     "layout mode keeps the pipelined layouts of this schedule", _is("--pp", "pp"))
+PLAN_VIRTUAL_STAGES = Rule("virtual_stages", lambda o, f: not _layout_mode(o) or o.pp != 1, "--pp > 1 (or no --pp)",
+                           "layout mode interleaves the pipelined layouts' stages up to it", _is("--pp", "pp"))
+PLAN_HOST_MEMORY = Rule("host_memory_gib", lambda o, f: o.optimizer_offload or o.activation_offload,
+                        "--optimizer-offload or --activation-offload", "it is the host memory offloading may fill",
+                        lambda o, f: "nothing is offloaded")
+
+# -- calibrate ---------------------------------------------------------------------------------------------------------
+
+CALIBRATE_RANKS = Rule("ranks", lambda o, f: not o.no_collectives, "the collectives timed",
+                       "it is the processes they are timed over", lambda o, f: "--no-collectives skips them")
+CALIBRATE_THREADS = Rule("threads", lambda o, f: o.device == "cpu", "--device cpu", "it sets the CPU GEMMs' threads",
+                         _is("--device", "device"))
+
+RULES: dict[str, tuple[Rule, ...]] = {
+    "train": (FP8_RECIPE, LOSS_SCALE, LOSS_SCALE_WINDOW, GRAD_REDUCE_DTYPE, ON_NAN, DECAY_FRACTION, DECAY_SHAPE,
+              MUON_MOMENTUM, EXPERT_GEMM, SCHEDULE, PIPELINE_LAYERS, CP_IMPL, CP_SPLIT, SEQUENCE_PARALLEL, *TP_OVERLAP,
+              ZERO3_RESHARD, BUCKET_MB, MODEL, KEEP_LAST, SAMPLE_PROMPT, VAL_FRACTION, WORLD_SIZE, RANK,
+              CHAT_TEMPLATE, MESSAGES_FIELD, PROMPT_FIELD, COMPLETION_FIELD, EXAMPLE_PACKING, LONG_EXAMPLES,
+              DOCUMENT_MASK, DOCUMENT_ATTENTION, TEXT_FIELD, BIN_DTYPE),
+    "eval": (FP8_RECIPE, EXPERT_GEMM, CP_IMPL, SEQUENCE_PARALLEL, TEXT_FIELD, BIN_DTYPE),
+    "generate": (FP8_RECIPE, EXPERT_GEMM),
+    "serve": (FP8_RECIPE, EXPERT_GEMM),
+    "plan": (PLAN_MICROBATCHES, *PLAN_LAYOUT_MODE, PLAN_GPU, PLAN_FLASH_ATTENTION, PLAN_SCHEDULE, PLAN_VIRTUAL_STAGES,
+             PLAN_HOST_MEMORY),
+    "calibrate": (CALIBRATE_RANKS, CALIBRATE_THREADS),
+}
 
 
 def _shown(spec, value) -> str:
+    """The flag as given: a switch alone, else the flag and its value."""
     if spec.kind is bool:
         return spec.flag
-    return f"{spec.flag} {','.join(map(str, value)) if isinstance(value, list) else value}"
+    if isinstance(value, list):
+        return f"{spec.flag} {' '.join(map(str, value))}"
+    if isinstance(value, float):
+        return f"{spec.flag} {value:g}"
+    return f"{spec.flag} {shlex.quote(value) if isinstance(value, str) else value}"
 
 
-def check_applicable(options, cfg=None) -> None:
-    """Refuse the first option of `options` that is given (not its default) where it cannot apply. `cfg`: the
-    model's config, for the rules about the model (None: those are not checked)."""
+def problem(command: str, options, *, cfg=None, data: DataFacts | None = None) -> str | None:
+    """The first rule of `command` that `options` break (in one line), or None; rules reading a fact not given are
+    skipped."""
+    facts = Facts(cfg, data)
     specs = {s.name: s for s in cli_specs(type(options))}
-    for rule in RULES:
-        spec = specs.get(rule.option)
-        if spec is None or getattr(options, rule.option) == spec.default:
+    for rule in RULES[command]:
+        if rule.fact is not None and getattr(facts, rule.fact) is None:
             continue
-        if rule.applies is _moe and cfg is None:
+        spec, value = specs[rule.field], getattr(options, rule.field)
+        if value == spec.default or rule.applies(options, facts):
             continue
-        if not rule.applies(options, cfg):
-            raise TensorparError(f"{_shown(spec, getattr(options, rule.option))} needs {rule.needs}; it would have "
-                                 f"no effect here: drop it")
+        return f"{_shown(spec, value)} needs {rule.needs} ({rule.does}; {rule.now(options, facts)})"
+    return None
+
+
+def check(command: str, options, *, cfg=None, data: DataFacts | None = None) -> None:
+    """Raise the first rule of `command` that `options` break as a TensorparError (see `problem`)."""
+    found = problem(command, options, cfg=cfg, data=data)
+    if found:
+        raise TensorparError(found)

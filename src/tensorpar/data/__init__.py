@@ -12,6 +12,7 @@ from tensorpar.data.streams import (
     open_corpus,
     open_stream,
     prepare_sources,
+    source_kinds,
     validation_windows,
 )
 from tensorpar.data.token_cache import cached_tokens, default_cache_dir, tokenize_source
@@ -32,6 +33,7 @@ __all__ = [
     "open_stream",
     "open_corpus",
     "prepare_sources",
+    "source_kinds",
     "validation_windows",
     "build_dataset",
     "describe_corpus",

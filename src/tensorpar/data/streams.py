@@ -101,6 +101,22 @@ def prepare_sources(*specs: str | None, tokenizer, text_field: str = "text", cac
                 cached_tokens(path, tokenizer, text_field, cache_dir, progress)
 
 
+def source_kinds(spec: str | None) -> frozenset[str]:
+    """How the sources of a `--data` value are read (see the module's table), without reading them: "default",
+    "megatron", "documents" (tokenized from their --text-field), "npy", "bin" (raw ids of --bin-dtype) or "text"."""
+    kinds = set()
+    for _, path in parse_data_spec(spec):
+        if path is None:
+            kinds.add("default")
+        elif indexed_prefix(path) is not None:
+            kinds.add("megatron")
+        elif document_kind(path) is not None:
+            kinds.add("documents")
+        else:
+            kinds.add({".npy": "npy", ".bin": "bin"}.get(os.path.splitext(path)[1].lower(), "text"))
+    return frozenset(kinds)
+
+
 def open_corpus(spec: str | None, tokenizer, vocab_size: int | None = None, **kw) -> list[tuple[float, TokenStream]]:
     """[(weight, stream)] of a `--data` value; with `vocab_size`, every id is checked to fit it."""
     pairs = [(w, open_stream(p, tokenizer, **kw)) for w, p in parse_data_spec(spec)]

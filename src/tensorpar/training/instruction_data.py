@@ -42,15 +42,15 @@ def _template(o: TrainOptions, kind: str) -> ChatTemplate | None:
     return ChatTemplate.load(o.tokenizer or o.init_from, o.chat_template)
 
 
-def check_instruction_data(o: TrainOptions, tokenizer, vocab_size: int) -> bool:
-    """Whether --data holds instruction rows; if so, its template and its first row are checked (rendered,
-    tokenized, ids inside the vocabulary) here, once, before any rank starts."""
+def check_instruction_data(o: TrainOptions, tokenizer, vocab_size: int) -> str | None:
+    """What instruction rows --data holds (None: pretraining data); if any, its template and its first row are
+    checked (rendered, tokenized, ids inside the vocabulary) here, once, before any rank starts."""
     kind = instruction_kind(o)
     if kind is None:
-        return False
+        return None
     examples = load_examples(o.data, tokenizer, example_fields(o), _template(o, kind), limit=1)
     check_vocab(examples.ids[0], vocab_size, f"'{o.data}' (its first example, tokenized)")
-    return True
+    return kind
 
 
 def build_instruction_data(o: TrainOptions, tokenizer, vocab_size: int) -> tuple[ExampleDataset, Batch | None] | None:

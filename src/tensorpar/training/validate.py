@@ -16,12 +16,13 @@ import torch
 
 from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read_meta
 from tensorpar.checkpoints.sources import load_config
-from tensorpar.config.applicability import check_applicable
+from tensorpar.config import applicability
+from tensorpar.config.applicability import DataFacts
 from tensorpar.config.fields import check_choices
 from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.config.options import TrainOptions
 from tensorpar.config.precision import Precision
-from tensorpar.data import prepare_sources, tokenizer_from
+from tensorpar.data import prepare_sources, source_kinds, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
 from tensorpar.distributed.mesh import check_backend
 from tensorpar.errors import TensorparError
@@ -125,8 +126,12 @@ def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
 
 
 def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
-    """Document sources are tokenized here, once (the ranks then open the cache); instruction rows are checked."""
-    if not check_instruction_data(o, tokenizer, cfg.vocab_size):
+    """Instruction rows are checked, the options that act on some data only checked against it, and document sources
+    tokenized here, once (the ranks then open the cache)."""
+    examples = check_instruction_data(o, tokenizer, cfg.vocab_size)
+    kinds = source_kinds(o.data) | (source_kinds(o.val_data) if o.val_data else frozenset())
+    applicability.check("train", o, cfg=cfg, data=DataFacts(examples, kinds))
+    if examples is None:
         prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
                         cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
 
@@ -152,9 +157,6 @@ def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
 
 def _check_numbers(o: TrainOptions) -> None:
     """Sizes and counts within their ranges; --save-every with a folder to save in."""
-    if o.micro_batch_size is not None and o.micro_batch_size < 1:
-        raise TensorparError(f"--micro-batch-size must be at least 1 (leave it out for global batch / dp), got "
-                             f"{o.micro_batch_size}")
     if o.bucket_mb <= 0:
         raise TensorparError(f"--bucket-mb must be positive, got {o.bucket_mb}")
     if o.loss_chunk_tokens < 0:
@@ -175,6 +177,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         check_backend(o.device, o.backend)
     if o.steps < 1:
         raise TensorparError(f"--steps must be at least 1, got {o.steps}")
+    if o.micro_batch_size is not None and o.micro_batch_size < 1:
+        raise TensorparError(f"--micro-batch-size must be at least 1 (or left out: the global batch / dp), got "
+                             f"{o.micro_batch_size}")
     notes = []
     if o.resume and o.init_from:
         raise TensorparError("--resume and --init-from exclude each other")
@@ -200,7 +205,6 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     _check_numbers(o)
     _check_observability(o)
     cfg = model_config(o)
-    check_applicable(o, cfg)
     _check_optimization(o, cfg)
     lora = lora_spec(o, cfg, resume_meta)
     world = world_size if world_size is not None else launched_world_size(o)
@@ -211,6 +215,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     layout.check(cfg, seq_len=o.seq_len, global_batch=o.global_batch_size, micro_batch_size=micro,
                  fp8=precision.fp8)
     check_fp8(o.dtype, o.device)
+    applicability.check("train", o, cfg=cfg)  # the options that act beside others, or on some models only
     tokenizer = tokenizer_from(o.tokenizer, o.init_from)
     _check_document_mask(o, tokenizer, cfg)
     _prepare_data(o, tokenizer, cfg)
