@@ -137,18 +137,27 @@ def sampling(body: dict) -> tuple[Sampling, int | None]:
                     repetition_penalty=repetition), seed
 
 
+def _is_ids(value) -> bool:
+    """Whether `value` is a JSON array of integers (true and false are not ids)."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_vocabulary(ids: list[int], info: ModelInfo, what: str, param: str) -> None:
+    """Refuse token ids outside the model's vocabulary: "<what> outside the vocabulary [0, V): <the first five>"."""
+    bad = [t for t in ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ApiError(f"{what} outside the vocabulary [0, {info.vocab_size}): {bad[:5]}", param=param)
+
+
 def _stop_tokens(body: dict, info: ModelInfo, max_tokens: int) -> tuple[frozenset[int], int]:
     """(the tokens that end a continuation: the EOS unless `ignore_eos`, and `stop_token_ids`; `min_tokens`, how many
     tokens come before any of them may)."""
     ids = body.get("stop_token_ids")
     if ids is None:
         ids = []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not _is_ids(ids):
         raise ApiError("'stop_token_ids' must be an array of token ids", param="stop_token_ids")
-    bad = [t for t in ids if not 0 <= t < info.vocab_size]
-    if bad:
-        raise ApiError(f"'stop_token_ids' has ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}",
-                       param="stop_token_ids")
+    _check_vocabulary(ids, info, "'stop_token_ids' has ids", "stop_token_ids")
     min_tokens = field(body, "min_tokens", int, 0, low=0)
     if min_tokens > max_tokens:
         raise ApiError(f"'min_tokens' ({min_tokens}) must be at most max_tokens ({max_tokens})", param="min_tokens")
@@ -161,15 +170,14 @@ def _prompts(body: dict, tokenizer, info: ModelInfo) -> list[list[int]]:
     if prompt is None:
         raise ApiError("'prompt' is required: a string, an array of strings, an array of token ids or an array of "
                        "arrays of token ids", param="prompt")
-    is_ids = lambda p: isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)  # noqa: E731
     special = field(body, "add_special_tokens", bool, False)
     if isinstance(prompt, str):
         prompts = [tokenizer.encode(prompt, add_special_tokens=special)]
-    elif is_ids(prompt) and prompt:
+    elif _is_ids(prompt) and prompt:
         prompts = [list(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = [tokenizer.encode(p, add_special_tokens=special) for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
         raise ApiError("'prompt' must be a string, an array of strings, an array of token ids or an array of "
@@ -177,10 +185,7 @@ def _prompts(body: dict, tokenizer, info: ModelInfo) -> list[list[int]]:
     for i, ids in enumerate(prompts):
         if not ids:
             raise ApiError(f"prompt {i} is empty: the model needs at least one token", param="prompt")
-        bad = [t for t in ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ApiError(f"prompt {i} has token ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}",
-                           param="prompt")
+        _check_vocabulary(ids, info, f"prompt {i} has token ids", "prompt")
     return prompts
 
 
@@ -287,11 +292,9 @@ def detokenize_request(body, tokenizer, info: ModelInfo) -> dict:
     if body.get("model") is not None:
         check_model(body, info)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not _is_ids(tokens):
         raise ApiError("'tokens' must be an array of token ids", param="tokens")
-    bad = [t for t in tokens if not 0 <= t < info.vocab_size]
-    if bad:
-        raise ApiError(f"'tokens' has ids outside the vocabulary [0, {info.vocab_size}): {bad[:5]}", param="tokens")
+    _check_vocabulary(tokens, info, "'tokens' has ids", "tokens")
     return {"prompt": tokenizer.decode(tokens, skip_special_tokens=False)}  # as vLLM: special tokens' text kept
 
 
