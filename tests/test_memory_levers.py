@@ -115,6 +115,22 @@ def test_bf16_moments_take_torchs_adamw_arithmetic_rounded_to_nearest():
             p.grad = grad
         mine.step()
     assert all(torch.equal(a, b) for a, b in zip(mine.param_groups[0]["params"], ref.param_groups[0]["params"]))
+    # ... and rounded to nearest only after the step: that arithmetic with its fp32 moments rounded to bf16 after
+    # each step (the update takes them unrounded) is the bf16-moment run, bit for bit
+    rounded = AdamW([{"params": [torch.nn.Parameter(p.clone()) for p in params], "weight_decay": 0.1}], lr=1e-2,
+                    state_dtype=torch.bfloat16)
+    rounded.moment_dtype = lambda p: torch.float32
+    for step_grads in grads:
+        for p, grad in zip(rounded.param_groups[0]["params"], step_grads):
+            p.grad = grad
+        rounded.step()
+        for st in rounded.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                st[key].copy_(st[key].bfloat16())
+    bf16_params = opts[torch.bfloat16][1]
+    assert all(torch.equal(a, b) for a, b in zip(rounded.param_groups[0]["params"], bf16_params))
+    assert all(torch.equal(rounded.state[a][key], opts[torch.bfloat16][0].state[b][key].float())
+               for a, b in zip(rounded.param_groups[0]["params"], bf16_params) for key in ("exp_avg", "exp_avg_sq"))
 
 
 def test_activation_offload_copies_each_storage_once_and_again_after_an_in_place_change():
