@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tensorpar.checkpoints.sharded import load_checkpoint, read_meta, rotate
+from tensorpar.checkpoints.sharded import dense_model_state, load_checkpoint, read_meta, rotate
 from tensorpar.checkpoints.sources import load_config
 from tensorpar.models import ModelConfig, Transformer
 from tensorpar.errors import TensorparError
@@ -69,9 +69,15 @@ def test_resume_continues_exactly_at_any_layout(pools, config_file, straight, tm
     first = pools(world(before)).run(run, config_file, stop_after=SAVED_AT, save=save, **before)[0]["history"]
     for (_, loss, _), (_, loss_ref, _) in zip(first, straight["history"][:SAVED_AT], strict=True):
         assert abs(loss - loss_ref) <= 1e-4 * loss_ref
+    resaved = str(tmp_path / "resaved")
     resumed = pools(world(after)).run(run, config_file, resume=os.path.join(save, f"step-{SAVED_AT:06d}"),
-                                      stop_after=RESUMED_TO, return_state=True, **after)[0]
+                                      stop_after=RESUMED_TO, return_state=True, save=resaved, **after)[0]
     assert [s for s, _, _ in resumed["history"]] == list(range(SAVED_AT + 1, RESUMED_TO + 1))
+    # The checkpoint this layout writes reads back as the weights it trained, bit for bit (at tp 4 each KV head's
+    # two copies: the reader takes one file per distinct shard)
+    _, written = dense_model_state(os.path.join(resaved, f"step-{RESUMED_TO:06d}"))
+    assert written.keys() == resumed["state"].keys()
+    assert all(torch.equal(written[name], value) for name, value in resumed["state"].items())
     # Against one process: within float reassociation at any layout. Resumed at the layout it was saved at, the run
     # is the straight run of that layout: the same losses and grad norms to 1e-6, the same weights to 1e-6.
     references = [(straight, 1e-4, 1e-4)]
@@ -173,7 +179,6 @@ sys.exit(main(sys.argv[1:]))
 def test_a_run_killed_during_a_save_leaves_the_previous_checkpoint_loadable(config_file, tmp_path, mode):
     """Two ranks, started as torchrun starts them, SIGKILLed together while the second save is half written (with
     --async-save: by the writer thread, the training thread waiting for it at the end of the run)."""
-    from tensorpar.checkpoints.sharded import dense_model_state
     from tensorpar.distributed.launch import free_port
     from tensorpar.models import ModelConfig, Transformer, load_full_state_dict
 
