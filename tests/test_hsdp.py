@@ -33,6 +33,13 @@ def test_hsdp_trains_like_one_process(pools, config_file, layout):
     assert any(k.endswith("/dp_shard") for k in comm) and any(k.endswith("/dp_replicate") for k in comm), comm
 
 
+def test_hsdp_zero3_of_a_moe_model_trains_like_one_process(pools):
+    """tiny-moe (ep 1) at dp 4 as 2 replicas x 2 shards under ZeRO-3: the routed experts' units are sharded over
+    the whole expert-DP group, so their gradients are summed once, never again across the replicas."""
+    results = pools(4).run(run, "tiny-moe", **SETTINGS, dp=4, zero=3, dp_replicate=2)
+    assert_same_training(results, reference(pools, "tiny-moe", **SETTINGS))
+
+
 def test_hsdp_that_cannot_run_is_refused_before_any_rank(cli):
     code, _, err = cli("train", "--dp", "4", "--zero", "1", "--dp-replicate", "3", "--steps", "1")
     assert code != 0 and "--dp-replicate 3 must divide the data-parallel size 4" in err and "[1, 2, 4]" in err, err
