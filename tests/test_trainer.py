@@ -112,8 +112,10 @@ def test_dropout_is_reproducible_from_the_seed_and_recomputable(pools):
 
 @pytest.mark.parametrize("layout", [dict(tp=2, dtype="bf16"), dict(dp=2, zero=1, dtype="fp16"),
                                     dict(dp=2, zero=3, dtype="bf16", grad_reduce_dtype="bf16"),
-                                    dict(dp=2, dtype="bf16", grad_reduce_dtype="bf16")],
-                         ids=["bf16-tp2", "fp16-dp2-zero1", "bf16-dp2-zero3-bf16-reduce", "bf16-dp2-zero0-bf16-reduce"])
+                                    dict(dp=2, dtype="bf16", grad_reduce_dtype="bf16"),
+                                    dict(dp=2, zero=1, dtype="bf16", grad_reduce_dtype="bf16")],
+                         ids=["bf16-tp2", "fp16-dp2-zero1", "bf16-dp2-zero3-bf16-reduce", "bf16-dp2-zero0-bf16-reduce",
+                              "bf16-dp2-zero1-bf16-reduce"])
 def test_low_precision_trains_close_to_fp32(pools, layout):
     """bf16/fp16 parameters with fp32 master weights follow the fp32 run closely over 20 steps and end within 2%;
     the first step's gradient norm (before the runs drift apart) within 5% of the fp32 run's: the low-precision
