@@ -96,6 +96,29 @@ def test_a_sequence_that_does_not_split_into_2cp_chunks_is_refused():
         check_context_split(20, 4)
 
 
+def check_model_logits(cp):
+    """A CP model's logits at this rank's positions against the dense model's there, with rotary (tiny) and learned
+    (tiny-gpt2) positions: each chunk's tokens take their positions in the whole sequence."""
+    from tensorpar.models import Transformer, get_config
+    from tensorpar.models.placement import Placement
+
+    m, seq_len = mesh(tp=1, cp=cp, dp=4 // cp), 16
+    errs = {}
+    for name in ("tiny", "tiny-gpt2"):
+        cfg = get_config(name).replace(num_layers=2)
+        ids = torch.randint(0, cfg.vocab_size, (B, seq_len), generator=torch.Generator().manual_seed(0))
+        dense = Transformer(cfg, None, seed=5).eval()(ids).detach()
+        model = Transformer(cfg, Placement.on(m), seed=5).eval()
+        errs[name] = rel_err(model(ids).detach(), dense[:, model.context(seq_len).positions()])
+    return errs
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_model_logits_equal_the_dense_models(pools, cp):
+    for rank, errs in enumerate(pools(4).run(check_model_logits, cp)):
+        assert max(errs.values()) <= 1e-5, (rank, errs)
+
+
 def check_pattern(impl: str, with_documents: bool):
     """A sliding window of 5 (chunks of 4: the ring skips the blocks before it), a soft cap of 2 and a scale of its
     own, with packed documents or without, at CP 4 against the same arithmetic over the whole sequence."""
