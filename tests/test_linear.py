@@ -27,14 +27,14 @@ def _errors(pairs):
     return {name: rel_err(a, b) for name, (a, b) in pairs.items()}
 
 
-def check_mlp(tp, sequence_parallel, tp_overlap=False, batch=B):
+def check_mlp(tp, sequence_parallel, tp_overlap=False, batch=B, seq=S):
     """Column -> gelu -> Row against nn.Linear -> gelu -> nn.Linear, and what was communicated."""
     m = mesh(tp=tp)
     g = m.tp_group
     torch.manual_seed(0)
     fc1, fc2 = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
-    x = torch.randn(batch, S, H, requires_grad=True)
-    probe = torch.randn(batch, S, H)  # a random cotangent, so every gradient entry matters
+    x = torch.randn(batch, seq, H, requires_grad=True)
+    probe = torch.randn(batch, seq, H)  # a random cotangent, so every gradient entry matters
     y = fc2(F.gelu(fc1(x)))
     (y * probe).sum().backward()
 
