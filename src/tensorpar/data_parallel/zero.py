@@ -46,7 +46,8 @@ class Zero1Optimizer(BucketedOptimizer):
     def _reduced(self, b: Bucket) -> None:
         if b.rs_out is not b.slice.grad_shard:
             b.slice.grad_shard.copy_(b.rs_out)
-        sum_over_replicas(b.slice.grad_shard, self.replicas)
+        if b.group is self.shards:  # the experts' buckets are sharded over expert-DP: no replicas
+            sum_over_replicas(b.slice.grad_shard, self.replicas)
         b.slice.grad_shard.div_(self.dp.size)
 
     def _publish(self) -> None:
@@ -88,7 +89,8 @@ class Zero2Optimizer(Zero1Optimizer):
             b.grad_buffer = None
         self.queue.drain()
         for b in self.buckets:
-            sum_over_replicas(b.slice.grad_shard, self.replicas)
+            if b.group is self.shards:  # the experts' buckets are sharded over expert-DP: no replicas
+                sum_over_replicas(b.slice.grad_shard, self.replicas)
             b.slice.grad_shard.div_(self.dp.size)
 
     def _zero_grads(self) -> None:
