@@ -17,14 +17,27 @@ storage once, as on the device) and ``activations`` counts none.
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
+from torch.nn import Parameter
 
 from tensorpar.data_parallel.flat_buffer import BytesInUse
 from tensorpar.training.activation_offload import HostActivations
 
 MiB = 2**20
+
+
+class _Counted:
+    """What autograd keeps in place of a saved tensor the meter counts: the tensor itself. Autograd drops it when it
+    lets the tensor go (after the backward that used it, or with the graph), and the storage's count with it."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: "ActivationMeter"):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self):
+        self.meter._release(self.key)
 
 
 class ActivationMeter:
@@ -37,22 +50,29 @@ class ActivationMeter:
         self._live: dict[int, list[int]] = {}  # storage id -> [bytes, saved tensors referring to it]
         self._params: set[int] = set()
 
+    # Autograd calls these for every tensor it saves, so they stay cheap: a weight is found by its storage (a view of
+    # it too) before any type check; a ZeRO-3 weight gathered since `measuring` began, by its type or its view's base.
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):  # a weight or its view
-            return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self._params or storage.nbytes() == 0:
+        if key in self._params:
+            return t
+        if type(t) is not torch.Tensor and isinstance(t, Parameter):
+            return t
+        base = t._base
+        if base is not None and type(base) is not torch.Tensor and isinstance(base, Parameter):
+            return t
+        nbytes = storage.nbytes()
+        if nbytes == 0:
             return t
         if self.offload is not None:
             return self.offload.pack(t)
         entry = self._live.get(key)
         if entry is None:
-            entry = self._live[key] = [storage.nbytes(), 0]
-            self.bytes.add(entry[0])
+            entry = self._live[key] = [nbytes, 0]
+            self.bytes.add(nbytes)
         entry[1] += 1
-        weakref.finalize(t, self._release, key)
-        return t
+        return _Counted(t, key, self)
 
     def _release(self, key: int) -> None:
         entry = self._live.get(key)
@@ -73,6 +93,8 @@ class ActivationMeter:
             yield
 
     def _unpack(self, saved):
+        if type(saved) is _Counted:
+            return saved.tensor
         return saved if isinstance(saved, torch.Tensor) else self.offload.unpack(saved)
 
 
