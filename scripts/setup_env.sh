@@ -22,6 +22,6 @@ fi
 # Every package without compiling its bytecode at install time (torch 16 s -> 5 s here, the test extra's
 # transformers, datasets, lm-eval, ... 23 s): thousands of modules of which a run imports a part, which Python
 # compiles when it first imports them (the Makefile lets it keep them).
-"$PY" -m pip install --quiet --disable-pip-version-check --no-compile -e .
+# The package and its test extra in one install: one resolution, one editable build.
 "$PY" -m pip install --quiet --disable-pip-version-check --no-compile -e ".[test]"
 echo "setup: $("$PY" -c 'import torch, tensorpar; print("torch", torch.__version__, "| tensorpar", tensorpar.__version__)')"
