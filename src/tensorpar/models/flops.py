@@ -28,7 +28,10 @@ def attention_flops_per_token(cfg, seq_len: int) -> float:
     modules (a window caps them; latent attention: 6 x heads x (key + value width))."""
     width = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2 if cfg.is_mla \
         else cfg.num_heads * cfg.head_dim
-    keys = sum(min(seq_len, cfg.attention_window(i) or seq_len) for i in range(cfg.num_layers))
+    if cfg.sliding_window is None:  # no layer has a window (the planner asks this for every candidate it times)
+        keys = cfg.num_layers * seq_len
+    else:
+        keys = sum(min(seq_len, cfg.attention_window(i) or seq_len) for i in range(cfg.num_layers))
     return 12.0 * width * (keys + cfg.num_mtp_layers * seq_len)
 
 

@@ -64,7 +64,10 @@ class Candidate:
     def __getattr__(self, name):  # the layout's fields and facts, read through the candidate
         if name.startswith("__"):
             raise AttributeError(name)
-        return getattr(self.layout, name)
+        value = getattr(self.layout, name)
+        # kept on the candidate (the layout is frozen too): the planner reads them millions of times per search
+        object.__setattr__(self, name, value)
+        return value
 
     def num_micro_batches(self, global_batch: int) -> int:
         """Micro-batches per step on each DP replica."""
