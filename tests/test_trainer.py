@@ -74,13 +74,14 @@ def test_twenty_steps_of_tp2_sp_follow_the_single_device_training(pools):
     assert losses[-1] < losses[0] - 1.0, "the reference does not learn: a vacuous comparison"
 
 
-def test_twenty_steps_of_3d_with_zero1_follow_the_single_device_training(pools, config_file):
-    """TP 2 x PP 2 x DP 2 (8 ranks), 1F1B over 4 micro-batches per DP rank, ZeRO-1."""
+def test_twenty_steps_of_3d_with_zero1_follow_the_single_device_training(pools):
+    """TP 2 x PP 2 x DP 2 (8 ranks), 1F1B over 4 micro-batches per DP rank, ZeRO-1; the tiny preset's 4 layers, 2 per
+    stage (8 layers cost this run a third more, in TP collectives on 8 processes, and prove nothing more)."""
     settings = dict(steps=20, warmup_steps=2)
-    # Step 10 of this trajectory sits where the gradient is sensitive: one process reordering its own sums moves its
-    # grad norm by 4.5e-5 there (2e-7 elsewhere), and a layout by up to 1.1e-4, depending on the CPU's kernels.
-    _compare(pools, config_file, dict(tp=2, pp=2, dp=2, schedule="1f1b", zero=1), floor=True, **settings)
-    losses = [loss for loss, _ in reference(pools, config_file, **settings)["trajectory"]]
+    # A step where the gradient is sensitive moves with float reassociation alone (one process reordering its own
+    # sums moved an 8-layer run's grad norm by 4.5e-5 at one step, 2e-7 elsewhere): `floor` leaves those out.
+    _compare(pools, "tiny", dict(tp=2, pp=2, dp=2, schedule="1f1b", zero=1), floor=True, **settings)
+    losses = [loss for loss, _ in reference(pools, "tiny", **settings)["trajectory"]]
     assert losses[-1] < losses[0] - 0.5, "the reference does not learn: a vacuous comparison"
 
 
