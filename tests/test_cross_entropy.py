@@ -27,6 +27,9 @@ def check_cross_entropy(tp, label_smoothing, reduction, pad_value):
     targets = torch.randint(0, VOCAB, (3, 7))
     targets[0, :3] = -100  # ignored
     targets[1, :3] = torch.tensor([0, VOCAB - 1, VOCAB // 2])  # first, last and a middle class
+    shard = -(-VOCAB // tp)  # the last class of each shard and the first of the next (an off-by-one shows there)
+    edges = [c for k in range(1, tp) for c in (k * shard - 1, k * shard)]
+    targets[2, :len(edges)] = torch.tensor(edges, dtype=targets.dtype)
     expected = F.cross_entropy(
         logits.flatten(0, 1), targets.flatten(), ignore_index=-100, label_smoothing=label_smoothing, reduction=reduction
     )
