@@ -46,6 +46,10 @@ class Zero1Optimizer(BucketedOptimizer):
     def _reduced(self, b: Bucket) -> None:
         if b.rs_out is not b.slice.grad_shard:
             b.slice.grad_shard.copy_(b.rs_out)
+        self._average(b)
+
+    def _average(self, b: Bucket) -> None:
+        """The bucket's reduce-scattered slice, summed across the HSDP replicas, divided into the average over DP."""
         if b.group is self.shards:  # the experts' buckets are sharded over expert-DP: no replicas
             sum_over_replicas(b.slice.grad_shard, self.replicas)
         b.slice.grad_shard.div_(self.dp.size)
@@ -89,9 +93,7 @@ class Zero2Optimizer(Zero1Optimizer):
             b.grad_buffer = None
         self.queue.drain()
         for b in self.buckets:
-            if b.group is self.shards:  # the experts' buckets are sharded over expert-DP: no replicas
-                sum_over_replicas(b.slice.grad_shard, self.replicas)
-            b.slice.grad_shard.div_(self.dp.size)
+            self._average(b)
 
     def _zero_grads(self) -> None:
         super()._zero_grads()
