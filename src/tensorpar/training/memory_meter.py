@@ -27,6 +27,11 @@ from tensorpar.training.activation_offload import HostActivations
 MiB = 2**20
 
 
+def _is_parameter(t: torch.Tensor | None) -> bool:
+    # a plain tensor first: Parameter's isinstance goes through its metaclass, ten times the cost
+    return t is not None and type(t) is not torch.Tensor and isinstance(t, Parameter)
+
+
 class _Counted:
     """What autograd keeps in place of a saved tensor the meter counts: the tensor itself. Autograd drops it when it
     lets the tensor go (after the backward that used it, or with the graph), and the storage's count with it."""
@@ -55,12 +60,7 @@ class ActivationMeter:
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self._params:
-            return t
-        if type(t) is not torch.Tensor and isinstance(t, Parameter):
-            return t
-        base = t._base
-        if base is not None and type(base) is not torch.Tensor and isinstance(base, Parameter):
+        if key in self._params or _is_parameter(t) or _is_parameter(t._base):
             return t
         nbytes = storage.nbytes()
         if nbytes == 0:
