@@ -93,44 +93,39 @@ def test_bf16_moments_take_torchs_adamw_arithmetic_rounded_to_nearest():
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(37, generator=g), torch.randn(5, 3, generator=g)]
     grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(3)]
-    opts = {}
-    for dtype in (torch.float32, torch.bfloat16):
+
+    def trained(state_dtype, fp32_moments=False, round_after_step=False):
+        """AdamW with `state_dtype` after the three steps; `fp32_moments`: its moments kept in fp32 all the same,
+        `round_after_step`: and rounded to bf16 after each step."""
         ps = [torch.nn.Parameter(p.clone()) for p in params]
-        opts[dtype] = AdamW([{"params": ps, "weight_decay": 0.1}], lr=1e-2, state_dtype=dtype), ps
+        opt = AdamW([{"params": ps, "weight_decay": 0.1}], lr=1e-2, state_dtype=state_dtype)
+        if fp32_moments:
+            opt.moment_dtype = lambda p: torch.float32
         for step_grads in grads:
             for p, grad in zip(ps, step_grads):
                 p.grad = grad
-            opts[dtype][0].step()
+            opt.step()
+            if round_after_step:
+                for st in opt.state.values():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        st[key].copy_(st[key].bfloat16())
+        return opt, ps
+
+    opts = {dtype: trained(dtype) for dtype in (torch.float32, torch.bfloat16)}
     states = [opts[torch.bfloat16][0].state[p] for p in opts[torch.bfloat16][1]]
     assert all(st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16 for st in states)
     for a, b in zip(opts[torch.bfloat16][1], opts[torch.float32][1]):
         assert a.dtype == torch.float32 and (a - b).abs().max() <= 1e-2 * 3 * 1e-2  # lr x steps x 1%
     # the same arithmetic: the same step with fp32 moments kept fp32 is torch's, bit for bit
-    ref = opts[torch.float32][0]
-    mine = AdamW([{"params": [torch.nn.Parameter(p.clone()) for p in params], "weight_decay": 0.1}], lr=1e-2,
-                 state_dtype=torch.bfloat16)
-    mine.moment_dtype = lambda p: torch.float32
-    for step_grads in grads:
-        for p, grad in zip(mine.param_groups[0]["params"], step_grads):
-            p.grad = grad
-        mine.step()
-    assert all(torch.equal(a, b) for a, b in zip(mine.param_groups[0]["params"], ref.param_groups[0]["params"]))
+    _, mine = trained(torch.bfloat16, fp32_moments=True)
+    assert all(torch.equal(a, b) for a, b in zip(mine, opts[torch.float32][1]))
     # ... and rounded to nearest only after the step: that arithmetic with its fp32 moments rounded to bf16 after
     # each step (the update takes them unrounded) is the bf16-moment run, bit for bit
-    rounded = AdamW([{"params": [torch.nn.Parameter(p.clone()) for p in params], "weight_decay": 0.1}], lr=1e-2,
-                    state_dtype=torch.bfloat16)
-    rounded.moment_dtype = lambda p: torch.float32
-    for step_grads in grads:
-        for p, grad in zip(rounded.param_groups[0]["params"], step_grads):
-            p.grad = grad
-        rounded.step()
-        for st in rounded.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                st[key].copy_(st[key].bfloat16())
+    rounded, rounded_params = trained(torch.bfloat16, fp32_moments=True, round_after_step=True)
     bf16_params = opts[torch.bfloat16][1]
-    assert all(torch.equal(a, b) for a, b in zip(rounded.param_groups[0]["params"], bf16_params))
+    assert all(torch.equal(a, b) for a, b in zip(rounded_params, bf16_params))
     assert all(torch.equal(rounded.state[a][key], opts[torch.bfloat16][0].state[b][key].float())
-               for a, b in zip(rounded.param_groups[0]["params"], bf16_params) for key in ("exp_avg", "exp_avg_sq"))
+               for a, b in zip(rounded_params, bf16_params) for key in ("exp_avg", "exp_avg_sq"))
 
 
 def test_activation_offload_copies_each_storage_once_and_again_after_an_in_place_change():
