@@ -166,13 +166,22 @@ def test_zero_bubble_measured_bubbles_against_1f1b(pools):
     from tensorpar.pipeline_parallel.schedules import theoretical_bubble
 
     pp, m = 4, 8
-    measured = {}
-    for schedule in ("1f1b", "zb-h1", "zbv"):
+    schedules = {"1f1b": 1, "zb-h1": 1, "zbv": 2}  # with their virtual stages
+
+    def measure(schedule):
         # twice the usual action times: the p2p latency, which the formulas leave out, weighs half as much; the
         # least disturbed of two steps (a 4 KiB message between 4 processes on 2 cores takes several ms)
-        results = pools(4).run(check_measured_schedule, schedule, pp, m, 2 if schedule == "zbv" else 1, 2.0, 2)
-        measured[schedule] = results[0][0]
-        expected = theoretical_bubble(schedule, pp, m, 2 if schedule == "zbv" else 1)
+        return pools(4).run(check_measured_schedule, schedule, pp, m, schedules[schedule], 2.0, 2)[0][0]
+
+    def ordered(bubbles):
+        return bubbles["zb-h1"] <= 0.45 * bubbles["1f1b"] and bubbles["zbv"] <= bubbles["zb-h1"]
+
+    measured = {schedule: measure(schedule) for schedule in schedules}
+    if not ordered(measured):
+        # Another test's processes only ever add idle time: one more round, each schedule's least disturbed kept.
+        measured = {schedule: min(bubble, measure(schedule)) for schedule, bubble in measured.items()}
+    for schedule, virtual_stages in schedules.items():
+        expected = theoretical_bubble(schedule, pp, m, virtual_stages)
         assert measured[schedule] <= expected + 0.04, f"{schedule}: measured {measured[schedule]:.3f}, formula {expected:.3f}"
     print("measured bubbles (pp 4, m 8):", {k: round(v, 3) for k, v in measured.items()})
     assert measured["zb-h1"] <= 0.45 * measured["1f1b"], measured
