@@ -196,6 +196,10 @@ def test_bad_expert_layouts_are_refused_before_any_process_group():
     with pytest.raises(LayoutError, match=r"expert_tp=2 x ep=2 = 4 does not fold onto the 2 ranks.*valid --expert-tp "
                                           r"at ep=2: \[1\]"):
         validate(TrainOptions(**{**BASE, "dp": 2, "ep": 2, "expert_tp": 2}), world_size=2)
+    # the sizes offered must also divide num_experts (8): tp x dp = 6 would offer 3 and 6 otherwise
+    with pytest.raises(LayoutError, match=r"ep=4 does not fold onto the 6 ranks.*valid: \[1, 2\]$"):
+        validate(TrainOptions(**{**BASE, "tp": 2, "dp": 3, "ep": 4, "global_batch_size": 6, "micro_batch_size": 2}),
+                 world_size=6)
     with pytest.raises(LayoutError, match=r"expert_ffn_size = \d+ is not divisible by the expert-TP size 3"):
         validate(TrainOptions(**{**BASE, "dp": 3, "expert_tp": 3, "global_batch_size": 6, "micro_batch_size": 2}),
                  world_size=3)

@@ -64,16 +64,19 @@ def context_split_problem(seq_len: int, cp: int) -> Problem | None:
     return None
 
 
-def fold_problem(tp: int, cp: int, dp: int, ep: int, expert_tp: int = 1) -> Problem | None:
-    """Why ep x expert-TP does not fold onto the tp x cp x dp ranks of a pipeline stage, or None."""
+def fold_problem(tp: int, cp: int, dp: int, ep: int, expert_tp: int = 1, num_experts: int | None = None,
+                 expert_ffn_size: int | None = None) -> Problem | None:
+    """Why ep x expert-TP does not fold onto the tp x cp x dp ranks of a pipeline stage, or None. With the model's
+    `num_experts` (`expert_ffn_size`) the sizes offered instead are only those that also divide it."""
     stage = tp * cp * dp
     if stage % ep:
-        valid = [d for d in range(1, stage + 1) if stage % d == 0]
+        valid = [d for d in range(1, stage + 1) if stage % d == 0 and (num_experts is None or num_experts % d == 0)]
         return Problem(f"ep={ep} does not fold onto the {stage} ranks of a pipeline stage (tp={tp} x cp={cp} x "
                        f"dp={dp}): it does not divide tp x cp x dp = {stage}",
                        f"expert parallelism regroups those ranks, so ep must divide {stage}; valid: {valid}")
     if stage % (ep * expert_tp):
-        valid = [d for d in range(1, stage // ep + 1) if (stage // ep) % d == 0]
+        valid = [d for d in range(1, stage // ep + 1)
+                 if (stage // ep) % d == 0 and (expert_ffn_size is None or expert_ffn_size % d == 0)]
         return Problem(f"expert_tp={expert_tp} x ep={ep} = {ep * expert_tp} does not fold onto the {stage} ranks of "
                        f"a pipeline stage (tp={tp} x cp={cp} x dp={dp})",
                        f"expert-TP x EP must divide {stage}; valid --expert-tp at ep={ep}: {valid}")
@@ -170,7 +173,7 @@ def _expert_problems(layout, cfg, seq_len: int | None, micro_batch_size: int | N
         dense = "needs a mixture-of-experts model (num_experts > 0); this one is dense"
         return [Problem(f"--ep {ep} {dense}") if ep != 1 else None,
                 Problem(f"--expert-tp {layout.expert_tp} {dense}") if layout.expert_tp != 1 else None]
-    fold = fold_problem(tp, cp, layout.dp, ep, layout.expert_tp)
+    fold = fold_problem(tp, cp, layout.dp, ep, layout.expert_tp, cfg.num_experts, cfg.expert_ffn_size)
     found = [fold, experts_problem(cfg.num_experts, ep), expert_width_problem(cfg.expert_ffn_size, layout.expert_tp)]
     if cfg.num_shared_experts:
         found.append(divisibility(cfg.num_shared_experts * cfg.expert_ffn_size, tp, "the shared experts' width"))
