@@ -86,3 +86,23 @@ def test_a_runs_tokenizer_folder_travels_with_its_checkpoints_and_exports(pools,
     assert hf_tokenizer("a sum of 7")["input_ids"] == load_tokenizer(folder).encode("a sum of 7")
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert generation["eos_token_id"] == load_tokenizer(folder).eos_id == hf_tokenizer.eos_token_id
+
+
+def test_a_vocabulary_without_room_for_the_byte_tokenizers_end_of_text_exports_without_it(tmp_path, cli):
+    """A checkpoint of a 256-token model (say one imported from a Hugging Face folder without tokenizer files and
+    trained on token ids) says "byte" like every run without tokenizer files; the byte tokenizer's end-of-text id
+    256 lies outside its embedding, and a config.json naming it as eos/pad does not load in transformers."""
+    transformers = pytest.importorskip("transformers")
+    from tensorpar.checkpoints.sharded import write_dense_checkpoint
+    from tensorpar.models.state import full_state_dict
+    from tensorpar.models import Transformer
+
+    cfg = CONFIG.replace(vocab_size=256, num_layers=1)
+    ckpt = write_dense_checkpoint(str(tmp_path / "ckpt"), cfg, full_state_dict(Transformer(cfg, None)))
+    code, out, err = cli("convert", ckpt, tmp_path / "hf")
+    assert code == 0, err
+    assert "no tokenizer: the byte tokenizer's 257 ids do not fit its vocabulary of 256" in out, out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] is None and config["pad_token_id"] is None, config
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.get_input_embeddings().num_embeddings == 256

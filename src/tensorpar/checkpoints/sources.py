@@ -103,8 +103,9 @@ def load_model_source(path: str, adapter: str | None = None):
 def checkpoint_tokenizer(path: str, cfg: ModelConfig):
     """The tokenizer a checkpoint folder was made with, to export with it: the files it carries (a Hugging Face
     folder's, or those a run copied into its checkpoint), else the byte tokenizer when the checkpoint says it was
-    trained with it (or, from before checkpoints said, when its vocabulary is the byte tokenizer's); None when
-    unknown."""
+    trained with it (or, from before checkpoints said, when its vocabulary is the byte tokenizer's) and its
+    vocabulary holds the byte tokenizer's ids (its end-of-text id 256 included: a config.json naming an id outside
+    the embedding does not load in transformers); None when unknown."""
     if is_hf_folder(path) or not is_checkpoint(path):
         tokenizer = load_tokenizer(path)
         return tokenizer if isinstance(tokenizer, HFTokenizer) else None
@@ -113,7 +114,7 @@ def checkpoint_tokenizer(path: str, cfg: ModelConfig):
         return HFTokenizer(step_dir)
     meta = read_meta(step_dir, verify=False)[1]
     byte = meta.get("tokenizer", "byte" if cfg.vocab_size == ByteTokenizer.vocab_size else None) == "byte"
-    return ByteTokenizer() if byte else None
+    return ByteTokenizer() if byte and cfg.vocab_size >= ByteTokenizer.vocab_size else None
 
 
 def tokenizer_files(path: str) -> dict[str, str]:

@@ -23,6 +23,7 @@ from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
 from tensorpar.checkpoints.sources import checkpoint_tokenizer, load_unmerged, tokenizer_files
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import ConvertOptions
+from tensorpar.data.tokenizer import ByteTokenizer
 from tensorpar.errors import TensorparError
 
 
@@ -64,8 +65,11 @@ def run(args, argv) -> int:
     if to == "hf":
         tokenizer = checkpoint_tokenizer(options.source, cfg)
         save_hf_folder(options.dest, cfg, state, tokenizer)
-        carried = "no tokenizer: the checkpoint does not say which it was trained with" if tokenizer is None else \
-            f"tokenizer {tokenizer.name}"
+        carried = f"tokenizer {tokenizer.name}" if tokenizer is not None else \
+            "no tokenizer: the checkpoint does not say which it was trained with" \
+            if cfg.vocab_size >= ByteTokenizer.vocab_size else \
+            f"no tokenizer: the byte tokenizer's {ByteTokenizer.vocab_size} ids do not fit its vocabulary of " \
+            f"{cfg.vocab_size}"
         if lora is not None and not options.merge_lora:
             write_adapter(os.path.join(options.dest, ADAPTER_FOLDER), cfg, lora, adapters)
             carried += f"; its LoRA adapter in {os.path.join(options.dest, ADAPTER_FOLDER)} (PEFT)"
