@@ -119,6 +119,21 @@ def test_the_families_published_shapes_hold_the_planned_bytes(model, layout):
         assert result[key] == planned[key], (key, result[key], planned[key])
 
 
+@pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2, expert_tp=2), dict(dp=4, ep=2, expert_tp=2, zero=1),
+                                    dict(dp=4, ep=1, expert_tp=4, zero=1), dict(dp=4, ep=4, zero=1)])
+def test_expert_tp_and_a_one_rank_expert_dp_hold_the_planned_bytes(layout):
+    """Expert-TP splits each routed expert's width (the planner held them whole: 1.6x the parameters), and a ZeRO
+    run's optimizer keeps its master slice of the experts also where their expert-DP group is one rank (the planner
+    left the experts unsharded and masterless there: 0.75x the optimizer states in fp32)."""
+    run = validate(TrainOptions(model="tiny-moe", seq_len=32, global_batch_size=4, micro_batch_size=1,
+                                progress=False, **layout), 4)
+    result = dry_run(run, 3)
+    planned = planned_bytes(run, result)
+    for key in ("parameter_bytes", "gradient_bytes"):
+        assert result[key] == planned[key], (key, result[key], planned[key])
+    assert abs(result["optimizer_bytes"] - planned["optimizer_bytes"]) <= 1e-3 * planned["optimizer_bytes"]
+
+
 def test_a_zero3_rank_counts_the_parameters_its_model_holds_and_says_zero3_shards_them():
     """ZeRO-3 frees every block's gathered parameters after the step: the count is taken before (it said 0)."""
     from tensorpar.commands.dry_run_report import report

@@ -4,8 +4,8 @@ These equal `model.named_parameters()` of the real model (tests/test_planning_co
 compares): the vocabulary padded to a multiple of tp, KV heads replicated when fewer than tp, norms
 and row-parallel biases replicated (q/k/v biases alone with `qkv_bias`), a tied embedding on the first stage and (as the head's copy) on
 the last. In a mixture-of-experts layer the MLP is a router (replicated), num_experts / ep routed experts
-held whole (expert-TP is 1; stacked [E / ep, ...] tensors, no biases) and the shared experts, a
-tensor-parallel MLP of num_shared_experts times the expert width (tensorpar.expert_parallel). Latent attention
+(stacked [E / ep, ...] tensors, no biases; each expert's width split over the expert-TP ranks) and the shared
+experts, a tensor-parallel MLP of num_shared_experts times the expert width (tensorpar.expert_parallel). Latent attention
 (tensorpar.layers.latent_attention) holds its down-projections and latent norms whole and its up- and output
 projections split by heads; multi-token prediction modules (tensorpar.models.mtp) follow the layers on the last
 stage, which then holds the embedding too. The routers' balancing biases are buffers, not parameters: not here.
@@ -17,7 +17,7 @@ import dataclasses
 
 from tensorpar.distributed.sharding import padded
 from tensorpar.layout import ParallelLayout, divide
-from tensorpar.layout.rules import experts_per_rank, kv_heads_per_rank
+from tensorpar.layout.rules import expert_width_per_rank, experts_per_rank, kv_heads_per_rank
 from tensorpar.planning.lora_adapters import frozen, with_adapters
 from tensorpar.tensor_parallel.lora import LoraSpec
 
@@ -52,9 +52,10 @@ def layout_parameters(cfg, layout, stage: int | None = 0, lora: LoraSpec | None 
     factors (`tensorpar.planning.lora_adapters.with_adapters`)."""
     stage = 0 if stage is None or layout.pp == 1 else stage
     split = layout.split(cfg.num_layers) if layout.pp > 1 else None
-    key = (_cfg_key(cfg), layout.tp, layout.ep, stage, split, lora)
+    key = (_cfg_key(cfg), layout.tp, layout.ep, layout.expert_tp, stage, split, lora)
     if key not in _PARAM_CACHE:
-        _PARAM_CACHE[key] = with_adapters(cfg, _local_parameters(cfg, layout.tp, layout.ep, stage, split), lora)
+        _PARAM_CACHE[key] = with_adapters(cfg, _local_parameters(cfg, layout.tp, layout.ep, stage, split,
+                                                                 layout.expert_tp), lora)
     return _PARAM_CACHE[key]
 
 
@@ -63,7 +64,7 @@ def is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _local_parameters(cfg, tp: int, ep: int, stage: int, split) -> list[tuple[str, int, int]]:
+def _local_parameters(cfg, tp: int, ep: int, stage: int, split, expert_tp: int = 1) -> list[tuple[str, int, int]]:
     ParallelLayout(tp=tp).check(cfg)
     h = cfg.hidden_size
     heads = cfg.num_heads // tp
@@ -78,13 +79,13 @@ def _local_parameters(cfg, tp: int, ep: int, stage: int, split) -> list[tuple[st
     if first or (last and (cfg.tie_embeddings or cfg.num_mtp_layers)):
         out.append(("embed.weight", vocab * h, 2))
     for i in layers:
-        out += _layer_parameters(cfg, i, heads, kv_local, f, tp, ep)
+        out += _layer_parameters(cfg, i, heads, kv_local, f, tp, ep, expert_tp=expert_tp)
     if last:
         for i in range(cfg.num_layers, cfg.num_blocks):  # the multi-token prediction modules
             p = f"layers.{i}"
             out += _norm_parameters(cfg, f"{p}.enorm") + _norm_parameters(cfg, f"{p}.hnorm")
             out.append((f"{p}.eh_proj.weight", h * 2 * h // tp, 2))
-            out += _layer_parameters(cfg, i, heads, kv_local, f, tp, ep, f"{p}.block")
+            out += _layer_parameters(cfg, i, heads, kv_local, f, tp, ep, f"{p}.block", expert_tp)
             out += _norm_parameters(cfg, f"{p}.norm")
         out += _norm_parameters(cfg, "final_norm")
         if not cfg.tie_embeddings:
@@ -93,7 +94,7 @@ def _local_parameters(cfg, tp: int, ep: int, stage: int, split) -> list[tuple[st
 
 
 def _layer_parameters(cfg, i: int, heads: int, kv_local: int, f: int, tp: int,
-                      ep: int, p: str | None = None) -> list[tuple[str, int, int]]:
+                      ep: int, p: str | None = None, expert_tp: int = 1) -> list[tuple[str, int, int]]:
     """(name, numel, ndim) of layer `i`'s parameters (named under `p`, default `layers.{i}`) on one rank holding
     `heads` query heads, `kv_local` KV heads and `f` of the MLP's width, in the block's order: the norm before
     attention, its projections and q / k norms (latent attention's own), the norm after it, then the MLP's norms
@@ -115,7 +116,7 @@ def _layer_parameters(cfg, i: int, heads: int, kv_local: int, f: int, tp: int,
     out += _norm_parameters(cfg, f"{p}.post_attn_norm") if after else []
     out += _norm_parameters(cfg, f"{p}.mlp_norm") if before else []
     if cfg.is_moe_layer(i):
-        out += _moe_parameters(cfg, f"{p}.mlp", tp, ep)
+        out += _moe_parameters(cfg, f"{p}.mlp", tp, ep, expert_tp)
     else:
         bias = cfg.mlp_has_bias
         if cfg.gated_mlp:
@@ -157,9 +158,10 @@ def _linear_parameters(prefix: str, rows: int, cols: int, bias_size: int, bias: 
     return out
 
 
-def _moe_parameters(cfg, prefix: str, tp: int, ep: int) -> list[tuple[str, int, int]]:
+def _moe_parameters(cfg, prefix: str, tp: int, ep: int, expert_tp: int = 1) -> list[tuple[str, int, int]]:
     """A mixture-of-experts MLP's parameters on one rank: Qwen2-MoE's shared-expert gate, the router, this EP
-    rank's routed experts (stacked, whole) and the shared experts as a tensor-parallel MLP."""
+    rank's routed experts (stacked; each one's width split over `expert_tp` ranks) and the shared experts as a
+    tensor-parallel MLP."""
     h = cfg.hidden_size
     local, fe = experts_per_rank(cfg.num_experts, ep), cfg.expert_ffn_size
     out = []
@@ -167,7 +169,7 @@ def _moe_parameters(cfg, prefix: str, tp: int, ep: int) -> list[tuple[str, int, 
         out.append((f"{prefix}.shared_expert_gate", h, 2))
     out.append((f"{prefix}.router.weight", cfg.num_experts * h, 2))
     for proj in ("gate_proj", "up_proj", "down_proj") if cfg.gated_mlp else ("up_proj", "down_proj"):
-        out.append((f"{prefix}.experts.{proj}", local * fe * h, 3))
+        out.append((f"{prefix}.experts.{proj}", local * expert_width_per_rank(fe, expert_tp) * h, 3))
     if cfg.num_shared_experts:
         fs = divide(cfg.num_shared_experts * fe, tp, "the shared experts' width")
         bias = cfg.mlp_has_bias
@@ -226,7 +228,7 @@ def layout_summary(cfg, layout, stage: int | None = 0, lora: LoraSpec | None = N
     """Totals of `layout_parameters` (`lora`: with the adapters, every other parameter frozen)."""
     stage = 0 if stage is None or layout.pp == 1 else stage
     split = layout.split(cfg.num_layers) if layout.pp > 1 else None
-    key = (_cfg_key(cfg), layout.tp, layout.ep, stage, split, lora)
+    key = (_cfg_key(cfg), layout.tp, layout.ep, layout.expert_tp, stage, split, lora)
     if key not in _SUMMARY_CACHE:
         params = layout_parameters(cfg, layout, stage, lora)
         layers = [p for p in params if p[0].startswith("layers.")  # the decoder's (not the MTP modules')

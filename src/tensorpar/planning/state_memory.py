@@ -48,11 +48,14 @@ def optimizer_state_bytes(params, precision: Precision, zero: int = 0, dp: int =
     return adamw_bytes(numel, tensors, precision, zero, dp)
 
 
-def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, dp: int = 1) -> int:
-    """`optimizer_state_bytes` of `numel` elements in `tensors` tensors, sharded over `dp` ranks by ZeRO."""
+def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, dp: int = 1,
+                sharded: bool | None = None) -> int:
+    """`optimizer_state_bytes` of `numel` elements in `tensors` tensors, sharded over `dp` ranks by ZeRO.
+    `sharded`: whether ZeRO's optimizer holds them (default: when dp > 1; routed experts under a ZeRO run are held
+    by it, with its master slice, also where their expert-DP group is one rank)."""
     states = precision.optimizer_bytes * numel + 4 * tensors
     master = precision.master_bytes * numel
-    if zero >= 1 and dp > 1:
+    if zero >= 1 and (dp > 1 if sharded is None else sharded):
         states = math.ceil(precision.optimizer_bytes * numel / dp) + 4 * tensors
         extra_master = precision.zero_master_bytes if zero < 3 else 0  # ZeRO-3 steps its fp32 shards directly
         master = math.ceil((precision.master_bytes or extra_master) * numel / dp)
@@ -144,5 +147,5 @@ def state_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: int, st
         # Gathered: the layer being computed and the prefetched one, and the root (embedding, head) for the step.
         gathered = (2 * summary.per_layer + summary.numel - n_layers * summary.per_layer) * pb
     opt_mem = (adamw_bytes(dense, summary.trained_tensors - summary.trained_expert_tensors, prec, zero, dp)
-               + adamw_bytes(expert, summary.trained_expert_tensors, prec, layout.zero if expert else 0, edp))
+               + adamw_bytes(expert, summary.trained_expert_tensors, prec, zero if expert else 0, edp, sharded=True))
     return StateBytes(param_mem, frozen_mem, grad_mem, opt_mem, gathered)
