@@ -65,3 +65,26 @@ def test_an_fp8_checkpoint_resumes_at_another_layout_and_precision(pools, tmp_pa
     assert len(resumed) == len(bf16) == 2
     for (loss, _), (b, _), (ref, _) in zip(resumed, bf16, straight[2:]):
         assert abs(loss - ref) <= 1e-3 * ref and abs(b - ref) <= 2e-2 * ref, (loss, b, ref)
+
+
+def amaxes(model, **overrides):
+    """The fp8 amax metrics of the first step."""
+    from harness import train
+    from layout_runs import BASE
+    from tensorpar.training import TrainOptions
+
+    summary = train(TrainOptions(model=model, **{**BASE, **FP8, "steps": 1, **overrides}))
+    return {k: v for k, v in summary["history"][0].items() if k.startswith("fp8_amax")}
+
+
+def test_the_fp8_amax_metrics_are_the_worlds_not_rank_0s(pools):
+    """Under EP 2 rank 0 holds half the experts and under DP 2 half the tokens: the metrics are the maxima over
+    every rank (rank 0's alone missed the expert whose weight has the model's largest amax), so the inputs' and
+    weights' equal one process's; each DP rank's output gradients carry the factor dp of its loss weights
+    (training/loss_weights.py; the DP mean divides it out), a power of two here, so exactly twice one process's."""
+    one = pools(1).run(amaxes, "tiny-moe")[0]
+    assert one.keys() == {"fp8_amax_input", "fp8_amax_weight", "fp8_amax_grad_output"}, one
+    for result in pools(2).run(amaxes, "tiny-moe", dp=2, ep=2):
+        assert result["fp8_amax_input"] == one["fp8_amax_input"], (result, one)
+        assert result["fp8_amax_weight"] == one["fp8_amax_weight"], (result, one)
+        assert result["fp8_amax_grad_output"] == 2 * one["fp8_amax_grad_output"], (result, one)

@@ -124,6 +124,17 @@ class Fp8Stats:
         self.amax.clear()
         return out
 
+    def take_over(self, group, device) -> dict[str, float]:
+        """`take()` of the largest amaxes over `group`'s ranks, each of which saw only its own tokens, TP shards,
+        experts and pipeline stage: one all-reduce (max) of three values (a collective; a kind no rank saw is left
+        out)."""
+        kinds = ("grad_output", "input", "weight")
+        local = torch.stack([self.amax[k].detach().float().reshape(()).to(device) if k in self.amax
+                             else torch.full((), -1.0, device=device) for k in kinds])
+        self.amax.clear()
+        values = group.all_reduce(local, op="max").tolist()
+        return {f"fp8_amax_{k}": v for k, v in zip(kinds, values) if v >= 0}
+
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:

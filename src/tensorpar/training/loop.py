@@ -99,8 +99,8 @@ def train_step(s: Session, step: int) -> dict:
             update_expert_biases(s.model, cfg, table)
     if cfg.num_mtp_layers:
         record.update(mtp_step_metrics(s.model, cfg, mesh))
-    if s.model.region.fp8 is not None:  # the largest amax of this rank's fp8 inputs, weights and output gradients
-        record.update(s.model.region.fp8.stats.take())
+    if s.model.region.fp8 is not None:  # the largest amax of the fp8 inputs, weights and output gradients, world-wide
+        record.update(s.model.region.fp8.stats.take_over(mesh.world_group, device))
     return record
 
 
