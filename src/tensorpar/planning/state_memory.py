@@ -20,7 +20,7 @@ import math
 from tensorpar.planning.candidates import Candidate, stage_layers
 from tensorpar.planning.communication import bucket_sizes
 from tensorpar.planning.lora_adapters import gradient_arrival_order, trained
-from tensorpar.planning.params import ParamSummary, layout_parameters, layout_summary
+from tensorpar.planning.params import ParamSummary, is_expert, layout_parameters, layout_summary
 from tensorpar.planning.precision_recipes import Precision
 from tensorpar.tensor_parallel.lora import LoraSpec
 
@@ -65,16 +65,20 @@ def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, d
 def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision, bucket_bytes: int,
                              lora: LoraSpec | None = None) -> int:
     """Bytes of tensorpar's full-size gradient buffers alive at once under ZeRO-2 (two adjacent buckets and one
-    bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' and one block's slice), of the
-    trained parameters."""
+    bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' dense units and one's slice, and
+    one layer's routed experts, a unit of their own), of the trained parameters."""
     dp = layout.shards
     if layout.zero == 3:
-        summary = layout_summary(cfg, layout.layout.replace(ep=1), stage, lora)
+        summary = layout_summary(cfg, layout.layout, stage, lora)
         _, _, n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)
         per_layer = summary.per_layer - summary.frozen_per_layer
         root = summary.trained_numel - n_layers * per_layer
-        layer = math.ceil(per_layer / dp) * dp
-        return 4 * (root + min(2, n_layers) * layer + layer // dp)
+        # A block's routed experts are a unit of their own: one layer's (the largest) full-size expert gradient is
+        # alive at the peak beside two blocks' dense ones and one dense slice (measured against the built rank).
+        experts = _expert_numel_per_layer(cfg, trained(layout_parameters(cfg, layout, stage, lora), lora))
+        dense = per_layer - sum(experts) // max(n_layers, 1)
+        layer = math.ceil(dense / dp) * dp
+        return 4 * (root + min(2, n_layers) * layer + layer // dp + max(experts, default=0))
     every = layout_parameters(cfg, layout, stage, lora)
     params = trained(every, lora)
     counts = bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)
@@ -83,6 +87,15 @@ def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision
         return 4 * _zero2_buffers_in_flight(params, gradient_arrival_order(every), counts, sizes, dp)
     pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
     return 4 * (max(pairs) + max(sizes) // dp)
+
+
+def _expert_numel_per_layer(cfg, params: list[tuple[str, int, int]]) -> list[int]:
+    """The routed experts' elements of each decoder layer among `params` that has any."""
+    per: dict[str, int] = {}
+    for name, n, _ in params:
+        if is_expert(name) and name.startswith("layers.") and int(name.split(".")[1]) < cfg.num_layers:
+            per[name.split(".")[1]] = per.get(name.split(".")[1], 0) + n
+    return list(per.values())
 
 
 def _zero2_buffers_in_flight(params: list[tuple[str, int, int]], arrivals: list[str], counts: list[int],
@@ -118,6 +131,8 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
     grad_mem = prec.grad_bytes * numel
     if zero >= 2 and shards > 1 and not prec.zero2_full_grads_at_peak:
         return math.ceil(grad_mem / shards)
+    if zero == 3:  # sharded over one rank (routed experts whose expert-DP is 1): their gradients alone, no slice
+        return grad_mem
     if zero >= 1 and (prec.zero_master_bytes or prec.zero_buffers_in_flight):
         grad_mem += math.ceil(4 * numel / shards)  # tensorpar's fp32 gradient slice next to the full buckets
     return grad_mem
