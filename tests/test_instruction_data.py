@@ -38,6 +38,9 @@ def test_the_summary_counts_the_examples(pools, chat):
     (["--data", "0.5 {data} 0.5 {root}/plain.txt"], "not a weighted mixture"),
     (["--data", "{root}/plain.txt", "--chat-template", "{root}/t.jinja"], "holds none"),
     (["--tokenizer", "{root}/bare"], "has none"),
+    # a missing --data is named as missing, not judged by the rows it would hold
+    (["--data", "{root}/missing.jsonl", "--prompt-field", "question"], "missing.jsonl' does not exist"),
+    (["--data", "{root}/missing.jsonl", "--chat-template", "{root}/t.jinja"], "missing.jsonl' does not exist"),
 ])
 def test_what_cannot_be_trained_is_refused_in_one_line(cli, chat, extra, message):
     (chat["root"] / "plain.txt").write_text("plain text\n")

@@ -103,13 +103,16 @@ def prepare_sources(*specs: str | None, tokenizer, text_field: str = "text", cac
 
 def source_kinds(spec: str | None) -> frozenset[str]:
     """How the sources of a `--data` value are read (see the module's table), without reading them: "default",
-    "megatron", "documents" (tokenized from their --text-field), "npy", "bin" (raw ids of --bin-dtype) or "text"."""
+    "megatron", "documents" (tokenized from their --text-field), "npy", "bin" (raw ids of --bin-dtype) or "text".
+    A source that does not exist is refused here, before any option is judged by what the data holds."""
     kinds = set()
     for _, path in parse_data_spec(spec):
         if path is None:
             kinds.add("default")
         elif indexed_prefix(path) is not None:
             kinds.add("megatron")
+        elif not os.path.exists(path):
+            raise TensorparError(f"data file '{path}' does not exist")
         elif document_kind(path) is not None:
             kinds.add("documents")
         else:

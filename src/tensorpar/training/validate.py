@@ -128,8 +128,8 @@ def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
 def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     """Instruction rows are checked, the options that act on some data only checked against it, and document sources
     tokenized here, once (the ranks then open the cache)."""
+    kinds = source_kinds(o.data) | (source_kinds(o.val_data) if o.val_data else frozenset())  # a missing one: refused
     examples = check_instruction_data(o, tokenizer, cfg.vocab_size)
-    kinds = source_kinds(o.data) | (source_kinds(o.val_data) if o.val_data else frozenset())
     applicability.check("train", o, cfg=cfg, data=DataFacts(examples, kinds))
     if examples is None:
         prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
