@@ -81,3 +81,30 @@ def test_default_out_dir_names_the_model_whatever_its_path_ends_with(given, out_
     """`--init-from FOLDER/` (a trailing slash, as the shell completes a folder) wrote to runs/-tp2."""
     options = with_output_defaults(TrainOptions(tp=2, **given))
     assert options.out_dir == out_dir and options.metrics == f"{out_dir}/metrics.jsonl"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--save", "{file}"], "--save folder '{file}' is a file, not a folder"),
+    (["train", "--save", "{file}/ck"], "is a file, not a folder"),
+    (["train", "--out-dir", "{file}"], "--out-dir '{file}' is a file, not a folder"),
+    (["train", "--tensorboard", "{file}"], "is a file, not a folder"),
+    (["train", "--metrics", "{folder}"], "--metrics file '{folder}' is a folder, not a file"),
+    (["train", "--metrics", "{file}/m.jsonl"], "cannot be written: '{file}' is a file"),
+    (["prepare-data", "--data", "{data}", "--output", "{file}/x"], "cannot be written: '{file}' is a file"),
+    (["convert", "{hf}", "{file}"], "destination '{file}' is a file, not a folder"),
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, cli, config_file, args, message):
+    """A file where a command makes a folder (or a folder where it writes a file) is refused in one line before any
+    rank starts: a --save path found unusable at the first save would have trained until then for nothing."""
+    paths = dict(file=str(tmp_path / "a-file.txt"), folder=str(tmp_path), data=str(tmp_path / "d.jsonl"),
+                 hf=str(tmp_path / "hf"))
+    (tmp_path / "a-file.txt").write_text("x")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    argv = [a.format(**paths) for a in args]
+    if argv[0] == "train":
+        argv += ["--model", config_file, "--steps", "1", "--seq-len", "16", "--global-batch-size", "2"]
+    code, _, err = cli(*argv)
+    assert code != 0 and message.format(**paths) in err and len(err.strip().splitlines()) == 1, err

@@ -23,6 +23,7 @@ from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
 from tensorpar.checkpoints.sources import checkpoint_tokenizer, load_unmerged, tokenizer_files
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import ConvertOptions
+from tensorpar.config.output_paths import check_output_folder
 from tensorpar.data.tokenizer import ByteTokenizer
 from tensorpar.errors import TensorparError
 
@@ -59,6 +60,7 @@ def run(args, argv) -> int:
             raise TensorparError(f"'{options.source}' does not exist")
         raise TensorparError(f"'{options.source}' is neither a tensorpar checkpoint nor a Hugging Face model folder")
     to = options.to or ("tensorpar" if source_is_hf else "hf")
+    check_output_folder(options.dest, "destination")
     if os.path.exists(options.dest) and os.listdir(options.dest):
         raise TensorparError(f"'{options.dest}' exists and is not empty: refusing to overwrite it")
     cfg, state, lora, adapters = _model(options, to)

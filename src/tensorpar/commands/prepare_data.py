@@ -14,6 +14,7 @@ import shutil
 
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import PrepareDataOptions
+from tensorpar.config.output_paths import check_output_file
 from tensorpar.data import cached_tokens, indexed_prefix, parse_data_spec, tokenizer_from
 from tensorpar.data.documents import document_kind
 from tensorpar.errors import TensorparError
@@ -58,6 +59,7 @@ def prepare(options: PrepareDataOptions) -> list[dict]:
 def run(args, argv) -> int:
     options = options_from_args(PrepareDataOptions, args, "prepare-data")
     if options.output:
+        check_output_file(options.output + ".bin", "--output")
         os.makedirs(os.path.dirname(os.path.abspath(options.output)), exist_ok=True)
     for r in prepare(options):
         if options.json:

@@ -21,6 +21,7 @@ from tensorpar.config.applicability import DataFacts
 from tensorpar.config.fields import check_choices
 from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.config.options import TrainOptions
+from tensorpar.config.output_paths import check_output_file, check_output_folder
 from tensorpar.config.precision import Precision
 from tensorpar.data import prepare_sources, source_kinds, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
@@ -81,6 +82,7 @@ def _check_save_folder(o: TrainOptions) -> None:
     """A run saves into a folder of its own: one that holds no checkpoint, or the one it resumes from."""
     if o.async_save and not o.save:
         raise TensorparError("--async-save needs --save DIR")
+    check_output_folder(o.save, "--save folder")
     if not o.save or not is_checkpoint(o.save):
         return
     if o.resume:
@@ -96,6 +98,9 @@ def _check_observability(o: TrainOptions) -> None:
     """--profile-steps A:B within the run, written to OUT_DIR (the ranks are checked once the world is known); a
     --spike-factor that is not negative; --memory-snapshot on a CUDA device, written to OUT_DIR; the packages of
     --tensorboard and --wandb installed."""
+    check_output_folder(o.out_dir, "--out-dir")
+    check_output_folder(o.tensorboard, "--tensorboard folder")
+    check_output_file(o.metrics, "--metrics file")
     check_sink_packages(o)
     if o.memory_snapshot:
         device = torch.device(o.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -1,0 +1,38 @@
+"""Where a command will write, checked before it starts: a folder it makes must not be a file (nor lie under one),
+a file it writes must not be a folder. Found at the first save, a run would have trained until then for nothing."""
+
+from __future__ import annotations
+
+import os
+
+from tensorpar.errors import TensorparError
+
+
+def _file_above(path: str) -> str | None:
+    """The nearest existing path at or above `path`'s parent that is not a folder (None: every one is)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return None if os.path.isdir(parent) else parent
+
+
+def check_output_folder(path: str | None, what: str) -> None:
+    """`path`, a folder `what` writes into (made if missing), can be: it is a folder or can be made one."""
+    if not path:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise TensorparError(f"{what} '{path}' is a file, not a folder")
+    blocker = _file_above(path)
+    if blocker is not None:
+        raise TensorparError(f"{what} '{path}' cannot be made: '{blocker}' is a file, not a folder")
+
+
+def check_output_file(path: str | None, what: str) -> None:
+    """`path`, a file `what` writes (its folder made if missing), can be: it is no folder, nor under a file."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise TensorparError(f"{what} '{path}' is a folder, not a file")
+    blocker = _file_above(path)
+    if blocker is not None:
+        raise TensorparError(f"{what} '{path}' cannot be written: '{blocker}' is a file, not a folder")
