@@ -186,3 +186,34 @@ def test_zero_bubble_measured_bubbles_against_1f1b(pools):
     print("measured bubbles (pp 4, m 8):", {k: round(v, 3) for k, v in measured.items()})
     assert measured["zb-h1"] <= 0.45 * measured["1f1b"], measured
     assert measured["zbv"] <= measured["zb-h1"], measured
+
+
+def _validation(options):
+    from harness import train
+    from tensorpar.training import TrainOptions
+
+    return train(TrainOptions(**options))["final_val_loss"]
+
+
+@pytest.mark.parametrize("document_mask", [False, True], ids=["windows", "document-mask"])
+def test_pipeline_validation_counts_every_window_as_one_process_does(pools, config_file, document_mask):
+    """3 validation windows in micro-batches of 2: the pipeline pads its last micro-batch with rows of no target
+    rather than leaving the third window out, so its validation loss is one process's (it was over 2 windows)."""
+    options = dict(model=config_file, steps=1, global_batch_size=4, micro_batch_size=2, seq_len=16, val_windows=3,
+                   val_every=0, progress=False, metrics=None, out_dir=None, device="cpu", document_mask=document_mask)
+    one = pools(1).run(_validation, options)[0]
+    piped = pools(2).run(_validation, {**options, "pp": 2})
+    for loss in piped:
+        assert abs(loss - one) <= 1e-5 * one, (loss, one)
+
+
+def test_a_padded_micro_batch_has_the_loss_of_its_rows():
+    from tensorpar.data.batch import IGNORE_INDEX, Batch, as_batch
+
+    rows = as_batch(torch.arange(2 * 9).reshape(2, 9))
+    rows.example = torch.zeros(2, 8, dtype=torch.long)
+    padded = rows.padded(5)
+    assert len(padded) == 5 and padded.valid_targets() == rows.valid_targets() == 16
+    assert torch.equal(padded.inputs[:2], rows.inputs) and torch.equal(padded.inputs[2:], rows.inputs[:1].expand(3, -1))
+    assert (padded.targets[2:] == IGNORE_INDEX).all() and padded.example.shape == (5, 8)
+    assert rows.padded(2) is rows and isinstance(padded, Batch)

@@ -47,6 +47,17 @@ class Batch:
         return Batch(self.inputs.to(device), self.targets.to(device),
                      None if self.example is None else self.example.to(device))
 
+    def padded(self, rows: int) -> "Batch":
+        """These rows, then copies of the first up to `rows` rows, the copies' targets all IGNORE_INDEX: a batch of
+        a fixed size whose loss (the mean over its valid targets) is this one's."""
+        extra = rows - len(self)
+        if extra <= 0:
+            return self
+        repeat = lambda t: torch.cat([t, t[:1].expand(extra, -1)])  # noqa: E731
+        ignored = torch.full_like(self.targets[:1], IGNORE_INDEX).expand(extra, -1)
+        return Batch(repeat(self.inputs), torch.cat([self.targets, ignored]),
+                     None if self.example is None else repeat(self.example))
+
     def valid_targets(self) -> int:
         """How many targets the loss counts."""
         return int((self.targets != IGNORE_INDEX).sum())

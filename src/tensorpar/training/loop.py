@@ -146,7 +146,8 @@ def validation_loss(s: Session) -> float:
                         eos_id=eos)
     s.model.eval()
     rows = as_batch(s.val_windows)
-    batches = rows.split(s.options.micro_batch_size)
+    batches = rows.split(s.options.micro_batch_size)  # the pipeline runs whole micro-batches: the last one padded
+    batches[-1] = batches[-1].padded(s.options.micro_batch_size)  # with rows of no target, so every window counts
     weights = micro_batch_weights(batches, rows.valid_targets(), 1)
     batches = [b.to(s.mesh.device) for b in batches]
     loss = s.runner.forward_only(batches, packed_documents(s, batches), weights)

@@ -192,8 +192,6 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
         runner = PipelineRunner(model, mesh, run.layout, run.num_micro_batches,
                                 (o.micro_batch_size, run.layout.seq_shard(o.seq_len), run.cfg.hidden_size),
                                 activation_dtype=run.precision.param_dtype, weight_grads=model.region.weight_grads)
-        if val_windows is not None:
-            val_windows = val_windows[: (len(val_windows) // o.micro_batch_size) * o.micro_batch_size]
     if mesh.rank == 0 and o.out_dir:
         write_resolved_config(run, os.path.join(o.out_dir, "config.toml"))
     # One id for the run's checkpoints: a resumed run keeps its checkpoint's, a new one takes rank 0's.
