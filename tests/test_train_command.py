@@ -108,3 +108,8 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_pat
         argv += ["--model", config_file, "--steps", "1", "--seq-len", "16", "--global-batch-size", "2"]
     code, _, err = cli(*argv)
     assert code != 0 and message.format(**paths) in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_no_validation_windows_is_refused_rather_than_reported_as_a_loss_of_0(cli, config_file):
+    code, _, err = cli("train", "--model", config_file, "--steps", "1", "--val-windows", "0")
+    assert code != 0 and "--val-windows must be at least 1, got 0" in err and len(err.strip().splitlines()) == 1, err

@@ -169,6 +169,9 @@ def _check_numbers(o: TrainOptions) -> None:
                              f"got {o.loss_chunk_tokens}")
     if o.save_every and not o.save:
         raise TensorparError("--save-every needs --save DIR")
+    if o.val_windows < 1:  # none evaluated would report a validation loss of 0
+        raise TensorparError(f"--val-windows must be at least 1, got {o.val_windows} (a run without validation: "
+                             f"--val-fraction 0 and no --val-data)")
     if o.warmup_steps is not None and not 0 <= o.warmup_steps <= o.steps:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
 
