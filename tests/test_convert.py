@@ -106,3 +106,19 @@ def test_a_vocabulary_without_room_for_the_byte_tokenizers_end_of_text_exports_w
     assert config["eos_token_id"] is None and config["pad_token_id"] is None, config
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert model.get_input_embeddings().num_embeddings == 256
+
+
+def test_a_hugging_face_folder_without_a_tokenizer_is_not_given_the_byte_one(tmp_path, cli):
+    """Weights and config.json alone (vocabulary 512, EOS 4): the converted checkpoint says its tokenizer is unknown,
+    and the export back carries none, rather than the byte tokenizer and EOS 256, which this model never had."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=4)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").unlink(missing_ok=True)
+    for src, dst in (("hf", "ckpt"), ("ckpt", "back")):
+        code, out, err = cli("convert", tmp_path / src, tmp_path / dst)
+        assert code == 0, err
+    assert json.loads((tmp_path / "ckpt" / "step-000000" / "meta.json").read_text())["tokenizer"] == "unknown"
+    assert not (tmp_path / "back" / "tokenizer.json").exists() and "no tokenizer" in out
+    assert json.loads((tmp_path / "back" / "config.json").read_text()).get("eos_token_id") != 256

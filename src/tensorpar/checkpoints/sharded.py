@@ -453,10 +453,11 @@ def dense_model_state(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step: int = 0,
-                           tokenizer_files: dict | None = None) -> str:
+                           tokenizer_files: dict | None = None, tokenizer_unknown: bool = False) -> str:
     """A single-shard checkpoint of dense weights (no optimizer state): what `tensorpar convert` writes, with the
-    files of its tokenizer (name -> path; none: the byte tokenizer). Refuses a folder that already holds a
-    checkpoint."""
+    files of its tokenizer (name -> path; none: the byte tokenizer, or, with `tokenizer_unknown`, none known, as
+    for a Hugging Face folder without tokenizer files: recorded as "unknown", claiming none). Refuses a folder that
+    already holds a checkpoint."""
     if os.path.exists(root) and os.listdir(root):
         raise TensorparError(f"'{root}' exists and is not empty: refusing to overwrite it")
     os.makedirs(root, exist_ok=True)
@@ -471,7 +472,8 @@ def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step:
     meta = {"format": FORMAT, "version": VERSION, "step": step, "optimizer_step": 0, "model": cfg.to_dict(),
             "layout": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "virtual_stages": 1, "schedule": None,
                        "sequence_parallel": False},
-            "train": {}, "rng": "none needed", "tokenizer": copy_files(tokenizer_files or {}, tmp) or "byte",
+            "train": {}, "rng": "none needed", "tokenizer": ("unknown" if tokenizer_unknown
+                                                         else copy_files(tokenizer_files or {}, tmp) or "byte"),
             "tensors": {k: {"shape": list(v.shape), "dim": None, "full_size": None, "padded_size": None,
                             "replicas": 1, "pp_rank": 0} for k, v in state.items()},
             "files": {file_name: {"bytes": os.path.getsize(path), "sha256": sha256(path), "tp_rank": 0, "pp_rank": 0}}}

@@ -20,11 +20,12 @@ from tensorpar.checkpoints.hf import is_hf_folder, save_hf_folder
 from tensorpar.checkpoints.hf_config import config_to_hf
 from tensorpar.checkpoints.peft_adapter import ADAPTER_FOLDER, merge_adapters, write_adapter
 from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
-from tensorpar.checkpoints.sources import checkpoint_tokenizer, load_unmerged, tokenizer_files
+from tensorpar.checkpoints.sources import checkpoint_tokenizer, load_unmerged
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import ConvertOptions
 from tensorpar.config.output_paths import check_output_folder
 from tensorpar.data.tokenizer import ByteTokenizer
+from tensorpar.data.tokenizer_files import source_files
 from tensorpar.errors import TensorparError
 
 
@@ -76,9 +77,11 @@ def run(args, argv) -> int:
             write_adapter(os.path.join(options.dest, ADAPTER_FOLDER), cfg, lora, adapters)
             carried += f"; its LoRA adapter in {os.path.join(options.dest, ADAPTER_FOLDER)} (PEFT)"
     else:
-        files = tokenizer_files(options.source)
-        write_dense_checkpoint(options.dest, cfg, state, tokenizer_files=files)
-        carried = f"tokenizer files {', '.join(sorted(files))}" if files else "no tokenizer files"
+        tokenizer = checkpoint_tokenizer(options.source, cfg)  # None: the source does not say which
+        files = {} if tokenizer is None else source_files(tokenizer)
+        write_dense_checkpoint(options.dest, cfg, state, tokenizer_files=files, tokenizer_unknown=tokenizer is None)
+        carried = (f"tokenizer files {', '.join(sorted(files))}" if files else "no tokenizer files" if tokenizer is None
+                   else "the byte tokenizer")
     merged = ", LoRA merged" if options.merge_lora else ""
     kind = config_to_hf(cfg)["architectures"][0] if to == "hf" else cfg.family  # Mixtral, not its family "llama"
     print(f"wrote {to} {'folder' if to == 'hf' else 'checkpoint'} {options.dest} ({sum(t.numel() for t in state.values()):,} "
