@@ -56,3 +56,19 @@ def test_hf_tokenizer_and_load_tokenizer(tmp_path):
 def test_hf_tokenizer_missing_file(tmp_path):
     with pytest.raises(TensorparError, match="tokenizer.json"):
         HFTokenizer(str(tmp_path / "tokenizer.json"))
+
+
+def test_a_folder_whose_tokenizer_is_not_a_tokenizer_json_warns_once_that_bytes_are_used(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """A model folder with a SentencePiece tokenizer.model (or GPT-2's vocab.json + merges.txt) and no
+    tokenizer.json: the byte tokenizer is what tensorpar can use, and it says so, once, rather than silently."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TENSORPAR_SPAWNED", raising=False)
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+    assert isinstance(load_tokenizer(str(tmp_path)), ByteTokenizer)
+    assert isinstance(load_tokenizer(str(tmp_path)), ByteTokenizer)
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "holds tokenizer.model but no tokenizer.json" in err, err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert isinstance(load_tokenizer(str(bare)), ByteTokenizer) and capsys.readouterr().err == ""

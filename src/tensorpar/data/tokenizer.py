@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import warnings
 
 from tensorpar.errors import TensorparError
@@ -152,6 +153,25 @@ def _tokenizer_file(folder: str) -> str:
     return os.path.join(tokenizer_folder(folder), "tokenizer.json")
 
 
+# A tokenizer in a format other than tokenizer.json (SentencePiece, GPT-2's vocabulary and merges): not read.
+_OTHER_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt")
+_warned: set[str] = set()
+
+
+def _warn_unread_tokenizer(folder: str) -> None:
+    """One warning when `folder` holds a tokenizer tensorpar does not read (its text is then tokenized as bytes,
+    which that model's vocabulary does not mean): once per process, by the process the command started in (the
+    ranks tensorpar starts leave it to that one) or, under torchrun, rank 0."""
+    others = [n for n in _OTHER_TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    spawned = os.environ.get("TENSORPAR_SPAWNED") == "1"  # a rank of tensorpar's own launcher, which warned
+    if not others or folder in _warned or spawned or os.environ.get("RANK", "0") != "0":
+        return
+    _warned.add(folder)
+    sys.stderr.write(f"tensorpar: warning: '{folder}' holds {', '.join(others)} but no tokenizer.json, the only "
+                     f"tokenizer file tensorpar reads: its text is tokenized as bytes (write a tokenizer.json with "
+                     f"transformers' AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR), or give --tokenizer)\n")
+
+
 def load_tokenizer(checkpoint_dir: str | None):
     """HFTokenizer if `checkpoint_dir` (or, for a checkpoint's root, its latest step) holds tokenizer.json and
     `tokenizers` imports, else ByteTokenizer()."""
@@ -159,6 +179,7 @@ def load_tokenizer(checkpoint_dir: str | None):
         return ByteTokenizer()
     file = _tokenizer_file(checkpoint_dir)
     if not os.path.isfile(file):
+        _warn_unread_tokenizer(os.path.dirname(file))
         return ByteTokenizer()
     try:
         import tokenizers  # noqa: F401
