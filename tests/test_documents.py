@@ -136,3 +136,26 @@ def test_ids_that_do_not_fit_the_model_are_refused_naming_the_source(tmp_path):
     assert pairs[0][1].max_id == 256
     with pytest.raises(TensorparError, match=r"a\.jsonl: token id 256 does not fit the vocabulary of size 256"):
         open_corpus(path, ByteTokenizer(), 256, cache_dir=str(tmp_path / "c"), progress=False)
+
+
+def test_a_lone_surrogate_escaped_in_json_is_refused_naming_the_line(tmp_path):
+    """`"\\ud800"` is valid JSON but no Unicode text (tokenizers raised a TypeError on it); a surrogate pair is an
+    emoji and reads as one."""
+    cache = tmp_path / "cache"
+    (tmp_path / "s.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "cut \\ud83d"}\n')
+    _refused(tmp_path / "s.jsonl", r"s\.jsonl' line 2: holds a lone UTF-16 surrogate", tmp=cache)
+    (tmp_path / "pair.jsonl").write_bytes(b'{"text": "\\ud83d\\ude00"}\n')
+    data, _ = cached_tokens(str(tmp_path / "pair.jsonl"), ByteTokenizer(), cache_dir=str(cache), progress=False)
+    assert bytes(data.tokens[:-1].tolist()).decode() == "\U0001F600"
+
+
+@pytest.mark.parametrize("row", [
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\udc80"}]},
+    {"prompt": "a", "completion": "b\udc80"},
+], ids=["conversation", "pair"])
+def test_instruction_rows_with_a_lone_surrogate_are_refused_naming_the_line(tmp_path, row):
+    from tensorpar.data.examples import read_records
+
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "x", "completion": "y"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(TensorparError, match=r"rows\.jsonl' line 2: holds a lone UTF-16 surrogate"):
+        list(read_records(str(tmp_path / "rows.jsonl")))

@@ -129,7 +129,21 @@ def _jsonl_text(file: str, number: int, line: bytes, field: str) -> str:
     value = record[field]
     if not isinstance(value, str):
         raise TensorparError(f"'{file}' line {number}: field '{field}' holds {type(value).__name__}, not text")
+    check_surrogates(f"'{file}' line {number}", line, value)
     return value
+
+
+def check_surrogates(where: str, line: bytes, value) -> None:
+    """Refuse a JSON line whose `value` (a text, or a record) holds a lone UTF-16 surrogate: JSON may escape one
+    (`"\\ud800"`), but it is no Unicode character, and no tokenizer takes it. Only a line with such an escape is
+    looked at."""
+    if b"\\ud" not in line and b"\\uD" not in line:
+        return
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TensorparError(f"{where}: holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!r}, escaped in the "
+                             f"JSON), which is not Unicode text") from None
 
 
 def _column_texts(file: str, batch, field: str, first_row: int) -> list[str]:

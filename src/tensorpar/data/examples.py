@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from tensorpar.data.chat_template import ChatTemplate
-from tensorpar.data.documents import document_files, document_kind, pyarrow_modules
+from tensorpar.data.documents import check_surrogates, document_files, document_kind, pyarrow_modules
 from tensorpar.errors import TensorparError
 
 CHAT, PAIRS = "conversations", "prompt/completion pairs"
@@ -66,6 +66,7 @@ def _jsonl_records(file: str) -> Iterator[tuple[str, dict]]:
                 raise TensorparError(f"{where}: not a UTF-8 JSON object ({e})") from None
             if not isinstance(record, dict):
                 raise TensorparError(f"{where}: a JSON {type(record).__name__}, not an object")
+            check_surrogates(where, line, record)
             yield where, record
 
 
