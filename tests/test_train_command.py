@@ -113,3 +113,25 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_pat
 def test_no_validation_windows_is_refused_rather_than_reported_as_a_loss_of_0(cli, config_file):
     code, _, err = cli("train", "--model", config_file, "--steps", "1", "--val-windows", "0")
     assert code != 0 and "--val-windows must be at least 1, got 0" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_prompt_text_that_is_not_utf8_is_refused_before_the_run(cli, config_file):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates (b'\\xff' -> '\\udcff'): the
+    tokenizer raised a traceback on them, for --sample-prompt only after the whole run had trained."""
+    code, _, err = cli("train", "--model", config_file, "--steps", "1", "--sample-tokens", "2",
+                       "--sample-prompt", "ab\udcff")
+    assert code != 0 and "--sample-prompt is not UTF-8 text (byte ff at character 2)" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_generate_prompt_that_is_not_utf8_is_refused_in_one_line(cli, tmp_path):
+    from tensorpar.checkpoints.sharded import write_dense_checkpoint
+    from tensorpar.models import Transformer, get_config
+    from tensorpar.models.state import full_state_dict
+
+    cfg = get_config("tiny").replace(hidden_size=32, ffn_hidden_size=64, num_layers=1)
+    write_dense_checkpoint(str(tmp_path / "ck"), cfg, full_state_dict(Transformer(cfg, None)))
+    code, _, err = cli("generate", "--checkpoint", tmp_path / "ck", "--prompt", "fine", "--prompt", "\udcffab",
+                       "--max-new-tokens", "1")
+    assert code != 0 and "--prompt 1 is not UTF-8 text (byte ff at character 0)" in err, err
+    assert len(err.strip().splitlines()) == 1, err

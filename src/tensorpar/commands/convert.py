@@ -23,7 +23,7 @@ from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
 from tensorpar.checkpoints.sources import checkpoint_tokenizer, load_unmerged
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import ConvertOptions
-from tensorpar.config.output_paths import check_output_folder
+from tensorpar.config.command_line import check_output_folder
 from tensorpar.data.tokenizer import ByteTokenizer
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.errors import TensorparError

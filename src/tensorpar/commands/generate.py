@@ -23,6 +23,7 @@ from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.config import applicability
 from tensorpar.config.fields import add_options, check_choices, options_from_args
 from tensorpar.config.options import GenerateOptions
+from tensorpar.config.command_line import check_text
 from tensorpar.data import load_tokenizer
 from tensorpar.data.tokenizer import HFTokenizer
 from tensorpar.distributed.mesh import build_mesh, world_from_env
@@ -56,6 +57,8 @@ def _prompts(options, tokenizer) -> list[list[int]]:
     if (options.prompt is None) == (options.prompt_ids is None):
         raise TensorparError("give either --prompt or --prompt-ids (one of them, repeatable)")
     if options.prompt is not None:
+        for i, text in enumerate(options.prompt):
+            check_text(text, f"--prompt {i}")
         return [tokenizer.encode(text) for text in options.prompt]
     prompts = []
     for text in options.prompt_ids:

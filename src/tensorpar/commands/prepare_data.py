@@ -14,7 +14,7 @@ import shutil
 
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import PrepareDataOptions
-from tensorpar.config.output_paths import check_output_file
+from tensorpar.config.command_line import check_output_file
 from tensorpar.data import cached_tokens, indexed_prefix, parse_data_spec, tokenizer_from
 from tensorpar.data.documents import document_kind
 from tensorpar.errors import TensorparError

@@ -21,7 +21,7 @@ from tensorpar.config.applicability import DataFacts
 from tensorpar.config.fields import check_choices
 from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.config.options import TrainOptions
-from tensorpar.config.output_paths import check_output_file, check_output_folder
+from tensorpar.config.command_line import check_output_file, check_output_folder, check_text
 from tensorpar.config.precision import Precision
 from tensorpar.data import prepare_sources, source_kinds, tokenizer_from
 from tensorpar.distributed.launch import world_size as launched_world_size
@@ -101,6 +101,7 @@ def _check_observability(o: TrainOptions) -> None:
     check_output_folder(o.out_dir, "--out-dir")
     check_output_folder(o.tensorboard, "--tensorboard folder")
     check_output_file(o.metrics, "--metrics file")
+    check_text(o.sample_prompt, "--sample-prompt")
     check_sink_packages(o)
     if o.memory_snapshot:
         device = torch.device(o.device or ("cuda" if torch.cuda.is_available() else "cpu"))

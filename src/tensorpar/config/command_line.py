@@ -1,5 +1,6 @@
-"""Where a command will write, checked before it starts: a folder it makes must not be a file (nor lie under one),
-a file it writes must not be a folder. Found at the first save, a run would have trained until then for nothing."""
+"""What a command takes from the command line, checked before it starts. Where it will write: a folder it makes must
+not be a file (nor lie under one), a file it writes must not be a folder (found at the first save, a run would have
+trained until then for nothing). Text it tokenizes: UTF-8."""
 
 from __future__ import annotations
 
@@ -36,3 +37,16 @@ def check_output_file(path: str | None, what: str) -> None:
     blocker = _file_above(path)
     if blocker is not None:
         raise TensorparError(f"{what} '{path}' cannot be written: '{blocker}' is a file, not a folder")
+
+
+def check_text(value: str | None, what: str) -> None:
+    """`value`, text given on the command line, is Unicode: bytes that are not UTF-8 reach Python as lone surrogates
+    (os.fsdecode's surrogateescape), which no tokenizer takes."""
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = value[e.start:e.end].encode("utf-8", "surrogateescape")
+        raise TensorparError(f"{what} is not UTF-8 text (byte {raw[:1].hex()} at character {e.start}): give it in "
+                             f"UTF-8") from None
