@@ -51,3 +51,22 @@ def test_what_cannot_be_trained_is_refused_in_one_line(cli, chat, extra, message
     args = ["train", "--model", chat["model"], "--tokenizer", chat["tokenizer"], "--data", chat["data"], "--steps", 1]
     code, out, err = cli(*args, *[a.format(**chat) for a in extra])
     assert code != 0 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_mix_toml_of_one_conversation_source_reads_that_source(chat, tmp_path):
+    """A mix.toml naming one source is that source (a mixture of several is refused): its conversations were looked
+    for in the .toml file itself and the run refused with "holds neither conversations nor ...". """
+    from tensorpar.data import load_tokenizer
+    from tensorpar.training import TrainOptions
+    from tensorpar.training.instruction_data import build_instruction_data, check_instruction_data
+
+    mix = tmp_path / "mix.toml"
+    mix.write_text(f'[mixture]\n"{chat["data"]}" = 1.0\n')
+    tokenizer = load_tokenizer(chat["tokenizer"])
+    rows = {}
+    for data in (chat["data"], str(mix)):
+        o = TrainOptions(model=chat["model"], tokenizer=chat["tokenizer"], data=data, seq_len=96)
+        assert check_instruction_data(o, tokenizer, chat_data.VOCAB) == "conversations"
+        dataset, _ = build_instruction_data(o, tokenizer, chat_data.VOCAB)
+        rows[data] = (dataset.num_train_rows, dataset.num_val_rows, dataset.stats["examples"])
+    assert rows[chat["data"]] == rows[str(mix)] and rows[str(mix)][2] == 200

@@ -42,13 +42,18 @@ def _template(o: TrainOptions, kind: str) -> ChatTemplate | None:
     return ChatTemplate.load(o.tokenizer or o.init_from, o.chat_template)
 
 
+def _source(o: TrainOptions) -> str:
+    """The file or folder of instruction rows --data names (itself, or the one source of a mix.toml)."""
+    return parse_data_spec(o.data)[0][1]
+
+
 def check_instruction_data(o: TrainOptions, tokenizer, vocab_size: int) -> str | None:
     """What instruction rows --data holds (None: pretraining data); if any, its template and its first row are
     checked (rendered, tokenized, ids inside the vocabulary) here, once, before any rank starts."""
     kind = instruction_kind(o)
     if kind is None:
         return None
-    examples = load_examples(o.data, tokenizer, example_fields(o), _template(o, kind), limit=1)
+    examples = load_examples(_source(o), tokenizer, example_fields(o), _template(o, kind), limit=1)
     check_vocab(examples.ids[0], vocab_size, f"'{o.data}' (its first example, tokenized)")
     return kind
 
@@ -60,7 +65,7 @@ def build_instruction_data(o: TrainOptions, tokenizer, vocab_size: int) -> tuple
     if kind is None:
         return None
     template = _template(o, kind)
-    examples = load_examples(o.data, tokenizer, example_fields(o), template)
+    examples = load_examples(_source(o), tokenizer, example_fields(o), template)
     for ids in examples.ids:
         check_vocab(ids, vocab_size, f"'{os.path.basename(o.data)}' (tokenized)")
     pad = tokenizer.eos_id if getattr(tokenizer, "eos_id", None) is not None else 0
