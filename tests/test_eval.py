@@ -47,3 +47,20 @@ def test_eval_loss_is_the_same_at_any_tp_and_cp(pools, config_file, tmp_path):
                         dtype="bf16")[0]["loss"]
     assert abs(fp8[1] - fp8[0]) <= 1e-3 * fp8[0] and abs(fp8[0] - reference) <= 1e-2 * reference, (fp8, reference)
     assert fp8[0] != bf16, "--dtype fp8 computed what bf16 autocast does"
+
+
+def test_eval_of_a_one_source_mix_toml_reads_that_source(pools, tmp_path):
+    """`--data mix.toml` naming one source (or "1 PATH") evaluates that source; the .toml file itself was read as
+    a text file (16 tokens of TOML instead of the data)."""
+    from tensorpar.checkpoints.sharded import write_dense_checkpoint
+    from tensorpar.models import Transformer, get_config
+    from tensorpar.models.state import full_state_dict
+
+    cfg = get_config("tiny").replace(hidden_size=32, ffn_hidden_size=64, num_layers=1)
+    save = write_dense_checkpoint(str(tmp_path / "ck"), cfg, full_state_dict(Transformer(cfg, None)))
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(0).integers(0, 257, size=6 * 17).astype(np.int32))
+    (tmp_path / "mix.toml").write_text('[mixture]\n"tokens.npy" = 1.0\n')
+    results = [pools(1).run(evaluate_in_worker, checkpoint=save, data=spec, seq_len=16)[0]
+               for spec in (str(data), str(tmp_path / "mix.toml"), f"1 {data}")]
+    assert results[0]["tokens"] == 6 * 16 and results[1] == results[0] == results[2], results

@@ -64,7 +64,8 @@ def evaluate_checkpoint(options: EvalOptions, layout: ParallelLayout | None = No
     mesh = build_mesh(layout, moe=cfg.is_moe, device=options.device, backend=options.backend, timeout=options.timeout)
     try:
         cfg, state = load_model_source(options.checkpoint, options.lora_adapter)
-        tokens = open_stream(options.data, load_tokenizer(options.checkpoint), text_field=options.text_field,
+        source = parse_data_spec(options.data)[0][1]  # --data's one source: a mix.toml's (or "1 PATH"'s) path
+        tokens = open_stream(source, load_tokenizer(options.checkpoint), text_field=options.text_field,
                              bin_dtype=options.bin_dtype, cache_dir=options.data_cache, progress=False).tokens
         check_vocab(tokens, cfg.vocab_size, options.data or "the default corpus")
         windows = eval_windows(tokens, options.seq_len)
