@@ -183,6 +183,11 @@ def test_bad_adapters_and_flags_are_refused(cli, config_file, lora_run, hf_base,
         (("train", "--model", "tiny-gpt2", "--lora-rank", "4"), "LoRA needs a Llama-style model"),
         (("train", "--model", "tiny-moe", "--lora-rank", "4"), "LoRA on mixture-of-experts MLPs (--lora-targets "
                                                                 "gate,up,down) is not supported"),
+        (("train", "--model", "tiny-moe", "--lora-rank", "4"), "use --lora-targets q,k,v,o (the default targets "
+                                                                "every linear)"),
+        (("train", "--model", "tiny-moe", "--lora-rank", "4", "--lora-targets", "q,down"),
+         "(--lora-targets down) is not supported: the routed experts are stacked weights, which PEFT adapts through "
+         "target_parameters and tensorpar does not yet; use --lora-targets q,k,v,o\n"),
         (train + ("--lora-rank", "4", "--optimizer", "muon"), "--optimizer muon orthogonalises whole weight"),
         (("train", "--model", "tiny-deepseek", "--lora-rank", "4", "--lora-targets", "q,k,v,o"),
          "LoRA on latent attention (DeepSeek-V3, GLM-4.5"),

@@ -65,7 +65,8 @@ def check_lora_model(cfg: ModelConfig, spec: LoraSpec) -> None:
     if cfg.is_moe and mlp:
         raise TensorparError(f"LoRA on mixture-of-experts MLPs (--lora-targets {','.join(mlp)}) is not supported: "
                              f"the routed experts are stacked weights, which PEFT adapts through target_parameters "
-                             f"and tensorpar does not yet; use --lora-targets q,k,v,o")
+                             f"and tensorpar does not yet; use --lora-targets q,k,v,o"
+                             + (" (the default targets every linear)" if set(spec.targets) == set(LORA_TARGETS) else ""))
 
 
 def adapter_shapes(cfg: ModelConfig, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
