@@ -101,6 +101,7 @@ def _serve_rank0(options, engine: Engine, tokenizer, info: ModelInfo, pool) -> N
         signal.signal(signum, lambda *_: engine.drain())
     http.start()
     sys.stderr.write(f"tensorpar serve: http://{options.host}:{options.port}/v1 serves {info.name} (tp {options.tp}, "
+                     f"{f'ep {options.ep}, ' if options.ep > 1 else ''}"
                      f"KV pool {pool.num_blocks} blocks of {pool.block_size} tokens, "
                      f"{pool.memory_bytes() / 2**20:.1f} MiB per rank)\n")
     sys.stderr.flush()
