@@ -118,22 +118,19 @@ class Fp8Stats:
         seen = self.amax.get(kind)
         self.amax[kind] = value if seen is None else torch.maximum(seen, value)
 
-    def take(self) -> dict[str, float]:
-        """{"fp8_amax_<kind>": value} since the last call, then forget them."""
+    def take(self, group=None, device=None) -> dict[str, float]:
+        """{"fp8_amax_<kind>": value} since the last call, then forget them. With `group` (a collective every one of
+        its ranks makes), the largest over its ranks, each of which saw only its own tokens, TP shards, experts and
+        pipeline stage: one all-reduce (max) of the three kinds on `device` (a kind no rank saw is left out)."""
+        if group is not None:
+            kinds = ("grad_output", "input", "weight")
+            local = torch.stack([self.amax[k].detach().float().reshape(()).to(device) if k in self.amax
+                                 else torch.full((), -1.0, device=device) for k in kinds])
+            values = group.all_reduce(local, op="max").tolist()
+            self.amax = {k: v for k, v in zip(kinds, values) if v >= 0}
         out = {f"fp8_amax_{k}": float(v) for k, v in sorted(self.amax.items())}
         self.amax.clear()
         return out
-
-    def take_over(self, group, device) -> dict[str, float]:
-        """`take()` of the largest amaxes over `group`'s ranks, each of which saw only its own tokens, TP shards,
-        experts and pipeline stage: one all-reduce (max) of three values (a collective; a kind no rank saw is left
-        out)."""
-        kinds = ("grad_output", "input", "weight")
-        local = torch.stack([self.amax[k].detach().float().reshape(()).to(device) if k in self.amax
-                             else torch.full((), -1.0, device=device) for k in kinds])
-        self.amax.clear()
-        values = group.all_reduce(local, op="max").tolist()
-        return {f"fp8_amax_{k}": v for k, v in zip(kinds, values) if v >= 0}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,7 +100,7 @@ def train_step(s: Session, step: int) -> dict:
     if cfg.num_mtp_layers:
         record.update(mtp_step_metrics(s.model, cfg, mesh))
     if s.model.region.fp8 is not None:  # the largest amax of the fp8 inputs, weights and output gradients, world-wide
-        record.update(s.model.region.fp8.stats.take_over(mesh.world_group, device))
+        record.update(s.model.region.fp8.stats.take(mesh.world_group, device))
     return record
 
 
