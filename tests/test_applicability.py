@@ -197,6 +197,18 @@ TRAIN = {
     "text-field-examples": (dict(CHAT, text_field="body"),
                             "--text-field body needs a JSONL, Parquet or datasets source of documents (it names their "
                             "text field; --data '{chat}' holds conversations)", None),
+    "val-every": (dict(val_every=10),
+                  "--val-every 10 needs validation data (--val-fraction > 0 or --val-data) (it is how often the "
+                  "validation loss is taken; --val-fraction is 0 and there is no --val-data)",
+                  dict(val_every=10, val_fraction=0.1)),
+    "eval-every": (dict(eval_every=10),
+                   "--eval-every 10 needs validation data (--val-fraction > 0 or --val-data) (it is how often the "
+                   "validation loss is taken; --val-fraction is 0 and there is no --val-data)",
+                   dict(eval_every=10, val_data="{text}", val_fraction=TrainOptions().val_fraction)),
+    "val-windows": (dict(val_windows=4),
+                    "--val-windows 4 needs validation data (--val-fraction > 0 or --val-data) (it is how many windows "
+                    "each validation evaluates; --val-fraction is 0 and there is no --val-data)",
+                    dict(val_windows=4, val_fraction=0.1)),
     "bin-dtype": (dict(bin_dtype="int32"),
                   "--bin-dtype int32 needs a raw .bin token file (it is the dtype of .bin token files; "
                   f"{DEFAULT_DATA} holds text)", dict(bin_dtype="int32", data="{bin32}")),

@@ -137,6 +137,23 @@ SAMPLE_PROMPT = Rule("sample_prompt", lambda o, f: o.sample_tokens > 0, "--sampl
 VAL_FRACTION = Rule("val_fraction", lambda o, f: not o.val_data, "no --val-data",
                     "it holds the end of --data out for validation",
                     lambda o, f: f"--val-data '{o.val_data}' is the validation data and --data all training")
+
+
+def _validates(o) -> bool:
+    return bool(o.val_data) or o.val_fraction > 0
+
+
+def _no_validation(o, f: Facts) -> str:
+    return "--val-fraction is 0 and there is no --val-data"
+
+
+_VALIDATION = "validation data (--val-fraction > 0 or --val-data)"
+# --val-every 0 ("only at the end") reads as "no validation during the run", which holds without validation too.
+VAL_EVERY = tuple(Rule(name, lambda o, f, name=name: _validates(o) or getattr(o, name) == 0, _VALIDATION,
+                       "it is how often the validation loss is taken", _no_validation)
+                  for name in ("val_every", "eval_every"))
+VAL_WINDOWS = Rule("val_windows", lambda o, f: _validates(o), _VALIDATION,
+                   "it is how many windows each validation evaluates", _no_validation)
 WORLD_SIZE = Rule("world_size", lambda o, f: o.dry_run, "--dry-run", "the world a dry run builds one rank of",
                   lambda o, f: "a run's world is --nproc or tp x cp x pp x dp")
 RANK = Rule("rank", lambda o, f: o.dry_run, "--dry-run", "the rank a dry run builds",
@@ -219,9 +236,9 @@ CALIBRATE_THREADS = Rule("threads", lambda o, f: o.device == "cpu", "--device cp
 RULES: dict[str, tuple[Rule, ...]] = {
     "train": (FP8_RECIPE, LOSS_SCALE, LOSS_SCALE_WINDOW, GRAD_REDUCE_DTYPE, ON_NAN, DECAY_FRACTION, DECAY_SHAPE,
               MUON_MOMENTUM, EXPERT_GEMM, SCHEDULE, PIPELINE_LAYERS, CP_IMPL, CP_SPLIT, SEQUENCE_PARALLEL, *TP_OVERLAP,
-              ZERO3_RESHARD, BUCKET_MB, MODEL, KEEP_LAST, SAMPLE_PROMPT, VAL_FRACTION, WORLD_SIZE, RANK,
-              CHAT_TEMPLATE, MESSAGES_FIELD, PROMPT_FIELD, COMPLETION_FIELD, EXAMPLE_PACKING, LONG_EXAMPLES,
-              DOCUMENT_MASK, DOCUMENT_ATTENTION, TEXT_FIELD, BIN_DTYPE),
+              ZERO3_RESHARD, BUCKET_MB, MODEL, KEEP_LAST, SAMPLE_PROMPT, VAL_FRACTION, *VAL_EVERY, VAL_WINDOWS,
+              WORLD_SIZE, RANK, CHAT_TEMPLATE, MESSAGES_FIELD, PROMPT_FIELD, COMPLETION_FIELD, EXAMPLE_PACKING,
+              LONG_EXAMPLES, DOCUMENT_MASK, DOCUMENT_ATTENTION, TEXT_FIELD, BIN_DTYPE),
     "eval": (FP8_RECIPE, EXPERT_GEMM, CP_IMPL, SEQUENCE_PARALLEL, TEXT_FIELD, BIN_DTYPE),
     "generate": (FP8_RECIPE, EXPERT_GEMM),
     "serve": (FP8_RECIPE, EXPERT_GEMM),
