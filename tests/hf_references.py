@@ -42,8 +42,9 @@ def saved_references(root, names, build, *, vocab: int, seq: int, windows: int, 
 
 
 def on_ranks(pools, fn, **options) -> list:
-    """`fn(**options)` on the lcm(tp, ep) ranks the layout takes (a shared pool; this process for one rank)."""
-    world = int(np.lcm(options["tp"], options["ep"]))
+    """`fn(**options)` on the lcm(tp, ep x expert_tp) ranks the layout takes (a shared pool; this process for one
+    rank)."""
+    world = int(np.lcm(options["tp"], options["ep"] * options.get("expert_tp", 1)))
     return [fn(**options)] if world == 1 else pools(world).run(fn, **options)
 
 

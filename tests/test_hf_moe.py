@@ -152,6 +152,12 @@ def test_bad_expert_layouts_are_refused_before_any_process(hf_moe):
     options = EvalOptions(checkpoint="x", seq_len=SEQ)
     assert inference_layout(dataclasses.replace(options, tp=2, ep=3), cfg)[0].dp == 3  # 6 ranks: tp 2 x dp 3
     assert inference_layout(dataclasses.replace(options, tp=2, ep=2), cfg)[0].dp == 1
+    assert inference_layout(dataclasses.replace(options, expert_tp=2), cfg)[0].dp == 2  # each expert over 2 ranks
+    assert inference_layout(dataclasses.replace(options, tp=2, ep=3, expert_tp=2), cfg)[0].dp == 3
+    with pytest.raises(LayoutError, match=r"expert_ffn_size = 48 is not divisible by the expert-TP size 5; .*\[1, 2,"):
+        inference_layout(dataclasses.replace(options, expert_tp=5), cfg)[0]
+    with pytest.raises(LayoutError, match="--expert-tp must be a positive integer, got 0"):
+        inference_layout(dataclasses.replace(options, expert_tp=0), cfg)[0]
     with pytest.raises(LayoutError, match=r"not divisible by the expert-parallel size 4.*\[1, 2, 3, 6\]"):
         inference_layout(dataclasses.replace(options, ep=4), cfg)[0]
     with pytest.raises(LayoutError, match=r"ep=3 does not fold onto the 2 ranks.*valid: \[1, 2\]"):
@@ -173,18 +179,18 @@ def test_commands_refuse_a_bad_ep_in_the_launching_process(hf_moe, capsys):
 # -- eval and generate ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,layouts", [
-    ("mixtral", [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2)]),
-    ("qwen2_moe", [(1, 3), (2, 2)]),
+@pytest.mark.parametrize("name,layouts", [  # (tp, ep, expert_tp)
+    ("mixtral", [(1, 1, 1), (1, 2, 1), (1, 3, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 1, 2)]),
+    ("qwen2_moe", [(1, 3, 1), (2, 2, 1), (2, 1, 2)]),
 ])
-def test_eval_loss_matches_transformers_at_any_tp_and_ep(pools, hf_moe, name, layouts):
+def test_eval_loss_matches_transformers_at_any_tp_ep_and_expert_tp(pools, hf_moe, name, layouts):
     expected = hf_moe[name]["loss"]
-    for tp, ep in layouts:
-        result = on_ranks(pools, evaluate_in_worker, checkpoint=hf_moe[name]["folder"],
-                           data=hf_moe["data"], seq_len=SEQ, tp=tp, ep=ep, batch_size=4)
+    for tp, ep, expert_tp in layouts:
+        result = on_ranks(pools, evaluate_in_worker, checkpoint=hf_moe[name]["folder"], data=hf_moe["data"],
+                          seq_len=SEQ, tp=tp, ep=ep, expert_tp=expert_tp, batch_size=4)
         for rank, r in enumerate(result):
             assert r["tokens"] == WINDOWS * SEQ
-            assert abs(r["loss"] - expected) <= TOL * expected, (name, tp, ep, rank, r["loss"], expected)
+            assert abs(r["loss"] - expected) <= TOL * expected, (name, tp, ep, expert_tp, rank, r["loss"], expected)
 
 
 def _command_at_ep_2(pools, hf_moe, name, argv):
@@ -207,11 +213,12 @@ def test_eval_command_at_ep_2(pools, hf_moe):
     assert abs(result["loss"] - hf_moe["qwen2_moe"]["loss"]) <= TOL * hf_moe["qwen2_moe"]["loss"]
 
 
-@pytest.mark.parametrize("name,tp,ep", [("mixtral", 1, 1), ("mixtral", 1, 3), ("mixtral", 2, 2),
-                                        ("qwen2_moe", 1, 2), ("qwen2_moe", 2, 1)])
-def test_greedy_generate_matches_transformers(pools, hf_moe, name, tp, ep):
+@pytest.mark.parametrize("name,tp,ep,expert_tp", [("mixtral", 1, 1, 1), ("mixtral", 1, 3, 1), ("mixtral", 2, 2, 1),
+                                                  ("mixtral", 2, 1, 2), ("qwen2_moe", 1, 2, 1), ("qwen2_moe", 2, 1, 1),
+                                                  ("qwen2_moe", 1, 1, 2)])
+def test_greedy_generate_matches_transformers(pools, hf_moe, name, tp, ep, expert_tp):
     results = on_ranks(pools, generate_in_worker, prompts=PROMPTS, new_tokens=NEW_TOKENS,
-                       checkpoint=hf_moe[name]["folder"], tp=tp, ep=ep)
+                       checkpoint=hf_moe[name]["folder"], tp=tp, ep=ep, expert_tp=expert_tp)
     assert all(r == hf_moe[name]["tokens"] for r in results), (results, hf_moe[name]["tokens"])
 
 

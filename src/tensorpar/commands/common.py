@@ -42,14 +42,17 @@ def launch(options, argv: list[str], run_rank) -> int:
 
 
 def inference_layout(options, cfg, seq_len: int | None = None):
-    """(`options` of an inference command (eval, generate, serve) with --ep folded onto the ranks, their checked
-    `ParallelLayout`), before any process exists. Without --dp (and --nproc), a run whose tp x cp ranks cannot hold
-    the ep expert-parallel ranks gets ep / gcd(tp x cp, ep) data-parallel groups, so that ep divides tp x cp x dp."""
-    ep, tp, cp = options.ep, options.tp, options.cp
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise LayoutError(f"--ep must be a positive integer, got {ep!r}")
-    if ep > 1 and options.dp is None and options.nproc is None and not under_launcher():
-        options = dataclasses.replace(options, dp=ep // math.gcd(tp * cp, ep))
+    """(`options` of an inference command (eval, generate, serve) with --ep (and --expert-tp) folded onto the ranks,
+    their checked `ParallelLayout`), before any process exists. Without --dp (and --nproc), a run whose tp x cp ranks
+    cannot hold the ep x expert_tp ranks that hold every expert once gets fold / gcd(tp x cp, fold) data-parallel
+    groups, so that the fold divides tp x cp x dp."""
+    tp, cp = options.tp, options.cp
+    for flag, value in (("--ep", options.ep), ("--expert-tp", options.expert_tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{flag} must be a positive integer, got {value!r}")
+    fold = options.ep * options.expert_tp
+    if fold > 1 and options.dp is None and options.nproc is None and not under_launcher():
+        options = dataclasses.replace(options, dp=fold // math.gcd(tp * cp, fold))
     layout = ParallelLayout.from_options(options, world_size(options))
     layout.check(cfg, seq_len=seq_len, fp8=getattr(options, "dtype", "fp32") == "fp8")
     return options, layout
@@ -67,8 +70,8 @@ def decoding_layout(options, cfg, command: str):
             raise LayoutError(f"{command} runs the model on one tensor-parallel group, without pipeline or context "
                               f"parallelism: {flag} must be 1, got {value}; drop {flag}")
     options, layout = inference_layout(options, cfg)
-    if options.ep == 1 and layout.world != options.tp:
+    if options.ep * options.expert_tp == 1 and layout.world != options.tp:
         raise LayoutError(f"{command} runs on exactly --tp processes (one tensor-parallel group, no data "
-                          f"parallelism; a mixture-of-experts model with --ep runs replicas of it): "
+                          f"parallelism; a mixture-of-experts model with --ep or --expert-tp runs replicas of it): "
                           f"{layout.world} processes for --tp {options.tp}")
     return options, layout

@@ -8,8 +8,9 @@ Prints each prompt's continuation, or with --json one line per prompt:
 {"ids": [new token ids], "text": "their text", "tokens_per_s": new tokens of the batch per second}.
 Generation stops at the checkpoint's EOS token (generation_config.json / config.json, else the
 tokenizer's) unless --ignore-eos. No sequence or pipeline parallelism: the TP group holds the model. A
-mixture-of-experts model takes --ep N: its experts spread over N ranks folded onto replicas of the TP group
-(ep / gcd(tp, ep) of them unless --dp says), which all generate the same tokens.
+mixture-of-experts model takes --ep N (and --expert-tp X): its experts spread over N ranks (each expert's MLP split
+over X) folded onto replicas of the TP group (fold / gcd(tp, fold) of them, fold = ep x expert-tp, unless --dp
+says), which all generate the same tokens.
 """
 
 from __future__ import annotations

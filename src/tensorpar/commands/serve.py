@@ -1,8 +1,8 @@
 """`tensorpar serve`: an OpenAI-compatible HTTP server over tensor-parallel ranks.
 
-    tensorpar serve --checkpoint DIR|HF_FOLDER [--tp T] [--ep E] [--dtype fp32|bf16|fp8] [--host H --port P]
-                    [--max-running N --max-queue Q --token-budget B --block-size S --kv-cache-tokens K]
-                    [--no-prefix-caching]
+    tensorpar serve --checkpoint DIR|HF_FOLDER [--tp T] [--ep E] [--expert-tp X] [--dtype fp32|bf16|fp8]
+                    [--host H --port P] [--max-running N --max-queue Q --token-budget B]
+                    [--block-size S --kv-cache-tokens K] [--no-prefix-caching]
 
 The ranks start as for `generate` (local processes, torchrun, or an srun step) and each builds its shard of the
 model and a paged KV pool of its KV heads; rank 0 runs the HTTP server and the engine (tensorpar.serving), which
@@ -102,6 +102,7 @@ def _serve_rank0(options, engine: Engine, tokenizer, info: ModelInfo, pool) -> N
     http.start()
     sys.stderr.write(f"tensorpar serve: http://{options.host}:{options.port}/v1 serves {info.name} (tp {options.tp}, "
                      f"{f'ep {options.ep}, ' if options.ep > 1 else ''}"
+                     f"{f'expert-tp {options.expert_tp}, ' if options.expert_tp > 1 else ''}"
                      f"KV pool {pool.num_blocks} blocks of {pool.block_size} tokens, "
                      f"{pool.memory_bytes() / 2**20:.1f} MiB per rank)\n")
     sys.stderr.flush()

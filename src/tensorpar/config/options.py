@@ -70,12 +70,16 @@ class LaunchOptions:
 
 @dataclasses.dataclass
 class ExpertOptions:
-    """The expert-parallel layout of mixture-of-experts models (train, eval, generate)."""
+    """The expert-parallel layout of mixture-of-experts models (train, eval, generate, serve)."""
 
     ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, the "
                         "tp x cp x dp ranks of a stage regrouped into ep x expert-DP for the MoE layers (ep must "
                         "divide tp x cp x dp; eval and generate without --dp start ep / gcd(tp x cp, ep) data-parallel "
                         "replicas so that it does)", group=LAYOUT)
+    expert_tp: int = option(1, "expert tensor-parallel size (mixture-of-experts models): each expert's MLP split "
+                               "Megatron-style over this many ranks, folded fastest (expert-TP x EP x expert-DP); "
+                               "expert_tp x ep must divide tp x cp x dp (eval, generate and serve without --dp start "
+                               "the data-parallel replicas it takes, as for --ep)", group=LAYOUT)
     expert_gemm: str = option("grouped", "the routed experts' GEMMs: one grouped GEMM per projection "
                                          "(torch._grouped_mm where it runs), or one GEMM per expert",
                               choices=EXPERT_GEMMS, group=LAYOUT)
@@ -139,9 +143,6 @@ class TrainOptions(LoraOptions, DataOptions, ExpertOptions, LaunchOptions, Memor
                                              "auto: varlen on CPU and CUDA", choices=DOCUMENT_ATTENTION,
                                      group="model")
     sequence_parallel: bool = option(False, "shard norms/dropout/residuals along the sequence", group=LAYOUT)
-    expert_tp: int = option(1, "expert tensor-parallel size (mixture-of-experts models): each expert's MLP split "
-                               "Megatron-style over this many ranks, folded fastest (expert-TP x EP x expert-DP); "
-                               "expert_tp x ep must divide tp x cp x dp", group=LAYOUT)
     zero: int = option(0, "ZeRO stage over the DP group: 1 shards optimizer states, 2 also gradients, 3 also "
                           "parameters (each block gathered just before use)", choices=ZERO_STAGES, group=LAYOUT)
     dp_replicate: int = option(1, "HSDP: split the DP ranks into this many replicas; ZeRO shards within a replica "
