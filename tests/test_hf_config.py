@@ -63,6 +63,7 @@ def test_config_to_hf_round_trip(name):
     ("gpt2", "activation_function", "quick_gelu"),
     ("gpt2", "scale_attn_by_inverse_layer_idx", True),
     ("gpt2", "n_embd", "64"),
+    ("llama", "initializer_range", -0.02),
 ])
 def test_config_refusals(model_type, field, value):
     hf = (_gpt2() if model_type == "gpt2" else _llama()).to_dict()
@@ -78,6 +79,18 @@ def test_config_refusals(model_type, field, value):
         config_from_hf(hf)
     msg = str(e.value)
     assert "\n" not in msg and field in msg and repr(value) in msg, msg
+
+
+def test_initializer_range_is_the_std_a_model_from_the_config_starts_with():
+    """DeepSeek-V3's config says 0.006: a model trained from it starts there, not at the 0.02 of a field ignored."""
+    from tensorpar.models import Transformer
+
+    hf = dict(_llama().to_dict(), initializer_range=0.006)
+    cfg = config_from_hf(hf)
+    assert cfg.init_std == 0.006 and config_from_hf(config_to_hf(cfg)) == cfg
+    embedding = Transformer(cfg, None).state_dict()["embed.weight"]
+    assert abs(embedding.std().item() - 0.006) < 0.0005
+    assert config_from_hf({k: v for k, v in hf.items() if k != "initializer_range"}).init_std == 0.02
 
 
 def test_export_refuses_configs_without_hf_equivalent():

@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tensorpar.models.placement import PipelineStage, Placement
+from tensorpar.models.placement import Placement
 from tensorpar.checkpoints.hf import check_hf_folder, load_hf_folder, save_hf_folder  # noqa: E402
 from tensorpar.checkpoints.hf_config import check_representable, config_from_hf, config_to_hf  # noqa: E402
 from tensorpar.cli import main  # noqa: E402

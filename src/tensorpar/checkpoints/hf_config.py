@@ -54,12 +54,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
                            if isinstance(hf["quantization_config"], dict) else hf["quantization_config"],
                            "quantized checkpoints are not supported")
     if model_type == "gpt2":
-        return _gpt2_config(hf)
-    if model_type in DEEPSEEK_MODEL_TYPES:
-        return deepseek_config_from_hf(hf)
-    if model_type in MOE_MODEL_TYPES:
-        return moe_config_from_hf(hf, decoder_fields(hf, model_type))
-    return ModelConfig(**decoder_fields(hf, model_type), ffn_hidden_size=intermediate_size(hf, model_type))
+        cfg = _gpt2_config(hf)
+    elif model_type in DEEPSEEK_MODEL_TYPES:
+        cfg = deepseek_config_from_hf(hf)
+    elif model_type in MOE_MODEL_TYPES:
+        cfg = moe_config_from_hf(hf, decoder_fields(hf, model_type))
+    else:
+        cfg = ModelConfig(**decoder_fields(hf, model_type), ffn_hidden_size=intermediate_size(hf, model_type))
+    # The std a model trained from this config starts with (DeepSeek-V3: 0.006); every config class defaults to 0.02.
+    return cfg.replace(init_std=positive_float(hf, "initializer_range", 0.02))
 
 
 def _gpt2_config(hf: dict) -> ModelConfig:
