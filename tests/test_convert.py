@@ -122,3 +122,38 @@ def test_a_hugging_face_folder_without_a_tokenizer_is_not_given_the_byte_one(tmp
     assert json.loads((tmp_path / "ckpt" / "step-000000" / "meta.json").read_text())["tokenizer"] == "unknown"
     assert not (tmp_path / "back" / "tokenizer.json").exists() and "no tokenizer" in out
     assert json.loads((tmp_path / "back" / "config.json").read_text()).get("eos_token_id") != 256
+
+
+def test_a_run_on_token_ids_without_their_tokenizer_records_none(tmp_path, cli):
+    """.npy ids for a vocabulary of 512 and no --tokenizer: the run's checkpoint says its tokenizer is unknown, its
+    export carries none, and what would read text as bytes (a sample, the documents' EOS, a text prompt, text to
+    evaluate) is refused naming why."""
+    import numpy as np
+
+    from tensorpar.models import get_config
+
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(get_config("tiny").replace(vocab_size=512, num_layers=1).to_dict()))
+    np.save(tmp_path / "ids.npy", (np.arange(4000) * 7 % 512).astype(np.uint16))
+    (tmp_path / "text.txt").write_text("some text " * 50)
+    train = ["train", "--model", model, "--data", tmp_path / "ids.npy", "--steps", "1", "--seq-len", "16",
+             "--global-batch-size", "2", "--no-progress", "--out-dir", tmp_path / "run"]
+    code, _, err = cli(*train, "--save", tmp_path / "ckpt")
+    assert code == 0, err
+    assert json.loads((tmp_path / "ckpt" / "step-000001" / "meta.json").read_text())["tokenizer"] == "unknown"
+    code, out, err = cli("convert", tmp_path / "ckpt", tmp_path / "hf")
+    assert code == 0 and "no tokenizer" in out and not (tmp_path / "hf" / "tokenizer.json").exists(), err
+    refusals = {
+        ("--sample-tokens", "4"): "--sample-tokens 4 needs the tokenizer that made the token ids of --data",
+        ("--document-mask",): "--document-mask needs the tokenizer that made the token ids of --data",
+    }
+    for flags, needle in refusals.items():
+        code, _, err = cli(*train, *flags)
+        assert code == 2 and needle in err and "give it with --tokenizer" in err, err
+    for folder in ("ckpt", "hf"):
+        code, _, err = cli("generate", "--checkpoint", tmp_path / folder, "--prompt", "Hello", "--max-new-tokens", "2")
+        assert code == 2 and "would be tokenized as bytes" in err and "give --prompt-ids" in err, err
+        code, _, err = cli("eval", "--checkpoint", tmp_path / folder, "--data", tmp_path / "text.txt", "--seq-len", "8")
+        assert code == 2 and "would be tokenized as bytes" in err and "give --data token ids" in err, err
+    code, out, err = cli("eval", "--checkpoint", tmp_path / "ckpt", "--data", tmp_path / "ids.npy", "--seq-len", "16")
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] > 0, err

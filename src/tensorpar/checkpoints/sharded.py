@@ -142,13 +142,15 @@ def write_shards(tmp: str, step: int, shards: list[Shard]) -> list[dict] | str:
 
 def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict, train: dict,
                     options: dict | None = None, run_id: str | None = None, keep_last: int = 3,
-                    tokenizer_files: dict | None = None, lora: dict | None = None) -> str:
+                    tokenizer_files: dict | None = None, tokenizer_unknown: bool = False,
+                    lora: dict | None = None) -> str:
     """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder. A
     complete checkpoint already at this step is kept, renamed superseded-step-N-K, never overwritten.
     `train` holds what fixes the data order and the learning rate; `options`, the run's whole resolved
     configuration (so that a resumed run can say what changed); `run_id`, the run (a resumed run keeps its
     checkpoint's) whose checkpoints `keep_last` rotates, never another's; `tokenizer_files` (name -> path), the
-    files of the run's tokenizer, copied into the checkpoint (none: the byte tokenizer); `lora`, a LoRA run's
+    files of the run's tokenizer, copied into the checkpoint (none: the byte tokenizer, or with `tokenizer_unknown`
+    none known: the run read token ids without their tokenizer); `lora`, a LoRA run's
     adapters (`LoraSpec.as_dict`), also written as a PEFT adapter folder, `adapter/`, in the step folder."""
     tmp = begin_save(root, step, mesh)
     with optimizer.gathered():  # ZeRO-3 stores 1/dp of each parameter: gather them for the save
@@ -156,7 +158,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
         info = write_shards(tmp, step, shards)
     return commit_save(root, step, info, mesh, dict(optimizer_step=opt_step, model=cfg.to_dict(), run_id=run_id,
                                                     layout=layout, train=train, options=options,
-                                                    tokenizer_files=tokenizer_files or {}, lora=lora), keep_last)
+                                                    tokenizer_files=tokenizer_files or {},
+                                                    tokenizer_unknown=tokenizer_unknown, lora=lora), keep_last)
 
 
 def commit_save(root: str, step: int, info: list[dict] | str | None, mesh, facts: dict, keep_last: int) -> str:
@@ -197,7 +200,8 @@ def _put_in_place(root: str, step: int, infos: list[dict], facts: dict, keep_las
             tensors.setdefault(name, {**spec, "pp_rank": item["pp_rank"]})
     _check_written(tmp, files)
     facts = dict(facts)
-    facts["tokenizer"] = copy_files(facts.pop("tokenizer_files", {}), tmp) or "byte"
+    unknown = facts.pop("tokenizer_unknown", False)
+    facts["tokenizer"] = copy_files(facts.pop("tokenizer_files", {}), tmp) or ("unknown" if unknown else "byte")
     meta = {"format": FORMAT, "version": VERSION, "step": step, **facts, "tensors": tensors, "files": files,
             "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
     _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))

@@ -117,6 +117,28 @@ def checkpoint_tokenizer(path: str, cfg: ModelConfig):
     return ByteTokenizer() if byte and cfg.vocab_size >= ByteTokenizer.vocab_size else None
 
 
+def tokenizer_unknown(path: str) -> bool:
+    """True when the model at `path` has no tokenizer tensorpar reads and does not say it is the byte tokenizer's: a
+    Hugging Face folder without tokenizer.json, or a tensorpar checkpoint carrying no tokenizer files whose meta.json
+    says the tokenizer is unknown (a run on token ids without --tokenizer, a folder of the first kind converted).
+    Text given to it would be tokenized as bytes, which its vocabulary does not mean."""
+    if is_hf_folder(path):
+        return not os.path.isfile(os.path.join(path, "tokenizer.json"))
+    if not is_checkpoint(path):
+        return False
+    step_dir = resolve(path)
+    return (not os.path.isfile(os.path.join(step_dir, "tokenizer.json"))
+            and read_meta(step_dir, verify=False)[1].get("tokenizer") == "unknown")
+
+
+def unknown_tokenizer_note(path: str) -> str:
+    """Why the model at `path` (whose `tokenizer_unknown` holds) cannot take text, for a refusal or a warning."""
+    why = (f"Hugging Face folder '{path}' holds no tokenizer.json (the tokenizer file tensorpar reads)"
+           if is_hf_folder(path) else
+           f"checkpoint '{path}' carries no tokenizer and says the tokenizer of its token ids is unknown")
+    return f"{why}: text given to it would be tokenized as bytes, which its vocabulary does not mean"
+
+
 def tokenizer_files(path: str) -> dict[str, str]:
     """name -> path of the tokenizer files of a model folder (a Hugging Face folder's tokenizer.json and the files
     beside it); {} when it has none."""

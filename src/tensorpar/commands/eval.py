@@ -11,7 +11,8 @@ import json
 import math
 import os
 
-from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
+from tensorpar.checkpoints.sources import (check_adapter, load_config, load_model_source, tokenizer_unknown,
+                                           unknown_tokenizer_note)
 from tensorpar.commands.common import inference_layout, launch
 from tensorpar.config import applicability
 from tensorpar.config.applicability import DataFacts
@@ -19,6 +20,7 @@ from tensorpar.config.fields import add_options, check_choices, options_from_arg
 from tensorpar.config.options import EvalOptions
 from tensorpar.data import (check_vocab, eval_windows, load_tokenizer, open_stream, parse_data_spec, prepare_sources,
                             source_kinds)
+from tensorpar.data.streams import TOKEN_ID_KINDS
 from tensorpar.distributed.mesh import build_mesh, world_from_env
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layout import ParallelLayout
@@ -47,7 +49,11 @@ def validate(options: EvalOptions):
     if len(parse_data_spec(options.data)) > 1:
         raise TensorparError(f"tensorpar eval takes one data source, not the mixture '{options.data}'")
     cfg = load_config(options.checkpoint)
-    applicability.check("eval", options, cfg=cfg, data=DataFacts(kinds=source_kinds(options.data)))
+    kinds = source_kinds(options.data)
+    applicability.check("eval", options, cfg=cfg, data=DataFacts(kinds=kinds))
+    if not kinds <= TOKEN_ID_KINDS and tokenizer_unknown(options.checkpoint):
+        raise TensorparError(f"{unknown_tokenizer_note(options.checkpoint)}: give --data token ids (.npy, .bin, a "
+                             f"Megatron dataset) made by its tokenizer")
     check_adapter(options.checkpoint, options.lora_adapter)
     layout = inference_layout(options, cfg, seq_len=options.seq_len)
     prepare_sources(options.data, tokenizer=load_tokenizer(options.checkpoint), text_field=options.text_field,

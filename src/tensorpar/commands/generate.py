@@ -19,7 +19,8 @@ import json
 import os
 import sys
 
-from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
+from tensorpar.checkpoints.sources import (check_adapter, load_config, load_model_source, tokenizer_unknown,
+                                           unknown_tokenizer_note)
 from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.config import applicability
 from tensorpar.config.fields import add_options, check_choices, options_from_args
@@ -110,6 +111,8 @@ def validate(options: GenerateOptions):
     check_generate_args(prompts, options.max_new_tokens, cfg.vocab_size,
                         cfg.max_seq_len if cfg.position == "learned" else None,
                         **{k: v for k, v in sampling.items() if k not in ("greedy", "seed")})
+    if options.prompt is not None and tokenizer_unknown(options.checkpoint):
+        raise TensorparError(f"{unknown_tokenizer_note(options.checkpoint)}: give --prompt-ids instead of --prompt")
     return options, layout, cfg, tokenizer, prompts, sampling, _eos_ids(options, tokenizer)
 
 

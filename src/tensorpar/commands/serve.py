@@ -15,7 +15,8 @@ from __future__ import annotations
 import signal
 import sys
 
-from tensorpar.checkpoints.sources import check_adapter, load_config, load_model_source
+from tensorpar.checkpoints.sources import (check_adapter, load_config, load_model_source, tokenizer_unknown,
+                                           unknown_tokenizer_note)
 from tensorpar.commands.common import decoding_layout, launch
 from tensorpar.commands.generate import eos_ids
 from tensorpar.config import applicability
@@ -100,6 +101,9 @@ def _serve_rank0(options, engine: Engine, tokenizer, info: ModelInfo, pool) -> N
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: engine.drain())
     http.start()
+    if tokenizer_unknown(options.checkpoint):
+        sys.stderr.write(f"tensorpar serve: warning: {unknown_tokenizer_note(options.checkpoint)}; send completion "
+                         f"prompts as lists of token ids\n")
     sys.stderr.write(f"tensorpar serve: http://{options.host}:{options.port}/v1 serves {info.name} (tp {options.tp}, "
                      f"{f'ep {options.ep}, ' if options.ep > 1 else ''}"
                      f"{f'expert-tp {options.expert_tp}, ' if options.expert_tp > 1 else ''}"

@@ -28,6 +28,7 @@ from tensorpar.data.documents import document_files, document_kind
 from tensorpar.data.megatron_indexed import IndexedDataset, indexed_prefix
 from tensorpar.data.mixture import Blend, MixtureDataset, parse_data_spec
 from tensorpar.data.token_cache import cached_tokens
+from tensorpar.data.tokenizer import ByteTokenizer
 from tensorpar.errors import TensorparError
 
 
@@ -118,6 +119,17 @@ def source_kinds(spec: str | None) -> frozenset[str]:
         else:
             kinds.add({".npy": "npy", ".bin": "bin"}.get(os.path.splitext(path)[1].lower(), "text"))
     return frozenset(kinds)
+
+
+TOKEN_ID_KINDS = frozenset({"npy", "bin", "megatron"})  # sources of token ids, which no tokenizer reads
+
+
+def tokenizer_unknown(kinds: frozenset[str], tokenizer, vocab_size: int) -> bool:
+    """True when sources of these `source_kinds` are all token ids, read with the byte tokenizer (no other given)
+    for a model whose vocabulary is not the byte tokenizer's: the ids were made by a tokenizer the run lacks, so no
+    text (a prompt, a sample) and no special id (EOS) of the byte tokenizer means anything in them."""
+    return (isinstance(tokenizer, ByteTokenizer) and kinds <= TOKEN_ID_KINDS
+            and vocab_size != ByteTokenizer.vocab_size)
 
 
 def open_corpus(spec: str | None, tokenizer, vocab_size: int | None = None, **kw) -> list[tuple[float, TokenStream]]:

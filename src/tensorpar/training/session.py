@@ -17,6 +17,7 @@ from tensorpar.checkpoints.sources import load_model_source
 from tensorpar.config.fields import changed_options, to_dict, to_toml
 from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.data import build_dataset, describe_corpus, open_corpus, tokenizer_from, validation_windows
+from tensorpar.data.streams import source_kinds, tokenizer_unknown
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
 from tensorpar.distributed.mesh import Mesh
@@ -73,6 +74,14 @@ class Session:
     def is_main(self) -> bool:
         return self.mesh.rank == 0
 
+    @property
+    def tokenizer_unknown(self) -> bool:
+        """The run reads token ids without the tokenizer that made them (`tokenizer_unknown`): its checkpoints say
+        so, and carry no tokenizer."""
+        o = self.options
+        kinds = source_kinds(o.data) | (source_kinds(o.val_data) if o.val_data else frozenset())
+        return tokenizer_unknown(kinds, self.tokenizer, self.run.cfg.vocab_size)
+
     def save(self, step: int) -> str:
         """Save step `step`'s checkpoint (a collective: every rank calls it); its folder. With --async-save the
         save is only started (a pending one committed first): `poll_saves` and `finish_saves` commit it."""
@@ -87,11 +96,13 @@ class Session:
         lora = self.run.lora.as_dict() if self.run.lora is not None else None
         if self.async_saves is not None:
             facts = dict(model=self.run.cfg.to_dict(), run_id=self.run_id, layout=self.layout.as_dict(), train=train,
-                         options=to_dict(o), tokenizer_files=source_files(self.tokenizer), lora=lora)
+                         options=to_dict(o), tokenizer_files=source_files(self.tokenizer),
+                         tokenizer_unknown=self.tokenizer_unknown, lora=lora)
             return self.async_saves.save(o.save, step, self.model, self.optimizer, facts, o.keep_last)
         return save_checkpoint(o.save, step, self.model, self.optimizer, self.mesh, cfg=self.run.cfg,
                                layout=self.layout.as_dict(), train=train, options=to_dict(o), run_id=self.run_id,
-                               keep_last=o.keep_last, tokenizer_files=source_files(self.tokenizer), lora=lora)
+                               keep_last=o.keep_last, tokenizer_files=source_files(self.tokenizer),
+                               tokenizer_unknown=self.tokenizer_unknown, lora=lora)
 
     def poll_saves(self, steps_done: int) -> None:
         """After a step: commit the pending asynchronous save if every rank has written it (a collective while

@@ -24,6 +24,7 @@ from tensorpar.config.options import TrainOptions
 from tensorpar.config.command_line import check_output_file, check_output_folder, check_text
 from tensorpar.config.precision import Precision
 from tensorpar.data import prepare_sources, source_kinds, tokenizer_from
+from tensorpar.data.streams import tokenizer_unknown
 from tensorpar.distributed.launch import world_size as launched_world_size
 from tensorpar.distributed.mesh import check_backend
 from tensorpar.errors import TensorparError
@@ -137,9 +138,23 @@ def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     kinds = source_kinds(o.data) | (source_kinds(o.val_data) if o.val_data else frozenset())  # a missing one: refused
     examples = check_instruction_data(o, tokenizer, cfg.vocab_size)
     applicability.check("train", o, cfg=cfg, data=DataFacts(examples, kinds))
+    if tokenizer_unknown(kinds, tokenizer, cfg.vocab_size):
+        for flag, given, why in (
+                (f"--sample-tokens {o.sample_tokens}", o.sample_tokens > 0,
+                 "to turn the prompt into such ids and the sample back into text"),
+                ("--document-mask", o.document_mask,
+                 f"its EOS id ends the documents; the byte tokenizer's {tokenizer.eos_id} means nothing in a "
+                 f"vocabulary of {cfg.vocab_size}")):
+            if given:
+                raise TensorparError(f"{flag} needs the tokenizer that made the token ids of {_data(o)} ({why}): "
+                                     f"give it with --tokenizer (a tokenizer.json, or a folder holding one)")
     if examples is None:
         prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
                         cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
+
+
+def _data(o: TrainOptions) -> str:
+    return f"--data '{o.data}'" + (f" and --val-data '{o.val_data}'" if o.val_data else "")
 
 
 def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
