@@ -129,7 +129,7 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
     """Gradient bytes of `numel` elements whose gradients are reduced over `shards` ranks (ZeRO-2: kept 1/shards;
     ZeRO-1/2 in tensorpar: full buckets plus the fp32 slice; the ZeRO-2 buffers in flight are added apart)."""
     grad_mem = prec.grad_bytes * numel
-    if zero >= 2 and shards > 1 and not prec.zero2_full_grads_at_peak:
+    if zero >= 2 and not prec.zero2_full_grads_at_peak:  # routed experts whose expert-DP is 1 too: their whole slice
         return math.ceil(grad_mem / shards)
     if zero == 3:  # sharded over one rank (routed experts whose expert-DP is 1): their gradients alone, no slice
         return grad_mem
