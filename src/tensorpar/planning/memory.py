@@ -322,7 +322,7 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
     summary = layout_summary(cfg, layout, stage, lora)
     first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
     m = max(layout.num_micro_batches(global_batch), 1)
-    states = state_bytes(cfg, layout, summary, n_layers, stage, prec, bucket_bytes, lora)
+    states = state_bytes(cfg, layout, summary, stage, prec, bucket_bytes, lora)
     opt_mem = states.optimizer
     chunks = in_flight(layout, m, stage if pp > 1 else 0)
     # zero-bubble schedules keep the unfused head and loss (their split backward defers the head's weight gradient)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tensorpar.planning.candidates import Candidate, stage_layers
+from tensorpar.planning.candidates import Candidate
 from tensorpar.planning.communication import bucket_sizes
 from tensorpar.planning.lora_adapters import gradient_arrival_order, trained
-from tensorpar.planning.params import ParamSummary, is_expert, layout_parameters, layout_summary
+from tensorpar.planning.params import ParamSummary, is_expert, layout_parameters
 from tensorpar.planning.precision_recipes import Precision
 from tensorpar.tensor_parallel.lora import LoraSpec
 
@@ -69,16 +69,14 @@ def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision
     one layer's routed experts, a unit of their own), of the trained parameters."""
     dp = layout.shards
     if layout.zero == 3:
-        summary = layout_summary(cfg, layout.layout, stage, lora)
-        _, _, n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)
-        per_layer = summary.per_layer - summary.frozen_per_layer
-        root = summary.trained_numel - n_layers * per_layer
-        # A block's routed experts are a unit of their own: one layer's (the largest) full-size expert gradient is
-        # alive at the peak beside two blocks' dense ones and one dense slice (measured against the built rank).
-        experts = _expert_numel_per_layer(cfg, trained(layout_parameters(cfg, layout, stage, lora), lora))
-        dense = per_layer - sum(experts) // max(n_layers, 1)
-        layer = math.ceil(dense / dp) * dp
-        return 4 * (root + min(2, n_layers) * layer + layer // dp + max(experts, default=0))
+        # A block's routed experts are a unit of their own: one block's (the largest) full-size expert gradient is
+        # alive at the peak beside two adjacent blocks' dense ones and one dense slice (measured against the built
+        # rank). The blocks are the decoder layers and the MTP modules, each its own size (a dense first layer, an
+        # MTP module's projection); the root is the rest (embedding, head, final norm).
+        root, dense, experts = _units(trained(layout_parameters(cfg, layout, stage, lora), lora))
+        padded = [math.ceil(n / dp) * dp for n in dense]
+        pairs = [a + b for a, b in zip(padded, padded[1:])] or padded or [0]
+        return 4 * (root + max(pairs) + max(padded, default=0) // dp + max(experts, default=0))
     every = layout_parameters(cfg, layout, stage, lora)
     params = trained(every, lora)
     counts = bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)
@@ -89,13 +87,20 @@ def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision
     return 4 * (max(pairs) + max(sizes) // dp)
 
 
-def _expert_numel_per_layer(cfg, params: list[tuple[str, int, int]]) -> list[int]:
-    """The routed experts' elements of each decoder layer among `params` that has any."""
-    per: dict[str, int] = {}
+def _units(params: list[tuple[str, int, int]]) -> tuple[int, list[int], list[int]]:
+    """(the root's elements, each block's dense elements, each block's routed experts' elements) among `params`, the
+    blocks (`layers.N.`: decoder layers, then MTP modules) in order: ZeRO-3's units (`FullyShardedOptimizer`)."""
+    root, dense, experts = 0, {}, {}
     for name, n, _ in params:
-        if is_expert(name) and name.startswith("layers.") and int(name.split(".")[1]) < cfg.num_layers:
-            per[name.split(".")[1]] = per.get(name.split(".")[1], 0) + n
-    return list(per.values())
+        if not name.startswith("layers."):
+            root += n
+            continue
+        block = int(name.split(".")[1])
+        part = experts if is_expert(name) else dense
+        part[block] = part.get(block, 0) + n
+        (dense if part is experts else experts).setdefault(block, 0)
+    order = sorted(dense)
+    return root, [dense[b] for b in order], [experts[b] for b in order]
 
 
 def _zero2_buffers_in_flight(params: list[tuple[str, int, int]], arrivals: list[str], counts: list[int],
@@ -138,7 +143,7 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
     return grad_mem
 
 
-def state_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: int, stage: int, prec: Precision,
+def state_bytes(cfg, layout: Candidate, summary: ParamSummary, stage: int, prec: Precision,
                 bucket_bytes: int, lora: LoraSpec | None = None) -> StateBytes:
     """The state bytes of one rank of `stage` holding `summary`'s parameters: ZeRO shards over every replica of the
     parameters (DP x CP; HSDP: one replica's ranks), routed experts over expert-DP; `lora`: the adapters alone
@@ -159,8 +164,10 @@ def state_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: int, st
     if zero == 3:  # parameters sharded like their gradients: routed experts over expert-DP, the rest over DP x CP
         param_mem = math.ceil(pb * dense / dp) + math.ceil(pb * expert / edp)
         frozen_mem = math.ceil(pb * frozen_dense / dp) + math.ceil(pb * frozen_expert / edp)
-        # Gathered: the layer being computed and the prefetched one, and the root (embedding, head) for the step.
-        gathered = (2 * summary.per_layer + summary.numel - n_layers * summary.per_layer) * pb
+        # Gathered: the block being computed and the prefetched one, and the root (embedding, head) for the step.
+        root, block_dense, block_experts = _units(layout_parameters(cfg, layout, stage if layout.pp > 1 else 0, lora))
+        blocks = [a + b for a, b in zip(block_dense, block_experts)]
+        gathered = (root + max([a + b for a, b in zip(blocks, blocks[1:])] or blocks or [0])) * pb
     opt_mem = (adamw_bytes(dense, summary.trained_tensors - summary.trained_expert_tensors, prec, zero, dp)
                + adamw_bytes(expert, summary.trained_expert_tensors, prec, zero if expert else 0, edp, sharded=True))
     return StateBytes(param_mem, frozen_mem, grad_mem, opt_mem, gathered)
