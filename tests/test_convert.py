@@ -157,3 +157,9 @@ def test_a_run_on_token_ids_without_their_tokenizer_records_none(tmp_path, cli):
         assert code == 2 and "would be tokenized as bytes" in err and "give --data token ids" in err, err
     code, out, err = cli("eval", "--checkpoint", tmp_path / "ckpt", "--data", tmp_path / "ids.npy", "--seq-len", "16")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["tokens"] > 0, err
+    generate = ["generate", "--checkpoint", tmp_path / "ckpt", "--prompt-ids", "1,2", "--max-new-tokens", "3"]
+    code, out, err = cli(*generate, "--json")
+    line = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and len(line["ids"]) == 3 and line["text"] is None, (out, err)  # ids without a text
+    code, out, err = cli(*generate)
+    assert code == 0 and out.strip() == ",".join(map(str, line["ids"])), (out, err)

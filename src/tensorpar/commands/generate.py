@@ -5,7 +5,9 @@
 
 Greedy unless a sampling option is given. Several --prompt (or --prompt-ids) flags make one batch.
 Prints each prompt's continuation, or with --json one line per prompt:
-{"ids": [new token ids], "text": "their text", "tokens_per_s": new tokens of the batch per second}.
+{"ids": [new token ids], "text": "their text", "tokens_per_s": new tokens of the batch per second}. A model whose
+tokenizer is unknown (`tensorpar.checkpoints.sources.tokenizer_unknown`) takes --prompt-ids only and prints ids
+(comma-separated; "text" null).
 Generation stops at the checkpoint's EOS token (generation_config.json / config.json, else the
 tokenizer's) unless --ignore-eos. No sequence or pipeline parallelism: the TP group holds the model. A
 mixture-of-experts model takes --ep N (and --expert-tp X): its experts spread over N ranks (each expert's MLP split
@@ -141,16 +143,18 @@ def run(args, argv) -> int:
     options, layout, _, tokenizer, prompts, sampling, eos = validate(options_from_args(GenerateOptions, args,
                                                                                        "generate"))
 
+    textless = tokenizer_unknown(options.checkpoint)  # its ids have no text: printed as ids, "text" null
+
     def run_rank() -> int:
         new, stats = generate_text(options, tokenizer, prompts, sampling, eos, layout)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
         for ids in new:
-            text = tokenizer.decode(ids)
+            text = None if textless else tokenizer.decode(ids)
             if options.json:
                 print(json.dumps({"ids": ids, "text": text, "tokens_per_s": round(stats["tokens_per_s"], 2)}))
             else:
-                print(text)
+                print(",".join(map(str, ids)) if textless else text)
         sys.stdout.flush()
         if not options.json:
             sys.stderr.write(f"{stats['new_tokens']} new tokens in {stats['seconds']:.2f} s "
