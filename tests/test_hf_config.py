@@ -91,6 +91,8 @@ def test_initializer_range_is_the_std_a_model_from_the_config_starts_with():
     embedding = Transformer(cfg, None).state_dict()["embed.weight"]
     assert abs(embedding.std().item() - 0.006) < 0.0005
     assert config_from_hf({k: v for k, v in hf.items() if k != "initializer_range"}).init_std == 0.02
+    assert config_from_hf(dict(hf, initializer_range=None)).init_std == 0.02  # a folder loads whatever init it says
+    assert config_from_hf(dict(hf, initializer_range=0)).init_std == 0.0
 
 
 def test_export_refuses_configs_without_hf_equivalent():

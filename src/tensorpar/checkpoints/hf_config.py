@@ -9,6 +9,8 @@ fields (Mixtral, Qwen2-MoE, Qwen3-MoE) in `tensorpar.checkpoints.hf_moe_config`,
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tensorpar.checkpoints.hf_deepseek_config import (
@@ -61,8 +63,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
         cfg = moe_config_from_hf(hf, decoder_fields(hf, model_type))
     else:
         cfg = ModelConfig(**decoder_fields(hf, model_type), ffn_hidden_size=intermediate_size(hf, model_type))
-    # The std a model trained from this config starts with (DeepSeek-V3: 0.006); every config class defaults to 0.02.
-    return cfg.replace(init_std=positive_float(hf, "initializer_range", 0.02))
+    return cfg.replace(init_std=_initializer_range(hf))
+
+
+def _initializer_range(hf: dict) -> float:
+    """The std a model trained from this config starts with (DeepSeek-V3: 0.006); every config class defaults to
+    0.02, and a null is that default. 0 is honoured (zeros); a negative or non-number std is refused."""
+    value = hf.get("initializer_range")
+    if value is None:
+        return 0.02
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise unsupported("initializer_range", value, "expected a non-negative number (the initial weights' std)")
+    return float(value)
 
 
 def _gpt2_config(hf: dict) -> ModelConfig:

@@ -14,7 +14,7 @@ from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, config_from_h
 from tensorpar.checkpoints.peft_adapter import check_lora_model, merge_adapters, read_adapter, read_adapter_config
 from tensorpar.checkpoints.meta_checks import check_shards
 from tensorpar.checkpoints.sharded import dense_model_state, is_checkpoint, read_meta, resolve
-from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from tensorpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_folder
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.errors import TensorparError
 from tensorpar.models.config import ModelConfig
@@ -122,13 +122,11 @@ def tokenizer_unknown(path: str) -> bool:
     Hugging Face folder without tokenizer.json, or a tensorpar checkpoint carrying no tokenizer files whose meta.json
     says the tokenizer is unknown (a run on token ids without --tokenizer, a folder of the first kind converted).
     Text given to it would be tokenized as bytes, which its vocabulary does not mean."""
-    if is_hf_folder(path):
-        return not os.path.isfile(os.path.join(path, "tokenizer.json"))
-    if not is_checkpoint(path):
+    if os.path.isfile(os.path.join(tokenizer_folder(path), "tokenizer.json")):  # where `load_tokenizer` reads it
         return False
-    step_dir = resolve(path)
-    return (not os.path.isfile(os.path.join(step_dir, "tokenizer.json"))
-            and read_meta(step_dir, verify=False)[1].get("tokenizer") == "unknown")
+    if is_hf_folder(path):
+        return True
+    return is_checkpoint(path) and read_meta(resolve(path), verify=False)[1].get("tokenizer") == "unknown"
 
 
 def unknown_tokenizer_note(path: str) -> str:

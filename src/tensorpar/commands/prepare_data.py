@@ -46,10 +46,10 @@ def prepare(options: PrepareDataOptions) -> list[dict]:
         record = {"source": path, "weight": weight, "documents": data.num_documents, "tokens": int(data.tokens.size),
                   "cache": info["prefix"], "cached": info["cached"], "tokenize_seconds": info["seconds"],
                   "tokens_per_s": int(data.tokens.size) / info["seconds"] if info["seconds"] else None}
-        if options.output:
-            for ext in (".bin", ".idx"):
+        if options.output:  # the .json says which tokenizer made the ids (`data.streams.foreign_ids` reads it)
+            for ext in (".bin", ".idx", ".json"):
                 shutil.copyfile(info["prefix"] + ext, options.output + ext + ".tmp")
-            for ext in (".bin", ".idx"):
+            for ext in (".bin", ".idx", ".json"):
                 os.replace(options.output + ext + ".tmp", options.output + ext)
             record["megatron_prefix"] = options.output
         records.append(record)

@@ -74,12 +74,12 @@ class ExpertOptions:
 
     ep: int = option(1, "expert-parallel size (mixture-of-experts models): num_experts / ep experts per rank, the "
                         "tp x cp x dp ranks of a stage regrouped into ep x expert-DP for the MoE layers (ep must "
-                        "divide tp x cp x dp; eval and generate without --dp start ep / gcd(tp x cp, ep) data-parallel "
-                        "replicas so that it does)", group=LAYOUT)
+                        "divide tp x cp x dp; eval, generate and serve without --dp start fold / gcd(tp x cp, fold) "
+                        "data-parallel replicas so that ep x expert-tp = fold does)", group=LAYOUT)
     expert_tp: int = option(1, "expert tensor-parallel size (mixture-of-experts models): each expert's MLP split "
                                "Megatron-style over this many ranks, folded fastest (expert-TP x EP x expert-DP); "
-                               "expert_tp x ep must divide tp x cp x dp (eval, generate and serve without --dp start "
-                               "the data-parallel replicas it takes, as for --ep)", group=LAYOUT)
+                               "expert_tp x ep must divide tp x cp x dp (eval, generate and serve: see --ep)",
+                            group=LAYOUT)
     expert_gemm: str = option("grouped", "the routed experts' GEMMs: one grouped GEMM per projection "
                                          "(torch._grouped_mm where it runs), or one GEMM per expert",
                               choices=EXPERT_GEMMS, group=LAYOUT)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -106,30 +107,46 @@ def source_kinds(spec: str | None) -> frozenset[str]:
     """How the sources of a `--data` value are read (see the module's table), without reading them: "default",
     "megatron", "documents" (tokenized from their --text-field), "npy", "bin" (raw ids of --bin-dtype) or "text".
     A source that does not exist is refused here, before any option is judged by what the data holds."""
-    kinds = set()
-    for _, path in parse_data_spec(spec):
-        if path is None:
-            kinds.add("default")
-        elif indexed_prefix(path) is not None:
-            kinds.add("megatron")
-        elif not os.path.exists(path):
-            raise TensorparError(f"data file '{path}' does not exist")
-        elif document_kind(path) is not None:
-            kinds.add("documents")
-        else:
-            kinds.add({".npy": "npy", ".bin": "bin"}.get(os.path.splitext(path)[1].lower(), "text"))
-    return frozenset(kinds)
+    return frozenset(_source_kind(path) for _, path in parse_data_spec(spec))
+
+
+def _source_kind(path: str | None) -> str:
+    if path is None:
+        return "default"
+    if indexed_prefix(path) is not None:
+        return "megatron"
+    if not os.path.exists(path):
+        raise TensorparError(f"data file '{path}' does not exist")
+    if document_kind(path) is not None:
+        return "documents"
+    return {".npy": "npy", ".bin": "bin"}.get(os.path.splitext(path)[1].lower(), "text")
 
 
 TOKEN_ID_KINDS = frozenset({"npy", "bin", "megatron"})  # sources of token ids, which no tokenizer reads
 
 
-def tokenizer_unknown(kinds: frozenset[str], tokenizer, vocab_size: int) -> bool:
-    """True when sources of these `source_kinds` are all token ids, read with the byte tokenizer (no other given)
-    for a model whose vocabulary is not the byte tokenizer's: the ids were made by a tokenizer the run lacks, so no
-    text (a prompt, a sample) and no special id (EOS) of the byte tokenizer means anything in them."""
-    return (isinstance(tokenizer, ByteTokenizer) and kinds <= TOKEN_ID_KINDS
-            and vocab_size != ByteTokenizer.vocab_size)
+def foreign_ids(spec: str | None, tokenizer, vocab_size: int) -> bool:
+    """True when every source of the `--data` value `spec` is token ids (.npy, .bin, a Megatron dataset) read with
+    the byte tokenizer (no other given) for a model whose vocabulary is not the byte tokenizer's, none of them a
+    Megatron dataset that `prepare-data` made with it (its PREFIX.json says): the ids were made by a tokenizer the
+    run lacks, so no text (a prompt, a sample) and no special id (EOS) of the byte tokenizer means anything in them."""
+    if not isinstance(tokenizer, ByteTokenizer) or vocab_size == ByteTokenizer.vocab_size:
+        return False
+    paths = [path for _, path in parse_data_spec(spec)]
+    return all(_source_kind(p) in TOKEN_ID_KINDS and not _made_by(p, tokenizer) for p in paths)
+
+
+def _made_by(path: str, tokenizer) -> bool:
+    """Whether `path` is a Megatron dataset whose description (PREFIX.json, written by the token cache and copied by
+    `prepare-data --output`) names `tokenizer`."""
+    prefix = indexed_prefix(path)
+    if prefix is None or not os.path.isfile(prefix + ".json"):
+        return False
+    try:
+        with open(prefix + ".json") as f:
+            return json.load(f).get("tokenizer") == tokenizer.fingerprint
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def open_corpus(spec: str | None, tokenizer, vocab_size: int | None = None, **kw) -> list[tuple[float, TokenStream]]:

@@ -122,7 +122,7 @@ PRESETS: dict[str, ModelConfig] = {
     # MTP), as published on the Hugging Face hub.
     "deepseek-v3": _deepseek(7168, 61, 128, 18432, 129280, 256, 2048, n_group=8, topk_group=4,
                              routed_scaling_factor=2.5, first_k_dense_replace=3, num_mtp_layers=1,
-                             router_aux_loss_coef=0.0001, rope_scaling=_yarn(40.0)),
+                             router_aux_loss_coef=0.0001, rope_scaling=_yarn(40.0), init_std=0.006),
     "kimi-k2": _deepseek(7168, 61, 64, 18432, 163840, 384, 2048, theta=50000.0, max_seq=131072,
                          routed_scaling_factor=2.827, first_k_dense_replace=1, rope_scaling=_yarn(32.0, 1.0, 1.0)),
     # GLM-4.5-Air (106B, 12B active; Zhipu 2025): the same routing family with grouped-query attention, 128-wide heads,

@@ -16,8 +16,8 @@ from tensorpar.checkpoints.sharded import load_checkpoint, save_checkpoint
 from tensorpar.checkpoints.sources import load_model_source
 from tensorpar.config.fields import changed_options, to_dict, to_toml
 from tensorpar.config.memory_levers import MemoryLevers
-from tensorpar.data import build_dataset, describe_corpus, open_corpus, tokenizer_from, validation_windows
-from tensorpar.data.streams import source_kinds, tokenizer_unknown
+from tensorpar.data import build_dataset, describe_corpus, open_corpus, validation_windows
+from tensorpar.data.streams import foreign_ids
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
 from tensorpar.distributed.mesh import Mesh
@@ -31,7 +31,7 @@ from tensorpar.training.activation_offload import HostActivations
 from tensorpar.training.memory_meter import ActivationMeter
 from tensorpar.training.mfu import peak_flops
 from tensorpar.training.stop import GracefulStop
-from tensorpar.training.validate import PreparedRun
+from tensorpar.training.validate import PreparedRun, run_tokenizer
 
 # Options that say how this invocation runs, not what it computes: a resumed run is expected to differ in them.
 _INVOCATION_OPTIONS = ("resume", "nproc", "device", "timeout", "grace_period", "progress", "stop_after",
@@ -60,6 +60,7 @@ class Session:
     scaler: DynamicLossScaler | None = None  # fp16's dynamic loss scale
     corpus: list | None = None  # [(weight, TokenStream)] of --data: recorded in every checkpoint
     async_saves: AsyncCheckpointer | None = None  # --async-save: saves written by a background thread
+    tokenizer_unknown: bool = False  # --data is token ids the run has not the tokenizer of: its checkpoints say so
 
     @property
     def options(self):
@@ -73,14 +74,6 @@ class Session:
     @property
     def is_main(self) -> bool:
         return self.mesh.rank == 0
-
-    @property
-    def tokenizer_unknown(self) -> bool:
-        """The run reads token ids without the tokenizer that made them (`tokenizer_unknown`): its checkpoints say
-        so, and carry no tokenizer."""
-        o = self.options
-        kinds = source_kinds(o.data) | (source_kinds(o.val_data) if o.val_data else frozenset())
-        return tokenizer_unknown(kinds, self.tokenizer, self.run.cfg.vocab_size)
 
     def save(self, step: int) -> str:
         """Save step `step`'s checkpoint (a collective: every rank calls it); its folder. With --async-save the
@@ -129,7 +122,7 @@ def build_model(run: PreparedRun, mesh: Mesh, meta: bool = False) -> tuple[Trans
     model = build_transformer(run.cfg, mesh, run.layout, run.precision, Execution.of(o), seed=o.seed,
                               weights=weights, source=o.init_from or "state dict", meta=meta, lora=run.lora)
     model.train()
-    return model, tokenizer_from(o.tokenizer, o.init_from)
+    return model, run_tokenizer(o)
 
 
 def build_data(run: PreparedRun, tokenizer) -> tuple[object, torch.Tensor | None, list]:
@@ -195,6 +188,7 @@ def resume(run: PreparedRun, model, optimizer, mesh: Mesh, corpus: list) -> int:
 def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None) -> Session:
     o = run.options
     model, tokenizer = build_model(run, mesh)
+    foreign = foreign_ids(o.data, tokenizer, run.cfg.vocab_size)  # read once: a save must not look at --data again
     dataset, val_windows, corpus = build_data(run, tokenizer)
     optimizer = build_optimizer(model, mesh, run)
     start_step = resume(run, model, optimizer, mesh, corpus) if o.resume else 0
@@ -216,7 +210,8 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
     offload = HostActivations(mesh.device) if o.activation_offload else None
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
                    peak_flops(mesh.device, run.precision.dtype), stop, run_id, activations=ActivationMeter(offload),
-                   scaler=scaler, corpus=corpus, async_saves=AsyncCheckpointer(mesh) if o.async_save else None)
+                   scaler=scaler, corpus=corpus, async_saves=AsyncCheckpointer(mesh) if o.async_save else None,
+                   tokenizer_unknown=foreign)
 
 
 _DERIVED = ("dp", "micro_batch_size", "min_lr", "warmup_steps")  # worked out by validate() when not given

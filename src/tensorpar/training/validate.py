@@ -15,7 +15,7 @@ import os
 import torch
 
 from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read_meta
-from tensorpar.checkpoints.sources import load_config
+from tensorpar.checkpoints.sources import load_config, tokenizer_unknown, unknown_tokenizer_note
 from tensorpar.config import applicability
 from tensorpar.config.applicability import DataFacts
 from tensorpar.config.fields import check_choices
@@ -24,7 +24,7 @@ from tensorpar.config.options import TrainOptions
 from tensorpar.config.command_line import check_output_file, check_output_folder, check_text
 from tensorpar.config.precision import Precision
 from tensorpar.data import prepare_sources, source_kinds, tokenizer_from
-from tensorpar.data.streams import tokenizer_unknown
+from tensorpar.data.streams import TOKEN_ID_KINDS, foreign_ids
 from tensorpar.distributed.launch import world_size as launched_world_size
 from tensorpar.distributed.mesh import check_backend
 from tensorpar.errors import TensorparError
@@ -138,7 +138,11 @@ def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     kinds = source_kinds(o.data) | (source_kinds(o.val_data) if o.val_data else frozenset())  # a missing one: refused
     examples = check_instruction_data(o, tokenizer, cfg.vocab_size)
     applicability.check("train", o, cfg=cfg, data=DataFacts(examples, kinds))
-    if tokenizer_unknown(kinds, tokenizer, cfg.vocab_size):
+    model = o.init_from or o.resume
+    if not o.tokenizer and model and tokenizer_unknown(model) and not kinds <= TOKEN_ID_KINDS:
+        raise TensorparError(f"{unknown_tokenizer_note(model)}: give {_data(o)} as token ids made by its tokenizer, "
+                             f"or that tokenizer with --tokenizer")
+    if foreign_ids(o.data, tokenizer, cfg.vocab_size):
         for flag, given, why in (
                 (f"--sample-tokens {o.sample_tokens}", o.sample_tokens > 0,
                  "to turn the prompt into such ids and the sample back into text"),
@@ -151,6 +155,12 @@ def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     if examples is None:
         prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
                         cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
+
+
+def run_tokenizer(o: TrainOptions):
+    """The run's tokenizer: --tokenizer's, else the one --init-from's model (or the checkpoint a run resumes from)
+    carries, else the byte tokenizer."""
+    return tokenizer_from(o.tokenizer, o.init_from or o.resume)
 
 
 def _data(o: TrainOptions) -> str:
@@ -240,7 +250,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
                  fp8=precision.fp8)
     check_fp8(o.dtype, o.device)
     applicability.check("train", o, cfg=cfg)  # the options that act beside others, or on some models only
-    tokenizer = tokenizer_from(o.tokenizer, o.init_from)
+    tokenizer = run_tokenizer(o)
     _check_document_mask(o, tokenizer, cfg)
     _prepare_data(o, tokenizer, cfg)
     resolved = dataclasses.replace(
