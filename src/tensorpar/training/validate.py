@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from tensorpar.checkpoints.hf import is_hf_folder
 from tensorpar.checkpoints.sharded import is_checkpoint, newest_checkpoint, read_meta
 from tensorpar.checkpoints.sources import load_config, tokenizer_unknown, unknown_tokenizer_note
 from tensorpar.config import applicability
@@ -138,8 +139,10 @@ def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     kinds = source_kinds(o.data) | (source_kinds(o.val_data) if o.val_data else frozenset())  # a missing one: refused
     examples = check_instruction_data(o, tokenizer, cfg.vocab_size)
     applicability.check("train", o, cfg=cfg, data=DataFacts(examples, kinds))
+    # A checkpoint that says so (a Hugging Face folder without tokenizer.json may be a fresh model to train on bytes)
     model = o.init_from or o.resume
-    if not o.tokenizer and model and tokenizer_unknown(model) and not kinds <= TOKEN_ID_KINDS:
+    if (not o.tokenizer and model and not is_hf_folder(model) and tokenizer_unknown(model)
+            and not kinds <= TOKEN_ID_KINDS):
         raise TensorparError(f"{unknown_tokenizer_note(model)}: give {_data(o)} as token ids made by its tokenizer, "
                              f"or that tokenizer with --tokenizer")
     if foreign_ids(o.data, tokenizer, cfg.vocab_size):
