@@ -20,8 +20,9 @@ import math
 from tensorpar.planning.candidates import Candidate
 from tensorpar.planning.communication import bucket_sizes
 from tensorpar.planning.lora_adapters import gradient_arrival_order, trained
-from tensorpar.planning.params import ParamSummary, is_expert, layout_parameters
+from tensorpar.planning.params import ParamSummary, layout_parameters
 from tensorpar.planning.precision_recipes import Precision
+from tensorpar.planning.zero3_traffic import block_units
 from tensorpar.tensor_parallel.lora import LoraSpec
 
 
@@ -62,45 +63,31 @@ def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, d
     return states + master
 
 
-def zero_gradients_in_flight(cfg, layout: Candidate, stage: int, prec: Precision, bucket_bytes: int,
-                             lora: LoraSpec | None = None) -> int:
+def zero_gradients_in_flight(layout: Candidate, every: list[tuple[str, int, int]], prec: Precision,
+                             bucket_bytes: int, lora: LoraSpec | None = None) -> int:
     """Bytes of tensorpar's full-size gradient buffers alive at once under ZeRO-2 (two adjacent buckets and one
     bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' dense units and one's slice, and
-    one layer's routed experts, a unit of their own), of the trained parameters."""
+    one block's routed experts, a unit of their own), of the trained parameters among `every` (the stage's
+    `layout_parameters`)."""
     dp = layout.shards
-    if layout.zero == 3:
-        # A block's routed experts are a unit of their own: one block's (the largest) full-size expert gradient is
-        # alive at the peak beside two adjacent blocks' dense ones and one dense slice (measured against the built
-        # rank). The blocks are the decoder layers and the MTP modules, each its own size (a dense first layer, an
-        # MTP module's projection); the root is the rest (embedding, head, final norm).
-        root, dense, experts = _units(trained(layout_parameters(cfg, layout, stage, lora), lora))
-        padded = [math.ceil(n / dp) * dp for n in dense]
-        pairs = [a + b for a, b in zip(padded, padded[1:])] or padded or [0]
-        return 4 * (root + max(pairs) + max(padded, default=0) // dp + max(experts, default=0))
-    every = layout_parameters(cfg, layout, stage, lora)
     params = trained(every, lora)
+    if layout.zero == 3:
+        # One block's (the largest) full-size expert gradient is alive at the peak beside two adjacent blocks' dense
+        # ones and one dense slice (measured against the built rank). The blocks are the decoder layers and the MTP
+        # modules, each its own size (a dense first layer, an MTP module's projection); the root is the rest.
+        root, dense, experts = block_units(params)
+        padded = [math.ceil(n / dp) * dp for n in dense]
+        return 4 * (root + _adjacent_pair_max(padded) + max(padded, default=0) // dp + max(experts, default=0))
     counts = bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)
     sizes = [math.ceil(n / dp) * dp for n in counts]
     if lora is not None:
         return 4 * _zero2_buffers_in_flight(params, gradient_arrival_order(every), counts, sizes, dp)
-    pairs = [a + b for a, b in zip(sizes, sizes[1:])] or sizes
-    return 4 * (max(pairs) + max(sizes) // dp)
+    return 4 * (_adjacent_pair_max(sizes) + max(sizes) // dp)
 
 
-def _units(params: list[tuple[str, int, int]]) -> tuple[int, list[int], list[int]]:
-    """(the root's elements, each block's dense elements, each block's routed experts' elements) among `params`, the
-    blocks (`layers.N.`: decoder layers, then MTP modules) in order: ZeRO-3's units (`FullyShardedOptimizer`)."""
-    root, dense, experts = 0, {}, {}
-    for name, n, _ in params:
-        if not name.startswith("layers."):
-            root += n
-            continue
-        block = int(name.split(".")[1])
-        part = experts if is_expert(name) else dense
-        part[block] = part.get(block, 0) + n
-        (dense if part is experts else experts).setdefault(block, 0)
-    order = sorted(dense)
-    return root, [dense[b] for b in order], [experts[b] for b in order]
+def _adjacent_pair_max(sizes: list[int]) -> int:
+    """The most elements two adjacent units (buckets, blocks) hold together; the one unit's when there is one."""
+    return max([a + b for a, b in zip(sizes, sizes[1:])] or sizes or [0])
 
 
 def _zero2_buffers_in_flight(params: list[tuple[str, int, int]], arrivals: list[str], counts: list[int],
@@ -136,7 +123,7 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
     grad_mem = prec.grad_bytes * numel
     if zero >= 2 and not prec.zero2_full_grads_at_peak:  # routed experts whose expert-DP is 1 too: their whole slice
         return math.ceil(grad_mem / shards)
-    if zero == 3:  # sharded over one rank (routed experts whose expert-DP is 1): their gradients alone, no slice
+    if zero == 3:  # a recipe whose full gradients are alive at the peak: their gradients alone, no slice
         return grad_mem
     if zero >= 1 and (prec.zero_master_bytes or prec.zero_buffers_in_flight):
         grad_mem += math.ceil(4 * numel / shards)  # tensorpar's fp32 gradient slice next to the full buckets
@@ -159,15 +146,16 @@ def state_bytes(cfg, layout: Candidate, summary: ParamSummary, stage: int, prec:
     param_mem, frozen_mem = pb * (dense + expert), pb * (frozen_dense + frozen_expert)
     grad_mem = _gradient_bytes(dense, dp, zero, prec) + _gradient_bytes(expert, edp, layout.zero if expert else 0, prec)
     gathered = 0
-    if zero >= 2 and prec.zero_buffers_in_flight:
-        grad_mem += zero_gradients_in_flight(cfg, layout, stage if layout.pp > 1 else 0, prec, bucket_bytes, lora)
+    in_flight = zero >= 2 and prec.zero_buffers_in_flight
+    every = layout_parameters(cfg, layout, stage if layout.pp > 1 else 0, lora) if in_flight or zero == 3 else []
+    if in_flight:
+        grad_mem += zero_gradients_in_flight(layout, every, prec, bucket_bytes, lora)
     if zero == 3:  # parameters sharded like their gradients: routed experts over expert-DP, the rest over DP x CP
         param_mem = math.ceil(pb * dense / dp) + math.ceil(pb * expert / edp)
         frozen_mem = math.ceil(pb * frozen_dense / dp) + math.ceil(pb * frozen_expert / edp)
         # Gathered: the block being computed and the prefetched one, and the root (embedding, head) for the step.
-        root, block_dense, block_experts = _units(layout_parameters(cfg, layout, stage if layout.pp > 1 else 0, lora))
-        blocks = [a + b for a, b in zip(block_dense, block_experts)]
-        gathered = (root + max([a + b for a, b in zip(blocks, blocks[1:])] or blocks or [0])) * pb
+        root, block_dense, block_experts = block_units(every)
+        gathered = (root + _adjacent_pair_max([a + b for a, b in zip(block_dense, block_experts)])) * pb
     opt_mem = (adamw_bytes(dense, summary.trained_tensors - summary.trained_expert_tensors, prec, zero, dp)
                + adamw_bytes(expert, summary.trained_expert_tensors, prec, zero if expert else 0, edp, sharded=True))
     return StateBytes(param_mem, frozen_mem, grad_mem, opt_mem, gathered)

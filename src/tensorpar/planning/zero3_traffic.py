@@ -5,25 +5,32 @@ base's units beside the trained ones."""
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter
 
 from tensorpar.planning.collective_cost import Collective
+from tensorpar.planning.params import is_expert
+
+
+def block_units(params: list[tuple[str, int, int]]) -> tuple[int, list[int], list[int]]:
+    """(the root's elements, each block's dense elements, each block's routed experts' elements) of a stage's
+    (name, numel, ndim) parameters, the blocks (`layers.N.`: the decoder layers, then the MTP modules) in order: what
+    `FullyShardedOptimizer` gathers as one unit each, a block's routed experts a unit of their own beside it."""
+    root, blocks = 0, {}
+    for name, n, _ in params:
+        if name.startswith("layers."):
+            blocks.setdefault(int(name.split(".")[1]), [0, 0])[is_expert(name)] += n
+        else:
+            root += n
+    order = sorted(blocks)
+    return root, [blocks[b][0] for b in order], [blocks[b][1] for b in order]
 
 
 def zero3_units(params: list[tuple[str, int, int]], dp: int) -> tuple[int, dict[int, int], int]:
     """ZeRO-3's gather units of a stage's (name, numel, ndim) parameters, each padded to a multiple of dp:
     (elements of the root unit, {elements of a block unit: how many blocks}, elements of the last block)."""
-    root, blocks = 0, defaultdict(int)
-    for name, n, _ in params:
-        if name.startswith("layers."):
-            blocks[name.split(".")[1]] += n
-        else:
-            root += n
-    sizes: dict[int, int] = defaultdict(int)
-    for n in blocks.values():
-        sizes[math.ceil(n / dp) * dp] += 1
-    last = math.ceil(list(blocks.values())[-1] / dp) * dp if blocks else 0
-    return math.ceil(root / dp) * dp, dict(sizes), last
+    root, dense, experts = block_units(params)
+    blocks = [math.ceil((d + e) / dp) * dp for d, e in zip(dense, experts)]
+    return math.ceil(root / dp) * dp, dict(Counter(blocks)), blocks[-1] if blocks else 0
 
 
 def zero3_traffic(root: int, layers: dict[int, int], last: int, grads: str, m: int, grad_bytes: int,
