@@ -17,7 +17,6 @@ from tensorpar.checkpoints.sources import load_model_source
 from tensorpar.config.fields import changed_options, to_dict, to_toml
 from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.data import build_dataset, describe_corpus, open_corpus, validation_windows
-from tensorpar.data.streams import foreign_ids
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
 from tensorpar.distributed.mesh import Mesh
@@ -60,7 +59,6 @@ class Session:
     scaler: DynamicLossScaler | None = None  # fp16's dynamic loss scale
     corpus: list | None = None  # [(weight, TokenStream)] of --data: recorded in every checkpoint
     async_saves: AsyncCheckpointer | None = None  # --async-save: saves written by a background thread
-    tokenizer_unknown: bool = False  # --data is token ids the run has not the tokenizer of: its checkpoints say so
 
     @property
     def options(self):
@@ -90,12 +88,12 @@ class Session:
         if self.async_saves is not None:
             facts = dict(model=self.run.cfg.to_dict(), run_id=self.run_id, layout=self.layout.as_dict(), train=train,
                          options=to_dict(o), tokenizer_files=source_files(self.tokenizer),
-                         tokenizer_unknown=self.tokenizer_unknown, lora=lora)
+                         tokenizer_unknown=self.run.tokenizer_unknown, lora=lora)
             return self.async_saves.save(o.save, step, self.model, self.optimizer, facts, o.keep_last)
         return save_checkpoint(o.save, step, self.model, self.optimizer, self.mesh, cfg=self.run.cfg,
                                layout=self.layout.as_dict(), train=train, options=to_dict(o), run_id=self.run_id,
                                keep_last=o.keep_last, tokenizer_files=source_files(self.tokenizer),
-                               tokenizer_unknown=self.tokenizer_unknown, lora=lora)
+                               tokenizer_unknown=self.run.tokenizer_unknown, lora=lora)
 
     def poll_saves(self, steps_done: int) -> None:
         """After a step: commit the pending asynchronous save if every rank has written it (a collective while
@@ -188,7 +186,6 @@ def resume(run: PreparedRun, model, optimizer, mesh: Mesh, corpus: list) -> int:
 def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None) -> Session:
     o = run.options
     model, tokenizer = build_model(run, mesh)
-    foreign = foreign_ids(o.data, tokenizer, run.cfg.vocab_size)  # read once: a save must not look at --data again
     dataset, val_windows, corpus = build_data(run, tokenizer)
     optimizer = build_optimizer(model, mesh, run)
     start_step = resume(run, model, optimizer, mesh, corpus) if o.resume else 0
@@ -210,8 +207,7 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
     offload = HostActivations(mesh.device) if o.activation_offload else None
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
                    peak_flops(mesh.device, run.precision.dtype), stop, run_id, activations=ActivationMeter(offload),
-                   scaler=scaler, corpus=corpus, async_saves=AsyncCheckpointer(mesh) if o.async_save else None,
-                   tokenizer_unknown=foreign)
+                   scaler=scaler, corpus=corpus, async_saves=AsyncCheckpointer(mesh) if o.async_save else None)
 
 
 _DERIVED = ("dp", "micro_batch_size", "min_lr", "warmup_steps")  # worked out by validate() when not given

@@ -55,6 +55,8 @@ class PreparedRun:
     world_size: int
     notes: tuple[str, ...] = ()  # what the user should hear once (e.g. "no checkpoint yet: starting from scratch")
     lora: LoraSpec | None = None  # LoRA adapters on the linears, every other weight frozen (None: all weights train)
+    tokenizer_unknown: bool = False  # --data is token ids the run lacks the tokenizer of (`foreign_ids`): its
+    # checkpoints say so, and carry no tokenizer
 
     @property
     def num_micro_batches(self) -> int:
@@ -133,9 +135,10 @@ def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
         raise TensorparError(problem)
 
 
-def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
+def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> bool:
     """Instruction rows are checked, the options that act on some data only checked against it, and document sources
-    tokenized here, once (the ranks then open the cache)."""
+    tokenized here, once (the ranks then open the cache). Returns whether --data is token ids the run lacks the
+    tokenizer of (`foreign_ids`), decided here once: a save never looks at the data again."""
     kinds = source_kinds(o.data) | (source_kinds(o.val_data) if o.val_data else frozenset())  # a missing one: refused
     examples = check_instruction_data(o, tokenizer, cfg.vocab_size)
     applicability.check("train", o, cfg=cfg, data=DataFacts(examples, kinds))
@@ -145,7 +148,8 @@ def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
             and not kinds <= TOKEN_ID_KINDS):
         raise TensorparError(f"{unknown_tokenizer_note(model)}: give {_data(o)} as token ids made by its tokenizer, "
                              f"or that tokenizer with --tokenizer")
-    if foreign_ids(o.data, tokenizer, cfg.vocab_size):
+    foreign = foreign_ids(o.data, tokenizer, cfg.vocab_size)
+    if foreign:
         for flag, given, why in (
                 (f"--sample-tokens {o.sample_tokens}", o.sample_tokens > 0,
                  "to turn the prompt into such ids and the sample back into text"),
@@ -158,6 +162,7 @@ def _prepare_data(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
     if examples is None:
         prepare_sources(o.data, o.val_data, tokenizer=tokenizer, text_field=o.text_field,
                         cache_dir=o.data_cache, progress=o.progress and os.environ.get("RANK", "0") == "0")
+    return foreign
 
 
 def run_tokenizer(o: TrainOptions):
@@ -255,9 +260,9 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     applicability.check("train", o, cfg=cfg)  # the options that act beside others, or on some models only
     tokenizer = run_tokenizer(o)
     _check_document_mask(o, tokenizer, cfg)
-    _prepare_data(o, tokenizer, cfg)
+    foreign = _prepare_data(o, tokenizer, cfg)
     resolved = dataclasses.replace(
         o, dp=layout.dp, micro_batch_size=micro, min_lr=o.lr / 10 if o.min_lr is None else o.min_lr,
         val_every=o.val_every if o.eval_every is None else o.eval_every,
         warmup_steps=min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps)
-    return PreparedRun(resolved, options, layout, precision, cfg, resume_meta, world, tuple(notes), lora)
+    return PreparedRun(resolved, options, layout, precision, cfg, resume_meta, world, tuple(notes), lora, foreign)
