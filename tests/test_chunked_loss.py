@@ -1,5 +1,6 @@
 """The LM head and the vocab-parallel loss fused per chunk of tokens (`VocabParallelLMHead.loss`) against the head's
-logits fed to `vocab_parallel_cross_entropy`: loss, input, weight and bias gradients, and the same collectives."""
+logits fed to `vocab_parallel_cross_entropy`: loss, input, weight and bias gradients, and the same collectives (the
+same elements; the loss's two all-reduces once per chunk, as its gradients are computed in the forward)."""
 
 import pytest
 import torch
@@ -22,17 +23,19 @@ def _counts(m):
     return {k: (v.calls, v.elements) for k, v in m.stats.snapshot().items()}
 
 
-def _run(head, h, targets, m, label_smoothing, chunk_tokens=None):
+def _run(head, h, targets, m, label_smoothing, chunk_tokens=None, reduction="mean"):
     """Loss, gradients (input, weight, bias) and collectives of one forward and backward, unfused without
-    `chunk_tokens`."""
+    `chunk_tokens`. With reduction "none" the per-token losses are weighed unevenly (the backward's path)."""
     head.zero_grad(set_to_none=True)
     x = h.detach().clone().requires_grad_()
     m.stats.reset()
     if chunk_tokens is None:
         loss = vocab_parallel_cross_entropy(head(x), targets, m, vocab_size=head.vocab_size,
-                                            label_smoothing=label_smoothing)
+                                            label_smoothing=label_smoothing, reduction=reduction)
     else:
-        loss = head.loss(x, targets, label_smoothing=label_smoothing, chunk_tokens=chunk_tokens)
+        loss = head.loss(x, targets, label_smoothing=label_smoothing, chunk_tokens=chunk_tokens, reduction=reduction)
+    if reduction == "none":
+        loss = (loss * torch.linspace(0.5, 2.0, loss.numel()).view(loss.shape)).sum()
     (1.7 * loss).backward()
     grads = [x.grad, head.weight.grad] + ([head.bias.grad] if head.bias is not None else [])
     return loss.detach(), grads, _counts(m)
@@ -54,11 +57,15 @@ def check_fused_head_loss(tp, cases, sequence_parallel=False):
         targets[0, :3] = -100  # ignored
         targets[1, 0] = vocab - 1  # the last real row, next to the padding
         targets[1, 1] = 0
-        ref_loss, ref_grads, ref_counts = _run(head, h, targets, m, label_smoothing)
-        loss, grads, counts = _run(head, h, targets, m, label_smoothing, chunk)
-        errs = [rel_err(loss, ref_loss)] + [rel_err(a, b) for a, b in zip(grads, ref_grads)]
-        padding = head.weight.grad[max(0, vocab - head.vocab_start):].abs().sum().item()
-        results.append((max(errs), padding, counts == ref_counts, counts))
+        for reduction in ("mean", "none"):
+            ref_loss, ref_grads, ref_counts = _run(head, h, targets, m, label_smoothing, reduction=reduction)
+            loss, grads, counts = _run(head, h, targets, m, label_smoothing, chunk, reduction)
+            errs = [rel_err(loss, ref_loss)] + [rel_err(a, b) for a, b in zip(grads, ref_grads)]
+            padding = head.weight.grad[max(0, vocab - head.vocab_start):].abs().sum().item()
+            if tp > 1 and reduction == "mean":  # the max and the stacked sums once per chunk instead of once
+                calls, elements = ref_counts[("all_reduce", "tp")]
+                ref_counts[("all_reduce", "tp")] = (calls + 2 * (-(-B * seq // chunk) - 1), elements)
+            results.append((max(errs), padding, counts == ref_counts, counts))
     return results
 
 
@@ -69,7 +76,7 @@ CASES = [(1001, 0.0, 5, False, S), (1001, 0.1, 7, True, S), (1001, 0.1, 8, False
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_fused_head_loss_matches_logits_then_loss(pools, tp):
     for rank, results in enumerate(pools(tp).run(check_fused_head_loss, tp, CASES)):
-        for case, (err, padding, same_collectives, counts) in zip(CASES, results):
+        for case, (err, padding, same_collectives, counts) in zip([c for c in CASES for _ in "mn"], results):
             assert err <= TOL, f"rank {rank} {case}: relative error {err:.2e}"
             assert padding == 0.0, "the padding rows get no gradient"
             assert same_collectives, counts
@@ -130,19 +137,23 @@ def test_rejects_bad_arguments():
 
 
 def test_bf16_autocast_and_the_split_backward():
-    """Under bf16 autocast the head's GEMMs run in bf16 and the loss in fp32, as unfused: the same loss and input
-    gradient; the weight gradient is summed over the chunks in fp32 (unfused: one bf16 GEMM), so it differs by
-    bf16 rounding. Under a split backward (zero-bubble) the head keeps the unfused path: its weight gradient waits
-    in the queue."""
+    """Under bf16 autocast the head's GEMMs run in bf16 and the loss in fp32, as unfused: the same loss. The
+    gradients round differently: unfused, the scaled logit gradient is rounded to bf16 and the input gradient is a
+    bf16 GEMM's output; fused, the unscaled logit gradient is rounded, the GEMMs' outputs are scaled in fp32 and the
+    weight gradient is summed over the chunks in fp32. Against the fp32 head and loss, every fused gradient is at
+    least as close as the unfused one. Under a split backward (zero-bubble) the head keeps the unfused path: its
+    weight gradient waits in the queue."""
     torch.manual_seed(1)
     head = VocabParallelLMHead.from_dense(nn.Linear(H, 1001, bias=True), Group.single("tp"))
     h, targets = torch.randn(B, S, H), torch.randint(0, 1001, (B, S))
     group = Group.single("tp")
+    _, exact, _ = _run(head, h, targets, group, 0.1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_loss, ref_grads, _ = _run(head, h, targets, group, 0.1)
         loss, grads, _ = _run(head, h, targets, group, 0.1, 7)
-    assert loss.dtype == torch.float32 and rel_err(loss, ref_loss) <= TOL and rel_err(grads[0], ref_grads[0]) <= TOL
-    assert all(rel_err(a, b) <= 1e-2 for a, b in zip(grads[1:], ref_grads[1:]))
+    assert loss.dtype == torch.float32 and rel_err(loss, ref_loss) <= TOL
+    errs = [(rel_err(a, e), rel_err(b, e)) for a, b, e in zip(grads, ref_grads, exact)]
+    assert all(fused <= unfused <= 1e-2 for fused, unfused in errs), errs
 
     queue = WeightGradQueue()
     split = VocabParallelLMHead.from_dense(nn.Linear(H, 1001, bias=False), tp_region(group, weight_grads=queue))

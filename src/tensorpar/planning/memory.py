@@ -36,10 +36,11 @@ Activations, two models:
   (4 b s V_pad/t). Under bf16 autocast the weights' bf16 copies (2 bytes per matmul weight
   element) stay alive from forward to backward, one set per micro-batch in flight: reported as
   ``weight_copies``. With the fused, chunked head and loss (training's default, `loss_chunk_tokens`) the loss
-  keeps a per-token fp32 log-sum-exp (4 b s) instead of the softmax, the head's input in the residual
-  stream's dtype and no bf16 copy of the head's weight. The loss's temporaries (the unfused loss's fp32
-  logits before its softmax, 4 b s V_pad/t; the fused one's chunk of logits and their gradient, 8 chunk
-  V_pad/t) are not modelled: they live inside the loss's forward or backward only.
+  computes its gradients in the forward and keeps, instead of the head's input and the softmax, the head's input
+  gradient and (when the head trains) its weight gradient in fp32 (4 b s h + 4 V_pad/t h), and no bf16 copy
+  of the head's weight. The loss's temporaries (the unfused loss's fp32 logits before its softmax,
+  4 b s V_pad/t; the fused one's chunk of logits and their gradient, 8 chunk V_pad/t) are not modelled: they
+  live inside the loss's forward or backward only.
 - ``playbook``: the Playbook's (Korthikanti et al. 2022) formulas in bf16, generalised to GQA
   and gated MLPs: per layer s b h (34 + 5 a s / h) without TP; with TP t
   s b h (10 + 24/t + 5 a s/(h t)); with TP and SP s b h (34 + 5 a s/h) / t; selective
@@ -194,10 +195,12 @@ def tensorpar_moe_activations(cfg, tp: int, b: int, s: int, autocast: bool, act_
 
 
 def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast: bool,
-                                act_bytes: int = 4, chunked_loss: bool = False) -> dict[str, int]:
+                                act_bytes: int = 4, chunked_loss: bool = False,
+                                head_trained: bool = True) -> dict[str, int]:
     """Bytes saved outside the layers for one micro-batch: ``first`` (ids, embedding dropout mask),
     ``rope`` (cos/sin tables, every stage) and ``last`` (final norm, head input, loss; `chunked_loss`: the
-    fused head and loss, which keep the per-token log-sum-exp instead of the softmax)."""
+    fused head and loss, which compute their gradients in the forward and keep them, in fp32, until the backward:
+    the head's input gradient and, when the head trains (`head_trained`), its weight gradient)."""
     A = act_bytes
     h = cfg.hidden_size
     sn = s // tp if sp else s
@@ -209,12 +212,14 @@ def tensorpar_outer_activations(cfg, tp: int, sp: bool, b: int, s: int, autocast
         last = A * b * sn * h + 4 * b * sn * h + 4 * b * sn
     else:
         last = A * b * sn * h + 8 * b * sn
-    last += (2 if autocast and not chunked_loss else A) * b * s * h  # the head's input
     vocab = padded(cfg.vocab_size, tp) // tp
-    last += 4 * b * s * (1 if chunked_loss else vocab)  # the log-sum-exp, or the softmax
-    if cfg.final_logit_softcap is not None and not chunked_loss:  # the soft cap's tanh of the logits
-        last += (2 if autocast or A == 2 else 4) * b * s * vocab
-    last += 8 * b * s + 2 * b * s + 8  # targets, masks, token count
+    if chunked_loss:  # the gradients of the head's input and weight
+        last += 4 * b * s * h + (4 * vocab * h if head_trained else 0)
+    else:  # the head's input, the softmax and the soft cap's tanh of the logits
+        last += (2 if autocast else A) * b * s * h + 4 * b * s * vocab
+        if cfg.final_logit_softcap is not None:
+            last += (2 if autocast or A == 2 else 4) * b * s * vocab
+    last += (0 if chunked_loss else 8 * b * s + 2 * b * s) + 8  # targets and masks (unfused), token count
     return {"first": first, "rope": rope, "last": last}
 
 
@@ -360,7 +365,7 @@ def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int,
     moe_share = (sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / cfg.num_layers) if cfg.is_moe else 0.0
     if prec.activations == "tensorpar":
         outer = tensorpar_outer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, prec.autocast, prec.act_bytes,
-                                            chunked_loss)
+                                            chunked_loss, head_trained=lora is None)
     else:
         outer = playbook_outer_activations(cfg, layout.tp, layout.sequence_parallel, b, s, prec.act_bytes)
     per_layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap, moe_share,

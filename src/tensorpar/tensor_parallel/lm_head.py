@@ -78,7 +78,7 @@ class VocabParallelLMHead(ColumnParallelLinear):
         """``vocab_parallel_cross_entropy(self(h), targets, ...)`` without the logits: `h` enters the region as in
         the forward (`region.entry`: identity / all-reduce, or SP all-gather / reduce-scatter), then the head
         and the loss run fused, `chunk_tokens` tokens at a time (`chunked_head_cross_entropy`: all-reduce max
-        and all-reduce sum forward, once; nothing more in the backward). `softcap`: the logits soft-capped first,
+        and all-reduce sum forward, per chunk in training, else once; nothing more in the backward). `softcap`: the logits soft-capped first,
         each rank its own columns (`soft_cap`)."""
         if self.region.weight_grads is not None:
             # The split backward defers the head's weight gradient to the queue; the fused backward computes it
