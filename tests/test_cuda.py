@@ -280,6 +280,22 @@ def test_host_activations_are_pinned_and_come_back_equal():
     saved = offload.pack(x[10:20])
     assert saved.storage.host.is_pinned() and offload.bytes.now == x.untyped_storage().nbytes()
     assert torch.equal(offload.unpack(saved), x[10:20])
+
+
+def test_host_activations_fetch_one_layer_ahead_of_the_backward():
+    from tensorpar.training.activation_offload import HostActivations
+
+    offload = HostActivations("cuda", layers=4)
+    xs = [torch.full((1 << 18,), float(i), device="cuda") for i in range(8)]  # 1 MiB each: 2 MiB a layer
+    saved = [offload.pack(x) for x in xs]
+    # the backward unpacks the last saved first; the two saved before it are fetched ahead on the side stream
+    assert torch.equal(offload.unpack(saved[7]), xs[7])
+    assert [s.storage.fetched is not None for s in saved] == [False] * 5 + [True, True, False]
+    assert torch.equal(offload.unpack(saved[6]), xs[6])  # fetched: taken over; one more is fetched
+    assert [s.storage.fetched is not None for s in saved] == [False] * 4 + [True, True, False, False]
+    for i in reversed(range(6)):
+        assert torch.equal(offload.unpack(saved[i]), xs[i])
+    assert all(s.storage.fetched is None for s in saved)
 # Several ranks on the one GPU: gloo moves their CUDA tensors through host memory (NCCL refuses two ranks on one
 # device), so that every parallel code path runs on CUDA tensors with one GPU lent. Each layout's 4 steps and final
 # weights equal one process's on the GPU (fp32, no TF32), which equals the CPU's (above).

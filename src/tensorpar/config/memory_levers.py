@@ -6,7 +6,7 @@
   in the same memory, bit for bit the run without it.
 - ``activation_offload``: every tensor autograd saves for the backward (parameters aside) copied to host memory in
   the forward and back in the backward (`tensorpar.training.activation_offload`; on CUDA pinned, the copies out on
-  a side stream beside the compute).
+  a side stream beside the compute, the copies back on another, one layer ahead of the backward).
 - ``optimizer_state_dtype``: AdamW's two moments in fp32 or bf16 (the master weights stay fp32; the update is
   computed in fp32 from the widened moments, which are then rounded to nearest: `tensorpar.optim.adamw_bf16`).
 """

@@ -5,7 +5,8 @@ norm is taken and the clipping applied (`HostMasterWeights.params` are those dev
 parameters). Then, per step:
 
     device gradient slice  --copy-->  host gradient slice     (HostStep.step, before AdamW)
-    AdamW on the host masters (pinned on CUDA)                 (the states are created beside them, on the host)
+    AdamW on the host masters (pinned on CUDA)                 (the states are created beside them, on the host;
+                                                                pinned masters step by the fused CPU kernel)
     host master  --copy-->  the parameters                     (MasterSlice.write_back; ZeRO-1/2: the all-gather
                                                                 of the cast master slices, from the device)
 

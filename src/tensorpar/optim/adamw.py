@@ -30,9 +30,11 @@ class AdamW:
     again by each rank of every run. tensorpar's optimizers (DP/ZeRO buckets, ZeRO-3 units) use only what this
     class keeps.
 
-    The fused kernel runs when every parameter is on CUDA (one kernel for every tensor; the same arithmetic),
-    else the foreach form (on CPU torch runs it as a per-tensor loop, which is what the CPU parity tests were
-    written against)."""
+    The fused kernel runs when every parameter is on CUDA (one kernel for every tensor; the same arithmetic), or
+    when every one is in pinned host memory: the masters `--optimizer-offload` moved off a GPU, stepped by torch's
+    fused CPU kernel (one vectorised, multithreaded pass per tensor: the role of DeepSpeed's CPU Adam). Otherwise
+    the foreach form (on CPU torch runs it as a per-tensor loop, which is what the CPU parity tests were written
+    against)."""
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, state_dtype: torch.dtype = torch.float32):
@@ -42,7 +44,8 @@ class AdamW:
         # bf16 moments (--optimizer-state-dtype bf16) step by tensorpar.optim.adamw_bf16 (step counts on the CPU);
         # fp32 ones by torch's AdamW
         self.state_dtype = state_dtype
-        self.fused = bool(params) and all(p.is_cuda for p in params) and state_dtype == torch.float32
+        self.fused = (bool(params) and state_dtype == torch.float32
+                      and (all(p.is_cuda for p in params) or all(p.is_pinned() for p in params)))
         for g in self.param_groups:
             g.update(foreach=not self.fused, fused=self.fused)
         self.state: dict[torch.Tensor, dict] = {}

@@ -341,10 +341,11 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
     host_opt = host_act = 0
     if levers.optimizer_offload:
         opt_mem, host_opt = 0, host_optimizer_bytes(summary, layout, prec)
-    if levers.activation_offload:  # one layer's saved tensors come back for its backward
+    if levers.activation_offload:  # a layer's saved tensors come back for its backward, the next layer's ahead of it
         host_act, activations, weight_copies = activations + weight_copies, 0, 0
-        transient += _layer_activations(cfg, layout, layout.micro_batch_size, seq_len // layout.cp, layout.recompute,
-                                        prec, flash_attention, tp_overlap, 1.0 if cfg.is_moe else 0.0, lora)
+        transient += 2 * _layer_activations(cfg, layout, layout.micro_batch_size, seq_len // layout.cp,
+                                            layout.recompute, prec, flash_attention, tp_overlap,
+                                            1.0 if cfg.is_moe else 0.0, lora)
     subtotal = (states.parameters + states.frozen + states.gradients + opt_mem + activations + weight_copies
                 + transient)
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)

@@ -3,11 +3,15 @@ backward (the training loop installs it with the activation meter, `memory_meter
 
 Each saved tensor's whole storage is copied once (several views of one storage share the copy, as they share the
 device memory: the host holds what the device would have held) and each view is rebuilt over the copy brought back.
-Parameters and their views stay where they are (ZeRO-3 re-gathers them for the backward). On CUDA the host copies
-are pinned and made on a side stream after the compute stream's work so far, so the forward goes on beside them;
-the device storage is returned to the allocator once its copy is done (`record_stream`); the copies back run on the
-compute stream, in order, when the backward first unpacks the storage (no prefetch). On a CPU run host and device
-are one memory: the copies are made all the same, through the same code.
+Parameters and their views stay where they are (ZeRO-3 re-gathers them for the backward).
+
+On CUDA the host copies are pinned. The copies out run on a side stream after the compute stream's work so far,
+so the forward goes on beside them; the device storage is returned to the allocator once its copy is done
+(`record_stream`). The copies back run on a second side stream, ahead of the backward: when the backward first
+unpacks a storage, the storages saved before it (which the backward needs next, as it runs the forward in reverse)
+are fetched, up to one layer's bytes ahead of what it uses (the host bytes alive when the backward begins, over
+the `layers` the rank runs); the compute stream waits only for the copy of the storage it needs. On a CPU run host
+and device are one memory: the copies out are made all the same, through the same code, and nothing is fetched.
 
 A saved storage modified in place before the backward would be an autograd error without offload; with it the copy
 made first would silently win, so a storage whose version changed since its copy is copied again.
@@ -23,24 +27,51 @@ import torch
 from tensorpar.data_parallel.flat_buffer import BytesInUse
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _HostStorage:
     """One device storage's host copy, and its device copy while the backward uses it."""
 
     host: torch.Tensor  # uint8 [nbytes]
     device: torch.device
     version: int
+    index: int  # the order it was saved in
     copied: object = None  # the CUDA event after which `host` holds the data
-    back: object = None  # a weak reference to the uint8 device copy brought back, while alive
+    fetched: torch.Tensor | None = None  # the device copy fetched ahead of the backward, until it is used
+    arrived: object = None  # the CUDA event after which `fetched` holds the data
+    back: object = None  # a weak reference to the uint8 device copy in use, while alive
+
+    def fetch(self, stream) -> int:
+        """Start the copy back on `stream` (CUDA); the bytes it brings, 0 if it is already there or on its way."""
+        if self.fetched is not None or self._in_use() is not None:
+            return 0
+        with torch.cuda.stream(stream):
+            stream.wait_event(self.copied)
+            self.fetched = self.host.to(self.device, non_blocking=True)
+            self.arrived = torch.cuda.Event()
+            self.arrived.record(stream)
+        return self.host.numel()
 
     def on_device(self) -> torch.Tensor:
-        back = self.back() if self.back is not None else None
+        back = self._in_use()
         if back is None:
-            if self.copied is not None:
-                torch.cuda.current_stream(self.device).wait_event(self.copied)
-            back = self.host.to(self.device, non_blocking=True)
+            if self.fetched is not None:  # fetched ahead on the side stream: wait for that copy only
+                back, self.fetched = self.fetched, None
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(self.arrived)
+                back.record_stream(stream)  # allocated on the side stream, used (and freed) on this one
+            else:
+                if self.copied is not None:
+                    torch.cuda.current_stream(self.device).wait_event(self.copied)
+                back = self.host.to(self.device, non_blocking=True)
             self.back = weakref.ref(back)
         return back
+
+    def in_flight(self) -> int:
+        """Bytes fetched ahead and not used yet."""
+        return self.host.numel() if self.fetched is not None else 0
+
+    def _in_use(self) -> torch.Tensor | None:
+        return self.back() if self.back is not None else None
 
 
 @dataclasses.dataclass
@@ -54,16 +85,27 @@ class _Saved:
 
 class HostActivations:
     """Saved-tensor hooks that move each saved storage to host memory and back; `bytes`: the host bytes alive, and
-    their peak since `reset_peak`."""
+    their peak since `reset_peak`. `layers`: how many layers this rank runs a forward of (the fetch-ahead window is
+    one layer's share of the bytes saved)."""
 
-    def __init__(self, device: torch.device | str):
+    SCAN = 4096  # saved storages looked at, at most, per fetch ahead
+
+    def __init__(self, device: torch.device | str, layers: int = 1):
         self.device = torch.device(device)
+        self.layers = max(1, layers)
         self.bytes = BytesInUse()
         # device data_ptr -> its copy, while both the device storage and a saved tensor of the copy live
         self._copies: dict[int, weakref.ref] = {}
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._saved: dict[int, weakref.ref] = {}  # index -> copy, while the copy lives
+        self._count = 0
+        self._window = 0  # bytes fetched ahead, set when a backward begins
+        self._backward = False
+        cuda = self.device.type == "cuda"
+        self._out = torch.cuda.Stream(self.device) if cuda else None
+        self._in = torch.cuda.Stream(self.device) if cuda else None
 
     def pack(self, t: torch.Tensor) -> _Saved:
+        self._backward = False
         storage = t.untyped_storage()
         key = storage.data_ptr()
         known = self._copies.get(key)
@@ -75,22 +117,41 @@ class HostActivations:
         return _Saved(copy, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
+        if self._in is not None:
+            if not self._backward:  # a backward begins: fetch one layer's share of what is on the host ahead
+                self._backward, self._window = True, self.bytes.now // self.layers
+            self._fetch_before(saved.storage.index)
         raw = saved.storage.on_device()
         out = torch.empty(0, dtype=saved.dtype, device=raw.device)
         return out.set_(raw.untyped_storage(), saved.offset, saved.shape, saved.stride)
+
+    def _fetch_before(self, index: int) -> None:
+        """Fetch the storages saved before `index` (latest first) until `_window` bytes are on their way."""
+        ahead = 0
+        for i in range(index - 1, max(-1, index - 1 - self.SCAN), -1):
+            ref = self._saved.get(i)
+            copy = ref() if ref is not None else None
+            if copy is None:
+                continue
+            ahead += copy.in_flight() or copy.fetch(self._in)
+            if ahead >= self._window:
+                return
 
     def _copy(self, storage, version: int) -> _HostStorage:
         raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         cuda = raw.is_cuda
         host = torch.empty(raw.numel(), dtype=torch.uint8, pin_memory=cuda)
-        copy = _HostStorage(host, raw.device, version)
+        copy = _HostStorage(host, raw.device, version, self._count)
+        self._saved[self._count] = weakref.ref(copy)
+        weakref.finalize(copy, self._saved.pop, self._count, None)
+        self._count += 1
         if cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(raw.device))
-            with torch.cuda.stream(self._stream):
+            self._out.wait_stream(torch.cuda.current_stream(raw.device))
+            with torch.cuda.stream(self._out):
                 host.copy_(raw, non_blocking=True)
                 copy.copied = torch.cuda.Event()
-                copy.copied.record(self._stream)
-            raw.record_stream(self._stream)  # the allocator keeps the storage until the copy is done
+                copy.copied.record(self._out)
+            raw.record_stream(self._out)  # the allocator keeps the storage until the copy is done
         else:
             host.copy_(raw)
         self.bytes.add(host.numel())
