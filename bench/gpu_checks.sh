@@ -18,6 +18,9 @@
 # no_chunk       llama-1b compiled with --loss-chunk-tokens 0: the LM head once, not again in the backward
 # fp8_wide       bf16 and fp8 (tensorwise), both compiled, on llama-8b's width with 8 of its 32 layers (hidden 4,096):
 #                where the blocks' GEMMs hold more of the step than at llama-1b's size (docs/benchmarks.md)
+# fp8_profile    bf16 and fp8 (tensorwise), both compiled, on llama-1b under torch.profiler: device time by kind
+# offload        bench/memory_levers.py as `levers`, the plain run and each offload only
+# A step over its time limit gets SIGABRT, on which Python prints every thread's stack (PYTHONFAULTHANDLER).
 # TESTS_K=EXPR selects tests by pytest's -k expression.
 set -u
 OUT="${1:?usage: bench/gpu_checks.sh OUT_DIR [STEPS...]}"
@@ -26,7 +29,7 @@ STEPS="${*:-tests llama fp8 tp_step compile profile}"
 PY="${PYTHON:-python3}"
 RUNS="${TMPDIR:-/tmp}/tensorpar-gpu-checks"  # the runs' folders (plots, configs); OUT_DIR keeps logs and metrics
 mkdir -p "$OUT" "$RUNS"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 LLAMA=(--model llama-1b --device cuda --dtype bf16 --seq-len 2048 --micro-batch-size 4 --global-batch-size 16)
 
 step() {  # step NAME[:PART] SECONDS COMMAND...: run it with a time limit, its output in OUT/NAME[_PART].log
@@ -35,7 +38,7 @@ step() {  # step NAME[:PART] SECONDS COMMAND...: run it with a time limit, its o
     case " $STEPS " in *" ${name%%:*} "*) ;; *) return ;; esac
     name=${name/:/_}
     echo "== $name ($(date +%T), limit ${limit}s): $*"
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout -s ABRT -k 15 "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "== $name: exit $? after ${SECONDS}s in all"
     tail -n 25 "$OUT/$name.log"
 }
@@ -49,7 +52,8 @@ step llama 120 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 10 --sample-tokens
 step fp8 180 "$PY" bench/precision.py --device cuda --model llama-1b --precisions bf16,fp8-tensorwise,fp8-rowwise \
     --steps 10 --seq-len 2048 --global-batch-size 16 --micro-batch-size 4 --threads 8
 step tp_step 120 "$PY" bench/tp_step.py --device cuda --dtype bf16 --hidden 2048 --layers 16 --heads 16 \
-    --seq-len 2048 --batch 8 --vocab 32768 --variants single,plain,plain-fp32-loss --steps 10 --comm-steps 0
+    --seq-len 2048 --batch 8 --vocab 32768 --variants single,single-chunked,plain,plain-fp32-loss --steps 10 \
+    --comm-steps 0
 step compile 240 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 10 --sample-tokens 0 --val-fraction 0 --val-every 0 \
     --no-progress --out-dir "$RUNS/compile" --metrics "$OUT/compile.jsonl" --compile
 step profile 120 "$PY" bench/profile_train.py "${LLAMA[@]}" --steps 4 --rows 25
@@ -59,6 +63,12 @@ step moe_gemm 240 "$PY" bench/moe_step.py --layouts single --device cuda --dtype
     --experts 16 --seq-len 1024 --global-batch 8 --micro-batch 2 --steps 5 --threads 8
 step levers 400 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \
     --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8
+step offload 300 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \
+    --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8 --variants none,optimizer-offload,activation-offload
+for precision in bf16 fp8; do
+    step "fp8_profile:$precision" 180 "$PY" bench/profile_train.py "${LLAMA[@]/bf16/$precision}" --steps 5 --compile \
+        --rows 12 --kernels 25
+done
 step fp8_compile 120 "$PY" -m tensorpar train "${LLAMA[@]/bf16/fp8}" --steps 6 --sample-tokens 0 --val-fraction 0 \
     --val-every 0 --no-progress --out-dir "$RUNS/fp8_compile" --metrics "$OUT/fp8_compile.jsonl" --compile
 step no_chunk 120 "$PY" -m tensorpar train "${LLAMA[@]}" --steps 6 --sample-tokens 0 --val-fraction 0 --val-every 0 \

@@ -59,6 +59,7 @@ VARIANTS = {
     # not run by default, for reference: tensorpar TP=2 with sequence parallelism, and the plain
     # PyTorch model below in one process, its loss over the logits as they are or cast to fp32
     "tensorpar-sp": ("tensorpar TP=2 + SP", 2, 1),
+    "single-chunked": ("single, chunked loss", 1, 2),  # the head and loss as `tensorpar train` runs them
     "plain": ("plain PyTorch (1 proc)", 1, 2),
     "plain-fp32-loss": ("plain, fp32 loss (1 proc)", 1, 2),
 }
@@ -97,6 +98,7 @@ def worker(args) -> None:
 
     import tensorpar
     from tensorpar.config.precision import Precision
+    from tensorpar.config.choices import LOSS_CHUNK_TOKENS
     from tensorpar.models.build import Execution, build_transformer
 
     variant = args.worker
@@ -116,12 +118,14 @@ def worker(args) -> None:
             torch.cuda.synchronize(device)
 
     mesh = None
-    if variant in ("single", "tensorpar", "tensorpar-sp"):
+    if variant in ("single", "single-chunked", "tensorpar", "tensorpar-sp"):
         mesh = tensorpar.init_mesh(tp=world, device=device)  # world of 1 for "single": no process group at all
 
         def build(tp_overlap=True):
             layout = mesh.layout.replace(sequence_parallel=variant == "tensorpar-sp")
-            return build_transformer(cfg, mesh, layout, Precision(args.dtype), Execution(tp_overlap=tp_overlap),
+            chunk = LOSS_CHUNK_TOKENS if variant == "single-chunked" else None
+            return build_transformer(cfg, mesh, layout, Precision(args.dtype),
+                                     Execution(tp_overlap=tp_overlap, loss_chunk_tokens=chunk),
                                      weights=to_tensorpar_names(state), source="dense weights").to(dtype).train()
 
         model = build()
