@@ -20,8 +20,9 @@
 #                where the blocks' GEMMs hold more of the step than at llama-1b's size (docs/benchmarks.md)
 # fp8_profile    bf16 and fp8 (tensorwise), both compiled, on llama-1b under torch.profiler: device time by kind
 # offload        bench/memory_levers.py as `levers`, the plain run and each offload only
+# offload_profile  llama-1b eager with --activation-offload under torch.profiler: the copies' kernels and their time
 # A step over its time limit gets SIGABRT, on which Python prints every thread's stack (PYTHONFAULTHANDLER).
-# TESTS_K=EXPR selects tests by pytest's -k expression.
+# TESTS_K=EXPR selects tests by pytest's -k expression; PROFILE_PRECISIONS="fp8" profiles fp8 only.
 set -u
 OUT="${1:?usage: bench/gpu_checks.sh OUT_DIR [STEPS...]}"
 shift
@@ -65,7 +66,9 @@ step levers 400 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dt
     --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8
 step offload 300 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \
     --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8 --variants none,optimizer-offload,activation-offload
-for precision in bf16 fp8; do
+step offload_profile 150 "$PY" bench/profile_train.py "${LLAMA[@]}" --micro-batch-size 2 --global-batch-size 8 \
+    --steps 3 --activation-offload --rows 8 --kernels 20
+for precision in ${PROFILE_PRECISIONS:-bf16 fp8}; do
     step "fp8_profile:$precision" 180 "$PY" bench/profile_train.py "${LLAMA[@]/bf16/$precision}" --steps 5 --compile \
         --rows 12 --kernels 25
 done

@@ -41,12 +41,18 @@ class _HostStorage:
     back: object = None  # a weak reference to the uint8 device copy in use, while alive
 
     def fetch(self, stream) -> int:
-        """Start the copy back on `stream` (CUDA); the bytes it brings, 0 if it is already there or on its way."""
-        if self.fetched is not None or self._in_use() is not None:
+        """Start the copy back on `stream`; the bytes it brings, 0 if it is already there or on its way, or is not a
+        CUDA storage (a CPU tensor autograd saved stays where it is)."""
+        if self.copied is None or self.fetched is not None or self._in_use() is not None:
             return 0
+        # Allocated by the compute stream, as everything the backward frees: memory the caching allocator gave to
+        # the side stream would be pooled apart from the compute stream's. The side stream waits for the compute
+        # stream's work so far, which may still use the block the allocator handed out.
+        self.fetched = torch.empty_like(self.host, device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_event(self.copied)
         with torch.cuda.stream(stream):
-            stream.wait_event(self.copied)
-            self.fetched = self.host.to(self.device, non_blocking=True)
+            self.fetched.copy_(self.host, non_blocking=True)
             self.arrived = torch.cuda.Event()
             self.arrived.record(stream)
         return self.host.numel()
@@ -56,9 +62,7 @@ class _HostStorage:
         if back is None:
             if self.fetched is not None:  # fetched ahead on the side stream: wait for that copy only
                 back, self.fetched = self.fetched, None
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(self.arrived)
-                back.record_stream(stream)  # allocated on the side stream, used (and freed) on this one
+                torch.cuda.current_stream(self.device).wait_event(self.arrived)
             else:
                 if self.copied is not None:
                     torch.cuda.current_stream(self.device).wait_event(self.copied)
@@ -88,7 +92,7 @@ class HostActivations:
     their peak since `reset_peak`. `layers`: how many layers this rank runs a forward of (the fetch-ahead window is
     one layer's share of the bytes saved)."""
 
-    SCAN = 4096  # saved storages looked at, at most, per fetch ahead
+    SCAN = 512  # saved storages looked at, at most, per fetch ahead (a layer saves a few dozen)
 
     def __init__(self, device: torch.device | str, layers: int = 1):
         self.device = torch.device(device)
