@@ -31,6 +31,12 @@ def cpu_reference(config_file):
     return run(config_file, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def cpu_reassociated(config_file):
+    """The CPU run with micro-batches of 2: which steps and weights float noise decides on the CPU."""
+    return run(config_file, device="cpu", micro_batch_size=2)
+
+
 _gpu_runs: dict = {}
 
 
@@ -45,13 +51,12 @@ def gpu_reference(model):
     return _gpu_runs[model]
 
 
-def test_one_gpu_trains_what_the_cpu_trains(config_file, cpu_reference):
+def test_one_gpu_trains_what_the_cpu_trains(config_file, cpu_reference, cpu_reassociated):
     # fp32 without TF32 (PyTorch's default for matmuls): the same trajectory and weights as the CPU run, but for what
     # the rounding of either device decides (cuBLAS and cuDNN sum in other orders than the CPU's kernels).
     assert not torch.backends.cuda.matmul.allow_tf32
     on_gpu, gpu_floor = gpu_reference(config_file)
-    cpu_floor = run(config_file, device="cpu", micro_batch_size=2)
-    assert_same_training([on_gpu], cpu_reference, floor=[(cpu_reference, cpu_floor), (on_gpu, gpu_floor)])
+    assert_same_training([on_gpu], cpu_reference, floor=[(cpu_reference, cpu_reassociated), (on_gpu, gpu_floor)])
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -61,10 +66,15 @@ def test_half_precision_on_a_gpu_follows_fp32(config_file, cpu_reference, dtype)
         assert abs(loss - ref) <= 3e-2 * ref, f"{dtype} step {step}: loss {loss} vs fp32 {ref}"
 
 
-def test_compiled_blocks_on_a_gpu_train_what_eager_blocks_train(config_file):
-    # --compile: each block through inductor's GPU kernels (fused elementwise chains, reordered reductions).
+def test_compiled_blocks_on_a_gpu_train_what_eager_blocks_train(config_file, cpu_reference, cpu_reassociated):
+    # --compile: each block through inductor's GPU kernels (fused elementwise chains, reordered reductions). Those
+    # reorder the forward's own sums, which a micro-batch split on the GPU does not: on the H200 step 3's grad norm
+    # moved by 1.6e-4 compiled (as between the GPU and the CPU) where the GPU's micro-batch split moved it by less
+    # than 1e-5. Which steps are at float noise is the trajectory's property (AdamW's first step turning gradients at
+    # rounding level into steps of O(lr)), so the floor is the device comparison's: the noise either device shows.
     eager, floor = gpu_reference(config_file)
-    assert_same_training([_on_cpu(run(config_file, device="cuda", compile=True))], eager, floor=floor)
+    assert_same_training([_on_cpu(run(config_file, device="cuda", compile=True))], eager,
+                         floor=[(eager, floor), (cpu_reference, cpu_reassociated)])
 
 
 def test_mfu_divides_by_the_datasheet_peak_of_a_known_gpu():
