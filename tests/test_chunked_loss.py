@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorpar.models.placement import PipelineStage, Placement
+from tensorpar.models.placement import Placement
 from tensorpar.distributed.comm import Group
 from tensorpar.layers import VocabParallelLMHead, tp_region, vocab_parallel_cross_entropy
 from tensorpar.models import Transformer, get_config

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper  # noqa: E402
 
 from tensorpar.layers.micro_batch import MicroBatchContext
-from tensorpar.models.placement import PipelineStage, Placement
+from tensorpar.models.placement import Placement
 from tensorpar.checkpoints.sources import load_model_source  # noqa: E402
 from tensorpar.cli import main  # noqa: E402
 from tensorpar.distributed.comm import Group  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tensorpar.models.placement import PipelineStage, Placement
+from tensorpar.models.placement import Placement
 from tensorpar.checkpoints.hf import (  # noqa: E402
     check_hf_folder,
     hf_to_tensorpar,

@@ -19,7 +19,7 @@ from tensorpar.models.placement import Placement
 from tensorpar.models.state import load_full_state_dict
 from tensorpar.tensor_parallel.lora import LoraSpec
 
-from layout_runs import BASE, assert_same_training, run
+from layout_runs import assert_same_training, run
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, micro_batch_size=None)
 
