@@ -10,14 +10,14 @@ unfused loss (all-reduce MAX, one stacked all-reduce SUM):
     lse = m + log(sum_r exp(lse_r - m)),  m = max_r lse_r
     loss = (1 - eps) * (lse - x_y) + eps * (lse - sum_c x_c / V)
 
-Two ways to get the gradients, the same arithmetic:
+Two ways to get the gradients, with the same softmax, exp(x - lse):
 
 - **In the forward** (training's case: the loss summed or averaged, gradients wanted). Each chunk's statistics are
   combined over the ranks at once (the two all-reduces per chunk instead of once), so the chunk's softmax is known
   while its logits are still there: g = softmax - target distribution, dh_chunk = g W (a partial sum over the TP
   ranks, summed by the region entry's backward), dW += g^T h_chunk, db += sum g. The backward only multiplies those
-  by the incoming scalar gradient. Saved: dh (the size of h, which is no longer needed) and dW, db in fp32. No
-  GEMM is run twice: the head costs what the unfused head costs (Liger-Kernel's fused linear cross-entropy does
+  by the incoming scalar gradient (so the GEMMs take the unscaled logit gradient, rounded to their dtype). Saved:
+  dh (the size of h, which is no longer needed) and dW, db in fp32. No GEMM is run twice: the head costs what the unfused head costs (Liger-Kernel's fused linear cross-entropy does
   the same on one rank).
 - **In the backward** (per-token losses, `reduction="none"`, whose gradient may weigh each token differently).
   The statistics are combined once after all chunks; the backward recomputes each chunk's logits and softmax.
