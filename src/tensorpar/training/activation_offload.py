@@ -55,6 +55,7 @@ class _HostStorage:
             self.fetched.copy_(self.host, non_blocking=True)
             self.arrived = torch.cuda.Event()
             self.arrived.record(stream)
+        self.fetched.record_stream(stream)  # freed unused, the block waits for the copy before it is reused
         return self.host.numel()
 
     def on_device(self) -> torch.Tensor:
