@@ -136,7 +136,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need[1] else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and need[2] \
             else None
-        losses = torch.empty(n, device=h.device)
+        losses, w = torch.empty(n, device=h.device), None
         for lo, hi in chunks:
             x, tanh, dt = _chunk_logits(h[lo:hi], weight, bias, n_valid, softcap)
             stats = _local_statistics(x, on_rank[lo:hi], local_target[lo:hi], eps)
@@ -144,8 +144,9 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             losses[lo:hi] = smoothed_loss(lse, target_logit, logit_sum, vocab_size, eps, ignored[lo:hi])
             g = _logit_gradient(x, tanh, lse, on_rank[lo:hi], local_target[lo:hi], kept[lo:hi], weight.shape[0],
                                 vocab_size, eps)
+            w = weight.to(dt) if w is None else w  # cast once (the GEMMs' dtype shows in the first chunk's logits)
             with without_autocast(h.device.type):
-                _accumulate(g.to(dt), h[lo:hi].to(dt), weight.to(dt), grad_h, grad_w, grad_b, lo, hi)
+                _accumulate(g.to(dt), h[lo:hi].to(dt), w, grad_h, grad_w, grad_b, lo, hi)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = h.dtype, weight.dtype, None if bias is None else bias.dtype
         return losses.sum()
