@@ -4,6 +4,7 @@
     none                 no lever
     optimizer-offload    --optimizer-offload (AdamW's states and the fp32 masters in host memory, the step there)
     activation-offload   --activation-offload (the tensors saved for the backward in host memory)
+    first-4-layers       --activation-offload --activation-offload-layers 4 (only the first 4 layers' saved tensors)
     bf16-states          --optimizer-state-dtype bf16 (AdamW's moments in bf16)
     all                  the three together
 
@@ -33,7 +34,9 @@ import time
 import torch
 
 VARIANTS = {"none": {}, "optimizer-offload": {"optimizer_offload": True},
-            "activation-offload": {"activation_offload": True}, "bf16-states": {"optimizer_state_dtype": "bf16"},
+            "activation-offload": {"activation_offload": True},
+            "first-4-layers": {"activation_offload": True, "activation_offload_layers": 4},
+            "bf16-states": {"optimizer_state_dtype": "bf16"},
             "all": {"optimizer_offload": True, "activation_offload": True, "optimizer_state_dtype": "bf16"}}
 DEVICE_KINDS = ("parameters", "gradients", "optimizer", "activations", "gathered")
 

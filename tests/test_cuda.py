@@ -265,10 +265,11 @@ def test_grouped_experts_on_a_gpu_equal_the_loop(dtype, tol):
         assert (got - ref).norm() <= tol * max(ref.norm(), 1e-6)
 
 
-def test_activation_offload_on_a_gpu_trains_bit_for_bit_like_the_run_without_it(config_file):
+@pytest.mark.parametrize("first_layers", [None, 3], ids=["all", "first-3-layers"])
+def test_activation_offload_on_a_gpu_trains_bit_for_bit_like_the_run_without_it(config_file, first_layers):
     # mirrors tests/test_memory_levers.py: the saved tensors go to pinned host memory on a side stream and come back
     plain, _ = gpu_reference(config_file)
-    offload = _on_cpu(run(config_file, device="cuda", activation_offload=True))
+    offload = _on_cpu(run(config_file, device="cuda", activation_offload=True, activation_offload_layers=first_layers))
     assert offload["trajectory"] == plain["trajectory"]
     assert all(torch.equal(offload["state"][k], v) for k, v in plain["state"].items())
 
@@ -306,6 +307,10 @@ def test_host_activations_fetch_one_layer_ahead_of_the_backward():
     for i in reversed(range(6)):
         assert torch.equal(offload.unpack(saved[i]), xs[i])
     assert all(s.storage.fetched is None for s in saved)
+    # moving only the first layers, the backward's first unpack (of a tensor kept on the device) fetches the last ones
+    saved = [offload.pack(x) for x in xs]
+    offload.begin_backward()
+    assert [s.storage.fetched is not None for s in saved] == [False] * 6 + [True, True]
 # Several ranks on the one GPU: gloo moves their CUDA tensors through host memory (NCCL refuses two ranks on one
 # device), so that every parallel code path runs on CUDA tensors with one GPU lent. Each layout's 4 steps and final
 # weights equal one process's on the GPU (fp32, no TF32), which equals the CPU's (above).

@@ -1,6 +1,7 @@
 """The memory levers train like the run without them and the planner predicts their memory: at TP 2, DP 2 ZeRO-1 and
 DP 2 ZeRO-3, --optimizer-offload with --activation-offload gives bit for bit the run without them on CPU (the same
-arithmetic through the host-copy path), --optimizer-state-dtype bf16 follows the fp32-state run closely (its
+arithmetic through the host-copy path), and so does --activation-offload-layers 3, which keeps the later layers'
+saved tensors on the device; --optimizer-state-dtype bf16 follows the fp32-state run closely (its
 200-step comparison: bench/precision.py, docs/benchmarks.md); the bytes each run measures where they are (device:
 optimizer, activations; host: host_optimizer, host_activations) are within 10% of the planner's. Levers that cannot
 apply are refused in one line; bf16 moments take torch's AdamW arithmetic, rounded to nearest."""
@@ -22,7 +23,8 @@ RUN = dict(steps=3, seed=5, global_batch_size=8, micro_batch_size=2, seq_len=16,
            val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, device="cpu", return_state=True)
 LAYOUTS = {"tp2": dict(tp=2), "dp2-zero1": dict(dp=2, zero=1), "dp2-zero3": dict(dp=2, zero=3)}
 LEVERS = {"none": {}, "offload": dict(optimizer_offload=True, activation_offload=True),
-          "bf16-states": dict(optimizer_state_dtype="bf16")}
+          "bf16-states": dict(optimizer_state_dtype="bf16"),
+          "first-3-layers": dict(activation_offload=True, activation_offload_layers=3)}
 MiB = 2**20
 
 
@@ -59,6 +61,17 @@ def test_offloading_trains_bit_for_bit_like_the_run_without_it(runs, layout):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_offloading_the_first_layers_trains_bit_for_bit_and_keeps_the_rest_on_the_device(runs, layout):
+    plain, first = runs(layout)["none"], runs(layout)["first-3-layers"]
+    assert first["trajectory"] == plain["trajectory"]
+    assert all(torch.equal(first["state"][k], v) for k, v in plain["state"].items())
+    for rank, (mem, ref) in enumerate(zip(first["memory"], plain["memory"])):
+        # 3 of the 8 layers moved: of what the plain run saves, some 3/8 (less the embedding's and the head's share)
+        assert 0.3 * ref["activations"] < mem["host_activations"] < 0.375 * ref["activations"], (rank, mem, ref)
+        assert mem["activations"] + mem["host_activations"] >= ref["activations"], (rank, mem, ref)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bf16_moments_follow_the_fp32_moments(runs, layout):
     plain, bf16 = runs(layout)["none"], runs(layout)["bf16-states"]
     for step, ((loss, _), (ref, _)) in enumerate(zip(bf16["trajectory"], plain["trajectory"]), 1):
@@ -83,7 +96,11 @@ def test_the_planner_predicts_each_lever_within_10_percent(runs, layout):
     (["--optimizer", "muon", "--optimizer-offload"], "--optimizer-offload steps AdamW on the host"),
     (["--optimizer", "muon", "--optimizer-state-dtype", "bf16"], "--optimizer-state-dtype bf16 stores AdamW's"),
     (["--activation-offload", "--recompute", "full"], "--activation-offload with --recompute full"),
-], ids=["offload-muon", "bf16-muon", "activations-full-recompute"])
+    (["--activation-offload-layers", "2"], "--activation-offload-layers 2 needs --activation-offload"),
+    (["--activation-offload", "--activation-offload-layers", "9"], "--activation-offload-layers 9: the model has 4"),
+    (["--activation-offload", "--activation-offload-layers", "0"], "--activation-offload-layers must be at least 1"),
+], ids=["offload-muon", "bf16-muon", "activations-full-recompute", "layers-without-offload", "layers-beyond-model",
+        "no-layers"])
 def test_levers_that_cannot_apply_are_refused_in_one_line(cli, flags, message):
     code, _, err = cli("train", "--steps", 1, *flags)
     assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err
@@ -174,3 +191,44 @@ def test_plan_json_reports_the_host_memory_of_the_levers(cli):
         assert row["host_memory"]["optimizer"] > 0 and row["host_memory"]["activations"] == pytest.approx(
             ref["memory"]["activations"] + ref["memory"]["weight_copies"])
         assert ref["host_memory"]["total"] == 0 and row["memory"]["total"] < ref["memory"]["total"]
+
+
+def test_under_compile_only_the_first_layers_saved_tensors_move():
+    """The blocks' hooks run eagerly around each compiled block, so autograd, which saves a compiled block's tensors as
+    it leaves it, moves the first blocks' and no others (aot_eager: when tensors are saved is AOTAutograd's doing,
+    not the backend's)."""
+    from tensorpar.models import Transformer
+    from tensorpar.training.memory_meter import ActivationMeter
+
+    ids = torch.randint(0, TINY8.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(first_layers):
+        """(gradients, device bytes, host bytes) of a forward and backward of the compiled model."""
+        model = Transformer(TINY8, None, seed=0)
+        for block in model.layers.values():  # as compile_blocks does, without its probe of inductor
+            block.compile(backend="aot_eager")
+        offload = None if first_layers == 0 else HostActivations.of_model("cpu", model, first_layers)
+        meter = ActivationMeter(offload)
+        with meter.measuring(model):
+            model(ids, ids).backward()
+        return [p.grad for p in model.parameters()], meter.bytes.peak, offload.bytes.peak if offload else 0
+
+    plain, first3, blocks = step(0), step(3), step(TINY8.num_layers)
+    for grads, _, _ in (first3, blocks):
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain[0]))
+    assert first3[2] == pytest.approx(blocks[2] * 3 / TINY8.num_layers, rel=0.01)  # 3 of the 8 identical blocks
+    assert first3[1] + first3[2] == pytest.approx(plain[1], rel=0.01) and blocks[1] < 0.1 * plain[1]
+
+
+def test_plan_moves_the_first_layers_share_of_the_saved_bytes(cli):
+    import json
+
+    args = ["plan", "--model", "llama-8b", "--gpus", 8, "--gpu", "h100-80gb", "--seq-len", 4096, "--global-batch-size",
+            64, "--tp", 1, "--pp", 1, "--zero", 1, "--recompute", "none", "--max-micro-batch", 1, "--json"]
+    everything = json.loads(cli(*args, "--activation-offload")[1])[0]
+    first8 = json.loads(cli(*args, "--activation-offload", "--activation-offload-layers", 8)[1])[0]
+    moved = first8["host_memory"]["activations"]
+    # 8 of llama-8b's 32 layers: a quarter of the layers' bytes; the embedding's and the head's stay
+    assert 0.2 * everything["host_memory"]["activations"] < moved < 0.25 * everything["host_memory"]["activations"]
+    kept = first8["memory"]["activations"] + first8["memory"]["weight_copies"]
+    assert kept + moved == pytest.approx(everything["host_memory"]["activations"], rel=1e-6)

@@ -159,8 +159,11 @@ def plan_layouts(options):
                                  f"{options.pp}")
         require(PipelineSplit(cfg.num_layers, len(split), counts=split).problem())  # refused here, not per layout
         space["pipeline_layers"] = tuple(split)
+    levers = MemoryLevers.of(options)
+    for problem in levers.problems(num_layers=cfg.num_layers):  # the layout's problems are each candidate's
+        raise TensorparError(problem)
     plans = search(cfg, cluster, options.seq_len, options.global_batch_size, options.precision,
-                   flash_attention=options.flash_attention, levers=MemoryLevers.of(options),
+                   flash_attention=options.flash_attention, levers=levers,
                    lora=LoraSpec.of_options(options), **space)
     return cfg, cluster, plans
 

@@ -198,7 +198,8 @@ _LAYOUT_MODE_FIELDS = (  # every plan option that only layout mode (--model) rea
     "inter_bandwidth", "intra_latency", "inter_latency", "memory_gib", "peak_tflops", "mfu_ceiling", "overlap", "tp",
     "cp", "ep", "zero", "recompute", "sequence_parallel", "flash_attention", "max_micro_batch", "pipeline_layers",
     "hardware", "tp_overlap", "pp_overlap", "link_efficiency", "host_memory_gib", "lora_rank", "lora_alpha",
-    "lora_targets", "lora_dropout", "optimizer_offload", "activation_offload", "optimizer_state_dtype")
+    "lora_targets", "lora_dropout", "optimizer_offload", "activation_offload", "activation_offload_layers",
+    "optimizer_state_dtype")
 
 
 def _layout_mode(o) -> bool:
@@ -222,6 +223,9 @@ PLAN_SCHEDULE = Rule("schedule", lambda o, f: not _layout_mode(o) or o.pp != 1, 
                      "layout mode keeps the pipelined layouts of this schedule", _is("--pp", "pp"))
 PLAN_VIRTUAL_STAGES = Rule("virtual_stages", lambda o, f: not _layout_mode(o) or o.pp != 1, "--pp > 1 (or no --pp)",
                            "layout mode interleaves the pipelined layouts' stages up to it", _is("--pp", "pp"))
+ACTIVATION_OFFLOAD_LAYERS = Rule("activation_offload_layers", lambda o, f: o.activation_offload,
+                                 "--activation-offload", "it chooses the layers whose saved tensors move",
+                                 lambda o, f: "nothing is offloaded")
 PLAN_HOST_MEMORY = Rule("host_memory_gib", lambda o, f: o.optimizer_offload or o.activation_offload,
                         "--optimizer-offload or --activation-offload", "it is the host memory offloading may fill",
                         lambda o, f: "nothing is offloaded")
@@ -238,12 +242,12 @@ RULES: dict[str, tuple[Rule, ...]] = {
               MUON_MOMENTUM, EXPERT_GEMM, SCHEDULE, PIPELINE_LAYERS, CP_IMPL, CP_SPLIT, SEQUENCE_PARALLEL, *TP_OVERLAP,
               ZERO3_RESHARD, BUCKET_MB, MODEL, KEEP_LAST, SAMPLE_PROMPT, VAL_FRACTION, *VAL_EVERY, VAL_WINDOWS,
               WORLD_SIZE, RANK, CHAT_TEMPLATE, MESSAGES_FIELD, PROMPT_FIELD, COMPLETION_FIELD, EXAMPLE_PACKING,
-              LONG_EXAMPLES, DOCUMENT_MASK, DOCUMENT_ATTENTION, TEXT_FIELD, BIN_DTYPE),
+              LONG_EXAMPLES, DOCUMENT_MASK, DOCUMENT_ATTENTION, TEXT_FIELD, BIN_DTYPE, ACTIVATION_OFFLOAD_LAYERS),
     "eval": (FP8_RECIPE, EXPERT_GEMM, CP_IMPL, SEQUENCE_PARALLEL, TEXT_FIELD, BIN_DTYPE),
     "generate": (FP8_RECIPE, EXPERT_GEMM),
     "serve": (FP8_RECIPE, EXPERT_GEMM),
     "plan": (PLAN_MICROBATCHES, *PLAN_LAYOUT_MODE, PLAN_GPU, PLAN_FLASH_ATTENTION, PLAN_SCHEDULE, PLAN_VIRTUAL_STAGES,
-             PLAN_HOST_MEMORY),
+             PLAN_HOST_MEMORY, ACTIVATION_OFFLOAD_LAYERS),
     "calibrate": (CALIBRATE_RANKS, CALIBRATE_THREADS),
 }
 

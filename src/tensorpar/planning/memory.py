@@ -333,19 +333,29 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
     # zero-bubble schedules keep the unfused head and loss (their split backward defers the head's weight gradient)
     split_backward = layout.splits_backward
     chunked = bool(loss_chunk_tokens) and prec.activations == "tensorpar" and not split_backward
-    activations, recomputed = _activation_bytes(cfg, layout, seq_len, m, chunks, n_layers, first, last, prec,
-                                                flash_attention, tp_overlap, chunked, lora)
+    activations, recomputed, in_layers = _activation_bytes(cfg, layout, seq_len, m, chunks, n_layers, first, last,
+                                                           prec, flash_attention, tp_overlap, chunked, lora)
     weight_copies, copies_alive = _weight_copy_bytes(cfg, layout, summary, n_layers, chunks, last, prec, chunked)
+    head_copies = _head_weight_copies(summary, last, prec, chunked)
     weight_copies += chunks * lora_weight_copies(cfg, layout, prec, lora, first) // layout.virtual_stages
     transient = states.gathered + recomputed + copies_alive
     host_opt = host_act = 0
     if levers.optimizer_offload:
         opt_mem, host_opt = 0, host_optimizer_bytes(summary, layout, prec)
-    if levers.activation_offload:  # a layer's saved tensors come back for its backward, the next layer's ahead of it
-        host_act, activations, weight_copies = activations + weight_copies, 0, 0
-        transient += 2 * _layer_activations(cfg, layout, layout.micro_batch_size, seq_len // layout.cp,
-                                            layout.recompute, prec, flash_attention, tp_overlap,
-                                            1.0 if cfg.is_moe else 0.0, lora)
+    if levers.activation_offload:
+        offloaded = levers.offloaded_layers(n_layers)
+        if offloaded == n_layers and levers.activation_offload_layers is None:  # everything saved moves
+            host_act, activations, weight_copies = activations + weight_copies, 0, 0
+        else:  # the first layers' share of what the layers save (their activations and weight copies) moves
+            moved_activations = in_layers * offloaded // max(n_layers, 1)
+            moved_copies = (weight_copies - head_copies) * offloaded // max(n_layers, 1)
+            host_act = moved_activations + moved_copies
+            activations, weight_copies = activations - moved_activations, weight_copies - moved_copies
+        # in the backward a layer's saved tensors come back for it, the next layer's ahead of it; when the later layers
+        # stay, the first ones come back as those are freed, and only the one fetched ahead adds to the peak
+        layer = _layer_activations(cfg, layout, layout.micro_batch_size, seq_len // layout.cp, layout.recompute, prec,
+                                   flash_attention, tp_overlap, 1.0 if cfg.is_moe else 0.0, lora)
+        transient += (2 if offloaded == n_layers else 1) * layer
     subtotal = (states.parameters + states.frozen + states.gradients + opt_mem + activations + weight_copies
                 + transient)
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
@@ -356,8 +366,9 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
 def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int, n_layers: int, first: bool,
                       last: bool, prec: Precision, flash_attention: bool, tp_overlap: bool,
                       chunked_loss: bool = False, lora: LoraSpec | None = None) -> tuple[int, int]:
-    """(activations at the peak, the layer activations recomputation brings back during backward) in bytes on one
-    rank: per layer x layers per chunk x the `chunks` chunk-forwards in flight, plus the stage's ends."""
+    """(activations at the peak, the layer activations recomputation brings back during backward, the layers' share
+    of the first) in bytes on one rank: per layer x layers per chunk x the `chunks` chunk-forwards in flight, plus
+    the stage's ends."""
     b, s = layout.micro_batch_size, seq_len // layout.cp  # each rank holds seq_len / cp tokens of a sequence
     layers_per_chunk = n_layers // layout.virtual_stages
     mbs_in_flight = min(m, math.ceil(chunks / layout.virtual_stages)) if layout.pp > 1 else 1
@@ -382,7 +393,8 @@ def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int,
         layer = _layer_activations(cfg, layout, b, s, layout.recompute, prec, flash_attention, tp_overlap,
                                    float(cfg.is_moe_layer(cfg.num_layers)), lora)
         ends += mtp_activations(cfg, layout, b, s, prec, layer, outer["last"])
-    return chunks * layers_per_chunk * per_layer + ends, recomputed
+    in_layers = chunks * layers_per_chunk * per_layer
+    return in_layers + ends, recomputed, in_layers
 
 
 def _layer_activations(cfg, layout: Candidate, b: int, s: int, mode: str, prec: Precision, flash_attention: bool,
@@ -412,11 +424,11 @@ def _weight_copy_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: 
     autocast's copies of the matmul weights, or Transformer Engine's fp8 weights and transposes."""
     if prec.autocast:
         layer_weights = summary.layer_matmul_weights
-        head_weights = summary.head_matmul_weights if last and not chunked_loss else 0  # the fused loss keeps none
+        head_copies = _head_weight_copies(summary, last, prec, chunked_loss)
         if layout.recompute == "full":
-            return 2 * head_weights, 2 * layer_weights // max(n_layers, 1)
+            return head_copies, 2 * layer_weights // max(n_layers, 1)
         # every micro-batch's forward makes its own copies: one set per chunk-forward in flight
-        return 2 * (chunks * layer_weights // layout.virtual_stages + head_weights), 0
+        return 2 * chunks * layer_weights // layout.virtual_stages + head_copies, 0
     if prec.fp8_recipe:
         # tensorpar's fp8 GEMMs keep the bf16 weight (the parameter) and quantise it again in the backward: only the
         # tensorwise scales are kept, and one layer's fp8 weights exist while its backward runs
@@ -430,6 +442,12 @@ def _weight_copy_bytes(cfg, layout: Candidate, summary: ParamSummary, n_layers: 
         # fp8 parameters those two are the weight (param_bytes = 2 counts them)
         return 2 * summary.layer_matmul_weights, 0
     return 0, 0
+
+
+def _head_weight_copies(summary: ParamSummary, last: bool, prec: Precision, chunked_loss: bool) -> int:
+    """Of `_weight_copy_bytes`' kept copies, the LM head's: bf16 autocast's copy of its weight (the fused, chunked
+    loss keeps none)."""
+    return 2 * summary.head_matmul_weights if prec.autocast and last and not chunked_loss else 0
 
 
 def layout_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precision: Precision | str,

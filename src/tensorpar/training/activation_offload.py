@@ -13,6 +13,12 @@ are fetched, up to one layer's bytes ahead of what it uses (the host bytes alive
 the `layers` the rank runs); the compute stream waits only for the copy of the storage it needs. On a CPU run host
 and device are one memory: the copies out are made all the same, through the same code, and nothing is fetched.
 
+With `first_layers` N (--activation-offload-layers) only what the first N of the rank's blocks save moves, in each
+forward: forward hooks on the blocks say when a block begins and ends (run eagerly under --compile, where
+autograd saves a compiled block's tensors as it leaves it), and the rest (the embedding, the later blocks, the
+head and loss) stays on the device, counted there by the activation meter. The backward's first unpack, of a
+tensor that stayed, starts fetching the last moved layer, so the copies back run beside the later layers' backward.
+
 A saved storage modified in place before the backward would be an autograd error without offload; with it the copy
 made first would silently win, so a storage whose version changed since its copy is copied again.
 """
@@ -20,6 +26,7 @@ made first would silently win, so a storage whose version changed since its copy
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -90,14 +97,16 @@ class _Saved:
 
 class HostActivations:
     """Saved-tensor hooks that move each saved storage to host memory and back; `bytes`: the host bytes alive, and
-    their peak since `reset_peak`. `layers`: how many layers this rank runs a forward of (the fetch-ahead window is
-    one layer's share of the bytes saved)."""
+    their peak since `reset_peak`. `layers`: how many layers' saved tensors move in a forward on this rank (the
+    fetch-ahead window is one layer's share of the bytes moved). `taking`: whether what autograd saves now moves
+    (always, unless `follow` limits it to the first blocks)."""
 
     SCAN = 512  # saved storages looked at, at most, per fetch ahead (a layer saves a few dozen)
 
     def __init__(self, device: torch.device | str, layers: int = 1):
         self.device = torch.device(device)
         self.layers = max(1, layers)
+        self.taking = True
         self.bytes = BytesInUse()
         # device data_ptr -> its copy, while both the device storage and a saved tensor of the copy live
         self._copies: dict[int, weakref.ref] = {}
@@ -108,6 +117,35 @@ class HostActivations:
         cuda = self.device.type == "cuda"
         self._out = torch.cuda.Stream(self.device) if cuda else None
         self._in = torch.cuda.Stream(self.device) if cuda else None
+
+    @classmethod
+    def of_model(cls, device, model: torch.nn.Module, first_layers: int | None = None) -> "HostActivations":
+        """The offload of a rank's `model` (its decoder blocks, in order): everything it saves, or with `first_layers`
+        what its first blocks save."""
+        blocks = list(model.decoder_layers().values())
+        if first_layers is None:
+            return cls(device, layers=len(blocks))
+        offload = cls(device, layers=min(first_layers, len(blocks)))
+        offload.follow(blocks[:first_layers])
+        return offload
+
+    def follow(self, blocks) -> None:
+        """Move only what `blocks` save: `taking` from each one's forward pre-hook to its forward hook."""
+        self.taking = False
+        begins, ends = (torch.compiler.disable(functools.partial(self._take, taking)) for taking in (True, False))
+        for block in blocks:
+            block.register_forward_pre_hook(begins)
+            block.register_forward_hook(ends)
+
+    def _take(self, taking: bool, *_) -> None:
+        self.taking = taking
+
+    def begin_backward(self) -> None:
+        """The backward unpacks a saved tensor: on its first, fetch one layer's share of the host bytes ahead, from
+        the storage saved last."""
+        if self._in is not None and not self._backward:
+            self._backward, self._window = True, self.bytes.now // self.layers
+            self._fetch_before(self._count)
 
     def pack(self, t: torch.Tensor) -> _Saved:
         self._backward = False
@@ -123,8 +161,7 @@ class HostActivations:
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
         if self._in is not None:
-            if not self._backward:  # a backward begins: fetch one layer's share of what is on the host ahead
-                self._backward, self._window = True, self.bytes.now // self.layers
+            self.begin_backward()
             self._fetch_before(saved.storage.index)
         raw = saved.storage.on_device()
         out = torch.empty(0, dtype=saved.dtype, device=raw.device)

@@ -11,7 +11,8 @@ which also holds what no ledger sees: temporaries, communication buffers, the al
 
 Where the bytes are: ``optimizer`` is the optimizer's device memory; with --optimizer-offload its states and
 masters are ``host_optimizer`` instead. With --activation-offload the saved tensors are ``host_activations`` (each
-storage once, as on the device) and ``activations`` counts none.
+storage once, as on the device) and ``activations`` counts none; with --activation-offload-layers it counts
+what stays on the device.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class ActivationMeter:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return t
-        if self.offload is not None:
+        if self.offload is not None and self.offload.taking:
             return self.offload.pack(t)
         entry = self._live.get(key)
         if entry is None:
@@ -94,6 +95,8 @@ class ActivationMeter:
 
     def _unpack(self, saved):
         if type(saved) is _Counted:
+            if self.offload is not None:  # a tensor kept on the device: the layers moved come back meanwhile
+                self.offload.begin_backward()
             return saved.tensor
         return saved if isinstance(saved, torch.Tensor) else self.offload.unpack(saved)
 

@@ -204,7 +204,8 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
         saved = ((run.resume_meta or {}).get("train") or {}).get("loss_scaler")
         if saved:
             scaler.load_state_dict(saved)  # the scale survives a resume
-    offload = HostActivations(mesh.device, layers=len(model.layers)) if o.activation_offload else None
+    offload = (HostActivations.of_model(mesh.device, model, o.activation_offload_layers) if o.activation_offload
+               else None)
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
                    peak_flops(mesh.device, run.precision.dtype), stop, run_id, activations=ActivationMeter(offload),
                    scaler=scaler, corpus=corpus, async_saves=AsyncCheckpointer(mesh) if o.async_save else None)

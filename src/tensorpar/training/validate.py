@@ -131,7 +131,7 @@ def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
         raise TensorparError(f"--loss-scale must be a positive number, got {o.loss_scale}")
     if o.loss_scale_window < 1:
         raise TensorparError(f"--loss-scale-window must be at least 1 step, got {o.loss_scale_window}")
-    for problem in MemoryLevers.of(o).problems(o.optimizer, o.recompute):
+    for problem in MemoryLevers.of(o).problems(o.optimizer, o.recompute, cfg.num_layers):
         raise TensorparError(problem)
 
 
