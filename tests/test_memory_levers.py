@@ -1,7 +1,7 @@
 """The memory levers train like the run without them and the planner predicts their memory: at TP 2, DP 2 ZeRO-1 and
 DP 2 ZeRO-3, --optimizer-offload with --activation-offload gives bit for bit the run without them on CPU (the same
 arithmetic through the host-copy path), and so does --activation-offload-layers 3, which keeps the later layers'
-saved tensors on the device; --optimizer-state-dtype bf16 follows the fp32-state run closely (its
+saved tensors on the device (there and at PP 2, under torch.compile too); --optimizer-state-dtype bf16 follows the fp32-state run closely (its
 200-step comparison: bench/precision.py, docs/benchmarks.md); the bytes each run measures where they are (device:
 optimizer, activations; host: host_optimizer, host_activations) are within 10% of the planner's. Levers that cannot
 apply are refused in one line; bf16 moments take torch's AdamW arithmetic, rounded to nearest."""
@@ -69,6 +69,25 @@ def test_offloading_the_first_layers_trains_bit_for_bit_and_keeps_the_rest_on_th
         # 3 of the 8 layers moved: of what the plain run saves, some 3/8 (less the embedding's and the head's share)
         assert 0.3 * ref["activations"] < mem["host_activations"] < 0.375 * ref["activations"], (rank, mem, ref)
         assert mem["activations"] + mem["host_activations"] >= ref["activations"], (rank, mem, ref)
+
+
+def _pipeline_runs(config_file) -> dict:
+    layout = dict(pp=2, schedule="1f1b")
+    return {name: train(TrainOptions(model=config_file, **RUN, **layout, **levers))
+            for name, levers in (("none", {}), ("first-2-layers", dict(activation_offload=True,
+                                                                       activation_offload_layers=2)))}
+
+
+def test_offloading_the_first_layers_of_each_pipeline_stage_trains_bit_for_bit(pools, config_file):
+    """PP 2, 1F1B over 4 micro-batches: each stage moves the first 2 of its 4 layers, whose saved tensors wait on the
+    host while later micro-batches' forwards run."""
+    for rank, runs in enumerate(pools(2).run(_pipeline_runs, config_file)):
+        plain, first = runs["none"], runs["first-2-layers"]
+        assert [r["loss"] for r in first["history"]] == [r["loss"] for r in plain["history"]]
+        assert all(torch.equal(first["state"][k], v) for k, v in plain["state"].items())
+        mem, ref = first["memory_mib_per_rank"][rank], plain["memory_mib_per_rank"][rank]
+        assert 0 < mem["host_activations"] < ref["activations"] and 0 < mem["activations"] < ref["activations"], (
+            rank, mem, ref)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
