@@ -5,6 +5,8 @@
     optimizer-offload    --optimizer-offload (AdamW's states and the fp32 masters in host memory, the step there)
     activation-offload   --activation-offload (the tensors saved for the backward in host memory)
     first-4-layers       --activation-offload --activation-offload-layers 4 (only the first 4 layers' saved tensors)
+    every-layer          --activation-offload --activation-offload-layers L, L the model's layers (the head's and
+                         the loss's saved tensors, which the backward needs first, stay on the device)
     bf16-states          --optimizer-state-dtype bf16 (AdamW's moments in bf16)
     all                  the three together
 
@@ -36,20 +38,24 @@ import torch
 VARIANTS = {"none": {}, "optimizer-offload": {"optimizer_offload": True},
             "activation-offload": {"activation_offload": True},
             "first-4-layers": {"activation_offload": True, "activation_offload_layers": 4},
+            "every-layer": {"activation_offload": True, "activation_offload_layers": "the model's"},
             "bf16-states": {"optimizer_state_dtype": "bf16"},
             "all": {"optimizer_offload": True, "activation_offload": True, "optimizer_state_dtype": "bf16"}}
 DEVICE_KINDS = ("parameters", "gradients", "optimizer", "activations", "gathered")
 
 
 def child(a) -> None:
+    from tensorpar.models import get_config
     from tensorpar.training import TrainOptions, train
 
     torch.set_num_threads(a.threads)
+    levers = dict(VARIANTS[a.child])
+    if levers.get("activation_offload_layers") == "the model's":
+        levers["activation_offload_layers"] = get_config(a.model).num_layers
     cpu0 = time.process_time()
     s = train(TrainOptions(model=a.model, dtype=a.dtype, seq_len=a.seq_len, global_batch_size=a.global_batch_size,
                            micro_batch_size=a.micro_batch_size, steps=a.steps, warmup_steps=0, device=a.device,
-                           val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None,
-                           **VARIANTS[a.child]))
+                           val_every=0, val_fraction=0.0, progress=False, metrics=None, out_dir=None, **levers))
     steps = [r["step_time_s"] for r in s["history"]]
     memory = {}
     for r in s["history"]:
