@@ -308,9 +308,12 @@ def test_host_activations_fetch_one_layer_ahead_of_the_backward():
         assert torch.equal(offload.unpack(saved[i]), xs[i])
     assert all(s.storage.fetched is None for s in saved)
     # moving only the first layers, the backward's first unpack (of a tensor kept on the device) fetches the last ones
-    saved = [offload.pack(x) for x in xs]
-    offload.begin_backward()
-    assert [s.storage.fetched is not None for s in saved] == [False] * 6 + [True, True]
+    # saved before it: with a pipeline, those of its micro-batch, not those of the one whose forward came after
+    first = [offload.pack(x) for x in xs[:4]]
+    kept_after_first = offload.saved_count()
+    later = [offload.pack(x) for x in xs[4:]]
+    offload.begin_backward(kept_after_first)  # a window of 2 MiB: 8 MiB over 4 layers
+    assert [s.storage.fetched is not None for s in first + later] == [False] * 2 + [True, True] + [False] * 4
 # Several ranks on the one GPU: gloo moves their CUDA tensors through host memory (NCCL refuses two ranks on one
 # device), so that every parallel code path runs on CUDA tensors with one GPU lent. Each layout's 4 steps and final
 # weights equal one process's on the GPU (fp32, no TF32), which equals the CPU's (above).

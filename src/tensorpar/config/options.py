@@ -93,10 +93,8 @@ class MemoryLeverOptions:
                                             "there (pinned on CUDA)", group="memory")
     activation_offload: bool = option(False, "move the tensors saved for the backward to host memory and back "
                                              "(pinned and overlapped on CUDA)", group="memory")
-    activation_offload_layers: int | None = option(
-        None, "with --activation-offload: move only what the first N layers of each forward on a rank save, keeping "
-              "the later layers' and the head's on the GPU, where the copies fit in the compute (default: all)",
-        group="memory")
+    activation_offload_layers: int | None = option(None, "with --activation-offload: only what the first N layers of "
+                                                         "a rank save moves (default: all it saves)", group="memory")
     optimizer_state_dtype: str = option("fp32", "AdamW's moments in this dtype (the master weights stay fp32)",
                                         choices=OPTIMIZER_STATE_DTYPES, group="memory")
 

@@ -17,7 +17,8 @@ With `first_layers` N (--activation-offload-layers) only what the first N of the
 forward: forward hooks on the blocks say when a block begins and ends (run eagerly under --compile, where
 autograd saves a compiled block's tensors as it leaves it), and the rest (the embedding, the later blocks, the
 head and loss) stays on the device, counted there by the activation meter. The backward's first unpack, of a
-tensor that stayed, starts fetching the last moved layer, so the copies back run beside the later layers' backward.
+tensor that stayed, starts fetching the last layer moved before it was saved, so the copies back run beside the
+later layers' backward.
 
 A saved storage modified in place before the backward would be an autograd error without offload; with it the copy
 made first would silently win, so a storage whose version changed since its copy is copied again.
@@ -140,12 +141,17 @@ class HostActivations:
     def _take(self, taking: bool, *_) -> None:
         self.taking = taking
 
-    def begin_backward(self) -> None:
-        """The backward unpacks a saved tensor: on its first, fetch one layer's share of the host bytes ahead, from
-        the storage saved last."""
+    def saved_count(self) -> int:
+        """How many storages have been copied to the host so far: a tensor saved now comes after those."""
+        return self._count
+
+    def begin_backward(self, before: int) -> None:
+        """A backward unpacks a tensor saved when `before` storages had been copied (`saved_count`): if it is the
+        backward's first, fetch one layer's share of the host bytes ahead, from the storage saved last before it
+        (with a pipeline, storages saved after it may be a later micro-batch's, which its backward does not need)."""
         if self._in is not None and not self._backward:
             self._backward, self._window = True, self.bytes.now // self.layers
-            self._fetch_before(self._count)
+            self._fetch_before(before)
 
     def pack(self, t: torch.Tensor) -> _Saved:
         self._backward = False
@@ -161,7 +167,7 @@ class HostActivations:
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
         if self._in is not None:
-            self.begin_backward()
+            self.begin_backward(saved.storage.index)
             self._fetch_before(saved.storage.index)
         raw = saved.storage.on_device()
         out = torch.empty(0, dtype=saved.dtype, device=raw.device)

@@ -35,12 +35,13 @@ def _is_parameter(t: torch.Tensor | None) -> bool:
 
 class _Counted:
     """What autograd keeps in place of a saved tensor the meter counts: the tensor itself. Autograd drops it when it
-    lets the tensor go (after the backward that used it, or with the graph), and the storage's count with it."""
+    lets the tensor go (after the backward that used it, or with the graph), and the storage's count with it.
+    `moved`: with the first layers offloaded, how many storages had moved to the host when it was saved."""
 
-    __slots__ = ("tensor", "key", "meter")
+    __slots__ = ("tensor", "key", "meter", "moved")
 
-    def __init__(self, tensor: torch.Tensor, key: int, meter: "ActivationMeter"):
-        self.tensor, self.key, self.meter = tensor, key, meter
+    def __init__(self, tensor: torch.Tensor, key: int, meter: "ActivationMeter", moved: int = 0):
+        self.tensor, self.key, self.meter, self.moved = tensor, key, meter, moved
 
     def __del__(self):
         self.meter._release(self.key)
@@ -73,7 +74,7 @@ class ActivationMeter:
             entry = self._live[key] = [nbytes, 0]
             self.bytes.add(nbytes)
         entry[1] += 1
-        return _Counted(t, key, self)
+        return _Counted(t, key, self, self.offload.saved_count() if self.offload is not None else 0)
 
     def _release(self, key: int) -> None:
         entry = self._live.get(key)
@@ -95,8 +96,8 @@ class ActivationMeter:
 
     def _unpack(self, saved):
         if type(saved) is _Counted:
-            if self.offload is not None:  # a tensor kept on the device: the layers moved come back meanwhile
-                self.offload.begin_backward()
+            if self.offload is not None:  # kept on the device: the layers moved before it come back meanwhile
+                self.offload.begin_backward(saved.moved)
             return saved.tensor
         return saved if isinstance(saved, torch.Tensor) else self.offload.unpack(saved)
 
