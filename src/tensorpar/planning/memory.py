@@ -164,8 +164,10 @@ def _score_bytes(cfg, b: int, heads: int, s: int, M: int, cp: int) -> int:
     under context parallelism (the ring holds blocks only)."""
     if cp > 1:
         return 0
-    windowed = sum(cfg.attention_window(i) is not None and cfg.attention_window(i) < s
-                   for i in range(cfg.num_layers)) / cfg.num_layers
+    windowed = 0.0
+    if cfg.sliding_window is not None:  # (a search asks for hundreds of thousands of layouts: no loop where none slide)
+        windowed = sum(cfg.attention_window(i) is not None and cfg.attention_window(i) < s
+                       for i in range(cfg.num_layers)) / cfg.num_layers
     capped = cfg.attn_logit_softcap is not None
     return round(b * heads * s * s * 8 * capped + s * s * (1 if capped else M) * windowed)
 

@@ -11,10 +11,25 @@ from tensorpar.planning.collective_cost import Collective
 from tensorpar.planning.params import is_expert
 
 
+# id(params) -> (params, its units): a search asks again and again for the units of the same parameter lists (those
+# `layout_parameters` caches, never changed); holding a list keeps its id from being reused while its entry stands.
+_UNITS: dict[int, tuple[list, tuple]] = {}
+
+
 def block_units(params: list[tuple[str, int, int]]) -> tuple[int, list[int], list[int]]:
     """(the root's elements, each block's dense elements, each block's routed experts' elements) of a stage's
     (name, numel, ndim) parameters, the blocks (`layers.N.`: the decoder layers, then the MTP modules) in order: what
-    `FullyShardedOptimizer` gathers as one unit each, a block's routed experts a unit of their own beside it."""
+    `FullyShardedOptimizer` gathers as one unit each, a block's routed experts a unit of their own beside it. The
+    lists returned are shared: not to be changed."""
+    hit = _UNITS.get(id(params))
+    if hit is None or hit[0] is not params:
+        if len(_UNITS) >= 512:
+            _UNITS.clear()
+        hit = _UNITS[id(params)] = (params, _block_units(params))
+    return hit[1]
+
+
+def _block_units(params: list[tuple[str, int, int]]) -> tuple[int, list[int], list[int]]:
     root, blocks = 0, {}
     for name, n, _ in params:
         if name.startswith("layers."):
