@@ -346,7 +346,7 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
         opt_mem, host_opt = 0, host_optimizer_bytes(summary, layout, prec)
     if levers.activation_offload:
         offloaded = levers.offloaded_layers(n_layers)
-        if offloaded == n_layers and levers.activation_offload_layers is None:  # everything saved moves
+        if levers.activation_offload_layers is None:  # everything saved moves
             host_act, activations, weight_copies = activations + weight_copies, 0, 0
         else:  # the first layers' share of what the layers save (their activations and weight copies) moves
             moved_activations = in_layers * offloaded // max(n_layers, 1)
