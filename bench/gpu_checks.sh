@@ -20,12 +20,14 @@
 #                where the blocks' GEMMs hold more of the step than at llama-1b's size (docs/benchmarks.md)
 # fp8_profile    bf16 and fp8 (tensorwise), both compiled, on llama-1b under torch.profiler: device time by kind
 # offload        bench/memory_levers.py as `levers`, the plain run and each offload only (activations: all, the
-#                first 4 layers' only, and every layer's but not the head's and loss's)
+#                first 4 layers' only, and every layer's but not the head's and loss's); `levers` and `offload`
+#                print the planner's step time beside the measured one (PLAN_GPU, the catalog's GPU: h200)
 # offload_profile  llama-1b eager with --activation-offload under torch.profiler: the copies' kernels and their time
 # grad_accum     bench/grad_accumulation.py: the fp32 gradient accumulation of bf16 parameters, mixed-dtype add vs
 #                a cast then an add vs compiled, over llama-1b's 1.24B elements in 4M-element slices
 # A step over its time limit gets SIGABRT, on which Python prints every thread's stack (PYTHONFAULTHANDLER).
-# TESTS_K=EXPR selects tests by pytest's -k expression; PROFILE_PRECISIONS="fp8" profiles fp8 only.
+# TESTS_K=EXPR selects tests by pytest's -k expression; PROFILE_PRECISIONS="fp8" profiles fp8 only; PLAN_GPU=NAME
+# the catalog GPU the levers' steps are planned on (default h200).
 set -u
 OUT="${1:?usage: bench/gpu_checks.sh OUT_DIR [STEPS...]}"
 shift
@@ -66,9 +68,9 @@ step doc_attention 300 "$PY" bench/document_attention.py --device cuda --model l
 step moe_gemm 240 "$PY" bench/moe_step.py --layouts single --device cuda --dtype bf16 --hidden 1024 --expert-ffn 2816 \
     --experts 16 --seq-len 1024 --global-batch 8 --micro-batch 2 --steps 5 --threads 8
 step levers 400 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \
-    --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8
+    --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8 --plan "${PLAN_GPU:-h200}"
 step offload 300 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \
-    --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8 \
+    --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8 --plan "${PLAN_GPU:-h200}" \
     --variants none,optimizer-offload,activation-offload,first-4-layers,every-layer
 step grad_accum 120 "$PY" bench/grad_accumulation.py --device cuda --elements 1236000000 --slice 4194304
 step offload_profile 150 "$PY" bench/profile_train.py "${LLAMA[@]}" --micro-batch-size 2 --global-batch-size 8 \

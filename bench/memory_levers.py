@@ -19,9 +19,13 @@ figure). Printed: a row per variant; the last line is
     LEVER/none device=X.XX host_mib=H step=Y.YY cpu=Z.ZZ ...   (device: the ledger's device total, or on CUDA the
                                         allocator's peak, over the run without levers; step, cpu: time ratios)
 
+With ``--plan GPU`` (a catalog name, or a `tensorpar calibrate` profile .json) each row also shows the planner's
+step time for the variant on that device (`tensorpar.planning.offload_time` prices the levers), and the last
+line its ratio (``planned=``) beside the measured one.
+
     .venv/bin/python bench/memory_levers.py                      # tiny, CPU, about 2 minutes
     .venv/bin/python bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \\
-        --global-batch-size 8 --micro-batch-size 2 --steps 6    # a GPU: what offloading costs and saves
+        --global-batch-size 8 --micro-batch-size 2 --steps 6 --plan h200   # a GPU: what offloading costs and saves
 """
 
 from __future__ import annotations
@@ -44,14 +48,39 @@ VARIANTS = {"none": {}, "optimizer-offload": {"optimizer_offload": True},
 DEVICE_KINDS = ("parameters", "gradients", "optimizer", "activations", "gathered")
 
 
-def child(a) -> None:
+def variant_levers(name: str, model: str) -> dict:
     from tensorpar.models import get_config
+
+    levers = dict(VARIANTS[name])
+    if levers.get("activation_offload_layers") == "the model's":
+        levers["activation_offload_layers"] = get_config(model).num_layers
+    return levers
+
+
+def planned_step_s(a, name: str) -> float:
+    """The planner's step time for variant `name` at these settings on `a.plan` (a catalog GPU or a profile)."""
+    from tensorpar.config.memory_levers import MemoryLevers
+    from tensorpar.models import get_config
+    from tensorpar.planning.calibration import load_profile
+    from tensorpar.planning.candidates import Candidate
+    from tensorpar.planning.cluster import make_cluster
+    from tensorpar.planning.step_time import predict_step_time
+
+    if a.plan.endswith(".json"):
+        spec, curve = load_profile(a.plan)
+        cluster = make_cluster(spec, 1, curve=curve, link_efficiency=1.0)
+    else:
+        cluster = make_cluster(a.plan, 1)
+    layout = Candidate.of(micro_batch_size=a.micro_batch_size)
+    return predict_step_time(get_config(a.model), layout, cluster, a.seq_len, a.global_batch_size,
+                             f"tensorpar-{a.dtype}", levers=MemoryLevers(**variant_levers(name, a.model))).step_time_s
+
+
+def child(a) -> None:
     from tensorpar.training import TrainOptions, train
 
     torch.set_num_threads(a.threads)
-    levers = dict(VARIANTS[a.child])
-    if levers.get("activation_offload_layers") == "the model's":
-        levers["activation_offload_layers"] = get_config(a.model).num_layers
+    levers = variant_levers(a.child, a.model)
     cpu0 = time.process_time()
     s = train(TrainOptions(model=a.model, dtype=a.dtype, seq_len=a.seq_len, global_batch_size=a.global_batch_size,
                            micro_batch_size=a.micro_batch_size, steps=a.steps, warmup_steps=0, device=a.device,
@@ -77,6 +106,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--plan", help="also print the planner's step time on this GPU (catalog name or profile .json)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -85,23 +115,26 @@ def main() -> int:
     print(f"{a.model} {a.dtype}, {a.global_batch_size} x {a.seq_len} tokens a step (micro-batch {a.micro_batch_size}), "
           f"{a.steps} steps, {a.device}, torch {torch.__version__}; peak MiB by kind, median step after the first")
     print(f"{'variant':20} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'host opt':>9} {'host act':>9} "
-          f"{'allocated':>9} {'step s':>8} {'CPU s':>7} {'loss':>8}", flush=True)
+          f"{'allocated':>9} {'step s':>8} {'CPU s':>7} {'loss':>8}" + (f" {'planned s':>9}" if a.plan else ""),
+          flush=True)
     results = {}
     for name in a.variants.split(","):
         argv = [sys.executable, __file__, "--child", name] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                                                             if k not in ("child", "variants")]
+                                                             if k not in ("child", "variants", "plan")]
         r = results[name] = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True)
                                        .stdout.strip().splitlines()[-1])
         m = r["memory"]
         print(f"{name:20} {m['parameters']:8.1f} {m['gradients']:8.1f} {m['optimizer']:8.1f} {m['activations']:8.1f} "
               f"{m.get('host_optimizer', 0):9.1f} {m.get('host_activations', 0):9.1f} "
-              f"{m.get('allocated', float('nan')):9.1f} {r['step_s']:8.3f} {r['cpu_s']:7.1f} {r['loss']:8.4f}", flush=True)
+              f"{m.get('allocated', float('nan')):9.1f} {r['step_s']:8.3f} {r['cpu_s']:7.1f} {r['loss']:8.4f}"
+              + (f" {planned_step_s(a, name):9.3f}" if a.plan else ""), flush=True)
     device = (lambda m: m["allocated"]) if a.device == "cuda" else (lambda m: sum(m.get(k, 0.0) for k in DEVICE_KINDS))
     base = results.get("none")
     if base is not None:
         print(" ".join(f"{n}/none device={device(r['memory']) / device(base['memory']):.2f} "
                        f"host_mib={r['memory'].get('host_optimizer', 0) + r['memory'].get('host_activations', 0):.0f} "
                        f"step={r['step_s'] / base['step_s']:.2f} cpu={r['cpu_s'] / base['cpu_s']:.2f}"
+                       + (f" planned={planned_step_s(a, n) / planned_step_s(a, 'none'):.2f}" if a.plan else "")
                        for n, r in results.items() if n != "none"))
     return 0
 

@@ -251,3 +251,13 @@ def test_plan_moves_the_first_layers_share_of_the_saved_bytes(cli):
     assert 0.2 * everything["host_memory"]["activations"] < moved < 0.25 * everything["host_memory"]["activations"]
     kept = first8["memory"]["activations"] + first8["memory"]["weight_copies"]
     assert kept + moved == pytest.approx(everything["host_memory"]["activations"], rel=1e-6)
+
+
+def test_gpu_ranks_stepping_an_offloaded_optimizer_on_one_thread_each_are_warned():
+    from tensorpar.data_parallel.host_masters import host_step_threads_warning
+
+    warning = host_step_threads_warning("cuda", 1, 112, 8)  # torchrun's OMP_NUM_THREADS=1 on a DGX node
+    assert "OMP_NUM_THREADS=14" in warning and "112 cores for 8 ranks" in warning
+    assert host_step_threads_warning("cuda", 14, 112, 8) is None  # threads given
+    assert host_step_threads_warning("cuda", 1, 8, 8) is None  # no core to spare
+    assert host_step_threads_warning("cpu", 1, 112, 8) is None  # CPU ranks share their cores with the compute

@@ -53,6 +53,18 @@ def test_calibrate_writes_a_profile_that_plan_hardware_uses(tmp_path, capsys):
     spec, curve = calibration.load_profile(str(path))
     assert spec.peak("fp32") == prof["peak_flops"]["fp32"]
     assert curve.efficiency("fp32") == prof["curves"]["fp32"]["gemm_efficiency"] <= 1.0
+    # the host, for the offloading levers: a CPU's copies stay in its memory (one copy, both "directions"), its
+    # AdamW steps there
+    link = prof["host_link"]
+    assert link["device_to_host"] == link["host_to_device"] == link["bandwidth"] > 0
+    assert prof["host_optimizer_bandwidth"] > 0
+    assert spec.host_link.bandwidth == prof["host_link"]["bandwidth"]
+    assert spec.host_optimizer_bandwidth == prof["host_optimizer_bandwidth"]
+    older = tmp_path / "older.json"  # written before the host was measured: derived from the CPU's own bandwidth
+    older.write_text(json.dumps({k: v for k, v in prof.items() if not k.startswith("host_")}))
+    spec_older = calibration.load_profile(str(older))[0]
+    assert spec_older.host_link.bandwidth == prof["hbm_bandwidth"] / 2
+    assert spec_older.host_optimizer_bandwidth == prof["hbm_bandwidth"]
     from tensorpar.cli import main
 
     assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(path),

@@ -1,6 +1,7 @@
 """`tensorpar calibrate [--device cpu|cuda] --out profile.json`: measure this machine for the planner.
 
-Times GEMMs over a sweep of shapes (per dtype), the memory bandwidth and the collectives by size and group
+Times GEMMs over a sweep of shapes (per dtype), the memory bandwidth, the host (copies to and from it, an AdamW step
+there) and the collectives by size and group
 (`tensorpar.planning.calibration`), fits the planner's compute curve and alpha-beta link to them and writes
 everything as JSON; ``tensorpar plan --hardware profile.json`` then plans for this machine.
 """
@@ -16,6 +17,7 @@ from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import CalibrateOptions
 from tensorpar.errors import TensorparError
 from tensorpar.planning.calibration import calibrate
+from tensorpar.planning.step_time import OPTIMIZER_BYTES_PER_ELEMENT
 
 
 def add_parser(sub) -> None:
@@ -49,6 +51,10 @@ def run(args, argv=None) -> int:
               f"windows, {kept['last_flops_per_s'] / 1e12:.3f} at the end (keeps {kept['ratio']:.0%}; the plan uses "
               f"level x {kept['ratio']:.2f})")
     print(f"memory bandwidth {profile['hbm_bandwidth'] / 1e9:.1f} GB/s")
+    host = profile["host_link"]
+    print(f"host link {host['device_to_host'] / 1e9:.1f} GB/s to the host, {host['host_to_device'] / 1e9:.1f} back; "
+          f"an AdamW step on the host {profile['host_optimizer_bandwidth'] / 1e9:.1f} GB/s "
+          f"({profile['host_optimizer_bandwidth'] / OPTIMIZER_BYTES_PER_ELEMENT / 1e6:.0f} M elements/s)")
     if "link" in profile:
         print(f"collectives over {options.ranks} ranks: {profile['link']['bandwidth'] / 1e9:.2f} GB/s, "
               f"latency {profile['link']['latency'] * 1e6:.0f} us")

@@ -83,13 +83,19 @@ def _cluster(options):
     return make_cluster(
         gpu, options.gpus, gpus_per_node=options.gpus_per_node, memory_gib=options.memory_gib, curve=curve,
         link_efficiency=link_eff, tp_overlap=options.tp_overlap, pp_overlap=options.pp_overlap,
-        intra_bandwidth=None if options.intra_bandwidth is None else options.intra_bandwidth * gb,
-        inter_bandwidth=None if options.inter_bandwidth is None else options.inter_bandwidth * gb,
-        intra_latency=None if options.intra_latency is None else options.intra_latency * us,
-        inter_latency=None if options.inter_latency is None else options.inter_latency * us,
-        peak_bf16=None if options.peak_tflops is None else options.peak_tflops * 1e12,
+        intra_bandwidth=_scaled(options.intra_bandwidth, gb),
+        inter_bandwidth=_scaled(options.inter_bandwidth, gb),
+        intra_latency=_scaled(options.intra_latency, us),
+        inter_latency=_scaled(options.inter_latency, us),
+        peak_bf16=_scaled(options.peak_tflops, 1e12),
         mfu_ceiling=options.mfu_ceiling, overlap=options.overlap, host_memory_gib=options.host_memory_gib,
+        host_link_bandwidth=_scaled(options.host_link_bandwidth, gb),
+        host_optimizer_bandwidth=_scaled(options.host_optimizer_bandwidth, gb),
     )
+
+
+def _scaled(value: float | None, unit: float) -> float | None:
+    return None if value is None else value * unit
 
 
 def _check_args(options) -> None:
@@ -105,6 +111,10 @@ def _check_args(options) -> None:
                         ("--virtual-stages", options.virtual_stages), ("--max-micro-batch", options.max_micro_batch)):
         if value < 1:
             raise TensorparError(f"{flag} must be a positive integer, got {value}")
+    for flag, value in (("--host-link-bandwidth", options.host_link_bandwidth),
+                        ("--host-optimizer-bandwidth", options.host_optimizer_bandwidth)):
+        if value is not None and not value > 0:
+            raise TensorparError(f"{flag} must be a positive number of GB/s, got {value}")
     if options.top is not None and options.top < 1:
         raise TensorparError(f"--top must be a positive integer, got {options.top}")
     for flag, value in (("--tp", options.tp), ("--pp", options.pp), *(("--cp", c) for c in options.cp)):
@@ -262,9 +272,10 @@ def _table_lines(shown, moe: bool) -> list[str]:
         lines.append("MoE: ep expert-parallel ranks (expert-DP = tp x cp x dp / ep); 'a2a': the expert all-to-alls; "
                      "FLOPs and MFU count the active parameters (balanced routing assumed)")
     if shown and shown[0].memory.host_gib()["total"] > 0:
-        host = shown[0].memory.host_gib()
+        host, t = shown[0].memory.host_gib(), shown[0].time
         lines.append(f"host memory per GPU of layout 1 (offloaded): optimizer {host['optimizer']:.1f} GiB, activations "
-                     f"{host['activations']:.1f} GiB (the copies' time is not modelled)")
+                     f"{host['activations']:.1f} GiB; of its {t.step_time_s:.2f} s step, the optimizer "
+                     f"{t.optimizer_s:.2f} s and the activations' exposed copies {t.offload_s:.2f} s")
     return lines
 
 

@@ -8,6 +8,13 @@ figures assume one NIC per GPU (DGX / HGX rail-optimised): 8 x 400 Gb/s NDR = 50
 H100/H200/B200 systems, 8 x 200 Gb/s HDR = 25 GB/s for A100 systems. Latencies are typical NCCL
 per-step latencies (a few microseconds). These are nominal figures; measured NCCL bus bandwidths
 are 70-90% of them.
+
+The host side, for the planner's offloading levers: ``host_link`` is the GPU's link to host memory, per direction
+(PCIe 5.0 x16, 64 GB/s, for H100/H200/B200/MI300X; PCIe 4.0 x16, 32 GB/s, for A100), and
+``host_optimizer_bandwidth`` the host-memory traffic per GPU that an offloaded AdamW step reaches (28 bytes an
+element: `tensorpar.planning.offload_time`). Its default, 34 GB/s, is the one measurement there is: torch's fused
+CPU AdamW over llama-1b's 1.24B fp32 masters on 8 host threads of the H200 machine lent on 2026-11-28
+(docs/benchmarks.md, "Fourth run"); `tensorpar calibrate` measures both on the machine at hand.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class GPUSpec:
     # the library that runs its collectives: "nccl" (GPUs) or "gloo" (CPU processes, a calibrated CPU profile),
     # whose transfers run on the cores the ranks compute on (see `tensorpar.planning.cluster.make_cluster`)
     collectives: str = "nccl"
+    host_link: Link = Link(64e9, 10e-6)  # to host memory, per direction: PCIe 5.0 x16
+    host_optimizer_bandwidth: float = 34e9  # bytes/s per GPU an offloaded AdamW step streams on the host
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -60,6 +69,7 @@ _NVLINK3 = Link(300e9, 3e-6)
 _NVLINK5 = Link(900e9, 3e-6)
 _NDR = Link(50e9, 6e-6)  # 400 Gb/s per GPU
 _HDR = Link(25e9, 6e-6)  # 200 Gb/s per GPU
+_PCIE4 = Link(32e9, 10e-6)  # PCIe 4.0 x16, per direction
 
 GPUS: dict[str, GPUSpec] = {
     "h100-80gb": GPUSpec(
@@ -72,11 +82,11 @@ GPUS: dict[str, GPUSpec] = {
     ),
     "a100-80gb": GPUSpec(
         "a100-80gb", 80 * GiB, {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 2.039e12, _NVLINK3, _HDR,
-        "NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8 x HDR 200 Gb/s)",
+        "NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8 x HDR 200 Gb/s)", host_link=_PCIE4,
     ),
     "a100-40gb": GPUSpec(
         "a100-40gb", 40 * GiB, {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, 1.555e12, _NVLINK3, _HDR,
-        "NVIDIA A100 SXM4 40GB datasheet; DGX A100 (8 x HDR 200 Gb/s)",
+        "NVIDIA A100 SXM4 40GB datasheet; DGX A100 (8 x HDR 200 Gb/s)", host_link=_PCIE4,
     ),
     "b200": GPUSpec(
         "b200", 180 * GiB, {"bf16": 2250e12, "fp8": 4500e12, "tf32": 1100e12, "fp32": 75e12}, 8.0e12, _NVLINK5, _NDR,

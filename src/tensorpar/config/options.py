@@ -27,7 +27,6 @@ from tensorpar.config.choices import (
     LR_SCHEDULES,
     ON_NAN,
     OPTIMIZERS,
-    OPTIMIZER_STATE_DTYPES,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
     PLAN_PRECISIONS,
@@ -40,6 +39,7 @@ from tensorpar.config.choices import (
 )
 from tensorpar.config.fields import option
 from tensorpar.config.lora_options import LoraAdapterOptions, LoraOptions, LoraShapeOptions
+from tensorpar.config.memory_lever_options import MemoryLeverOptions, PlanMemoryOptions
 from tensorpar.config.sampling_options import SamplingOptions
 
 LAYOUT = "layout"
@@ -83,28 +83,6 @@ class ExpertOptions:
     expert_gemm: str = option("grouped", "the routed experts' GEMMs: one grouped GEMM per projection "
                                          "(torch._grouped_mm where it runs), or one GEMM per expert",
                               choices=EXPERT_GEMMS, group=LAYOUT)
-
-
-@dataclasses.dataclass
-class MemoryLeverOptions:
-    """Memory levers (`tensorpar.config.memory_levers`): what train runs with and plan models."""
-
-    optimizer_offload: bool = option(False, "keep AdamW's states and the fp32 master weights in host memory and step "
-                                            "there (pinned on CUDA)", group="memory")
-    activation_offload: bool = option(False, "move the tensors saved for the backward to host memory and back "
-                                             "(pinned and overlapped on CUDA)", group="memory")
-    activation_offload_layers: int | None = option(None, "with --activation-offload: only what the first N layers of "
-                                                         "a rank save moves (default: all it saves)", group="memory")
-    optimizer_state_dtype: str = option("fp32", "AdamW's moments in this dtype (the master weights stay fp32)",
-                                        choices=OPTIMIZER_STATE_DTYPES, group="memory")
-
-
-@dataclasses.dataclass
-class PlanMemoryOptions(MemoryLeverOptions):
-    """The memory levers plan models, and the host memory they may fill."""
-
-    host_memory_gib: float | None = option(None, "host memory per GPU the offloading levers may use (default 256: a "
-                                                 "DGX H100's 2 TiB over 8 GPUs)", group="memory")
 
 
 @dataclasses.dataclass

@@ -127,3 +127,16 @@ def offloaded_memory(weights, optimizer, memory: dict[str, int]) -> dict[str, in
     if not isinstance(weights, HostMasterWeights):
         return memory
     return {**memory, "optimizer": 0, "host_optimizer": weights.host_bytes(optimizer)}
+
+
+def host_step_threads_warning(device_type: str, threads: int, cpus: int, local_ranks: int) -> str | None:
+    """A warning when GPU ranks would step their offloaded optimizer on one host thread each while the node has
+    cores to spare: torchrun sets OMP_NUM_THREADS=1 unless told otherwise, and the fused CPU AdamW's speed scales
+    with its threads (tensorpar's own launcher gives each rank cores / ranks)."""
+    spare = max(1, cpus // max(local_ranks, 1))
+    if device_type != "cuda" or threads > 1 or spare == 1:
+        return None
+    return (f"--optimizer-offload steps AdamW on the host with {threads} thread per rank (OMP_NUM_THREADS={threads}, "
+            f"torchrun's default) while this node has {cpus} cores for {local_ranks} ranks: set OMP_NUM_THREADS={spare} "
+            f"for a faster optimizer step")
+

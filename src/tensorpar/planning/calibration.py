@@ -7,6 +7,8 @@
 - optionally (``--sustain SECONDS``) each dtype's best GEMM back to back for that long: the rate a GPU keeps
   once its power limit lowers its clock;
 - memory bandwidth: a large ``copy_`` (bytes read + written per second);
+- the host, for the offloading levers (`tensorpar.planning.host_calibration`): copies between the device and host
+  memory, and an AdamW step over fp32 tensors in host memory;
 - collectives (all_reduce, all_gather, reduce_scatter, all_to_all, send/recv) by message size and group size,
   with gloo on CPU processes (``--device cpu``) or NCCL across the GPUs of the node (``--device cuda`` with
   more than one GPU);
@@ -44,6 +46,7 @@ from tensorpar.config.hardware import GPUSpec, Link
 from tensorpar.distributed.comm import Group
 from tensorpar.errors import TensorparError
 from tensorpar.planning.devices import DeviceCurve, gemm_time
+from tensorpar.planning.host_calibration import HOST_LINK_LATENCY_S, measure_host
 
 CPU_SHAPES = [(m, n, k) for m in (64, 256, 1024) for n in (64, 256, 1024) for k in (64, 256, 1024)]
 CUDA_SHAPES = [(m, n, k) for m in (128, 1024, 4096, 16384) for n in (128, 1024, 4096, 16384)
@@ -313,6 +316,9 @@ def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None, s
             shape = (best["m"], best["n"], best["k"])
             out.setdefault("sustained", {})[dt] = measure_sustained(dev, _DTYPES[dt], shape, sustain_s,
                                                                     best["flops_per_s"])
+    if together is not None:
+        together()
+    out.update(measure_host(dev))
     return out
 
 
@@ -408,7 +414,8 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
             peaks[alias], efficiency[alias] = peaks[src], efficiency[src]
     library = prof.get("collectives_library", "gloo" if prof.get("device") == "cpu" else "nccl")
     spec = GPUSpec(f"calibrated:{prof.get('name', path)}", int(prof["memory_bytes"]), peaks,
-                   float(prof["hbm_bandwidth"]), link, link, f"tensorpar calibrate ({path})", library)
+                   float(prof["hbm_bandwidth"]), link, link, f"tensorpar calibrate ({path})", library,
+                   **_host_fields(prof))
     # the curve's shape from the first dtype measured (fp32 on CPU, bf16 on GPUs), never fp8's (no attention there)
     fields = dict(next(c for dt, c in prof["curves"].items() if dt != "fp8"))
     if "attention_efficiency" in fields:
@@ -416,3 +423,19 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
     fields.pop("gemm_efficiency", None)
     curve = DeviceCurve(f"calibrated:{prof.get('name', path)}", efficiency, **fields)
     return spec, curve
+
+
+def _host_fields(prof: dict) -> dict:
+    """The GPUSpec's host figures from a profile. One written before they were measured: a GPU's keep the
+    catalog's defaults; a CPU's copy within its memory (half the copy bandwidth counted both ways) and step an
+    offloaded optimizer as fast as its own."""
+    out = {}
+    if "host_link" in prof:
+        out["host_link"] = Link(float(prof["host_link"]["bandwidth"]), float(prof["host_link"]["latency"]))
+    elif prof.get("device") == "cpu":
+        out["host_link"] = Link(float(prof["hbm_bandwidth"]) / 2, HOST_LINK_LATENCY_S)
+    if "host_optimizer_bandwidth" in prof:
+        out["host_optimizer_bandwidth"] = float(prof["host_optimizer_bandwidth"])
+    elif prof.get("device") == "cpu":
+        out["host_optimizer_bandwidth"] = float(prof["hbm_bandwidth"])
+    return out

@@ -24,6 +24,10 @@ shape, attention, memory bandwidth) and the efficiency knobs of the step-time mo
   gloo's transfers and reductions run on the CPU cores, which tensorpar's processes already keep busy
   (``cores / processes`` threads each), so the communication adds to the compute instead of hiding behind it.
 
+- ``host_link`` / ``host_optimizer_bandwidth``: what the offloading levers cost (`tensorpar.planning.offload_time`):
+  the GPU's link to host memory (per direction; transfers reach ``link_efficiency`` of it, as collectives do) and
+  the host-memory traffic an offloaded AdamW step reaches per GPU. Default: the catalog's.
+
 The GPU catalog itself (datasheet peaks, memory, links) is `tensorpar.config.hardware`;
 ``--intra-bandwidth`` / ``--inter-bandwidth`` and the other overrides replace any of its figures.
 """
@@ -58,6 +62,8 @@ class Cluster:
     tp_overlap: float = 0.0
     pp_overlap: float = 0.0
     host_memory_bytes: int = DEFAULT_HOST_MEMORY_GIB * GiB  # per GPU: what the memory levers' offloading may use
+    host_link: Link | None = None  # to host memory, per GPU per direction (default: the GPU's)
+    host_optimizer_bandwidth: float | None = None  # bytes/s per GPU of an offloaded AdamW step (default: the GPU's)
 
     def __post_init__(self):
         problems = []
@@ -77,17 +83,24 @@ class Cluster:
             problems.append(f"the TP overlap must be in [0, 1], got {self.tp_overlap}")
         if not 0 <= self.pp_overlap <= 1:
             problems.append(f"the pipeline p2p overlap must be in [0, 1], got {self.pp_overlap}")
+        if self.host_optimizer_bandwidth is not None and not self.host_optimizer_bandwidth > 0:
+            problems.append(f"the host optimizer bandwidth must be positive, got {self.host_optimizer_bandwidth}")
         if problems:
             raise TensorparError("invalid cluster: " + "; ".join(problems))
         if self.intra is None:
             object.__setattr__(self, "intra", self.gpu.intra_node)
         if self.inter is None:
             object.__setattr__(self, "inter", self.gpu.inter_node)
+        if self.host_link is None:
+            object.__setattr__(self, "host_link", self.gpu.host_link)
+        if self.host_optimizer_bandwidth is None:
+            object.__setattr__(self, "host_optimizer_bandwidth", self.gpu.host_optimizer_bandwidth)
         if self.curve is None:
             object.__setattr__(self, "curve", curve_for(self.gpu.name))
         eff = self.link_efficiency
         object.__setattr__(self, "_links", (Link(self.intra.bandwidth * eff, self.intra.latency),
-                                            Link(self.inter.bandwidth * eff, self.inter.latency)))
+                                            Link(self.inter.bandwidth * eff, self.inter.latency),
+                                            Link(self.host_link.bandwidth * eff, self.host_link.latency)))
 
     @property
     def nodes(self) -> int:
@@ -104,6 +117,17 @@ class Cluster:
         """The link of a group whose members lie within `span` consecutive ranks: NVLink if they fit in a node
         (bandwidths as collectives reach them: the nominal figure x ``link_efficiency``)."""
         return self._links[0] if span <= self.gpus_per_node else self._links[1]
+
+    @property
+    def copies_beside_compute(self) -> bool:
+        """Whether copies to and from host memory run beside the compute (a GPU's copy engines, on side streams),
+        or, on a CPU (a calibrated CPU profile, whose collectives are gloo's), in the thread that computes."""
+        return self.gpu.collectives != "gloo"
+
+    @property
+    def host_transfer_link(self) -> Link:
+        """The link to host memory as copies reach it (the nominal figure x ``link_efficiency``)."""
+        return self._links[2]
 
     def describe(self) -> str:
         return (f"{self.gpus} x {self.gpu.name} ({self.nodes} node{'s' if self.nodes > 1 else ''} of "
@@ -129,10 +153,13 @@ def make_cluster(
     tp_overlap: float | None = None,
     pp_overlap: float | None = None,
     host_memory_gib: float | None = None,
+    host_link_bandwidth: float | None = None,
+    host_optimizer_bandwidth: float | None = None,
 ) -> Cluster:
     """A Cluster from a catalog name (or a `GPUSpec`, e.g. a calibrated profile's, with its `curve`) with any
     figure overridden (bandwidths in bytes/s, latencies in s)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    host_link = None if host_link_bandwidth is None else Link(host_link_bandwidth, spec.host_link.latency)
     if memory_gib is not None:
         spec = dataclasses.replace(spec, memory_bytes=int(memory_gib * GiB))
     if peak_bf16 is not None:
@@ -148,4 +175,5 @@ def make_cluster(
         0.0 if tp_overlap is None else tp_overlap,
         0.0 if pp_overlap is None else pp_overlap,
         int((DEFAULT_HOST_MEMORY_GIB if host_memory_gib is None else host_memory_gib) * GiB),
+        host_link, host_optimizer_bandwidth,
     )

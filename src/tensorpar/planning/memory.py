@@ -83,7 +83,7 @@ from tensorpar.planning.communication import DEFAULT_BUCKET_BYTES
 from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
 from tensorpar.planning.fp8_traffic import fp8_input_bytes
 from tensorpar.planning.latent import latent_attention_activations, latent_playbook_bytes, mtp_activations
-from tensorpar.planning.offload_memory import host_optimizer_bytes, levered_precision
+from tensorpar.planning.offload_memory import SavedBytes, host_optimizer_bytes, levered_precision
 from tensorpar.planning.lora_adapters import (check_lora, lora_layer_activations, lora_outer_activations,
                                      lora_weight_copies)
 from tensorpar.planning.params import ParamSummary, layout_summary
@@ -327,42 +327,61 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
     check_lora(cfg, lora)
     pp = layout.pp
     summary = layout_summary(cfg, layout, stage, lora)
-    first, last, n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)
+    n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)[2]
     m = max(layout.num_micro_batches(global_batch), 1)
     states = state_bytes(cfg, layout, summary, stage, prec, bucket_bytes, lora)
     opt_mem = states.optimizer
     chunks = in_flight(layout, m, stage if pp > 1 else 0)
-    # zero-bubble schedules keep the unfused head and loss (their split backward defers the head's weight gradient)
-    split_backward = layout.splits_backward
-    chunked = bool(loss_chunk_tokens) and prec.activations == "tensorpar" and not split_backward
-    activations, recomputed, in_layers = _activation_bytes(cfg, layout, seq_len, m, chunks, n_layers, first, last,
-                                                           prec, flash_attention, tp_overlap, chunked, lora)
-    weight_copies, copies_alive = _weight_copy_bytes(cfg, layout, summary, n_layers, chunks, last, prec, chunked)
-    head_copies = _head_weight_copies(summary, last, prec, chunked)
-    weight_copies += chunks * lora_weight_copies(cfg, layout, prec, lora, first) // layout.virtual_stages
-    transient = states.gathered + recomputed + copies_alive
+    saved = _saved_bytes(cfg, layout, seq_len, m, chunks, stage, prec, summary, flash_attention, tp_overlap,
+                         loss_chunk_tokens, lora)
+    activations, weight_copies = saved.activations, saved.weight_copies
+    transient = states.gathered + saved.recomputed + saved.copies_alive
     host_opt = host_act = 0
     if levers.optimizer_offload:
         opt_mem, host_opt = 0, host_optimizer_bytes(summary, layout, prec)
     if levers.activation_offload:
-        offloaded = levers.offloaded_layers(n_layers)
-        if levers.activation_offload_layers is None:  # everything saved moves
-            host_act, activations, weight_copies = activations + weight_copies, 0, 0
-        else:  # the first layers' share of what the layers save (their activations and weight copies) moves
-            moved_activations = in_layers * offloaded // max(n_layers, 1)
-            moved_copies = (weight_copies - head_copies) * offloaded // max(n_layers, 1)
-            host_act = moved_activations + moved_copies
-            activations, weight_copies = activations - moved_activations, weight_copies - moved_copies
+        host_act, activations, weight_copies = saved.offloaded(levers, n_layers)
         # in the backward a layer's saved tensors come back for it, the next layer's ahead of it; when the later layers
         # stay, the first ones come back as those are freed, and only the one fetched ahead adds to the peak
         layer = _layer_activations(cfg, layout, layout.micro_batch_size, seq_len // layout.cp, layout.recompute, prec,
                                    flash_attention, tp_overlap, 1.0 if cfg.is_moe else 0.0, lora)
-        transient += (2 if offloaded == n_layers else 1) * layer
+        transient += (2 if levers.offloaded_layers(n_layers) == n_layers else 1) * layer
     subtotal = (states.parameters + states.frozen + states.gradients + opt_mem + activations + weight_copies
                 + transient)
     overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * subtotal)
     return MemoryBreakdown(states.parameters, states.gradients, opt_mem, activations, weight_copies, transient,
                            overhead, stage, summary.numel, host_opt, host_act, states.frozen)
+
+
+def _saved_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int, stage: int, prec: Precision,
+                 summary: ParamSummary, flash_attention: bool, tp_overlap: bool, loss_chunk_tokens: int | None,
+                 lora: LoraSpec | None) -> SavedBytes:
+    """The `SavedBytes` of `chunks` chunk-forwards in flight on pipeline rank `stage`."""
+    first, last, n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)
+    # zero-bubble schedules keep the unfused head and loss (their split backward defers the head's weight gradient)
+    chunked = bool(loss_chunk_tokens) and prec.activations == "tensorpar" and not layout.splits_backward
+    activations, recomputed, in_layers = _activation_bytes(cfg, layout, seq_len, m, chunks, n_layers, first, last,
+                                                           prec, flash_attention, tp_overlap, chunked, lora)
+    weight_copies, copies_alive = _weight_copy_bytes(cfg, layout, summary, n_layers, chunks, last, prec, chunked)
+    weight_copies += chunks * lora_weight_copies(cfg, layout, prec, lora, first) // layout.virtual_stages
+    return SavedBytes(activations, recomputed, in_layers, weight_copies, copies_alive,
+                      _head_weight_copies(summary, last, prec, chunked))
+
+
+def moved_activation_bytes(cfg, layout: Candidate, seq_len: int, precision: Precision | str, stage: int = 0,
+                           flash_attention: bool = True, levers: MemoryLevers = MemoryLevers(),
+                           lora: LoraSpec | None = None) -> tuple[int, int]:
+    """(bytes --activation-offload moves to the host and back for one micro-batch on a rank of pipeline `stage`, the
+    layers whose saved tensors move): one micro-batch's pass through the stage's chunks, as `stage_memory` counts
+    them (0 without the lever)."""
+    n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)[2]
+    if not levers.activation_offload:
+        return 0, 0
+    prec = levered_precision(get_precision(precision), levers)
+    summary = layout_summary(cfg, layout, stage, lora)
+    saved = _saved_bytes(cfg, layout, seq_len, 1, layout.virtual_stages, stage, prec, summary, flash_attention, True,
+                         LOSS_CHUNK_TOKENS, lora)
+    return saved.offloaded(levers, n_layers)[0], levers.offloaded_layers(n_layers)
 
 
 def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int, n_layers: int, first: bool,

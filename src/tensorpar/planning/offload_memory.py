@@ -10,8 +10,8 @@
   the host between the forward and the backward; the GPU holds, transiently, one layer's saved tensors brought
   back for its backward.
 
-Step time: the copies (the gradient slice and the master each way once per step; the saved tensors out and back
-once per micro-batch, the outward copies beside the compute) are not modelled.
+What the copies cost a step (the gradient slice and the master each way once per step, the saved tensors out and
+back once per micro-batch) is `tensorpar.planning.offload_time`'s.
 """
 
 from __future__ import annotations
@@ -46,3 +46,29 @@ def host_optimizer_bytes(summary: ParamSummary, layout, prec: Precision) -> int:
     expert_shards = layout.expert_dp if layout.zero and expert else 1
     return (_host_bytes(dense, summary.trained_tensors - summary.trained_expert_tensors, prec, dense_shards)
             + _host_bytes(expert, summary.trained_expert_tensors, prec, expert_shards))
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedBytes:
+    """What one rank of a stage keeps from its forwards for their backwards: the activations (of them, the layers'
+    share ``in_layers``; ``recomputed``: what recomputation brings back during one layer's backward) and autocast's
+    or fp8's weight copies (of them, the head's ``head_copies``; ``copies_alive``: those alive only while a layer
+    recomputes)."""
+
+    activations: int
+    recomputed: int
+    in_layers: int
+    weight_copies: int
+    copies_alive: int
+    head_copies: int
+
+    def offloaded(self, levers: MemoryLevers, n_layers: int) -> tuple[int, int, int]:
+        """(moved to the host, activations left, weight copies left) under --activation-offload: everything saved,
+        or with --activation-offload-layers the first layers' share of what the layers save."""
+        if levers.activation_offload_layers is None:
+            return self.activations + self.weight_copies, 0, 0
+        offloaded = levers.offloaded_layers(n_layers)
+        moved_activations = self.in_layers * offloaded // max(n_layers, 1)
+        moved_copies = (self.weight_copies - self.head_copies) * offloaded // max(n_layers, 1)
+        return (moved_activations + moved_copies, self.activations - moved_activations,
+                self.weight_copies - moved_copies)

@@ -56,7 +56,7 @@ class Plan:
             out["breakdown_s"] = {"compute": t.compute_s - t.recompute_s, "recompute": t.recompute_s,
                                   "tp_comm": t.tp_comm_s, "pp_comm": t.pp_comm_s, "cp_comm": t.cp_comm_s,
                                   "ep_comm": t.ep_comm_s, "bubble": t.bubble_s,
-                                  "dp_comm": t.dp_comm_s, "optimizer": t.optimizer_s}
+                                  "dp_comm": t.dp_comm_s, "optimizer": t.optimizer_s, "offload": t.offload_s}
             out["bubble_fraction"] = t.bubble_fraction
             out["hardware_tflops_per_gpu"] = t.hardware_flops_per_gpu_s / 1e12
         return out
@@ -84,7 +84,8 @@ def evaluate(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batc
         return Plan(layout, False, f"exceeds memory by {excess / GiB:.1f} GiB ({mem.total / GiB:.1f} of "
                                    f"{cluster.memory_bytes / GiB:.0f} GiB, pipeline stage {mem.stage})",
                     mem, None, excess, kv, lora)
-    time = predict_step_time(cfg, layout, cluster, seq_len, global_batch, precision, flash=flash_attention, lora=lora)
+    time = predict_step_time(cfg, layout, cluster, seq_len, global_batch, precision, flash=flash_attention, lora=lora,
+                             levers=levers)
     return Plan(layout, True, "", mem, time, kv_cache_bytes_per_token=kv, lora=lora)
 
 

@@ -22,6 +22,11 @@ buckets; every micro-batch's forward and backward for ZeRO-3's gathers); the par
 all-gather after a ZeRO-1/2 optimizer step is exposed. The optimizer step itself is memory-bound:
 about 28 bytes of HBM traffic per (local) optimizer element.
 
+Memory levers (`levers`, `tensorpar.planning.offload_time`): --optimizer-offload steps on the host instead (the
+gradients out, AdamW at the host's bandwidth, the masters back); --activation-offload adds, per micro-batch and
+stage, what its copies to and from host memory do not hide behind the forward and the backward. bf16 moments
+are timed as fp32 ones: the lent H200 measured them 6% slower, not faster (their casts).
+
 LoRA (`lora`): the frozen base computes no weight gradients (its backward is its input gradients, about one
 forward), the adapters add their r-wide GEMMs (`tensorpar.planning.lora_adapters.adapter_gemms`: forward, input and weight
 gradient), the optimizer steps the adapters alone, and MFU counts the FLOPs such a step needs (the model's less
@@ -38,12 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.models.flops import train_flops_per_token
 from tensorpar.planning.collective_cost import collectives_time
 from tensorpar.planning.communication import model_collectives, step_collectives
 from tensorpar.planning.compute import flop_parts, stage_flops
 from tensorpar.planning.kernels import gemms_time, optimizer_time, stage_compute_time
 from tensorpar.planning.lora_adapters import adapter_gemms
+from tensorpar.planning.memory import moved_activation_bytes
+from tensorpar.planning.offload_time import activation_copy_time, offloaded_optimizer_time
 from tensorpar.planning.candidates import Candidate, candidate_stages, stage_layers
 from tensorpar.planning.params import layout_summary
 from tensorpar.planning.precision_recipes import Precision, get_precision
@@ -71,6 +79,7 @@ class StepTime:
     model_flops: float  # per step, the whole model (models.flops accounting)
     hardware_flops_per_gpu_s: float  # achieved, recomputation included
     ep_comm_s: float = 0.0  # the expert-parallel all-to-alls (MoE), exposed
+    offload_s: float = 0.0  # --activation-offload: the copies to and from host memory that compute does not hide
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -146,10 +155,11 @@ class StageTime:
     pp: float
     cp: float
     ep: float
+    offload: float = 0.0  # --activation-offload: its exposed copies
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward + self.recompute + self.tp + self.pp + self.cp + self.ep
+        return self.forward + self.backward + self.recompute + self.tp + self.pp + self.cp + self.ep + self.offload
 
 
 def pipeline_bubble(layout: Candidate, st: StageTime) -> float:
@@ -162,7 +172,7 @@ def pipeline_bubble(layout: Candidate, st: StageTime) -> float:
     p = layout.pp
     if p == 1:
         return 0.0
-    comm = st.tp + st.pp + st.cp + st.ep
+    comm = st.tp + st.pp + st.cp + st.ep + st.offload
     t_f = st.forward + comm / 3.0
     t_w = st.wgrad
     t_b = st.backward - st.wgrad + st.recompute + comm * 2.0 / 3.0
@@ -193,14 +203,19 @@ def _busiest_dp_stage(cfg, layout: Candidate) -> int:
 
 def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batch: int,
                       precision: Precision | str = "tensorpar-bf16", *, algorithm: str = "best",
-                      flash: bool = True, lora: LoraSpec | None = None) -> StepTime:
-    """The step time of `layout` (`lora`: LoRA fine-tuning, the base frozen; see the module docstring)."""
+                      flash: bool = True, lora: LoraSpec | None = None,
+                      levers: MemoryLevers = MemoryLevers()) -> StepTime:
+    """The step time of `layout` (`lora`: LoRA fine-tuning, the base frozen; `levers`: the memory levers; see the
+    module docstring)."""
     prec = get_precision(precision)
     b, s = layout.micro_batch_size, seq_len
     m = max(layout.num_micro_batches(global_batch), 1)
     pp = layout.pp
     stages = candidate_stages(cfg, layout) if pp > 1 else [None]
     per_stage = {st: _stage_time(cfg, layout, cluster, b, s, st, prec, algorithm, flash, lora) for st in stages}
+    if levers.activation_offload:
+        per_stage = {st: _with_offload(cfg, layout, cluster, s, st, t, precision, flash, levers, lora)
+                     for st, t in per_stage.items()}
     slowest = max(per_stage, key=lambda st: per_stage[st].total)
     st_time = per_stage[slowest]
     comp, recomp = st_time.forward + st_time.backward, st_time.recompute
@@ -208,7 +223,7 @@ def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batc
     pipeline = m * st_time.total + bubble
     dp_stage = _busiest_dp_stage(cfg, layout) if pp > 1 else None
     dp_exposed = _exposed_dp_time(cfg, layout, cluster, s, m, prec, algorithm, dp_stage, st_time, lora)
-    optimizer = _optimizer_step_time(cfg, layout, cluster, dp_stage, lora)
+    optimizer = _optimizer_step_time(cfg, layout, cluster, dp_stage, lora, levers.optimizer_offload)
 
     step = pipeline + dp_exposed + optimizer
     tokens = global_batch * seq_len
@@ -233,7 +248,18 @@ def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batc
         model_flops=model_flops,
         hardware_flops_per_gpu_s=(model_flops + total_recompute) / (step * gpus),
         ep_comm_s=m * st_time.ep,
+        offload_s=m * st_time.offload,
     )
+
+
+def _with_offload(cfg, layout: Candidate, cluster, s: int, stage: int | None, st: StageTime, precision, flash: bool,
+                  levers: MemoryLevers, lora: LoraSpec | None) -> StageTime:
+    """`st` with what its activations' copies to and from host memory leave exposed (`offload_time`)."""
+    stage = stage or 0
+    moved, moved_layers = moved_activation_bytes(cfg, layout, s, precision, stage, flash, levers, lora)
+    layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)[2]
+    exposed = activation_copy_time(moved, moved_layers, layers, st.forward, st.backward + st.recompute, cluster)
+    return dataclasses.replace(st, offload=exposed)
 
 
 def _exposed_dp_time(cfg, layout: Candidate, cluster, s: int, m: int, prec: Precision, algorithm: str,
@@ -266,13 +292,17 @@ def _exposed_dp_time(cfg, layout: Candidate, cluster, s: int, m: int, prec: Prec
     return dp_exposed
 
 
-def _optimizer_step_time(cfg, layout: Candidate, cluster, dp_stage: int | None, lora: LoraSpec | None = None) -> float:
+def _optimizer_step_time(cfg, layout: Candidate, cluster, dp_stage: int | None, lora: LoraSpec | None = None,
+                         offloaded: bool = False) -> float:
     """Seconds of the optimizer step on one rank of `dp_stage`: its trained elements, 1/replicas of them under ZeRO
-    (routed experts' 1/expert-DP), at OPTIMIZER_BYTES_PER_ELEMENT of HBM traffic each."""
+    (routed experts' 1/expert-DP), at OPTIMIZER_BYTES_PER_ELEMENT of HBM traffic each; `offloaded`
+    (--optimizer-offload): on the host, with the copies there and back."""
     summary = layout_summary(cfg, layout, dp_stage or 0, lora)
     dense, expert = summary.trained_numel - summary.trained_expert_numel, summary.trained_expert_numel
     sharded = layout.zero >= 1 and layout.shards > 1
     opt_elems = dense / layout.shards + expert / layout.expert_dp if sharded else dense + expert
+    if offloaded:
+        return offloaded_optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
     return optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
 
 

@@ -19,6 +19,7 @@ from tensorpar.config.memory_levers import MemoryLevers
 from tensorpar.data import build_dataset, describe_corpus, open_corpus, validation_windows
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
+from tensorpar.data_parallel.host_masters import host_step_threads_warning
 from tensorpar.distributed.mesh import Mesh
 from tensorpar.models import Transformer
 from tensorpar.models.build import Execution, build_transformer
@@ -147,6 +148,11 @@ def build_optimizer(model, mesh: Mesh, run: PreparedRun) -> BucketedOptimizer | 
     stage = ({"reshard_after_forward": o.zero3_reshard_after_forward} if zero == 3
              else {"bucket_bytes": int(o.bucket_mb * 2**20)})
     levers = MemoryLevers.of(o)
+    warning = levers.optimizer_offload and host_step_threads_warning(
+        mesh.device.type, torch.get_num_threads(), os.cpu_count() or 1,
+        int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)))
+    if warning and mesh.rank == 0:
+        sys.stderr.write(f"tensorpar: warning: {warning}\n")
     return data_parallel_optimizer(model, mesh, zero=zero, lr=o.lr, weight_decay=o.weight_decay,
                                    reduce_dtype=run.precision.reduce_dtype, optimizer=o.optimizer,
                                    muon_momentum=o.muon_momentum, offload=levers.optimizer_offload,
