@@ -88,3 +88,21 @@ def test_plan_reports_the_copies_and_takes_the_hosts_figures(cli):
                          (["--optimizer-offload", "--host-link-bandwidth", "0"], "positive number of GB/s")):
         code, _, err = cli(*base, *extra)
         assert code == 2 and needs in err and err.count("\n") == 1, err
+
+
+def test_copies_hide_behind_the_forward_and_the_backward_of_the_layers_that_stay():
+    from types import SimpleNamespace
+
+    from tensorpar.config.hardware import Link
+    from tensorpar.planning.offload_time import activation_copy_time
+
+    gpu = SimpleNamespace(host_transfer_link=Link(1.0, 0.0), copies_beside_compute=True)  # 1 byte/s: bytes = s
+    # 4 layers, forward 1 s, backward 2 s (0.5 a layer). Everything moved, 2 s each way: the copies out overrun the
+    # forward by 1 s, the first layer back (0.5 s) has nothing to hide behind, the other three fit behind a layer each
+    assert activation_copy_time(2, 4, 4, 1.0, 2.0, gpu) == pytest.approx(1.5)
+    # the first layer only, 1.5 s each way: its copy out overruns the forward by 0.5 s, which with its copy back
+    # (1.5 s) hides behind the other three layers' backward (1.5 s) but for 0.5 s
+    assert activation_copy_time(1.5, 1, 4, 1.0, 2.0, gpu) == pytest.approx(0.5)
+    assert activation_copy_time(0.5, 1, 4, 1.0, 2.0, gpu) == 0  # fits behind the forward and the backward
+    cpu = SimpleNamespace(host_transfer_link=Link(1.0, 0.0), copies_beside_compute=False)
+    assert activation_copy_time(0.5, 1, 4, 1.0, 2.0, cpu) == 1.0  # a CPU copies in the computing thread: both ways

@@ -6,15 +6,16 @@ on the host.
 out during the forward on a side stream, back during the backward one layer ahead of it
 (`tensorpar.training.activation_offload`). With N of the stage's L layers moved, per micro-batch::
 
-    out          = moved / link
-    exposed_out  = max(0, out - forward)                       the copies out run beside the whole forward
-    c            = moved / N / link                            one moved layer's copy back
-    b            = backward / L                                one layer's backward (recomputation included)
-    exposed_in   = (N - 1) max(0, c - b) + max(0, c - (L - N) b)
+    out      = moved / link                               the copies out, from the forward's start
+    c        = moved / N / link                           one moved layer's copy back
+    b        = backward / L                               one layer's backward (recomputation included)
+    exposed  = max(0, max(0, out - forward) + c - (L - N) b) + (N - 1) max(0, c - b)
 
-Layer j's tensors come back while layer j + 1's backward runs; the last moved layer's, the first to come back,
-beside the backward of the L - N layers that stay (none when every layer moves: nothing hides that copy). The
-model assumes the copies' full overlap where they fit and counts no per-tensor latency. On a CPU
+The copies out run beside the forward and, where they overrun it, beside the backward of the L - N layers that stay
+(their tensors are needed only when the moved layers' backward comes). The last moved layer's tensors, the first to
+come back, are fetched once their copy out is done, beside what is left of those layers' backward (nothing when
+every layer moves); then layer j's come back while layer j + 1's backward runs. The model assumes the copies'
+full overlap where they fit and counts no per-tensor latency. On a CPU
 (``cluster.copies_beside_compute`` false) the copies run in the thread that computes: all of them are exposed.
 
 ``--optimizer-offload`` (`tensorpar.data_parallel.host_masters`), per step and rank: the gradient slice to the host
@@ -45,9 +46,8 @@ def activation_copy_time(moved: int, moved_layers: int, layers: int, forward_s: 
         return 2 * out
     per_layer_copy = out / moved_layers
     per_layer_backward = backward_s / max(layers, 1)
-    exposed_in = ((moved_layers - 1) * max(0.0, per_layer_copy - per_layer_backward)
-                  + max(0.0, per_layer_copy - (layers - moved_layers) * per_layer_backward))
-    return max(0.0, out - forward_s) + exposed_in
+    first_back = max(0.0, out - forward_s) + per_layer_copy - (layers - moved_layers) * per_layer_backward
+    return max(0.0, first_back) + (moved_layers - 1) * max(0.0, per_layer_copy - per_layer_backward)
 
 
 def offloaded_optimizer_time(elements: float, cluster, bytes_per_element: float) -> float:
