@@ -82,7 +82,7 @@ def test_plan_reports_the_copies_and_takes_the_hosts_figures(cli):
     assert rows["slow"]["breakdown_s"]["offload"] > rows["offload"]["breakdown_s"]["offload"] > 0
     assert rows["slow"]["breakdown_s"]["optimizer"] > 3 * rows["offload"]["breakdown_s"]["optimizer"]
     code, out, _ = cli(*base[:-1], "--activation-offload", "--top", "1")
-    assert code == 0 and "exposed copies" in out
+    assert code == 0 and "exposed copies" in out and " offl exposed" in out.splitlines()[4]
     for extra, needs in ((["--host-link-bandwidth", "16"], "--optimizer-offload or --activation-offload"),
                          (["--activation-offload", "--host-optimizer-bandwidth", "8"], "needs --optimizer-offload"),
                          (["--optimizer-offload", "--host-link-bandwidth", "0"], "positive number of GB/s")):

@@ -209,7 +209,7 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
     infeasible = [p for p in plans if not p.feasible]
     lines = _summary_lines(cfg, cluster, plans, options)
     if shown:
-        lines += _table_lines(shown, moe=cfg.is_moe)
+        lines += _table_lines(shown, moe=cfg.is_moe, offload=options.activation_offload)
     else:
         lines.append("no layout fits: see the reasons below")
     if infeasible:
@@ -250,16 +250,17 @@ def _summary_lines(cfg, cluster, plans, options) -> list[str]:
     ]
 
 
-def _table_lines(shown, moe: bool) -> list[str]:
-    """The ranked table of the shown layouts (with the ep and all-to-all columns for a mixture-of-experts model)
-    and its footnotes."""
-    ep_head, a2a_head = (f" {'ep':>3}", f" {'a2a':>5}") if moe else ("", "")
+def _table_lines(shown, moe: bool, offload: bool = False) -> list[str]:
+    """The ranked table of the shown layouts (with the ep and all-to-all columns for a mixture-of-experts model, the
+    exposed copies' column under --activation-offload) and its footnotes."""
+    ep_head = f" {'ep':>3}" if moe else ""
+    exposed_head = (f" {'a2a':>5}" if moe else "") + (f" {'offl':>5}" if offload else "")
     head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'schedule':>11} {'mbs':>4} {'sp':>3} "
             f"{'recompute':>9} {'zero':>4} |"
             f" {'params':>6} {'grads':>6} {'optim':>6} {'activ':>6} {'copies':>6} {'other':>6} {'total':>6} GiB |"
             f" {'step s':>7} {'tokens/s':>10} {'MFU':>6} | {'tp+cp':>5} {'pp+bub':>6} {'dp':>5}"
-            f"{a2a_head} exposed")
-    lines = [head] + [_table_row(i, p, moe) for i, p in enumerate(shown, 1)]
+            f"{exposed_head} exposed")
+    lines = [head] + [_table_row(i, p, moe, offload) for i, p in enumerate(shown, 1)]
     lines.append("v: model chunks per pipeline rank (--virtual-stages; zbv runs 2); memory per GPU of the most loaded "
                  "pipeline stage; 'copies': bf16 weight copies kept by autocast (fp8: the fp8 weight caches); 'other': "
                  "recomputation/ZeRO-3 working set + 1.5 GiB + 5% margin")
@@ -275,7 +276,8 @@ def _table_lines(shown, moe: bool) -> list[str]:
         host, t = shown[0].memory.host_gib(), shown[0].time
         lines.append(f"host memory per GPU of layout 1 (offloaded): optimizer {host['optimizer']:.1f} GiB, activations "
                      f"{host['activations']:.1f} GiB; of its {t.step_time_s:.2f} s step, the optimizer "
-                     f"{t.optimizer_s:.2f} s and the activations' exposed copies {t.offload_s:.2f} s")
+                     f"{t.optimizer_s:.2f} s and the activations' exposed copies {t.offload_s:.2f} s ('offl': the "
+                     f"copies to and from host memory that compute does not hide)")
     return lines
 
 
@@ -290,7 +292,7 @@ def _uneven_stage_lines(shown) -> list[str]:
             for split, rows in by_split.items()]
 
 
-def _table_row(i: int, p, moe: bool) -> str:
+def _table_row(i: int, p, moe: bool, offload: bool = False) -> str:
     """Row `i` of the table: plan `p`'s layout, memory in GiB, step time and the exposed communication shares."""
     lay, mem, t = p.candidate, p.memory.gib(), p.time
     other = mem["transient"] + mem["overhead"]
@@ -303,7 +305,7 @@ def _table_row(i: int, p, moe: bool) -> str:
         f" {mem['weight_copies']:6.1f} {other:6.1f} {mem['total']:6.1f}     |"
         f" {t.step_time_s:7.2f} {t.tokens_per_s:10,.0f} {100 * t.mfu:5.1f}% |"
         f" {pct(t.tp_comm_s + t.cp_comm_s)} {pct(t.pp_comm_s + t.bubble_s):>6} {pct(t.dp_comm_s)}"
-        + (f" {pct(t.ep_comm_s)}" if moe else "")
+        + (f" {pct(t.ep_comm_s)}" if moe else "") + (f" {pct(t.offload_s)}" if offload else "")
     )
 
 
