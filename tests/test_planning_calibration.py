@@ -65,6 +65,8 @@ def test_calibrate_writes_a_profile_that_plan_hardware_uses(tmp_path, capsys):
     spec_older = calibration.load_profile(str(older))[0]
     assert spec_older.host_link.bandwidth == prof["hbm_bandwidth"] / 2
     assert spec_older.host_optimizer_bandwidth == prof["hbm_bandwidth"]
+    older.write_text(json.dumps({**json.loads(older.read_text()), "device": "cuda"}))  # a GPU's: PCIe 5.0 x 0.8
+    assert calibration.load_profile(str(older))[0].host_link.bandwidth == pytest.approx(64e9 * 0.8)
     from tensorpar.cli import main
 
     assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(path),

@@ -34,9 +34,9 @@ def test_offloading_costs_what_the_lent_h200_measured_within_the_stated_error():
     assert optimizer.optimizer_s > 100 * plain.optimizer_s  # the step on the host, not in HBM
     for name, t in (("optimizer", optimizer), ("activations", activations)):
         ratio = t.step_time_s / plain.step_time_s
-        # docs/planner.md states the error: +10% (optimizer, whose host bandwidth is that run's) and -14%
+        # docs/planner.md states the error: +9% (optimizer, whose host bandwidth is derived from that run) and -15%
         # (activations: the run's copies back reached 35 GB/s, the model's PCIe 51)
-        assert ratio == pytest.approx(MEASURED_RATIO[name], rel=0.25), (name, ratio)
+        assert ratio == pytest.approx(MEASURED_RATIO[name], rel=0.2), (name, ratio)
 
 
 def test_moving_fewer_layers_exposes_fewer_copies_and_a_fast_enough_link_hides_them():
@@ -47,12 +47,13 @@ def test_moving_fewer_layers_exposes_fewer_copies_and_a_fast_enough_link_hides_t
     slow = make_cluster("h200", 1, host_link_bandwidth=16e9)
     assert _step(OFFLOAD, slow).offload_s > 3 * _step(OFFLOAD).offload_s
     # the optimizer's host step scales with the host's bandwidth, its copies with the link's
-    half = make_cluster("h200", 1, host_optimizer_bandwidth=17e9)
+    half = make_cluster("h200", 1, host_optimizer_bandwidth=make_cluster("h200", 1).host_optimizer_bandwidth / 2)
     levers = MemoryLevers(optimizer_offload=True)
     base, slower, faster_link = _step(levers), _step(levers, half), _step(levers, fast)
     host = faster_link.optimizer_s  # with free copies, the host step is what is left
     assert slower.optimizer_s - base.optimizer_s == pytest.approx(host, rel=1e-4)  # half the bandwidth: twice it
-    assert base.optimizer_s - host == pytest.approx(2 * 4 * LLAMA_1B.num_parameters() / (64e9 * 0.8), rel=0.01)
+    # the fp32 gradients out, the bf16 parameters back (cast on the host)
+    assert base.optimizer_s - host == pytest.approx((4 + 2) * LLAMA_1B.num_parameters() / (64e9 * 0.8), rel=0.01)
 
 
 def test_a_sharded_optimizer_steps_its_shard_on_the_host_and_a_pipeline_stage_pays_its_own_copies():
@@ -99,10 +100,12 @@ def test_copies_hide_behind_the_forward_and_the_backward_of_the_layers_that_stay
     gpu = SimpleNamespace(host_transfer_link=Link(1.0, 0.0), copies_beside_compute=True)  # 1 byte/s: bytes = s
     # 4 layers, forward 1 s, backward 2 s (0.5 a layer). Everything moved, 2 s each way: the copies out overrun the
     # forward by 1 s, the first layer back (0.5 s) has nothing to hide behind, the other three fit behind a layer each
-    assert activation_copy_time(2, 4, 4, 1.0, 2.0, gpu) == pytest.approx(1.5)
+    assert activation_copy_time(2, 0, 4, 4, 1.0, 2.0, gpu) == pytest.approx(1.5)
     # the first layer only, 1.5 s each way: its copy out overruns the forward by 0.5 s, which with its copy back
     # (1.5 s) hides behind the other three layers' backward (1.5 s) but for 0.5 s
-    assert activation_copy_time(1.5, 1, 4, 1.0, 2.0, gpu) == pytest.approx(0.5)
-    assert activation_copy_time(0.5, 1, 4, 1.0, 2.0, gpu) == 0  # fits behind the forward and the backward
+    assert activation_copy_time(1.5, 0, 1, 4, 1.0, 2.0, gpu) == pytest.approx(0.5)
+    assert activation_copy_time(0.5, 0, 1, 4, 1.0, 2.0, gpu) == 0  # fits behind the forward and the backward
     cpu = SimpleNamespace(host_transfer_link=Link(1.0, 0.0), copies_beside_compute=False)
-    assert activation_copy_time(0.5, 1, 4, 1.0, 2.0, cpu) == 1.0  # a CPU copies in the computing thread: both ways
+    assert activation_copy_time(0.5, 0, 1, 4, 1.0, 2.0, cpu) == 1.0  # a CPU copies in the computing thread: both ways
+    # the head's and the loss's tensors (everything moved), saved last and needed first: out and back, exposed
+    assert activation_copy_time(2, 0.25, 4, 4, 1.0, 2.0, gpu) == pytest.approx(1.5 + 2 * 0.25)

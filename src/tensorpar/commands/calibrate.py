@@ -17,7 +17,7 @@ from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import CalibrateOptions
 from tensorpar.errors import TensorparError
 from tensorpar.planning.calibration import calibrate
-from tensorpar.planning.step_time import OPTIMIZER_BYTES_PER_ELEMENT
+from tensorpar.planning.devices import OPTIMIZER_BYTES_PER_ELEMENT
 
 
 def add_parser(sub) -> None:

@@ -209,7 +209,7 @@ def render_text(cfg, cluster, plans, options, shown) -> str:
     infeasible = [p for p in plans if not p.feasible]
     lines = _summary_lines(cfg, cluster, plans, options)
     if shown:
-        lines += _table_lines(shown, moe=cfg.is_moe, offload=options.activation_offload)
+        lines += _table_lines(shown, moe=cfg.is_moe, levers=MemoryLevers.of(options))
     else:
         lines.append("no layout fits: see the reasons below")
     if infeasible:
@@ -250,9 +250,10 @@ def _summary_lines(cfg, cluster, plans, options) -> list[str]:
     ]
 
 
-def _table_lines(shown, moe: bool, offload: bool = False) -> list[str]:
+def _table_lines(shown, moe: bool, levers: MemoryLevers = MemoryLevers()) -> list[str]:
     """The ranked table of the shown layouts (with the ep and all-to-all columns for a mixture-of-experts model, the
     exposed copies' column under --activation-offload) and its footnotes."""
+    offload = levers.activation_offload
     ep_head = f" {'ep':>3}" if moe else ""
     exposed_head = (f" {'a2a':>5}" if moe else "") + (f" {'offl':>5}" if offload else "")
     head = (f"{'#':>3} {'tp':>3} {'cp':>3}{ep_head} {'pp':>3} {'dp':>4} {'v':>2} {'schedule':>11} {'mbs':>4} {'sp':>3} "
@@ -274,10 +275,11 @@ def _table_lines(shown, moe: bool, offload: bool = False) -> list[str]:
                      "FLOPs and MFU count the active parameters (balanced routing assumed)")
     if shown and shown[0].memory.host_gib()["total"] > 0:
         host, t = shown[0].memory.host_gib(), shown[0].time
+        costs = ([f"the optimizer's step on the host {t.optimizer_s:.2f} s"] if levers.optimizer_offload else []) + (
+            [f"the activations' exposed copies {t.offload_s:.2f} s ('offl': the copies to and from host memory that "
+             f"compute does not hide)"] if offload else [])
         lines.append(f"host memory per GPU of layout 1 (offloaded): optimizer {host['optimizer']:.1f} GiB, activations "
-                     f"{host['activations']:.1f} GiB; of its {t.step_time_s:.2f} s step, the optimizer "
-                     f"{t.optimizer_s:.2f} s and the activations' exposed copies {t.offload_s:.2f} s ('offl': the "
-                     f"copies to and from host memory that compute does not hide)")
+                     f"{host['activations']:.1f} GiB; of its {t.step_time_s:.2f} s step, {' and '.join(costs)}")
     return lines
 
 

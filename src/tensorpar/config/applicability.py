@@ -197,7 +197,8 @@ _LAYOUT_MODE_FIELDS = (  # every plan option that only layout mode (--model) rea
     "gpus", "gpu", "seq_len", "global_batch_size", "precision", "top", "gpus_per_node", "intra_bandwidth",
     "inter_bandwidth", "intra_latency", "inter_latency", "memory_gib", "peak_tflops", "mfu_ceiling", "overlap", "tp",
     "cp", "ep", "zero", "recompute", "sequence_parallel", "flash_attention", "max_micro_batch", "pipeline_layers",
-    "hardware", "tp_overlap", "pp_overlap", "link_efficiency", "host_memory_gib", "host_link_bandwidth", "host_optimizer_bandwidth", "lora_rank", "lora_alpha",
+    "hardware", "tp_overlap", "pp_overlap", "link_efficiency", "host_memory_gib", "host_link_bandwidth",
+    "host_optimizer_bandwidth", "lora_rank", "lora_alpha",
     "lora_targets", "lora_dropout", "optimizer_offload", "activation_offload", "activation_offload_layers",
     "optimizer_state_dtype")
 

@@ -12,9 +12,11 @@ are 70-90% of them.
 The host side, for the planner's offloading levers: ``host_link`` is the GPU's link to host memory, per direction
 (PCIe 5.0 x16, 64 GB/s, for H100/H200/B200/MI300X; PCIe 4.0 x16, 32 GB/s, for A100), and
 ``host_optimizer_bandwidth`` the host-memory traffic per GPU that an offloaded AdamW step reaches (28 bytes an
-element: `tensorpar.planning.offload_time`). Its default, 34 GB/s, is the one measurement there is: torch's fused
-CPU AdamW over llama-1b's 1.24B fp32 masters on 8 host threads of the H200 machine lent on 2026-11-28
-(docs/benchmarks.md, "Fourth run"); `tensorpar calibrate` measures both on the machine at hand.
+element: `tensorpar.planning.offload_time`). Its default, 32.5 GB/s, is derived from the one run there is: torch's
+fused CPU AdamW over llama-1b's 1.24B fp32 masters, on 8 host threads of the H200 machine lent on 2026-11-28, made
+the step 1.20 s longer (docs/benchmarks.md, "Fourth run"); less the model's copies (0.14 s) that is 1.06 s for
+28 x 1.24B bytes. It is one rank's figure: eight ranks of a node share its cores and memory bus. `tensorpar
+calibrate` measures both on the machine at hand.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tensorpar.errors import TensorparError
 
 GiB = 2**30
 MiB = 2**20
+DEFAULT_LINK_EFFICIENCY = 0.8  # the share of a nominal link bandwidth that transfers reach (NCCL-tests: 70-90%)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,7 @@ class GPUSpec:
     # whose transfers run on the cores the ranks compute on (see `tensorpar.planning.cluster.make_cluster`)
     collectives: str = "nccl"
     host_link: Link = Link(64e9, 10e-6)  # to host memory, per direction: PCIe 5.0 x16
-    host_optimizer_bandwidth: float = 34e9  # bytes/s per GPU an offloaded AdamW step streams on the host
+    host_optimizer_bandwidth: float = 32.5e9  # bytes/s per GPU an offloaded AdamW step streams on the host
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

@@ -30,9 +30,10 @@ class PlanMemoryOptions(MemoryLeverOptions):
 
     host_memory_gib: float | None = option(None, "host memory per GPU the offloading levers may use (default 256: a "
                                                  "DGX H100's 2 TiB over 8 GPUs)", group="memory")
-    host_link_bandwidth: float | None = option(None, "GB/s per GPU per direction between the GPU and host memory, "
-                                                     "which the offloaded tensors cross (default: the catalog's, "
-                                                     "PCIe 5.0 x16 = 64; A100: PCIe 4.0, 32)", group="memory")
+    host_link_bandwidth: float | None = option(None, "nominal GB/s per GPU per direction between the GPU and host "
+                                                     "memory, which the offloaded tensors cross; copies reach "
+                                                     "--link-efficiency of it (default: the catalog's, PCIe 5.0 x16 "
+                                                     "= 64; A100: PCIe 4.0, 32)", group="memory")
     host_optimizer_bandwidth: float | None = option(None, "GB/s of host-memory traffic per GPU an offloaded AdamW "
-                                                          "step reaches, 28 bytes an element (default 34: measured "
-                                                          "on 8 threads beside one H200)", group="memory")
+                                                          "step reaches, 28 bytes an element (default 32.5: derived "
+                                                          "from one H200 run on 8 host threads)", group="memory")

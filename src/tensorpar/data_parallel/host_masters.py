@@ -139,4 +139,3 @@ def host_step_threads_warning(device_type: str, threads: int, cpus: int, local_r
     return (f"--optimizer-offload steps AdamW on the host with {threads} thread per rank (OMP_NUM_THREADS={threads}, "
             f"torchrun's default) while this node has {cpus} cores for {local_ranks} ranks: set OMP_NUM_THREADS={spare} "
             f"for a faster optimizer step")
-

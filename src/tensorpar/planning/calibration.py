@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tensorpar.config.hardware import GPUSpec, Link
+from tensorpar.config.hardware import DEFAULT_LINK_EFFICIENCY, GPUSpec, Link
 from tensorpar.distributed.comm import Group
 from tensorpar.errors import TensorparError
 from tensorpar.planning.devices import DeviceCurve, gemm_time
@@ -426,14 +426,18 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
 
 
 def _host_fields(prof: dict) -> dict:
-    """The GPUSpec's host figures from a profile. One written before they were measured: a GPU's keep the
-    catalog's defaults; a CPU's copy within its memory (half the copy bandwidth counted both ways) and step an
-    offloaded optimizer as fast as its own."""
+    """The GPUSpec's host figures from a profile. One written before they were measured: a GPU's link is PCIe 5.0
+    as copies reach it (the catalog's nominal figure x its default efficiency: `plan --hardware` takes a profile's
+    links as measured), its host AdamW the catalog's; a CPU's copies stay within its memory (half the copy bandwidth
+    counted both ways) and it steps an offloaded optimizer as fast as its own."""
     out = {}
     if "host_link" in prof:
         out["host_link"] = Link(float(prof["host_link"]["bandwidth"]), float(prof["host_link"]["latency"]))
     elif prof.get("device") == "cpu":
         out["host_link"] = Link(float(prof["hbm_bandwidth"]) / 2, HOST_LINK_LATENCY_S)
+    else:
+        nominal = GPUSpec.host_link
+        out["host_link"] = Link(nominal.bandwidth * DEFAULT_LINK_EFFICIENCY, nominal.latency)
     if "host_optimizer_bandwidth" in prof:
         out["host_optimizer_bandwidth"] = float(prof["host_optimizer_bandwidth"])
     elif prof.get("device") == "cpu":

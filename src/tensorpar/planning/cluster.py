@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorpar.config.hardware import GiB, GPUSpec, Link, get_gpu
+from tensorpar.config.hardware import DEFAULT_LINK_EFFICIENCY, GiB, GPUSpec, Link, get_gpu
 from tensorpar.errors import TensorparError
 from tensorpar.planning.devices import DeviceCurve, curve_for
 
 DEFAULT_MFU_CEILING = None
 DEFAULT_OVERLAP = 0.5
-DEFAULT_LINK_EFFICIENCY = 0.8
 DEFAULT_HOST_MEMORY_GIB = 256  # host memory per GPU that offloading may fill: a DGX H100's 2 TiB over its 8 GPUs
 
 

@@ -52,6 +52,10 @@ import math
 
 from tensorpar.errors import TensorparError
 
+# AdamW's step, memory-bound: read the gradient, read and write the fp32 master and both moments (on the device or,
+# offloaded, on the host)
+OPTIMIZER_BYTES_PER_ELEMENT = 28
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceCurve:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from tensorpar.optim.adamw import AdamW
-from tensorpar.planning.step_time import OPTIMIZER_BYTES_PER_ELEMENT
+from tensorpar.planning.devices import OPTIMIZER_BYTES_PER_ELEMENT
 
 HOST_LINK_LATENCY_S = 10e-6  # not measured: one copy's set-up, negligible beside the megabytes a layer moves
 

@@ -48,6 +48,7 @@ from tensorpar.models.flops import train_flops_per_token
 from tensorpar.planning.collective_cost import collectives_time
 from tensorpar.planning.communication import model_collectives, step_collectives
 from tensorpar.planning.compute import flop_parts, stage_flops
+from tensorpar.planning.devices import OPTIMIZER_BYTES_PER_ELEMENT
 from tensorpar.planning.kernels import gemms_time, optimizer_time, stage_compute_time
 from tensorpar.planning.lora_adapters import adapter_gemms
 from tensorpar.planning.memory import moved_activation_bytes
@@ -58,7 +59,6 @@ from tensorpar.planning.precision_recipes import Precision, get_precision
 from tensorpar.tensor_parallel.lora import LoraSpec
 from tensorpar.tensor_parallel.tp_overlap import DEFAULT_CHUNKS, sp_pieces
 
-OPTIMIZER_BYTES_PER_ELEMENT = 28
 
 
 @dataclasses.dataclass
@@ -223,7 +223,8 @@ def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batc
     pipeline = m * st_time.total + bubble
     dp_stage = _busiest_dp_stage(cfg, layout) if pp > 1 else None
     dp_exposed = _exposed_dp_time(cfg, layout, cluster, s, m, prec, algorithm, dp_stage, st_time, lora)
-    optimizer = _optimizer_step_time(cfg, layout, cluster, dp_stage, lora, levers.optimizer_offload)
+    optimizer = _optimizer_step_time(cfg, layout, cluster, dp_stage, lora,
+                                     prec.param_bytes if levers.optimizer_offload else 0)
 
     step = pipeline + dp_exposed + optimizer
     tokens = global_batch * seq_len
@@ -256,9 +257,10 @@ def _with_offload(cfg, layout: Candidate, cluster, s: int, stage: int | None, st
                   levers: MemoryLevers, lora: LoraSpec | None) -> StageTime:
     """`st` with what its activations' copies to and from host memory leave exposed (`offload_time`)."""
     stage = stage or 0
-    moved, moved_layers = moved_activation_bytes(cfg, layout, s, precision, stage, flash, levers, lora)
-    layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)[2]
-    exposed = activation_copy_time(moved, moved_layers, layers, st.forward, st.backward + st.recompute, cluster)
+    in_layers, ends, moved_layers = moved_activation_bytes(cfg, layout, s, precision, stage, flash, levers, lora)
+    layers = stage_layers(cfg, layout, stage)[2]
+    exposed = activation_copy_time(in_layers, ends, moved_layers, layers, st.forward, st.backward + st.recompute,
+                                   cluster)
     return dataclasses.replace(st, offload=exposed)
 
 
@@ -293,16 +295,16 @@ def _exposed_dp_time(cfg, layout: Candidate, cluster, s: int, m: int, prec: Prec
 
 
 def _optimizer_step_time(cfg, layout: Candidate, cluster, dp_stage: int | None, lora: LoraSpec | None = None,
-                         offloaded: bool = False) -> float:
+                         offloaded_param_bytes: int = 0) -> float:
     """Seconds of the optimizer step on one rank of `dp_stage`: its trained elements, 1/replicas of them under ZeRO
-    (routed experts' 1/expert-DP), at OPTIMIZER_BYTES_PER_ELEMENT of HBM traffic each; `offloaded`
-    (--optimizer-offload): on the host, with the copies there and back."""
+    (routed experts' 1/expert-DP), at OPTIMIZER_BYTES_PER_ELEMENT of HBM traffic each; offloaded (--optimizer-offload,
+    parameters of `offloaded_param_bytes`): on the host, with the copies there and back."""
     summary = layout_summary(cfg, layout, dp_stage or 0, lora)
     dense, expert = summary.trained_numel - summary.trained_expert_numel, summary.trained_expert_numel
     sharded = layout.zero >= 1 and layout.shards > 1
     opt_elems = dense / layout.shards + expert / layout.expert_dp if sharded else dense + expert
-    if offloaded:
-        return offloaded_optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
+    if offloaded_param_bytes:
+        return offloaded_optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT, offloaded_param_bytes)
     return optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
 
 
