@@ -123,18 +123,20 @@ def main() -> int:
                                                              if k not in ("child", "variants", "plan")]
         r = results[name] = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True)
                                        .stdout.strip().splitlines()[-1])
+        if a.plan:
+            r["planned_s"] = planned_step_s(a, name)
         m = r["memory"]
         print(f"{name:20} {m['parameters']:8.1f} {m['gradients']:8.1f} {m['optimizer']:8.1f} {m['activations']:8.1f} "
               f"{m.get('host_optimizer', 0):9.1f} {m.get('host_activations', 0):9.1f} "
               f"{m.get('allocated', float('nan')):9.1f} {r['step_s']:8.3f} {r['cpu_s']:7.1f} {r['loss']:8.4f}"
-              + (f" {planned_step_s(a, name):9.3f}" if a.plan else ""), flush=True)
+              + (f" {r['planned_s']:9.3f}" if a.plan else ""), flush=True)
     device = (lambda m: m["allocated"]) if a.device == "cuda" else (lambda m: sum(m.get(k, 0.0) for k in DEVICE_KINDS))
     base = results.get("none")
     if base is not None:
         print(" ".join(f"{n}/none device={device(r['memory']) / device(base['memory']):.2f} "
                        f"host_mib={r['memory'].get('host_optimizer', 0) + r['memory'].get('host_activations', 0):.0f} "
                        f"step={r['step_s'] / base['step_s']:.2f} cpu={r['cpu_s'] / base['cpu_s']:.2f}"
-                       + (f" planned={planned_step_s(a, n) / planned_step_s(a, 'none'):.2f}" if a.plan else "")
+                       + (f" planned={r['planned_s'] / base['planned_s']:.2f}" if a.plan else "")
                        for n, r in results.items() if n != "none"))
     return 0
 

@@ -23,6 +23,7 @@ import torch
 from tensorpar.data_parallel.flat_buffer import FlatBuffer, nbytes
 from tensorpar.data_parallel.master_weights import MasterSlice, MasterWeights
 from tensorpar.data_parallel.shard_pieces import cut_pieces, state_bytes
+from tensorpar.distributed.launch import threads_per_process
 from tensorpar.distributed.sharding import shard_spec
 
 
@@ -133,7 +134,7 @@ def host_step_threads_warning(device_type: str, threads: int, cpus: int, local_r
     """A warning when GPU ranks would step their offloaded optimizer on one host thread each while the node has
     cores to spare: torchrun sets OMP_NUM_THREADS=1 unless told otherwise, and the fused CPU AdamW's speed scales
     with its threads (tensorpar's own launcher gives each rank cores / ranks)."""
-    spare = max(1, cpus // max(local_ranks, 1))
+    spare = threads_per_process(max(local_ranks, 1), cpus)
     if device_type != "cuda" or threads > 1 or spare == 1:
         return None
     return (f"--optimizer-offload steps AdamW on the host with {threads} thread per rank (OMP_NUM_THREADS={threads}, "

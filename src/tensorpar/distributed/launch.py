@@ -92,8 +92,9 @@ def _ephemeral_low() -> int:
         return 49152
 
 
-def threads_per_process(nprocs: int) -> int:
-    return max(1, (os.cpu_count() or 1) // nprocs)
+def threads_per_process(nprocs: int, cpus: int | None = None) -> int:
+    """The threads each of `nprocs` processes gets of `cpus` cores (default: the machine's)."""
+    return max(1, (cpus or os.cpu_count() or 1) // nprocs)
 
 
 def signal_name(signum: int) -> str:

@@ -316,9 +316,7 @@ def _measure_device(dev, dtypes, shapes, units: int, name: str, together=None, s
             shape = (best["m"], best["n"], best["k"])
             out.setdefault("sustained", {})[dt] = measure_sustained(dev, _DTYPES[dt], shape, sustain_s,
                                                                     best["flops_per_s"])
-    if together is not None:
-        together()
-    out.update(measure_host(dev))
+    out.update(measure_host(dev, lambda fn: _time(fn, dev, together=together), hbm))
     return out
 
 

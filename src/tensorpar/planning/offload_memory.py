@@ -72,3 +72,10 @@ class SavedBytes:
         moved_copies = (self.weight_copies - self.head_copies) * offloaded // max(n_layers, 1)
         return (moved_activations + moved_copies, self.activations - moved_activations,
                 self.weight_copies - moved_copies)
+
+    def moved_by_layers(self, levers: MemoryLevers, n_layers: int) -> int:
+        """Of `offloaded`'s moved bytes, the layers' (all of them with --activation-offload-layers; else all but the
+        embedding's, the head's and the loss's)."""
+        if levers.activation_offload_layers is None:
+            return self.in_layers + self.weight_copies - self.head_copies
+        return self.offloaded(levers, n_layers)[0]

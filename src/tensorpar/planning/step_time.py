@@ -256,11 +256,9 @@ def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batc
 def _with_offload(cfg, layout: Candidate, cluster, s: int, stage: int | None, st: StageTime, precision, flash: bool,
                   levers: MemoryLevers, lora: LoraSpec | None) -> StageTime:
     """`st` with what its activations' copies to and from host memory leave exposed (`offload_time`)."""
-    stage = stage or 0
-    in_layers, ends, moved_layers = moved_activation_bytes(cfg, layout, s, precision, stage, flash, levers, lora)
-    layers = stage_layers(cfg, layout, stage)[2]
-    exposed = activation_copy_time(in_layers, ends, moved_layers, layers, st.forward, st.backward + st.recompute,
-                                   cluster)
+    in_layers, ends, layers = moved_activation_bytes(cfg, layout, s, precision, stage or 0, flash, levers, lora)
+    exposed = activation_copy_time(in_layers, ends, levers.offloaded_layers(layers), layers, st.forward,
+                                   st.backward + st.recompute, cluster)
     return dataclasses.replace(st, offload=exposed)
 
 
