@@ -60,6 +60,12 @@ def test_calibrate_writes_a_profile_that_plan_hardware_uses(tmp_path, capsys):
     assert prof["host_optimizer_bandwidth"] > 0
     assert spec.host_link.bandwidth == prof["host_link"]["bandwidth"]
     assert spec.host_optimizer_bandwidth == prof["host_optimizer_bandwidth"]
+    assert spec.host_link_back.bandwidth == prof["host_link"]["bandwidth"]
+    cuda = tmp_path / "cuda.json"  # a GPU's link measured each way (the lent H200's copies): each direction its own
+    cuda.write_text(json.dumps({**prof, "device": "cuda", "host_link": {**link, "device_to_host": 53e9,
+                                                                          "host_to_device": 35e9}}))
+    spec_cuda = calibration.load_profile(str(cuda))[0]
+    assert (spec_cuda.host_link.bandwidth, spec_cuda.host_link_back.bandwidth) == (53e9, 35e9)
     older = tmp_path / "older.json"  # written before the host was measured: derived from the CPU's own bandwidth
     older.write_text(json.dumps({k: v for k, v in prof.items() if not k.startswith("host_")}))
     spec_older = calibration.load_profile(str(older))[0]

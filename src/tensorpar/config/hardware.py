@@ -10,7 +10,8 @@ per-step latencies (a few microseconds). These are nominal figures; measured NCC
 are 70-90% of them.
 
 The host side, for the planner's offloading levers: ``host_link`` is the GPU's link to host memory, per direction
-(PCIe 5.0 x16, 64 GB/s, for H100/H200/B200/MI300X; PCIe 4.0 x16, 32 GB/s, for A100), and
+(PCIe 5.0 x16, 64 GB/s, for H100/H200/B200/MI300X; PCIe 4.0 x16, 32 GB/s, for A100; symmetric on paper, so
+``host_link_back`` is set only by a calibrated profile whose copies back measured otherwise), and
 ``host_optimizer_bandwidth`` the host-memory traffic per GPU that an offloaded AdamW step reaches (28 bytes an
 element: `tensorpar.planning.offload_time`). Its default, 32.5 GB/s, is derived from the one run there is: torch's
 fused CPU AdamW over llama-1b's 1.24B fp32 masters, on 8 host threads of the H200 machine lent on 2026-11-28, made
@@ -59,6 +60,7 @@ class GPUSpec:
     # whose transfers run on the cores the ranks compute on (see `tensorpar.planning.cluster.make_cluster`)
     collectives: str = "nccl"
     host_link: Link = Link(64e9, 10e-6)  # to host memory, per direction: PCIe 5.0 x16
+    host_link_back: Link | None = None  # from host memory, where it differs from host_link (a calibrated profile's)
     host_optimizer_bandwidth: float = 32.5e9  # bytes/s per GPU an offloaded AdamW step streams on the host
 
     def peak(self, dtype: str) -> float:

@@ -424,13 +424,16 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
 
 
 def _host_fields(prof: dict) -> dict:
-    """The GPUSpec's host figures from a profile. One written before they were measured: a GPU's link is PCIe 5.0
+    """The GPUSpec's host figures from a profile: the link each way as measured (the slower of the two in a
+    profile that kept only that). One written before they were measured: a GPU's link is PCIe 5.0
     as copies reach it (the catalog's nominal figure x its default efficiency: `plan --hardware` takes a profile's
     links as measured), its host AdamW the catalog's; a CPU's copies stay within its memory (half the copy bandwidth
     counted both ways) and it steps an offloaded optimizer as fast as its own."""
     out = {}
     if "host_link" in prof:
-        out["host_link"] = Link(float(prof["host_link"]["bandwidth"]), float(prof["host_link"]["latency"]))
+        link = prof["host_link"]
+        out["host_link"] = Link(float(link.get("device_to_host", link["bandwidth"])), float(link["latency"]))
+        out["host_link_back"] = Link(float(link.get("host_to_device", link["bandwidth"])), float(link["latency"]))
     elif prof.get("device") == "cpu":
         out["host_link"] = Link(float(prof["hbm_bandwidth"]) / 2, HOST_LINK_LATENCY_S)
     else:

@@ -25,8 +25,9 @@ shape, attention, memory bandwidth) and the efficiency knobs of the step-time mo
   (``cores / processes`` threads each), so the communication adds to the compute instead of hiding behind it.
 
 - ``host_link`` / ``host_optimizer_bandwidth``: what the offloading levers cost (`tensorpar.planning.offload_time`):
-  the GPU's link to host memory (per direction; transfers reach ``link_efficiency`` of it, as collectives do) and
-  the host-memory traffic an offloaded AdamW step reaches per GPU. Default: the catalog's.
+  the GPU's link to host memory (``host_link`` to it, ``host_link_back`` from it; transfers reach
+  ``link_efficiency`` of them, as collectives do) and the host-memory traffic an offloaded AdamW step reaches per
+  GPU. Default: the GPU's (a calibrated profile's measured each way).
 
 The GPU catalog itself (datasheet peaks, memory, links) is `tensorpar.config.hardware`;
 ``--intra-bandwidth`` / ``--inter-bandwidth`` and the other overrides replace any of its figures.
@@ -61,7 +62,8 @@ class Cluster:
     tp_overlap: float = 0.0
     pp_overlap: float = 0.0
     host_memory_bytes: int = DEFAULT_HOST_MEMORY_GIB * GiB  # per GPU: what the memory levers' offloading may use
-    host_link: Link | None = None  # to host memory, per GPU per direction (default: the GPU's)
+    host_link: Link | None = None  # to host memory, per GPU (default: the GPU's)
+    host_link_back: Link | None = None  # from host memory, per GPU (default: the GPU's)
     host_optimizer_bandwidth: float | None = None  # bytes/s per GPU of an offloaded AdamW step (default: the GPU's)
 
     def __post_init__(self):
@@ -92,6 +94,8 @@ class Cluster:
             object.__setattr__(self, "inter", self.gpu.inter_node)
         if self.host_link is None:
             object.__setattr__(self, "host_link", self.gpu.host_link)
+        if self.host_link_back is None:
+            object.__setattr__(self, "host_link_back", self.gpu.host_link_back or self.gpu.host_link)
         if self.host_optimizer_bandwidth is None:
             object.__setattr__(self, "host_optimizer_bandwidth", self.gpu.host_optimizer_bandwidth)
         if self.curve is None:
@@ -99,7 +103,8 @@ class Cluster:
         eff = self.link_efficiency
         object.__setattr__(self, "_links", (Link(self.intra.bandwidth * eff, self.intra.latency),
                                             Link(self.inter.bandwidth * eff, self.inter.latency),
-                                            Link(self.host_link.bandwidth * eff, self.host_link.latency)))
+                                            Link(self.host_link.bandwidth * eff, self.host_link.latency),
+                                            Link(self.host_link_back.bandwidth * eff, self.host_link_back.latency)))
 
     @property
     def nodes(self) -> int:
@@ -124,9 +129,14 @@ class Cluster:
         return self.gpu.collectives != "gloo"
 
     @property
-    def host_transfer_link(self) -> Link:
+    def to_host_link(self) -> Link:
         """The link to host memory as copies reach it (the nominal figure x ``link_efficiency``)."""
         return self._links[2]
+
+    @property
+    def from_host_link(self) -> Link:
+        """The link back from host memory as copies reach it (the nominal figure x ``link_efficiency``)."""
+        return self._links[3]
 
     def describe(self) -> str:
         return (f"{self.gpus} x {self.gpu.name} ({self.nodes} node{'s' if self.nodes > 1 else ''} of "
@@ -158,7 +168,7 @@ def make_cluster(
     """A Cluster from a catalog name (or a `GPUSpec`, e.g. a calibrated profile's, with its `curve`) with any
     figure overridden (bandwidths in bytes/s, latencies in s)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    host_link = None if host_link_bandwidth is None else Link(host_link_bandwidth, spec.host_link.latency)
+    host_link = None if host_link_bandwidth is None else Link(host_link_bandwidth, spec.host_link.latency)  # both ways
     if memory_gib is not None:
         spec = dataclasses.replace(spec, memory_bytes=int(memory_gib * GiB))
     if peak_bf16 is not None:
@@ -174,5 +184,5 @@ def make_cluster(
         0.0 if tp_overlap is None else tp_overlap,
         0.0 if pp_overlap is None else pp_overlap,
         int((DEFAULT_HOST_MEMORY_GIB if host_memory_gib is None else host_memory_gib) * GiB),
-        host_link, host_optimizer_bandwidth,
+        host_link, host_link, host_optimizer_bandwidth,
     )

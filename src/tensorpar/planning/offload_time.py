@@ -1,16 +1,17 @@
 """What the offloading levers (`tensorpar.config.memory_levers`) cost a step: copies over the GPU's link to host
-memory (``cluster.host_transfer_link``: the nominal figure x ``link_efficiency``) and, for the optimizer, its step
-on the host.
+memory and back (``cluster.to_host_link`` and ``cluster.from_host_link``: the nominal figures x
+``link_efficiency``; the same on paper, a calibrated profile's as measured each way) and, for the optimizer, its
+step on the host.
 
 ``--activation-offload`` moves, per micro-batch, what a rank of a stage saves (`memory.moved_activation_bytes`):
 out during the forward on a side stream, back during the backward one layer ahead of it
 (`tensorpar.training.activation_offload`). With N of the stage's L layers moved, per micro-batch::
 
-    out      = what the layers save / link                  the copies out, from the forward's start
-    ends     = the rest moved / link                        the head's and the loss's (everything moved)
-    c        = out / N                                      one moved layer's copy back
+    out      = what the layers save / link out              the copies out, from the forward's start
+    ends     = the rest moved / link out + / link back      the head's and the loss's (everything moved)
+    c        = what the layers save / link back / N         one moved layer's copy back
     b        = backward / L                                 one layer's backward (recomputation included)
-    exposed  = max(0, max(0, out - forward) + 2 ends + c - (L - N) b) + (N - 1) max(0, c - b)
+    exposed  = max(0, max(0, out - forward) + ends + c - (L - N) b) + (N - 1) max(0, c - b)
 
 The copies out run beside the forward and, where they overrun it, beside the backward of the L - N layers that stay
 (their tensors are needed only when the moved layers' backward comes). The head's and the loss's tensors, saved last
@@ -29,7 +30,9 @@ for the gradients and the next forward for the parameters. It replaces the devic
 Against the lent H200 (llama-1b, bf16, 4 micro-batches of 2 x 2,048 tokens, docs/benchmarks.md "Fourth run"):
 the catalog's host bandwidth is derived from that run's optimizer offload, so its plan (4.4x the plain step against
 the measured 4.0x) checks the copies and the arithmetic only; activation offload is planned at 3.9x where the run
-measured 4.5x: its copies back ran at 35 GB/s, not the 51 of PCIe 5.0 at the catalog's efficiency (docs/planner.md).
+measured 4.5x, because its copies back ran at 35 GB/s, not the 51 of PCIe 5.0 at the catalog's efficiency. With the
+link that run measured each way (53 GB/s out, 35 back), as a calibrated profile gives it, the plan is 4.7x (+4%)
+(docs/planner.md).
 """
 
 from __future__ import annotations
@@ -44,18 +47,20 @@ def activation_copy_time(layer_bytes: int, end_bytes: int, moved_layers: int, la
     `forward_s` and `backward_s`."""
     if layer_bytes + end_bytes <= 0 or moved_layers <= 0:
         return 0.0
-    bandwidth = cluster.host_transfer_link.bandwidth
-    out, ends = layer_bytes / bandwidth, end_bytes / bandwidth
+    to_host, from_host = cluster.to_host_link.bandwidth, cluster.from_host_link.bandwidth
+    out, back = layer_bytes / to_host, layer_bytes / from_host
+    ends = end_bytes / to_host + end_bytes / from_host
     if not cluster.copies_beside_compute:
-        return 2 * (out + ends)
-    per_layer_copy = out / moved_layers
+        return out + back + ends
+    per_layer_back = back / moved_layers
     per_layer_backward = backward_s / max(layers, 1)
-    first_back = max(0.0, out - forward_s) + 2 * ends + per_layer_copy - (layers - moved_layers) * per_layer_backward
-    return max(0.0, first_back) + (moved_layers - 1) * max(0.0, per_layer_copy - per_layer_backward)
+    first_back = max(0.0, out - forward_s) + ends + per_layer_back - (layers - moved_layers) * per_layer_backward
+    return max(0.0, first_back) + (moved_layers - 1) * max(0.0, per_layer_back - per_layer_backward)
 
 
 def offloaded_optimizer_time(elements: float, cluster, bytes_per_element: float, param_bytes: int) -> float:
     """Seconds of one rank's optimizer step over `elements` on the host: the gradients out, AdamW (at
     `bytes_per_element` of host-memory traffic each), the masters back as parameters of `param_bytes` each."""
-    copies = (GRADIENT_COPY_BYTES + param_bytes) * elements / cluster.host_transfer_link.bandwidth
+    copies = (GRADIENT_COPY_BYTES * elements / cluster.to_host_link.bandwidth
+              + param_bytes * elements / cluster.from_host_link.bandwidth)
     return copies + bytes_per_element * elements / cluster.host_optimizer_bandwidth
