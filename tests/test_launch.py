@@ -292,3 +292,13 @@ def test_the_zygote_forks_ranks_that_are_the_launchers_children_and_leaves_nothi
     assert job_pids(proc.job) == [proc.pid]  # the zygote has exited and been reaped
     proc.kill()
     finish(proc)
+
+
+def test_ranks_share_the_cores_the_launcher_may_use(monkeypatch):
+    """A Slurm task or a cgroup gives the launcher 6 of a node's 64 cores: 2 ranks get 3 threads each, not 32."""
+    from tensorpar.distributed import launch
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert launch.usable_cpus() == 6
+    assert (launch.threads_per_process(2), launch.threads_per_process(8), launch.threads_per_process(2, 112)) == (3, 1, 56)

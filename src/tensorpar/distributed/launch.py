@@ -92,9 +92,15 @@ def _ephemeral_low() -> int:
         return 49152
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on: a cgroup's, taskset's or Slurm's share where the OS says so (Linux), else
+    the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def threads_per_process(nprocs: int, cpus: int | None = None) -> int:
-    """The threads each of `nprocs` processes gets of `cpus` cores (default: the machine's)."""
-    return max(1, (cpus or os.cpu_count() or 1) // nprocs)
+    """The threads each of `nprocs` processes gets of `cpus` cores (default: those this process may use)."""
+    return max(1, (cpus or usable_cpus()) // nprocs)
 
 
 def signal_name(signum: int) -> str:

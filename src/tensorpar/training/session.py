@@ -20,6 +20,7 @@ from tensorpar.data import build_dataset, describe_corpus, open_corpus, validati
 from tensorpar.data.tokenizer_files import source_files
 from tensorpar.data_parallel import BucketedOptimizer, FullyShardedOptimizer, data_parallel_optimizer
 from tensorpar.data_parallel.host_masters import host_step_threads_warning
+from tensorpar.distributed.launch import usable_cpus
 from tensorpar.distributed.mesh import Mesh
 from tensorpar.models import Transformer
 from tensorpar.models.build import Execution, build_transformer
@@ -149,7 +150,7 @@ def build_optimizer(model, mesh: Mesh, run: PreparedRun) -> BucketedOptimizer | 
              else {"bucket_bytes": int(o.bucket_mb * 2**20)})
     levers = MemoryLevers.of(o)
     warning = levers.optimizer_offload and host_step_threads_warning(
-        mesh.device.type, torch.get_num_threads(), _usable_cpus(),
+        mesh.device.type, torch.get_num_threads(), usable_cpus(),
         int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)))
     if warning and mesh.rank == 0:
         sys.stderr.write(f"tensorpar: warning: {warning}\n")
@@ -157,11 +158,6 @@ def build_optimizer(model, mesh: Mesh, run: PreparedRun) -> BucketedOptimizer | 
                                    reduce_dtype=run.precision.reduce_dtype, optimizer=o.optimizer,
                                    muon_momentum=o.muon_momentum, offload=levers.optimizer_offload,
                                    state_dtype=levers.state_dtype, **stage)
-
-
-def _usable_cpus() -> int:
-    """The cores this process may run on (a cgroup's or Slurm's share, where the OS says so)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def warn_if_data_changed(saved: dict | None, corpus: list, spec: str | None) -> None:
