@@ -103,7 +103,8 @@ def test_copies_hide_behind_the_forward_and_the_backward_of_the_layers_that_stay
 
     from tensorpar.planning.offload_time import activation_copy_time
 
-    gpu = SimpleNamespace(to_host_link=Link(1.0, 0.0), from_host_link=Link(1.0, 0.0), copies_beside_compute=True)  # 1 byte/s: bytes = s
+    # 1 byte/s each way: bytes = seconds
+    gpu = SimpleNamespace(to_host_link=Link(1.0, 0.0), from_host_link=Link(1.0, 0.0), copies_beside_compute=True)
     # 4 layers, forward 1 s, backward 2 s (0.5 a layer). Everything moved, 2 s each way: the copies out overrun the
     # forward by 1 s, the first layer back (0.5 s) has nothing to hide behind, the other three fit behind a layer each
     assert activation_copy_time(2, 0, 4, 4, 1.0, 2.0, gpu) == pytest.approx(1.5)
@@ -121,3 +122,43 @@ def test_copies_hide_behind_the_forward_and_the_backward_of_the_layers_that_stay
     assert activation_copy_time(2, 0, 4, 4, 1.0, 2.0, slow_back) == pytest.approx(1 + 1 + 3 * 0.5)
     cpu.from_host_link = Link(0.5, 0.0)
     assert activation_copy_time(0.5, 0.25, 1, 4, 1.0, 2.0, cpu) == pytest.approx(0.75 + 1.5)
+
+
+def test_the_host_step_covers_what_the_device_step_covers_for_experts_adapters_and_stages():
+    """Whatever the layout shards (ZeRO, routed experts over expert-DP, a pipeline stage) or trains (LoRA's
+    adapters only), the offloaded step moves and steps the elements the device's step would update: its time over
+    the device's is one per-element constant."""
+    from tensorpar.tensor_parallel.lora import LoraSpec
+
+    cl = make_cluster("h100", 8)
+    per_element = ((4 / cl.to_host_link.bandwidth + 2 / cl.from_host_link.bandwidth + 28 / cl.host_optimizer_bandwidth)
+                   / (28 / (cl.gpu.hbm_bandwidth * cl.curve.hbm_efficiency)))
+    moe, llama = get_config("qwen-moe-a2.7b"), get_config("llama-8b")
+    cases = [(moe, Candidate.of(dp=8, zero=zero, ep=ep), None) for zero in (0, 1) for ep in (1, 2, 4)]
+    cases += [(llama, Candidate.of(tp=2, dp=4, zero=1), LoraSpec(16, 32.0)),
+              (llama, Candidate.of(dp=8), LoraSpec(16, 32.0)),
+              (llama, Candidate.of(pp=2, dp=4, zero=1, schedule="1f1b", pipeline_layers=(20, 12)), None)]
+    seen = set()
+    for cfg, layout, lora in cases:
+        device, host = (step_time.predict_step_time(cfg, layout, cl, 1024, 32, "tensorpar-bf16", lora=lora,
+                                                    levers=MemoryLevers(optimizer_offload=offload)).optimizer_s
+                        for offload in (False, True))
+        assert host == pytest.approx(per_element * device, rel=1e-9), (layout, lora)
+        seen.add(round(device, 9))
+    assert len(seen) >= 6  # the layouts differ in what a rank steps: not one case repeated
+
+
+def test_uneven_and_interleaved_stages_pay_for_the_layers_they_hold():
+    cfg, cl = get_config("llama-8b"), make_cluster("h100", 8)
+
+    def offload(**layout):
+        lay = Candidate.of(pp=2, dp=4, micro_batch_size=1, **layout)
+        return step_time.predict_step_time(cfg, lay, cl, 4096, 32, "tensorpar-bf16", levers=OFFLOAD).offload_s
+
+    even, first_heavy, last_heavy = (offload(schedule="1f1b", **extra) for extra in
+                                     ({}, {"pipeline_layers": (24, 8)}, {"pipeline_layers": (8, 24)}))
+    # the step waits for its slowest stage: 24 layers' copies, and more where the head's and the loss's are the same
+    # stage's
+    assert even < first_heavy < last_heavy < 24 / 16 * even + 1e-9
+    # interleaving splits a rank's 16 layers into two chunks: the same tensors per micro-batch go out and back
+    assert offload(schedule="interleaved", virtual_stages=2) == pytest.approx(even, rel=1e-9)
