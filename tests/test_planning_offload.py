@@ -162,3 +162,52 @@ def test_uneven_and_interleaved_stages_pay_for_the_layers_they_hold():
     assert even < first_heavy < last_heavy < 24 / 16 * even + 1e-9
     # interleaving splits a rank's 16 layers into two chunks: the same tensors per micro-batch go out and back
     assert offload(schedule="interleaved", virtual_stages=2) == pytest.approx(even, rel=1e-9)
+
+
+def test_the_fit_moves_the_fewest_layers_that_make_a_layout_fit_and_none_where_it_fits_without():
+    from tensorpar.planning.search import evaluate
+
+    cfg, cl = get_config("llama-8b"), make_cluster("h100", 8)
+
+    zero1 = Candidate.of(dp=8, zero=1, micro_batch_size=1)
+    fitted = evaluate(cfg, zero1, cl, 4096, 32, levers=OFFLOAD, fit_offload=True)
+    n = fitted.offloaded_layers
+    assert fitted.feasible and 1 < n < cfg.num_layers, n  # docs/memory_levers.md: at least 18 of the 32 layers
+    fewer, exact = (evaluate(cfg, zero1, cl, 4096, 32, levers=MemoryLevers(activation_offload=True,
+                                                                          activation_offload_layers=k))
+                    for k in (n - 1, n))
+    assert not fewer.feasible and "exceeds memory" in fewer.reason
+    assert exact.feasible and exact.time.step_time_s == fitted.time.step_time_s
+    assert fitted.to_dict()["activation_offload_layers"] == n
+    # a layout that fits without offloading moves nothing, and is the plain layout's plan (full recomputation too,
+    # which --activation-offload alone refuses: it leaves nothing to move)
+    for layout in (Candidate.of(pp=2, dp=4, zero=1, micro_batch_size=1, schedule="1f1b"),
+                   Candidate.of(dp=8, zero=1, micro_batch_size=1, recompute="full")):
+        kept = evaluate(cfg, layout, cl, 4096, 32, levers=OFFLOAD, fit_offload=True)
+        assert kept.feasible and kept.offloaded_layers == 0 and kept.time.offload_s == 0
+        assert kept.time.step_time_s == evaluate(cfg, layout, cl, 4096, 32).time.step_time_s
+    assert "recompute full" in evaluate(cfg, Candidate.of(dp=8, zero=1, recompute="full"), cl, 4096, 32,
+                                        levers=OFFLOAD).reason
+    # one that no offloading fits is shown with everything moved, and how far it is over
+    too_big = evaluate(get_config("llama-70b"), Candidate.of(dp=8, zero=1, micro_batch_size=1), cl, 4096, 32,
+                       levers=OFFLOAD, fit_offload=True)
+    assert not too_big.feasible and too_big.offloaded_layers is None and "exceeds memory" in too_big.reason
+
+
+def test_plan_fits_each_layout_with_the_fewest_offloaded_layers(cli):
+    base = ["plan", "--model", "llama-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096",
+            "--global-batch-size", "32", "--tp", "1", "--pp", "1", "--zero", "1", "--recompute", "none"]
+    code, out, err = cli(*base, "--activation-offload", "--activation-offload-fit", "--json", "--top", "1")
+    assert code == 0, err
+    row = json.loads(out)[0]
+    n = row["activation_offload_layers"]
+    assert row["feasible"] and 1 < n < 32 and row["breakdown_s"]["offload"] > 0
+    code, out, _ = cli(*base, "--activation-offload", "--activation-offload-layers", str(n), "--json", "--top", "1")
+    assert json.loads(out)[0]["step_time_s"] == row["step_time_s"] and "activation_offload_layers" not in out
+    code, out, _ = cli(*base, "--activation-offload", "--activation-offload-fit", "--top", "1")
+    assert f"#1 train with --activation-offload --activation-offload-layers {n}" in out
+    for extra, needs in ((["--activation-offload-fit"], "needs --activation-offload without"),
+                         (["--activation-offload", "--activation-offload-layers", "4", "--activation-offload-fit"],
+                          "--activation-offload-layers 4 chooses them")):
+        code, _, err = cli(*base, *extra)
+        assert code == 2 and needs in err and err.count("\n") == 1, err

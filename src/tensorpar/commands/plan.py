@@ -174,7 +174,7 @@ def plan_layouts(options):
         raise TensorparError(problem)
     plans = search(cfg, cluster, options.seq_len, options.global_batch_size, options.precision,
                    flash_attention=options.flash_attention, levers=levers,
-                   lora=LoraSpec.of_options(options), **space)
+                   lora=LoraSpec.of_options(options), fit_offload=options.activation_offload_fit, **space)
     return cfg, cluster, plans
 
 
@@ -280,7 +280,21 @@ def _table_lines(shown, moe: bool, levers: MemoryLevers = MemoryLevers()) -> lis
              f"compute does not hide)"] if offload else [])
         lines.append(f"host memory per GPU of layout 1 (offloaded): optimizer {host['optimizer']:.1f} GiB, activations "
                      f"{host['activations']:.1f} GiB; of its {t.step_time_s:.2f} s step, {' and '.join(costs)}")
+    lines += _offload_fit_lines(shown)
     return lines
+
+
+def _offload_fit_lines(shown) -> list[str]:
+    """Under --activation-offload-fit: the layers each shown layout moves, as `tensorpar train` takes them."""
+    if not shown or shown[0].levers is None:
+        return []
+    moves = {}
+    for i, p in enumerate(shown, 1):
+        n = p.offloaded_layers
+        flag = ("no --activation-offload" if n == 0 else "--activation-offload" if n is None
+                else f"--activation-offload --activation-offload-layers {n}")
+        moves.setdefault(flag, []).append(f"#{i}")
+    return [f"fewest layers offloaded to fit: {', '.join(rows)} train with {flag}" for flag, rows in moves.items()]
 
 
 def _uneven_stage_lines(shown) -> list[str]:

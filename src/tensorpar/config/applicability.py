@@ -200,7 +200,7 @@ _LAYOUT_MODE_FIELDS = (  # every plan option that only layout mode (--model) rea
     "hardware", "tp_overlap", "pp_overlap", "link_efficiency", "host_memory_gib", "host_link_bandwidth",
     "host_optimizer_bandwidth", "lora_rank", "lora_alpha",
     "lora_targets", "lora_dropout", "optimizer_offload", "activation_offload", "activation_offload_layers",
-    "optimizer_state_dtype")
+    "activation_offload_fit", "optimizer_state_dtype")
 
 
 def _layout_mode(o) -> bool:
@@ -227,6 +227,12 @@ PLAN_VIRTUAL_STAGES = Rule("virtual_stages", lambda o, f: not _layout_mode(o) or
 ACTIVATION_OFFLOAD_LAYERS = Rule("activation_offload_layers", lambda o, f: o.activation_offload,
                                  "--activation-offload", "it chooses the layers whose saved tensors move",
                                  lambda o, f: "nothing is offloaded")
+PLAN_OFFLOAD_FIT = Rule("activation_offload_fit",
+                        lambda o, f: o.activation_offload and o.activation_offload_layers is None,
+                        "--activation-offload without --activation-offload-layers",
+                        "it chooses each layout's layers whose saved tensors move",
+                        lambda o, f: (f"--activation-offload-layers {o.activation_offload_layers} chooses them"
+                                      if o.activation_offload else "nothing is offloaded"))
 PLAN_HOST_MEMORY = Rule("host_memory_gib", lambda o, f: o.optimizer_offload or o.activation_offload,
                         "--optimizer-offload or --activation-offload", "it is the host memory offloading may fill",
                         lambda o, f: "nothing is offloaded")
@@ -253,7 +259,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "generate": (FP8_RECIPE, EXPERT_GEMM),
     "serve": (FP8_RECIPE, EXPERT_GEMM),
     "plan": (PLAN_MICROBATCHES, *PLAN_LAYOUT_MODE, PLAN_GPU, PLAN_FLASH_ATTENTION, PLAN_SCHEDULE, PLAN_VIRTUAL_STAGES,
-             PLAN_HOST_MEMORY, PLAN_HOST_LINK, PLAN_HOST_OPTIMIZER, ACTIVATION_OFFLOAD_LAYERS),
+             PLAN_HOST_MEMORY, PLAN_HOST_LINK, PLAN_HOST_OPTIMIZER, ACTIVATION_OFFLOAD_LAYERS, PLAN_OFFLOAD_FIT),
     "calibrate": (CALIBRATE_RANKS, CALIBRATE_THREADS),
 }
 

@@ -28,6 +28,10 @@ class PlanMemoryOptions(MemoryLeverOptions):
     """The memory levers plan models, and the host they offload to: its memory, its link to the GPU and how fast it
     steps an offloaded optimizer."""
 
+    activation_offload_fit: bool = option(False, "with --activation-offload: per layout, move only the first "
+                                                 "layers' saved tensors, the fewest that make it fit the GPU (none "
+                                                 "where it fits without): each row's --activation-offload-layers",
+                                          group="memory")
     host_memory_gib: float | None = option(None, "host memory per GPU the offloading levers may use (default 256: a "
                                                  "DGX H100's 2 TiB over 8 GPUs)", group="memory")
     host_link_bandwidth: float | None = option(None, "nominal GB/s per GPU per direction between the GPU and host "

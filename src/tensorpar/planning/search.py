@@ -17,6 +17,7 @@ from tensorpar.planning.candidates import Candidate, candidate_problem, enumerat
 from tensorpar.planning.latent import kv_cache_bytes
 from tensorpar.planning.lora_adapters import check_lora
 from tensorpar.planning.memory import MemoryBreakdown, layout_memory
+from tensorpar.planning.offload_fit import fewest_offloaded_layers
 from tensorpar.planning.precision_recipes import get_precision
 from tensorpar.planning.step_time import StepTime, predict_step_time
 from tensorpar.tensor_parallel.lora import LoraSpec
@@ -32,6 +33,15 @@ class Plan:
     excess_bytes: int = 0  # how far over the GPU's memory (infeasible for memory)
     kv_cache_bytes_per_token: int = 0  # one token's bf16 KV cache on one rank, all layers (for serving at this tp)
     lora: LoraSpec | None = None  # LoRA fine-tuning: the adapters planned, the base frozen
+    levers: MemoryLevers | None = None  # this layout's own memory levers (--activation-offload-fit), else None
+
+    @property
+    def offloaded_layers(self) -> int | None:
+        """Under --activation-offload-fit, the layers whose saved tensors this layout moves (0: none; None:
+        everything, the head's and the loss's too)."""
+        if self.levers is None or not self.levers.activation_offload:
+            return 0
+        return self.levers.activation_offload_layers
 
     def to_dict(self) -> dict:
         cand, lay = self.candidate, self.candidate.layout
@@ -50,6 +60,8 @@ class Plan:
             "kv_cache_bytes_per_token": self.kv_cache_bytes_per_token,
             "lora": self.lora.as_dict() if self.lora is not None else None,
         }
+        if self.levers is not None:
+            out["activation_offload_layers"] = self.offloaded_layers
         if self.time:
             t = self.time
             out["num_micro_batches"] = t.num_micro_batches
@@ -64,10 +76,12 @@ class Plan:
 
 def evaluate(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batch: int,
              precision="tensorpar-bf16", *, flash_attention: bool = True, levers: MemoryLevers = MemoryLevers(),
-             lora: LoraSpec | None = None) -> Plan:
-    """Memory and time of one candidate (with the memory `levers`; `lora`: LoRA fine-tuning), or why it cannot
-    run."""
-    reason = candidate_problem(cfg, layout, cluster, seq_len, global_batch, 
+             lora: LoraSpec | None = None, fit_offload: bool = False) -> Plan:
+    """Memory and time of one candidate (with the memory `levers`; `lora`: LoRA fine-tuning; `fit_offload`: with
+    the fewest layers' activations offloaded that make it fit, `offload_fit`), or why it cannot run."""
+    if fit_offload:
+        return _evaluate_fitting(cfg, layout, cluster, seq_len, global_batch, precision, flash_attention, levers, lora)
+    reason = candidate_problem(cfg, layout, cluster, seq_len, global_batch,
                                fp8=bool(get_precision(precision).fp8_recipe))
     reason = reason or next(iter(levers.problems(recompute=layout.recompute)), "")
     if reason:
@@ -89,19 +103,35 @@ def evaluate(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batc
     return Plan(layout, True, "", mem, time, kv_cache_bytes_per_token=kv, lora=lora)
 
 
+def _evaluate_fitting(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batch: int, precision,
+                      flash_attention: bool, levers: MemoryLevers, lora: LoraSpec | None) -> Plan:
+    """`evaluate` with this layout's own activation offload: none where it fits without (or cannot run for another
+    reason, or recomputes fully, which leaves nothing to move), else the fewest layers that fit."""
+    kept = dataclasses.replace(levers, activation_offload=False, activation_offload_layers=None)
+    plan = evaluate(cfg, layout, cluster, seq_len, global_batch, precision, flash_attention=flash_attention,
+                    levers=kept, lora=lora)
+    if plan.memory is None or plan.excess_bytes <= 0 or plan.feasible or layout.recompute == "full":
+        return dataclasses.replace(plan, levers=kept)
+    moved = fewest_offloaded_layers(cfg, layout, cluster, seq_len, global_batch, precision, flash_attention, levers,
+                                    lora)
+    plan = evaluate(cfg, layout, cluster, seq_len, global_batch, precision, flash_attention=flash_attention,
+                    levers=moved, lora=lora)
+    return dataclasses.replace(plan, levers=moved)
+
+
 def search(cfg, cluster: Cluster, seq_len: int, global_batch: int, precision="tensorpar-bf16", *,
            flash_attention: bool = True, levers: MemoryLevers = MemoryLevers(), lora: LoraSpec | None = None,
-           **space) -> list[Plan]:
+           fit_offload: bool = False, **space) -> list[Plan]:
     """Every candidate of the search space (keywords of `enumerate_candidates`), ranked best first; the memory
-    `levers` on every candidate; `lora`: LoRA fine-tuning (a model the adapters do not fit is refused, as train
-    refuses it)."""
+    `levers` on every candidate (`fit_offload`: each with the fewest layers' activations offloaded that make it
+    fit); `lora`: LoRA fine-tuning (a model the adapters do not fit is refused, as train refuses it)."""
     check_lora(cfg, lora, get_precision(precision))
     if cfg.position == "learned" and seq_len > cfg.max_seq_len:
         raise TensorparError(f"sequence length {seq_len} exceeds the model's {cfg.max_seq_len} learned positions")
     if seq_len < 1 or global_batch < 1:
         raise TensorparError("the sequence length and the global batch size must be positive")
     plans = [evaluate(cfg, lay, cluster, seq_len, global_batch, precision, flash_attention=flash_attention,
-                      levers=levers, lora=lora)
+                      levers=levers, lora=lora, fit_offload=fit_offload)
              for lay in enumerate_candidates(cfg, cluster, global_batch, **space)]
     return rank(plans)
 

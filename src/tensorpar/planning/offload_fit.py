@@ -1,0 +1,41 @@
+"""`plan --activation-offload-fit`: per layout, the fewest layers whose saved tensors must move to host memory for
+it to fit the GPU (`MemoryLevers.activation_offload_layers`), instead of everything it saves.
+
+Moving the first N layers' tensors frees a layer's activations per layer moved, so a layout's GPU memory falls as
+N grows: the smallest N that fits is found by bisection over 1..L (L: the model's layers, which caps a stage's),
+then everything (the head's and the loss's tensors too) where no N does. A layout that fits without offloading
+moves nothing (N = 0), and one that does not fit even with everything moved is reported with everything moved.
+Fewer layers moved expose fewer copies (`offload_time`), so the fewest that fit is also the fastest that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorpar.config.memory_levers import MemoryLevers
+from tensorpar.planning.memory import layout_memory
+
+
+def fewest_offloaded_layers(cfg, layout, cluster, seq_len: int, global_batch: int, precision, flash_attention: bool,
+                            levers: MemoryLevers, lora=None) -> MemoryLevers:
+    """`levers` with the activation offload `layout` needs to fit `cluster`'s GPU memory (see the module): off,
+    the first N layers, or everything."""
+
+    def fits(candidate: MemoryLevers) -> bool:
+        mem = layout_memory(cfg, layout, seq_len, global_batch, precision, flash_attention, candidate, lora)
+        return mem.total <= cluster.memory_bytes
+
+    nothing = dataclasses.replace(levers, activation_offload=False, activation_offload_layers=None)
+    if fits(nothing):
+        return nothing
+    first = dataclasses.replace(levers, activation_offload=True)
+    low, high = 1, cfg.num_layers
+    if not fits(dataclasses.replace(first, activation_offload_layers=high)):
+        return dataclasses.replace(first, activation_offload_layers=None)
+    while low < high:
+        mid = (low + high) // 2
+        if fits(dataclasses.replace(first, activation_offload_layers=mid)):
+            high = mid
+        else:
+            low = mid + 1
+    return dataclasses.replace(first, activation_offload_layers=low)
