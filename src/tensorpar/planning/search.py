@@ -105,12 +105,12 @@ def evaluate(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batc
 
 def _evaluate_fitting(cfg, layout: Candidate, cluster: Cluster, seq_len: int, global_batch: int, precision,
                       flash_attention: bool, levers: MemoryLevers, lora: LoraSpec | None) -> Plan:
-    """`evaluate` with this layout's own activation offload: none where it fits without (or cannot run for another
-    reason, or recomputes fully, which leaves nothing to move), else the fewest layers that fit."""
+    """`evaluate` with this layout's own activation offload: none where it fits the GPU without (or cannot run for
+    another reason, or recomputes fully, which leaves nothing to move), else the fewest layers that fit."""
     kept = dataclasses.replace(levers, activation_offload=False, activation_offload_layers=None)
     plan = evaluate(cfg, layout, cluster, seq_len, global_batch, precision, flash_attention=flash_attention,
                     levers=kept, lora=lora)
-    if plan.memory is None or plan.excess_bytes <= 0 or plan.feasible or layout.recompute == "full":
+    if plan.feasible or not plan.reason.startswith("exceeds memory") or layout.recompute == "full":
         return dataclasses.replace(plan, levers=kept)
     moved = fewest_offloaded_layers(cfg, layout, cluster, seq_len, global_batch, precision, flash_attention, levers,
                                     lora)
