@@ -21,7 +21,9 @@ figure). Printed: a row per variant; the last line is
 
 With ``--plan GPU`` (a catalog name, or a `tensorpar calibrate` profile .json) each row also shows the planner's
 step time for the variant on that device (`tensorpar.planning.offload_time` prices the levers), and the last
-line its ratio (``planned=``) beside the measured one.
+line its ratio (``planned=``) beside the measured one. On CUDA the pinned copies to and from the host are timed
+first, each way (as `tensorpar calibrate` times them), and a second column (``link planned s``, ``planned_link=``)
+plans with that link in place of the catalog's.
 
     .venv/bin/python bench/memory_levers.py                      # tiny, CPU, about 2 minutes
     .venv/bin/python bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \\
@@ -57,8 +59,24 @@ def variant_levers(name: str, model: str) -> dict:
     return levers
 
 
-def planned_step_s(a, name: str) -> float:
-    """The planner's step time for variant `name` at these settings on `a.plan` (a catalog GPU or a profile)."""
+def measured_host_link(device: str) -> tuple[float, float] | None:
+    """On CUDA, bytes/s of 256 MiB pinned copies (to the host, back), as `tensorpar calibrate` measures them."""
+    if device != "cuda":
+        return None
+    from tensorpar.planning.calibration import timer
+    from tensorpar.planning.host_calibration import measure_host_link
+
+    dev = torch.device("cuda")
+    link = measure_host_link(dev, 256 << 20, timer(dev), copy_bandwidth=0.0)
+    return link["device_to_host"], link["host_to_device"]
+
+
+def planned_step_s(a, name: str, link: tuple[float, float] | None = None) -> float:
+    """The planner's step time for variant `name` at these settings on `a.plan` (a catalog GPU or a profile), with
+    the host `link` (bytes/s to the host and back, as copies reach them) where given."""
+    import dataclasses
+
+    from tensorpar.config.hardware import Link
     from tensorpar.config.memory_levers import MemoryLevers
     from tensorpar.models import get_config
     from tensorpar.planning.calibration import load_profile
@@ -71,6 +89,9 @@ def planned_step_s(a, name: str) -> float:
         cluster = make_cluster(spec, 1, curve=curve, link_efficiency=1.0)
     else:
         cluster = make_cluster(a.plan, 1)
+    if link is not None:  # the cluster multiplies a link by its efficiency: these are measured already
+        out, back = (Link(bandwidth / cluster.link_efficiency, cluster.host_link.latency) for bandwidth in link)
+        cluster = dataclasses.replace(cluster, host_link=out, host_link_back=back)
     layout = Candidate.of(micro_batch_size=a.micro_batch_size)
     return predict_step_time(get_config(a.model), layout, cluster, a.seq_len, a.global_batch_size,
                              f"tensorpar-{a.dtype}", levers=MemoryLevers(**variant_levers(name, a.model))).step_time_s
@@ -115,8 +136,12 @@ def main() -> int:
     print(f"{a.model} {a.dtype}, {a.global_batch_size} x {a.seq_len} tokens a step (micro-batch {a.micro_batch_size}), "
           f"{a.steps} steps, {a.device}, torch {torch.__version__}; peak MiB by kind, median step after the first")
     print(f"{'variant':20} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'host opt':>9} {'host act':>9} "
-          f"{'allocated':>9} {'step s':>8} {'CPU s':>7} {'loss':>8}" + (f" {'planned s':>9}" if a.plan else ""),
-          flush=True)
+          f"{'allocated':>9} {'step s':>8} {'CPU s':>7} {'loss':>8}" + (f" {'planned s':>9}" if a.plan else "")
+          + (f" {'link planned s':>14}" if a.plan and a.device == "cuda" else ""), flush=True)
+    link = measured_host_link(a.device) if a.plan else None
+    if link is not None:
+        print(f"host link measured: {link[0] / 1e9:.1f} GB/s to the host, {link[1] / 1e9:.1f} back (pinned, 256 MiB)")
+    linked = link is not None
     results = {}
     for name in a.variants.split(","):
         argv = [sys.executable, __file__, "--child", name] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
@@ -125,11 +150,14 @@ def main() -> int:
                                        .stdout.strip().splitlines()[-1])
         if a.plan:
             r["planned_s"] = planned_step_s(a, name)
+        if linked:
+            r["link_planned_s"] = planned_step_s(a, name, link)
         m = r["memory"]
         print(f"{name:20} {m['parameters']:8.1f} {m['gradients']:8.1f} {m['optimizer']:8.1f} {m['activations']:8.1f} "
               f"{m.get('host_optimizer', 0):9.1f} {m.get('host_activations', 0):9.1f} "
               f"{m.get('allocated', float('nan')):9.1f} {r['step_s']:8.3f} {r['cpu_s']:7.1f} {r['loss']:8.4f}"
-              + (f" {r['planned_s']:9.3f}" if a.plan else ""), flush=True)
+              + (f" {r['planned_s']:9.3f}" if a.plan else "") + (f" {r['link_planned_s']:14.3f}" if linked else ""),
+              flush=True)
     device = (lambda m: m["allocated"]) if a.device == "cuda" else (lambda m: sum(m.get(k, 0.0) for k in DEVICE_KINDS))
     base = results.get("none")
     if base is not None:
@@ -137,6 +165,7 @@ def main() -> int:
                        f"host_mib={r['memory'].get('host_optimizer', 0) + r['memory'].get('host_activations', 0):.0f} "
                        f"step={r['step_s'] / base['step_s']:.2f} cpu={r['cpu_s'] / base['cpu_s']:.2f}"
                        + (f" planned={r['planned_s'] / base['planned_s']:.2f}" if a.plan else "")
+                       + (f" planned_link={r['link_planned_s'] / base['link_planned_s']:.2f}" if linked else "")
                        for n, r in results.items() if n != "none"))
     return 0
 

@@ -46,7 +46,7 @@ from tensorpar.config.hardware import DEFAULT_LINK_EFFICIENCY, GPUSpec, Link
 from tensorpar.distributed.comm import Group
 from tensorpar.errors import TensorparError
 from tensorpar.planning.devices import DeviceCurve, gemm_time
-from tensorpar.planning.host_calibration import HOST_LINK_LATENCY_S, measure_host
+from tensorpar.planning.host_calibration import HOST_LINK_LATENCY_S, Timer, measure_host
 
 CPU_SHAPES = [(m, n, k) for m in (64, 256, 1024) for n in (64, 256, 1024) for k in (64, 256, 1024)]
 CUDA_SHAPES = [(m, n, k) for m in (128, 1024, 4096, 16384) for n in (128, 1024, 4096, 16384)
@@ -86,6 +86,11 @@ def _time(fn, device, min_s: float = 0.05, min_reps: int = 3, together=None) -> 
         _sync(device)
         samples.append((time.perf_counter() - t0) / reps)
     return sorted(samples)[len(samples) // 2]
+
+
+def timer(device) -> Timer:
+    """Seconds per call of a function on `device`, timed as calibrate times its measures (`_time`, one process)."""
+    return lambda fn: _time(fn, device)
 
 
 def _together(reps: int | None = None) -> int | None:
