@@ -21,7 +21,8 @@
 # fp8_profile    bf16 and fp8 (tensorwise), both compiled, on llama-1b under torch.profiler: device time by kind
 # offload        bench/memory_levers.py as `levers`, the plain run and each offload only (activations: all, the
 #                first 4 layers' only, and every layer's but not the head's and loss's); `levers` and `offload`
-#                print the planner's step time beside the measured one (PLAN_GPU, the catalog's GPU: h200)
+#                print the planner's step time beside the measured one (PLAN_GPU, the catalog's GPU: h200), and
+#                again with the host link they time each way first (`link planned s`, `planned_link=`)
 # offload_profile  llama-1b eager with --activation-offload under torch.profiler: the copies' kernels and their time
 # grad_accum     bench/grad_accumulation.py: the fp32 gradient accumulation of bf16 parameters, mixed-dtype add vs
 #                a cast then an add vs compiled, over llama-1b's 1.24B elements in 4M-element slices
