@@ -90,6 +90,7 @@ def _cluster(options):
         peak_bf16=_scaled(options.peak_tflops, 1e12),
         mfu_ceiling=options.mfu_ceiling, overlap=options.overlap, host_memory_gib=options.host_memory_gib,
         host_link_bandwidth=_scaled(options.host_link_bandwidth, gb),
+        host_link_back_bandwidth=_scaled(options.host_link_back_bandwidth, gb),
         host_optimizer_bandwidth=_scaled(options.host_optimizer_bandwidth, gb),
     )
 
@@ -112,6 +113,7 @@ def _check_args(options) -> None:
         if value < 1:
             raise TensorparError(f"{flag} must be a positive integer, got {value}")
     for flag, value in (("--host-link-bandwidth", options.host_link_bandwidth),
+                        ("--host-link-back-bandwidth", options.host_link_back_bandwidth),
                         ("--host-optimizer-bandwidth", options.host_optimizer_bandwidth)):
         if value is not None and not value > 0:
             raise TensorparError(f"{flag} must be a positive number of GB/s, got {value}")

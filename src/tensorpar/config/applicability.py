@@ -198,6 +198,7 @@ _LAYOUT_MODE_FIELDS = (  # every plan option that only layout mode (--model) rea
     "inter_bandwidth", "intra_latency", "inter_latency", "memory_gib", "peak_tflops", "mfu_ceiling", "overlap", "tp",
     "cp", "ep", "zero", "recompute", "sequence_parallel", "flash_attention", "max_micro_batch", "pipeline_layers",
     "hardware", "tp_overlap", "pp_overlap", "link_efficiency", "host_memory_gib", "host_link_bandwidth",
+    "host_link_back_bandwidth",
     "host_optimizer_bandwidth", "lora_rank", "lora_alpha",
     "lora_targets", "lora_dropout", "optimizer_offload", "activation_offload", "activation_offload_layers",
     "activation_offload_fit", "optimizer_state_dtype")
@@ -239,6 +240,9 @@ PLAN_HOST_MEMORY = Rule("host_memory_gib", lambda o, f: o.optimizer_offload or o
 PLAN_HOST_LINK = Rule("host_link_bandwidth", lambda o, f: o.optimizer_offload or o.activation_offload,
                       "--optimizer-offload or --activation-offload", "the offloaded tensors cross it",
                       lambda o, f: "nothing is offloaded")
+PLAN_HOST_LINK_BACK = Rule("host_link_back_bandwidth", lambda o, f: o.optimizer_offload or o.activation_offload,
+                           "--optimizer-offload or --activation-offload", "the offloaded tensors come back over it",
+                           lambda o, f: "nothing is offloaded")
 PLAN_HOST_OPTIMIZER = Rule("host_optimizer_bandwidth", lambda o, f: o.optimizer_offload, "--optimizer-offload",
                            "the optimizer steps on the host with it", lambda o, f: "the optimizer steps on the GPU")
 
@@ -259,7 +263,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "generate": (FP8_RECIPE, EXPERT_GEMM),
     "serve": (FP8_RECIPE, EXPERT_GEMM),
     "plan": (PLAN_MICROBATCHES, *PLAN_LAYOUT_MODE, PLAN_GPU, PLAN_FLASH_ATTENTION, PLAN_SCHEDULE, PLAN_VIRTUAL_STAGES,
-             PLAN_HOST_MEMORY, PLAN_HOST_LINK, PLAN_HOST_OPTIMIZER, ACTIVATION_OFFLOAD_LAYERS, PLAN_OFFLOAD_FIT),
+             PLAN_HOST_MEMORY, PLAN_HOST_LINK, PLAN_HOST_LINK_BACK, PLAN_HOST_OPTIMIZER, ACTIVATION_OFFLOAD_LAYERS, PLAN_OFFLOAD_FIT),
     "calibrate": (CALIBRATE_RANKS, CALIBRATE_THREADS),
 }
 

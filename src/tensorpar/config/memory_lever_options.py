@@ -38,6 +38,10 @@ class PlanMemoryOptions(MemoryLeverOptions):
                                                      "memory, which the offloaded tensors cross; copies reach "
                                                      "--link-efficiency of it (default: the catalog's, PCIe 5.0 x16 "
                                                      "= 64; A100: PCIe 4.0, 32)", group="memory")
+    host_link_back_bandwidth: float | None = option(None, "nominal GB/s per GPU from host memory back to the GPU, "
+                                                          "where it differs from --host-link-bandwidth (a machine "
+                                                          "whose copies back measured slower: default the same)",
+                                                    group="memory")
     host_optimizer_bandwidth: float | None = option(None, "GB/s of host-memory traffic per GPU an offloaded AdamW "
                                                           "step reaches, 28 bytes an element (default 32.5: derived "
                                                           "from one H200 run on 8 host threads)", group="memory")

@@ -164,11 +164,14 @@ def make_cluster(
     host_memory_gib: float | None = None,
     host_link_bandwidth: float | None = None,
     host_optimizer_bandwidth: float | None = None,
+    host_link_back_bandwidth: float | None = None,
 ) -> Cluster:
     """A Cluster from a catalog name (or a `GPUSpec`, e.g. a calibrated profile's, with its `curve`) with any
     figure overridden (bandwidths in bytes/s, latencies in s)."""
     spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    host_link = None if host_link_bandwidth is None else Link(host_link_bandwidth, spec.host_link.latency)  # both ways
+    host_link = None if host_link_bandwidth is None else Link(host_link_bandwidth, spec.host_link.latency)
+    host_link_back = (host_link if host_link_back_bandwidth is None  # --host-link-bandwidth alone: both ways
+                      else Link(host_link_back_bandwidth, spec.host_link.latency))
     if memory_gib is not None:
         spec = dataclasses.replace(spec, memory_bytes=int(memory_gib * GiB))
     if peak_bf16 is not None:
@@ -184,5 +187,5 @@ def make_cluster(
         0.0 if tp_overlap is None else tp_overlap,
         0.0 if pp_overlap is None else pp_overlap,
         int((DEFAULT_HOST_MEMORY_GIB if host_memory_gib is None else host_memory_gib) * GiB),
-        host_link, host_link, host_optimizer_bandwidth,
+        host_link, host_link_back, host_optimizer_bandwidth,
     )
