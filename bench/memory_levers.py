@@ -135,13 +135,13 @@ def main() -> int:
         return 0
     print(f"{a.model} {a.dtype}, {a.global_batch_size} x {a.seq_len} tokens a step (micro-batch {a.micro_batch_size}), "
           f"{a.steps} steps, {a.device}, torch {torch.__version__}; peak MiB by kind, median step after the first")
+    link = measured_host_link(a.device) if a.plan else None
+    linked = link is not None
+    if linked:
+        print(f"host link measured: {link[0] / 1e9:.1f} GB/s to the host, {link[1] / 1e9:.1f} back (pinned, 256 MiB)")
     print(f"{'variant':20} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'host opt':>9} {'host act':>9} "
           f"{'allocated':>9} {'step s':>8} {'CPU s':>7} {'loss':>8}" + (f" {'planned s':>9}" if a.plan else "")
-          + (f" {'link planned s':>14}" if a.plan and a.device == "cuda" else ""), flush=True)
-    link = measured_host_link(a.device) if a.plan else None
-    if link is not None:
-        print(f"host link measured: {link[0] / 1e9:.1f} GB/s to the host, {link[1] / 1e9:.1f} back (pinned, 256 MiB)")
-    linked = link is not None
+          + (f" {'link planned s':>14}" if linked else ""), flush=True)
     results = {}
     for name in a.variants.split(","):
         argv = [sys.executable, __file__, "--child", name] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()

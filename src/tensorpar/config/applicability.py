@@ -234,15 +234,17 @@ PLAN_OFFLOAD_FIT = Rule("activation_offload_fit",
                         "it chooses each layout's layers whose saved tensors move",
                         lambda o, f: (f"--activation-offload-layers {o.activation_offload_layers} chooses them"
                                       if o.activation_offload else "nothing is offloaded"))
-PLAN_HOST_MEMORY = Rule("host_memory_gib", lambda o, f: o.optimizer_offload or o.activation_offload,
-                        "--optimizer-offload or --activation-offload", "it is the host memory offloading may fill",
-                        lambda o, f: "nothing is offloaded")
-PLAN_HOST_LINK = Rule("host_link_bandwidth", lambda o, f: o.optimizer_offload or o.activation_offload,
-                      "--optimizer-offload or --activation-offload", "the offloaded tensors cross it",
-                      lambda o, f: "nothing is offloaded")
-PLAN_HOST_LINK_BACK = Rule("host_link_back_bandwidth", lambda o, f: o.optimizer_offload or o.activation_offload,
-                           "--optimizer-offload or --activation-offload", "the offloaded tensors come back over it",
-                           lambda o, f: "nothing is offloaded")
+
+
+def _host_rule(field: str, does: str) -> Rule:
+    """A plan option about the host that an offloading lever uses."""
+    return Rule(field, lambda o, f: o.optimizer_offload or o.activation_offload,
+                "--optimizer-offload or --activation-offload", does, lambda o, f: "nothing is offloaded")
+
+
+PLAN_HOST_MEMORY = _host_rule("host_memory_gib", "it is the host memory offloading may fill")
+PLAN_HOST_LINK = _host_rule("host_link_bandwidth", "the offloaded tensors cross it")
+PLAN_HOST_LINK_BACK = _host_rule("host_link_back_bandwidth", "the offloaded tensors come back over it")
 PLAN_HOST_OPTIMIZER = Rule("host_optimizer_bandwidth", lambda o, f: o.optimizer_offload, "--optimizer-offload",
                            "the optimizer steps on the host with it", lambda o, f: "the optimizer steps on the GPU")
 
@@ -263,7 +265,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "generate": (FP8_RECIPE, EXPERT_GEMM),
     "serve": (FP8_RECIPE, EXPERT_GEMM),
     "plan": (PLAN_MICROBATCHES, *PLAN_LAYOUT_MODE, PLAN_GPU, PLAN_FLASH_ATTENTION, PLAN_SCHEDULE, PLAN_VIRTUAL_STAGES,
-             PLAN_HOST_MEMORY, PLAN_HOST_LINK, PLAN_HOST_LINK_BACK, PLAN_HOST_OPTIMIZER, ACTIVATION_OFFLOAD_LAYERS, PLAN_OFFLOAD_FIT),
+             PLAN_HOST_MEMORY, PLAN_HOST_LINK, PLAN_HOST_LINK_BACK, PLAN_HOST_OPTIMIZER, ACTIVATION_OFFLOAD_LAYERS,
+             PLAN_OFFLOAD_FIT),
     "calibrate": (CALIBRATE_RANKS, CALIBRATE_THREADS),
 }
 

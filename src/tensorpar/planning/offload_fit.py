@@ -3,8 +3,9 @@ it to fit the GPU (`MemoryLevers.activation_offload_layers`), instead of everyth
 
 Moving the first N layers' tensors frees a layer's activations per layer moved, so a layout's GPU memory falls as
 N grows: the smallest N that fits is found by bisection over 1..L (L: the model's layers, which caps a stage's),
-then everything (the head's and the loss's tensors too) where no N does. A layout that fits without offloading
-moves nothing (N = 0), and one that does not fit even with everything moved is reported with everything moved.
+then everything (the head's and the loss's tensors too) where no N does. The caller asks only for a layout over
+the GPU's memory without offloading (`search.evaluate`: one that fits moves nothing); one that does not fit even
+with everything moved is reported with everything moved.
 Fewer layers moved expose fewer copies (`offload_time`), so the fewest that fit is also the fastest that fits.
 """
 
@@ -18,16 +19,13 @@ from tensorpar.planning.memory import layout_memory
 
 def fewest_offloaded_layers(cfg, layout, cluster, seq_len: int, global_batch: int, precision, flash_attention: bool,
                             levers: MemoryLevers, lora=None) -> MemoryLevers:
-    """`levers` with the activation offload `layout` needs to fit `cluster`'s GPU memory (see the module): off,
-    the first N layers, or everything."""
+    """`levers` with the activation offload that `layout`, over `cluster`'s GPU memory without it, needs to fit
+    (see the module): the first N layers, or everything."""
 
     def fits(candidate: MemoryLevers) -> bool:
         mem = layout_memory(cfg, layout, seq_len, global_batch, precision, flash_attention, candidate, lora)
         return mem.total <= cluster.memory_bytes
 
-    nothing = dataclasses.replace(levers, activation_offload=False, activation_offload_layers=None)
-    if fits(nothing):
-        return nothing
     first = dataclasses.replace(levers, activation_offload=True)
     low, high = 1, cfg.num_layers
     if not fits(dataclasses.replace(first, activation_offload_layers=high)):
