@@ -19,8 +19,8 @@
 # fp8_wide       bf16 and fp8 (tensorwise), both compiled, on llama-8b's width with 8 of its 32 layers (hidden 4,096):
 #                where the blocks' GEMMs hold more of the step than at llama-1b's size (docs/benchmarks.md)
 # fp8_profile    bf16 and fp8 (tensorwise), both compiled, on llama-1b under torch.profiler: device time by kind
-# offload        bench/memory_levers.py as `levers`, the plain run and each offload only (activations: all, the
-#                first 4 layers' only, and every layer's but not the head's and loss's); `levers` and `offload`
+# offload        bench/memory_levers.py as `levers`, the plain run and each offload only (activations: every
+#                layer's, and the first 4 layers' only); `levers` and `offload`
 #                print the planner's step time beside the measured one (PLAN_GPU, the catalog's GPU: h200), and
 #                again with the host link they time each way first (`link planned s`, `planned_link=`)
 # offload_profile  llama-1b eager with --activation-offload under torch.profiler: the copies' kernels and their time
@@ -72,7 +72,7 @@ step levers 400 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dt
     --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8 --plan "${PLAN_GPU:-h200}"
 step offload 300 "$PY" bench/memory_levers.py --device cuda --model llama-1b --dtype bf16 --seq-len 2048 \
     --global-batch-size 8 --micro-batch-size 2 --steps 6 --threads 8 --plan "${PLAN_GPU:-h200}" \
-    --variants none,optimizer-offload,activation-offload,first-4-layers,every-layer
+    --variants none,optimizer-offload,activation-offload,first-4-layers
 step grad_accum 120 "$PY" bench/grad_accumulation.py --device cuda --elements 1236000000 --slice 4194304
 step offload_profile 150 "$PY" bench/profile_train.py "${LLAMA[@]}" --micro-batch-size 2 --global-batch-size 8 \
     --steps 3 --activation-offload --rows 8 --kernels 20

@@ -3,10 +3,9 @@
 
     none                 no lever
     optimizer-offload    --optimizer-offload (AdamW's states and the fp32 masters in host memory, the step there)
-    activation-offload   --activation-offload (the tensors saved for the backward in host memory)
+    activation-offload   --activation-offload (the tensors the layers save for the backward in host memory; the
+                         embedding's, the head's and the loss's, which the backward needs first, stay on the device)
     first-4-layers       --activation-offload --activation-offload-layers 4 (only the first 4 layers' saved tensors)
-    every-layer          --activation-offload --activation-offload-layers L, L the model's layers (the head's and
-                         the loss's saved tensors, which the backward needs first, stay on the device)
     bf16-states          --optimizer-state-dtype bf16 (AdamW's moments in bf16)
     all                  the three together
 
@@ -44,19 +43,9 @@ import torch
 VARIANTS = {"none": {}, "optimizer-offload": {"optimizer_offload": True},
             "activation-offload": {"activation_offload": True},
             "first-4-layers": {"activation_offload": True, "activation_offload_layers": 4},
-            "every-layer": {"activation_offload": True, "activation_offload_layers": "the model's"},
             "bf16-states": {"optimizer_state_dtype": "bf16"},
             "all": {"optimizer_offload": True, "activation_offload": True, "optimizer_state_dtype": "bf16"}}
 DEVICE_KINDS = ("parameters", "gradients", "optimizer", "activations", "gathered")
-
-
-def variant_levers(name: str, model: str) -> dict:
-    from tensorpar.models import get_config
-
-    levers = dict(VARIANTS[name])
-    if levers.get("activation_offload_layers") == "the model's":
-        levers["activation_offload_layers"] = get_config(model).num_layers
-    return levers
 
 
 def measured_host_link(device: str) -> tuple[float, float] | None:
@@ -94,14 +83,14 @@ def planned_step_s(a, name: str, link: tuple[float, float] | None = None) -> flo
         cluster = dataclasses.replace(cluster, host_link=out, host_link_back=back)
     layout = Candidate.of(micro_batch_size=a.micro_batch_size)
     return predict_step_time(get_config(a.model), layout, cluster, a.seq_len, a.global_batch_size,
-                             f"tensorpar-{a.dtype}", levers=MemoryLevers(**variant_levers(name, a.model))).step_time_s
+                             f"tensorpar-{a.dtype}", levers=MemoryLevers(**VARIANTS[name])).step_time_s
 
 
 def child(a) -> None:
     from tensorpar.training import TrainOptions, train
 
     torch.set_num_threads(a.threads)
-    levers = variant_levers(a.child, a.model)
+    levers = VARIANTS[a.child]
     cpu0 = time.process_time()
     s = train(TrainOptions(model=a.model, dtype=a.dtype, seq_len=a.seq_len, global_batch_size=a.global_batch_size,
                            micro_batch_size=a.micro_batch_size, steps=a.steps, warmup_steps=0, device=a.device,

@@ -56,8 +56,9 @@ def test_offloading_trains_bit_for_bit_like_the_run_without_it(runs, layout):
     plain, offload = runs(layout)["none"], runs(layout)["offload"]
     assert offload["trajectory"] == plain["trajectory"]
     assert all(torch.equal(offload["state"][k], v) for k, v in plain["state"].items())
-    for rank, mem in enumerate(offload["memory"]):  # nothing of either left on the device
-        assert mem["optimizer"] == 0 and mem["activations"] == 0 and mem["host_optimizer"] > 0, (rank, mem)
+    for rank, mem in enumerate(offload["memory"]):  # no optimizer left on the device, the layers' tensors moved
+        assert mem["optimizer"] == 0 and mem["host_optimizer"] > 0, (rank, mem)
+        assert 0 < mem["activations"] < 0.25 * mem["host_activations"], (rank, mem)  # the embedding's, head's, loss's
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -206,8 +207,9 @@ def test_plan_json_reports_the_host_memory_of_the_levers(cli):
         if row["memory"] is None:
             continue
         ref = by_mbs[row["micro_batch_size"]]
-        assert row["memory"]["optimizer"] == 0 and row["memory"]["activations"] == 0
-        assert row["host_memory"]["optimizer"] > 0 and row["host_memory"]["activations"] == pytest.approx(
+        kept = row["memory"]["activations"] + row["memory"]["weight_copies"]
+        assert row["memory"]["optimizer"] == 0 and 0 < kept < 0.1 * row["host_memory"]["activations"]
+        assert row["host_memory"]["optimizer"] > 0 and row["host_memory"]["activations"] + kept == pytest.approx(
             ref["memory"]["activations"] + ref["memory"]["weight_copies"])
         assert ref["host_memory"]["total"] == 0 and row["memory"]["total"] < ref["memory"]["total"]
 
@@ -247,10 +249,12 @@ def test_plan_moves_the_first_layers_share_of_the_saved_bytes(cli):
     everything = json.loads(cli(*args, "--activation-offload")[1])[0]
     first8 = json.loads(cli(*args, "--activation-offload", "--activation-offload-layers", 8)[1])[0]
     moved = first8["host_memory"]["activations"]
-    # 8 of llama-8b's 32 layers: a quarter of the layers' bytes; the embedding's and the head's stay
-    assert 0.2 * everything["host_memory"]["activations"] < moved < 0.25 * everything["host_memory"]["activations"]
+    # 8 of llama-8b's 32 layers: a quarter of the layers' bytes, which is all the plain lever moves
+    assert moved == pytest.approx(0.25 * everything["host_memory"]["activations"], rel=1e-6)
     kept = first8["memory"]["activations"] + first8["memory"]["weight_copies"]
-    assert kept + moved == pytest.approx(everything["host_memory"]["activations"], rel=1e-6)
+    ends = everything["memory"]["activations"] + everything["memory"]["weight_copies"]
+    assert 0 < ends < 0.1 * everything["host_memory"]["activations"]  # the embedding's, head's, loss's stay
+    assert kept + moved == pytest.approx(ends + everything["host_memory"]["activations"], rel=1e-6)
 
 
 def test_gpu_ranks_stepping_an_offloaded_optimizer_on_one_thread_each_are_warned():

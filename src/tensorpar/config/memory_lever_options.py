@@ -15,10 +15,10 @@ class MemoryLeverOptions:
 
     optimizer_offload: bool = option(False, "keep AdamW's states and the fp32 master weights in host memory and step "
                                             "there (pinned on CUDA)", group="memory")
-    activation_offload: bool = option(False, "move the tensors saved for the backward to host memory and back "
-                                             "(pinned and overlapped on CUDA)", group="memory")
+    activation_offload: bool = option(False, "move the tensors the layers save for the backward to host memory and "
+                                             "back (pinned and overlapped on CUDA)", group="memory")
     activation_offload_layers: int | None = option(None, "with --activation-offload: only what the first N layers of "
-                                                         "a rank save moves (default: all it saves)", group="memory")
+                                                         "a rank save moves (default: every layer's)", group="memory")
     optimizer_state_dtype: str = option("fp32", "AdamW's moments in this dtype (the master weights stay fp32)",
                                         choices=OPTIMIZER_STATE_DTYPES, group="memory")
 

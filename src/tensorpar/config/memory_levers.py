@@ -4,12 +4,13 @@
   gradients are reduced and clipped on the device, then copied to the host, where AdamW steps; the stepped masters
   go back into the parameters (`tensorpar.data_parallel.host_masters`). The same arithmetic: on a CPU run a copy
   in the same memory, bit for bit the run without it.
-- ``activation_offload``: every tensor autograd saves for the backward (parameters aside) copied to host memory in
-  the forward and back in the backward (`tensorpar.training.activation_offload`; on CUDA pinned, the copies out on
-  a side stream beside the compute, the copies back on another, one layer ahead of the backward).
-  ``activation_offload_layers`` N moves only what the first N layers of each forward on a rank save (None: all of
-  it, the embedding's and the head's too): the later layers' backward runs while the first ones' come back, so
-  the copies can hide behind the compute where moving everything would wait for PCIe.
+- ``activation_offload``: what the decoder layers save for the backward (parameters aside) copied to host memory
+  in the forward and back in the backward (`tensorpar.training.activation_offload`; on CUDA pinned, the copies out
+  on a side stream beside the compute, the copies back on another, one layer ahead of the backward). The
+  embedding's, the head's and the loss's stay: the backward needs them first, so moving them would lower no peak.
+  ``activation_offload_layers`` N moves only what the first N layers of each forward on a rank save (None: every
+  layer's): the later layers' backward runs while the first ones' come back, so the copies can hide behind the
+  compute where moving every layer's would wait for PCIe.
 - ``optimizer_state_dtype``: AdamW's two moments in fp32 or bf16 (the master weights stay fp32; the update is
   computed in fp32 from the widened moments, which are then rounded to nearest: `tensorpar.optim.adamw_bf16`).
 """

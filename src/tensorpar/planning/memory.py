@@ -370,20 +370,18 @@ def _saved_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int, stag
 
 def moved_activation_bytes(cfg, layout: Candidate, seq_len: int, precision: Precision | str, stage: int = 0,
                            flash_attention: bool = True, levers: MemoryLevers = MemoryLevers(),
-                           lora: LoraSpec | None = None) -> tuple[int, int, int]:
-    """(the layers' bytes --activation-offload moves to the host and back for one micro-batch on a rank of pipeline
-    `stage`, the rest it moves (the embedding's, the head's and the loss's, when everything moves), the stage's
-    layers): one micro-batch's pass through the stage's chunks, as `stage_memory` counts them (no bytes without
-    the lever)."""
+                           lora: LoraSpec | None = None) -> tuple[int, int]:
+    """(the bytes --activation-offload moves to the host and back for one micro-batch on a rank of pipeline `stage`,
+    what the layers it moves save; the stage's layers): one micro-batch's pass through the stage's chunks, as
+    `stage_memory` counts them (no bytes without the lever)."""
     n_layers = stage_layers(cfg, layout, stage if layout.pp > 1 else None)[2]
     if not levers.activation_offload:
-        return 0, 0, n_layers
+        return 0, n_layers
     prec = levered_precision(get_precision(precision), levers)
     summary = layout_summary(cfg, layout, stage, lora)
     saved = _saved_bytes(cfg, layout, seq_len, 1, layout.virtual_stages, stage, prec, summary, flash_attention, True,
                          LOSS_CHUNK_TOKENS, lora)
-    moved, by_layers = saved.offloaded(levers, n_layers)[0], saved.moved_by_layers(levers, n_layers)
-    return by_layers, moved - by_layers, n_layers
+    return saved.offloaded(levers, n_layers)[0], n_layers
 
 
 def _activation_bytes(cfg, layout: Candidate, seq_len: int, m: int, chunks: int, n_layers: int, first: bool,

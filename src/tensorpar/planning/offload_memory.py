@@ -6,9 +6,10 @@
   them, plus the 4-byte ``step`` per tensor), an fp32 master of every element the rank steps (a copy even where the
   GPU run steps fp32 parameters in place: ZeRO-0, ZeRO-3) and an fp32 copy of its gradient slice, which the step
   reads (`tensorpar.data_parallel.host_masters`). The gradients stay on the GPU, where they are reduced.
-- ``--activation-offload``: what autograd saves (the activations and, under autocast, the weight copies) lives on
-  the host between the forward and the backward; the GPU holds, transiently, one layer's saved tensors brought
-  back for its backward.
+- ``--activation-offload``: what the decoder layers save (their activations and, under autocast, their weight
+  copies) lives on the host between the forward and the backward; the GPU holds, transiently, one layer's saved
+  tensors brought back for its backward, and keeps the embedding's, the head's and the loss's (needed first in the
+  backward: moving them would lower no peak).
 
 What the copies cost a step (the gradient slice and the master each way once per step, the saved tensors out and
 back once per micro-batch) is `tensorpar.planning.offload_time`'s.
@@ -63,19 +64,11 @@ class SavedBytes:
     head_copies: int
 
     def offloaded(self, levers: MemoryLevers, n_layers: int) -> tuple[int, int, int]:
-        """(moved to the host, activations left, weight copies left) under --activation-offload: everything saved,
-        or with --activation-offload-layers the first layers' share of what the layers save."""
-        if levers.activation_offload_layers is None:
-            return self.activations + self.weight_copies, 0, 0
+        """(moved to the host, activations left, weight copies left) under --activation-offload: what the layers save
+        (with --activation-offload-layers the first layers' share of it); the embedding's, the head's and the loss's
+        stay."""
         offloaded = levers.offloaded_layers(n_layers)
         moved_activations = self.in_layers * offloaded // max(n_layers, 1)
         moved_copies = (self.weight_copies - self.head_copies) * offloaded // max(n_layers, 1)
         return (moved_activations + moved_copies, self.activations - moved_activations,
                 self.weight_copies - moved_copies)
-
-    def moved_by_layers(self, levers: MemoryLevers, n_layers: int) -> int:
-        """Of `offloaded`'s moved bytes, the layers' (all of them with --activation-offload-layers; else all but the
-        embedding's, the head's and the loss's)."""
-        if levers.activation_offload_layers is None:
-            return self.in_layers + self.weight_copies - self.head_copies
-        return self.offloaded(levers, n_layers)[0]

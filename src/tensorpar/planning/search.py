@@ -37,8 +37,8 @@ class Plan:
 
     @property
     def offloaded_layers(self) -> int | None:
-        """Under --activation-offload-fit, the layers whose saved tensors this layout moves (0: none; None:
-        everything, the head's and the loss's too)."""
+        """Under --activation-offload-fit, the layers whose saved tensors this layout moves (0: none; None: every
+        layer, the plain --activation-offload)."""
         if self.levers is None or not self.levers.activation_offload:
             return 0
         return self.levers.activation_offload_layers

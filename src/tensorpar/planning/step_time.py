@@ -256,8 +256,8 @@ def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batc
 def _with_offload(cfg, layout: Candidate, cluster, s: int, stage: int | None, st: StageTime, precision, flash: bool,
                   levers: MemoryLevers, lora: LoraSpec | None) -> StageTime:
     """`st` with what its activations' copies to and from host memory leave exposed (`offload_time`)."""
-    in_layers, ends, layers = moved_activation_bytes(cfg, layout, s, precision, stage or 0, flash, levers, lora)
-    exposed = activation_copy_time(in_layers, ends, levers.offloaded_layers(layers), layers, st.forward,
+    moved, layers = moved_activation_bytes(cfg, layout, s, precision, stage or 0, flash, levers, lora)
+    exposed = activation_copy_time(moved, levers.offloaded_layers(layers), layers, st.forward,
                                    st.backward + st.recompute, cluster)
     return dataclasses.replace(st, offload=exposed)
 

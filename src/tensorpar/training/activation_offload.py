@@ -13,12 +13,14 @@ are fetched, up to one layer's bytes ahead of what it uses (the host bytes alive
 the `layers` the rank runs); the compute stream waits only for the copy of the storage it needs. On a CPU run host
 and device are one memory: the copies out are made all the same, through the same code, and nothing is fetched.
 
-With `first_layers` N (--activation-offload-layers) only what the first N of the rank's blocks save moves, in each
-forward: forward hooks on the blocks say when a block begins and ends (run eagerly under --compile, where
-autograd saves a compiled block's tensors as it leaves it), and the rest (the embedding, the later blocks, the
-head and loss) stays on the device, counted there by the activation meter. The backward's first unpack, of a
-tensor that stayed, starts fetching the last layer moved before it was saved, so the copies back run beside the
-later layers' backward.
+What moves is what the rank's decoder blocks save, in each forward: forward hooks on the blocks say when a block
+begins and ends (run eagerly under --compile, where autograd saves a compiled block's tensors as it leaves it). The
+rest stays on the device, counted there by the activation meter: the embedding's, the head's and the loss's (and
+the multi-token prediction modules'), which the backward needs first, so that moving them out and straight back
+would cost the copies and lower no peak (on the lent H200, moving the loss's 1 GB of saved head gradients too left
+the peak where it was). With `first_layers` N (--activation-offload-layers) only the first N blocks' tensors move
+and the later blocks' stay as well. The backward's first unpack, of a tensor that stayed, starts fetching the last
+layer moved before it was saved, so the copies back run beside the later layers' backward.
 
 A saved storage modified in place before the backward would be an autograd error without offload; with it the copy
 made first would silently win, so a storage whose version changed since its copy is copied again.
@@ -100,7 +102,7 @@ class HostActivations:
     """Saved-tensor hooks that move each saved storage to host memory and back; `bytes`: the host bytes alive, and
     their peak since `reset_peak`. `layers`: how many layers' saved tensors move in a forward on this rank (the
     fetch-ahead window is one layer's share of the bytes moved). `taking`: whether what autograd saves now moves
-    (always, unless `follow` limits it to the first blocks)."""
+    (always, unless `follow` limits it to some blocks)."""
 
     SCAN = 512  # saved storages looked at, at most, per fetch ahead (a layer saves a few dozen)
 
@@ -121,13 +123,11 @@ class HostActivations:
 
     @classmethod
     def of_model(cls, device, model: torch.nn.Module, first_layers: int | None = None) -> "HostActivations":
-        """The offload of a rank's `model` (its decoder blocks, in order): everything it saves, or with `first_layers`
-        what its first blocks save."""
-        blocks = list(model.decoder_layers().values())
-        if first_layers is None:
-            return cls(device, layers=len(blocks))
-        offload = cls(device, layers=min(first_layers, len(blocks)))
-        offload.follow(blocks[:first_layers])
+        """The offload of a rank's `model`: what its decoder blocks save, or with `first_layers` what its first blocks
+        save."""
+        blocks = list(model.decoder_layers().values())[:first_layers]
+        offload = cls(device, layers=len(blocks))
+        offload.follow(blocks)
         return offload
 
     def follow(self, blocks) -> None:

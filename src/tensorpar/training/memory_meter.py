@@ -10,9 +10,9 @@ one recomputed block count. On a GPU the allocator's peak for the step is report
 which also holds what no ledger sees: temporaries, communication buffers, the allocator's rounding.
 
 Where the bytes are: ``optimizer`` is the optimizer's device memory; with --optimizer-offload its states and
-masters are ``host_optimizer`` instead. With --activation-offload the saved tensors are ``host_activations`` (each
-storage once, as on the device) and ``activations`` counts none; with --activation-offload-layers it counts
-what stays on the device.
+masters are ``host_optimizer`` instead. With --activation-offload the decoder blocks' saved tensors are
+``host_activations`` (each storage once, as on the device; with --activation-offload-layers the first blocks'), and
+``activations`` counts what stays on the device: the embedding's, the head's and the loss's, and the later blocks'.
 """
 
 from __future__ import annotations
