@@ -89,9 +89,12 @@ def test_admission_waits_for_blocks_and_the_queue_is_bounded():
     first, second = Sequence(0, [1] * 12, max_tokens=2), Sequence(1, [1] * 8, max_tokens=2)
     s.add([first, second])
     assert [q.seq_id for q, _ in s.schedule()] == [0]  # the second does not fit beside the first
-    with pytest.raises(QueueFull, match="overloaded"):
+    with pytest.raises(QueueFull, match="overloaded") as full:
         s.add([Sequence(i, [1], 1) for i in (2, 3, 4)])
-    assert len(s.waiting) == 1  # all or nothing
+    assert full.value.status == 429 and len(s.waiting) == 1  # all or nothing: retry later
+    with pytest.raises(QueueFull, match="asks for 4 sequences .* more than the server queues at once") as never:
+        s.add([Sequence(i, [1], 1) for i in (5, 6, 7, 8)])  # more than the queue ever holds: no retry helps
+    assert never.value.status == 400 and len(s.waiting) == 1
     s.remove(first)  # cancelled: its blocks come back at once
     assert s.allocator.used_blocks == 0 and [q.seq_id for q, _ in s.schedule()] == [1]
 

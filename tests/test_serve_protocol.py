@@ -33,6 +33,22 @@ def test_finite_numbers_still_pass():
     assert request.sampling.temperature == 0.5
 
 
+def test_a_prompt_over_the_context_without_max_tokens_is_over_the_context():
+    with pytest.raises(ApiError) as e:
+        completion_request({"model": "m", "prompt": "x" * 80}, _Bytes(), INFO)
+    assert e.value.code == "context_length_exceeded" and "80" in e.value.message, e.value.message
+    request, _ = completion_request({"model": "m", "prompt": "x" * 60}, _Bytes(), INFO)
+    assert request.max_tokens == 4  # the default 16, as far as the context goes
+
+
+def test_temperatures_too_small_to_divide_by_sample_greedily():
+    """vLLM's rule: the logits over 5e-324 overflow to inf, and the sample to a junk token."""
+    for temperature, greedy in ((0, True), (5e-324, True), (1e-30, True), (1e-5, False), (0.7, False)):
+        request, _ = completion_request({"model": "m", "prompt": "hi", "temperature": temperature}, _Bytes(), INFO)
+        assert request.sampling.greedy == greedy, temperature
+        assert request.sampling.temperature == (1.0 if greedy else temperature)
+
+
 def test_vllms_sampling_fields_reach_the_engine_and_bad_ones_are_refused():
     body = {"model": "m", "prompt": "hi", "max_tokens": 4, "presence_penalty": -0.5, "frequency_penalty": 1.5,
             "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2, "stop_token_ids": [7, 9]}

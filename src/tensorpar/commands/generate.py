@@ -29,7 +29,7 @@ from tensorpar.config.fields import add_options, check_choices, options_from_arg
 from tensorpar.config.options import GenerateOptions
 from tensorpar.config.command_line import check_text
 from tensorpar.data import load_tokenizer
-from tensorpar.data.tokenizer import HFTokenizer
+from tensorpar.data.tokenizer import HFTokenizer, text_after
 from tensorpar.distributed.mesh import build_mesh, world_from_env
 from tensorpar.errors import TensorparError
 from tensorpar.layout import ParallelLayout
@@ -149,8 +149,8 @@ def run(args, argv) -> int:
         new, stats = generate_text(options, tokenizer, prompts, sampling, eos, layout)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
-        for ids in new:
-            text = None if textless else tokenizer.decode(ids)
+        for prompt, ids in zip(prompts, new):
+            text = None if textless else text_after(tokenizer, prompt, ids)
             if options.json:
                 print(json.dumps({"ids": ids, "text": text, "tokens_per_s": round(stats["tokens_per_s"], 2)}))
             else:

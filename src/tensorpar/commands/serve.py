@@ -65,11 +65,9 @@ def _check_numbers(options: ServeOptions, context_len: int) -> int:
     if not 0 <= options.port <= 65535:
         raise TensorparError(f"--port must be in [0, 65535], got {options.port}")
     for flag, value in (("--max-running", options.max_running), ("--token-budget", options.token_budget),
-                        ("--block-size", options.block_size)):
-        if value < 1:
+                        ("--block-size", options.block_size), ("--max-queue", options.max_queue)):
+        if value < 1:  # a queue of 0 would answer every request 429
             raise TensorparError(f"{flag} must be at least 1, got {value}")
-    if options.max_queue < 0:
-        raise TensorparError(f"--max-queue must be at least 0, got {options.max_queue}")
     tokens = options.kv_cache_tokens or options.max_running * context_len
     if tokens < context_len:
         raise TensorparError(f"--kv-cache-tokens {tokens} cannot hold one sequence of the model's context "

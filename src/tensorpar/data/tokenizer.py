@@ -135,6 +135,24 @@ class HFTokenizer:
         return f"HFTokenizer('{self.path}', vocab_size={self.vocab_size})"
 
 
+CONTEXT_TOKENS = 4  # the tokens before a continuation that `text_after` decodes it with
+
+
+def text_after(tokenizer, before, ids, skip_special_tokens: bool = True) -> str:
+    """The text the tokens `ids` add after the tokens `before`: the last `CONTEXT_TOKENS` of them decoded with `ids`,
+    their own text cut off (as vLLM detokenizes), so that a SentencePiece token's leading space ("_is") is kept after
+    other text, as a whole sequence's decoding keeps it, where decoding `ids` alone would drop it; `ids` decoded alone
+    where the context's text is not where the whole's begins (a character split between them)."""
+    context = [int(x) for x in before[len(before) - CONTEXT_TOKENS:]] if len(before) else []
+    ids = [int(x) for x in ids]
+    if context:
+        head = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+        whole = tokenizer.decode(context + ids, skip_special_tokens=skip_special_tokens)
+        if whole.startswith(head) and not head.endswith("\ufffd"):
+            return whole[len(head):]
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 def tokenizer_folder(folder: str) -> str:
     """The folder of `folder`'s tokenizer files: `folder` itself, or, for a tensorpar checkpoint's root without them,
     the step folder its `latest` file names (a run's checkpoints carry its tokenizer's files: tokenizer.json,

@@ -134,6 +134,9 @@ def select_tokens(local_logits: torch.Tensor, model, *, greedy: bool = True, tem
     return tp_argmax_rows(local + noise, group)
 
 
+MIN_TEMPERATURE = 1e-5  # the logits divided by less overflow; the server samples below it greedily, as vLLM does
+
+
 def check_generate_args(prompts, max_new_tokens: int, vocab_size: int, max_positions: int | None = None, *,
                         temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                         repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
@@ -143,8 +146,9 @@ def check_generate_args(prompts, max_new_tokens: int, vocab_size: int, max_posit
         raise TensorparError("no prompts given")
     if max_new_tokens < 0:
         raise TensorparError(f"max-new-tokens must be >= 0, got {max_new_tokens}")
-    if not (temperature > 0 and temperature != float("inf")):
-        raise TensorparError(f"temperature must be a positive number, got {temperature} (use greedy decoding for 0)")
+    if not (temperature >= MIN_TEMPERATURE and temperature != float("inf")):
+        raise TensorparError(f"temperature must be a number of at least {MIN_TEMPERATURE:g}, got {temperature} (use "
+                             f"greedy decoding for 0)")
     if top_k < 0:
         raise TensorparError(f"top-k must be >= 0 (0: off), got {top_k}")
     if not (0 < top_p <= 1):

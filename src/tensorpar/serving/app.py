@@ -71,7 +71,9 @@ class Handler:
         self.engine.submit(request)
         first = await events.get()
         if isinstance(first, RequestDone):
-            raise ApiError(first.error, status=first.status, type="server_overloaded", code="queue_full")
+            if first.status == 429:
+                raise ApiError(first.error, status=429, type="server_overloaded", code="queue_full")
+            raise ApiError(first.error, status=first.status, param="n")
         assert isinstance(first, Accepted)
         answer = Answer(kind, self.info.name, request, options, self.tokenizer,
                         self.prompt_texts(request.prompts) if options["echo"] else [])

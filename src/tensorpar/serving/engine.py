@@ -171,18 +171,18 @@ class Engine:
         choices = []
         for p, prompt in enumerate(request.prompts):
             for i in range(request.n):
-                index = p * request.n + i
-                seed = base if index == 0 else mix_seed(base, index)
+                seed = base if i == 0 else mix_seed(base, i)  # every prompt as if alone
                 seq = Sequence(self._next_seq, list(prompt), request.max_tokens,
                                reuse_prefix=not request.prompt_logprobs)
                 self._next_seq += 1
-                choices.append(_Choice(request, index, seq, dataclasses.replace(request.sampling, seed=seed),
-                                       TextStream(self.tokenizer, request.stop)))
+                choices.append(_Choice(request, p * request.n + i, seq,
+                                       dataclasses.replace(request.sampling, seed=seed),
+                                       TextStream(self.tokenizer, request.stop, prompt)))
         try:
             self.scheduler.add([c.seq for c in choices])
         except QueueFull as e:
             self.metrics.rejected()
-            request.sink(RequestDone(0, 0, error=str(e), status=429))
+            request.sink(RequestDone(0, 0, error=str(e), status=e.status))
             return
         self._requests[id(request)] = choices
         for c in choices:

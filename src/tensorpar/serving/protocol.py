@@ -15,6 +15,7 @@ import json
 import math
 
 from tensorpar.errors import TensorparError
+from tensorpar.inference.generation import MIN_TEMPERATURE
 from tensorpar.serving.engine import EngineRequest
 from tensorpar.serving.step_plan import Sampling
 
@@ -130,7 +131,8 @@ def sampling(body: dict) -> tuple[Sampling, int | None]:
     repetition = field(body, "repetition_penalty", float, 1.0, low=0.0)
     if repetition == 0.0:
         raise ApiError("'repetition_penalty' must be positive (1: none), got 0", param="repetition_penalty")
-    return Sampling(greedy=temperature == 0.0, temperature=temperature or 1.0, top_k=max(top_k, 0), top_p=top_p,
+    greedy = temperature < MIN_TEMPERATURE
+    return Sampling(greedy=greedy, temperature=1.0 if greedy else temperature, top_k=max(top_k, 0), top_p=top_p,
                     min_p=field(body, "min_p", float, 0.0, low=0.0, high=1.0),
                     presence_penalty=field(body, "presence_penalty", float, 0.0, low=-2.0, high=2.0),
                     frequency_penalty=field(body, "frequency_penalty", float, 0.0, low=-2.0, high=2.0),
@@ -215,7 +217,7 @@ def completion_request(body, tokenizer, info: ModelInfo) -> tuple[EngineRequest,
     prompts = _prompts(body, tokenizer, info)
     max_tokens = field(body, "max_tokens", int, None, low=0)
     if max_tokens is None:
-        max_tokens = min(DEFAULT_COMPLETION_TOKENS, info.context_len - max(len(p) for p in prompts))
+        max_tokens = max(0, min(DEFAULT_COMPLETION_TOKENS, info.context_len - max(len(p) for p in prompts)))
     check_length(prompts, max_tokens, info)
     logprobs = field(body, "logprobs", int, None, low=0, high=MAX_LOGPROBS)
     echo = field(body, "echo", bool, False)

@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 
+from tensorpar.data.tokenizer import CONTEXT_TOKENS, text_after
 from tensorpar.serving.engine import ChoiceEvent, RequestDone
 from tensorpar.serving.step_plan import TokenLogprob
 
@@ -27,47 +28,57 @@ def usage(done: RequestDone) -> dict:
 
 
 class TokenText:
-    """The text of single tokens (log-prob entries name tokens by their text)."""
+    """The text of a token where it stands, after the tokens `before` it (log-prob entries name tokens by their
+    text): `text_after`, so that a SentencePiece token's leading space shows as it does in the continuation's text;
+    special tokens by their own text (the EOS as `</s>`, say), as vLLM names them."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self._cache = tokenizer, {}
 
-    def __call__(self, token: int) -> str:
-        if token not in self._cache:
-            self._cache[token] = self.tokenizer.decode([token])
-        return self._cache[token]
+    def __call__(self, token: int, before: list[int] = ()) -> str:
+        key = (tuple(before[len(before) - CONTEXT_TOKENS:]) if len(before) else (), token)
+        if key not in self._cache:
+            self._cache[key] = text_after(self.tokenizer, key[0], [token], skip_special_tokens=False)
+        return self._cache[key]
 
 
-def completion_logprobs(tokens: list[int], entries: list[TokenLogprob | None], text: TokenText,
-                        offset: int = 0) -> dict:
-    """The completions endpoint's log-probs of `tokens` (an entry None: the first prompt token, which has none); the
-    top alternatives include the token itself, as OpenAI's do."""
+def completion_logprobs(tokens: list[int], entries: list[TokenLogprob | None], text: TokenText, before: list[int],
+                        offset: int = 0) -> tuple[dict, int]:
+    """(the completions endpoint's log-probs of `tokens`, which follow the tokens `before` and start at character
+    `offset` of the answer's text; the offset after them). An entry None: the first prompt token, which has none;
+    the top alternatives include the token itself, as OpenAI's do."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    context = list(before)
     for token, entry in zip(tokens, entries):
-        piece = text(token)
+        piece = text(token, context)
         out["tokens"].append(piece)
         out["text_offset"].append(offset)
         offset += len(piece)
         if entry is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
-            continue
-        out["token_logprobs"].append(entry.logprob)
-        top = {}
-        for t, lp in entry.top:
-            top.setdefault(text(t), lp)
-        top.setdefault(piece, entry.logprob)
-        out["top_logprobs"].append(top)
-    return out
+        else:
+            out["token_logprobs"].append(entry.logprob)
+            top = {}
+            for t, lp in entry.top:
+                top.setdefault(text(t, context), lp)
+            top.setdefault(piece, entry.logprob)
+            out["top_logprobs"].append(top)
+        context.append(token)
+    return out, offset
 
 
-def chat_logprobs(tokens: list[int], entries: list[TokenLogprob], text: TokenText) -> dict:
-    def one(token, lp):
-        piece = text(token)
+def chat_logprobs(tokens: list[int], entries: list[TokenLogprob], text: TokenText, before: list[int]) -> dict:
+    """The chat endpoint's log-probs of `tokens`, which follow the tokens `before`."""
+    def one(token, lp, context):
+        piece = text(token, context)
         return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
 
-    return {"content": [dict(one(token, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top])
-                        for token, e in zip(tokens, entries)]}
+    context, content = list(before), []
+    for token, e in zip(tokens, entries):
+        content.append(dict(one(token, e.logprob, context), top_logprobs=[one(t, lp, context) for t, lp in e.top]))
+        context.append(token)
+    return {"content": content}
 
 
 @dataclasses.dataclass
@@ -80,6 +91,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    logprobs_offset: int = 0  # where the next streamed log-prob entry's text starts in the answer's text
 
     def add(self, event: ChoiceEvent) -> None:
         self.text += event.text
@@ -118,11 +130,18 @@ class Answer:
         entries = [None] + list(state.prompt_logprobs or [])
         return self.prompt_texts[index // self.request.n], prompt, entries[: len(prompt)]
 
+    def _before(self, state: ChoiceState, tokens) -> list[int]:
+        """The tokens before `tokens`, the last of the choice's tokens so far: its prompt and what came earlier."""
+        return self._prompt(state.index) + state.tokens[: len(state.tokens) - len(tokens)]
+
     def _completion_choice(self, state: ChoiceState, text: str, tokens, entries, first: bool) -> dict:
         logprobs = None
         if self.options["logprobs"]:
             head_text, head_tokens, head_entries = self._echo(state.index) if first else ("", [], [])
-            logprobs = completion_logprobs(head_tokens + tokens, head_entries + entries, self.text)
+            before = [] if head_tokens else self._before(state, tokens)
+            offset = 0 if first else state.logprobs_offset
+            logprobs, state.logprobs_offset = completion_logprobs(head_tokens + tokens, head_entries + entries,
+                                                                  self.text, before, offset)
             text = head_text + text
         elif first:
             text = self._echo(state.index)[0] + text
@@ -142,7 +161,8 @@ class Answer:
                                                                   "logprobs": None, "finish_reason": None}]}))
             if not (event.text or event.tokens or event.finish_reason):
                 return out
-            lp = chat_logprobs(event.tokens, event.logprobs, self.text) if self.options["logprobs"] else None
+            lp = (chat_logprobs(event.tokens, event.logprobs, self.text, self._before(state, event.tokens))
+                  if self.options["logprobs"] else None)
             delta = {"content": event.text} if event.text or not event.finish_reason else {}
             choice = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": event.finish_reason}
             return out + [sse({**self._head(True), "choices": [choice]})]
@@ -163,8 +183,8 @@ class Answer:
         """The whole answer (not streamed), once every choice has finished."""
         if self.kind == "chat":
             choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
-                        "logprobs": chat_logprobs(s.tokens, s.logprobs, self.text) if self.options["logprobs"]
-                        else None, "finish_reason": s.finish_reason} for s in self.choices]
+                        "logprobs": chat_logprobs(s.tokens, s.logprobs, self.text, self._prompt(s.index))
+                        if self.options["logprobs"] else None, "finish_reason": s.finish_reason} for s in self.choices]
         else:
             choices = [self._completion_choice(s, s.text, s.tokens, s.logprobs, True) for s in self.choices]
         return {**self._head(False), "choices": choices, "usage": usage(done)}

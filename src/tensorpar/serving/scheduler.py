@@ -36,7 +36,12 @@ from tensorpar.serving.blocks import BlockAllocator
 
 
 class QueueFull(TensorparError):
-    """The waiting queue holds its maximum: the server answers 429."""
+    """The waiting queue cannot take a request: `status` 429 while it is full, 400 for a request of more sequences
+    than it ever holds."""
+
+    def __init__(self, message: str, status: int = 429):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,6 +93,9 @@ class Scheduler:
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue the sequences of one request (all or none: QueueFull when the queue cannot take them)."""
+        if len(seqs) > self.max_waiting:
+            raise QueueFull(f"the request asks for {len(seqs)} sequences (prompts x n), more than the server queues at "
+                            f"once ({self.max_waiting}: serve --max-queue)", status=400)
         if len(self.waiting) + len(seqs) > self.max_waiting:
             raise QueueFull(f"the server is overloaded: {len(self.waiting)} sequences are waiting (at most "
                             f"{self.max_waiting}); retry later")

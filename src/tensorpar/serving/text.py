@@ -1,6 +1,7 @@
 """A continuation's text as it grows: incremental detokenization and stop strings.
 
-Each new token re-decodes the continuation (the tokenizer decides how bytes join into characters) and releases the
+Each new token re-decodes the continuation after the prompt's last tokens (`text_after`: the tokenizer decides how
+bytes join into characters, and whether a token's leading space shows where it stands) and releases the
 text that can no longer change: it holds back an incomplete UTF-8 character (decoded as U+FFFD) and, when the
 request has stop strings, the last len(longest stop) - 1 characters, which could be the start of one. A stop string
 ends the continuation before it (OpenAI's rule: the stop string is not returned).
@@ -8,16 +9,21 @@ ends the continuation before it (OpenAI's rule: the stop string is not returned)
 
 from __future__ import annotations
 
+from tensorpar.data.tokenizer import text_after
+
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    """The text of a continuation of the tokens `before` (its prompt)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), before: list[int] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
+        self.before = list(before)
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text, self.sent = "", 0
 
     def add(self, ids: list[int]) -> tuple[str, bool]:
         """(the text newly released, whether a stop string ended the continuation) after the tokens `ids`."""
-        text = self.tokenizer.decode(ids)
+        text = text_after(self.tokenizer, self.before, ids)
         found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if found:
             self.text = text[: min(found)]

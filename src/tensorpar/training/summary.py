@@ -6,6 +6,7 @@ import math
 import os
 
 from tensorpar.checkpoints.peft_adapter import adapter_shapes
+from tensorpar.data.tokenizer import text_after
 from tensorpar.distributed.launch import signal_name
 from tensorpar.distributed.sharding import shard_spec
 from tensorpar.inference import greedy_generate
@@ -63,8 +64,9 @@ def _sample(s: Session, summary: dict) -> None:
         return
     text = s.dataset.prompt(o.sample_prompt) if hasattr(s.dataset, "prompt") else o.sample_prompt  # chat: rendered
     eos = getattr(s.tokenizer, "eos_id", None)
-    new = greedy_generate(s.model, s.tokenizer.encode(text), o.sample_tokens, eos_id=eos)
-    summary["sample"] = text + s.tokenizer.decode(new)
+    prompt = s.tokenizer.encode(text)
+    new = greedy_generate(s.model, prompt, o.sample_tokens, eos_id=eos)
+    summary["sample"] = text + text_after(s.tokenizer, prompt, new)
 
 
 def lora_summary(run) -> dict | None:
