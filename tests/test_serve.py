@@ -204,6 +204,8 @@ def test_seeded_sampling_depends_on_the_seed_alone(served, pools):
     for t in threads:
         t.join()
     assert results["again"] == alone  # in a batch with others: the same tokens
+    batch = served.client.completions.create(**{**body, "prompt": [PROMPTS[1], PROMPTS[0]]}).choices
+    assert batch[1].text == alone  # the second prompt of one request too: every prompt as if alone
     assert served.client.completions.create(**{**body, "seed": 124}).choices[0].text != alone
     assert _generate_cli(pools, served.folder, PROMPTS[:1], "--temperature", "0.8", "--top-p", "0.9", "--seed", "123",
                          "--ignore-eos") == [alone]
