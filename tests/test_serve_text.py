@@ -50,6 +50,20 @@ def test_a_continuation_reads_as_the_whole_sequence_decodes(tokenizer):
     assert stopped and streamed == " answers! is "
 
 
+def test_no_stop_string_ends_the_continuation_before_min_tokens(tokenizer):
+    """vLLM's rule: "!" in the 2nd token's text does not stop a continuation of at least 3 tokens; " is", which ends
+    in the 3rd's, does; so would "! is", which begins before it."""
+    for stop, min_tokens, expected in ((("!",), 3, " answers! is tool"), (("!",), 2, " answers"),
+                                       (("is",), 3, " answers! "), (("! is",), 3, " answers")):
+        stream, text = TextStream(tokenizer, stop, PROMPT, min_tokens), ""
+        for k in range(1, len(NEW) + 1):
+            delta, stopped = stream.add(NEW[:k])
+            text += delta
+            if stopped:
+                break
+        assert text + ("" if stopped else stream.flush()) == expected, (stop, min_tokens)
+
+
 def _events(index=0):
     entries = [TokenLogprob(-0.5, [(t, -0.5), (WORDS.index("</s>"), -1.5)]) for t in NEW]
     return [ChoiceEvent(index, " answers", NEW[:1], entries[:1]), ChoiceEvent(index, "! is", NEW[1:3], entries[1:3]),

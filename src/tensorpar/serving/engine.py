@@ -177,7 +177,7 @@ class Engine:
                 self._next_seq += 1
                 choices.append(_Choice(request, p * request.n + i, seq,
                                        dataclasses.replace(request.sampling, seed=seed),
-                                       TextStream(self.tokenizer, request.stop, prompt)))
+                                       TextStream(self.tokenizer, request.stop, prompt, request.min_tokens)))
         try:
             self.scheduler.add([c.seq for c in choices])
         except QueueFull as e:

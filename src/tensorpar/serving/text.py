@@ -4,7 +4,8 @@ Each new token re-decodes the continuation after the prompt's last tokens (`text
 bytes join into characters, and whether a token's leading space shows where it stands) and releases the
 text that can no longer change: it holds back an incomplete UTF-8 character (decoded as U+FFFD) and, when the
 request has stop strings, the last len(longest stop) - 1 characters, which could be the start of one. A stop string
-ends the continuation before it (OpenAI's rule: the stop string is not returned).
+ends the continuation before it (OpenAI's rule: the stop string is not returned). Before `min_tokens` tokens none
+does: as in vLLM, a stop string counts once it ends in the text of the min_tokens-th token or later.
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ from tensorpar.data.tokenizer import text_after
 class TextStream:
     """The text of a continuation of the tokens `before` (its prompt)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), before: list[int] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), before: list[int] = (), min_tokens: int = 0):
         self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
-        self.before = list(before)
+        self.before, self.min_tokens = list(before), min_tokens
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text, self.sent = "", 0
+        self.floor = 0  # a stop string must end past this character: the text before the min_tokens-th token
 
     def add(self, ids: list[int]) -> tuple[str, bool]:
         """(the text newly released, whether a stop string ended the continuation) after the tokens `ids`."""
         text = text_after(self.tokenizer, self.before, ids)
-        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if len(ids) < self.min_tokens:
+            self.floor = len(text)
+        found = [i for i in (text.find(s, max(0, self.floor - len(s) + 1)) for s in self.stop) if i >= 0]
         if found:
             self.text = text[: min(found)]
             return self.flush(), True
