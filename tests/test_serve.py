@@ -75,10 +75,23 @@ def served(folder, tmp_path_factory):
     (["--kv-cache-tokens", "100"], "give at least 256"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--max-running", "0"], "--max-running must be at least 1"),
+    (["--max-queue", "0"], "--max-queue must be at least 1"),
 ])
 def test_bad_options_are_refused_in_one_line(cli, folder, flags, needle):
     code, _, err = cli("serve", "--checkpoint", folder, "--tp", "2", *flags)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_port_another_process_listens_on_is_refused_before_the_model_loads(cli, folder):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = cli("serve", "--checkpoint", folder, "--tp", "2", "--port", str(port))
+    assert code == 2 and err.strip() == (f"tensorpar: error: --host 127.0.0.1 --port {port}: cannot serve there "
+                                         f"(another process listens on it)"), err
 
 
 def test_without_the_serve_extra_the_install_line(cli, folder, monkeypatch):

@@ -12,7 +12,10 @@ then every rank stops. Needs the `serve` extra (FastAPI, uvicorn): pip install '
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
+import socket
 import sys
 
 from tensorpar.checkpoints.sources import (check_adapter, load_config, load_model_source, tokenizer_unknown,
@@ -75,6 +78,20 @@ def _check_numbers(options: ServeOptions, context_len: int) -> int:
     return tokens
 
 
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port another process listens on, before the model loads on every rank (rank 0's host only: where
+    tensorpar's launcher runs, or torchrun's rank 0)."""
+    if port == 0 or int(os.environ.get("RANK", "0")) != 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no owner
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            why = "another process listens on it" if e.errno == errno.EADDRINUSE else e.strerror
+            raise TensorparError(f"--host {host} --port {port}: cannot serve there ({why})") from None
+
+
 def validate(options: ServeOptions):
     """Everything checked before a rank starts: (options, config, tokenizer, the model's API facts, KV tokens)."""
     check_serve_extra()
@@ -85,6 +102,7 @@ def validate(options: ServeOptions):
     options, layout = decoding_layout(options, cfg, "serve")
     applicability.check("serve", options, cfg=cfg)
     kv_tokens = _check_numbers(options, cfg.max_seq_len)
+    _check_port(options.host, options.port)
     tokenizer = load_tokenizer(options.checkpoint)
     eos = eos_ids(options.checkpoint, tokenizer)
     eos = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
