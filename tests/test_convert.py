@@ -86,6 +86,9 @@ def test_a_runs_tokenizer_folder_travels_with_its_checkpoints_and_exports(pools,
     assert hf_tokenizer("a sum of 7")["input_ids"] == load_tokenizer(folder).encode("a sum of 7")
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert generation["eos_token_id"] == load_tokenizer(folder).eos_id == hf_tokenizer.eos_token_id
+    # generation pads with the EOS; config.json names the model's own padding row (none here), which transformers
+    # would never train: the EOS there would freeze the embedding of the token a chat model must learn to emit
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["pad_token_id"] is None
 
 
 def test_a_vocabulary_without_room_for_the_byte_tokenizers_end_of_text_exports_without_it(tmp_path, cli):

@@ -182,6 +182,55 @@ def test_tp_loss_matches_transformers(pools, hf_models, tp, name):
         assert rel_err(shard[..., :valid], expected) <= TOL, f"rank {rank} logits"
 
 
+def _embedding_grad(tp, folder, ids, targets):
+    """On every rank: (this rank's rows of the embedding's gradient after one backward, their first id)."""
+    m = mesh(tp=tp) if tp > 1 else None
+    cfg, state = load_hf_folder(folder)
+    model = Transformer(cfg, m, init=False)
+    load_full_state_dict(model, state, "test")
+    model(ids, targets).backward()
+    return model.embed.weight.grad, model.embed.vocab_start
+
+
+@pytest.fixture(scope="module")
+def padded_llama(tmp_path_factory):
+    """(folder, batch with the pad token as input, transformers' embedding gradient) of a Llama whose config names
+    a pad token: transformers builds its embedding with padding_idx, a row that no lookup trains."""
+    torch.manual_seed(7)
+    model = _hf_model(_llama(pad_token_id=600))
+    folder = tmp_path_factory.mktemp("llama-pad")
+    model.save_pretrained(folder, safe_serialization=True)
+    ids, labels, targets = _batch()
+    ids[:, 4:6] = 600
+    model(ids, labels=labels).loss.backward()
+    return folder, ids, targets, model.model.embed_tokens.weight.grad
+
+
+@pytest.mark.parametrize("tp", [1, 2])  # 1001 rows: the pad's row on the second rank's 501
+def test_the_padding_row_gets_no_gradient_as_in_transformers(pools, padded_llama, tp):
+    folder, ids, targets, expected = padded_llama
+    assert load_hf_folder(folder)[0].pad_token_id == 600 and expected[600].abs().max() == 0
+    runs = [_embedding_grad(1, str(folder), ids, targets)] if tp == 1 else pools(2).run(
+        _embedding_grad, 2, str(folder), ids, targets)
+    for grad, start in runs:
+        rows = min(grad.shape[0], 1001 - start)
+        assert rel_err(grad[:rows], expected[start:start + rows]) <= TOL
+    assert runs[-1][0][600 - runs[-1][1]].abs().max() == 0
+
+
+def test_the_padding_row_survives_the_round_trip(padded_llama, tmp_path):
+    cfg, state = load_hf_folder(padded_llama[0])
+    save_hf_folder(tmp_path / "out", cfg, state)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["pad_token_id"] == 600
+    assert load_hf_folder(tmp_path / "out")[0] == cfg
+
+
+def test_a_pad_token_outside_the_vocabulary_is_refused():
+    with pytest.raises(TensorparError, match="pad_token_id.*1001.*expected a token id within the vocabulary"):
+        config_from_hf(_llama(pad_token_id=1001).to_dict())
+    assert config_from_hf(_llama(pad_token_id=-1).to_dict()).pad_token_id == 1000  # as nn.Embedding counts it
+
+
 def test_is_hf_folder(hf_models, tmp_path):
     assert is_hf_folder(hf_models["gpt2"][0]) and is_hf_folder(str(hf_models["llama"][0]))
     assert not is_hf_folder(tmp_path / "nope") and not is_hf_folder(tmp_path)

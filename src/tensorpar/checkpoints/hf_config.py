@@ -63,7 +63,21 @@ def config_from_hf(hf: dict) -> ModelConfig:
         cfg = moe_config_from_hf(hf, decoder_fields(hf, model_type))
     else:
         cfg = ModelConfig(**decoder_fields(hf, model_type), ffn_hidden_size=intermediate_size(hf, model_type))
-    return cfg.replace(init_std=_initializer_range(hf))
+    return cfg.replace(init_std=_initializer_range(hf),
+                       pad_token_id=None if model_type == "gpt2" else _padding_row(hf, cfg.vocab_size))
+
+
+def _padding_row(hf: dict, vocab_size: int) -> int | None:
+    """The embedding row transformers' Llama-style, MoE and DeepSeek models never train (`nn.Embedding(...,
+    padding_idx=config.pad_token_id)`; GPT-2's has none): config.json's pad_token_id, a negative one counted from
+    the end as nn.Embedding counts it."""
+    value = hf.get("pad_token_id")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not -vocab_size <= value < vocab_size:
+        raise unsupported("pad_token_id", value, f"expected a token id within the vocabulary of {vocab_size} (the "
+                                                 f"embedding row transformers never trains)")
+    return value % vocab_size
 
 
 def _initializer_range(hf: dict) -> float:
@@ -143,7 +157,10 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype | None = None, token_ids: 
         if cfg.is_moe:
             out.update(moe_config_to_hf(cfg))
     if token_ids is not None or cfg.family != "gpt2" or cfg.vocab_size <= 50256:
-        out.update({name: (token_ids or {}).get(name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")})
+        out.update({name: (token_ids or {}).get(name) for name in ("bos_token_id", "eos_token_id")})
+        # the model's own padding row, not the tokenizer's pad (generation pads with the EOS): transformers never trains
+        # the row config.json names
+        out["pad_token_id"] = cfg.pad_token_id
     if dtype is not None:
         out["torch_dtype"] = str(dtype).removeprefix("torch.")
     return out

@@ -61,6 +61,7 @@ class ModelConfig:
     bias: bool = True  # biases in the attention and MLP linears
     qkv_bias: bool | None = None  # biases on the query/key/value projections only (None: as `bias`; Qwen2: True)
     init_std: float = 0.02
+    pad_token_id: int | None = None  # the embedding row lookups never train (transformers' padding_idx), or None
     dropout: float = 0.0  # embedding, residual and attention-probability dropout
     # Variants of the Llama-style decoder (Qwen2/3, Mistral, Gemma 2/3, Phi-3, OLMo 2): docs/models.md.
     head_size: int | None = None  # the width of one head (Hugging Face's head_dim); None: hidden_size / num_heads
@@ -132,6 +133,10 @@ class ModelConfig:
             problems.append(f"RoPE needs an even number of rotated dimensions, got {self.rotary_dim}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.pad_token_id is not None and not (isinstance(self.pad_token_id, int)
+                                                  and 0 <= self.pad_token_id < self.vocab_size):
+            problems.append(f"pad_token_id must be a token id below vocab_size {self.vocab_size} or None, got "
+                            f"{self.pad_token_id!r}")
         problems += self._variant_problems()
         if self.num_experts:
             problems += self._moe_problems()

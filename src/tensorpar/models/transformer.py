@@ -123,7 +123,7 @@ class Transformer(nn.Module):
         shared = cfg.tie_embeddings or cfg.num_mtp_layers > 0  # the last stage uses the embedding too
         if first or (last and shared):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.region, device=device,
-                                                init=False)
+                                                init=False, padding_idx=cfg.pad_token_id)
             if not first:  # the head's copy of the first stage's embedding
                 retag(self.embed.weight, pipeline_duplicate=True)
             if not (first and last) and shared:

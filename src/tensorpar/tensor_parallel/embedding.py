@@ -33,6 +33,9 @@ class VocabParallelEmbedding(nn.Module):
     With ``replicated=True`` every rank holds the whole table and looks up locally (no
     communication); under sequence parallelism the output is then split by `scatter_to_sp`
     (split / all-gather in backward, so each rank's weight gradient covers the whole sequence).
+
+    ``padding_idx`` (nn.Embedding's): the row its lookups return without training it; the rank that holds it
+    gives those positions a detached copy of the row.
     """
 
     def __init__(
@@ -47,8 +50,10 @@ class VocabParallelEmbedding(nn.Module):
         device=None,
         dtype=None,
         init: bool = True,
+        padding_idx: int | None = None,
     ):
         super().__init__()
+        self.padding_idx = padding_idx
         self.region: TPRegion = as_region(region)
         self.tp_group: Group = self.region.group
         self.sequence_parallel = self.region.sequence_parallel
@@ -102,16 +107,25 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.replicated or self.tp_group.size == 1:
-            out = self.region.lookup(ids, self.weight)
+            out = self._untrained_padding(ids, self.region.lookup(ids, self.weight))
             return scatter_to_sp(out, self.tp_group) if self.sequence_parallel else out
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = self.region.lookup(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return self.region.reduce(out)
+        return self.region.reduce(self._untrained_padding(ids, out))
+
+    def _untrained_padding(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` with the positions of `padding_idx` (if this rank holds its row) looking it up without a gradient."""
+        pad = self.padding_idx
+        if pad is None or not self.vocab_start <= pad < self.vocab_end or not (
+                torch.is_grad_enabled() and self.weight.requires_grad):
+            return out
+        row = self.weight[pad - self.vocab_start].detach().to(out.dtype)
+        return torch.where((ids == pad).unsqueeze(-1), row, out)
 
     def extra_repr(self) -> str:
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_group.size}, "
             f"rows=[{self.vocab_start}, {self.vocab_end}) of padded {self.padded_vocab_size}, "
-            f"replicated={self.replicated}, sequence_parallel={self.sequence_parallel}"
+            f"replicated={self.replicated}, sequence_parallel={self.sequence_parallel}, padding_idx={self.padding_idx}"
         )
