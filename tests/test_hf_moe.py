@@ -74,9 +74,15 @@ def hf_moe(tmp_path_factory):
 
 def test_configs_map_to_tensorpar(hf_moe):
     mixtral, _ = load_hf_folder(hf_moe["mixtral"]["folder"])
+    # output_router_logits false (its default): transformers trains without the load-balancing loss, and so do we
     assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.kv_heads, mixtral.norm_topk_prob,
             mixtral.num_shared_experts, mixtral.attention_qkv_bias, mixtral.router_aux_loss_coef) == \
-        (6, 2, 2, True, 0, False, 0.02)
+        (6, 2, 2, True, 0, False, 0.0)
+    for name in HF_CONFIGS:
+        hf = HF_CONFIGS[name]()
+        hf.output_router_logits = True
+        assert config_from_hf(hf.to_dict()).router_aux_loss_coef == hf.router_aux_loss_coef > 0
+        assert config_to_hf(config_from_hf(hf.to_dict()))["output_router_logits"] is True
     qwen, _ = load_hf_folder(hf_moe["qwen2_moe"]["folder"])
     assert (qwen.num_experts, qwen.norm_topk_prob, qwen.num_shared_experts, qwen.shared_expert_gate, qwen.qkv_bias,
             qwen.bias, qwen.moe_layer_freq, qwen.expert_ffn_size, qwen.ffn_hidden_size) == \
@@ -100,6 +106,30 @@ def test_export_round_trips_and_transformers_loads_it(hf_moe, tmp_path, name):
     expected = hf_moe[name]["model"].state_dict()
     got = reloaded.state_dict()
     assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_one_backward_gives_transformers_gradients(hf_moe, name):
+    """Without output_router_logits transformers adds no load-balancing loss in training: neither does tensorpar, so
+    every gradient is transformers' (the router's included)."""
+    from tensorpar.checkpoints.hf import hf_to_tensorpar
+
+    hf = hf_moe[name]["model"]
+    cfg, state = load_hf_folder(hf_moe[name]["folder"])
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    hf.zero_grad()
+    hf.train()
+    hf(ids, labels=ids).loss.backward()
+    hf.eval()
+    model = Transformer(cfg, init=False)
+    load_full_state_dict(model, state, "test")
+    model(ids, targets).backward()
+    expected = hf_to_tensorpar({k: p.grad for k, p in hf.named_parameters()}, cfg)  # transformers' fused experts
+    for key, p in model.named_parameters():
+        ref = expected[key]
+        assert (p.grad - ref).norm() <= TOL * ref.norm(), (key, (p.grad - ref).norm() / ref.norm())
+
 
 
 @pytest.mark.parametrize("name", list(HF_CONFIGS))

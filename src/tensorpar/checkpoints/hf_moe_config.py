@@ -37,6 +37,13 @@ def _check_sliding_window(hf: dict, model_type: str, max_positions: int) -> None
                                                     f"is accepted")
 
 
+def _router_aux(hf: dict) -> float:
+    """The load-balancing loss's coefficient: config.json's, where `output_router_logits` makes transformers add the
+    loss in training, else 0 (transformers trains without it: its default)."""
+    coef = non_negative_float(hf, "router_aux_loss_coef", 0.001)
+    return coef if boolean(hf, "output_router_logits", False) else 0.0
+
+
 def _mixtral(hf: dict, decoder: dict) -> ModelConfig:
     width = positive_int(hf, "intermediate_size", 14336)
     jitter = non_negative_float(hf, "router_jitter_noise", 0.0)
@@ -45,7 +52,7 @@ def _mixtral(hf: dict, decoder: dict) -> ModelConfig:
     experts = positive_int(hf, "num_local_experts", hf.get("num_experts", 8))
     return ModelConfig(**decoder, ffn_hidden_size=width, num_experts=experts,
                        experts_per_token=positive_int(hf, "num_experts_per_tok", 2), moe_ffn_hidden_size=width,
-                       norm_topk_prob=True, router_aux_loss_coef=non_negative_float(hf, "router_aux_loss_coef", 0.001))
+                       norm_topk_prob=True, router_aux_loss_coef=_router_aux(hf))
 
 
 def _dense_layers(hf: dict, layers: int) -> tuple[int, ...]:
@@ -79,7 +86,7 @@ def _qwen_moe(hf: dict, decoder: dict, model_type: str) -> ModelConfig:
                        experts_per_token=positive_int(hf, "num_experts_per_tok", 8 if qwen3 else 4),
                        moe_ffn_hidden_size=width, moe_layer_freq=step, mlp_only_layers=dense,
                        norm_topk_prob=boolean(hf, "norm_topk_prob", False),
-                       router_aux_loss_coef=non_negative_float(hf, "router_aux_loss_coef", 0.001))
+                       router_aux_loss_coef=_router_aux(hf))
 
 
 def moe_config_from_hf(hf: dict, decoder: dict) -> ModelConfig:
@@ -123,7 +130,7 @@ def moe_export_problems(cfg: ModelConfig) -> list[str]:
 def moe_config_to_hf(cfg: ModelConfig) -> dict:
     """The architecture and MoE fields of the config.json of `cfg` (checked by `moe_export_problems`)."""
     common = dict(num_experts_per_tok=cfg.experts_per_token, router_aux_loss_coef=cfg.router_aux_loss_coef,
-                  output_router_logits=False, sliding_window=None)
+                  output_router_logits=cfg.router_aux_loss_coef > 0, sliding_window=None)
     if moe_architecture(cfg) == "mixtral":
         return dict(common, architectures=["MixtralForCausalLM"], model_type="mixtral",
                     num_local_experts=cfg.num_experts, intermediate_size=cfg.expert_ffn_size, router_jitter_noise=0.0)
