@@ -225,6 +225,16 @@ def test_the_padding_row_survives_the_round_trip(padded_llama, tmp_path):
     assert load_hf_folder(tmp_path / "out")[0] == cfg
 
 
+def test_weights_holding_nan_are_refused_naming_the_tensor(hf_models, tmp_path):
+    folder = _copy(hf_models["llama"][0], tmp_path)
+    saved = load_file(str(folder / "model.safetensors"))
+    saved["model.norm.weight"][3] = float("nan")
+    save_file(saved, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg, state = load_hf_folder(folder)
+    with pytest.raises(TensorparError, match="the folder: 'final_norm.weight' holds NaN or infinite values"):
+        load_full_state_dict(Transformer(cfg, init=False), state, "the folder")
+
+
 def test_a_pad_token_outside_the_vocabulary_is_refused():
     with pytest.raises(TensorparError, match="pad_token_id.*1001.*expected a token id within the vocabulary"):
         config_from_hf(_llama(pad_token_id=1001).to_dict())

@@ -55,4 +55,7 @@ def load_full_state_dict(model, state: dict[str, torch.Tensor], source: str = "s
             raise TensorparError(
                 f"{source}: '{name}' has shape {tuple(full.shape)}, the model expects {dense_shape(param, spec)}"
             )
+        if full.is_floating_point() and not full.is_meta and not torch.isfinite(full).all():
+            raise TensorparError(f"{source}: '{name}' holds NaN or infinite values (a damaged file, or weights saved "
+                                 f"after training diverged)")
         param.copy_(local_shard(full.to(param.dtype), spec, model))
