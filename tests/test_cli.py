@@ -132,6 +132,9 @@ def test_a_model_config_file_that_is_not_json_is_refused_in_one_line(cli, tmp_pa
         _assert_refused(cli(*args), f"model config file '{bad}' is unreadable or not JSON")
 
 
+PLAN = ["plan", "--model", "llama-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096", "--global-batch-size", "64"]
+
+
 @pytest.mark.parametrize("args,needle", [
     (["eval", "--checkpoint", "/no/such/dir", "--seq-len", "8", "--batch-size", "0"],
      "--batch-size must be at least 1 window, got 0"),
@@ -140,7 +143,12 @@ def test_a_model_config_file_that_is_not_json_is_refused_in_one_line(cli, tmp_pa
     (["train", "--dtype", "fp16", "--loss-scale", "-5"], "--loss-scale must be a positive number, got -5.0"),
     (["train", "--dtype", "fp16", "--loss-scale", "nan"], "--loss-scale must be a positive number, got nan"),
     (["train", "--dtype", "fp16", "--loss-scale-window", "0"], "--loss-scale-window must be at least 1 step, got 0"),
-], ids=["eval-batch-zero", "eval-batch-negative", "loss-scale-negative", "loss-scale-nan", "loss-scale-window-zero"])
+    ([*PLAN, "--peak-tflops", "0"], "--peak-tflops must be a positive number of TFLOP/s, got 0.0"),  # was a traceback
+    ([*PLAN, "--peak-tflops", "-5"], "--peak-tflops must be a positive number of TFLOP/s, got -5.0"),  # negative MFU
+    ([*PLAN, "--memory-gib", "0"], "--memory-gib must be a positive number of GiB, got 0.0"),
+    ([*PLAN, "--optimizer-offload", "--host-memory-gib", "-1"], "--host-memory-gib must be a positive number of GiB"),
+], ids=["eval-batch-zero", "eval-batch-negative", "loss-scale-negative", "loss-scale-nan", "loss-scale-window-zero",
+        "peak-zero", "peak-negative", "memory-zero", "host-memory-negative"])
 def test_counts_and_scales_that_cannot_work_are_refused(cli, args, needle):
     _assert_refused(cli(*args), needle)
 

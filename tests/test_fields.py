@@ -98,10 +98,11 @@ def test_comma_separated_options_may_be_toml_arrays(tmp_path):
     ("sequence_parallel = 1\n", "sequence_parallel = 1 should be true or false"),
     ("[train]\ntp = 2\n", "[train] is a table"),
     ("tp = \n", "is not valid TOML"),
+    (b"\xff\xfe\x00\x01", "is not valid TOML: 'utf-8' codec can't decode byte 0xff"),
 ])
 def test_bad_config_files_are_refused_naming_the_key(tmp_path, text, needle):
     path = tmp_path / "run.toml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(TensorparError) as e:
         parse(TrainOptions, "--config", str(path))
     assert needle in str(e.value) and str(path) in str(e.value)

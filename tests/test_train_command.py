@@ -110,6 +110,22 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_pat
     assert code != 0 and message.format(**paths) in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--lr", "nan"], "--lr must be a number >= 0, got nan"),
+    (["--lr", "-1"], "--lr must be a number >= 0, got -1.0"),
+    (["--lr", "1", "--min-lr", "5"], "--min-lr 5.0 must not exceed --lr 1.0"),
+    (["--weight-decay", "nan"], "--weight-decay must be a number >= 0, got nan"),
+    (["--grad-clip", "-1"], "--grad-clip must be a number >= 0, got -1.0 (0: no clipping)"),
+    (["--timeout", "-5", "--tp", "2"], "--timeout must be a positive number of seconds, got -5.0"),
+    (["--data", "{empty}"], "is not a readable .npy array"),
+])
+def test_bad_numbers_and_files_are_refused_before_any_rank_starts(cli, config_file, tmp_path, args, message):
+    (tmp_path / "empty.npy").write_bytes(b"")  # a 0-byte file
+    code, _, err = cli("train", "--model", config_file, "--steps", "1",
+                       *[a.format(empty=tmp_path / "empty.npy") for a in args])
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_no_validation_windows_is_refused_rather_than_reported_as_a_loss_of_0(cli, config_file):
     code, _, err = cli("train", "--model", config_file, "--steps", "1", "--val-windows", "0")
     assert code != 0 and "--val-windows must be at least 1, got 0" in err and len(err.strip().splitlines()) == 1, err

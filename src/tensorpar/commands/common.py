@@ -13,7 +13,7 @@ from tensorpar.distributed import zygote
 from tensorpar.distributed.launch import spawn_local, under_launcher, world_size
 from tensorpar.distributed.mesh import check_backend
 from tensorpar.distributed.nodes import NodeLayout, tp_across_nodes
-from tensorpar.errors import LayoutError
+from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layout import ParallelLayout, resolve_dp
 
 
@@ -28,6 +28,9 @@ def launch(options, argv: list[str], run_rank) -> int:
     world = world_size(options)
     resolve_dp(world, options.tp, options.cp, options.pp, options.dp)
     check_backend(options.device, options.backend)
+    for flag, value in (("--timeout", options.timeout), ("--grace-period", options.grace_period)):
+        if value is not None and not 0 < value < float("inf"):
+            raise TensorparError(f"{flag} must be a positive number of seconds, got {value}")
     if under_launcher() or world == 1:
         zygote.discard()  # no rank to start here
     if under_launcher():

@@ -117,6 +117,11 @@ def _check_args(options) -> None:
                         ("--host-optimizer-bandwidth", options.host_optimizer_bandwidth)):
         if value is not None and not value > 0:
             raise TensorparError(f"{flag} must be a positive number of GB/s, got {value}")
+    for flag, value, unit in (("--peak-tflops", options.peak_tflops, "TFLOP/s"),
+                              ("--memory-gib", options.memory_gib, "GiB"),
+                              ("--host-memory-gib", options.host_memory_gib, "GiB")):
+        if value is not None and not 0 < value < float("inf"):
+            raise TensorparError(f"{flag} must be a positive number of {unit}, got {value}")
     if options.top is not None and options.top < 1:
         raise TensorparError(f"--top must be a positive integer, got {options.top}")
     for flag, value in (("--tp", options.tp), ("--pp", options.pp), *(("--cp", c) for c in options.cp)):

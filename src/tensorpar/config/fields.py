@@ -202,7 +202,7 @@ def load_toml(path: str, cls, command: str) -> dict:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise TensorparError(f"config file '{path}' does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:  # TOML is UTF-8 text
         raise TensorparError(f"config file '{path}' is not valid TOML: {e}") from None
     specs = {s.name: s for s in cli_specs(cls)}
     out = {}

@@ -61,8 +61,8 @@ def _read_text(path: str) -> str:
 def _load_npy(path: str) -> np.ndarray:
     try:
         array = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise TensorparError(f"data file '{path}' is not a readable .npy array: {e}") from e
+    except (ValueError, OSError, EOFError) as e:  # EOFError: an empty file
+        raise TensorparError(f"data file '{path}' is not a readable .npy array: {e or 'it is empty'}") from e
     if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.integer):
         dtype = getattr(array, "dtype", type(array).__name__)
         raise TensorparError(f"data file '{path}' holds {dtype} values; token ids must be integers")
