@@ -104,6 +104,19 @@ def test_every_schedule_puts_the_planned_bytes_on_its_first_and_last_rank(schedu
     assert ends_on_rank_0 == (schedule == "zbv"), built
 
 
+def test_a_split_backward_runs_its_weight_gradients_in_the_dry_run():
+    """zb-h1 defers the weight gradients (W): the dry run runs them, so its ZeRO-2 rank reduce-scatters its buckets
+    and holds at least what 1F1B's holds (it held 40% less, and reduce-scattered nothing)."""
+    results = {}
+    for schedule in ("1f1b", "zb-h1"):
+        run = validate(TrainOptions(model="llama-8b", pp=2, dp=4, zero=2, schedule=schedule, dtype="bf16",
+                                    seq_len=4096, global_batch_size=64, micro_batch_size=1, progress=False), 8)
+        results[schedule] = dry_run(run, 0)
+    for result in results.values():
+        assert any(c["op"] == "reduce_scatter" for c in result["collectives"]), result["collectives"]
+    assert results["zb-h1"]["gradient_bytes"] >= results["1f1b"]["gradient_bytes"]
+
+
 @pytest.mark.parametrize("model,layout", [("gemma3-12b", dict(tp=8, pp=4, sequence_parallel=True)),
                                           ("qwen3-30b-a3b", dict(tp=2, pp=2, ep=8)),
                                           ("olmo2-7b", dict(tp=8, pp=2)), ("qwen2.5-7b", dict(tp=4, pp=2)),

@@ -91,5 +91,7 @@ def _one_step(model, optimizer, run: PreparedRun) -> None:
     else:
         out = model(x, ids if model.last_stage else None, dropout_seed=0)
         out.backward() if model.last_stage else out.backward(torch.zeros_like(out))
+        if model.region.weight_grads is not None:  # zero-bubble schedules: the weight gradients the split left (W)
+            model.region.weight_grads.run_all()
     optimizer.finish_backward()
     optimizer.clip_and_step(o.grad_clip)
