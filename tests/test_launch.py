@@ -303,3 +303,17 @@ def test_ranks_share_the_cores_the_launcher_may_use(monkeypatch):
     assert launch.usable_cpus() == 6
     assert launch.threads_per_process(2) == 3 and launch.threads_per_process(8) == 1
     assert launch.threads_per_process(2, 112) == 56
+
+
+def test_one_process_stuck_in_a_step_ends_a_grace_period_after_sigterm():
+    """Without a launcher to kill it, a process whose step outlasts the grace period after the first SIGTERM ends
+    itself then, naming the signal (a one-process run at seq-len 8,192 took 62 s to stop; a stuck one, never)."""
+    script = ("import os, signal, time\n"
+              "from tensorpar.training.stop import GracefulStop\n"
+              "with GracefulStop(escalate=True, grace_s=1.0):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(60)  # the step that does not end\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM and time.monotonic() - started < 30, done
+    assert "still running 1 s after SIGTERM (--grace-period): stopped without finishing the step" in done.stderr

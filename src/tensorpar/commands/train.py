@@ -124,7 +124,7 @@ def run(args, argv) -> int:
         return _dry_run(options)
     world = world_size(options)
     if under_launcher() or world == 1:  # a rank: catch stop signals from the start (its launcher forwards them)
-        with GracefulStop(escalate=SPAWNED_ENV not in os.environ) as stop:
+        with GracefulStop(escalate=SPAWNED_ENV not in os.environ, grace_s=options.grace_period) as stop:
             return _run(options, argv, world, stop)
     return _run(options, argv, world, None)
 
