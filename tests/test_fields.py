@@ -99,6 +99,7 @@ def test_comma_separated_options_may_be_toml_arrays(tmp_path):
     ("[train]\ntp = 2\n", "[train] is a table"),
     ("tp = \n", "is not valid TOML"),
     (b"\xff\xfe\x00\x01", "is not valid TOML: 'utf-8' codec can't decode byte 0xff"),
+    ("global-batch-size = 8\nglobal_batch_size = 16\n", "'global_batch_size' sets global_batch_size a second time"),
 ])
 def test_bad_config_files_are_refused_naming_the_key(tmp_path, text, needle):
     path = tmp_path / "run.toml"

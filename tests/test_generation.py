@@ -295,3 +295,15 @@ def check_uncached_greedy(tp):
 def test_uncached_greedy_sample_equals_cached_generation(pools, tp):
     for expected, plain, sp in pools(tp).run(check_uncached_greedy, tp):
         assert plain == expected and sp == expected, (expected, plain, sp)
+
+
+def test_a_checkpoints_eos_comes_from_the_step_folder_latest_names(tmp_path):
+    """A tensorpar checkpoint keeps its tokenizer's files, generation_config.json included, in its step folders."""
+    from tensorpar.commands.generate import eos_ids
+
+    step = tmp_path / "step-000002"
+    step.mkdir()
+    (tmp_path / "latest").write_text("step-000002\n")
+    (step / "tokenizer.json").write_text("{}")
+    (step / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
+    assert eos_ids(str(tmp_path), tokenizer=None) == [7, 9]

@@ -29,7 +29,7 @@ from tensorpar.config.fields import add_options, check_choices, options_from_arg
 from tensorpar.config.options import GenerateOptions
 from tensorpar.config.command_line import check_text
 from tensorpar.data import load_tokenizer
-from tensorpar.data.tokenizer import HFTokenizer, text_after
+from tensorpar.data.tokenizer import HFTokenizer, text_after, tokenizer_folder
 from tensorpar.distributed.mesh import build_mesh, world_from_env
 from tensorpar.errors import TensorparError
 from tensorpar.layout import ParallelLayout
@@ -82,9 +82,11 @@ def _eos_ids(options, tokenizer):
 
 
 def eos_ids(checkpoint: str, tokenizer):
-    """The EOS id(s) transformers' generate would stop at: generation_config.json, config.json, the tokenizer."""
+    """The EOS id(s) transformers' generate would stop at: generation_config.json, config.json, the tokenizer (a
+    tensorpar checkpoint's files are in the step folder its `latest` names)."""
+    folder = tokenizer_folder(checkpoint)
     for name in ("generation_config.json", "config.json"):
-        path = os.path.join(checkpoint, name)
+        path = os.path.join(folder, name)
         if os.path.isfile(path):
             try:
                 with open(path) as f:

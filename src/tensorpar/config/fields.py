@@ -215,6 +215,8 @@ def load_toml(path: str, cls, command: str) -> dict:
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise TensorparError(f"config file '{path}': unknown option '{key}' for tensorpar {command}{hint} "
                                  f"(known: {', '.join(specs)})")
+        if name in out:  # global-batch-size and global_batch_size: one option given twice
+            raise TensorparError(f"config file '{path}': '{key}' sets {name} a second time")
         out[name] = _coerce(specs[name], value, f"config file '{path}'")
     return out
 
