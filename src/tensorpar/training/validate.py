@@ -195,7 +195,7 @@ def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
 
 
 def _check_rates(o: TrainOptions) -> None:
-    """The learning rates, weight decay, clipping and momentum within their ranges (a NaN, an infinity or a negative
+    """The learning rates, weight decay and clipping within their ranges (a NaN, an infinity or a negative
     would fail only once a rank steps, or train on NaN)."""
     for flag, value in (("--lr", o.lr), ("--min-lr", o.min_lr), ("--weight-decay", o.weight_decay),
                         ("--grad-clip", o.grad_clip)):
@@ -204,8 +204,6 @@ def _check_rates(o: TrainOptions) -> None:
                                  + (" (0: no clipping)" if flag == "--grad-clip" else ""))
     if o.min_lr is not None and o.min_lr > o.lr:
         raise TensorparError(f"--min-lr {o.min_lr} must not exceed --lr {o.lr}")
-    if not 0 <= o.muon_momentum < 1:
-        raise TensorparError(f"--muon-momentum must be in [0, 1), got {o.muon_momentum}")
 
 
 def _check_numbers(o: TrainOptions) -> None:
