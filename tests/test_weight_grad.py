@@ -164,3 +164,29 @@ def test_queue_bookkeeping_and_errors():
     plain = ColumnParallelLinear(4, 6, _region(None))
     plain(torch.randn(3, 4)).sum().backward()
     assert plain.weight.grad is not None and len(queue) == 0  # a region without a queue: the plain backward
+
+
+def test_w_accumulates_each_parameter_as_its_last_piece_is_computed_in_the_backwards_order():
+    """A plain backward's order (the last layer first), one parameter's gradient being summed at a time: ZeRO-2's
+    buckets then fill as the planner counts them (a zb-h1 rank held 3.87 MiB of gradient buffers where 1F1B's and
+    the plan's hold 2.82, and every weight gradient of the pass was alive before the first was accumulated)."""
+    queue = WeightGradQueue()
+    model = nn.Sequential(*(ColumnParallelLinear(4, 4, _region(queue)) for _ in range(3)))
+    alive, fired = [], []  # hooks on the weights: how many had been accumulated when each piece was computed
+    for i, lin in enumerate(model):
+        lin.weight.register_post_accumulate_grad_hook(lambda p, i=i: fired.append(i))
+    compute = WeightGradQueue._accumulate
+
+    def watched(work):
+        for w in work:
+            inner = w.compute
+            w.compute = lambda inner=inner: alive.append(len(fired)) or inner()
+        compute(work)
+
+    queue._accumulate = watched
+    model(torch.randn(2, 4)).sum().backward()
+    queue.run_all()
+    assert fired == [2, 1, 0]
+    # each layer's weight, then its bias, computed: a weight is accumulated before the next piece is computed (all
+    # were computed first: [0] * 6)
+    assert alive == [0, 1, 1, 2, 2, 3]

@@ -6,8 +6,10 @@ which nobody waits for and so can fill idle time. A model built with a `WeightGr
 are then `SplitBackwardGemms`, tensorpar.tensor_parallel.region_gemms, which run every layer's products through the
 ops below) computes only B in its backward and leaves W in the queue;
 `queue.close(key)` names the W work of the backward pass that just ran and `queue.run(key)` computes it
-and accumulates it into ``param.grad`` through autograd, one call per pass, so that gradient hooks (data
-parallelism's buckets) fire once per parameter per pass, as after a plain backward. Without a queue (the
+and accumulates it into ``param.grad`` through autograd, one call per parameter once its last piece of the pass is
+computed, so that gradient hooks (data parallelism's buckets) fire once per parameter per pass, in the order a plain
+backward fires them (the order the work was queued: the last layer first), and only the gradients of parameters still
+being summed are alive beside the accumulated ones. Without a queue (the
 default) every op below is the plain PyTorch op: results and gradients are those of an unsplit backward.
 
 =================  ===============  ==================  =====================================
@@ -93,9 +95,12 @@ class WeightGradQueue:
 
     @staticmethod
     def _accumulate(work: list[_Work]) -> None:
-        grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        with torch.no_grad():
-            for w in work:
+        left: dict[int, int] = {}  # pieces of each parameter's gradient not computed yet
+        for w in work:
+            left[id(w.param)] = left.get(id(w.param), 0) + 1
+        sums: dict[int, torch.Tensor] = {}
+        for w in work:
+            with torch.no_grad():
                 grad = w.compute()
                 if w.index is not None:
                     full = torch.zeros_like(w.param)
@@ -104,13 +109,13 @@ class WeightGradQueue:
                 if w.reduce is not None:
                     grad = w.reduce(grad)
                 grad = grad.to(w.param.dtype)
-                if id(w.param) in grads:
-                    grads[id(w.param)][1].add_(grad)
-                else:
-                    grads[id(w.param)] = (w.param, grad)
-        if grads:
-            params, values = zip(*grads.values())
-            torch.autograd.backward(list(params), list(values))
+                key = id(w.param)
+                grad = sums.pop(key).add_(grad) if key in sums else grad
+            left[key] -= 1
+            if left[key]:
+                sums[key] = grad
+            else:  # the parameter's last piece: accumulate now (its hook fires), free it
+                torch.autograd.backward([w.param], [grad])
 
 
 def _deferring(queue, *tensors) -> bool:
