@@ -41,6 +41,23 @@ def test_a_prompt_over_the_context_without_max_tokens_is_over_the_context():
     assert request.max_tokens == 4  # the default 16, as far as the context goes
 
 
+def test_a_chat_answer_of_no_tokens_is_refused():
+    from tensorpar.serving.protocol import chat_request
+
+    class Template:
+        def render(self, messages, *options):
+            return "".join(m["content"] for m in messages)
+
+    messages = [{"role": "user", "content": "hi"}]
+    for key in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(ApiError) as e:
+            chat_request({"model": "m", "messages": messages, key: 0}, _Bytes(), INFO, Template())
+        assert e.value.param == key and "at least 1" in e.value.message
+    with pytest.raises(ApiError) as e:  # the prompt fills the context: no room for an answer
+        chat_request({"model": "m", "messages": [{"role": "user", "content": "x" * 64}]}, _Bytes(), INFO, Template())
+    assert e.value.code == "context_length_exceeded"
+
+
 def test_temperatures_too_small_to_divide_by_sample_greedily():
     """vLLM's rule: the logits over 5e-324 overflow to inf, and the sample to a junk token."""
     for temperature, greedy in ((0, True), (5e-324, True), (1e-30, True), (1e-5, False), (0.7, False)):

@@ -313,10 +313,10 @@ def chat_request(body, tokenizer, info: ModelInfo, template) -> tuple[EngineRequ
                        param="echo")
     prompt = chat_prompt(body, tokenizer, info, template)
     prompts = [prompt]
-    max_tokens = field(body, "max_completion_tokens", int, None, low=0)
-    max_tokens = field(body, "max_tokens", int, max_tokens, low=0)
+    max_tokens = field(body, "max_completion_tokens", int, None, low=1)  # an answer of no tokens: refused, as vLLM
+    max_tokens = field(body, "max_tokens", int, max_tokens, low=1)
     if max_tokens is None:
-        max_tokens = max(0, info.context_len - len(prompt))
+        max_tokens = max(1, info.context_len - len(prompt))  # a prompt that fills the context leaves no room
     check_length(prompts, max_tokens, info)
     logprobs = field(body, "logprobs", bool, False)
     top = field(body, "top_logprobs", int, 0, low=0, high=MAX_LOGPROBS)
