@@ -114,6 +114,15 @@ def test_fp8_zero3_ranks_hold_the_gradients_the_planner_plans(layout):
     assert abs(result["gradient_bytes"] - planned) <= 1e-4 * planned, (result["gradient_bytes"], planned)
 
 
+def test_a_zero3_first_stage_meets_its_root_gradient_in_the_second_micro_batch():
+    """The embedding's gradient (ZeRO-3's root unit, reduced once a step) arrives last in a backward and stays: the
+    second micro-batch's backward meets it, where one micro-batch's never did (0.87 GB short, 1.12x)."""
+    run = validate(TrainOptions(model="llama-8b", pp=2, dp=4, zero=3, dtype="bf16", seq_len=4096, global_batch_size=64,
+                                micro_batch_size=1, progress=False), 8)
+    result = dry_run(run, 0)
+    assert result["gradient_bytes"] == planned_bytes(run, result)["gradient_bytes"]
+
+
 def test_a_split_backward_runs_its_weight_gradients_in_the_dry_run():
     """zb-h1 defers the weight gradients (W): the dry run runs them, so its ZeRO-2 rank reduce-scatters its buckets
     and holds at least what 1F1B's holds (it held 40% less, and reduce-scattered nothing)."""

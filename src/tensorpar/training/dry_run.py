@@ -50,8 +50,9 @@ def fake_world(rank: int, world_size: int):
 
 
 def dry_run(run: PreparedRun, rank: int) -> dict:
-    """Build rank `rank` of `run` (validated for its world) on the meta device and run one micro-batch and one
-    optimizer step; the rank's bytes and collectives."""
+    """Build rank `rank` of `run` (validated for its world) on the meta device and run a micro-batch (two when the
+    run has several: `_one_step`) and one optimizer step; the rank's bytes, and the collectives of the last
+    micro-batch and the step."""
     o = run.options
     if not 0 <= rank < run.world_size:
         raise TensorparError(f"--rank {rank} is not a rank of a world of {run.world_size}")
@@ -60,8 +61,7 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
         model, _ = build_model(run, mesh, meta=True)
         count = sum(p.numel() for p in model.parameters())  # this rank's TP / PP / EP shard, before ZeRO-3 frees it
         optimizer = build_optimizer(model, mesh, run)
-        mesh.stats.reset()
-        _one_step(model, optimizer, run)
+        _one_step(model, optimizer, run, mesh.stats)
         memory = optimizer.memory()
         frozen = memory.get("frozen", sum(p.numel() * p.element_size() for p in model.parameters()
                                           if not p.requires_grad))  # ZeRO-3: its shards; else the whole base
@@ -76,8 +76,10 @@ def dry_run(run: PreparedRun, rank: int) -> dict:
             "collectives": collectives, "options": dataclasses.asdict(o)}
 
 
-def _one_step(model, optimizer, run: PreparedRun) -> None:
-    """One micro-batch forward and backward through this rank's stage, then the optimizer step, all on meta."""
+def _one_step(model, optimizer, run: PreparedRun, stats) -> None:
+    """The forward and backward of up to two micro-batches through this rank's stage (the second meets what the
+    first left: ZeRO-3's root gradient, ZeRO-2's slices), then the optimizer step, all on meta; `stats` counts the
+    last micro-batch's collectives and the step's."""
     o = run.options
     ids = torch.zeros(o.micro_batch_size, o.seq_len, dtype=torch.long, device="meta")
     if model.first_stage:
@@ -85,10 +87,13 @@ def _one_step(model, optimizer, run: PreparedRun) -> None:
     else:  # the previous stage's activations, as the pipeline would deliver them
         x = torch.zeros(o.micro_batch_size, run.layout.seq_shard(o.seq_len), run.cfg.hidden_size,
                         dtype=run.precision.param_dtype, device="meta", requires_grad=True)
-    optimizer.begin_step(1)
-    if model.cfg.is_moe:  # the routing decides the all-to-all sizes: no values, no micro-batch; the step's traffic
-        sum(p.sum() * 0 for p in model.parameters() if p.requires_grad).backward()
-    else:
+    micro_batches = 1 if model.cfg.is_moe else min(2, run.num_micro_batches)
+    optimizer.begin_step(micro_batches)
+    for _ in range(micro_batches):
+        stats.reset()
+        if model.cfg.is_moe:  # the routing decides the all-to-all sizes: no values, no micro-batch; the step's traffic
+            sum(p.sum() * 0 for p in model.parameters() if p.requires_grad).backward()
+            continue
         out = model(x, ids if model.last_stage else None, dropout_seed=0)
         out.backward() if model.last_stage else out.backward(torch.zeros_like(out))
         if model.region.weight_grads is not None:  # zero-bubble schedules: the weight gradients the split left (W)
