@@ -138,12 +138,17 @@ class HFTokenizer:
 CONTEXT_TOKENS = 4  # the tokens before a continuation that `text_after` decodes it with
 
 
+def context_tokens(before) -> tuple[int, ...]:
+    """The tokens of `before` that `text_after` decodes a continuation with: its last `CONTEXT_TOKENS`."""
+    return tuple(int(x) for x in before[-CONTEXT_TOKENS:])
+
+
 def text_after(tokenizer, before, ids, skip_special_tokens: bool = True) -> str:
-    """The text the tokens `ids` add after the tokens `before`: the last `CONTEXT_TOKENS` of them decoded with `ids`,
-    their own text cut off (as vLLM detokenizes), so that a SentencePiece token's leading space ("_is") is kept after
-    other text, as a whole sequence's decoding keeps it, where decoding `ids` alone would drop it; `ids` decoded alone
-    where the context's text is not where the whole's begins (a character split between them)."""
-    context = [int(x) for x in before[len(before) - CONTEXT_TOKENS:]] if len(before) else []
+    """The text the tokens `ids` add after the tokens `before`: `context_tokens(before)` decoded with `ids`, their own
+    text cut off (as vLLM detokenizes), so that a SentencePiece token's leading space ("_is") is kept after other
+    text, as a whole sequence's decoding keeps it, where decoding `ids` alone would drop it; `ids` decoded alone where
+    the context's text is not where the whole's begins (a character split between them)."""
+    context = list(context_tokens(before))
     ids = [int(x) for x in ids]
     if context:
         head = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)

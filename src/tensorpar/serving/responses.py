@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 
-from tensorpar.data.tokenizer import CONTEXT_TOKENS, text_after
+from tensorpar.data.tokenizer import CONTEXT_TOKENS, context_tokens, text_after
 from tensorpar.serving.engine import ChoiceEvent, RequestDone
 from tensorpar.serving.step_plan import TokenLogprob
 
@@ -36,7 +36,7 @@ class TokenText:
         self.tokenizer, self._cache = tokenizer, {}
 
     def __call__(self, token: int, before: list[int] = ()) -> str:
-        key = (tuple(before[len(before) - CONTEXT_TOKENS:]) if len(before) else (), token)
+        key = (context_tokens(before), token)
         if key not in self._cache:
             self._cache[key] = text_after(self.tokenizer, key[0], [token], skip_special_tokens=False)
         return self._cache[key]
@@ -131,8 +131,10 @@ class Answer:
         return self.prompt_texts[index // self.request.n], prompt, entries[: len(prompt)]
 
     def _before(self, state: ChoiceState, tokens) -> list[int]:
-        """The tokens before `tokens`, the last of the choice's tokens so far: its prompt and what came earlier."""
-        return self._prompt(state.index) + state.tokens[: len(state.tokens) - len(tokens)]
+        """The last tokens before `tokens`, the last of the choice's tokens so far (of its prompt and what came
+        earlier): as many as `text_after` reads, not the whole sequence, copied at every streamed chunk."""
+        end = len(state.tokens) - len(tokens)
+        return self._prompt(state.index)[-CONTEXT_TOKENS:] + state.tokens[max(0, end - CONTEXT_TOKENS):end]
 
     def _completion_choice(self, state: ChoiceState, text: str, tokens, entries, first: bool) -> dict:
         logprobs = None

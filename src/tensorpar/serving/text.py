@@ -10,7 +10,7 @@ does: as in vLLM, a stop string counts once it ends in the text of the min_token
 
 from __future__ import annotations
 
-from tensorpar.data.tokenizer import text_after
+from tensorpar.data.tokenizer import context_tokens, text_after
 
 
 class TextStream:
@@ -18,7 +18,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), before: list[int] = (), min_tokens: int = 0):
         self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
-        self.before, self.min_tokens = list(before), min_tokens
+        self.before, self.min_tokens = context_tokens(before), min_tokens  # all the prompt text_after reads
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text, self.sent = "", 0
         self.floor = 0  # a stop string must end past this character: the text before the min_tokens-th token

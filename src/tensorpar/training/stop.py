@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from tensorpar.distributed.launch import STOP_SIGNALS
+from tensorpar.distributed.launch import STOP_SIGNALS, signal_name
 
 REPEAT_WINDOW_S = 1.0  # a second copy of the same stop arriving this soon is the same stop
 
@@ -66,7 +66,7 @@ class GracefulStop:
 
     def _expire(self, signum: int) -> None:
         """The grace period is over and the process still runs: end it (a thread cannot re-raise the signal)."""
-        sys.stderr.write(f"tensorpar: error: still running {self.grace_s:g} s after {signal.Signals(signum).name} "
+        sys.stderr.write(f"tensorpar: error: still running {self.grace_s:g} s after {signal_name(signum)} "
                          f"(--grace-period): stopped without finishing the step\n")
         sys.stderr.flush()
         os._exit(128 + signum)

@@ -123,7 +123,16 @@ def _check_observability(o: TrainOptions) -> None:
 
 
 def _check_optimization(o: TrainOptions, cfg: ModelConfig) -> None:
-    """WSD's warmup and decay fit in the run; Muon's momentum, and a model it trains; the memory levers apply."""
+    """The learning rates, weight decay and clipping within their ranges (a NaN, an infinity or a negative would
+    fail only once a rank steps, or train on NaN); WSD's warmup and decay fit in the run; Muon's momentum, and a
+    model it trains; the loss scale; the memory levers apply."""
+    for flag, value in (("--lr", o.lr), ("--min-lr", o.min_lr), ("--weight-decay", o.weight_decay),
+                        ("--grad-clip", o.grad_clip)):
+        if value is not None and not 0 <= value < math.inf:
+            raise TensorparError(f"{flag} must be a number >= 0, got {value}"
+                                 + (" (0: no clipping)" if flag == "--grad-clip" else ""))
+    if o.min_lr is not None and o.min_lr > o.lr:
+        raise TensorparError(f"--min-lr {o.min_lr} must not exceed --lr {o.lr}")
     if o.lr_schedule == "wsd":
         check_wsd(o.steps, min(100, o.steps // 10) if o.warmup_steps is None else o.warmup_steps, o.decay_fraction)
     check_muon(o.optimizer, o.muon_momentum, cfg.is_moe)
@@ -194,21 +203,8 @@ def _check_document_mask(o: TrainOptions, tokenizer, cfg: ModelConfig) -> None:
                              f"{cfg.vocab_size}, so no document would ever end: use the model's own tokenizer")
 
 
-def _check_rates(o: TrainOptions) -> None:
-    """The learning rates, weight decay and clipping within their ranges (a NaN, an infinity or a negative
-    would fail only once a rank steps, or train on NaN)."""
-    for flag, value in (("--lr", o.lr), ("--min-lr", o.min_lr), ("--weight-decay", o.weight_decay),
-                        ("--grad-clip", o.grad_clip)):
-        if value is not None and not 0 <= value < math.inf:
-            raise TensorparError(f"{flag} must be a number >= 0, got {value}"
-                                 + (" (0: no clipping)" if flag == "--grad-clip" else ""))
-    if o.min_lr is not None and o.min_lr > o.lr:
-        raise TensorparError(f"--min-lr {o.min_lr} must not exceed --lr {o.lr}")
-
-
 def _check_numbers(o: TrainOptions) -> None:
     """Sizes and counts within their ranges; --save-every with a folder to save in."""
-    _check_rates(o)
     if o.bucket_mb <= 0:
         raise TensorparError(f"--bucket-mb must be positive, got {o.bucket_mb}")
     if o.loss_chunk_tokens < 0:
