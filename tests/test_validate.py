@@ -92,3 +92,21 @@ def test_a_resumed_run_names_the_checkpoints_model_not_the_model_option(tmp_path
                          f"is not used",)
     run = validate(TrainOptions(model="tiny-gpt2", **{**BASE, "steps": 4, "resume": str(tmp_path / "ck")}))
     assert run.options.model == "tiny-gpt2" and run.notes == ()
+
+
+def test_training_past_a_rotary_models_positions_is_said(tmp_path):
+    """A rotary model trains past its max_position_embeddings (transformers' models run there too), but the
+    user hears that those positions extrapolate; within them, nothing is said."""
+    import json
+
+    from tensorpar.models import get_config
+    from tensorpar.training import validate
+
+    cfg = get_config("tiny").to_dict()
+    path = tmp_path / "short.json"
+    path.write_text(json.dumps({**cfg, "max_seq_len": 8}))
+    past = validate(TrainOptions(model=str(path), **{**BASE, "seq_len": 16}), world_size=1)
+    assert past.notes == ("warning: --seq-len 16 is past the model's 8 positions (max_position_embeddings): rotary "
+                          "positions beyond 8 extrapolate; to extend the context, raise the model's max_seq_len (and "
+                          "its rope scaling) in its config",)
+    assert validate(TrainOptions(model=str(path), **{**BASE, "seq_len": 8}), world_size=1).notes == ()

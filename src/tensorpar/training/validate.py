@@ -219,6 +219,17 @@ def _check_numbers(o: TrainOptions) -> None:
         raise TensorparError(f"--warmup-steps must be between 0 and --steps ({o.steps}), got {o.warmup_steps}")
 
 
+def _positions_note(o: TrainOptions, cfg: ModelConfig) -> list[str]:
+    """What a user should hear when training a rotary model past its max_position_embeddings (learned positions
+    are refused by the layout check): the positions beyond it were never trained, and transformers (like the
+    model's own config) will still say the model takes only max_seq_len."""
+    if cfg.position == "learned" or o.seq_len <= cfg.max_seq_len:
+        return []
+    return [f"warning: --seq-len {o.seq_len} is past the model's {cfg.max_seq_len} positions (max_position_embeddings): "
+            f"rotary positions beyond {cfg.max_seq_len} extrapolate; to extend the context, raise the model's "
+            f"max_seq_len (and its rope scaling) in its config"]
+
+
 def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
     """Check `options` against the model and a world of `world_size` processes (default: the launcher's, else
     nproc or tp x cp x pp x dp); raise TensorparError naming what is wrong, or return the PreparedRun."""
@@ -266,6 +277,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     layout.check(cfg, seq_len=o.seq_len, global_batch=o.global_batch_size, micro_batch_size=micro,
                  fp8=precision.fp8)
     check_fp8(o.dtype, o.device)
+    notes += _positions_note(o, cfg)
     applicability.check("train", o, cfg=cfg)  # the options that act beside others, or on some models only
     tokenizer = run_tokenizer(o)
     _check_document_mask(o, tokenizer, cfg)
