@@ -46,6 +46,8 @@ def test_cp2_ep8_and_zero_bubble_plan(capsys):
                  "--global-batch-size", "64", "--pp", "4", "--schedule", "zbv", "--json", "--top", "1") == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["schedule"] == "zbv" and rows[0]["pp"] == 4
+    # train's --virtual-stages stays 1 under zbv; the V's two chunks per rank are the table's v
+    assert (rows[0]["virtual_stages"], rows[0]["chunks_per_rank"]) == (1, 2)
 
 
 def test_zero_bubble_bubbles_are_below_1f1b():

@@ -49,7 +49,7 @@ class Plan:
             "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero,
             "dp_replicate": lay.dp_replicate, "sequence_parallel": lay.sequence_parallel,
             "micro_batch_size": cand.micro_batch_size, "recompute": cand.recompute,
-            "virtual_stages": lay.virtual_stages, "schedule": lay.schedule,
+            "virtual_stages": lay.virtual_stages, "chunks_per_rank": lay.chunks, "schedule": lay.schedule,
             "pipeline_layers": list(lay.pipeline_layers) if lay.pipeline_layers is not None else None,
             "feasible": self.feasible, "reason": self.reason,
             "memory": self.memory.gib() if self.memory else None,
