@@ -148,3 +148,23 @@ def test_a_sequence_passing_longropes_original_length_is_recomputed_once():
         _run(s, step)
     assert steps[1:4] == [[(0, 4)], [(0, 1), (1, 3)], [(0, 1), (1, 3)]] and len(grows.generated) == 6
     assert s.rope_recomputes == 1 and s.preemptions == 0 and grows.preemptions == 0
+
+
+def test_a_request_that_slips_past_a_drain_is_refused_not_left_waiting():
+    """An HTTP thread checks `accepting`, a SIGTERM drains and the idle loop stops, then the request arrives: it gets
+    a 503, whether it came before the loop's last look at its inbox or after."""
+    from types import SimpleNamespace
+
+    from tensorpar.serving.engine import Engine, EngineRequest, RequestDone
+
+    answers = []
+    requests = [EngineRequest([[1, 2]], 4, sink=answers.append) for _ in range(2)]
+    engine = Engine(None, None, _scheduler(), None, SimpleNamespace(size=1), context_len=64)
+    engine.drain()
+    engine.inbox.put(("submit", requests[0]))  # submitted before the loop's last look: the loop refuses it
+    engine.inbox.put(("cancel", requests[0]))
+    engine._take_inbox = lambda wait: None  # the loop's last look at the inbox came just before the request
+    engine.serve_forever()
+    engine.submit(requests[1])  # after: submit itself refuses it
+    assert [(type(a), a.status) for a in answers] == [(RequestDone, 503)] * 2
+    assert engine.inbox.empty()

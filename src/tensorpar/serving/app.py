@@ -73,6 +73,8 @@ class Handler:
         if isinstance(first, RequestDone):
             if first.status == 429:
                 raise ApiError(first.error, status=429, type="server_overloaded", code="queue_full")
+            if first.status == 503:
+                raise ApiError(first.error, status=503, type="service_unavailable")
             raise ApiError(first.error, status=first.status, param="n")
         assert isinstance(first, Accepted)
         answer = Answer(kind, self.info.name, request, options, self.tokenizer,

@@ -104,6 +104,7 @@ class Engine:
         self.metrics = metrics or ServerMetrics()
         self.inbox: queue.Queue = queue.Queue()
         self.accepting = True  # False once draining
+        self.closed = False  # True once the loop has stopped: a request submitted then is refused by submit itself
         self._choices: dict[int, _Choice] = {}
         self._requests: dict[int, list[_Choice]] = {}  # id(request) -> its choices
         self._next_seq = 0
@@ -112,6 +113,18 @@ class Engine:
 
     def submit(self, request: EngineRequest) -> None:
         self.inbox.put(("submit", request))
+        if self.closed:  # it passed the `accepting` check before a drain, and came after the loop's last look
+            self._refuse_inbox()
+
+    def _refuse_inbox(self) -> None:
+        """Answer 503 to every request still in the inbox (the loop, or a late `submit`, takes each once)."""
+        while True:
+            try:
+                kind, request = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                request.sink(RequestDone(0, 0, error="the server is shutting down", status=503))
 
     def cancel(self, request: EngineRequest) -> None:
         """Drop a request whose client went away: its sequences leave the batch and free their blocks."""
@@ -140,6 +153,8 @@ class Engine:
             for (seq, _), result in zip(chunks, results):
                 self._after_step(self._choices[seq.seq_id], result)
             self.metrics.step(time.perf_counter() - t0, sum(n for _, n in chunks))
+        self.closed = True
+        self._refuse_inbox()
         share_plan(self.world, StepPlan(stop=True), self.device)
 
     def _take_inbox(self, wait: bool) -> None:
