@@ -57,6 +57,12 @@ from tensorpar.errors import TensorparError
 OPTIMIZER_BYTES_PER_ELEMENT = 28
 
 
+def optimizer_bytes_per_element(state_bytes: int = 4) -> int:
+    """OPTIMIZER_BYTES_PER_ELEMENT with AdamW's two moments of `state_bytes` each (2: --optimizer-state-dtype bf16,
+    which reads and writes 8 bytes less an element)."""
+    return OPTIMIZER_BYTES_PER_ELEMENT - 4 * (4 - state_bytes)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceCurve:
     """The kernel-level speed of one device (see the module docstring for the model and the sources)."""

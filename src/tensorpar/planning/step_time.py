@@ -48,7 +48,7 @@ from tensorpar.models.flops import train_flops_per_token
 from tensorpar.planning.collective_cost import collectives_time
 from tensorpar.planning.communication import model_collectives, step_collectives
 from tensorpar.planning.compute import flop_parts, stage_flops
-from tensorpar.planning.devices import OPTIMIZER_BYTES_PER_ELEMENT
+from tensorpar.planning.devices import optimizer_bytes_per_element
 from tensorpar.planning.kernels import gemms_time, optimizer_time, stage_compute_time
 from tensorpar.planning.lora_adapters import adapter_gemms
 from tensorpar.planning.memory import moved_activation_bytes
@@ -224,7 +224,7 @@ def predict_step_time(cfg, layout: Candidate, cluster, seq_len: int, global_batc
     dp_stage = _busiest_dp_stage(cfg, layout) if pp > 1 else None
     dp_exposed = _exposed_dp_time(cfg, layout, cluster, s, m, prec, algorithm, dp_stage, st_time, lora)
     optimizer = _optimizer_step_time(cfg, layout, cluster, dp_stage, lora,
-                                     prec.param_bytes if levers.optimizer_offload else 0)
+                                     prec.param_bytes if levers.optimizer_offload else 0, levers.state_bytes)
 
     step = pipeline + dp_exposed + optimizer
     tokens = global_batch * seq_len
@@ -293,17 +293,19 @@ def _exposed_dp_time(cfg, layout: Candidate, cluster, s: int, m: int, prec: Prec
 
 
 def _optimizer_step_time(cfg, layout: Candidate, cluster, dp_stage: int | None, lora: LoraSpec | None = None,
-                         offloaded_param_bytes: int = 0) -> float:
+                         offloaded_param_bytes: int = 0, state_bytes: int = 4) -> float:
     """Seconds of the optimizer step on one rank of `dp_stage`: its trained elements, 1/replicas of them under ZeRO
-    (routed experts' 1/expert-DP), at OPTIMIZER_BYTES_PER_ELEMENT of HBM traffic each; offloaded (--optimizer-offload,
-    parameters of `offloaded_param_bytes`): on the host, with the copies there and back."""
+    (routed experts' 1/expert-DP), at `optimizer_bytes_per_element` (moments of `state_bytes`) of HBM traffic each;
+    offloaded (--optimizer-offload, parameters of `offloaded_param_bytes`): on the host, with the copies there and
+    back."""
     summary = layout_summary(cfg, layout, dp_stage or 0, lora)
     dense, expert = summary.trained_numel - summary.trained_expert_numel, summary.trained_expert_numel
     sharded = layout.zero >= 1 and layout.shards > 1
     opt_elems = dense / layout.shards + expert / layout.expert_dp if sharded else dense + expert
     if offloaded_param_bytes:
-        return offloaded_optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT, offloaded_param_bytes)
-    return optimizer_time(opt_elems, cluster, OPTIMIZER_BYTES_PER_ELEMENT)
+        return offloaded_optimizer_time(opt_elems, cluster, optimizer_bytes_per_element(state_bytes),
+                                        offloaded_param_bytes)
+    return optimizer_time(opt_elems, cluster, optimizer_bytes_per_element(state_bytes))
 
 
 def _recompute_flops(cfg, layout: Candidate, b: int, s: int, m: int, prec: Precision) -> float:
