@@ -25,6 +25,8 @@ CONVERSATIONS = chat_data.conversations(40, seed=1) + [
     [{"role": "user", "content": "  padded  "}, {"role": "assistant", "content": "ünïcödé 🙂 answer\n"}],
     [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
      {"role": "assistant", "content": "a", "tool_calls": None}],  # a null key is dropped, as transformers does
+    [{"role": "assistant", "content": " Hello, what shall I add?"}, {"role": "user", "content": "2 and 3"},
+     {"role": "assistant", "content": "5"}],  # opens with the assistant: no messages before it to render
 ]
 
 

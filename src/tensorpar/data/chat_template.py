@@ -12,7 +12,7 @@ The assistant's turns: where the template marks them with ``{% generation %} ...
 transformers' `return_assistant_tokens_mask` reads them), the marked text. Otherwise by rendering prefixes:
 assistant message i spans from the end of the messages before it rendered with the generation prompt to the
 end of the messages up to it (its content and whatever the template closes the turn with, e.g. <|eot_id|> or
-<|im_end|>). That needs each such render to be a prefix of the whole conversation's; a template for which it is
+<|im_end|>); one that opens the conversation, from where the template writes its content. That needs each such render to be a prefix of the whole conversation's; a template for which it is
 not (one that rewrites earlier turns, e.g. drops their reasoning) is refused, naming the conversation and the
 message, with the way out: a template with generation markers.
 """
@@ -86,6 +86,7 @@ def _template_of(config: dict, folder: str) -> str | None:
 
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of where a continued message ends
+OPENING_STAND_IN = "TENSORPAR_OPENING_ASSISTANT_CONTENT"  # the content `_opening` renders a leading assistant turn with
 
 
 class ChatTemplate:
@@ -173,12 +174,21 @@ class ChatTemplate:
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
+            before = self._opening(messages, i)
             upto = self.render(messages[: i + 1])
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise _not_a_prefix(i, before, upto, text)
             spans.append((len(before), len(upto)))
         return text, spans
+
+    def _opening(self, messages: list[dict], i: int) -> str:
+        """The text before assistant message i's turn: the messages before it rendered with the generation prompt, or,
+        for a conversation that opens with it (no messages before it to render), what the template writes before its
+        content (the message rendered alone with a stand-in content, cut there)."""
+        if i > 0:
+            return self.render(messages[:i], add_generation_prompt=True)
+        alone = self.render([{**messages[0], "content": OPENING_STAND_IN}])
+        return alone[: alone.index(OPENING_STAND_IN)] if OPENING_STAND_IN in alone else alone
 
     def _render_tracked(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """Render block by block, recording where each {% generation %} block lands (transformers' way)."""
