@@ -148,3 +148,24 @@ def test_a_template_that_fails_with_a_python_error_is_refused_in_one_line(folder
     with pytest.raises(TensorparError, match=r"rows.jsonl' line 2: chat template of .*t.jinja'.*TypeError"):
         load_examples(str(rows), HFTokenizer(folders["qwen"]), ExampleFields(),
                       ChatTemplate.load(folders["qwen"], str(template)))
+
+
+@pytest.mark.parametrize("modern", [False, True], ids=["legacy", "added_tokens_decoder"])
+def test_special_tokens_come_from_special_tokens_map_as_transformers_reads_them(folders, tmp_path, modern):
+    """A folder saved before transformers 4.34 keeps its special tokens in special_tokens_map.json, which
+    transformers reads when tokenizer_config.json has no added_tokens_decoder (and ignores otherwise): the
+    template's eos_token and the tokenizer's EOS id follow it."""
+    folder = tmp_path / "legacy"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(open(f"{folders['qwen']}/tokenizer.json").read())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "{% for m in messages %}{{ m['role'] }}: "
+              "{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"}
+    if modern:
+        config["added_tokens_decoder"] = {}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert ChatTemplate.load(str(folder)).render(messages) == hf.apply_chat_template(messages, tokenize=False)
+    assert HFTokenizer(str(folder)).eos_id == (hf.eos_token_id if not modern else 0)  # else <|endoftext|>'s
+    assert ("a<|im_end|>" in ChatTemplate.load(str(folder)).render(messages)) != modern

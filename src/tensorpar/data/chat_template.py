@@ -62,9 +62,10 @@ def _read_json(path: str) -> dict:
 
 
 def _tokenizer_config(folder: str) -> dict:
-    """A tokenizer folder's tokenizer_config.json ({} without one)."""
+    """A tokenizer folder's tokenizer_config.json ({} without one), its special tokens as transformers reads them
+    (special_tokens_map.json's in a folder saved before transformers 4.34)."""
     path = os.path.join(folder, "tokenizer_config.json")
-    return _read_json(path) if os.path.isfile(path) else {}
+    return tokenizer_files.special_tokens_of(_read_json(path) if os.path.isfile(path) else {}, folder)
 
 
 def _special_tokens(config: dict) -> dict[str, str]:

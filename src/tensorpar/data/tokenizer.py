@@ -57,6 +57,21 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=257)"
 
 
+def special_tokens_of(config: dict, directory: str) -> dict:
+    """A tokenizer folder's tokenizer_config.json (`config`) with its special tokens as transformers reads them: a
+    config without `added_tokens_decoder` (saved before transformers 4.34) takes them from special_tokens_map.json
+    beside it, over its own."""
+    path = os.path.join(directory, "special_tokens_map.json")
+    if "added_tokens_decoder" in config or not os.path.isfile(path):
+        return config
+    try:
+        with open(path, encoding="utf-8") as f:
+            tokens = json.load(f)
+    except (OSError, ValueError):
+        return config
+    return {**config, **tokens} if isinstance(tokens, dict) else config
+
+
 class HFTokenizer:
     """A `tokenizers.Tokenizer` read from a local `tokenizer.json` (a file or the directory holding it)."""
 
@@ -80,19 +95,20 @@ class HFTokenizer:
         self.eos_id = self._find_eos(os.path.dirname(os.path.abspath(file)))
 
     def _find_eos(self, directory: str) -> int | None:
-        """The EOS id named by tokenizer_config.json next to the file, else a well-known EOS token, else None."""
+        """The EOS id named by tokenizer_config.json next to the file (`special_tokens_of`), else a well-known EOS
+        token, else None."""
         names = list(_EOS_CANDIDATES)
         config = os.path.join(directory, "tokenizer_config.json")
-        if os.path.isfile(config):
-            try:
-                with open(config, encoding="utf-8") as f:
-                    eos = json.load(f).get("eos_token")
-            except (OSError, ValueError, AttributeError):
-                eos = None
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                names.insert(0, eos)
+        try:
+            with open(config, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except (OSError, ValueError):
+            loaded = {}
+        eos = special_tokens_of(loaded if isinstance(loaded, dict) else {}, directory).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            names.insert(0, eos)
         for token in names:
             i = self._tok.token_to_id(token)
             if i is not None:

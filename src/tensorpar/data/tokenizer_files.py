@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 
-from tensorpar.data.tokenizer import ByteTokenizer
+from tensorpar.data.tokenizer import ByteTokenizer, special_tokens_of
 
 # What a tokenizer folder may hold, in the names transformers reads; generation_config.json travels with them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -74,7 +74,7 @@ def special_token_ids(tokenizer) -> dict:
     config = source_files(tokenizer).get("tokenizer_config.json")
     if config is not None:
         with open(config, encoding="utf-8") as f:
-            names = json.load(f)
+            names = special_tokens_of(json.load(f), os.path.dirname(config))
         for field in ("bos", "pad"):
             token = names.get(f"{field}_token")
             token = token.get("content") if isinstance(token, dict) else token
