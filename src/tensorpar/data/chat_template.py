@@ -12,9 +12,10 @@ The assistant's turns: where the template marks them with ``{% generation %} ...
 transformers' `return_assistant_tokens_mask` reads them), the marked text. Otherwise by rendering prefixes:
 assistant message i spans from the end of the messages before it rendered with the generation prompt to the
 end of the messages up to it (its content and whatever the template closes the turn with, e.g. <|eot_id|> or
-<|im_end|>); one that opens the conversation, from where the template writes its content. That needs each such render to be a prefix of the whole conversation's; a template for which it is
-not (one that rewrites earlier turns, e.g. drops their reasoning) is refused, naming the conversation and the
-message, with the way out: a template with generation markers.
+<|im_end|>); one that opens the conversation, from where the template writes its content. That needs each such
+render to be a prefix of the whole conversation's; a template for which it is not (one that rewrites earlier turns,
+e.g. drops their reasoning) is refused, naming the conversation and the message, with the way out: a template with
+generation markers.
 """
 
 from __future__ import annotations
