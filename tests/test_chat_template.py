@@ -169,3 +169,30 @@ def test_special_tokens_come_from_special_tokens_map_as_transformers_reads_them(
     assert ChatTemplate.load(str(folder)).render(messages) == hf.apply_chat_template(messages, tokenize=False)
     assert HFTokenizer(str(folder)).eos_id == (hf.eos_token_id if not modern else 0)  # else <|endoftext|>'s
     assert ("a<|im_end|>" in ChatTemplate.load(str(folder)).render(messages)) != modern
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]
+TOOL_CHAT = [{"role": "user", "content": "2 and 3?"},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+             {"role": "tool", "content": "5"}, {"role": "assistant", "content": "It is 5."}]
+
+
+def test_a_rows_tools_reach_the_template_as_transformers_passes_them(folders, tmp_path):
+    """A row's `tools` (the functions' schemas, as a list or as JSON text) render as apply_chat_template(tools=...)
+    renders them, and the loss still covers exactly the assistant's turns."""
+    hf = transformers.AutoTokenizer.from_pretrained(folders["qwen"])
+    template, tokenizer = ChatTemplate.load(folders["qwen"]), HFTokenizer(folders["qwen"])
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps({"messages": TOOL_CHAT, "tools": t}) + "\n" for t in (TOOLS, json.dumps(TOOLS))))
+    examples = load_examples(str(path), tokenizer, ExampleFields(), template)
+    expected = hf.apply_chat_template(TOOL_CHAT, tools=TOOLS, tokenize=True)
+    assert "# Tools" in template.render(TOOL_CHAT, tools=TOOLS)
+    for ids, learn in zip(examples.ids, examples.learn):
+        assert ids.tolist() == list(getattr(expected, "input_ids", None) or expected)
+        learned = tokenizer._tok.decode(ids[learn].tolist(), skip_special_tokens=False)
+        assert learned.endswith("</tool_call><|im_end|>\nIt is 5.<|im_end|>\n") and "Tools" not in learned
+    path.write_text(json.dumps({"messages": TOOL_CHAT, "tools": {"name": "add"}}) + "\n")
+    with pytest.raises(TensorparError, match="line 1: 'tools' must be a list of JSON objects"):
+        load_examples(str(path), tokenizer, ExampleFields(), template)

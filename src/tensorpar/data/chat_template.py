@@ -136,9 +136,10 @@ class ChatTemplate:
         return None if text is None else cls(text, _special_tokens(config), f"the tokenizer folder '{folder}'")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, continue_final_message: bool = False,
-               variables: dict | None = None) -> str:
+               variables: dict | None = None, tools: list | None = None) -> str:
         """The conversation as the template writes it (what `apply_chat_template(..., tokenize=False)` returns, with
-        the same `add_generation_prompt`, `continue_final_message` and extra template `variables`).
+        the same `add_generation_prompt`, `continue_final_message`, extra template `variables` and `tools`, the
+        functions' JSON schemas).
 
         `continue_final_message` ends the text with the last message's content, open: transformers' way, a tag
         appended to the content and everything from it on cut off."""
@@ -152,7 +153,7 @@ class ChatTemplate:
             final = messages[-1]["content"]
             messages[-1] = {**messages[-1], "content": final + CONTINUE_TAG}
         try:
-            text = self._template.render(messages=messages, tools=None, documents=None,
+            text = self._template.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **{**self.special_tokens, **(variables or {})})
         except jinja2.TemplateError as e:
@@ -167,37 +168,37 @@ class ChatTemplate:
             text = text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
         return text
 
-    def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def render_with_spans(self, messages: list[dict], tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
         """(the rendered conversation, the [start, end) character spans of the assistant's turns in it)."""
         if self.marked:
-            return self._render_tracked(messages)
-        text = self.render(messages)
+            return self._render_tracked(messages, tools)
+        text = self.render(messages, tools=tools)
         spans = []
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            before = self._opening(messages, i)
-            upto = self.render(messages[: i + 1])
+            before = self._opening(messages, i, tools)
+            upto = self.render(messages[: i + 1], tools=tools)
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise _not_a_prefix(i, before, upto, text)
             spans.append((len(before), len(upto)))
         return text, spans
 
-    def _opening(self, messages: list[dict], i: int) -> str:
+    def _opening(self, messages: list[dict], i: int, tools: list | None) -> str:
         """The text before assistant message i's turn: the messages before it rendered with the generation prompt, or,
         for a conversation that opens with it (no messages before it to render), what the template writes before its
         content (the message rendered alone with a stand-in content, cut there)."""
         if i > 0:
-            return self.render(messages[:i], add_generation_prompt=True)
-        alone = self.render([{**messages[0], "content": OPENING_STAND_IN}])
+            return self.render(messages[:i], add_generation_prompt=True, tools=tools)
+        alone = self.render([{**messages[0], "content": OPENING_STAND_IN}], tools=tools)
         return alone[: alone.index(OPENING_STAND_IN)] if OPENING_STAND_IN in alone else alone
 
-    def _render_tracked(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def _render_tracked(self, messages: list[dict], tools: list | None) -> tuple[str, list[tuple[int, int]]]:
         """Render block by block, recording where each {% generation %} block lands (transformers' way)."""
         jinja2 = _jinja()
         self._spans, self._blocks = [], []
         try:
-            for block in self._template.generate(messages=plain_messages(messages), tools=None, documents=None,
+            for block in self._template.generate(messages=plain_messages(messages), tools=tools, documents=None,
                                                  add_generation_prompt=False, **self.special_tokens):
                 self._blocks.append(block)
             return "".join(self._blocks), self._spans

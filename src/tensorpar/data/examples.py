@@ -3,8 +3,9 @@
 A row of a JSONL / Parquet file or a `datasets` folder is
 
 - a conversation: `messages` (the field `--messages-field` names), a list of {"role", "content", ...} in OpenAI's
-  shape, rendered with the chat template (tensorpar.data.chat_template); the loss covers the assistant's turns
-  (each with what the template closes it with), nothing else;
+  shape, rendered with the chat template (tensorpar.data.chat_template), with the row's `tools` (the functions'
+  JSON schemas, as transformers' `apply_chat_template(tools=...)` and TRL take them) where it has them; the loss
+  covers the assistant's turns (each with what the template closes it with), nothing else;
 - a prompt/completion pair: two text fields (`--prompt-field`, `--completion-field`), tokenized apart and joined,
   the tokenizer's EOS after the completion; the loss covers the completion and that EOS.
 
@@ -118,10 +119,25 @@ def _text(where: str, record: dict, field: str) -> str:
     return value
 
 
-def tokenize_conversation(template: ChatTemplate, tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, learn) of a rendered conversation: a token is learned when its characters overlap an assistant turn
-    (what transformers' assistant mask marks)."""
-    text, spans = template.render_with_spans(messages)
+def _tools(where: str, value) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, str):  # datasets often keep the schemas as JSON text
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise TensorparError(f"{where}: 'tools' must be a list of JSON objects (the functions' schemas), got "
+                             f"{value!r:.80}")
+    return value
+
+
+def tokenize_conversation(template: ChatTemplate, tokenizer, messages: list[dict],
+                          tools: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, learn) of a rendered conversation (with the functions `tools` describes): a token is learned when its
+    characters overlap an assistant turn (what transformers' assistant mask marks)."""
+    text, spans = template.render_with_spans(messages, tools)
     ids, offsets = tokenizer.encode_with_offsets(text)
     bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     learn = np.zeros(len(ids), dtype=bool)
@@ -154,7 +170,8 @@ def load_examples(path: str, tokenizer, fields: ExampleFields, template: ChatTem
             break
         try:
             if kind == CHAT:
-                ids, learn = tokenize_conversation(template, tokenizer, _messages(where, record.get(fields.messages)))
+                ids, learn = tokenize_conversation(template, tokenizer, _messages(where, record.get(fields.messages)),
+                                                   _tools(where, record.get("tools")))
             else:
                 ids, learn = tokenize_pair(tokenizer, _text(where, record, fields.prompt),
                                            _text(where, record, fields.completion))
