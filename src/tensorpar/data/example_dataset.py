@@ -34,16 +34,17 @@ def _fit(examples: Examples, seq_len: int, long_examples: str, stats: dict) -> l
     """(inputs, targets) of every example that can be trained on, cut or left out per `long_examples`."""
     out = []
     for ids, learn in zip(examples.ids, examples.learn):
-        if len(ids) - 1 > seq_len:
+        cut = len(ids) - 1 > seq_len
+        if cut:
             if long_examples == "drop":
                 stats["dropped_long"] += 1
                 continue
             ids, learn = ids[: seq_len + 1], learn[: seq_len + 1]
-            stats["truncated"] += 1
         targets = np.where(learn[1:], ids[1:], IGNORE_INDEX)
-        if len(ids) < 2 or not learn[1:].any():
+        if len(ids) < 2 or not learn[1:].any():  # counted here only, even if it was cut first
             stats["dropped_empty"] += 1
             continue
+        stats["truncated"] += cut
         out.append((ids[:-1], targets))
     return out
 
