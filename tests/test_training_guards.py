@@ -18,7 +18,7 @@ POISONED = "layers.1.mlp.down_proj.weight"
 BAD_STEP = 3
 
 
-def check_nan_in_one_ranks_gradient(save, on_nan, dtype, out_dir=None):
+def check_nan_in_one_ranks_gradient(save, on_nan, dtype, out_dir=None, async_save=False):
     """Train tiny at TP 2, one micro-batch per step, with a NaN put into rank 1's shard of POISONED's gradient at
     step BAD_STEP (a hook of this test); the history, or the error every rank raised."""
     import tensorpar.training.session as session
@@ -40,7 +40,7 @@ def check_nan_in_one_ranks_gradient(save, on_nan, dtype, out_dir=None):
     session.build_model = poisoned
     settings = {**layout_runs.BASE, "global_batch_size": 2, "micro_batch_size": 2, "return_state": False,
                 "save": save, "save_every": 1, "on_nan": on_nan, "dtype": dtype, "tp": 2,
-                "out_dir": out_dir, "dump_collectives_on_exit": out_dir is not None}
+                "out_dir": out_dir, "dump_collectives_on_exit": out_dir is not None, "async_save": async_save}
     try:
         summary = train(TrainOptions(model="tiny", **settings))
         return {"history": [(r["step"], r["loss"], r["grad_norm"], r.get("skipped")) for r in summary["history"]]}
@@ -50,9 +50,12 @@ def check_nan_in_one_ranks_gradient(save, on_nan, dtype, out_dir=None):
         session.build_model = build
 
 
-def test_a_nan_gradient_stops_the_run_naming_step_rank_and_parameter(pools, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_nan_gradient_stops_the_run_naming_step_rank_and_parameter(pools, tmp_path, async_save):
+    """With --async-save the save of the step before, still pending when the bad step stops the run, is committed
+    first: `latest` names it, as after a blocking save."""
     save = str(tmp_path / "ckpt")
-    results = pools(2).run(check_nan_in_one_ranks_gradient, save, "stop", "fp32")
+    results = pools(2).run(check_nan_in_one_ranks_gradient, save, "stop", "fp32", None, async_save)
     errors = [r.get("error") for r in results]
     assert errors[0] is not None and errors[0] == errors[1], results  # every rank stops, with the same line
     assert f"step {BAD_STEP}: the gradient norm is nan" in errors[0]

@@ -83,6 +83,7 @@ def train_step(s: Session, step: int) -> dict:
     if s.scaler is None and not math.isfinite(grad_norm.item()):  # the same norm on every rank: all come here
         non_finite_gradients(s, step, loss, grad_norm.item())
     elif not math.isfinite(loss):
+        s.finish_saves(step)  # every rank comes here (the loss is the same on every rank): commit a pending save
         raise TensorparError(f"loss became {loss} at step {step + 1}; try a lower --lr or --grad-clip")
     record = {"step": step + 1, "loss": loss, "grad_norm": grad_norm.item(), "lr": lr,
               "step_time_s": time.perf_counter() - t0,
@@ -114,6 +115,7 @@ def non_finite_gradients(s: Session, step: int, loss: float, norm: float) -> Non
     what = (f"step {step + 1}: the gradient norm is {norm} (loss {loss:.4g}); first parameter whose gradient is not "
             f"finite, by rank: {where}. The step was not applied")
     if s.options.on_nan == "stop":
+        s.finish_saves(step)  # an asynchronous save of an earlier step is as good as a blocking one: commit it
         raise TensorparError(f"{what}; no checkpoint is saved after step {step} (--on-nan skip skips such steps)")
     if s.is_main:
         sys.stderr.write(f"tensorpar: warning: {what} (--on-nan skip)\n")
