@@ -262,7 +262,11 @@ def _edit_meta(step_dir, edit):
     (lambda m: m["model"].update(num_heads=8), "tensor 'layers.0.attn.k_proj.weight' rebuilt from the shards gives "
                                                r"this rank \(32, 64\), the model's shard is \(16, 64\)"),
     (lambda m: m.update(version=2), "is of checkpoint format version 2; this tensorpar reads version 1"),
-], ids=["layout-tp", "files-entry", "model-heads", "version"])
+    (lambda m: m.pop("files"), "meta.json' is damaged: its field 'files' is missing or of the wrong type"),
+    (lambda m: m.update(tensors=[]), "its field 'tensors' is missing or of the wrong type"),
+    (lambda m: m["files"]["model-tp01-pp00.safetensors"].pop("sha256"),
+     "its field 'files.model-tp01-pp00.safetensors.sha256' is missing"),
+], ids=["layout-tp", "files-entry", "model-heads", "version", "no-files", "tensors-list", "no-sha256"])
 def test_a_meta_json_that_does_not_match_its_shards_is_refused(saved, edit, error):
     """meta.json edited by hand (or copied beside another run's shards): one error naming what differs, not a
     KeyError or a size mismatch from inside the load."""
@@ -272,6 +276,14 @@ def test_a_meta_json_that_does_not_match_its_shards_is_refused(saved, edit, erro
     with pytest.raises(TensorparError, match=error):
         model = Transformer(ModelConfig(**meta["model"]), None, init=False)
         load_checkpoint(save, model)
+
+
+def test_a_meta_json_that_is_no_json_object_is_refused(saved):
+    save, step_dir, _ = saved
+    with open(os.path.join(step_dir, "meta.json"), "w") as f:
+        f.write("[1, 2]")
+    with pytest.raises(TensorparError, match="meta.json' is not a tensorpar checkpoint"):
+        read_meta(save)
 
 
 def test_bad_checkpoints_fail_the_cli_at_once(saved, cli):

@@ -13,10 +13,25 @@ from tensorpar.errors import TensorparError
 VERSION = 1  # the meta.json layout this code writes and reads
 
 
+# The fields every reader of a checkpoint takes, and their JSON types; each file entry's, and the layout's.
+_FIELDS = {"step": int, "optimizer_step": int, "model": dict, "layout": dict, "tensors": dict, "files": dict}
+_FILE_FIELDS = {"bytes": int, "sha256": str, "pp_rank": int}
+
+
 def check_version(meta: dict, meta_path: str) -> None:
+    """`meta` is of this code's format version and holds the fields the readers take: a meta.json edited by hand
+    or damaged is refused naming what is wrong, not a KeyError inside the load."""
     if meta.get("version") != VERSION:
         raise TensorparError(f"'{meta_path}' is of checkpoint format version {meta.get('version')!r}; this "
                              f"tensorpar reads version {VERSION}")
+    wrong = [k for k, kind in _FIELDS.items() if not isinstance(meta.get(k), kind)]
+    if not wrong and not isinstance(meta["layout"].get("tp"), int):
+        wrong = ["layout.tp"]
+    if not wrong:
+        wrong = [f"files.{name}.{k}" for name, f in meta["files"].items() for k, kind in _FILE_FIELDS.items()
+                 if not isinstance(f, dict) or not isinstance(f.get(k), kind)][:1]
+    if wrong:
+        raise TensorparError(f"'{meta_path}' is damaged: its field {wrong[0]!r} is missing or of the wrong type")
 
 
 def sha256(path: str) -> str:

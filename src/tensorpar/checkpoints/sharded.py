@@ -347,8 +347,9 @@ def read_meta(path: str, verify: bool = True) -> tuple[str, dict]:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise TensorparError(f"'{meta_path}' is unreadable or not JSON: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise TensorparError(f"'{meta_path}' is not a tensorpar checkpoint (format {meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:  # a JSON list, a number: no checkpoint's
+        raise TensorparError(f"'{meta_path}' is not a tensorpar checkpoint "
+                             f"(format {meta.get('format') if isinstance(meta, dict) else None!r})")
     check_version(meta, meta_path)
     if verify:
         check_shards(step_dir, meta)
