@@ -126,3 +126,27 @@ def test_a_hugging_face_folder_without_a_tokenizer_is_not_given_the_byte_one(tmp
     assert not (tmp_path / "back" / "tokenizer.json").exists() and "no tokenizer" in out
     assert json.loads((tmp_path / "back" / "config.json").read_text()).get("eos_token_id") != 256
 
+
+
+def test_a_failed_write_is_one_line_and_leaves_the_destination_reusable(saved, tmp_path, cli):  # noqa: F811
+    """A full disk (here a file-size limit: the writer's I/O error is safetensors' own error, not an OSError) fails
+    each direction with one line naming the destination; the checkpoint's partial folder is removed, so that the same
+    command succeeds once there is room."""
+    import resource
+
+    save, _, _ = saved
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    code, _, err = cli("convert", save, tmp_path / "hf")
+    assert code == 0, err
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # Python ignores SIGXFSZ: a write past it fails EFBIG
+    try:
+        results = [cli("convert", src, dst)
+                   for src, dst in ((save, tmp_path / "hf2"), (tmp_path / "hf", tmp_path / "ck"))]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    for (code, _, err), dst in zip(results, ("hf2", "ck")):
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert f"'{tmp_path / dst}'" in err and "File too large" in err, err
+    assert not list((tmp_path / "ck").iterdir())
+    code, _, err = cli("convert", tmp_path / "hf", tmp_path / "ck")
+    assert code == 0, err

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from tensorpar.checkpoints.hf_config import SUPPORTED_MODEL_TYPES, check_representable, config_from_hf, config_to_hf
@@ -414,5 +414,5 @@ def save_hf_folder(path, cfg: ModelConfig, dense_state: dict[str, torch.Tensor],
         os.replace(str(config) + ".tmp", config)
         if tokenizer is not None:
             write_tokenizer(str(folder), tokenizer, cfg.max_seq_len)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors' writer reports an I/O error (a full disk) as its own
         raise TensorparError(f"cannot write the Hugging Face folder '{folder}': {e}") from None

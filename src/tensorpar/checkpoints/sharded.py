@@ -473,16 +473,21 @@ def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step:
         tensors.update({f"{kind}/{k}": torch.zeros_like(v, dtype=torch.float32) for k, v in state.items()})
     file_name = shard_file_name(0, 0)
     path = os.path.join(tmp, file_name)
-    save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
-    meta = {"format": FORMAT, "version": VERSION, "step": step, "optimizer_step": 0, "model": cfg.to_dict(),
-            "layout": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "virtual_stages": 1, "schedule": None,
-                       "sequence_parallel": False},
-            "train": {}, "rng": "none needed", "tokenizer": ("unknown" if tokenizer_unknown
-                                                         else copy_files(tokenizer_files or {}, tmp) or "byte"),
-            "tensors": {k: {"shape": list(v.shape), "dim": None, "full_size": None, "padded_size": None,
-                            "replicas": 1, "pp_rank": 0} for k, v in state.items()},
-            "files": {file_name: {"bytes": os.path.getsize(path), "sha256": sha256(path), "tp_rank": 0, "pp_rank": 0}}}
-    _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-    os.replace(tmp, final)
-    _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
+    try:  # a failed write (a full disk) leaves DST as it was, for the same command again
+        save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
+        meta = {"format": FORMAT, "version": VERSION, "step": step, "optimizer_step": 0, "model": cfg.to_dict(),
+                "layout": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "virtual_stages": 1, "schedule": None,
+                           "sequence_parallel": False},
+                "train": {}, "rng": "none needed", "tokenizer": ("unknown" if tokenizer_unknown
+                                                             else copy_files(tokenizer_files or {}, tmp) or "byte"),
+                "tensors": {k: {"shape": list(v.shape), "dim": None, "full_size": None, "padded_size": None,
+                                "replicas": 1, "pp_rank": 0} for k, v in state.items()},
+                "files": {file_name: {"bytes": os.path.getsize(path), "sha256": sha256(path), "tp_rank": 0,
+                                      "pp_rank": 0}}}
+        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        os.replace(tmp, final)
+        _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TensorparError(f"writing the checkpoint '{root}' failed: {type(e).__name__}: {e}") from None
     return final
