@@ -5,6 +5,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from tensorpar.checkpoints import async_save, sharded
@@ -155,6 +156,40 @@ def test_a_failed_background_write_fails_every_rank_naming_the_rank_and_the_file
     for error in errors:
         assert error is not None and "the save of step 2 failed" in error, error
         assert f"rank 1: writing '{path}' failed: OSError: [Errno 28] No space left on device" in error, error
+    assert read_meta(save)[1]["step"] == 1  # `latest` still names the previous checkpoint
+
+
+def failing_adapter_write(config_file, save, async_save):
+    """LoRA at tp 2, saves at steps 1 and 2; the disk fills up as rank 0 writes step 2's PEFT adapter (after every
+    shard is written: safetensors reports the I/O error as its own SafetensorError). What each rank raised."""
+    from safetensors import SafetensorError
+    from tensorpar.checkpoints import peft_adapter
+
+    write = peft_adapter.save_file
+
+    def full_disk(tensors, path, metadata=None):
+        if "step-000002" in path:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return write(tensors, path, metadata=metadata)
+
+    peft_adapter.save_file = full_disk
+    try:
+        train(TrainOptions(model=config_file, **{**BASE, "tp": 2, "steps": 3, "save": save, "save_every": 1,
+                                                 "async_save": async_save, "lora_rank": 4}))
+    except TensorparError as e:
+        return str(e)
+    finally:
+        peft_adapter.save_file = write
+    return None
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_adapter_write_fails_every_rank_in_one_line(pools, config_file, tmp_path, async_save):
+    save = str(tmp_path / "ck")
+    errors = pools(2).run(failing_adapter_write, config_file, save, async_save)
+    for error in errors:
+        assert error is not None and "the save of step 2 failed (rank 0: " in error, error
+        assert "No space left on device" in error, error
     assert read_meta(save)[1]["step"] == 1  # `latest` still names the previous checkpoint
 
 

@@ -180,7 +180,7 @@ def commit_save(root: str, step: int, info: list[dict] | str | None, mesh, facts
     if mesh.rank == 0:
         try:
             _put_in_place(root, step, infos, facts, keep_last)
-        except (OSError, TensorparError) as e:
+        except (OSError, SafetensorError, TensorparError) as e:  # SafetensorError: the adapter write on a full disk
             error = f"rank 0: {e}"
     error = world.all_gather_object(error)[0]  # also the barrier: no rank returns before `latest` has moved
     if error:
