@@ -39,12 +39,14 @@ def test_config_file_flags_override_resolved_config_and_resume(pools, tmp_path, 
     assert meta["options"]["tp"] == 2 and meta["options"]["dp"] == 1 and meta["options"]["min_lr"] == 0.001
 
     # The resolved file is itself a --config; the resumed run names what differs from the saved one.
+    # A share held out for validation that changed changes the windows trained on: warned as a seed's change is.
     code, _, err = pools(1).run(run_cli, ["train", "--config", out / "config.toml", "--resume", save, "--tp", "1",
-                                      "--steps", "3", "--lr", "0.02"])[0]
+                                      "--steps", "3", "--lr", "0.02", "--val-fraction", "0.1"])[0]
     assert code == 0, err
     note = [ln for ln in err.splitlines() if "changed since it was saved" in ln]
     assert len(note) == 1 and "tp 2 -> 1" in note[0] and "steps 2 -> 3" in note[0] and "lr 0.01 -> 0.02" in note[0]
-    assert "resume" not in note[0].split("saved:")[1]
+    assert "resume" not in note[0].split("saved:")[1] and "val_fraction" not in note[0]
+    assert "warning: resuming with val_fraction 0.05 -> 0.1: the samples (and the continued losses) will differ" in err
     assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [3]
 
 

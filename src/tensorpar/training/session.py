@@ -37,8 +37,9 @@ from tensorpar.training.validate import PreparedRun, run_tokenizer
 # Options that say how this invocation runs, not what it computes: a resumed run is expected to differ in them.
 _INVOCATION_OPTIONS = ("resume", "nproc", "device", "timeout", "grace_period", "progress", "stop_after",
                        "return_state", "tensorboard", "wandb", "wandb_run", "memory_snapshot", "async_save")
-# Options whose change makes the continued samples (and losses) differ from the original run's.
-_DATA_ORDER_OPTIONS = ("seed", "global_batch_size", "seq_len")
+# Options whose change makes the continued samples (and losses) differ from the original run's: val_fraction decides
+# which windows of --data are trained on (none is held out beside --val-data).
+_DATA_ORDER_OPTIONS = ("seed", "global_batch_size", "seq_len", "val_fraction")
 
 
 @dataclasses.dataclass
@@ -178,8 +179,9 @@ def resume(run: PreparedRun, model, optimizer, mesh: Mesh, corpus: list) -> int:
     load_checkpoint(o.resume, model, optimizer, run.cfg, verify=False)  # validate() hashed the shards
     if mesh.rank == 0:
         saved = meta.get("options") or meta.get("train", {})
-        data_order = [f"{k} {saved[k]} -> {getattr(o, k)}" for k in _DATA_ORDER_OPTIONS
-                      if saved.get(k) not in (None, getattr(o, k))]
+        was, now = ({**opts, "val_fraction": 0.0 if opts.get("val_data") else opts.get("val_fraction")}
+                    for opts in (saved, to_dict(o)))
+        data_order = [f"{k} {was[k]} -> {now[k]}" for k in _DATA_ORDER_OPTIONS if was.get(k) not in (None, now[k])]
         if data_order:
             sys.stderr.write(f"tensorpar: warning: resuming with {', '.join(data_order)}: the samples (and the "
                              f"continued losses) will differ from the original run's\n")
