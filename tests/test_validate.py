@@ -110,3 +110,17 @@ def test_training_past_a_rotary_models_positions_is_said(tmp_path):
                           "positions beyond 8 extrapolate; to extend the context, raise the model's max_seq_len (and "
                           "its rope scaling) in its config",)
     assert validate(TrainOptions(model=str(path), **{**BASE, "seq_len": 8}), world_size=1).notes == ()
+
+
+def test_a_pipeline_gets_micro_batches_by_default(config_file):
+    """Without --micro-batch-size, a pipeline runs one sequence per micro-batch (torchtitan's default), so its stages
+    overlap and zbv's 2 x pp - 1 micro-batches are there; without a pipeline, one micro-batch of global / dp."""
+    from tensorpar.training import validate
+
+    base = {**BASE, "micro_batch_size": None, "global_batch_size": 8}
+    for schedule in ("1f1b", "zbv", "interleaved"):
+        run = validate(TrainOptions(model=config_file, **{**base, "pp": 2, "dp": 1, "schedule": schedule,
+                                                          "virtual_stages": 2 if schedule == "interleaved" else 1}))
+        assert (run.options.micro_batch_size, run.num_micro_batches) == (1, 8)
+    run = validate(TrainOptions(model=config_file, **{**base, "dp": 2}), world_size=2)
+    assert (run.options.micro_batch_size, run.num_micro_batches) == (4, 1)

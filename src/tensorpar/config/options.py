@@ -169,8 +169,8 @@ class TrainOptions(LoraOptions, DataOptions, ExpertOptions, LaunchOptions, Memor
     steps: int = option(300, "total optimizer steps (a resumed run continues up to it)", group="optimization")
     seed: int = option(0, "seeds the weights, the sample order and dropout", group="optimization")
     global_batch_size: int = option(16, "sequences per optimizer step", group="optimization")
-    micro_batch_size: int | None = option(None, "sequences per forward pass (default: global batch / dp)",
-                                          group="optimization")
+    micro_batch_size: int | None = option(None, "sequences per forward pass (default: global batch / dp; 1 with "
+                                          "--pp > 1)", group="optimization")
     seq_len: int = option(128, "tokens per sequence", group="optimization")
     lr: float = option(3e-3, "peak learning rate", group="optimization")
     min_lr: float | None = option(None, "final learning rate of the cosine (default lr / 10)", group="optimization")

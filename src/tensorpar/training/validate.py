@@ -240,8 +240,8 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     if o.steps < 1:
         raise TensorparError(f"--steps must be at least 1, got {o.steps}")
     if o.micro_batch_size is not None and o.micro_batch_size < 1:
-        raise TensorparError(f"--micro-batch-size must be at least 1 (or left out: the global batch / dp), got "
-                             f"{o.micro_batch_size}")
+        raise TensorparError(f"--micro-batch-size must be at least 1 (or left out: the global batch / dp, 1 with "
+                             f"--pp > 1), got {o.micro_batch_size}")
     notes = []
     if o.resume and o.init_from:
         raise TensorparError("--resume and --init-from exclude each other")
@@ -272,7 +272,8 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     world = world_size if world_size is not None else launched_world_size(o)
     parse_profile_ranks(o.profile_ranks, world)
     layout = ParallelLayout.from_options(o, world)
-    micro = o.micro_batch_size or o.global_batch_size // layout.dp
+    # a pipeline needs micro-batches to overlap its stages: one sequence each by default, as torchtitan's
+    micro = o.micro_batch_size or (1 if layout.pp > 1 else o.global_batch_size // layout.dp)
     precision = Precision.of(o)
     layout.check(cfg, seq_len=o.seq_len, global_batch=o.global_batch_size, micro_batch_size=micro,
                  fp8=precision.fp8)
