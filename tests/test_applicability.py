@@ -30,7 +30,7 @@ OPTIONS = {"train": TrainOptions, "eval": EvalOptions, "generate": GenerateOptio
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Paths the cases name: data of every kind, the chat model and tokenizer, a dense and an MoE checkpoint."""
-    from tensorpar.checkpoints.sharded import write_dense_checkpoint
+    from tensorpar.checkpoints.dense_checkpoint import write_dense_checkpoint
     from tensorpar.models import Transformer, get_config
     from tensorpar.models.state import full_state_dict
 

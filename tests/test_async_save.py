@@ -193,6 +193,34 @@ def test_a_failed_adapter_write_fails_every_rank_in_one_line(pools, config_file,
     assert read_meta(save)[1]["step"] == 1  # `latest` still names the previous checkpoint
 
 
+def failing_folder(config_file, save):
+    """tp 2, saves at steps 1 and 2; rank 0 cannot make step 2's temporary folder. What each rank raised."""
+    makedirs = os.makedirs
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith(".tmp-step-000002"):
+            raise PermissionError(13, "Permission denied", path)
+        return makedirs(path, *args, **kwargs)
+
+    sharded.os.makedirs = refused
+    try:
+        train(TrainOptions(model=config_file, **{**BASE, "tp": 2, "steps": 3, "save": save, "save_every": 1}))
+    except TensorparError as e:
+        return str(e)
+    finally:
+        sharded.os.makedirs = makedirs
+    return None
+
+
+def test_a_save_folder_rank_0_cannot_make_fails_every_rank_in_one_line(pools, config_file, tmp_path):
+    save = str(tmp_path / "ck")
+    errors = pools(2).run(failing_folder, config_file, save)
+    for error in errors:
+        assert error is not None and "the save of step 2 failed (rank 0 cannot make '" in error, error
+        assert "Permission denied" in error, error
+    assert read_meta(save)[1]["step"] == 1
+
+
 def test_async_save_without_save_is_refused(cli, config_file):
     code, _, err = cli("train", "--model", config_file, "--steps", "2", "--async-save", "--no-progress")
     assert code == 2 and "--async-save needs --save DIR" in err, err

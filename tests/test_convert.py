@@ -96,7 +96,7 @@ def test_a_vocabulary_without_room_for_the_byte_tokenizers_end_of_text_exports_w
     trained on token ids) says "byte" like every run without tokenizer files; the byte tokenizer's end-of-text id
     256 lies outside its embedding, and a config.json naming it as eos/pad does not load in transformers."""
     transformers = pytest.importorskip("transformers")
-    from tensorpar.checkpoints.sharded import write_dense_checkpoint
+    from tensorpar.checkpoints.dense_checkpoint import write_dense_checkpoint
     from tensorpar.models.state import full_state_dict
     from tensorpar.models import Transformer
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tensorpar.checkpoints.sharded import write_dense_checkpoint
+from tensorpar.checkpoints.dense_checkpoint import write_dense_checkpoint
 from tensorpar.models import Transformer, full_state_dict, get_config, load_full_state_dict
 from tensorpar.training import TrainOptions
 

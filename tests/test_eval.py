@@ -52,7 +52,7 @@ def test_eval_loss_is_the_same_at_any_tp_and_cp(pools, config_file, tmp_path):
 def test_eval_of_a_one_source_mix_toml_reads_that_source(pools, tmp_path):
     """`--data mix.toml` naming one source (or "1 PATH") evaluates that source; the .toml file itself was read as
     a text file (16 tokens of TOML instead of the data)."""
-    from tensorpar.checkpoints.sharded import write_dense_checkpoint
+    from tensorpar.checkpoints.dense_checkpoint import write_dense_checkpoint
     from tensorpar.models import Transformer, get_config
     from tensorpar.models.state import full_state_dict
 

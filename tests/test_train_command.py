@@ -143,7 +143,7 @@ def test_prompt_text_that_is_not_utf8_is_refused_before_the_run(cli, config_file
 
 
 def test_a_generate_prompt_that_is_not_utf8_is_refused_in_one_line(cli, tmp_path):
-    from tensorpar.checkpoints.sharded import write_dense_checkpoint
+    from tensorpar.checkpoints.dense_checkpoint import write_dense_checkpoint
     from tensorpar.models import Transformer, get_config
     from tensorpar.models.state import full_state_dict
 

@@ -75,7 +75,7 @@ def test_a_resumed_run_names_the_checkpoints_model_not_the_model_option(tmp_path
     """The checkpoint's model trains on: a --model that differs (or the default 'tiny', not given) is said to be
     unused, and the run (summary, out-dir, its checkpoints' options) names the checkpoint's model."""
     import json, os
-    from tensorpar.checkpoints.sharded import write_dense_checkpoint
+    from tensorpar.checkpoints.dense_checkpoint import write_dense_checkpoint
     from tensorpar.models import Transformer, get_config
     from tensorpar.models.state import full_state_dict
     from tensorpar.training import validate

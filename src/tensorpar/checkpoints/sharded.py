@@ -95,15 +95,27 @@ class Shard:
 
 
 def begin_save(root: str, step: int, mesh) -> str:
-    """Rank 0 makes the empty temporary folder of step `step`'s checkpoint (a collective); its path."""
+    """Rank 0 makes the empty temporary folder of step `step`'s checkpoint (a collective: a failure, such as a
+    folder that cannot be written, fails every rank); its path."""
     tmp = os.path.join(root, f".tmp-step-{step:06d}")
+    error = None
     if mesh.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # the remains of a save that was killed
-        os.makedirs(tmp)
-    mesh.world_group.barrier()
+        try:
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)  # the remains of a save that was killed
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"rank 0 cannot make '{tmp}': {e}"
+    error = mesh.world_group.all_gather_object(error)[0]  # also the barrier
+    if error:
+        raise _save_failed(root, step, error)
     return tmp
+
+
+def _save_failed(root: str, step: int, what: str) -> TensorparError:
+    return TensorparError(f"the save of step {step} failed ({what}); the previous checkpoint and "
+                          f"'{os.path.join(root, 'latest')}' are untouched")
 
 
 def take_shards(model, optimizer, mesh) -> tuple[list[Shard], int]:
@@ -165,16 +177,15 @@ def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout
 def commit_save(root: str, step: int, info: list[dict] | str | None, mesh, facts: dict, keep_last: int) -> str:
     """Put step `step`'s checkpoint in place once every rank has written its files (a collective: every rank calls
     it, with the entries `write_shards` returned, the message of its failed write, or None while it is still
-    writing because another rank's write failed). `facts`: meta.json's
-    optimizer_step, model, run_id, layout, train and options, and the tokenizer's files to copy. Rank 0 checks that every file is there at its size,
-    writes meta.json, renames the folder into place and replaces `latest`. A rank's failure fails every rank."""
+    writing because another rank's write failed). `facts`: meta.json's optimizer_step, model, run_id, layout, train
+    and options, and the tokenizer's files to copy. Rank 0 checks that every file is there at its size, writes
+    meta.json, renames the folder into place and replaces `latest`. A rank's failure fails every rank."""
     final = step_folder(root, step)
     world = mesh.world_group
     gathered = world.all_gather_object(info)
     failed = [f"rank {r}: {item}" for r, item in enumerate(gathered) if isinstance(item, str)]
     if failed or None in gathered:
-        raise TensorparError(f"the save of step {step} failed ({'; '.join(failed)}); the previous checkpoint and "
-                             f"'{os.path.join(root, 'latest')}' are untouched")
+        raise _save_failed(root, step, "; ".join(failed))
     infos = [item for items in gathered for item in items]
     error = None
     if mesh.rank == 0:
@@ -204,11 +215,11 @@ def _put_in_place(root: str, step: int, infos: list[dict], facts: dict, keep_las
     facts["tokenizer"] = copy_files(facts.pop("tokenizer_files", {}), tmp) or ("unknown" if unknown else "byte")
     meta = {"format": FORMAT, "version": VERSION, "step": step, **facts, "tensors": tensors, "files": files,
             "rng": "none needed: dropout masks and the sample order are functions of (seed, step)"}
-    _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+    write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
     write_checkpoint_adapter(tmp, meta, CheckpointReader(tmp, meta).dense)  # a LoRA run's: tmp/adapter, PEFT's
     _move_aside(final)
     os.replace(tmp, final)
-    _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
+    write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
     rotate(root, keep_last, facts["run_id"], step)
 
 
@@ -243,7 +254,7 @@ def _spec_dict(spec: ShardSpec) -> dict:
     return out
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
     """Write `text` to `path` so that a reader sees the old file or the whole new one, never a part."""
     with open(path + ".part", "w") as f:
         f.write(text)
@@ -455,39 +466,3 @@ def dense_model_state(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     step_dir, meta = read_meta(path)
     reader = CheckpointReader(step_dir, meta)
     return meta, {name: reader.dense(name) for name in reader.names()}
-
-
-def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step: int = 0,
-                           tokenizer_files: dict | None = None, tokenizer_unknown: bool = False) -> str:
-    """A single-shard checkpoint of dense weights (no optimizer state): what `tensorpar convert` writes, with the
-    files of its tokenizer (name -> path; none: the byte tokenizer, or, with `tokenizer_unknown`, none known, as
-    for a Hugging Face folder without tokenizer files: recorded as "unknown", claiming none). Refuses a folder that
-    already holds a checkpoint."""
-    if os.path.exists(root) and os.listdir(root):
-        raise TensorparError(f"'{root}' exists and is not empty: refusing to overwrite it")
-    os.makedirs(root, exist_ok=True)
-    tmp, final = os.path.join(root, f".tmp-step-{step:06d}"), step_folder(root, step)
-    os.makedirs(tmp)
-    tensors = {f"param/{k}": v.contiguous() for k, v in state.items()}
-    for kind in ("exp_avg", "exp_avg_sq"):
-        tensors.update({f"{kind}/{k}": torch.zeros_like(v, dtype=torch.float32) for k, v in state.items()})
-    file_name = shard_file_name(0, 0)
-    path = os.path.join(tmp, file_name)
-    try:  # a failed write (a full disk) leaves DST as it was, for the same command again
-        save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
-        meta = {"format": FORMAT, "version": VERSION, "step": step, "optimizer_step": 0, "model": cfg.to_dict(),
-                "layout": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "virtual_stages": 1, "schedule": None,
-                           "sequence_parallel": False},
-                "train": {}, "rng": "none needed", "tokenizer": ("unknown" if tokenizer_unknown
-                                                             else copy_files(tokenizer_files or {}, tmp) or "byte"),
-                "tensors": {k: {"shape": list(v.shape), "dim": None, "full_size": None, "padded_size": None,
-                                "replicas": 1, "pp_rank": 0} for k, v in state.items()},
-                "files": {file_name: {"bytes": os.path.getsize(path), "sha256": sha256(path), "tp_rank": 0,
-                                      "pp_rank": 0}}}
-        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        os.replace(tmp, final)
-        _write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
-    except (OSError, SafetensorError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise TensorparError(f"writing the checkpoint '{root}' failed: {type(e).__name__}: {e}") from None
-    return final

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 
+from tensorpar.checkpoints.dense_checkpoint import write_dense_checkpoint
 from tensorpar.checkpoints.hf import is_hf_folder, save_hf_folder
 from tensorpar.checkpoints.hf_config import config_to_hf
 from tensorpar.checkpoints.peft_adapter import ADAPTER_FOLDER, merge_adapters, write_adapter
-from tensorpar.checkpoints.sharded import is_checkpoint, write_dense_checkpoint
+from tensorpar.checkpoints.sharded import is_checkpoint
 from tensorpar.checkpoints.sources import checkpoint_tokenizer, load_unmerged
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import ConvertOptions
