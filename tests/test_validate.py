@@ -68,6 +68,12 @@ def test_resume_from_a_folder_without_a_checkpoint_starts_from_scratch_and_says_
     with pytest.raises(TensorparError, match="checkpoint '.*/typo' does not exist") as refused:
         validate(TrainOptions(model=config_file, **{**BASE, "resume": str(tmp_path / "typo")}))
     assert f"add --save {tmp_path / 'typo'}" in str(refused.value)  # the way to a first start there
+    # An existing folder without --save starts too, and says that nothing will be there to resume from.
+    run = validate(TrainOptions(model=config_file, **{**BASE, "resume": str(tmp_path)}))
+    assert run.options.resume is None
+    assert run.notes == (f"--resume {tmp_path}: no checkpoint there yet; starting from step 0 (warning: without "
+                         f"--save this run writes no checkpoint, so the same command starts from step 0 again: "
+                         f"add --save {tmp_path})",)
 
 
 

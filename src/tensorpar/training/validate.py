@@ -82,6 +82,16 @@ def _first_start(o: TrainOptions) -> bool:
     return os.path.isdir(o.resume) or bool(o.save and os.path.realpath(o.save) == os.path.realpath(o.resume))
 
 
+def _first_start_note(o: TrainOptions) -> str:
+    """What a first start from a `--resume` folder without a checkpoint says; a run that saves nowhere would start
+    from step 0 again at every restart, so it is told how to make the same command continue."""
+    note = f"--resume {o.resume}: no checkpoint there yet; starting from step 0"
+    if not o.save:
+        note += (f" (warning: without --save this run writes no checkpoint, so the same command starts from step 0 "
+                 f"again: add --save {o.resume})")
+    return note
+
+
 def _check_save_folder(o: TrainOptions) -> None:
     """A run saves into a folder of its own: one that holds no checkpoint, or the one it resumes from."""
     if o.async_save and not o.save:
@@ -247,7 +257,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
         raise TensorparError("--resume and --init-from exclude each other")
     if o.resume and not is_checkpoint(o.resume) and _first_start(o):
         # One command serves the first start and every restart of a crash-restart loop.
-        notes.append(f"--resume {o.resume}: no checkpoint there yet; starting from step 0")
+        notes.append(_first_start_note(o))
         o = dataclasses.replace(o, resume=None)
     if o.resume and not os.path.exists(o.resume):  # a typo, unless it is where the run saves (above)
         raise TensorparError(f"checkpoint '{o.resume}' does not exist (a --resume folder not made yet starts the run "
