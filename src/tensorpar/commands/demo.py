@@ -14,8 +14,12 @@ from torch import nn
 from tensorpar.commands.common import launch
 from tensorpar.config.fields import add_options, options_from_args
 from tensorpar.config.options import DemoOptions
+from tensorpar.distributed.launch import world_size
 from tensorpar.distributed.mesh import init_mesh
 from tensorpar.errors import LayoutError
+from tensorpar.layout import resolve_dp
+from tensorpar.layout.problem import divisibility, require
+from tensorpar.layout.rules import sequence_parallel_problem
 from tensorpar.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -134,8 +138,18 @@ def run_rank(options: DemoOptions) -> int:
     return 0 if ok else 1
 
 
-def run(args, argv) -> int:
-    options = options_from_args(DemoOptions, args, "demo")
+def check_shapes(options: DemoOptions) -> None:
+    """Refuse a toy model that the TP size cannot split, before any rank starts (the layers would refuse it on
+    every rank): the MLP width over TP and, under sequence parallelism, the sequence."""
     if options.cp != 1:
         raise LayoutError(f"the demo shows tensor parallelism: --cp must be 1, got {options.cp}")
+    resolve_dp(world_size(options), options.tp, options.cp, options.pp, options.dp)  # the world first, as launch
+    require(divisibility(options.ffn or 4 * options.hidden, options.tp, "the toy MLP's width (--ffn)"))
+    if options.sequence_parallel:
+        require(sequence_parallel_problem(options.seq_len, options.tp))
+
+
+def run(args, argv) -> int:
+    options = options_from_args(DemoOptions, args, "demo")
+    check_shapes(options)
     return launch(options, argv, lambda: run_rank(options))
