@@ -112,9 +112,9 @@ def test_training_past_a_rotary_models_positions_is_said(tmp_path):
     path = tmp_path / "short.json"
     path.write_text(json.dumps({**cfg, "max_seq_len": 8}))
     past = validate(TrainOptions(model=str(path), **{**BASE, "seq_len": 16}), world_size=1)
-    assert past.notes == ("warning: --seq-len 16 is past the model's 8 positions (max_position_embeddings): rotary "
-                          "positions beyond 8 extrapolate; to extend the context, raise the model's max_seq_len (and "
-                          "its rope scaling) in its config",)
+    assert past.notes == ("warning: --seq-len 16 is past the model's 8 positions: rotary positions beyond 8 "
+                          "extrapolate; to extend the context, raise its max_position_embeddings (max_seq_len in a "
+                          "tensorpar config) and its rope scaling",)
     assert validate(TrainOptions(model=str(path), **{**BASE, "seq_len": 8}), world_size=1).notes == ()
 
 

@@ -235,9 +235,9 @@ def _positions_note(o: TrainOptions, cfg: ModelConfig) -> list[str]:
     model's own config) will still say the model takes only max_seq_len."""
     if cfg.position == "learned" or o.seq_len <= cfg.max_seq_len:
         return []
-    return [f"warning: --seq-len {o.seq_len} is past the model's {cfg.max_seq_len} positions (max_position_embeddings): "
-            f"rotary positions beyond {cfg.max_seq_len} extrapolate; to extend the context, raise the model's "
-            f"max_seq_len (and its rope scaling) in its config"]
+    return [f"warning: --seq-len {o.seq_len} is past the model's {cfg.max_seq_len} positions: rotary positions "
+            f"beyond {cfg.max_seq_len} extrapolate; to extend the context, raise its max_position_embeddings "
+            f"(max_seq_len in a tensorpar config) and its rope scaling"]
 
 
 def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
