@@ -58,11 +58,12 @@ def test_diagnose_names_the_rank_behind_and_the_collective_the_others_waited_in(
     records = {0: _record(0, 4, [dict(seq=6, **ar), dict(seq=7, state="failed", **ar)]),
                1: _record(1, 4, [dict(seq=6, **ar), dict(seq=7, state="failed", **ar)]),
                2: _record(2, 4, [dict(seq=6, **ar)], reason="stopped by SIGTERM")}
+    records[1]["reason"] = "rank 1: all_reduce #7 on group 'tp' timed out"  # a collective's error names its rank
     said = diagnose(records)
     assert said.startswith("Rank 3 left no flight record")
     assert ("Rank 0 (failed) and rank 1 (failed) waited in all_reduce #7 on group 'tp' (ranks [0, 1, 2]; 8 float32 "
             "elements); rank 2 never started it (its record of that group ends at #6).") in said
-    assert "rank 2: stopped by SIGTERM" in said
+    assert "rank 2: stopped by SIGTERM" in said and "; rank 1: all_reduce #7 on group 'tp' timed out;" in said
     assert mismatches(records) == []
 
 

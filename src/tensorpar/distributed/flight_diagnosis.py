@@ -119,9 +119,14 @@ def diagnose(records: dict[int, dict]) -> str:
                          .replace("it were", "it was"))
     findings = stuck(records) + mismatches(records)
     sentences += findings or ["Every recorded collective completed on every rank that wrote a record."]
-    reasons = "; ".join(f"rank {r}: {rec['reason']}" for r, rec in sorted(records.items()))
+    reasons = "; ".join(_reason(r, rec["reason"]) for r, rec in sorted(records.items()))
     sentences.append(f"The records were written because of: {reasons}.")
     return " ".join(sentences)
+
+
+def _reason(rank: int, reason: str) -> str:
+    """Why `rank` wrote its record, named once (a collective's error already starts with its rank)."""
+    return reason if reason.startswith((f"rank {rank}:", f"rank {rank} ")) else f"rank {rank}: {reason}"
 
 
 def _ranks(ranks: list[int]) -> str:
