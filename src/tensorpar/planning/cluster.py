@@ -73,7 +73,8 @@ class Cluster:
         if self.gpus_per_node < 1:
             problems.append(f"GPUs per node must be positive, got {self.gpus_per_node}")
         elif self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
-            problems.append(f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}")
+            problems.append(f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node} (plan --gpus-per-node "
+                            f"says how many a node has)")
         if self.mfu_ceiling is not None and not 0 < self.mfu_ceiling <= 1:
             problems.append(f"the MFU ceiling must be in (0, 1], got {self.mfu_ceiling}")
         if not 0 <= self.overlap <= 1:
