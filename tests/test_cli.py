@@ -110,7 +110,7 @@ def test_under_torchrun_the_demo_uses_the_launchers_processes():
          "multiples [15, 18]"),
         (["train", "--global-batch-size", "0"], "global batch size must be positive, got 0"),
         (["train", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1 (or left out: the global "
-                                               "batch / dp), got 0"),
+                                               "batch / dp, 1 with --pp > 1), got 0"),
         (["eval", "--checkpoint", "/no/such/dir", "--seq-len", "8"], "checkpoint '/no/such/dir' does not exist"),
         (["train", "--cp", "4", "--seq-len", "100"], "sequence length 100 is not divisible by 2 x cp = 8"),
         (["train", "--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "12"],
