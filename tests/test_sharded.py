@@ -105,6 +105,34 @@ def test_rotation_keeps_the_last_n_and_latest_points_to_the_newest(pools, config
     assert meta["step"] == 3 and meta["layout"]["tp"] == 2 and len(meta["files"]) == 2
 
 
+def synced_save(config_file, save):
+    """One save of a tp 2 run, recording what each rank flushed to disk (os.fsync's files, by name)."""
+    fsync, synced = os.fsync, []
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    os.fsync = record
+    try:
+        run(config_file, tp=2, steps=1, save=save)
+    finally:
+        os.fsync = fsync
+    return synced
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the names of open files from /proc")
+def test_a_save_is_on_disk_before_latest_names_it(pools, config_file, tmp_path):
+    """Every shard, meta.json and the folders' entries are flushed before `latest` moves (a power cut after it
+    leaves a whole checkpoint), and `latest` itself after it."""
+    save = str(tmp_path / "ck")
+    synced = pools(2).run(synced_save, config_file, save)
+    tmp = os.path.join(save, ".tmp-step-000001")
+    assert os.path.join(tmp, "model-tp01-pp00.safetensors") in synced[1]
+    assert synced[0] == [os.path.join(tmp, "model-tp00-pp00.safetensors"), os.path.join(tmp, "meta.json.part"), tmp,
+                         save, os.path.join(save, "latest.part"), save]
+
+
 def test_a_save_never_overwrites_a_complete_checkpoint(pools, config_file, tmp_path):
     save = str(tmp_path / "ckpt")
     pools(1).run(run, config_file, steps=2, save=save, save_every=1, keep_last=0)

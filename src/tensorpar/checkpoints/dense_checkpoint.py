@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from tensorpar.checkpoints.meta_checks import VERSION, sha256
-from tensorpar.checkpoints.sharded import FORMAT, shard_file_name, step_folder, write_atomic
+from tensorpar.checkpoints.sharded import FORMAT, fsync_path, shard_file_name, step_folder, write_atomic
 from tensorpar.data.tokenizer_files import copy_files
 from tensorpar.errors import TensorparError
 
@@ -35,6 +35,7 @@ def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step:
     path = os.path.join(tmp, file_name)
     try:  # a failed write (a full disk) leaves DST as it was, for the same command again
         save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
+        fsync_path(path)
         meta = {"format": FORMAT, "version": VERSION, "step": step, "optimizer_step": 0, "model": cfg.to_dict(),
                 "layout": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "virtual_stages": 1, "schedule": None,
                            "sequence_parallel": False},
@@ -45,8 +46,10 @@ def write_dense_checkpoint(root: str, cfg, state: dict[str, torch.Tensor], step:
                 "files": {file_name: {"bytes": os.path.getsize(path), "sha256": sha256(path), "tp_rank": 0,
                                       "pp_rank": 0}}}
         write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        fsync_path(tmp)
         os.replace(tmp, final)
         write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
+        fsync_path(root)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise TensorparError(f"writing the checkpoint '{root}' failed: {type(e).__name__}: {e}") from None

@@ -69,6 +69,7 @@ def _write_shard(tmp: str, file_name: str, params: dict, moments: dict, step: in
                 tensors[f"{kind}/{name}"] = value.contiguous().cpu()
     path = os.path.join(tmp, file_name)
     save_file(tensors, path, metadata={"format": FORMAT, "step": str(step)})
+    fsync_path(path)
     return {
         "file": file_name, "bytes": os.path.getsize(path), "sha256": sha256(path), **position,
         "tensors": {name: {"shape": list(dense_shape(p, shard_spec(p))), **_spec_dict(shard_spec(p))}
@@ -218,8 +219,11 @@ def _put_in_place(root: str, step: int, infos: list[dict], facts: dict, keep_las
     write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
     write_checkpoint_adapter(tmp, meta, CheckpointReader(tmp, meta).dense)  # a LoRA run's: tmp/adapter, PEFT's
     _move_aside(final)
+    fsync_path(tmp)  # the files' names, then the folder's, on disk before `latest` names it (a power cut)
     os.replace(tmp, final)
+    fsync_path(root)
     write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
+    fsync_path(root)
     rotate(root, keep_last, facts["run_id"], step)
 
 
@@ -252,6 +256,21 @@ def _spec_dict(spec: ShardSpec) -> dict:
     if spec.expert:
         out["group"] = "ep"  # split over the expert-parallel ranks (whose files are experts-ep*)
     return out
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file, or a folder's entries, to the disk (as torch.distributed.checkpoint's sync_files); a folder
+    where the system cannot open one (Windows) is left to the system."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if os.path.isdir(path):
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: str, text: str) -> None:
