@@ -9,7 +9,8 @@ precisions model tensorpar's own ZeRO exactly (`tensorpar.data_parallel.bucketed
 ZeRO-1/2 keep an fp32 master slice (4/dp bytes) even of fp32 parameters; ZeRO-1 keeps full
 gradient buckets plus the fp32 gradient slice; ZeRO-2 the slice plus the full buffers in flight
 (two adjacent buckets, one being filled and one being reduce-scattered, and one bucket's 1/dp
-result); ZeRO-3 the parameter shards and, as ``transient``, the gathered root (embedding,
+result; with several micro-batches a step also the last bucket of one beside the first of the
+next); ZeRO-3 the parameter shards and, as ``transient``, the gathered root (embedding,
 head, final norm: gathered for the whole step) and two blocks (the one computing and the
 prefetched one), gradient shards plus the root's full gradient and two blocks' in flight, and
 no separate master of fp32 parameters (the shard is what AdamW steps).
@@ -329,7 +330,7 @@ def stage_memory(cfg, layout: Candidate, seq_len: int, global_batch: int, precis
     summary = layout_summary(cfg, layout, stage, lora)
     n_layers = stage_layers(cfg, layout, stage if pp > 1 else None)[2]
     m = max(layout.num_micro_batches(global_batch), 1)
-    states = state_bytes(cfg, layout, summary, stage, prec, bucket_bytes, lora)
+    states = state_bytes(cfg, layout, summary, stage, prec, bucket_bytes, lora, m)
     opt_mem = states.optimizer
     chunks = in_flight(layout, m, stage if pp > 1 else 0)
     saved = _saved_bytes(cfg, layout, seq_len, m, chunks, stage, prec, summary, flash_attention, tp_overlap,

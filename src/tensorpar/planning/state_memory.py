@@ -64,11 +64,12 @@ def adamw_bytes(numel: int, tensors: int, precision: Precision, zero: int = 0, d
 
 
 def zero_gradients_in_flight(layout: Candidate, every: list[tuple[str, int, int]], prec: Precision,
-                             bucket_bytes: int, lora: LoraSpec | None = None) -> int:
+                             bucket_bytes: int, lora: LoraSpec | None = None, micro_batches: int = 1) -> int:
     """Bytes of tensorpar's full-size gradient buffers alive at once under ZeRO-2 (two adjacent buckets and one
-    bucket's reduce-scattered slice) or ZeRO-3 (the root's gradient, two blocks' dense units and one's slice, and
-    one block's routed experts, a unit of their own), of the trained parameters among `every` (the stage's
-    `layout_parameters`)."""
+    bucket's reduce-scattered slice; with several `micro_batches` a step, the last bucket of one micro-batch, still
+    in the queue, beside the first of the next) or ZeRO-3 (the root's gradient, two blocks' dense units and one's
+    slice, and one block's routed experts, a unit of their own), of the trained parameters among `every` (the
+    stage's `layout_parameters`)."""
     dp = layout.shards
     params = trained(every, lora)
     if layout.zero == 3:
@@ -85,8 +86,10 @@ def zero_gradients_in_flight(layout: Candidate, every: list[tuple[str, int, int]
     counts = bucket_sizes([n for _, n, _ in params], prec.param_bytes, bucket_bytes)
     sizes = [math.ceil(n / dp) * dp for n in counts]
     if lora is not None:
-        return 4 * _zero2_buffers_in_flight(params, gradient_arrival_order(every), counts, sizes, dp)
-    return 4 * (_adjacent_pair_max(sizes) + max(sizes) // dp)
+        return 4 * _zero2_buffers_in_flight(params, gradient_arrival_order(every), counts, sizes, dp, micro_batches)
+    # the queue frees a micro-batch's last bucket (the embedding's) when the next micro-batch hands over its first
+    pair = max(_adjacent_pair_max(sizes), sizes[-1] + sizes[0] if micro_batches > 1 else 0)
+    return 4 * (pair + max(sizes) // dp)
 
 
 def _adjacent_pair_max(sizes: list[int]) -> int:
@@ -95,29 +98,31 @@ def _adjacent_pair_max(sizes: list[int]) -> int:
 
 
 def _zero2_buffers_in_flight(params: list[tuple[str, int, int]], arrivals: list[str], counts: list[int],
-                             sizes: list[int], dp: int) -> int:
+                             sizes: list[int], dp: int, micro_batches: int = 1) -> int:
     """The most elements of ZeRO-2's full-size buffers (`sizes`, padded) alive at once when the gradients of
-    `params` arrive in the order `arrivals`: a bucket's buffer from its first gradient until the next bucket is handed
-    to the queue (which keeps one reduce-scatter, with its output slice, in flight). The buckets hold `counts`
-    elements of the parameters in reverse order (`bucket_sizes`)."""
-    bucket_of, left, index, filled = {}, [0] * len(counts), 0, 0
+    `params` arrive in the order `arrivals`, once per micro-batch: a bucket's buffer from its first gradient until the
+    next bucket is handed to the queue (which keeps one reduce-scatter, with its output slice, in flight, also into
+    the next micro-batch's backward). The buckets hold `counts` elements of the parameters in reverse order
+    (`bucket_sizes`)."""
+    bucket_of, total, index, filled = {}, [0] * len(counts), 0, 0
     for name, n, _ in reversed(params):
-        bucket_of[name], left[index], filled = index, left[index] + 1, filled + n
+        bucket_of[name], total[index], filled = index, total[index] + 1, filled + n
         if filled == counts[index] and index + 1 < len(counts):
             index, filled = index + 1, 0
     open_elements, in_flight, peak = 0, 0, 0
-    opened = set()
-    for name in arrivals:
-        b = bucket_of[name]
-        if b not in opened:
-            opened.add(b)
-            open_elements += sizes[b]
-            peak = max(peak, open_elements + in_flight)
-        left[b] -= 1
-        if left[b] == 0:  # handed to the queue: the previous one completes and is freed first
-            open_elements -= sizes[b]
-            in_flight = sizes[b] + sizes[b] // dp
-            peak = max(peak, open_elements + in_flight)
+    for _ in range(min(micro_batches, 2)):  # the second micro-batch starts with the first one's last bucket in flight
+        opened, left = set(), list(total)
+        for name in arrivals:
+            b = bucket_of[name]
+            if b not in opened:
+                opened.add(b)
+                open_elements += sizes[b]
+                peak = max(peak, open_elements + in_flight)
+            left[b] -= 1
+            if left[b] == 0:  # handed to the queue: the previous one completes and is freed first
+                open_elements -= sizes[b]
+                in_flight = sizes[b] + sizes[b] // dp
+                peak = max(peak, open_elements + in_flight)
     return peak
 
 
@@ -135,10 +140,10 @@ def _gradient_bytes(numel: int, shards: int, zero: int, prec: Precision) -> int:
 
 
 def state_bytes(cfg, layout: Candidate, summary: ParamSummary, stage: int, prec: Precision,
-                bucket_bytes: int, lora: LoraSpec | None = None) -> StateBytes:
+                bucket_bytes: int, lora: LoraSpec | None = None, micro_batches: int = 1) -> StateBytes:
     """The state bytes of one rank of `stage` holding `summary`'s parameters: ZeRO shards over every replica of the
     parameters (DP x CP; HSDP: one replica's ranks), routed experts over expert-DP; `lora`: the adapters alone
-    train."""
+    train; `micro_batches`: each rank's per step."""
     dp, edp = layout.shards, layout.expert_dp
     zero = layout.zero if dp > 1 else 0
     pb = prec.param_bytes
@@ -153,7 +158,11 @@ def state_bytes(cfg, layout: Candidate, summary: ParamSummary, stage: int, prec:
     in_flight = zero >= 2 and prec.zero_buffers_in_flight
     every = layout_parameters(cfg, layout, stage if layout.pp > 1 else 0, lora) if in_flight or zero == 3 else []
     if in_flight:
-        grad_mem += zero_gradients_in_flight(layout, every, prec, bucket_bytes, lora)
+        # a tied embedding split over the pipeline's ends is reduce-scattered once a step, in finish_backward: its
+        # bucket (the stage's last) is never left in the queue from one micro-batch to the next
+        tied = layout.pp > 1 and (cfg.tie_embeddings or cfg.num_mtp_layers > 0) and any(
+            name == "embed.weight" for name, _, _ in trained(every, lora))
+        grad_mem += zero_gradients_in_flight(layout, every, prec, bucket_bytes, lora, 1 if tied else micro_batches)
     if zero == 3:  # parameters sharded like their gradients: routed experts over expert-DP, the rest over DP x CP
         param_mem = math.ceil(pb * dense / dp) + math.ceil(pb * expert / edp)
         frozen_mem = math.ceil(pb * frozen_dense / dp) + math.ceil(pb * frozen_expert / edp)
