@@ -172,6 +172,13 @@ def test_export_refuses_what_mixtral_and_qwen2_moe_cannot_hold():
     assert config_to_hf(mixtral)["architectures"] == ["MixtralForCausalLM"]
     with pytest.raises(TensorparError, match="MixtralForCausalLM.*capacity_factor=1.25.*norm_topk_prob=False"):
         check_representable(mixtral.replace(capacity_factor=1.25, norm_topk_prob=False))
+    # DeepSeek-V3's dense first layers and routed scaling: transformers would compute another model from the folder
+    qwen = get_config("qwen-moe-a2.7b")
+    for cfg in (mixtral, qwen, get_config("qwen3-30b-a3b")):
+        with pytest.raises(TensorparError, match="first_k_dense_replace=1 \\(needs 0\\)"):
+            check_representable(cfg.replace(first_k_dense_replace=1))
+        with pytest.raises(TensorparError, match="routed_scaling_factor=2.5 \\(needs 1.0\\)"):
+            check_representable(cfg.replace(routed_scaling_factor=2.5))
 
 
 # -- layouts ------------------------------------------------------------------------------------

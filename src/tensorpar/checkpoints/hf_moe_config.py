@@ -111,7 +111,8 @@ def moe_architecture(cfg: ModelConfig) -> str:
 
 def moe_export_problems(cfg: ModelConfig) -> list[str]:
     """'field=value (needs ...)' for each field `cfg` would have to change to export as `moe_architecture(cfg)`."""
-    wanted = dict(router_score="softmax", capacity_factor=None)
+    # dense first layers and scaled routing weights are DeepSeek-V3's; these architectures have neither
+    wanted = dict(router_score="softmax", capacity_factor=None, first_k_dense_replace=0, routed_scaling_factor=1.0)
     arch = moe_architecture(cfg)
     if arch == "mixtral":
         wanted.update(bias=False, qkv_bias_effective=False, norm_topk_prob=True, moe_layer_freq=1, mlp_only_layers=())
@@ -122,7 +123,8 @@ def moe_export_problems(cfg: ModelConfig) -> list[str]:
     actual = dict(bias=cfg.bias, router_score=cfg.router_score, capacity_factor=cfg.capacity_factor,
                   qkv_bias_effective=cfg.attention_qkv_bias, norm_topk_prob=cfg.norm_topk_prob,
                   moe_layer_freq=cfg.moe_layer_freq, shared_expert_gate=cfg.shared_expert_gate,
-                  mlp_only_layers=cfg.mlp_only_layers, num_shared_experts=cfg.num_shared_experts)
+                  mlp_only_layers=cfg.mlp_only_layers, num_shared_experts=cfg.num_shared_experts,
+                  first_k_dense_replace=cfg.first_k_dense_replace, routed_scaling_factor=cfg.routed_scaling_factor)
     names = {"qkv_bias_effective": "qkv_bias"}
     return [f"{names.get(k, k)}={actual[k]!r} (needs {v!r})" for k, v in wanted.items() if actual[k] != v]
 
