@@ -135,6 +135,10 @@ def test_fields_tensorpar_cannot_honour_are_refused():
             config_from_hf(hf)
     with pytest.raises(TensorparError, match="DeepseekV3ForCausalLM.*expert_bias=False"):
         config_to_hf(get_config("tiny-deepseek").replace(expert_bias=False, bias_update_speed=0.0))
+    latent_llama = get_config("tiny").replace(num_kv_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8,
+                                              qk_rope_head_dim=8, v_head_dim=16)  # no LlamaForCausalLM tensor names
+    with pytest.raises(TensorparError, match="LlamaForCausalLM.*kv_lora_rank=16"):
+        config_to_hf(latent_llama)
 
 
 # -- eval, generate and the latent cache ----------------------------------------------------------

@@ -210,6 +210,8 @@ def decoder_export_problems(cfg: ModelConfig) -> list[str]:
     fam = family_of(cfg)
     wanted = {**DECODER, **fam.fixed}
     bad = [f"{k}={getattr(cfg, k)!r} (needs {v!r})" for k, v in wanted.items() if getattr(cfg, k) != v]
+    if cfg.is_mla:
+        bad.append(f"kv_lora_rank={cfg.kv_lora_rank!r} (needs None: latent attention exports as deepseek_v3)")
     if cfg.activation not in fam.activations.values():
         bad.append(f"activation={cfg.activation!r} (needs one of {sorted(set(fam.activations.values()))})")
     qkv, o, mlp = cfg.attention_qkv_bias, cfg.bias, cfg.mlp_has_bias
