@@ -210,3 +210,12 @@ def test_bad_adapters_and_flags_are_refused(cli, config_file, lora_run, hf_base,
     with pytest.raises(TensorparError, match="LoRA on phi3's fused projections .--lora-targets q,k,v,gate,up."):
         check_lora_model(phi3, LoraSpec(4, 8.0))
     check_lora_model(phi3, LoraSpec(4, 8.0, ("o", "down")))
+
+
+def test_lora_on_glm_4_5_is_refused_in_one_line():
+    """GLM-4.5's attention is grouped-query, not latent: it passed the latent-attention check, then failed with a
+    KeyError looking up its family's PEFT names."""
+    with pytest.raises(TensorparError, match="LoRA on GLM-4.5 .glm4_moe. is not supported"):
+        check_lora_model(get_config("glm-4.5-air"), LoraSpec(4, 8.0, ("q", "k", "v", "o")))
+    with pytest.raises(TensorparError, match="LoRA on latent attention"):
+        check_lora_model(get_config("tiny-deepseek"), LoraSpec(4, 8.0, ("q", "k", "v", "o")))

@@ -56,6 +56,9 @@ def check_lora_model(cfg: ModelConfig, spec: LoraSpec) -> None:
     if cfg.is_mla:
         raise TensorparError("LoRA on latent attention (DeepSeek-V3, GLM-4.5: q_a_proj, kv_a_proj_with_mqa, ...) is "
                              "not supported: tensorpar's adapters sit on q/k/v/o and gate/up/down linears")
+    if cfg.family == "glm4_moe":
+        raise TensorparError("LoRA on GLM-4.5 (glm4_moe) is not supported: tensorpar writes and reads PEFT adapters "
+                             "for the Llama-style families (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo 2, their MoEs)")
     fused = [t for t in spec.targets if t in ("q", "k", "v", "gate", "up")]
     if family_of(cfg).fused and fused:
         raise TensorparError(f"LoRA on {cfg.family}'s fused projections (--lora-targets {','.join(fused)}): PEFT adapts "
