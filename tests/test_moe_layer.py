@@ -147,6 +147,23 @@ def test_a_moe_model_runs_under_bf16_autocast():
     assert abs(got - ref) <= 0.02 * ref
 
 
+def test_sigmoid_routing_stays_fp32_under_bf16_autocast():
+    """DeepSeek-V3 / GLM-4.5 routing (sigmoid scores, the balancing bias) in bf16 evaluation chooses the experts fp32
+    does, as transformers' router (kept in fp32) does; bf16 logits chose others for some tokens."""
+    from tensorpar.config.precision import Precision
+
+    cfg = get_config("tiny-deepseek")
+    router = _layer(cfg, seed=5).router
+    with torch.no_grad():
+        router.expert_bias.normal_(0, 0.05)
+        x = torch.randn(512, cfg.hidden_size)
+        ref = router(x)
+        with Precision("bf16", training=False).autocast(torch.device("cpu")):
+            got = router(x)
+    assert torch.equal(got.logits, ref.logits) and torch.equal(got.experts, ref.experts)
+    assert torch.equal(got.weights, ref.weights)
+
+
 def test_full_recomputation_counts_the_routing_statistics_once():
     ids = torch.randint(0, CFG.vocab_size, (2, 9))
     counts = {}

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar.distributed.sharding import ShardSpec, tag
+from tensorpar.functional.autocast import without_autocast
 from tensorpar.tensor_parallel.region import as_region
 
 
@@ -78,8 +79,19 @@ class TopKRouter(nn.Module):
             choice = grouped.masked_fill(~allowed[..., None], float("-inf")).view(n, -1)
         return choice.topk(self.k, dim=-1).indices
 
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[n, E] fp32. Sigmoid routing computes them in the weight's dtype without autocast (fp32 in eval, generate
+        and serve under bf16 autocast), as DeepSeek-V3 keeps its gating and transformers its DeepSeek-V3 / GLM-4.5
+        router in fp32: bf16 logits change the experts chosen with the balancing bias (3.6% of DeepSeek-V3's
+        tokens on random inputs)."""
+        summed = self.tp_group.size > 1
+        if self.score != "sigmoid":
+            return self.region.linear(tokens, self.weight, summed=summed).float()
+        with without_autocast(tokens.device.type):
+            return self.region.linear(tokens.to(self.weight.dtype), self.weight, summed=summed).float()
+
     def forward(self, tokens: torch.Tensor) -> Routing:
-        logits = self.region.linear(tokens, self.weight, summed=self.tp_group.size > 1).float()
+        logits = self._logits(tokens)
         if self.score == "softmax":
             probs = logits.softmax(-1)
             weights, experts = probs.topk(self.k, dim=-1)
