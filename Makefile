@@ -19,8 +19,8 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m tensorpar train --tp 2 --steps 600 --sample-tokens 200
 
-# Chat fine-tuning on CPU (under a minute on 2 cores): 400 conversations asking for sums, a ChatML tokenizer folder, the loss on
-# the assistant's turns only, WSD and Muon at TP=2; the greedy sample answers a question in the chat format.
+# Chat fine-tuning on CPU (under a minute on 2 cores): 400 conversations asking for sums, a ChatML tokenizer folder,
+# the loss on the assistant's turns only, WSD and Muon at TP=2; the greedy sample answers a question in the chat format.
 demo-finetune: $(STAMP)
 	$(PY) examples/finetune/make_chat_example.py runs/chat-example
 	$(PY) -m tensorpar train --model runs/chat-example/model.json --tokenizer runs/chat-example/tokenizer \
@@ -28,10 +28,10 @@ demo-finetune: $(STAMP)
 		--lr-schedule wsd --optimizer muon --out-dir runs/chat-example/run --sample-tokens 12 \
 		--sample-prompt "What is 3 plus 4?"
 
-# LoRA on CPU (about a minute on 2 cores): the chat model of demo-finetune trained on sums answered in digits ("3 plus 4 is 7."),
-# then a rank-8 LoRA adapter at TP=2 + SP teaching it to answer in words ("3 plus 4 is seven.") with the base frozen;
-# each checkpoint holds a PEFT adapter folder (runs/lora-example/lora/step-000060/adapter), merged into a Hugging Face
-# model at the end.
+# LoRA on CPU (about a minute on 2 cores): the chat model of demo-finetune trained on sums answered in digits
+# ("3 plus 4 is 7."), then a rank-8 LoRA adapter at TP=2 + SP teaching it to answer in words ("3 plus 4 is seven.")
+# with the base frozen; each checkpoint holds a PEFT adapter folder (runs/lora-example/lora/step-000060/adapter),
+# merged into a Hugging Face model at the end.
 demo-lora: $(STAMP)
 	$(PY) examples/finetune/make_chat_example.py runs/lora-example
 	rm -rf runs/lora-example/base runs/lora-example/lora runs/lora-example/merged
