@@ -38,6 +38,22 @@ def expected_scalars(out_dir) -> dict[int, dict[str, float]]:
     return out
 
 
+def test_a_resumed_run_continues_the_metrics_file_from_its_checkpoint(tmp_path):
+    """Resumed at step 2: steps 1-2 kept, the abandoned branch's step 3 and a line a kill cut short dropped."""
+    from tensorpar.training.metrics import MetricsWriter
+
+    path = str(tmp_path / "metrics.jsonl")
+    with open(path, "w") as f:
+        f.write('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
+    writer = MetricsWriter(path, resumed_at=2)
+    writer.write({"step": 3, "loss": 3.5})
+    writer.close()
+    with open(path) as f:
+        assert [(r["step"], r["loss"]) for r in map(json.loads, f)] == [(1, 5.0), (2, 4.0), (3, 3.5)]
+    MetricsWriter(path).close()  # a new run starts afresh
+    assert os.path.getsize(path) == 0
+
+
 def test_tensorboard_holds_every_metric_of_every_step(pools, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

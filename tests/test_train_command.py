@@ -47,7 +47,8 @@ def test_config_file_flags_override_resolved_config_and_resume(pools, tmp_path, 
     assert len(note) == 1 and "tp 2 -> 1" in note[0] and "steps 2 -> 3" in note[0] and "lr 0.01 -> 0.02" in note[0]
     assert "resume" not in note[0].split("saved:")[1] and "val_fraction" not in note[0]
     assert "warning: resuming with val_fraction 0.05 -> 0.1: the samples (and the continued losses) will differ" in err
-    assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [3]
+    # The resumed run continues the metrics of the steps before its checkpoint: none lost, none twice.
+    assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_unknown_config_key_is_one_line_naming_the_key(tmp_path, cli):

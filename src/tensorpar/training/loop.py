@@ -174,7 +174,7 @@ class LoopResult:
 def step_loop(s: Session) -> LoopResult:
     """Run the steps from the start (or resumed) step to `steps` (or `stop_after`), or until a stop signal."""
     o, mesh = s.options, s.mesh
-    sinks = open_sinks(o, to_dict(o)) if s.is_main else []
+    sinks = open_sinks(o, to_dict(o), s.start_step) if s.is_main else []
     progress = None
     if s.is_main and o.progress:
         progress = tqdm(total=o.steps, initial=s.start_step, unit="step", dynamic_ncols=True,

@@ -79,12 +79,12 @@ class WandbSink:
         self.run.finish(exit_code=1 if failed else 0)
 
 
-def open_sinks(options, config: dict) -> list:
-    """The sinks the options ask for (rank 0 only): metrics.jsonl, TensorBoard, W&B (given `config`, the resolved
-    options)."""
+def open_sinks(options, config: dict, resumed_at: int = 0) -> list:
+    """The sinks the options ask for (rank 0 only): metrics.jsonl (continued from step `resumed_at` by a resumed run),
+    TensorBoard, W&B (given `config`, the resolved options)."""
     sinks = []
     if options.metrics:
-        sinks.append(MetricsWriter(options.metrics))
+        sinks.append(MetricsWriter(options.metrics, resumed_at))
     if options.tensorboard:
         sinks.append(TensorBoardSink(options.tensorboard))
     if options.wandb:

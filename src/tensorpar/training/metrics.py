@@ -9,14 +9,19 @@ import sys
 
 class MetricsWriter:
     """Appends JSON lines to `path` (or does nothing when path is None): the metrics.jsonl sink
-    (tensorpar.training.metric_sinks)."""
+    (tensorpar.training.metric_sinks). A run resumed at step `resumed_at` keeps the file's records of steps 1 to
+    `resumed_at` and continues it; a new run starts it afresh."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, resumed_at: int = 0):
         self.path = path
         self._file = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "w")
+            if resumed_at:  # replaced whole, so that a kill now leaves the old file or the kept records
+                with open(path + ".tmp", "w") as f:
+                    f.writelines(_records_until(path, resumed_at))
+                os.replace(path + ".tmp", path)
+            self._file = open(path, "a" if resumed_at else "w")
 
     def write(self, record: dict) -> None:
         if self._file:
@@ -27,6 +32,25 @@ class MetricsWriter:
         if self._file:
             self._file.close()
             self._file = None
+
+
+def _records_until(path: str, step: int) -> list[str]:
+    """The lines of the metrics file `path` (none if absent) whose records are of steps up to `step`: those a resumed
+    run continues from, without the steps of a branch past its checkpoint or a line a killed run left half written."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 def draw_or_warn(what: str, draw, *args) -> str | None:
