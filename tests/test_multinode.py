@@ -130,3 +130,24 @@ def test_a_faked_slurm_step_of_2_nodes_x_2_tasks_trains_as_one_node_and_saves_on
     assert f"stopped by SIGTERM after step {len(records)} of {STEPS}" in results[0][1]
     assert read_meta(str(save))[1]["step"] == len(records)
     assert_same_losses(records, pools(4).run(one_node_losses, config_file, len(records))[0])
+
+
+def test_a_world_without_a_usable_rendezvous_fails_in_one_line(config_file, tmp_path):
+    """RANK and WORLD_SIZE set by hand without MASTER_ADDR / MASTER_PORT, or rank 0's port held by another process:
+    the rank says so in one line (no traceback) and exits 2 at once."""
+    import socket
+
+    cmd = [sys.executable, "-m", "tensorpar", "train", "--model", config_file, "--out-dir", str(tmp_path),
+           "--steps", "1", *COMMON[4:]]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    base.update(OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for extra, says in (({}, "needs MASTER_ADDR and MASTER_PORT"),
+                            ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                             f"cannot host the rendezvous at MASTER_ADDR 127.0.0.1 MASTER_PORT {port}")):
+            proc = subprocess.run(cmd, env={**base, **extra}, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2, proc.stderr
+            assert "Traceback" not in proc.stderr and says in proc.stderr.strip().splitlines()[-1], proc.stderr

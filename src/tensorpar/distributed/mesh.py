@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from tensorpar.distributed.comm import CommStats, Group
 from tensorpar.distributed.nodes import NodeLayout
-from tensorpar.errors import LayoutError
+from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layout import ParallelLayout, require, resolve_dp
 from tensorpar.layout.rules import fold_problem, hsdp_problem
 
@@ -359,11 +359,31 @@ def _init_world(world: int, rank: int, device: torch.device, backend: str | None
         if backend == "nccl":  # PyTorch's own NCCL flight recorder beside tensorpar's, dumped on a timeout
             os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+        _rendezvous(backend, rank, world, timeout)
         return backend, True
     if dist.is_initialized():
         backend = backend or dist.get_backend()
     return backend, False
+
+
+def _rendezvous(backend: str, rank: int, world: int, timeout: timedelta) -> None:
+    """init_process_group through the launcher's MASTER_ADDR / MASTER_PORT (env://), its failures in one line: an
+    unset variable, rank 0's port taken by another process, rank 0's store unreachable."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise TensorparError(f"a world of {world} processes (RANK, WORLD_SIZE set) needs {' and '.join(missing)}: the "
+                             f"host and port of rank 0's rendezvous, as torchrun sets them")
+    where = f"MASTER_ADDR {os.environ['MASTER_ADDR']} MASTER_PORT {os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+    except (dist.DistNetworkError, dist.DistStoreError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "EADDRINUSE" in reason or "address already in use" in reason:
+            way = ("another process took the port the launcher chose: run the command again"
+                   if os.environ.get("TENSORPAR_SPAWNED") else "set MASTER_PORT to a free one")
+            raise TensorparError(f"cannot host the rendezvous at {where}: another process listens on the "
+                                 f"port; {way} ({reason})") from None
+        raise TensorparError(f"the rendezvous at {where} failed: {reason}") from None
 
 
 def _create_groups(ranks_by_name: dict[str, list[list[int]]], rank: int, world: int, stats: CommStats,
