@@ -67,6 +67,23 @@ def test_diagnose_names_the_rank_behind_and_the_collective_the_others_waited_in(
     assert mismatches(records) == []
 
 
+def test_diagnose_leaves_out_a_record_an_earlier_run_left_in_the_folder():
+    """A run stopped (every rank writes), then resumed into the same OUT_DIR, where rank 1 hangs: rank 1's file is the
+    stopped run's, written before this run started; it is left out and rank 1 named as having left none."""
+    ar = dict(op="all_reduce", elements=8)
+    old = _record(1, 2, [dict(seq=s, ranks=[0, 1], **ar) for s in range(1, 40)], reason="stopped by SIGTERM")
+    new = _record(0, 2, [dict(seq=1, ranks=[0, 1], **ar), dict(seq=2, ranks=[0, 1], state="failed", **ar)])
+    old.update(started=100.0, time=160.0)
+    new.update(started=200.0, time=230.0)
+    said = diagnose({0: new, 1: old})
+    assert said.startswith("Rank 1 left no flight record")
+    assert "waited in all_reduce #2 on group 'tp' (ranks [0, 1]; 8 float32 elements); rank 1 left no record." in said
+    assert "Left out: the record of rank 1, written before the newest run's ranks started" in said
+    assert "disagree" not in said and "never started" not in said
+    old.update(world_size=4)  # an earlier run at another world size: only this run's ranks can be missing
+    assert diagnose({0: new, 1: old}).startswith("Rank 1 left no flight record")
+
+
 def test_diagnose_names_a_mismatched_collective():
     """Rank 1 skipped an all-reduce: its #4 on the group is the all-gather the others ran as #5."""
     records = {0: _record(0, 2, [dict(seq=3, op="all_reduce", elements=8), dict(seq=4, op="all_reduce", elements=8)]),

@@ -109,6 +109,8 @@ def stuck(records: dict[int, dict]) -> list[str]:
 def diagnose(records: dict[int, dict]) -> str:
     """One paragraph: the ranks without a record, the collectives ranks waited in and who was behind, the
     mismatched collectives, and why each rank wrote its record."""
+    stale = earlier_records(records)
+    records = {r: rec for r, rec in records.items() if r not in stale}
     world = max(r["world_size"] for r in records.values())
     missing = [r for r in range(world) if r not in records]
     sentences = []
@@ -119,9 +121,20 @@ def diagnose(records: dict[int, dict]) -> str:
                          .replace("it were", "it was"))
     findings = stuck(records) + mismatches(records)
     sentences += findings or ["Every recorded collective completed on every rank that wrote a record."]
+    if stale:
+        sentences.append(f"Left out: the record{'s' if len(stale) > 1 else ''} of {_ranks(stale).lower()}, written "
+                         f"before the newest run's ranks started (an earlier run's, in the same folder).")
     reasons = "; ".join(_reason(r, rec["reason"]) for r, rec in sorted(records.items()))
     sentences.append(f"The records were written because of: {reasons}.")
     return " ".join(sentences)
+
+
+def earlier_records(records: dict[int, dict]) -> list[int]:
+    """The ranks whose record an earlier run left in the folder: written before the newest record's run started
+    (each recorder notes when it was made, before the rendezvous, so every record of a run is written after every
+    one of its ranks started). Records without that time are taken as current."""
+    began = max(rec.get("started", 0.0) for rec in records.values())
+    return sorted(r for r, rec in records.items() if rec.get("time", began) < began)
 
 
 def _reason(rank: int, reason: str) -> str:

@@ -32,6 +32,7 @@ class FlightRecorder:
         self.sequence: dict[str, int] = collections.defaultdict(int)
         self.folder: str | None = None
         self.rank, self.world_size = 0, 1
+        self.started = time.time()  # before the rendezvous: every rank of a run writes its record after this
 
     def start(self, group: str, ranks: list[int], op: str, elements: int, dtype: str) -> dict:
         """Enter a collective that is starting; returns its entry (to `end`)."""
@@ -54,7 +55,7 @@ class FlightRecorder:
         os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"rank{self.rank}.json")
         record = {"format": FORMAT, "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                  "reason": reason, "time": time.time(), "entries": list(self.entries)}
+                  "started": self.started, "reason": reason, "time": time.time(), "entries": list(self.entries)}
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(record, f)
