@@ -74,6 +74,26 @@ def test_tensorboard_holds_every_metric_of_every_step(pools, tmp_path):
             assert logged[step][name] == np.float32(value), (step, name, logged[step][name], value)
 
 
+def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
+    """Steps 1-4 logged, then a run resumed at step 2 logs 3 again: TensorBoard shows the resumed run's step 3 only."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tensorpar.training.metric_sinks import TensorBoardSink
+
+    folder = str(tmp_path / "tb")
+    first = TensorBoardSink(folder)
+    for step in range(1, 5):
+        first.write({"step": step, "loss": float(10 - step)})
+    first.close()
+    resumed = TensorBoardSink(folder, resumed_at=2)
+    resumed.write({"step": 3, "loss": 0.5})
+    resumed.close()
+    events = EventAccumulator(folder)
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 9.0), (2, 8.0), (3, 0.5)]
+
+
 def test_tensorboard_shows_each_step_as_soon_as_it_is_written(tmp_path):
     """What a live `tensorboard --logdir` reads: the step is on disk before the writer is closed."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

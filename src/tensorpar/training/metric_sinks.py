@@ -43,12 +43,14 @@ def scalars(record: dict, prefix: str = "") -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """TensorBoard event files in `folder`, flushed every step so that a running `tensorboard --logdir` shows it."""
+    """TensorBoard event files in `folder`, flushed every step so that a running `tensorboard --logdir` shows it. A run
+    resumed at step `resumed_at` hides the steps after it that `folder` already holds (an abandoned branch's, or a
+    killed run's after its checkpoint), as TensorBoard's purge_step does, so that no step is shown twice."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, resumed_at: int = 0):
         from torch.utils.tensorboard import SummaryWriter  # the optional tensorboard package, checked at validation
 
-        self.writer = SummaryWriter(folder)
+        self.writer = SummaryWriter(folder, purge_step=resumed_at + 1 if resumed_at else None)
 
     def write(self, record: dict) -> None:
         for name, value in scalars(record).items():
@@ -80,13 +82,13 @@ class WandbSink:
 
 
 def open_sinks(options, config: dict, resumed_at: int = 0) -> list:
-    """The sinks the options ask for (rank 0 only): metrics.jsonl (continued from step `resumed_at` by a resumed run),
-    TensorBoard, W&B (given `config`, the resolved options)."""
+    """The sinks the options ask for (rank 0 only): metrics.jsonl and TensorBoard (continued from step `resumed_at` by
+    a resumed run), W&B (given `config`, the resolved options)."""
     sinks = []
     if options.metrics:
         sinks.append(MetricsWriter(options.metrics, resumed_at))
     if options.tensorboard:
-        sinks.append(TensorBoardSink(options.tensorboard))
+        sinks.append(TensorBoardSink(options.tensorboard, resumed_at))
     if options.wandb:
         sinks.append(WandbSink(options.wandb, options.wandb_run, config, options.out_dir))
     return sinks
