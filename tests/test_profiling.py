@@ -46,3 +46,28 @@ def test_profile_options_are_checked():
         train(TrainOptions(model="tiny", steps=3, profile_steps="2:3"))
     with pytest.raises(TensorparError, match="the ranks of this run are 0 to 0"):
         train(TrainOptions(model="tiny", steps=3, profile_steps="2:3", profile_ranks="0,5", out_dir="x"))
+
+
+def test_a_resumed_run_profiles_the_steps_of_the_range_it_trains(tmp_path):
+    """Resumed at step 4 with --profile-steps 3:5: step 5 is traced (the range's first step is never run); a range
+    wholly before the resumed step is named in a warning, as no trace is written."""
+    import types
+
+    import torch
+
+    from tensorpar.distributed.comm import CommStats
+    from tensorpar.training.profiling import StepProfiler, resumed_past_profile_note
+
+    options = types.SimpleNamespace(profile_steps="3:5", profile_ranks=None, steps=6, out_dir=str(tmp_path))
+    mesh = types.SimpleNamespace(rank=0, world_size=1, stats=CommStats(), device=torch.device("cpu"))
+    profiler = StepProfiler(options, mesh)
+    for step in range(4, 6):  # 0-based: 1-based steps 5 and 6
+        profiler.begin(step)
+        torch.ones(4) @ torch.ones(4)
+        profiler.end(step)
+    assert (tmp_path / "profile" / "rank0.json.gz").exists() and profiler._profile is None
+    assert resumed_past_profile_note(options, {"step": 4}) == []
+    assert resumed_past_profile_note(options, None) == []
+    note = resumed_past_profile_note(options, {"step": 5})
+    assert note == ["warning: --profile-steps 3:5 ends before step 6, where this resumed run starts: no profile is "
+                    "written"]

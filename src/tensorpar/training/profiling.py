@@ -27,6 +27,16 @@ def parse_profile_steps(spec: str | None, steps: int) -> tuple[int, int] | None:
     return first, last
 
 
+def resumed_past_profile_note(options, resume_meta: dict | None) -> list[str]:
+    """A note when --profile-steps lies wholly before the step a run resumes at (no trace is written), else none."""
+    profile = parse_profile_steps(options.profile_steps, options.steps)
+    resumed_at = (resume_meta or {}).get("step", 0)
+    if profile is None or profile[1] > resumed_at:
+        return []
+    return [f"warning: --profile-steps {options.profile_steps} ends before step {resumed_at + 1}, where this resumed "
+            f"run starts: no profile is written"]
+
+
 def parse_profile_ranks(spec: str | None, world: int) -> list[int] | None:
     """'0,1' -> [0, 1] (each below the world size); None for every rank."""
     if spec is None:
@@ -53,7 +63,8 @@ class StepProfiler:
         self.stats, self.device, self._profile = mesh.stats, mesh.device, None
 
     def begin(self, step: int) -> None:
-        if self.active and step == self.first:
+        """Before 0-based `step`: start at the range's first step, or at the first one a resumed run trains."""
+        if self.active and self._profile is None and self.first <= step <= self.last:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)

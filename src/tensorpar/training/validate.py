@@ -39,7 +39,7 @@ from tensorpar.tensor_parallel.lora import LoraSpec
 from tensorpar.training.adapters import lora_spec
 from tensorpar.training.instruction_data import check_instruction_data
 from tensorpar.training.metric_sinks import check_sink_packages
-from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps
+from tensorpar.training.profiling import parse_profile_ranks, parse_profile_steps, resumed_past_profile_note
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +288,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
     layout.check(cfg, seq_len=o.seq_len, global_batch=o.global_batch_size, micro_batch_size=micro,
                  fp8=precision.fp8)
     check_fp8(o.dtype, o.device)
-    notes += _positions_note(o, cfg)
+    notes += _positions_note(o, cfg) + resumed_past_profile_note(o, resume_meta)
     applicability.check("train", o, cfg=cfg)  # the options that act beside others, or on some models only
     tokenizer = run_tokenizer(o)
     _check_document_mask(o, tokenizer, cfg)
