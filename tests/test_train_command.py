@@ -76,6 +76,22 @@ def test_a_pipeline_run_exits_0_and_draws_its_timeline_or_warns(pools, tmp_path,
     assert "pipeline bubble (measured, last step)" in stdout
 
 
+def test_a_resumed_run_draws_the_loss_curve_of_every_step_so_far(tmp_path):
+    """Resumed at step 2 (the file holds an abandoned step 3 too): the curve is steps 1-2 from metrics.jsonl, then
+    the resumed run's own."""
+    import types
+
+    from tensorpar.training.summary import _whole_run
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": n, "loss": 9.0 - n}) + "\n" for n in (1, 2, 3)))
+    session = types.SimpleNamespace(start_step=2, options=types.SimpleNamespace(metrics=str(path)))
+    ran = [{"step": 3, "loss": 0.5}, {"step": 4, "loss": 0.25}]
+    assert [(r["step"], r["loss"]) for r in _whole_run(session, ran)] == [(1, 8.0), (2, 7.0), (3, 0.5), (4, 0.25)]
+    session.start_step = 0
+    assert _whole_run(session, ran) == ran
+
+
 @pytest.mark.parametrize("given, out_dir", [(dict(model="tiny"), "runs/tiny-tp2"),
                                              (dict(init_from="models/Qwen2.5-0.5B-Instruct/"),
                                               "runs/Qwen2.5-0.5B-Instruct-tp2"),

@@ -34,23 +34,28 @@ class MetricsWriter:
             self._file = None
 
 
-def _records_until(path: str, step: int) -> list[str]:
-    """The lines of the metrics file `path` (none if absent) whose records are of steps up to `step`: those a resumed
-    run continues from, without the steps of a branch past its checkpoint or a line a killed run left half written."""
+def read_records(path: str) -> list[dict]:
+    """The step records of the metrics file `path` (none if absent), without a line a killed run left half written."""
     try:
         with open(path) as f:
             lines = f.readlines()
     except OSError:
         return []
-    kept = []
+    records = []
     for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-    return kept
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def _records_until(path: str, step: int) -> list[str]:
+    """The lines of the metrics file `path` of steps up to `step`: those a resumed run continues from, without the
+    steps of a branch past its checkpoint."""
+    return [json.dumps(r) + "\n" for r in read_records(path) if r["step"] <= step]
 
 
 def draw_or_warn(what: str, draw, *args) -> str | None:

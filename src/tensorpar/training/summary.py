@@ -14,7 +14,7 @@ from tensorpar.models import full_state_dict
 from tensorpar.models.state import model_state
 from tensorpar.pipeline_parallel.schedule_view import measured_bubble, render_measured
 from tensorpar.training.loop import LoopResult
-from tensorpar.training.metrics import draw_or_warn, plot_loss_curve
+from tensorpar.training.metrics import draw_or_warn, plot_loss_curve, read_records
 from tensorpar.training.session import Session
 
 
@@ -77,6 +77,13 @@ def lora_summary(run) -> dict | None:
     return {**run.lora.as_dict(), "trainable_parameters": trained}
 
 
+def _whole_run(s: Session, records: list[dict]) -> list[dict]:
+    """The records of every step so far: a resumed run's earlier ones from the metrics file it continues."""
+    if not s.start_step or not s.options.metrics:
+        return records
+    return [r for r in read_records(s.options.metrics) if r["step"] <= s.start_step] + records
+
+
 def summarize(s: Session, result: LoopResult) -> dict:
     """The run's summary (the same on every rank but for the paths of what rank 0 wrote)."""
     o, mesh, runner = s.options, s.mesh, s.runner
@@ -130,7 +137,7 @@ def summarize(s: Session, result: LoopResult) -> dict:
     if s.is_main and o.out_dir and records:
         title = (f"{o.init_from or o.model}: tp={mesh.tp_size} dp={mesh.dp_size}{' +SP' if s.model.sequence_parallel else ''}, "
                  f"{o.dtype}, {o.steps} steps")
-        summary["loss_plot"] = draw_or_warn("the loss curve", plot_loss_curve, records,
+        summary["loss_plot"] = draw_or_warn("the loss curve", plot_loss_curve, _whole_run(s, records),
                                             os.path.join(o.out_dir, "loss.png"), title)
         summary["config"] = os.path.join(o.out_dir, "config.toml")
     return summary
