@@ -182,3 +182,16 @@ def test_point_to_point_transfers_are_numbered_apart_and_never_a_mismatch():
     p2p = dict(p2p=True, elements=6)
     records = {0: _record(0, 2, [dict(seq=1, op="send", **p2p)]), 1: _record(1, 2, [dict(seq=1, op="recv", **p2p)])}
     assert mismatches(records) == [] and "Every recorded collective completed" in diagnose(records)
+
+
+def test_a_pipeline_hang_is_one_sentence_naming_the_failed_transfer():
+    """A pipeline rank's sends not yet waited for are counted, not each told: rank 0 failed in recv #5 with three
+    sends still pending (what a real PP 2 hang leaves, 13 sends there)."""
+    p2p = dict(p2p=True, elements=6, ranks=[0, 1], group="pp")
+    entries = [dict(seq=1, op="send", **p2p), dict(seq=2, op="send", state="started", **p2p),
+               dict(seq=3, op="send", state="started", **p2p), dict(seq=4, op="send", state="started", **p2p),
+               dict(seq=5, op="recv", state="failed", **p2p)]
+    said = diagnose({0: _record(0, 2, entries)})
+    assert ("Rank 0 (failed) waited in a point-to-point recv on group 'pp' (ranks [0, 1]; 6 elements), with 3 more "
+            "started and not completed.") in said
+    assert said.count("point-to-point") == 1

@@ -97,12 +97,23 @@ def stuck(records: dict[int, dict]) -> list[str]:
                 behind.append(f"rank {r} never started it (its record of that group ends at #{last})")
         out.append(f"{how[0].upper()}{how[1:]} waited in {_describe(entry)}; " +
                    ("; ".join(behind) if behind else "every member started it") + ".")
+    return out + _p2p_waits(records)
+
+
+def _p2p_waits(records: dict[int, dict]) -> list[str]:
+    """One sentence per rank and group with point-to-point transfers not completed: the one it failed in (else the
+    first it started), and how many more it had started (a pipeline's sends and receives not yet waited for)."""
+    out = []
     for (name, ranks), by_rank in sorted(_by_group(records, p2p=True).items()):
         for r, d in sorted(by_rank.items()):
-            for entry in d.values():
-                if entry["state"] != "completed":
-                    out.append(f"Rank {r} ({entry['state']}) waited in a point-to-point {entry['op']} on group "
-                               f"'{name}' (ranks {list(ranks)}; {entry['elements']} elements).")
+            pending = [e for _, e in sorted(d.items()) if e["state"] != "completed"]
+            if not pending:
+                continue
+            lead = next((e for e in pending if e["state"] == "failed"), pending[0])
+            more = len(pending) - 1
+            others = f", with {more} more started and not completed" if more else ""
+            out.append(f"Rank {r} ({lead['state']}) waited in a point-to-point {lead['op']} on group '{name}' "
+                       f"(ranks {list(ranks)}; {lead['elements']} elements){others}.")
     return out
 
 
