@@ -70,6 +70,9 @@ def test_only_the_tasks_of_a_multi_task_srun_step_are_a_launched_world(env, insi
 def test_a_task_gets_torchruns_variables():
     assert slurm_world(step()) == dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1",
                                        GROUP_WORLD_SIZE="2", MASTER_ADDR="gpu07", MASTER_PORT=str(15000 + 3456))
+    # Two steps of one job side by side on the same first node: each its own port.
+    assert slurm_world(step(SLURM_STEP_ID="1"))["MASTER_PORT"] == str(25000 + 3456)
+    assert slurm_world(step(SLURM_STEP_ID="4"))["MASTER_PORT"] == str(55000 + 3456)
     # Set by the user (or the sbatch script): they win.
     given = slurm_world(step(MASTER_ADDR="10.0.0.1", MASTER_PORT="6000"))
     assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("10.0.0.1", "6000")

@@ -12,7 +12,8 @@ not (or is Slurm's special batch / interactive / extern step), though both carry
 A step of one task is one process (tensorpar may start local ones itself), and a task that already has RANK
 was started by a launcher of its own (torchrun under srun, one per node). TENSORPAR_SLURM=0 turns this off.
 MASTER_ADDR and MASTER_PORT already set win; the port defaults to 15000 + the job id's last four digits,
-as PyTorch Lightning does, so that the tasks agree on it without talking.
+as PyTorch Lightning does, so that the tasks agree on it without talking, plus 10000 x (the step id mod 5), so
+that steps of one job running side by side on the same first node (`srun ... &` twice) do not meet.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def in_slurm_step(env) -> bool:
 
 def default_port(env) -> int:
     job = env.get("SLURM_JOB_ID", "")
-    return 15000 + int(job[-4:]) if job.isdigit() else DEFAULT_PORT
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"
+    offset = 10000 * (int(step) % 5) if step.isdigit() else 0  # ports 15000-64999
+    return 15000 + int(job[-4:]) + offset if job.isdigit() else DEFAULT_PORT
 
 
 def slurm_world(env) -> dict[str, str] | None:
