@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,34 +104,6 @@ def test_rotation_keeps_the_last_n_and_latest_points_to_the_newest(pools, config
     assert open(os.path.join(save, "latest")).read().strip() == "step-000003"
     _, meta = read_meta(save)
     assert meta["step"] == 3 and meta["layout"]["tp"] == 2 and len(meta["files"]) == 2
-
-
-def synced_save(config_file, save):
-    """One save of a tp 2 run, recording what each rank flushed to disk (os.fsync's files, by name)."""
-    fsync, synced = os.fsync, []
-
-    def record(fd):
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return fsync(fd)
-
-    os.fsync = record
-    try:
-        run(config_file, tp=2, steps=1, save=save)
-    finally:
-        os.fsync = fsync
-    return synced
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the names of open files from /proc")
-def test_a_save_is_on_disk_before_latest_names_it(pools, config_file, tmp_path):
-    """Every shard, meta.json and the folders' entries are flushed before `latest` moves (a power cut after it
-    leaves a whole checkpoint), and `latest` itself after it."""
-    save = str(tmp_path / "ck")
-    synced = pools(2).run(synced_save, config_file, save)
-    tmp = os.path.join(save, ".tmp-step-000001")
-    assert os.path.join(tmp, "model-tp01-pp00.safetensors") in synced[1]
-    assert synced[0] == [os.path.join(tmp, "model-tp00-pp00.safetensors"), os.path.join(tmp, "meta.json.part"), tmp,
-                         save, os.path.join(save, "latest.part"), save]
 
 
 def test_a_save_never_overwrites_a_complete_checkpoint(pools, config_file, tmp_path):
@@ -242,12 +215,49 @@ def test_a_run_killed_during_a_save_leaves_the_previous_checkpoint_loadable(conf
     assert 0 < model(ids[:, :-1], ids[:, 1:]).item() < 10
 
 
+@pytest.fixture(scope="module")
+def saved_once(pools, config_file, tmp_path_factory):
+    """A tp 2 run's checkpoint of step 2, and what each rank flushed to disk while saving it (`synced_save`)."""
+    save = str(tmp_path_factory.mktemp("saved") / "ckpt")
+    return save, pools(2).run(synced_save, config_file, save)
+
+
 @pytest.fixture
-def saved(pools, config_file, tmp_path):
+def saved(saved_once, tmp_path):
+    """A copy of `saved_once`'s checkpoint for a test to damage."""
     save = str(tmp_path / "ckpt")
-    pools(2).run(run, config_file, tp=2, steps=2, save=save)
+    shutil.copytree(saved_once[0], save)
     step_dir = os.path.join(save, "step-000002")
     return save, step_dir, os.path.join(step_dir, "model-tp01-pp00.safetensors")
+
+
+def synced_save(config_file, save):
+    """A tp 2 run of 2 steps saved at its end, recording what each rank flushed to disk (os.fsync's files, by name;
+    none where /proc cannot name them)."""
+    fsync, synced = os.fsync, []
+
+    def record(fd):
+        if os.path.isdir("/proc/self/fd"):
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    os.fsync = record
+    try:
+        run(config_file, tp=2, steps=2, save=save)
+    finally:
+        os.fsync = fsync
+    return synced
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the names of open files from /proc")
+def test_a_save_is_on_disk_before_latest_names_it(saved_once):
+    """Every shard, meta.json and the folders' entries are flushed before `latest` moves (a power cut after it
+    leaves a whole checkpoint), and `latest` itself after it."""
+    save, synced = saved_once
+    tmp = os.path.join(save, ".tmp-step-000002")
+    assert os.path.join(tmp, "model-tp01-pp00.safetensors") in synced[1]
+    assert synced[0] == [os.path.join(tmp, "model-tp00-pp00.safetensors"), os.path.join(tmp, "meta.json.part"), tmp,
+                         save, os.path.join(save, "latest.part"), save]
 
 
 def test_missing_shard_is_refused_naming_the_file(saved):
