@@ -8,7 +8,7 @@ import torch
 
 from conftest import TINY8 as CONFIG
 from test_cli import tensorpar
-from test_sharded import run, saved  # noqa: F401  (the fixture and the function its workers run)
+from test_sharded import run, saved, saved_once  # noqa: F401  (the fixtures and the function their workers run)
 
 
 def test_convert_round_trip_is_bit_exact_and_transformers_loads_the_export(saved, tmp_path, cli):  # noqa: F811
