@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tensorpar.distributed.comm import CommStats, Group
+from tensorpar.distributed.launch import SPAWNED_ENV
 from tensorpar.distributed.nodes import NodeLayout
 from tensorpar.errors import LayoutError, TensorparError
 from tensorpar.layout import ParallelLayout, require, resolve_dp
@@ -380,7 +381,7 @@ def _rendezvous(backend: str, rank: int, world: int, timeout: timedelta) -> None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "EADDRINUSE" in reason or "address already in use" in reason:
             way = ("another process took the port the launcher chose: run the command again"
-                   if os.environ.get("TENSORPAR_SPAWNED") else "set MASTER_PORT to a free one")
+                   if os.environ.get(SPAWNED_ENV) else "set MASTER_PORT to a free one")
             raise TensorparError(f"cannot host the rendezvous at {where}: another process listens on the "
                                  f"port; {way} ({reason})") from None
         raise TensorparError(f"the rendezvous at {where} failed: {reason}") from None
