@@ -118,6 +118,15 @@ def test_a_save_never_overwrites_a_complete_checkpoint(pools, config_file, tmp_p
     assert step_dir == os.path.join(save, "step-000002") and meta["files"] != sha and meta["train"]["lr"] == 1e-2
 
 
+def test_a_kill_between_a_resaves_two_renames_leaves_latest_loadable(saved):
+    """A re-save of the step `latest` names moves the old folder aside, then renames the new into place: killed
+    between the two, `latest` resolves to the folder moved aside (the highest K, the one it last named)."""
+    save, step_dir, _ = saved
+    os.makedirs(os.path.join(save, "superseded-step-000002-1"))  # an older re-save's, already superseded
+    os.replace(step_dir, os.path.join(save, "superseded-step-000002-2"))
+    assert read_meta(save)[0] == os.path.join(save, "superseded-step-000002-2")
+
+
 def _tree(folder):
     return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(folder) for f in fs}
 

@@ -345,12 +345,19 @@ def is_checkpoint(path: str) -> bool:
 
 
 def newest_checkpoint(root: str) -> str | None:
-    """The step folder `latest` names, else the highest complete one; None when `root` holds none."""
+    """The step folder `latest` names, else the highest complete one; None when `root` holds none. A re-save of the
+    step `latest` names moves that folder aside before its own takes the name: a kill between the two renames leaves
+    `latest` naming the moved one, superseded-step-N-K (the highest K)."""
     name = _read_latest(root)
-    if name is not None:
-        return os.path.join(root, name)
-    folders = step_folders(root)
-    return folders[-1] if folders else None
+    if name is None:
+        folders = step_folders(root)
+        return folders[-1] if folders else None
+    folder = os.path.join(root, name)
+    if not os.path.exists(folder):
+        moved = [d for d in os.listdir(root) if d.startswith(f"superseded-{name}-") and d.rsplit("-", 1)[1].isdigit()]
+        if moved:
+            return os.path.join(root, max(moved, key=lambda d: int(d.rsplit("-", 1)[1])))
+    return folder
 
 
 def resolve(path: str) -> str:
