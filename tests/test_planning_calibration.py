@@ -80,6 +80,10 @@ def test_calibrate_writes_a_profile_that_plan_hardware_uses(tmp_path, capsys):
                  "--top", "1"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["feasible"] and rows[0]["step_time_s"] > 0
+    assert spec.peak_stand_ins == {"bf16": "fp32", "tf32": "fp32", "fp8": "fp32"}
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(path),
+                 "--seq-len", "64", "--global-batch-size", "4", "--top", "1"]) == 0  # bf16, which fp32 stands in for
+    assert "(bf16: fp32's measured rate, bf16 not calibrated)" in capsys.readouterr().out
     assert main(["plan", "--model", "tiny", "--gpus", "2", "--hardware", str(tmp_path / "missing.json"),
                  "--seq-len", "64", "--global-batch-size", "4"]) == 2
     assert "tensorpar calibrate --out" in capsys.readouterr().err

@@ -251,10 +251,16 @@ def _summary_lines(cfg, cluster, plans, options) -> list[str]:
         *([f"      {', '.join(extra)}"] if extra else []),
         f"      seq {options.seq_len}, global batch {options.global_batch_size} ({tokens:,} tokens/step), "
         f"precision {prec.name}, peak {cluster.peak(prec.compute_dtype) / 1e12:.3g} TFLOP/s "
-        f"({prec.compute_dtype}), {compute_model}, DP overlap {cluster.overlap:.2f}",
+        f"({_peak_label(cluster.gpu, prec.compute_dtype)}), {compute_model}, DP overlap {cluster.overlap:.2f}",
         f"searched {len(plans)} layouts: {num_feasible} feasible, {len(plans) - num_feasible} infeasible",
         "",
     ]
+
+
+def _peak_label(gpu, dtype: str) -> str:
+    """The dtype of the header's peak, and the measured dtype whose rate it takes where the profile lacks it."""
+    stand_in = gpu.peak_stand_ins.get(dtype)
+    return f"{dtype}: {stand_in}'s measured rate, {dtype} not calibrated" if stand_in else dtype
 
 
 def _table_lines(shown, moe: bool, levers: MemoryLevers = MemoryLevers()) -> list[str]:

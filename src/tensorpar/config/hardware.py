@@ -62,6 +62,8 @@ class GPUSpec:
     host_link: Link = Link(64e9, 10e-6)  # to host memory, per direction: PCIe 5.0 x16
     host_link_back: Link | None = None  # from host memory, where it differs from host_link (a calibrated profile's)
     host_optimizer_bandwidth: float = 32.5e9  # bytes/s per GPU an offloaded AdamW step streams on the host
+    # a calibrated profile's unmeasured dtypes -> the measured dtype whose peak they take
+    peak_stand_ins: dict = dataclasses.field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

@@ -412,13 +412,15 @@ def load_profile(path: str) -> tuple[GPUSpec, DeviceCurve]:
     for dt, run in prof.get("sustained", {}).items():  # the share of the short-run rate kept under sustained load
         if dt in efficiency:
             efficiency[dt] *= min(1.0, float(run["ratio"]))
+    stand_ins = {}
     for alias, src in (("bf16", "fp32"), ("fp32", "bf16"), ("tf32", "fp32"), ("fp8", "bf16")):
         if alias not in peaks and src in peaks:  # an unmeasured dtype runs at another's peak and level
             peaks[alias], efficiency[alias] = peaks[src], efficiency[src]
+            stand_ins[alias] = stand_ins.get(src, src)
     library = prof.get("collectives_library", "gloo" if prof.get("device") == "cpu" else "nccl")
     spec = GPUSpec(f"calibrated:{prof.get('name', path)}", int(prof["memory_bytes"]), peaks,
                    float(prof["hbm_bandwidth"]), link, link, f"tensorpar calibrate ({path})", library,
-                   **_host_fields(prof))
+                   peak_stand_ins=stand_ins, **_host_fields(prof))
     # the curve's shape from the first dtype measured (fp32 on CPU, bf16 on GPUs), never fp8's (no attention there)
     fields = dict(next(c for dt, c in prof["curves"].items() if dt != "fp8"))
     if "attention_efficiency" in fields:
