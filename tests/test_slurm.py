@@ -10,13 +10,13 @@ import torch
 
 from tensorpar.distributed.mesh import check_gpus_per_process, group_ranks
 from tensorpar.distributed.nodes import NodeLayout, tp_across_nodes
-from tensorpar.distributed.slurm import expand_nodelist, in_slurm_step, slurm_world, tasks_per_node
+from tensorpar.distributed.slurm import expand_nodelist, in_slurm_step, slurm_world, task_threads, tasks_per_node
 from tensorpar.errors import LayoutError, TensorparError
 
 from harness import run_cli
 
 ADOPTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
-           "MASTER_PORT")
+           "MASTER_PORT", "OMP_NUM_THREADS")
 
 
 def step(**overrides):
@@ -86,6 +86,16 @@ def test_a_task_gets_torchruns_variables():
     assert slurm_world(step(SLURM_STEP_TASKS_PER_NODE=None))["LOCAL_WORLD_SIZE"] == "2"
     with pytest.raises(TensorparError, match="inconsistent Slurm step: task 3 on node 1 of a step of 4 tasks"):
         slurm_world(step(SLURM_STEP_TASKS_PER_NODE="4"))
+
+
+def test_a_task_computes_with_its_share_of_the_nodes_cores():
+    """Unless OMP_NUM_THREADS says: --cpus-per-task's threads; a bound task's own cores; else (tasks unbound, each
+    seeing every core) the node's cores split between its tasks, not every task on all of them."""
+    shared = {**step(), "LOCAL_WORLD_SIZE": "2"}
+    assert task_threads(shared, 64, 64) == 32
+    assert task_threads({**shared, "SLURM_CPUS_PER_TASK": "8"}, 64, 64) == 8
+    assert task_threads(shared, 16, 64) == 16  # srun --cpu-bind: 16 cores of its own
+    assert task_threads({**shared, "LOCAL_WORLD_SIZE": "4"}, 2, 2) == 1
 
 
 def test_a_slurm_task_reports_a_bad_layout_as_its_rank_and_node_before_any_rendezvous(cli, monkeypatch):

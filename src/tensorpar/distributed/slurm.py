@@ -18,6 +18,7 @@ that steps of one job running side by side on the same first node (`srun ... &` 
 
 from __future__ import annotations
 
+import os
 import re
 
 from tensorpar.errors import TensorparError
@@ -120,10 +121,23 @@ def slurm_world(env) -> dict[str, str] | None:
     }
 
 
+def task_threads(env, cpus: int, machine_cpus: int) -> int:
+    """The CPU threads a task of a Slurm step computes with, where OMP_NUM_THREADS does not say (as torchrun sets it
+    for its workers): --cpus-per-task's; else, for tasks bound to `cpus` cores of their own (fewer than the node's
+    `machine_cpus`), those; else, unbound tasks sharing the node, its cores split between the node's tasks."""
+    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return max(1, int(env["SLURM_CPUS_PER_TASK"]))
+    if cpus < machine_cpus:
+        return cpus
+    return max(1, cpus // int(env.get("LOCAL_WORLD_SIZE") or 1))
+
+
 def adopt_slurm_step(environ) -> bool:
     """In a task of a Slurm step: set torchrun's variables in `environ` (os.environ, by the command line, before
-    anything reads RANK). Whether it did."""
+    anything reads RANK), and OMP_NUM_THREADS unless set (`task_threads`). Whether it did."""
     world = slurm_world(environ)
     if world is not None:
         environ.update(world)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        environ.setdefault("OMP_NUM_THREADS", str(task_threads(environ, cpus, os.cpu_count() or cpus)))
     return world is not None
