@@ -170,6 +170,10 @@ TRAIN = {
                                     "prompt/completion rows in --data (it is the kernel of attention within documents; "
                                     f"--data '{{text}}' {NO_ROWS}, and --document-mask is off)",
                                     dict(CHAT, document_attention="dense")),
+    "document-attention-cp": (dict(document_attention="dense", document_mask=True, cp=2),
+                              "--document-attention dense needs --cp 1 (it is the kernel of attention within "
+                              "documents, which context parallelism's --cp-impl masks itself; --cp is 2)",
+                              None),
     "messages-field": (dict(messages_field="conv", data="{text}"),
                        f"--messages-field conv needs conversations in --data (it names their field; --data '{{text}}' "
                        f"{NO_ROWS})", dict(CHAT, messages_field="conv", data="{conv}")),

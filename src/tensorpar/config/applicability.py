@@ -169,6 +169,9 @@ DOCUMENT_ATTENTION = Rule("document_attention", lambda o, f: o.document_mask or 
                           "--document-mask, or conversations or prompt/completion rows in --data",
                           "it is the kernel of attention within documents",
                           lambda o, f: f"{_examples(o, f)}, and --document-mask is off", "data")
+DOCUMENT_ATTENTION_CP = Rule("document_attention", lambda o, f: o.cp == 1, "--cp 1",
+                             "it is the kernel of attention within documents, which context parallelism's --cp-impl "
+                             "masks itself", _is("--cp", "cp"))
 MESSAGES_FIELD = Rule("messages_field", lambda o, f: f.data.examples == "conversations", "conversations in --data",
                       "it names their field", _examples, "data")
 PROMPT_FIELD = Rule("prompt_field", lambda o, f: f.data.examples == "prompt/completion pairs",
@@ -260,7 +263,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
               MUON_MOMENTUM, EXPERT_GEMM, SCHEDULE, PIPELINE_LAYERS, CP_IMPL, CP_SPLIT, SEQUENCE_PARALLEL, *TP_OVERLAP,
               ZERO3_RESHARD, BUCKET_MB, MODEL, KEEP_LAST, SAMPLE_PROMPT, VAL_FRACTION, *VAL_EVERY, VAL_WINDOWS,
               WORLD_SIZE, RANK, CHAT_TEMPLATE, MESSAGES_FIELD, PROMPT_FIELD, COMPLETION_FIELD, EXAMPLE_PACKING,
-              LONG_EXAMPLES, DOCUMENT_MASK, DOCUMENT_ATTENTION, TEXT_FIELD, BIN_DTYPE, ACTIVATION_OFFLOAD_LAYERS),
+              LONG_EXAMPLES, DOCUMENT_MASK, DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_CP, TEXT_FIELD, BIN_DTYPE,
+              ACTIVATION_OFFLOAD_LAYERS),
     "eval": (FP8_RECIPE, EXPERT_GEMM, CP_IMPL, SEQUENCE_PARALLEL, TEXT_FIELD, BIN_DTYPE),
     "generate": (FP8_RECIPE, EXPERT_GEMM),
     "serve": (FP8_RECIPE, EXPERT_GEMM),
