@@ -141,6 +141,15 @@ def test_fields_tensorpar_cannot_honour_are_refused():
         config_to_hf(latent_llama)
 
 
+def test_latent_attention_refuses_the_score_variants_it_would_ignore():
+    """Latent attention's scores have their own scale and no window, soft cap or q/k norm: a config asking for one is
+    refused, not trained without it."""
+    for field, value in (("sliding_window", 4), ("attn_logit_softcap", 2.0), ("query_pre_attn_scalar", 3.0),
+                         ("qk_norm", "head")):
+        with pytest.raises(TensorparError, match=f"latent attention has no .*{field}"):
+            get_config("tiny-deepseek").replace(**{field: value})
+
+
 # -- eval, generate and the latent cache ----------------------------------------------------------
 
 

@@ -213,6 +213,13 @@ class ModelConfig:
                 problems.append("multi-head latent attention needs position='rope' and num_kv_heads = num_heads")
         elif self.q_lora_rank is not None:
             problems.append("q_lora_rank needs multi-head latent attention (kv_lora_rank)")
+        if self.is_mla:
+            scores = ("sliding_window", "attn_logit_softcap", "query_pre_attn_scalar")
+            unused = {name: getattr(self, name) for name in scores if getattr(self, name) is not None}
+            unused.update({"qk_norm": self.qk_norm} if self.qk_norm != "none" else {})
+            if unused:
+                problems.append(f"multi-head latent attention has no sliding window, soft cap, score scalar or q/k "
+                                f"norm (its scores are scaled by qk_head_dim^-1/2 and YaRN's mscale), got {unused}")
         if self.is_mla and self.partial_rotary_factor != 1.0:
             problems.append(f"partial_rotary_factor must be 1 with latent attention (its rotary part is "
                             f"qk_rope_head_dim), got {self.partial_rotary_factor}")
