@@ -149,3 +149,18 @@ def test_a_device_this_machine_lacks_is_refused_before_any_rank_starts(cli, monk
     code, _, err = cli(*command, "--device", "gpu")
     assert code == 2 and "--device gpu: not a torch device; use cpu, cuda or cuda:N" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_build_transformer_refuses_a_layout_the_mesh_was_not_built_for():
+    """A layout of other sizes than the mesh's built half a model (pp=2 on a world of one: the first stage's layers,
+    returning hidden states where logits were expected) without a word."""
+    from tensorpar.layout import ParallelLayout
+    from tensorpar.models import get_config
+    from tensorpar.models.build import build_transformer
+
+    one, cfg = tensorpar.init_mesh(tp=1), get_config("tiny")
+    with pytest.raises(LayoutError, match=r"the mesh given has pp 1 \(wanted 2\)"):
+        build_transformer(cfg, one, ParallelLayout(pp=2))
+    with pytest.raises(LayoutError, match=r"the mesh given has tp 1 \(wanted 2\)"):
+        build_transformer(cfg, one, ParallelLayout(tp=2))
+    assert build_transformer(cfg, one, ParallelLayout(zero=1)).cfg is cfg  # what the mesh does not fix is free

@@ -53,7 +53,10 @@ def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision
     """This rank's part of `cfg` under `layout` on `mesh` (None: the mesh's own), initialised from `seed`, or with
     `weights` (a dense state dict, from `source`; a pipeline stage takes the tensors it holds). `meta`: on the meta
     device, no values (the dry run). Training (`precision.training`) casts the parameters to bf16/fp16. `lora`: LoRA
-    adapters on the linears it targets, the rest frozen; adapters `weights` lacks start from `seed`."""
+    adapters on the linears it targets, the rest frozen; adapters `weights` lacks start from `seed`. A `layout`
+    of other sizes than the mesh's is refused (a LayoutError): the model would hold a part the mesh cannot run."""
+    if layout is not None and hasattr(mesh, "check_run"):
+        mesh.check_run(layout, cfg.is_moe)
     layout = layout if layout is not None else getattr(mesh, "layout", None)
     pipelined = layout is not None and layout.pp > 1
     placement = Placement.on(
