@@ -307,3 +307,29 @@ def test_a_checkpoints_eos_comes_from_the_step_folder_latest_names(tmp_path):
     (step / "tokenizer.json").write_text("{}")
     (step / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
     assert eos_ids(str(tmp_path), tokenizer=None) == [7, 9]
+
+
+@pytest.mark.parametrize("prompts, needle", [
+    (torch.tensor([[1, 2, 3]]), r"prompts must be a list of prompts.*got Tensor \(pass ids.tolist\(\)\)"),
+    ([1, 2, 3], r"prompt 0 is int 1, not a list of token ids.*passed as \[\[1, 2, 3\]\]"),
+    ([[1, 2.5]], r"prompt 0 holds other values than integer token ids: \[1, 2.5\]"),
+])
+def test_generate_names_a_prompt_of_the_wrong_shape_or_type(saved, prompts, needle):
+    """A tensor, one flat prompt or float ids failed deep inside with a TypeError or RuntimeError (or, for 2.5,
+    were truncated to 2 without a word)."""
+    model = _load(saved["llama"][0])
+    with pytest.raises(TensorparError, match=needle):
+        generate(model, prompts, 2)
+
+
+def test_greedy_generate_checks_its_prompt_as_generate_does(saved):
+    """greedy_generate ran an out-of-vocabulary id into the embedding (an IndexError, a device assert on CUDA), an
+    empty prompt into a float tensor, and returned [] for a negative token count."""
+    from tensorpar.inference import greedy_generate
+
+    model = _load(saved["llama"][0])
+    for prompt, count, needle in (([5, 1001], 2, r"outside the vocabulary \[0, 1001\): \[1001\]"),
+                                  ([], 2, "prompt 0 is empty"), ([5], -1, "max-new-tokens must be >= 0")):
+        with pytest.raises(TensorparError, match=needle):
+            greedy_generate(model, prompt, count)
+    assert greedy_generate(model, [5, 17], 3) == generate(model, [[5, 17]], 3)[0]

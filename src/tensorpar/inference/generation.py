@@ -25,6 +25,7 @@ Every TP rank runs the same loop and ends with the same tokens; the logits stay 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 
 import torch
@@ -142,6 +143,10 @@ def check_generate_args(prompts, max_new_tokens: int, vocab_size: int, max_posit
                         repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                         frequency_penalty: float = 0.0) -> None:
     """Raise TensorparError (one line) for input that generation cannot take."""
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
+        hint = " (pass ids.tolist())" if hasattr(prompts, "tolist") else ""
+        raise TensorparError(f"prompts must be a list of prompts, each a list of token ids such as [[1, 2, 3]]; got "
+                             f"{type(prompts).__name__}{hint}")
     if not prompts:
         raise TensorparError("no prompts given")
     if max_new_tokens < 0:
@@ -160,16 +165,26 @@ def check_generate_args(prompts, max_new_tokens: int, vocab_size: int, max_posit
     for name, value in (("presence-penalty", presence_penalty), ("frequency-penalty", frequency_penalty)):
         if not -2 <= value <= 2:
             raise TensorparError(f"{name} must be in [-2, 2], got {value}")
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise TensorparError(f"prompt {i} is empty: generation needs at least one token")
-        bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise TensorparError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    _check_prompts(prompts, vocab_size)
     longest = max(len(p) for p in prompts)
     if max_positions is not None and longest + max_new_tokens - 1 > max_positions:
         raise TensorparError(f"prompt length {longest} + {max_new_tokens} new tokens exceeds the model's "
                              f"{max_positions} learned positions")
+
+
+def _check_prompts(prompts, vocab_size: int) -> None:
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (list, tuple)):
+            hint = "pass ids.tolist()" if hasattr(prompt, "tolist") else "one prompt [1, 2, 3] is passed as [[1, 2, 3]]"
+            raise TensorparError(f"prompt {i} is {type(prompt).__name__} {str(prompt)[:40]}, not a list of token ids: "
+                                 f"prompts is a list of prompts ({hint})")
+        if len(prompt) == 0:
+            raise TensorparError(f"prompt {i} is empty: generation needs at least one token")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise TensorparError(f"prompt {i} holds other values than integer token ids: {list(prompt)[:5]}")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise TensorparError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 class _Batch:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorpar.inference.generation import tp_argmax_rows
+from tensorpar.inference.generation import check_generate_args, tp_argmax_rows
 
 
 def tp_argmax(local_logits: torch.Tensor, model) -> int:
@@ -20,6 +20,7 @@ def tp_argmax(local_logits: torch.Tensor, model) -> int:
 @torch.no_grad()
 def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
     """The new token ids (not the prompt). Call on every TP rank; all get the same result."""
+    check_generate_args([prompt_ids], max_new_tokens, model.cfg.vocab_size)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
