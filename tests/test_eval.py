@@ -3,9 +3,17 @@
 import json
 
 import numpy as np
+import pytest
+import torch
 
 from tensorpar.commands.eval import evaluate_checkpoint
 from tensorpar.config.options import EvalOptions
+from tensorpar.config.precision import Precision
+from tensorpar.distributed.mesh import init_mesh
+from tensorpar.errors import TensorparError
+from tensorpar.models import get_config
+from tensorpar.models.build import build_transformer
+from tensorpar.training.evaluate import evaluate
 
 from test_cli import tensorpar
 from test_sharded import run
@@ -64,3 +72,22 @@ def test_eval_of_a_one_source_mix_toml_reads_that_source(pools, tmp_path):
     results = [pools(1).run(evaluate_in_worker, checkpoint=save, data=spec, seq_len=16)[0]
                for spec in (str(data), str(tmp_path / "mix.toml"), f"1 {data}")]
     assert results[0]["tokens"] == 6 * 16 and results[1] == results[0] == results[2], results
+
+
+def test_evaluate_from_python_names_windows_it_cannot_take():
+    """`evaluate` took a list, a NumPy array or 1-d ids into a TypeError / IndexError deep inside, divided by a
+    batch size of 0, and reported a loss of 0.0 for no windows at all."""
+    model = build_transformer(get_config("tiny"), init_mesh(tp=1))
+    windows = torch.randint(0, 257, (3, 9))
+    for bad, size, needle in (
+            ([[1, 2, 3]], 1, r"integer tensor \[N, L \+ 1\] with L >= 1 \(or a Batch\), got a list"),
+            (np.zeros((2, 5), dtype=np.int64), 1, r"got a ndarray \(torch.as_tensor\(\) it\)"),
+            (torch.arange(10), 1, r"got a 1-d torch.int64 tensor of shape \[10\]"),
+            (windows.float(), 1, "got a 2-d torch.float32 tensor"),
+            (windows, 0, "batch_size must be a positive integer, got 0"),
+            (windows[:0], 1, "no windows to evaluate"),
+            (windows + 300, 1, r"outside the model's vocabulary \[0, 257\)")):
+        with pytest.raises(TensorparError, match=needle):
+            evaluate(model, bad, size, "cpu", Precision())
+    assert evaluate(model, windows.int(), 2, "cpu", Precision()) == pytest.approx(
+        evaluate(model, windows, 3, "cpu", Precision()), rel=1e-5)

@@ -6,9 +6,10 @@ import math
 
 import torch
 
-from tensorpar.data.batch import as_batch
+from tensorpar.data.batch import IGNORE_INDEX, Batch
 from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.config.precision import Precision
+from tensorpar.errors import TensorparError
 
 
 @torch.no_grad()
@@ -26,7 +27,7 @@ def evaluate(model, windows, batch_size: int, device, precision: Precision, dp_g
     model.eval()
     dp = dp_group.size if dp_group is not None else 1
     rank = dp_group.rank if dp_group is not None else 0
-    rows = as_batch(windows)
+    rows = _rows(windows, batch_size, model.cfg.vocab_size)
     num_batches = math.ceil(len(rows) / batch_size)
     total, count = 0.0, 0
     for first in range(0, num_batches, dp):
@@ -44,6 +45,27 @@ def evaluate(model, windows, batch_size: int, device, precision: Precision, dp_g
         total, count = sums[0].item(), int(sums[1].item())
     model.train(was_training)
     return total / max(count, 1)
+
+
+def _rows(windows, batch_size: int, vocab_size: int) -> Batch:
+    """`windows` as a Batch, or a TensorparError naming what `evaluate` cannot take."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise TensorparError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if not isinstance(windows, Batch):
+        if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2 \
+                or windows.dtype.is_floating_point or windows.dtype == torch.bool:
+            what = (f"a {windows.dim()}-d {windows.dtype} tensor of shape {list(windows.shape)}"
+                    if isinstance(windows, torch.Tensor) else f"a {type(windows).__name__} (torch.as_tensor() it)")
+            raise TensorparError(f"windows must be token ids as an integer tensor [N, L + 1] with L >= 1 (or a Batch), "
+                                 f"got {what}")
+        windows = Batch.from_windows(windows.long())
+    if len(windows) == 0:
+        raise TensorparError("no windows to evaluate: the mean loss over none would read as 0")
+    ids = torch.cat([windows.inputs.flatten(), windows.targets[windows.targets != IGNORE_INDEX]])
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise TensorparError(f"windows hold token ids outside the model's vocabulary [0, {vocab_size}): "
+                             f"{int(ids.min())} to {int(ids.max())}")
+    return windows
 
 
 def _documents(batch, eos_id: int | None) -> PackedDocuments | None:
