@@ -164,3 +164,13 @@ def test_build_transformer_refuses_a_layout_the_mesh_was_not_built_for():
     with pytest.raises(LayoutError, match=r"the mesh given has tp 1 \(wanted 2\)"):
         build_transformer(cfg, one, ParallelLayout(tp=2))
     assert build_transformer(cfg, one, ParallelLayout(zero=1)).cfg is cfg  # what the mesh does not fix is free
+
+
+def test_init_mesh_names_a_device_it_cannot_use(monkeypatch):
+    """init_mesh(device="gpu") raised torch's RuntimeError listing every device type, and device="cuda" on a
+    machine without CUDA an AttributeError from deep inside torch (the command line checked both, Python did not)."""
+    with pytest.raises(LayoutError, match=r"device 'gpu' is not a torch device; use cpu, cuda or cuda:N"):
+        tensorpar.init_mesh(device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LayoutError, match=r"device cuda:0: no CUDA device is visible to this process"):
+        tensorpar.init_mesh(device="cuda")

@@ -210,7 +210,10 @@ class Mesh:
 
 def _pick_device(local_rank: int, device: str | torch.device | None) -> torch.device:
     if device is not None:
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise LayoutError(f"device {device!r} is not a torch device; use cpu, cuda or cuda:N") from None
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         return device
@@ -240,7 +243,7 @@ def check_backend(device: str | torch.device | None, backend: str | None) -> Non
     (CUDA), and `--backend nccl` for a run on another device than CUDA (NCCL moves CUDA tensors only)."""
     try:
         resolved = _pick_device(0, device)
-    except RuntimeError:
+    except LayoutError:
         raise LayoutError(f"--device {device}: not a torch device; use cpu, cuda or cuda:N") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         build = "" if torch.version.cuda else ", a CPU-only build"
@@ -302,6 +305,10 @@ def build_mesh(layout: ParallelLayout, *, moe: bool = False, device: str | torch
     device = _pick_device(local_rank, device)
     if not dist.is_initialized():
         check_gpus_per_process(device, backend, world)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "" if torch.version.cuda else ", a CPU-only build"
+        raise LayoutError(f"device {device}: no CUDA device is visible to this process (torch {torch.__version__}"
+                          f"{build}); use device='cpu'")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = _as_timedelta(timeout)
