@@ -143,3 +143,19 @@ def test_a_context_parallel_rank_without_a_learned_target_adds_nothing(pools):
     for rank, errs in enumerate(pools(4).run(check_context_parallel_model, 1, 2, "tiny", False, "none", "ring", True)):
         bad = {k: f"{v:.1e}" for k, v in errs.items() if not v <= 1e-5}
         assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("cfg", ["tiny", {"family": "llama", "num_layers": 2}])
+def test_a_preset_name_or_a_dict_for_the_config_is_named(cfg):
+    """Transformer, build_transformer and ParallelLayout.problems took a preset's name or a dict where a ModelConfig
+    goes into an AttributeError ('str' object has no attribute 'num_layers')."""
+    import tensorpar
+    from tensorpar.errors import TensorparError
+    from tensorpar.layout import ParallelLayout
+    from tensorpar.models.build import build_transformer
+
+    needle = r"expected a model config \(tensorpar.models.ModelConfig: get_config\('tiny'\).*got " + type(cfg).__name__
+    for make in (lambda: Transformer(cfg), lambda: build_transformer(cfg, tensorpar.init_mesh()),
+                 lambda: ParallelLayout(tp=2).problems(cfg)):
+        with pytest.raises(TensorparError, match=needle):
+            make()

@@ -10,6 +10,9 @@ model config is anything with ModelConfig's fields.
 
 from __future__ import annotations
 
+import os
+
+from tensorpar.errors import TensorparError
 from tensorpar.layout.problem import Problem, divisibility, require
 from tensorpar.layout.stages import schedule_problem
 
@@ -122,10 +125,19 @@ def batch_problem(global_batch: int, dp: int, micro_batch_size: int) -> Problem 
                    f"{micro_batch_size}", hint)
 
 
+def require_model_config(cfg) -> None:
+    """A TensorparError for what is no model config (a preset's name, a path, a dict), naming how to get one."""
+    if isinstance(cfg, (str, bytes, dict, os.PathLike)) or not hasattr(cfg, "num_layers"):
+        raise TensorparError(f"expected a model config (tensorpar.models.ModelConfig: get_config('tiny'), or "
+                             f"load_hf_folder(path)[0] for a Hugging Face folder), got {type(cfg).__name__} "
+                             f"{str(cfg)[:60]!r}")
+
+
 def layout_problems(layout, cfg, *, seq_len: int | None = None, global_batch: int | None = None,
                     micro_batch_size: int | None = None, fp8: bool = False) -> list[Problem]:
     """Every reason `layout` cannot run model `cfg` (the sequence and batch rules only when `seq_len`,
     `global_batch` and `micro_batch_size` are given; `fp8`: the GEMMs run in fp8), first what to fix first."""
+    require_model_config(cfg)
     found = _model_problems(layout, cfg)
     if seq_len is not None:
         found += _sequence_problems(layout, cfg, seq_len)

@@ -14,6 +14,7 @@ import torch
 
 from tensorpar.config.precision import Precision
 from tensorpar.layout import ParallelLayout
+from tensorpar.layout.rules import require_model_config
 from tensorpar.models.compile import compile_blocks
 from tensorpar.models.init import initial_adapters
 from tensorpar.models.placement import PipelineStage, Placement
@@ -55,6 +56,7 @@ def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision
     device, no values (the dry run). Training (`precision.training`) casts the parameters to bf16/fp16. `lora`: LoRA
     adapters on the linears it targets, the rest frozen; adapters `weights` lacks start from `seed`. A `layout`
     of other sizes than the mesh's is refused (a LayoutError): the model would hold a part the mesh cannot run."""
+    require_model_config(cfg)
     if layout is not None and hasattr(mesh, "check_run"):
         mesh.check_run(layout, cfg.is_moe)
     layout = layout if layout is not None else getattr(mesh, "layout", None)

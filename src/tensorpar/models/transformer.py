@@ -32,7 +32,8 @@ from tensorpar.functional.document_mask import PackedDocuments
 from tensorpar.functional.dropout import mix_seed, seeded_dropout
 from tensorpar.functional.rope import Rotary, rope_tables
 from tensorpar.layout import require
-from tensorpar.layout.rules import context_split_problem, positions_problem, sequence_parallel_problem
+from tensorpar.layout.rules import (context_split_problem, positions_problem, require_model_config,
+                                    sequence_parallel_problem)
 from tensorpar.layers.micro_batch import MicroBatchContext
 from tensorpar.layers.norms import Norm
 from tensorpar.models.block import TransformerBlock, recomputable, sequence_shard
@@ -94,6 +95,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, placement: Placement | None = None, *, seed: int = 0, init: bool = True):
         super().__init__()
+        require_model_config(cfg)
         placement = as_placement(placement)
         self.cfg, self.placement, self.region = cfg, placement, placement.region
         # The groups by name, as a mesh has them: sharded initialisation and checkpoints ask the model for them.
