@@ -157,3 +157,23 @@ def test_a_field_without_option_metadata_is_a_programming_error():
 
     with pytest.raises(TypeError, match="not declared with option"):
         add_options(argparse.ArgumentParser(), Bad)
+
+
+def test_options_built_in_python_with_a_wrong_type_are_refused_naming_the_field():
+    """TrainOptions(steps="10") reached validate's `steps < 1` as a TypeError; seq_len=16.0 trained on as a float.
+    A pathlib path for a string option failed deep inside (`'PosixPath' object has no attribute 'endswith'`)."""
+    import pathlib
+
+    from tensorpar.config.fields import check_choices
+    from tensorpar.config.options import EvalOptions, TrainOptions
+
+    for options, needle in ((TrainOptions(steps="10"), r"steps \(--steps\) = '10' should be an integer"),
+                            (TrainOptions(lr="1e-3"), r"lr \(--lr\) = '1e-3' should be a number"),
+                            (TrainOptions(seq_len=16.0), r"seq_len \(--seq-len\) = 16.0 should be an integer"),
+                            (TrainOptions(tp=True), r"tp \(--tp\) = True should be an integer"),
+                            (TrainOptions(sequence_parallel="no"), "should be true or false"),
+                            (EvalOptions(checkpoint="c", data=3), r"data \(--data\) = 3 should be a string"),
+                            (TrainOptions(data=pathlib.Path("x.npy")), r"should be a string \(pass str\(path\)\)")):
+        with pytest.raises(TensorparError, match=needle):
+            check_choices(options)
+    check_choices(TrainOptions(lr=1, data="x.npy", pipeline_layers=[2, 2], pp=2))  # a list for a comma-separated one

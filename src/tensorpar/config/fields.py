@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import sys
 import types
 import typing
@@ -285,8 +286,28 @@ def changed_options(old: dict, new, ignore=()) -> list[str]:
     return out
 
 
+def _of_kind(spec: _Spec, v) -> bool:
+    if spec.kind is str:
+        return isinstance(v, str) or (_comma_separated(spec) and isinstance(v, (list, tuple)))
+    if spec.kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, spec.kind) and (spec.kind is bool or not isinstance(v, bool))
+
+
 def check_choices(options) -> None:
-    """Refuse a field whose value is not among its choices (options built in Python skip argparse's check)."""
+    """Refuse a field whose value is not of its type or not among its choices: options built in Python skip
+    argparse's conversions and checks."""
+    for spec in _specs(type(options)):
+        value = getattr(options, spec.name)
+        if value is None:
+            right = spec.optional or spec.default is None
+        elif spec.is_list:
+            right = isinstance(value, (list, tuple)) and all(_of_kind(spec, v) for v in value)
+        else:
+            right = _of_kind(spec, value)
+        if not right:
+            hint = " (pass str(path))" if isinstance(value, os.PathLike) else ""
+            raise TensorparError(f"{spec.name} ({spec.flag}) = {value!r} should be {_describe(spec)}{hint}")
     for spec in cli_specs(type(options)):
         choices, value = spec.meta["choices"], getattr(options, spec.name)
         if choices is None or value is None:
