@@ -159,3 +159,20 @@ def test_a_preset_name_or_a_dict_for_the_config_is_named(cfg):
                  lambda: ParallelLayout(tp=2).problems(cfg)):
         with pytest.raises(TensorparError, match=needle):
             make()
+
+
+def test_token_ids_of_the_wrong_shape_or_dtype_are_named():
+    """model(ids) with one sequence as 1-d ids was an IndexError ('tuple index out of range'), float ids a
+    RuntimeError from the embedding, and targets of another shape an error deep inside the loss."""
+    from tensorpar.errors import TensorparError
+
+    model = Transformer(get_config("tiny"))
+    ids = torch.tensor([[1, 2, 3]])
+    for args, needle in (((ids[0],), r"token ids must be an int64 or int32 tensor \[batch, seq\] \(one sequence: "
+                                     r"ids\[None\]\), got a 1-d torch.int64 tensor"),
+                         ((ids.float(),), "got a 2-d torch.float32 tensor"),
+                         ((ids, ids[:, :2]),
+                          r"targets must be a tensor of the token ids' shape \[1, 3\], got \[1, 2\]")):
+        with pytest.raises(TensorparError, match=needle):
+            model(*args)
+    assert torch.equal(model(ids.int()), model(ids))

@@ -66,6 +66,17 @@ def _mean_over_valid(loss_sum: torch.Tensor, targets: torch.Tensor, cp_group) ->
     return mean_from_cp(loss_sum / count.clamp(min=1), count, cp_group)
 
 
+def _check_ids(ids, targets) -> None:
+    """Token ids [B, S] of an integer dtype, and targets of their shape: a 1-d or float tensor fails deep inside."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        what = f"a {ids.dim()}-d {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TensorparError(f"token ids must be an int64 or int32 tensor [batch, seq] (one sequence: ids[None]), "
+                             f"got {what}")
+    if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != ids.shape):
+        shape = list(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise TensorparError(f"targets must be a tensor of the token ids' shape {list(ids.shape)}, got {shape}")
+
+
 class Transformer(nn.Module):
     """A GPT-2 or Llama-style decoder: its architecture `cfg`, laid on the ranks as its `Placement` says
     (tensorpar.models.placement: the TP region, CP, EP, the pipeline stage, recomputation, the loss's chunks;
@@ -288,6 +299,7 @@ class Transformer(nn.Module):
         if self.training and self.cfg.dropout > 0 and dropout_seed is None:
             raise TensorparError("dropout is on: pass dropout_seed to the forward pass (the trainer does)")
         if embed:
+            _check_ids(x, targets)
             seq_len = x.shape[1]
             self.check_sequence(seq_len)
             context = self.context(seq_len)
