@@ -182,3 +182,14 @@ def test_linear_size_that_does_not_divide_is_refused_on_every_rank(pools, tp):
     for col_msg, row_msg in pools(tp).run(check_bad_sizes, tp):
         assert col_msg and "out_features = 10" in col_msg and f"tensor-parallel size {tp}" in col_msg
         assert row_msg and "in_features = 10" in row_msg and f"tensor-parallel size {tp}" in row_msg
+
+
+def test_from_dense_names_a_module_of_another_kind():
+    """from_dense(a Conv1d, say Hugging Face GPT-2's transposed Conv1D) failed on a missing attribute, in_features."""
+    from tensorpar.errors import TensorparError
+
+    with pytest.raises(TensorparError, match="ColumnParallelLinear.from_dense takes a torch nn.Linear, got Conv1d"):
+        ColumnParallelLinear.from_dense(nn.Conv1d(2, 2, 1))
+    with pytest.raises(TensorparError, match="VocabParallelEmbedding.from_dense takes a torch nn.Embedding, got "
+                                             "Linear"):
+        VocabParallelEmbedding.from_dense(nn.Linear(2, 2))

@@ -9,6 +9,7 @@ from torch import nn
 
 from tensorpar.distributed.comm import Group
 from tensorpar.distributed.sharding import ShardSpec, make_generator, padded, tag, take_shard
+from tensorpar.errors import TensorparError
 from tensorpar.tensor_parallel.mappings import scatter_to_sp
 from tensorpar.tensor_parallel.region import TPRegion, as_region
 
@@ -99,6 +100,8 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_dense(cls, module: nn.Embedding, region=None, **kwargs):
         """This rank's rows of an unsharded nn.Embedding (copied, not shared)."""
+        if not isinstance(module, nn.Embedding):
+            raise TensorparError(f"{cls.__name__}.from_dense takes a torch nn.Embedding, got {type(module).__name__}")
         kwargs.setdefault("device", module.weight.device)
         kwargs.setdefault("dtype", module.weight.dtype)
         layer = cls(module.num_embeddings, module.embedding_dim, region, init=False, **kwargs)

@@ -28,6 +28,7 @@ from tensorpar.distributed.sharding import (
     tag,
     take_shard,
 )
+from tensorpar.errors import TensorparError
 from tensorpar.layout import divide
 from tensorpar.tensor_parallel.lora import (Adapter, LoraSite, add_column_adapters, add_row_adapter, adapter_region,
                                            column_factors, row_factors)
@@ -80,6 +81,8 @@ class _ParallelLinear(nn.Module):
     @classmethod
     def from_dense(cls, module: nn.Linear, region=None, **kwargs):
         """This rank's shard of an unsharded nn.Linear (its weights are copied, not shared)."""
+        if not isinstance(module, nn.Linear):
+            raise TensorparError(f"{cls.__name__}.from_dense takes a torch nn.Linear, got {type(module).__name__}")
         kwargs.setdefault("bias", module.bias is not None)
         kwargs.setdefault("device", module.weight.device)
         kwargs.setdefault("dtype", module.weight.dtype)
