@@ -174,3 +174,19 @@ def test_init_mesh_names_a_device_it_cannot_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(LayoutError, match=r"device cuda:0: no CUDA device is visible to this process"):
         tensorpar.init_mesh(device="cuda")
+
+
+def test_build_transformer_leaves_the_callers_random_state_as_it_was():
+    """build_transformer seeded torch's global generator with its `seed`: random data a caller drew after building
+    a model repeated what torch.manual_seed(0) gives, whatever the caller had seeded."""
+    from tensorpar.models import get_config
+    from tensorpar.models.build import build_transformer
+
+    one, cfg = tensorpar.init_mesh(tp=1), get_config("tiny")
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    first = build_transformer(cfg, one, seed=0)
+    assert torch.equal(torch.rand(4), expected)
+    second = build_transformer(cfg, one, seed=0)  # the same weights from the same seed, whatever the state
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters()))
