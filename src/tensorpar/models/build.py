@@ -69,8 +69,9 @@ def build_transformer(cfg, mesh, layout: ParallelLayout | None = None, precision
         recompute=execution.recompute, loss_chunk_tokens=execution.loss_chunk_tokens,
         device="meta" if meta else None, document_attention=execution.document_attention,
         expert_gemm=execution.expert_gemm, lora=lora)
-    on_cuda = getattr(getattr(mesh, "device", None), "type", None) == "cuda" or torch.cuda.is_initialized()
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if on_cuda else []):
+    device = getattr(mesh, "device", None)
+    # this rank's GPU only: forking every visible device's state would open a context on each
+    with torch.random.fork_rng(devices=[device] if getattr(device, "type", None) == "cuda" else []):
         torch.manual_seed(seed)  # what module constructors draw; the caller's random state is left as it was
         model = Transformer(cfg, placement, seed=seed, init=weights is None and not meta)
     if weights is not None and not meta:
