@@ -238,6 +238,14 @@ def check_gpus_per_process(device: torch.device, backend: str | None, world: int
             f"--device cpu (gloo), or --backend gloo to share the GPU for testing (collectives through host memory)")
 
 
+def _require_visible_cuda(device: torch.device, named: str, fix: str) -> None:
+    """A LayoutError, `named` and its `fix` in it, for a CUDA device where this process sees none."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "" if torch.version.cuda else ", a CPU-only build"
+        raise LayoutError(f"{named}: no CUDA device is visible to this process (torch {torch.__version__}{build}); "
+                          f"{fix}")
+
+
 def check_backend(device: str | torch.device | None, backend: str | None) -> None:
     """Before any rank starts: refuse a `--device` that is not a torch device or that this machine does not have
     (CUDA), and `--backend nccl` for a run on another device than CUDA (NCCL moves CUDA tensors only)."""
@@ -245,10 +253,7 @@ def check_backend(device: str | torch.device | None, backend: str | None) -> Non
         resolved = _pick_device(0, device)
     except LayoutError:
         raise LayoutError(f"--device {device}: not a torch device; use cpu, cuda or cuda:N") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        build = "" if torch.version.cuda else ", a CPU-only build"
-        raise LayoutError(f"--device {device}: no CUDA device is visible to this process (torch {torch.__version__}"
-                          f"{build}); drop --device to run on the CPU")
+    _require_visible_cuda(resolved, f"--device {device}", "drop --device to run on the CPU")
     if backend == "nccl" and resolved.type != "cuda":
         raise LayoutError(f"--backend nccl needs CUDA devices, and this run's device is {resolved.type}: drop "
                           f"--backend (gloo is the default there)")
@@ -305,10 +310,7 @@ def build_mesh(layout: ParallelLayout, *, moe: bool = False, device: str | torch
     device = _pick_device(local_rank, device)
     if not dist.is_initialized():
         check_gpus_per_process(device, backend, world)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        build = "" if torch.version.cuda else ", a CPU-only build"
-        raise LayoutError(f"device {device}: no CUDA device is visible to this process (torch {torch.__version__}"
-                          f"{build}); use device='cpu'")
+    _require_visible_cuda(device, f"device {device}", "use device='cpu'")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = _as_timedelta(timeout)
