@@ -143,7 +143,7 @@ def check_generate_args(prompts, max_new_tokens: int, vocab_size: int, max_posit
                         repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                         frequency_penalty: float = 0.0) -> None:
     """Raise TensorparError (one line) for input that generation cannot take."""
-    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
+    if not isinstance(prompts, (list, tuple)):
         hint = " (pass ids.tolist())" if hasattr(prompts, "tolist") else ""
         raise TensorparError(f"prompts must be a list of prompts, each a list of token ids such as [[1, 2, 3]]; got "
                              f"{type(prompts).__name__}{hint}")

@@ -216,7 +216,8 @@ class ModelConfig:
         if self.is_mla:
             scores = ("sliding_window", "attn_logit_softcap", "query_pre_attn_scalar")
             unused = {name: getattr(self, name) for name in scores if getattr(self, name) is not None}
-            unused.update({"qk_norm": self.qk_norm} if self.qk_norm != "none" else {})
+            if self.qk_norm != "none":
+                unused["qk_norm"] = self.qk_norm
             if unused:
                 problems.append(f"multi-head latent attention has no sliding window, soft cap, score scalar or q/k "
                                 f"norm (its scores are scaled by qk_head_dim^-1/2 and YaRN's mscale), got {unused}")
