@@ -161,7 +161,8 @@ def test_a_field_without_option_metadata_is_a_programming_error():
 
 def test_options_built_in_python_with_a_wrong_type_are_refused_naming_the_field():
     """TrainOptions(steps="10") reached validate's `steps < 1` as a TypeError; seq_len=16.0 trained on as a float.
-    A pathlib path for a string option failed deep inside (`'PosixPath' object has no attribute 'endswith'`)."""
+    A pathlib path for a string option failed deep inside (`'PosixPath' object has no attribute 'endswith'`): it is
+    taken as its str, as the flag would give it."""
     import pathlib
 
     from tensorpar.config.fields import check_choices
@@ -173,7 +174,10 @@ def test_options_built_in_python_with_a_wrong_type_are_refused_naming_the_field(
                             (TrainOptions(tp=True), r"tp \(--tp\) = True should be an integer"),
                             (TrainOptions(sequence_parallel="no"), "should be true or false"),
                             (EvalOptions(checkpoint="c", data=3), r"data \(--data\) = 3 should be a string"),
-                            (TrainOptions(data=pathlib.Path("x.npy")), r"should be a string \(pass str\(path\)\)")):
+                            (TrainOptions(tp=pathlib.Path("2")), r"tp \(--tp\) = PosixPath\('2'\) should be an integer")):
         with pytest.raises(TensorparError, match=needle):
             check_choices(options)
+    paths = TrainOptions(data=pathlib.Path("x.npy"), model=pathlib.Path("m.json"))
+    check_choices(paths)
+    assert (paths.data, paths.model) == ("x.npy", "m.json") and type(paths.data) is str
     check_choices(TrainOptions(lr=1, data="x.npy", pipeline_layers=[2, 2], pp=2))  # a list for a comma-separated one

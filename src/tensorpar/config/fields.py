@@ -294,11 +294,24 @@ def _of_kind(spec: _Spec, v) -> bool:
     return isinstance(v, spec.kind) and (spec.kind is bool or not isinstance(v, bool))
 
 
+def _paths_as_text(value):
+    """A path-like value (pathlib.Path), or a list holding some, with each as the str its flag would have given;
+    anything else, the same object."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, os.PathLike) for v in value):
+        return [_paths_as_text(v) for v in value]
+    return value
+
+
 def check_choices(options) -> None:
     """Refuse a field whose value is not of its type or not among its choices: options built in Python skip
-    argparse's conversions and checks."""
+    argparse's conversions and checks. A text field given a path-like value (pathlib.Path) is set to its str."""
     for spec in _specs(type(options)):
         value = getattr(options, spec.name)
+        if spec.kind is str and _paths_as_text(value) is not value:
+            value = _paths_as_text(value)
+            setattr(options, spec.name, value)
         if value is None:
             right = spec.optional or spec.default is None
         elif spec.is_list:
@@ -306,8 +319,7 @@ def check_choices(options) -> None:
         else:
             right = _of_kind(spec, value)
         if not right:
-            hint = " (pass str(path))" if isinstance(value, os.PathLike) else ""
-            raise TensorparError(f"{spec.name} ({spec.flag}) = {value!r} should be {_describe(spec)}{hint}")
+            raise TensorparError(f"{spec.name} ({spec.flag}) = {value!r} should be {_describe(spec)}")
     for spec in cli_specs(type(options)):
         choices, value = spec.meta["choices"], getattr(options, spec.name)
         if choices is None or value is None:
