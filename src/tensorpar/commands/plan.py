@@ -168,7 +168,7 @@ def plan_layouts(options):
         if options.schedule == "interleaved" and options.virtual_stages < 2:
             space["virtual_stages"] = (2,)
     else:
-        space["schedules"] = ("1f1b", "interleaved", "zb-h1", "zbv")
+        space["schedules"] = PLANNED_SCHEDULES
     if options.pipeline_layers is not None:
         split = parse_pipeline_layers(options.pipeline_layers)
         if options.pp is not None and options.pp != len(split):

@@ -195,7 +195,8 @@ def enumerate_candidates(cfg, cluster: Cluster, global_batch: int, *, tp=None, p
     their number, one chunk per rank); without it, a pp (x chunks) that does not divide the layers gets the most
     balanced uneven split (`tensorpar.layout.balanced_split`: the first and last stages, which hold the embedding
     and the head, get the fewer layers, as Llama 3 did). `schedules`: the pipeline schedules to try with pp > 1
-    (None: 1f1b, and interleaved for each v > 1 of `virtual_stages`). `uneven=False`: no automatic uneven split.
+    (None: 1f1b, and interleaved for each v > 1 of `virtual_stages`; `tensorpar plan` tries every one of
+    `config.choices.PLANNED_SCHEDULES`). `uneven=False`: no automatic uneven split.
     `dp_replicate`: the HSDP replica counts to try with ZeRO (None: 1, and one replica per node where the DP group
     spans several nodes: sharded within a node, replicated across nodes)."""
     if pipeline_layers is not None:
