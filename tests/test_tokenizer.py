@@ -53,6 +53,24 @@ def test_hf_tokenizer_and_load_tokenizer(tmp_path):
     assert tok.decode(ids) == TEXT
 
 
+@pytest.mark.parametrize("name,text,needle", [
+    ("tokenizer_config.json", '{"eos_token": "</s>"', "cannot read '.*tokenizer_config.json': Expecting"),
+    ("tokenizer_config.json", '["</s>"]', "tokenizer_config.json' holds a JSON list, not an object"),
+    ("special_tokens_map.json", "{", "cannot read '.*special_tokens_map.json'")])
+def test_a_damaged_tokenizer_config_is_refused_naming_it(tmp_path, name, text, needle):
+    """The EOS was taken from a well-known name when tokenizer_config.json could not be read (a damaged file passed
+    unnoticed), and the model folder's special ids failed with json's own error."""
+    from tensorpar.data.tokenizer_files import special_token_ids
+
+    _write_hf_tokenizer(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    (tmp_path / name).write_text(text)
+    with pytest.raises(TensorparError, match=needle):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(TensorparError, match=needle):
+        special_token_ids(tok)
+
+
 def test_hf_tokenizer_missing_file(tmp_path):
     with pytest.raises(TensorparError, match="tokenizer.json"):
         HFTokenizer(str(tmp_path / "tokenizer.json"))

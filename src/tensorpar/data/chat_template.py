@@ -25,7 +25,7 @@ import json
 import os
 import re
 
-from tensorpar.data import tokenizer as tokenizer_files
+from tensorpar.data import tokenizer
 from tensorpar.errors import TensorparError
 
 # The tokenizer_config.json entries transformers passes to the template (its special_tokens_map).
@@ -46,32 +46,10 @@ def _jinja():
     return jinja2
 
 
-def _token_text(value):
-    """A special token's text: tokenizer_config.json writes it as a string or as {"content": ...}."""
-    return value.get("content") if isinstance(value, dict) else value
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise TensorparError(f"cannot read '{path}': {e}") from None
-    if not isinstance(data, dict):
-        raise TensorparError(f"'{path}' holds a JSON {type(data).__name__}, not an object")
-    return data
-
-
-def _tokenizer_config(folder: str) -> dict:
-    """A tokenizer folder's tokenizer_config.json ({} without one), its special tokens as transformers reads them
-    (special_tokens_map.json's in a folder saved before transformers 4.34)."""
-    path = os.path.join(folder, "tokenizer_config.json")
-    return tokenizer_files.special_tokens_of(_read_json(path) if os.path.isfile(path) else {}, folder)
-
-
 def _special_tokens(config: dict) -> dict[str, str]:
     """The special tokens' texts of a tokenizer_config.json, which templates read as variables."""
-    return {k: _token_text(config[k]) for k in SPECIAL_TOKEN_KEYS if isinstance(_token_text(config.get(k)), str)}
+    texts = {k: tokenizer.special_token_text(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
+    return {k: text for k, text in texts.items() if isinstance(text, str)}
 
 
 def _template_of(config: dict, folder: str) -> str | None:
@@ -116,7 +94,7 @@ class ChatTemplate:
             if not os.path.isfile(template_file):
                 raise TensorparError(f"--chat-template file '{template_file}' does not exist")
             with open(template_file, encoding="utf-8") as f:
-                config = _tokenizer_config(tokenizer_files.tokenizer_folder(folder)) if folder else {}
+                config = tokenizer.tokenizer_config(tokenizer.tokenizer_folder(folder)) if folder else {}
                 return cls(f.read(), _special_tokens(config), f"'{template_file}'")
         template = cls.of_folder(folder) if folder else None
         if template is None:
@@ -130,8 +108,8 @@ class ChatTemplate:
     def of_folder(cls, folder: str) -> "ChatTemplate | None":
         """The template of a tokenizer, Hugging Face model or tensorpar checkpoint folder (a checkpoint's root: its
         latest step's files), or None when it has none."""
-        folder = tokenizer_files.tokenizer_folder(folder)
-        config = _tokenizer_config(folder)
+        folder = tokenizer.tokenizer_folder(folder)
+        config = tokenizer.tokenizer_config(folder)
         text = _template_of(config, folder)
         return None if text is None else cls(text, _special_tokens(config), f"the tokenizer folder '{folder}'")
 

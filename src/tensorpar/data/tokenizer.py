@@ -57,19 +57,33 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=257)"
 
 
-def special_tokens_of(config: dict, directory: str) -> dict:
-    """A tokenizer folder's tokenizer_config.json (`config`) with its special tokens as transformers reads them: a
-    config without `added_tokens_decoder` (saved before transformers 4.34) takes them from special_tokens_map.json
-    beside it, over its own."""
-    path = os.path.join(directory, "special_tokens_map.json")
-    if "added_tokens_decoder" in config or not os.path.isfile(path):
-        return config
+def read_json_object(path: str) -> dict:
+    """The JSON object in the file at `path`; a file that cannot be read or holds something else is refused."""
     try:
         with open(path, encoding="utf-8") as f:
-            tokens = json.load(f)
-    except (OSError, ValueError):
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TensorparError(f"cannot read '{path}': {e}") from None
+    if not isinstance(data, dict):
+        raise TensorparError(f"'{path}' holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def special_token_text(value) -> str | None:
+    """A special token's text: tokenizer_config.json writes it as a string or as {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def tokenizer_config(directory: str) -> dict:
+    """A tokenizer folder's tokenizer_config.json ({} without one) with its special tokens as transformers reads
+    them: a config without `added_tokens_decoder` (saved before transformers 4.34) takes them from
+    special_tokens_map.json beside it, over its own. A damaged file is refused, naming it."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    config = read_json_object(path) if os.path.isfile(path) else {}
+    tokens = os.path.join(directory, "special_tokens_map.json")
+    if "added_tokens_decoder" in config or not os.path.isfile(tokens):
         return config
-    return {**config, **tokens} if isinstance(tokens, dict) else config
+    return {**config, **read_json_object(tokens)}
 
 
 class HFTokenizer:
@@ -95,18 +109,10 @@ class HFTokenizer:
         self.eos_id = self._find_eos(os.path.dirname(os.path.abspath(file)))
 
     def _find_eos(self, directory: str) -> int | None:
-        """The EOS id named by tokenizer_config.json next to the file (`special_tokens_of`), else a well-known EOS
+        """The EOS id named by tokenizer_config.json next to the file (`tokenizer_config`), else a well-known EOS
         token, else None."""
         names = list(_EOS_CANDIDATES)
-        config = os.path.join(directory, "tokenizer_config.json")
-        try:
-            with open(config, encoding="utf-8") as f:
-                loaded = json.load(f)
-        except (OSError, ValueError):
-            loaded = {}
-        eos = special_tokens_of(loaded if isinstance(loaded, dict) else {}, directory).get("eos_token")
-        if isinstance(eos, dict):
-            eos = eos.get("content")
+        eos = special_token_text(tokenizer_config(directory).get("eos_token"))
         if isinstance(eos, str):
             names.insert(0, eos)
         for token in names:

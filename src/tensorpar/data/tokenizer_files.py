@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 
-from tensorpar.data.tokenizer import ByteTokenizer, special_tokens_of
+from tensorpar.data.tokenizer import ByteTokenizer, special_token_text, tokenizer_config
 
 # What a tokenizer folder may hold, in the names transformers reads; generation_config.json travels with them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -71,13 +71,11 @@ def special_token_ids(tokenizer) -> dict:
     """bos_token_id, eos_token_id and pad_token_id of `tokenizer` (None where it names none; pad: its own, else EOS:
     what generation pads finished rows with)."""
     ids = dict(bos_token_id=None, eos_token_id=getattr(tokenizer, "eos_id", None), pad_token_id=None)
-    config = source_files(tokenizer).get("tokenizer_config.json")
-    if config is not None:
-        with open(config, encoding="utf-8") as f:
-            names = special_tokens_of(json.load(f), os.path.dirname(config))
+    files = source_files(tokenizer)
+    if files:  # the tokenizer_config.json and special_tokens_map.json beside its tokenizer.json
+        names = tokenizer_config(os.path.dirname(files["tokenizer.json"]))
         for field in ("bos", "pad"):
-            token = names.get(f"{field}_token")
-            token = token.get("content") if isinstance(token, dict) else token
+            token = special_token_text(names.get(f"{field}_token"))
             if isinstance(token, str):
                 ids[f"{field}_token_id"] = tokenizer.token_to_id(token)
     if ids["pad_token_id"] is None:
