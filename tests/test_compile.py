@@ -1,6 +1,7 @@
 """`--compile` (tensorpar.models.compile): torch.compile per transformer block trains exactly like the eager model
-(TP 2 with its collectives inside the blocks, with and without activation recomputation), and where the backend
-cannot compile the run warns and goes on uncompiled."""
+(TP 2 with its collectives inside the blocks, with and without activation recomputation; the CP ring), leaves the
+ring and the activation meter's hooks untraced, and where the backend cannot compile the run warns and goes on
+uncompiled."""
 
 import pytest
 import torch
@@ -37,6 +38,46 @@ def test_compiled_blocks_train_like_eager_ones(pools):
         for step, (a, b) in enumerate(zip(compiled, eager), 1):
             assert abs(a - b) <= 1e-4 * abs(b), f"rank {rank} step {step}: compiled loss {a} vs eager {b}"
     assert eager[-1] != eager[0], "the losses did not move: a vacuous comparison"
+
+
+def untraced_compiled_vs_eager(**overrides):
+    """`compiled_vs_eager`, and what torch.compile should never have touched: the code objects of the ring's and the
+    activation meter's functions dynamo compiled, and what was raised where Python could only print it (a
+    destructor)."""
+    import sys
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from tensorpar.context_parallel import ring_attention
+    from tensorpar.training import memory_meter
+
+    raised, hook = [], sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: raised.append(f"{unraisable.exc_type.__name__}: {unraisable.exc_value}")
+    try:
+        eager, compiled, blocks_compiled, problem = compiled_vs_eager(**overrides)
+    finally:
+        sys.unraisablehook = hook
+    functions = [f for module in (ring_attention, memory_meter) for f in vars(module).values()
+                 if getattr(f, "__module__", None) == module.__name__ and callable(f)]
+    codes = [c for f in functions for c in ([f.__code__] if hasattr(f, "__code__") else
+                                            [m.__code__ for m in vars(f).values() if hasattr(m, "__code__")])]
+    # context_attention, which picks the ring, is compiled with the block: the ring it calls is a graph break
+    traced = sorted(c.co_name for c in codes if _debug_get_cache_entry_list(c) and c.co_name != "context_attention")
+    return eager, compiled, blocks_compiled, problem, traced, raised
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=1, cp=2, document_mask=True)], ids=["tp2", "cp2-ring-docs"])
+def test_compile_leaves_the_ring_and_the_saved_tensor_hooks_eager(pools, layout):
+    """Under TP 2 autograd called the activation meter's hooks from a compiled block's eager parts, where dynamo
+    traced them (a destructor then failed on holders made without their fields, printed on every rank); the CP ring's
+    loop over block pairs was traced once per pair, up to dynamo's recompilation limit."""
+    results = pools(2).run(untraced_compiled_vs_eager, **layout)
+    if results[0][3] is not None:
+        pytest.skip(f"torch.compile cannot compile here: {results[0][3]}")
+    for rank, (eager, compiled, blocks_compiled, _, traced, raised) in enumerate(results):
+        assert blocks_compiled and not traced and not raised, (rank, traced, raised)
+        for step, (a, b) in enumerate(zip(compiled, eager), 1):
+            assert abs(a - b) <= 1e-4 * abs(b), f"rank {rank} step {step}: compiled loss {a} vs eager {b}"
 
 
 def _failing_backend(gm, example_inputs):

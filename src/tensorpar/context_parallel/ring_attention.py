@@ -360,6 +360,17 @@ def attend_gathered(q, k_all, v_all, split: ContextSplit, dropout_p: float = 0.0
         return pattern.attend(q, k_all, v_all, mask, dropout_p=dropout_p)
 
 
+def keep_ring_eager() -> None:
+    """Make torch.compile run the ring as it is, a graph break, never traced: its loop over (query chunk, key chunk)
+    blocks, under a compiled block, was traced once per block pair (a recompilation each, up to dynamo's limit, then
+    the block ran uncompiled), and so were the saved-tensor hooks it ran meanwhile. Called by
+    `tensorpar.models.compile` before compiling (idempotent); not at import, as `comm.keep_collectives_eager`."""
+    global ring_attention
+    if not getattr(ring_attention, "_tensorpar_eager", False):
+        ring_attention = torch.compiler.disable(ring_attention)
+        ring_attention._tensorpar_eager = True
+
+
 def context_attention(q, k, v, split: ContextSplit, dropout_p: float = 0.0, dropout_seed: int | None = None,
                       documents: PackedDocuments | None = None, pattern: AttentionPattern = AttentionPattern()):
     """Attention across the CP ranks of `split`, by its `impl` (ring or allgather); with `documents` (of the whole

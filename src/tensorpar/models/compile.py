@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from tensorpar.context_parallel.ring_attention import keep_ring_eager
 from tensorpar.distributed.comm import keep_collectives_eager
 
 DEFAULT_BACKEND = "inductor"
@@ -49,6 +50,7 @@ def compile_blocks(model: torch.nn.Module, backend=DEFAULT_BACKEND) -> bool:
                       f"running uncompiled", RuntimeWarning, stacklevel=2)
         return False
     keep_collectives_eager()
+    keep_ring_eager()
     for block in model.layers.values():
         block.compile(backend=backend)
     return True

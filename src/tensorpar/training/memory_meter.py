@@ -49,13 +49,19 @@ class _Counted:
 
 class ActivationMeter:
     """Bytes of tensors saved for backward alive at once; use `measuring()` around the forward and backward. With
-    `offload` (--activation-offload) they are moved to host memory, which it counts (`host_bytes`)."""
+    `offload` (--activation-offload) they are moved to host memory, which it counts (`host_bytes`). `compiled`:
+    the model's blocks are compiled (--compile), so the hooks are kept out of torch.compile's reach."""
 
-    def __init__(self, offload: HostActivations | None = None):
+    def __init__(self, offload: HostActivations | None = None, compiled: bool = False):
         self.offload = offload
         self.bytes = BytesInUse()
         self._live: dict[int, list[int]] = {}  # storage id -> [bytes, saved tensors referring to it]
         self._params: set[int] = set()
+        self._hooks = (self._pack, self._unpack)
+        if compiled:
+            # Autograd calls the hooks from a compiled block's eager parts (a TP layer's collective), where dynamo
+            # would trace them: a recompilation per storage address, and holders made without their fields.
+            self._hooks = tuple(torch.compiler.disable(hook) for hook in self._hooks)
 
     # Autograd calls these for every tensor it saves, so they stay cheap: a weight is found by its storage (a view of
     # it too) before any type check; a ZeRO-3 weight gathered since `measuring` began, by its type or its view's base.
@@ -91,7 +97,7 @@ class ActivationMeter:
         self.bytes.reset_peak()
         if self.offload is not None:
             self.offload.bytes.reset_peak()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(*self._hooks):
             yield
 
     def _unpack(self, saved):
