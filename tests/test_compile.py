@@ -66,11 +66,13 @@ def untraced_compiled_vs_eager(**overrides):
     return eager, compiled, blocks_compiled, problem, traced, raised
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=1, cp=2, document_mask=True)], ids=["tp2", "cp2-ring-docs"])
-def test_compile_leaves_the_ring_and_the_saved_tensor_hooks_eager(pools, layout):
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=1, cp=2, document_mask=True), dict(tp=1, dp=2, zero=3)],
+                         ids=["tp2", "cp2-ring-docs", "dp2-zero3"])
+def test_compiled_layouts_train_like_eager_ones_and_leave_the_ring_and_the_hooks_eager(pools, layout):
     """Under TP 2 autograd called the activation meter's hooks from a compiled block's eager parts, where dynamo
     traced them (a destructor then failed on holders made without their fields, printed on every rank); the CP ring's
-    loop over block pairs was traced once per pair, up to dynamo's recompilation limit."""
+    loop over block pairs was traced once per pair, up to dynamo's recompilation limit; ZeRO-3's gathers, forward
+    hooks of the blocks, were compiled with them and a later call met a freed (empty) weight: an AssertionError."""
     results = pools(2).run(untraced_compiled_vs_eager, **layout)
     if results[0][3] is not None:
         pytest.skip(f"torch.compile cannot compile here: {results[0][3]}")
@@ -91,5 +93,5 @@ def test_a_backend_that_cannot_compile_warns_and_runs_uncompiled():
     with pytest.warns(RuntimeWarning, match=r"cannot compile on this machine \(.*no C compiler found.*running "
                                             r"uncompiled"):
         assert compile_blocks(model, backend=_failing_backend) is False
-    assert all(block._compiled_call_impl is None for block in model.layers.values())
+    assert all("forward" not in vars(block) for block in model.layers.values())  # no compiled forward set
     assert model(ids, ids).item() == before

@@ -219,6 +219,7 @@ def test_under_compile_only_the_first_layers_saved_tensors_move():
     it leaves it, moves the first blocks' and no others (aot_eager: when tensors are saved is AOTAutograd's doing,
     not the backend's)."""
     from tensorpar.models import Transformer
+    from tensorpar.models.compile import compile_block
     from tensorpar.training.memory_meter import ActivationMeter
 
     ids = torch.randint(0, TINY8.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -227,9 +228,9 @@ def test_under_compile_only_the_first_layers_saved_tensors_move():
         """(gradients, device bytes, host bytes) of a forward and backward of the compiled model."""
         model = Transformer(TINY8, None, seed=0)
         for block in model.layers.values():  # as compile_blocks does, without its probe of inductor
-            block.compile(backend="aot_eager")
+            compile_block(block, backend="aot_eager")
         offload = None if first_layers == 0 else HostActivations.of_model("cpu", model, first_layers)
-        meter = ActivationMeter(offload)
+        meter = ActivationMeter(offload, compiled=True)
         with meter.measuring(model):
             model(ids, ids).backward()
         return [p.grad for p in model.parameters()], meter.bytes.peak, offload.bytes.peak if offload else 0

@@ -1,8 +1,9 @@
 """`--compile`: torch.compile applied to each transformer block, as torchtitan does.
 
-Each block is compiled in place (`nn.Module.compile`), so parameter names, checkpoints, pipeline stages
-and activation recomputation (which calls the block again in the backward) see the same modules as
-without it. The blocks share one code path, so the graphs are compiled once and reused by every
+Each block's forward is compiled in place, so parameter names, checkpoints, pipeline stages and activation
+recomputation (which calls the block again in the backward) see the same modules as without it. Its forward, not
+the whole call (`nn.Module.compile`): the blocks' hooks - ZeRO-3's gathers before the forward and frees after it,
+activation offload's - run eagerly around the compiled graph, which sees the gathered weights as its inputs. The blocks share one code path, so the graphs are compiled once and reused by every
 block of the same shape. The collectives stay outside the compiled graphs: they run in tensorpar's
 autograd Functions, which torch.compile leaves as graph breaks (`comm.keep_collectives_eager` marks them so), and
 the compiled pieces are the computations between them.
@@ -52,5 +53,10 @@ def compile_blocks(model: torch.nn.Module, backend=DEFAULT_BACKEND) -> bool:
     keep_collectives_eager()
     keep_ring_eager()
     for block in model.layers.values():
-        block.compile(backend=backend)
+        compile_block(block, backend)
     return True
+
+
+def compile_block(block: torch.nn.Module, backend=DEFAULT_BACKEND) -> None:
+    """Compile `block`'s forward in place with `backend`, its hooks left to run eagerly around it."""
+    block.forward = torch.compile(block.forward, backend=backend)
