@@ -30,15 +30,18 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """`_grouped_mm`'s layout rules for an operand: its leading stride a multiple of 16 bytes, and on CUDA its data
-    16-byte aligned."""
+    """`_grouped_mm`'s layout rules for a contiguous operand: its leading stride (its last dimension) a multiple of
+    16 bytes, and on CUDA its data 16-byte aligned. The dimension, not `stride(-2)`: torch.compile fails on the stride
+    of a dynamic shape."""
     elements = 16 // t.element_size()
-    return t.stride(-2) % elements == 0 and (t.device.type != "cuda" or t.data_ptr() % 16 == 0)
+    return t.shape[-1] % elements == 0 and (t.device.type != "cuda" or t.data_ptr() % 16 == 0)
 
 
 def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch's `_grouped_mm` takes these operands (x [R, in] row-major, weight [n, out, in])."""
-    return (hasattr(torch, "_grouped_mm") and x.device.type in ("cpu", "cuda") and x.dtype in _GROUPED_DTYPES
+    """Whether torch's `_grouped_mm` takes these operands (x [R, in] row-major, weight [n, out, in]). Under
+    torch.compile only bf16: its fake-tensor rule refuses other dtypes, which eager CPU runs."""
+    dtypes = (torch.bfloat16,) if torch.compiler.is_compiling() else _GROUPED_DTYPES
+    return (hasattr(torch, "_grouped_mm") and x.device.type in ("cpu", "cuda") and x.dtype in dtypes
             and x.dtype == weight.dtype and x.is_contiguous() and weight.is_contiguous() and _aligned(x)
             and _aligned(weight) and weight.shape[-2] * weight.element_size() % 16 == 0)  # the backward's operands
 
