@@ -19,13 +19,14 @@ BASE = dict(model="tiny", tp=2, steps=3, seed=3, global_batch_size=4, micro_batc
 
 
 def compiled_vs_eager(**overrides):
-    """(eager losses, compiled losses, whether the blocks were compiled, why the backend cannot compile or None) of
-    the same short TP run."""
+    """(eager losses, compiled losses, each run's step losses and then its final validation loss; whether the blocks
+    were compiled, why the backend cannot compile or None) of the same short TP run."""
     eager = train(TrainOptions(**{**BASE, **overrides}))
     compiled = train(TrainOptions(**{**BASE, **overrides, "compile": True}))
     blocks_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     problem = None if blocks_compiled else compile_problem()
-    return [r["loss"] for r in eager["history"]], [r["loss"] for r in compiled["history"]], blocks_compiled, problem
+    losses = [[r["loss"] for r in run["history"]] + [run["final_val_loss"]] for run in (eager, compiled)]
+    return losses[0], losses[1], blocks_compiled, problem
 
 
 def test_compiled_blocks_train_like_eager_ones(pools):
@@ -66,13 +67,15 @@ def untraced_compiled_vs_eager(**overrides):
     return eager, compiled, blocks_compiled, problem, traced, raised
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=1, cp=2, document_mask=True), dict(tp=1, dp=2, zero=3)],
-                         ids=["tp2", "cp2-ring-docs", "dp2-zero3"])
+@pytest.mark.parametrize("layout", [dict(model="tiny-gpt2", tp=2, sequence_parallel=True),
+                                    dict(tp=1, cp=2, document_mask=True), dict(tp=1, dp=2, zero=3)],
+                         ids=["gpt2-tp2-sp", "cp2-ring-docs", "dp2-zero3"])
 def test_compiled_layouts_train_like_eager_ones_and_leave_the_ring_and_the_hooks_eager(pools, layout):
     """Under TP 2 autograd called the activation meter's hooks from a compiled block's eager parts, where dynamo
     traced them (a destructor then failed on holders made without their fields, printed on every rank); the CP ring's
     loop over block pairs was traced once per pair, up to dynamo's recompilation limit; ZeRO-3's gathers, forward
-    hooks of the blocks, were compiled with them and a later call met a freed (empty) weight: an AssertionError."""
+    hooks of the blocks, were compiled with them and a later call met a freed (empty) weight: an AssertionError;
+    GPT-2's validation under SP (no grad) got a LayerNorm's weight without its bias from a compiled Function."""
     results = pools(2).run(untraced_compiled_vs_eager, **layout)
     if results[0][3] is not None:
         pytest.skip(f"torch.compile cannot compile here: {results[0][3]}")

@@ -348,6 +348,8 @@ def copy_params_to_tp(params, group: Group) -> list[torch.Tensor]:
     backward one all-reduce of all their gradients together, each rank having computed them from its sequence
     shard (rather than one small all-reduce per parameter)."""
     params = list(params)
-    if group.size == 1:
+    if group.size == 1 or not torch.is_grad_enabled():
+        # Without autograd there is nothing to do, and torch.compile, tracing the Function under no_grad, returned
+        # only its first output (a LayerNorm's weight without its bias).
         return params
     return list(_CopyParamsToTP.apply(group, *params))
