@@ -346,3 +346,43 @@ def test_resume_past_the_end_is_refused(saved, cli):
     save, _, _ = saved
     code, _, err = cli("train", "--resume", save, "--steps", "2")
     assert code == 2 and "is at step 2 and --steps is 2" in err
+
+
+def _python_loop_saves_its_weights(root: str) -> dict:
+    """A Python loop's TP 2 model (the library's layers, torch's SGD) trained two steps, then saved without a tensorpar
+    optimizer; returns the dense weights it saved."""
+    from harness import mesh
+    from tensorpar.checkpoints.sharded import save_checkpoint
+    from tensorpar.models import get_config
+    from tensorpar.models.build import build_transformer
+    from tensorpar.models.state import full_state_dict
+
+    m, cfg = mesh(tp=2), get_config("tiny")
+    model = build_transformer(cfg, m, seed=0)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(ids[:, :-1], ids[:, 1:]).backward()
+        sgd.step()
+        sgd.zero_grad()
+    save_checkpoint(root, 2, model, None, m, cfg=cfg)
+    return full_state_dict(model)
+
+
+def test_a_python_loop_saves_its_weights_for_any_layout_and_resume_refuses_them(pools, tmp_path, cli):
+    """save_checkpoint needed tensorpar's optimizer: a loop with a torch optimizer had no way to save in this
+    format. Without one it saves the weights (layout from the mesh), which load at TP 1; `train --resume` refuses
+    them, naming --init-from."""
+    from tensorpar.models import get_config
+    from tensorpar.models.state import full_state_dict
+
+    root = str(tmp_path / "ck")
+    trained = pools(2).run(_python_loop_saves_its_weights, root)[0]
+    model = Transformer(get_config("tiny"), None, init=False)
+    meta = load_checkpoint(root, model)
+    assert meta["weights_only"] and meta["layout"]["tp"] == 2 and meta["optimizer_step"] == 0
+    loaded, initial = full_state_dict(model), full_state_dict(Transformer(get_config("tiny"), None, seed=0))
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[n], trained[n]) for n in trained)
+    assert any(not torch.equal(trained[n], initial[n]) for n in trained), "SGD moved nothing: a vacuous comparison"
+    code, _, err = cli("train", "--resume", root, "--steps", "4")
+    assert code == 2 and "holds weights only (saved without an optimizer): start from them with --init-from" in err

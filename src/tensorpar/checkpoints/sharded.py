@@ -124,7 +124,7 @@ def take_shards(model, optimizer, mesh) -> tuple[list[Shard], int]:
     over expert-TP for the routed experts); call inside `optimizer.gathered()`: ZeRO-3 parameters are whole there."""
     params = model_state(model)  # the persistent buffers (untrained, no moments) too
     names = {id(p): n for n, p in params.items()}
-    moments, opt_step = optimizer.local_state(names)
+    moments, opt_step = optimizer.local_state(names) if optimizer is not None else ({}, 0)
     moments = {n: moments.get(n, {}) for n in params}  # frozen parameters (LoRA's base) keep no optimizer state
     saved = {n: p for n, p in params.items() if not shard_spec(p).pipeline_duplicate}  # the first
     dense = {n: p for n, p in saved.items() if not shard_spec(p).expert}  # stage saves the tied embedding
@@ -153,24 +153,30 @@ def write_shards(tmp: str, step: int, shards: list[Shard]) -> list[dict] | str:
     return infos
 
 
-def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict, train: dict,
-                    options: dict | None = None, run_id: str | None = None, keep_last: int = 3,
-                    tokenizer_files: dict | None = None, tokenizer_unknown: bool = False,
+def save_checkpoint(root: str, step: int, model, optimizer, mesh, *, cfg, layout: dict | None = None,
+                    train: dict | None = None, options: dict | None = None, run_id: str | None = None,
+                    keep_last: int = 3, tokenizer_files: dict | None = None, tokenizer_unknown: bool = False,
                     lora: dict | None = None) -> str:
     """Write step `step`'s checkpoint under `root` (a collective: every rank calls it). Returns its folder. A
     complete checkpoint already at this step is kept, renamed superseded-step-N-K, never overwritten.
+    `optimizer` None: the weights alone (a Python loop whose torch optimizer keeps its own state), which
+    `load_checkpoint`, `train --init-from`, eval, generate, serve and convert read at any layout, and `train --resume`
+    refuses. `layout`: the mesh's (`ParallelLayout.as_dict()`) by default.
     `train` holds what fixes the data order and the learning rate; `options`, the run's whole resolved
     configuration (so that a resumed run can say what changed); `run_id`, the run (a resumed run keeps its
     checkpoint's) whose checkpoints `keep_last` rotates, never another's; `tokenizer_files` (name -> path), the
     files of the run's tokenizer, copied into the checkpoint (none: the byte tokenizer, or with `tokenizer_unknown`
     none known: the run read token ids without their tokenizer); `lora`, a LoRA run's
     adapters (`LoraSpec.as_dict`), also written as a PEFT adapter folder, `adapter/`, in the step folder."""
+    layout = layout if layout is not None else mesh.layout.as_dict()
     tmp = begin_save(root, step, mesh)
-    with optimizer.gathered():  # ZeRO-3 stores 1/dp of each parameter: gather them for the save
+    # ZeRO-3 stores 1/dp of each parameter: gathered for the save
+    with optimizer.gathered() if optimizer is not None else contextlib.nullcontext():
         shards, opt_step = take_shards(model, optimizer, mesh)
         info = write_shards(tmp, step, shards)
     return commit_save(root, step, info, mesh, dict(optimizer_step=opt_step, model=cfg.to_dict(), run_id=run_id,
-                                                    layout=layout, train=train, options=options,
+                                                    weights_only=optimizer is None,
+                                                    layout=layout, train=train or {}, options=options,
                                                     tokenizer_files=tokenizer_files or {},
                                                     tokenizer_unknown=tokenizer_unknown, lora=lora), keep_last)
 

@@ -240,6 +240,19 @@ def _positions_note(o: TrainOptions, cfg: ModelConfig) -> list[str]:
             f"(max_seq_len in a tensorpar config) and its rope scaling"]
 
 
+def _resume_meta(o: TrainOptions) -> dict:
+    """The metadata of the checkpoint --resume names (every shard present, complete and unchanged), refused where it
+    cannot continue the run."""
+    _, meta = read_meta(o.resume)
+    if meta.get("weights_only"):
+        raise TensorparError(f"checkpoint '{o.resume}' holds weights only (saved without an optimizer): start "
+                             f"from them with --init-from {o.resume}")
+    if meta["step"] >= o.steps:
+        raise TensorparError(f"checkpoint '{o.resume}' is at step {meta['step']} and --steps is {o.steps}: nothing "
+                             f"left to train (--steps is the total step count)")
+    return meta
+
+
 def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRun:
     """Check `options` against the model and a world of `world_size` processes (default: the launcher's, else
     nproc or tp x cp x pp x dp); raise TensorparError naming what is wrong, or return the PreparedRun."""
@@ -264,10 +277,7 @@ def validate(options: TrainOptions, world_size: int | None = None) -> PreparedRu
                              f"only when it is also the --save folder: add --save {o.resume})")
     resume_meta = None
     if o.resume:
-        _, resume_meta = read_meta(o.resume)  # every shard present, complete and unchanged
-        if resume_meta["step"] >= o.steps:
-            raise TensorparError(f"checkpoint '{o.resume}' is at step {resume_meta['step']} and --steps is "
-                                 f"{o.steps}: nothing left to train (--steps is the total step count)")
+        resume_meta = _resume_meta(o)
         saved_model = (resume_meta.get("options") or {}).get("model")
         if saved_model and saved_model != o.model:  # the checkpoint's model trains on, whatever --model says
             notes.append(f"--resume {o.resume}: continuing the checkpoint's model '{saved_model}'; --model "
