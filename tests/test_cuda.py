@@ -330,6 +330,9 @@ ONE_GPU_LAYOUTS = [
     dict(tp=2, cp=2, sequence_parallel=True),
     dict(model="tiny-moe", dp=2, ep=2),
     dict(model="tiny-moe", tp=2, dp=2, ep=2, expert_tp=2),
+    # --compile where it failed on the CPU: ZeRO-3's gathers around a compiled block, the experts' grouped GEMM
+    dict(dp=2, zero=3, compile=True),
+    dict(model="tiny-moe", dp=2, ep=2, compile=True),
 ]
 
 
