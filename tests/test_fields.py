@@ -174,7 +174,8 @@ def test_options_built_in_python_with_a_wrong_type_are_refused_naming_the_field(
                             (TrainOptions(tp=True), r"tp \(--tp\) = True should be an integer"),
                             (TrainOptions(sequence_parallel="no"), "should be true or false"),
                             (EvalOptions(checkpoint="c", data=3), r"data \(--data\) = 3 should be a string"),
-                            (TrainOptions(tp=pathlib.Path("2")), r"tp \(--tp\) = PosixPath\('2'\) should be an integer")):
+                            (TrainOptions(tp=pathlib.Path("2")),
+                             r"tp \(--tp\) = PosixPath\('2'\) should be an integer")):
         with pytest.raises(TensorparError, match=needle):
             check_choices(options)
     paths = TrainOptions(data=pathlib.Path("x.npy"), model=pathlib.Path("m.json"))

@@ -309,9 +309,11 @@ def check_choices(options) -> None:
     argparse's conversions and checks. A text field given a path-like value (pathlib.Path) is set to its str."""
     for spec in _specs(type(options)):
         value = getattr(options, spec.name)
-        if spec.kind is str and _paths_as_text(value) is not value:
-            value = _paths_as_text(value)
-            setattr(options, spec.name, value)
+        if spec.kind is str:
+            text = _paths_as_text(value)
+            if text is not value:
+                value = text
+                setattr(options, spec.name, value)
         if value is None:
             right = spec.optional or spec.default is None
         elif spec.is_list:

@@ -3,10 +3,11 @@
 Each block's forward is compiled in place, so parameter names, checkpoints, pipeline stages and activation
 recomputation (which calls the block again in the backward) see the same modules as without it. Its forward, not
 the whole call (`nn.Module.compile`): the blocks' hooks - ZeRO-3's gathers before the forward and frees after it,
-activation offload's - run eagerly around the compiled graph, which sees the gathered weights as its inputs. The blocks share one code path, so the graphs are compiled once and reused by every
-block of the same shape. The collectives stay outside the compiled graphs: they run in tensorpar's
-autograd Functions, which torch.compile leaves as graph breaks (`comm.keep_collectives_eager` marks them so), and
-the compiled pieces are the computations between them.
+activation offload's - run eagerly around the compiled graph, which sees the gathered weights as its inputs. The
+blocks share one code path, so the graphs are compiled once and reused by every block of the same shape. The
+collectives stay outside the compiled graphs: they run in tensorpar's autograd Functions, which torch.compile leaves
+as graph breaks (`comm.keep_collectives_eager` marks them so), and the compiled pieces are the computations between
+them; the CP ring runs eagerly as a whole (`keep_ring_eager`).
 
 Where the backend cannot compile (no C compiler for inductor, an unsupported platform), the model
 runs uncompiled after a warning that says why: `compile_problem` finds out on a tiny function

@@ -101,7 +101,8 @@ class VocabParallelEmbedding(nn.Module):
     def from_dense(cls, module: nn.Embedding, region=None, **kwargs):
         """This rank's rows of an unsharded nn.Embedding (copied, not shared)."""
         if not isinstance(module, nn.Embedding):
-            raise TensorparError(f"{cls.__name__}.from_dense takes a torch nn.Embedding, got {type(module).__name__}")
+            raise TensorparError(f"{cls.__name__}.from_dense takes a torch nn.Embedding, got "
+                                 f"{type(module).__name__}")
         kwargs.setdefault("device", module.weight.device)
         kwargs.setdefault("dtype", module.weight.dtype)
         layer = cls(module.num_embeddings, module.embedding_dim, region, init=False, **kwargs)

@@ -216,8 +216,9 @@ def build_session(run: PreparedRun, mesh: Mesh, stop: GracefulStop | None = None
     offload = (HostActivations.of_model(mesh.device, model, o.activation_offload_layers) if o.activation_offload
                else None)
     return Session(run, mesh, model, optimizer, tokenizer, dataset, val_windows, runner, start_step,
-                   peak_flops(mesh.device, run.precision.dtype), stop, run_id, activations=ActivationMeter(offload, compiled=o.compile),
-                   scaler=scaler, corpus=corpus, async_saves=AsyncCheckpointer(mesh) if o.async_save else None)
+                   peak_flops(mesh.device, run.precision.dtype), stop, run_id,
+                   activations=ActivationMeter(offload, compiled=o.compile), scaler=scaler, corpus=corpus,
+                   async_saves=AsyncCheckpointer(mesh) if o.async_save else None)
 
 
 _DERIVED = ("dp", "micro_batch_size", "min_lr", "warmup_steps")  # worked out by validate() when not given
